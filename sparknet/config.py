@@ -1,0 +1,174 @@
+"""User-facing configuration: pydantic models, merged from a YAML file, the environment and flags.
+
+Precedence, lowest first: model defaults, the run dir's own `config.yaml` (on `--resume`), the
+`--config` file's `train:` section, `SPARKNET_TRAIN_<FIELD>` environment variables, `--set
+key=value`, then explicit flags. Values from text (env, `--set`) are parsed as YAML scalars, so
+`--set lr=0.1` is a float and `--set master=local[4]` a string.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from sparknet.errors import SparknetError
+
+ENV_PREFIX = "SPARKNET_TRAIN_"
+
+#: DiLoCo's outer optimizer settings (Douillard et al. 2023), used when `outer: nesterov` is
+#: chosen without an explicit `outer_lr` / `outer_momentum`.
+NESTEROV_DEFAULT_LR = 0.7
+NESTEROV_DEFAULT_MOMENTUM = 0.9
+
+
+class TrainConfig(BaseModel):
+    """Everything that decides what a training run computes; saved as the run's `config.yaml`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field("cnn", description="mlp, cnn, a torchvision model name, or module:factory")
+    num_classes: int | None = Field(None, ge=2, description="default: taken from the dataset")
+    data: str = Field("digits", description="digits, or module:factory -> (train, test)")
+    workers: int = Field(2, ge=1, description="Spark partitions, one worker each")
+    tau: int = Field(10, ge=1, description="local steps per round")
+    rounds: int = Field(30, ge=1)
+    batch_size: int = Field(32, ge=1, description="per worker")
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd only")
+    weight_decay: float = Field(0.0, ge=0)
+    outer: Literal["average", "nesterov"] = "average"
+    outer_lr: float | None = Field(None, gt=0)
+    outer_momentum: float | None = Field(None, ge=0, lt=1)
+    inner_state: Literal["keep", "reset"] = "keep"
+    seed: int = 0
+    eval_every: int = Field(5, ge=0, description="0: only at the end")
+    checkpoint_every: int = Field(5, ge=0, description="0: only at the end")
+    out: Path | None = Field(None, description="run dir; default runs/<model>-<data>-<time>")
+    master: str | None = Field(None, description="Spark master; default embedded local[cores,4]")
+    transport: Literal["spark"] = "spark"
+    fail_once: str | None = Field(
+        None,
+        pattern=r"^\d+:\d+$",
+        description="fault drill 'ROUND:PARTITION': that task's first attempt raises mid-round",
+    )
+
+    @model_validator(mode="after")
+    def _resolve_outer(self) -> TrainConfig:
+        """Fill the outer optimizer's defaults so the saved config says exactly what ran."""
+        if self.outer == "average":
+            if self.outer_lr not in (None, 1.0) or self.outer_momentum not in (None, 0.0):
+                raise ValueError(
+                    "outer 'average' has no lr or momentum of its own; use outer 'nesterov' "
+                    "to set outer_lr / outer_momentum"
+                )
+            lr, momentum = 1.0, 0.0
+        else:
+            lr = NESTEROV_DEFAULT_LR if self.outer_lr is None else self.outer_lr
+            momentum = (
+                NESTEROV_DEFAULT_MOMENTUM if self.outer_momentum is None else self.outer_momentum
+            )
+            if momentum == 0:
+                raise ValueError("outer 'nesterov' needs outer_momentum > 0")
+        object.__setattr__(self, "outer_lr", lr)
+        object.__setattr__(self, "outer_momentum", momentum)
+        return self
+
+    @property
+    def fail_once_at(self) -> tuple[int, int] | None:
+        """(round, partition) of the fault drill, if one is set."""
+        if self.fail_once is None:
+            return None
+        rnd, part = self.fail_once.split(":")
+        return int(rnd), int(part)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump({"train": self.model_dump(mode="json")}, sort_keys=False)
+
+
+def _parse_scalar(text: str) -> Any:
+    value = yaml.safe_load(text)
+    return text if isinstance(value, (dict, list)) else value
+
+
+def _read_yaml_section(path: Path, section: str) -> dict[str, Any]:
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise SparknetError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise SparknetError(f"config file {path} is not valid YAML: {exc}".splitlines()[0]) from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get(section, {}), dict):
+        raise SparknetError(f"config file {path}: expected a mapping with a '{section}:' section")
+    return dict(doc.get(section) or {})
+
+
+def _parse_sets(items: Iterable[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SparknetError(f"--set expects key=value, got {item!r}")
+        out[key.strip().removeprefix("train.")] = _parse_scalar(value)
+    return out
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    return {
+        key[len(ENV_PREFIX) :].lower(): _parse_scalar(value)
+        for key, value in environ.items()
+        if key.startswith(ENV_PREFIX)
+    }
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """The first problem of a pydantic error as one line: `field: message (got value)`."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "config"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        return f"unknown setting '{loc}'; see `sparknet train --help` for the settings"
+    got = f" (got {err['input']!r})" if err["loc"] and err["type"] != "missing" else ""
+    return f"invalid setting {loc}: {msg}{got}"
+
+
+def load_train_config(
+    *,
+    config_file: Path | None = None,
+    sets: Iterable[str] = (),
+    flags: Mapping[str, Any] | None = None,
+    base: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> TrainConfig:
+    """Merge every source of settings into one validated `TrainConfig` (see module docstring)."""
+    merged: dict[str, Any] = dict(base or {})
+    if config_file is not None:
+        merged.update(_read_yaml_section(config_file, "train"))
+    merged.update(_from_env(os.environ if environ is None else environ))
+    merged.update(_parse_sets(sets))
+    merged.update({k: v for k, v in (flags or {}).items() if v is not None})
+    if base:
+        # A resumed run's saved outer lr/momentum were filled in from defaults; let a changed
+        # `outer` choose its own again unless the user set them explicitly.
+        explicit = {k for k in merged if k not in base or merged[k] != base[k]}
+        if "outer" in explicit:
+            for key in ("outer_lr", "outer_momentum"):
+                if key not in explicit:
+                    merged.pop(key, None)
+    try:
+        return TrainConfig(**merged)
+    except ValidationError as exc:
+        raise SparknetError(describe_validation_error(exc)) from exc
+
+
+def read_run_config(run_dir: Path) -> dict[str, Any]:
+    """The `train:` section a run dir was started with (for `--resume`)."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise SparknetError(f"{run_dir} has no config.yaml: it is not a sparknet run dir")
+    return _read_yaml_section(path, "train")

@@ -1,0 +1,1 @@
+"""Data: where a partition's samples come from and in which order it sees them."""

@@ -1,0 +1,105 @@
+"""Run state on disk: checkpoints that a resumed run continues from bit for bit.
+
+`checkpoints/round-NNNNN/` holds the state after N completed rounds: `weights.safetensors` (global
+weights, the model's own keys), `outer.safetensors` (outer momentum, when there is one),
+`inner/partition-KKKKK.pt` (each worker's optimizer state, written by the workers themselves) and
+`state.json`. A checkpoint is assembled in `.round-NNNNN.partial/` and renamed when complete, so a
+crash never leaves a half checkpoint that `--resume` could pick up. The data position needs no
+saving: it is a pure function of (seed, partition, round, step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from sparknet.training.state import StateLayout
+
+CHECKPOINTS = "checkpoints"
+_NAME = re.compile(r"^round-(\d{5,})$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    rounds: int
+    theta: np.ndarray
+    integers: dict[str, np.ndarray]
+    outer_momentum: np.ndarray | None
+    elapsed_s: float
+    path: Path
+
+
+def final_dir(run_dir: Path, rounds: int) -> Path:
+    return run_dir / CHECKPOINTS / f"round-{rounds:05d}"
+
+
+def staging_dir(run_dir: Path, rounds: int) -> Path:
+    return run_dir / CHECKPOINTS / f".round-{rounds:05d}.partial"
+
+
+def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors file with the given keys; written to a temp name and renamed."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, tmp)
+    os.replace(tmp, path)
+
+
+def write(
+    run_dir: Path,
+    rounds: int,
+    layout: StateLayout,
+    theta: np.ndarray,
+    integers: dict[str, np.ndarray],
+    outer_momentum: np.ndarray | None,
+    elapsed_s: float,
+) -> Path:
+    """Complete the staged checkpoint for `rounds` and publish it atomically."""
+    stage = staging_dir(run_dir, rounds)
+    stage.mkdir(parents=True, exist_ok=True)
+    save_state_dict(layout.unflatten(theta, integers), stage / "weights.safetensors")
+    if outer_momentum is not None:
+        save_state_dict(
+            {"momentum_buffer": torch.from_numpy(outer_momentum)}, stage / "outer.safetensors"
+        )
+    (stage / "state.json").write_text(json.dumps({"rounds": rounds, "elapsed_s": elapsed_s}))
+    final = final_dir(run_dir, rounds)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(stage, final)
+    return final
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint dir, or None."""
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return None
+    done = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _NAME.match(p.name)) and (p / "state.json").is_file()
+    ]
+    return max(done)[1] if done else None
+
+
+def load(path: Path, layout: StateLayout) -> Checkpoint:
+    state = json.loads((path / "state.json").read_text())
+    weights = load_file(path / "weights.safetensors")
+    outer_path = path / "outer.safetensors"
+    momentum = load_file(outer_path)["momentum_buffer"].numpy() if outer_path.is_file() else None
+    return Checkpoint(
+        rounds=int(state["rounds"]),
+        theta=layout.flatten(weights),
+        integers=layout.integers(weights),
+        outer_momentum=momentum,
+        elapsed_s=float(state["elapsed_s"]),
+        path=path,
+    )

@@ -1,0 +1,67 @@
+"""Outer optimizers: how the driver turns the workers' averaged update into the next weights.
+
+Each worker k returns a pseudo-gradient delta_k = theta_r - theta_k (what it would subtract from
+the global weights). The driver takes their mean, never the sum, and hands it to an outer optimizer
+as if it were a gradient:
+
+- `average` (SparkNet): SGD with lr 1 and no momentum, so theta_{r+1} = mean_k theta_k.
+- `nesterov` (DiLoCo): SGD with Nesterov momentum, exactly `torch.optim.SGD(nesterov=True)`:
+  b <- mu * b + delta;  theta <- theta - lr * (delta + mu * b).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def pseudo_gradient(theta_round: np.ndarray, theta_worker: np.ndarray) -> np.ndarray:
+    """delta_k = theta_r - theta_k: the direction the worker moved, with a gradient's sign."""
+    return theta_round - theta_worker
+
+
+def mean_update(delta_sum: np.ndarray, workers: int) -> np.ndarray:
+    """delta = (1/K) * sum_k delta_k. The mean keeps the step size independent of K."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    return delta_sum / np.float32(workers)
+
+
+class OuterOptimizer:
+    """SGD over the flat global weights, fed the mean pseudo-gradient each round.
+
+    Args:
+        theta: initial global weights (float32, copied).
+        lr: outer learning rate; 1.0 with momentum 0 is plain SparkNet averaging.
+        momentum: Nesterov momentum; 0 turns Nesterov off.
+
+    Example:
+        >>> opt = OuterOptimizer(np.zeros(3, np.float32), lr=1.0, momentum=0.0)
+        >>> opt.step(np.ones(3, np.float32)).tolist()
+        [-1.0, -1.0, -1.0]
+    """
+
+    def __init__(self, theta: np.ndarray, lr: float, momentum: float) -> None:
+        if lr <= 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self.theta = torch.tensor(theta, dtype=torch.float32)
+        self._opt = torch.optim.SGD([self.theta], lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    @torch.no_grad()
+    def step(self, delta: np.ndarray) -> np.ndarray:
+        """Apply one outer step; returns the new global weights (a view, do not modify)."""
+        self.theta.grad = torch.from_numpy(delta)
+        self._opt.step()
+        self.theta.grad = None
+        return self.theta.numpy()
+
+    @property
+    def momentum_buffer(self) -> np.ndarray | None:
+        buf = self._opt.state.get(self.theta, {}).get("momentum_buffer")
+        return None if buf is None else buf.numpy()
+
+    def load_momentum_buffer(self, buf: np.ndarray | None) -> None:
+        if buf is not None:
+            self._opt.state[self.theta]["momentum_buffer"] = torch.tensor(buf)

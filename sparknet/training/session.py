@@ -1,0 +1,48 @@
+"""The Spark session a training run uses: an embedded local one by default, or `--master`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from pyspark.sql import SparkSession
+
+#: Local mode retries nothing unless told to; a demanding user expects a flaky task to be retried.
+LOCAL_MAX_TASK_FAILURES = 4
+
+
+def embedded_master(cores: int | None = None) -> str:
+    return f"local[{cores or os.cpu_count() or 1},{LOCAL_MAX_TASK_FAILURES}]"
+
+
+def task_cpus(master: str, workers: int) -> int:
+    """Cores per task on the embedded master: all cores shared evenly, never oversubscribed."""
+    if not master.startswith("local["):
+        return 1
+    cores = int(master[len("local[") :].split(",")[0].rstrip("]").replace("*", "0") or 0)
+    cores = cores or os.cpu_count() or 1
+    return max(1, cores // min(workers, cores))
+
+
+def start_session(master: str | None, workers: int) -> SparkSession:
+    """A new SparkSession whose Python workers use this interpreter (and so see torch)."""
+    master = master or embedded_master()
+    # PySpark's driver picks the executors' Python from this variable, not from the conf.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    log4j = Path(__file__).with_name("log4j2.properties")
+    builder = (
+        SparkSession.builder.master(master)
+        .appName("sparknet")
+        .config("spark.pyspark.python", sys.executable)
+        .config("spark.pyspark.driver.python", sys.executable)
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.broadcast.compress", "false")  # float weights do not compress
+        .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={log4j.as_uri()}")
+    )
+    if master.startswith("local"):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # everything stays on loopback
+        builder = builder.config("spark.task.cpus", str(task_cpus(master, workers)))
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("FATAL")  # failures reach the user as SparknetError
+    return session

@@ -1,0 +1,77 @@
+"""What travels between driver and workers: a model's state as one flat float32 buffer.
+
+Every floating-point entry of the state_dict travels, parameters and buffers alike, so BatchNorm
+running statistics are averaged with the weights (PyTorch's own model averagers skip buffers).
+Integer and bool buffers (e.g. `num_batches_tracked`) are not averaged: they travel beside the
+flat buffer and the driver keeps worker 0's. Float64 entries travel as float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # into the flat buffer; -1 for entries that travel beside it
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Where each state_dict entry lives in the flat buffer; small, pickled into every task."""
+
+    entries: tuple[Entry, ...]
+    size: int
+
+    @classmethod
+    def of(cls, state: Mapping[str, torch.Tensor]) -> StateLayout:
+        entries, offset = [], 0
+        for name, t in state.items():
+            if t.is_floating_point():
+                entries.append(Entry(name, tuple(t.shape), t.dtype, offset))
+                offset += t.numel()
+            else:
+                entries.append(Entry(name, tuple(t.shape), t.dtype, -1))
+        return cls(tuple(entries), offset)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * 4
+
+    def flatten(self, state: Mapping[str, torch.Tensor]) -> np.ndarray:
+        """The float entries of `state`, concatenated in layout order, as a new float32 array."""
+        flat = np.empty(self.size, dtype=np.float32)
+        for e in self.entries:
+            if e.offset >= 0:
+                src = state[e.name].detach().reshape(-1).to(torch.float32)
+                flat[e.offset : e.offset + e.numel] = src.numpy()
+        return flat
+
+    def integers(self, state: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        """The entries that do not travel in the flat buffer (integer and bool buffers)."""
+        return {e.name: state[e.name].detach().numpy().copy() for e in self.entries if e.offset < 0}
+
+    def unflatten(
+        self, flat: np.ndarray, integers: Mapping[str, np.ndarray]
+    ) -> dict[str, torch.Tensor]:
+        """A state_dict with the model's own keys, shapes and dtypes (views into `flat` if f32)."""
+        buf = torch.from_numpy(flat)
+        out: dict[str, torch.Tensor] = {}
+        for e in self.entries:
+            if e.offset >= 0:
+                out[e.name] = buf[e.offset : e.offset + e.numel].view(e.shape).to(e.dtype)
+            else:
+                out[e.name] = torch.from_numpy(np.asarray(integers[e.name])).view(e.shape)
+        return out

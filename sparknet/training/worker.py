@@ -1,0 +1,258 @@
+"""What one Spark task does in a round: tau local steps from the global weights, then its update.
+
+Pure PyTorch: nothing here knows about Spark, so tests can run a worker in-process. The transport
+calls `train_partition` / `evaluate_partition` inside tasks and reduces what they return.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparknet.config import TrainConfig
+from sparknet.data.sources import batch_positions, load_data, make_batch, shard
+from sparknet.models import build_model
+from sparknet.training.outer import pseudo_gradient
+from sparknet.training.state import StateLayout
+
+EVAL_BATCH = 512
+
+
+@dataclass(frozen=True)
+class RoundTask:
+    """Everything a worker needs besides the weights; small, shipped inside every task."""
+
+    cfg: TrainConfig
+    run_id: str
+    round: int
+    layout: StateLayout
+    integers: dict[str, np.ndarray]
+    num_classes: int
+    input_shape: tuple[int, ...]
+    run_dir: str
+    #: where this round's checkpoint is being assembled, when the round ends with one
+    checkpoint_dir: str | None = None
+
+
+@dataclass
+class WorkerReport:
+    partition: int
+    loss: float
+    samples: int
+    load_s: float
+    compute_s: float
+    inner_state_miss: bool = False
+    #: what went non-finite, e.g. "loss nan at step 3"; the round's update is then discarded
+    diverged: str | None = None
+
+
+@dataclass
+class Contribution:
+    """A sum of worker updates over a contiguous range of partitions; `combine` is ordered."""
+
+    first_partition: int
+    delta_sum: np.ndarray | None  # None once any worker hit a non-finite loss
+    workers: int
+    integers: dict[str, np.ndarray] | None  # from the lowest partition (worker 0 overall)
+    reports: list[WorkerReport] = field(default_factory=list)
+
+    @staticmethod
+    def combine(a: Contribution, b: Contribution) -> Contribution:
+        """Sum in partition order, so float rounding (so the weights) never depends on timing."""
+        if b.first_partition < a.first_partition:
+            a, b = b, a
+        if a.delta_sum is None or b.delta_sum is None:
+            total = None
+        else:
+            total = a.delta_sum
+            total += b.delta_sum  # in place: a is a private copy that nobody else reads
+        return Contribution(
+            a.first_partition, total, a.workers + b.workers, a.integers, a.reports + b.reports
+        )
+
+
+@dataclass
+class EvalResult:
+    loss_sum: float = 0.0
+    correct: int = 0
+    count: int = 0
+
+    @staticmethod
+    def combine(a: EvalResult, b: EvalResult) -> EvalResult:
+        return EvalResult(a.loss_sum + b.loss_sum, a.correct + b.correct, a.count + b.count)
+
+
+# ---- executor-local state -------------------------------------------------------------------
+
+_MODELS: dict[tuple, nn.Module] = {}
+
+
+def _model_for(task: RoundTask) -> nn.Module:
+    """One model object per Python worker process and architecture; weights are loaded per task."""
+    key = (task.cfg.model, task.num_classes, task.input_shape)
+    if key not in _MODELS:
+        _MODELS[key] = build_model(task.cfg.model, task.input_shape, task.num_classes)
+    return _MODELS[key]
+
+
+class InnerStateStore:
+    """Each worker's inner optimizer state between rounds, on the executor's local disk.
+
+    Keyed by (run, partition, round): a retried task of round r reads round r-1's state, which the
+    failed attempt never overwrote. Files live under the executor's Spark work dir, which Spark
+    removes with the executor; only the two newest rounds per partition are kept.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], run_id: str) -> None:
+        self.dir = Path(root) / "sparknet-inner" / run_id
+
+    def _path(self, partition: int, rnd: int) -> Path:
+        return self.dir / f"p{partition:05d}-r{rnd:06d}.pt"
+
+    def load(self, partition: int, rnd: int) -> dict | None:
+        path = self._path(partition, rnd)
+        return torch.load(path, weights_only=True) if path.is_file() else None
+
+    def save(self, partition: int, rnd: int, state: dict) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        save_atomically(state, self._path(partition, rnd))
+        self._path(partition, rnd - 2).unlink(missing_ok=True)
+
+
+def save_atomically(obj: object, path: Path) -> None:
+    """torch.save to a temp name, then rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def inner_checkpoint_path(checkpoint_dir: str | os.PathLike[str], partition: int) -> Path:
+    return Path(checkpoint_dir) / "inner" / f"partition-{partition:05d}.pt"
+
+
+def make_inner_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def task_seed(seed: int, partition: int, rnd: int) -> int:
+    """The torch seed of one task (dropout, augmentation): a pure function, like the data order."""
+    return int(np.random.SeedSequence([seed, partition, rnd]).generate_state(1)[0])
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by the `fail_once` fault drill."""
+
+
+def _restore_inner_state(task: RoundTask, store: InnerStateStore, partition: int) -> dict | None:
+    """This worker's optimizer state after the previous round, or None (a miss)."""
+    state = store.load(partition, task.round - 1)
+    if state is None:  # a new executor, or a resumed run: try the checkpoint of this round
+        ckpt = Path(task.run_dir) / "checkpoints" / f"round-{task.round:05d}"
+        path = inner_checkpoint_path(ckpt, partition)
+        if path.is_file():
+            state = torch.load(path, weights_only=True)
+    return state
+
+
+def _diverged(partition: int, what: str, load_s: float, miss: bool) -> Contribution:
+    report = WorkerReport(partition, float("nan"), 0, load_s, 0.0, miss, diverged=what)
+    return Contribution(partition, None, 1, None, [report])
+
+
+def train_partition(
+    task: RoundTask,
+    theta: np.ndarray,
+    partition: int,
+    *,
+    attempt: int = 0,
+    threads: int = 1,
+    local_dir: str | os.PathLike[str] = ".",
+) -> Contribution:
+    """Run tau inner steps of `partition` from `theta` and return its pseudo-gradient."""
+    cfg = task.cfg
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    split = load_data(cfg.data)
+    model = _model_for(task)
+    model.load_state_dict(task.layout.unflatten(theta, task.integers))
+    model.train()
+    optimizer = make_inner_optimizer(cfg, model.parameters())
+    store = InnerStateStore(local_dir, task.run_id)
+    miss = False
+    if cfg.inner_state == "keep" and task.round > 0:
+        state = _restore_inner_state(task, store, partition)
+        if state is None:
+            miss = True
+        else:
+            optimizer.load_state_dict(state)
+    t1 = time.perf_counter()
+
+    torch.manual_seed(task_seed(cfg.seed, partition, task.round))
+    part = shard(len(split.train), cfg.workers, partition, cfg.seed)
+    losses = torch.zeros(cfg.tau)
+    for step in range(cfg.tau):
+        positions = batch_positions(
+            cfg.seed, partition, len(part), task.round * cfg.tau + step, cfg.batch_size
+        )
+        x, y = make_batch(split.train, part[positions])
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        if not torch.isfinite(loss):
+            return _diverged(partition, f"loss {float(loss)} at step {step + 1}", t1 - t0, miss)
+        loss.backward()
+        optimizer.step()
+        losses[step] = loss.detach()
+        if cfg.fail_once_at == (task.round, partition) and attempt == 0:
+            raise InjectedFailure(
+                f"fail_once drill: partition {partition}, round {task.round}, attempt 0"
+            )
+    t2 = time.perf_counter()
+
+    state = model.state_dict()
+    delta = pseudo_gradient(theta, task.layout.flatten(state))
+    if not np.isfinite(delta).all():
+        return _diverged(partition, f"weights non-finite after step {cfg.tau}", t1 - t0, miss)
+    if cfg.inner_state == "keep":
+        opt_state = optimizer.state_dict()
+        store.save(partition, task.round, opt_state)
+        if task.checkpoint_dir is not None:
+            path = inner_checkpoint_path(task.checkpoint_dir, partition)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_atomically(opt_state, path)
+    report = WorkerReport(
+        partition, float(losses.mean()), cfg.tau * cfg.batch_size, t1 - t0, t2 - t1, miss
+    )
+    integers = task.layout.integers(state) if partition == 0 else None
+    return Contribution(partition, delta, 1, integers, [report])
+
+
+@torch.no_grad()
+def evaluate_partition(
+    task: RoundTask, theta: np.ndarray, partition: int, *, threads: int = 1
+) -> EvalResult:
+    """Loss and accuracy of the global weights on this partition's slice of the test set."""
+    torch.set_num_threads(threads)
+    split = load_data(task.cfg.data)
+    model = _model_for(task)
+    model.load_state_dict(task.layout.unflatten(theta, task.integers))
+    model.eval()
+    indices = np.arange(partition, len(split.test), task.cfg.workers)
+    result = EvalResult()
+    for start in range(0, len(indices), EVAL_BATCH):
+        x, y = make_batch(split.test, indices[start : start + EVAL_BATCH])
+        logits = model(x)
+        result.loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+        result.correct += int((logits.argmax(1) == y).sum())
+        result.count += len(y)
+    return result

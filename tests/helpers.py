@@ -1,0 +1,109 @@
+"""Models, datasets and reference loops the tests use; importable by Spark's Python workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch.utils.data import TensorDataset
+
+from sparknet.config import TrainConfig
+from sparknet.data.sources import batch_indices, digits
+from sparknet.models import build_model
+
+IDENTICAL_LABEL = 3
+
+
+def identical_samples() -> tuple[TensorDataset, TensorDataset]:
+    """64 copies of one digit image: every worker computes exactly the same gradients."""
+    train, _ = digits()
+    x, y = train.tensors[0][:1], torch.tensor([IDENTICAL_LABEL])
+    return (
+        TensorDataset(x.repeat(64, 1, 1, 1), y.repeat(64)),
+        TensorDataset(x.repeat(8, 1, 1, 1), y.repeat(8)),
+    )
+
+
+def initial_model(cfg: TrainConfig, num_classes: int = 10) -> torch.nn.Module:
+    """The model exactly as the driver initialises it."""
+    torch.manual_seed(cfg.seed)
+    return build_model(cfg.model, (1, 8, 8), num_classes)
+
+
+def load_run_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "model.safetensors")
+
+
+def sgd_step(model, opt, x, y) -> None:
+    opt.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def worker_batch(cfg: TrainConfig, dataset: TensorDataset, partition: int, global_step: int):
+    idx = torch.from_numpy(
+        batch_indices(
+            seed=cfg.seed,
+            n_samples=len(dataset),
+            workers=cfg.workers,
+            partition=partition,
+            global_step=global_step,
+            batch_size=cfg.batch_size,
+        )
+    )
+    return dataset.tensors[0][idx], dataset.tensors[1][idx]
+
+
+def assert_state_close(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        if want[k].is_floating_point():
+            torch.testing.assert_close(got[k], want[k].detach(), rtol=rtol, atol=atol, msg=k)
+        else:
+            assert torch.equal(got[k], want[k]), k
+
+
+def assert_state_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs"
+
+
+def mean_state(states: list[dict]) -> dict:
+    out = {}
+    for k, v in states[0].items():
+        out[k] = torch.stack([s[k] for s in states]).mean(0) if v.is_floating_point() else v
+    return out
+
+
+def random_images(n: int = 200, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).random((n, 1, 8, 8), dtype=np.float32)
+
+
+POISON = {"seed": 0, "workers": 2, "batch_size": 16, "tau": 2, "round": 3, "partition": 1}
+
+
+def poisoned_index() -> int:
+    """A training sample that worker 1 first meets at the first step of round 3 (1-based)."""
+    p = POISON
+    train, _ = digits()
+    idx = batch_indices(
+        seed=p["seed"],
+        n_samples=len(train),
+        workers=p["workers"],
+        partition=p["partition"],
+        global_step=(p["round"] - 1) * p["tau"],
+        batch_size=p["batch_size"],
+    )
+    return int(idx[0])
+
+
+def poisoned_digits() -> tuple[TensorDataset, TensorDataset]:
+    """The digits with one NaN image: training must stop when a worker first meets it."""
+    train, test = digits()
+    x = train.tensors[0].clone()
+    x[poisoned_index()] = float("nan")
+    return TensorDataset(x, train.tensors[1]), test

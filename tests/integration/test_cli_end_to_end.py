@@ -1,0 +1,137 @@
+"""`sparknet train` as a user runs it: a subprocess with its own embedded Spark."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sparknet.data.sources import digits
+from sparknet.models import build_model
+from tests.conftest import REPO, SPARKNET
+from tests.helpers import POISON
+
+pytestmark = pytest.mark.slow
+
+
+def sparknet(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(SPARKNET), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every process below `pid`, with its command line."""
+    table = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True)
+    rows = [line.split(None, 2) for line in table.stdout.splitlines()]
+    children: dict[int, list[tuple[int, str]]] = {}
+    for cpid, ppid, *cmd in rows:
+        children.setdefault(int(ppid), []).append((int(cpid), cmd[0] if cmd else ""))
+    found, todo = {}, [pid]
+    while todo:
+        for child, cmd in children.get(todo.pop(), []):
+            found[child] = cmd
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_digits_reaches_95_percent_and_writes_the_run_dir(tmp_path):
+    out = tmp_path / "digits"
+    t0 = time.monotonic()
+    proc = sparknet("train", "--data", "digits", "--workers", "2", "--out", str(out))
+    wall = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    cfg_text = (out / "config.yaml").read_text()
+    rounds = len(rows)
+    assert f"rounds: {rounds}" in cfg_text and "workers: 2" in cfg_text
+    assert [r["round"] for r in rows] == list(range(1, rounds + 1))
+    for key in ("samples", "loss", "seconds", "samples_per_s", "inner_state_misses"):
+        assert key in rows[-1]
+    assert set(rows[-1]["seconds"]) == {"broadcast", "compute", "aggregate", "total"}
+    accuracy = rows[-1]["eval_accuracy"]
+    print(f"digits: test accuracy {accuracy:.4f} in {wall:.1f} s wall")
+    assert accuracy >= 0.95
+    assert wall < 180
+
+    # model.safetensors is plain PyTorch: the model's own keys, and it scores what was reported
+    model = build_model("cnn", (1, 8, 8), 10)
+    model.load_state_dict(load_file(out / "model.safetensors"), strict=True)
+    model.eval()
+    _, test = digits()
+    with torch.no_grad():
+        predicted = model(test.tensors[0]).argmax(1)
+    assert (predicted == test.tensors[1]).float().mean().item() == pytest.approx(accuracy)
+
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts[-1] == f"round-{rounds:05d}" and not any(n.startswith(".") for n in ckpts)
+
+
+def test_divergence_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
+    out = tmp_path / "poisoned"
+    p = POISON
+    proc = sparknet(
+        "train", "--data", "tests.helpers:poisoned_digits", "--model", "mlp",
+        "--workers", str(p["workers"]), "--tau", str(p["tau"]), "--batch-size",
+        str(p["batch_size"]), "--seed", str(p["seed"]), "--rounds", "6",
+        "--checkpoint-every", "1", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: training diverged at round {p['round']}, worker {p['partition']}: loss nan at "
+        f"step 1; lower --lr or check the data; last good checkpoint: "
+        f"{out / 'checkpoints' / 'round-00002'}"
+    ]
+    assert "Traceback" not in proc.stderr
+    assert sorted(x.name for x in (out / "checkpoints").iterdir()) == ["round-00001", "round-00002"]
+    assert not (out / "model.safetensors").exists()
+
+
+def test_ctrl_c_stops_spark_and_leaves_no_partial_checkpoint(tmp_path):
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen(
+        [str(SPARKNET), "train", "--rounds", "500", "--checkpoint-every", "1", "--out", str(out)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("training never got to round 2")
+        spawned = descendants(proc.pid)
+        assert any("java" in cmd for cmd in spawned.values())
+        assert any("pyspark.daemon" in cmd for cmd in spawned.values())
+        os.kill(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "error: interrupted; Spark stopped" in stderr
+    # the JVM and Spark's Python workers must not outlive the CLI
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(pid) for pid in spawned):
+        time.sleep(0.2)
+    assert not [cmd for pid, cmd in spawned.items() if alive(pid)]
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]

@@ -1,0 +1,67 @@
+"""The command line's contract for bad input: one line that says what to fix, exit 2, no
+traceback, nothing written. These fail before Spark starts, so they are quick."""
+
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO, SPARKNET
+
+
+def run_cli(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(SPARKNET), *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "resnet9000"], "unknown model 'resnet9000'"),
+        (["--data", "mnist-please"], "unknown dataset 'mnist-please'"),
+        (["--model", "no_such_pkg.models:net"], "cannot import module 'no_such_pkg'"),
+        (["--model", "tests.helpers:nothing"], "has no attribute 'nothing'"),
+        (["--model", "tests.helpers:identical_samples"], "not a torch.nn.Module"),
+        (["--workers", "5000"], "--workers 5000 is more than the 1437 training samples"),
+        (["--tau", "0"], "invalid setting tau"),
+        (["--model", "resnet18"], "model 'resnet18' cannot take inputs of shape (1, 8, 8)"),
+        (["--resume"], "--resume needs --out"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    out = tmp_path / "run"
+    proc = (
+        run_cli("train", "--out", str(out), *args)
+        if "--resume" not in args
+        else run_cli("train", *args)
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and message in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    proc = run_cli("train", "--out", str(tmp_path / "r"), "--model", "nope", "--debug")
+    assert proc.returncode != 0
+    assert "SparknetError" in proc.stderr and "Traceback" in proc.stderr
+
+
+def test_an_existing_run_dir_is_not_overwritten(tmp_path):
+    (tmp_path / "config.yaml").write_text("train: {}\n")
+    proc = run_cli("train", "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert "already holds a run; pass --resume" in proc.stderr
+    assert (tmp_path / "config.yaml").read_text() == "train: {}\n"
+
+
+def test_submit_says_it_is_not_available():
+    proc = subprocess.run(
+        [str(SPARKNET.with_name("sparknet-submit")), "--s3", "imagenet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ")

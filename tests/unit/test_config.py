@@ -1,0 +1,55 @@
+from pathlib import Path
+
+import pytest
+
+from sparknet.config import TrainConfig, load_train_config
+from sparknet.errors import SparknetError
+
+
+def test_sources_override_in_order(tmp_path: Path):
+    cfg_file = tmp_path / "sparknet.yaml"
+    cfg_file.write_text("train:\n  tau: 7\n  lr: 0.2\n  rounds: 3\n  seed: 5\n")
+    cfg = load_train_config(
+        config_file=cfg_file,
+        environ={"SPARKNET_TRAIN_LR": "0.3", "SPARKNET_TRAIN_ROUNDS": "4"},
+        sets=["rounds=9", "master=local[4]"],
+        flags={"seed": 11, "tau": None},
+    )
+    assert (cfg.tau, cfg.lr, cfg.rounds, cfg.seed, cfg.master) == (7, 0.3, 9, 11, "local[4]")
+
+
+def test_nesterov_gets_diloco_defaults_and_average_is_plain_mean():
+    assert (
+        TrainConfig(outer="nesterov").outer_lr,
+        TrainConfig(outer="nesterov").outer_momentum,
+    ) == (0.7, 0.9)
+    avg = TrainConfig()
+    assert (avg.outer_lr, avg.outer_momentum) == (1.0, 0.0)
+
+
+def test_saved_config_round_trips(tmp_path: Path):
+    cfg = TrainConfig(outer="nesterov", outer_lr=0.5, out=tmp_path)
+    path = tmp_path / "config.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_train_config(config_file=path, environ={}) == cfg
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"sets": ["tau=0"]},
+            "invalid setting tau: Input should be greater than or equal to 1 (got 0)",
+        ),
+        ({"sets": ["outer_lr=0.5"]}, "outer 'average' has no lr or momentum"),
+        ({"sets": ["optimizer=lbfgs"]}, "invalid setting optimizer"),
+        ({"sets": ["taus=3"]}, "unknown setting 'taus'"),
+        ({"sets": ["tau"]}, "--set expects key=value"),
+        ({"config_file": Path("/nonexistent/sparknet.yaml")}, "cannot read config file"),
+    ],
+)
+def test_bad_settings_give_one_line(kwargs, message):
+    with pytest.raises(SparknetError) as exc:
+        load_train_config(environ={}, **kwargs)
+    assert message in str(exc.value)
+    assert "\n" not in str(exc.value)

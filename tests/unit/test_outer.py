@@ -1,0 +1,56 @@
+import numpy as np
+import pytest
+import torch
+
+from sparknet.training.outer import OuterOptimizer, mean_update, pseudo_gradient
+
+
+def test_pseudo_gradient_points_from_worker_to_round_weights():
+    theta_r = np.array([1.0, 2.0], np.float32)
+    theta_k = np.array([0.5, 3.0], np.float32)
+    np.testing.assert_array_equal(pseudo_gradient(theta_r, theta_k), [0.5, -1.0])
+
+
+def test_average_is_mean_not_sum():
+    theta = np.array([1.0, 1.0, 1.0], np.float32)
+    workers = [np.array(v, np.float32) for v in ([0.0, 1.0, 2.0], [2.0, 1.0, 0.0], [1.0, 4.0, 1.0])]
+    delta_sum = sum(pseudo_gradient(theta, w) for w in workers)
+    opt = OuterOptimizer(theta, lr=1.0, momentum=0.0)
+    new = opt.step(mean_update(delta_sum, len(workers)))
+    np.testing.assert_allclose(new, np.mean(workers, axis=0), rtol=1e-6)
+    assert opt.momentum_buffer is None
+
+
+def test_nesterov_matches_hand_written_formula():
+    rng = np.random.default_rng(0)
+    theta = rng.standard_normal(5).astype(np.float32)
+    opt = OuterOptimizer(theta, lr=0.7, momentum=0.9)
+    ref, buf = theta.astype(np.float64), np.zeros(5)
+    for _ in range(4):
+        delta = rng.standard_normal(5).astype(np.float32)
+        got = opt.step(delta)
+        buf = 0.9 * buf + delta
+        ref = ref - 0.7 * (delta + 0.9 * buf)
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    np.testing.assert_allclose(opt.momentum_buffer, buf, rtol=1e-5)
+
+
+def test_momentum_buffer_round_trips():
+    theta = np.zeros(3, np.float32)
+    a = OuterOptimizer(theta, lr=0.7, momentum=0.9)
+    a.step(np.ones(3, np.float32))
+    b = OuterOptimizer(a.theta.numpy(), lr=0.7, momentum=0.9)
+    b.load_momentum_buffer(a.momentum_buffer)
+    step = np.full(3, 0.5, np.float32)
+    np.testing.assert_array_equal(a.step(step), b.step(step))
+
+
+@pytest.mark.parametrize(("lr", "momentum"), [(0.0, 0.0), (1.0, 1.0), (1.0, -0.1)])
+def test_bad_hyperparameters_are_rejected(lr, momentum):
+    with pytest.raises(ValueError, match=r"lr|momentum"):
+        OuterOptimizer(np.zeros(1, np.float32), lr=lr, momentum=momentum)
+
+
+def test_mean_update_rejects_zero_workers():
+    with pytest.raises(ValueError, match="workers"):
+        mean_update(torch.zeros(1).numpy(), 0)

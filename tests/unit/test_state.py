@@ -1,0 +1,30 @@
+import numpy as np
+import torch
+
+from sparknet.models import cnn
+from sparknet.training.state import StateLayout
+
+
+def test_float_buffers_travel_and_integer_buffers_ride_beside():
+    model = cnn((1, 8, 8), 10)
+    state = model.state_dict()
+    layout = StateLayout.of(state)
+    flat, ints = layout.flatten(state), layout.integers(state)
+    floats = [k for k, v in state.items() if v.is_floating_point()]
+    assert "0.weight" in floats and "1.running_mean" in floats and "1.running_var" in floats
+    assert set(ints) == {"1.num_batches_tracked", "4.num_batches_tracked"}
+    assert flat.dtype == np.float32 and flat.size == sum(state[k].numel() for k in floats)
+    back = layout.unflatten(flat, ints)
+    assert list(back) == list(state)
+    for k, v in state.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+def test_unflatten_loads_into_a_fresh_model():
+    a, b = cnn((1, 8, 8), 10), cnn((1, 8, 8), 10)
+    layout = StateLayout.of(a.state_dict())
+    b.load_state_dict(
+        layout.unflatten(layout.flatten(a.state_dict()), layout.integers(a.state_dict()))
+    )
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert ka == kb and torch.equal(va, vb)
