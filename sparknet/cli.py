@@ -117,8 +117,11 @@ def train(
     except SparknetError as exc:
         _fail(exc, debug)
     except KeyboardInterrupt:
-        _fail(SparknetError("interrupted; Spark stopped, the last complete checkpoint is kept"),
-              debug, code=130)
+        _fail(
+            SparknetError("interrupted; Spark stopped, the last complete checkpoint is kept"),
+            debug,
+            code=130,
+        )
 
 
 submit_app = typer.Typer(add_completion=False, help="Run a training job on an EC2 GPU cluster.")

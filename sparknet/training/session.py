@@ -25,12 +25,25 @@ def task_cpus(master: str, workers: int) -> int:
     return max(1, cores // min(workers, cores))
 
 
+def driver_memory_gb(total_bytes: int | None = None) -> int:
+    """A quarter of the machine's memory, 2 to 16 GiB.
+
+    Every update passes through the driver JVM's heap on its way back, and Spark's default 1 GiB
+    does not hold two 100 MB results: the task-result thread dies of OutOfMemoryError and, in
+    local mode, the job then waits forever instead of failing.
+    """
+    if total_bytes is None:
+        total_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(2, min(16, total_bytes // 4 // 2**30))
+
+
 def start_session(master: str | None, workers: int) -> SparkSession:
     """A new SparkSession whose Python workers use this interpreter (and so see torch)."""
     master = master or embedded_master()
     # PySpark's driver picks the executors' Python from this variable, not from the conf.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     log4j = Path(__file__).with_name("log4j2.properties")
+    memory_gb = driver_memory_gb()
     builder = (
         SparkSession.builder.master(master)
         .appName("sparknet")
@@ -38,6 +51,8 @@ def start_session(master: str | None, workers: int) -> SparkSession:
         .config("spark.pyspark.driver.python", sys.executable)
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.broadcast.compress", "false")  # float weights do not compress
+        .config("spark.driver.memory", f"{memory_gb}g")
+        .config("spark.driver.maxResultSize", f"{memory_gb // 2}g")
         .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={log4j.as_uri()}")
     )
     if master.startswith("local"):

@@ -66,3 +66,12 @@ def test_a_failing_task_becomes_one_sparknet_error(sc):
     assert str(exc.value) == (
         "a Spark task failed after all retries: data 'x:y': cannot import module 'x'"
     )
+
+
+def _threads(theta, partition, attempt, threads, local_dir):
+    return [threads]
+
+
+def test_each_task_is_told_its_share_of_cores(sc):
+    got, _ = SparkTransport(sc, 2).map_reduce(np.zeros(1, np.float32), _threads, list.__add__)
+    assert got == [int(sc.getConf().get("spark.task.cpus"))] * 2
