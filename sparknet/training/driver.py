@@ -9,7 +9,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -114,7 +114,7 @@ def _due(every: int, done: int, last: int) -> bool:
 
 
 def _round_row(
-    done: int, contrib: Contribution, round_s: float, broadcast_s: float, elapsed_s: float
+    done: int, contrib: Contribution, round_s: float, broadcast_s: float
 ) -> dict[str, Any]:
     reports = contrib.reports
     samples = sum(r.samples for r in reports)
@@ -132,7 +132,6 @@ def _round_row(
         },
         "samples_per_s": samples / round_s,
         "inner_state_misses": sum(r.inner_state_miss for r in reports),
-        "elapsed_s": elapsed_s,
     }
 
 
@@ -193,28 +192,18 @@ def train(
     if own_session:
         spark = start_session(cfg.master, cfg.workers)
     transport = SparkTransport(spark.sparkContext, cfg.workers)
-    run_id = uuid.uuid4().hex[:12]
+    base = RoundTask(
+        cfg, uuid.uuid4().hex[:12], start, layout, integers, problem.num_classes,
+        problem.split.input_shape, str(run_dir),
+    )  # fmt: skip
     t_start = time.perf_counter()
     stage: Path | None = None
     try:
         for r in range(start, cfg.rounds):
             done = r + 1
-            stage = (
-                checkpoint.staging_dir(run_dir, done)
-                if _due(cfg.checkpoint_every, done, cfg.rounds)
-                else None
-            )
-            task = RoundTask(
-                cfg,
-                run_id,
-                r,
-                layout,
-                integers,
-                problem.num_classes,
-                problem.split.input_shape,
-                str(run_dir),
-                str(stage) if stage else None,
-            )
+            due = _due(cfg.checkpoint_every, done, cfg.rounds)
+            stage = checkpoint.staging_dir(run_dir, done) if due else None
+            task = replace(base, round=r, integers=integers, checkpoint_dir=stage and str(stage))
             t0 = time.perf_counter()
             contrib, broadcast_s = transport.map_reduce(
                 theta, functools.partial(_train_work, task), Contribution.combine
@@ -224,34 +213,17 @@ def train(
             theta = outer.step(mean_update(contrib.delta_sum, contrib.workers))
             integers = contrib.integers
             round_s = time.perf_counter() - t0
-            row = _round_row(
-                done, contrib, round_s, broadcast_s, elapsed0 + time.perf_counter() - t_start
-            )
+            row = _round_row(done, contrib, round_s, broadcast_s)
             if _due(cfg.eval_every, done, cfg.rounds):
-                eval_task = RoundTask(
-                    cfg,
-                    run_id,
-                    r,
-                    layout,
-                    integers,
-                    problem.num_classes,
-                    problem.split.input_shape,
-                    str(run_dir),
-                )
+                eval_task = replace(task, integers=integers, checkpoint_dir=None)
                 ev, _ = transport.map_reduce(
                     theta, functools.partial(_eval_work, eval_task), EvalResult.combine
                 )
-                row["eval_loss"] = ev.loss_sum / ev.count
-                row["eval_accuracy"] = ev.correct / ev.count
+                row.update(eval_loss=ev.loss_sum / ev.count, eval_accuracy=ev.correct / ev.count)
+            row["elapsed_s"] = elapsed0 + time.perf_counter() - t_start
             if stage is not None:
                 checkpoint.write(
-                    run_dir,
-                    done,
-                    layout,
-                    theta,
-                    integers,
-                    outer.momentum_buffer,
-                    elapsed0 + time.perf_counter() - t_start,
+                    run_dir, done, layout, theta, integers, outer.momentum_buffer, row["elapsed_s"]
                 )
                 stage = None
             metrics.append(row)
