@@ -104,6 +104,7 @@ def train(
 
         def on_start(done: int, total: int) -> None:
             progress.update(bar, completed=done, total=total)
+            progress.start_task(bar)
             progress.start()
 
         def on_round(row: dict[str, Any]) -> None:
