@@ -45,6 +45,11 @@ def staging_dir(run_dir: Path, rounds: int) -> Path:
     return run_dir / CHECKPOINTS / f".round-{rounds:05d}.partial"
 
 
+def inner_state_path(checkpoint_dir: Path, partition: int) -> Path:
+    """Where a worker puts its optimizer state in a checkpoint (it writes it itself)."""
+    return checkpoint_dir / "inner" / f"partition-{partition:05d}.pt"
+
+
 def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
     """safetensors file with the given keys; written to a temp name and renamed."""
     tmp = path.with_name(f".{path.name}.tmp")

@@ -19,6 +19,7 @@ from torch import nn
 from sparknet.config import TrainConfig
 from sparknet.data.sources import batch_positions, load_data, make_batch, shard
 from sparknet.models import build_model
+from sparknet.training import checkpoint
 from sparknet.training.outer import pseudo_gradient
 from sparknet.training.state import StateLayout
 
@@ -133,10 +134,6 @@ def save_atomically(obj: object, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def inner_checkpoint_path(checkpoint_dir: str | os.PathLike[str], partition: int) -> Path:
-    return Path(checkpoint_dir) / "inner" / f"partition-{partition:05d}.pt"
-
-
 def make_inner_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(
@@ -158,8 +155,9 @@ def _restore_inner_state(task: RoundTask, store: InnerStateStore, partition: int
     """This worker's optimizer state after the previous round, or None (a miss)."""
     state = store.load(partition, task.round - 1)
     if state is None:  # a new executor, or a resumed run: try the checkpoint of this round
-        ckpt = Path(task.run_dir) / "checkpoints" / f"round-{task.round:05d}"
-        path = inner_checkpoint_path(ckpt, partition)
+        path = checkpoint.inner_state_path(
+            checkpoint.final_dir(Path(task.run_dir), task.round), partition
+        )
         if path.is_file():
             state = torch.load(path, weights_only=True)
     return state
@@ -227,7 +225,7 @@ def train_partition(
         opt_state = optimizer.state_dict()
         store.save(partition, task.round, opt_state)
         if task.checkpoint_dir is not None:
-            path = inner_checkpoint_path(task.checkpoint_dir, partition)
+            path = checkpoint.inner_state_path(Path(task.checkpoint_dir), partition)
             path.parent.mkdir(parents=True, exist_ok=True)
             save_atomically(opt_state, path)
     report = WorkerReport(
