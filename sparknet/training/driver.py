@@ -203,6 +203,9 @@ def train(
             done = r + 1
             due = _due(cfg.checkpoint_every, done, cfg.rounds)
             stage = checkpoint.staging_dir(run_dir, done) if due else None
+            if stage is not None:
+                shutil.rmtree(stage, ignore_errors=True)  # left by an interrupted earlier run
+                checkpoint.inner_state_path(stage, 0).parent.mkdir(parents=True)
             task = replace(base, round=r, integers=integers, checkpoint_dir=stage and str(stage))
             t0 = time.perf_counter()
             contrib, broadcast_s = transport.map_reduce(
@@ -230,10 +233,10 @@ def train(
             if on_round is not None:
                 on_round(row)
     finally:
-        if stage is not None and stage.exists():
-            shutil.rmtree(stage, ignore_errors=True)
         if own_session:
-            spark.stop()
+            spark.stop()  # first: a cancelled task may still be writing into the stage
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
 
     checkpoint.save_state_dict(layout.unflatten(theta, integers), run_dir / MODEL_FILE)
     plot_curves(metrics.rows, run_dir / CURVES)

@@ -225,9 +225,10 @@ def train_partition(
         opt_state = optimizer.state_dict()
         store.save(partition, task.round, opt_state)
         if task.checkpoint_dir is not None:
-            path = checkpoint.inner_state_path(Path(task.checkpoint_dir), partition)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_atomically(opt_state, path)
+            # the driver made the dir; never recreate it: once gone, the checkpoint was abandoned
+            save_atomically(
+                opt_state, checkpoint.inner_state_path(Path(task.checkpoint_dir), partition)
+            )
     report = WorkerReport(
         partition, float(losses.mean()), cfg.tau * cfg.batch_size, t1 - t0, t2 - t1, miss
     )
