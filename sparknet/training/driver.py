@@ -96,7 +96,8 @@ def _write_config(run_dir: Path, cfg: TrainConfig) -> None:
     os.replace(tmp, run_dir / CONFIG_FILE)
 
 
-def _open_run_dir(cfg: TrainConfig, resume: bool) -> Path:
+def _check_run_dir(cfg: TrainConfig, resume: bool) -> Path:
+    """The run dir, if it can be used as asked; created only once Spark is up."""
     run_dir = Path(cfg.out)
     if resume:
         if not (run_dir / CONFIG_FILE).is_file():
@@ -105,7 +106,6 @@ def _open_run_dir(cfg: TrainConfig, resume: bool) -> Path:
         raise SparknetError(
             f"{run_dir} already holds a run; pass --resume to continue it or choose another --out"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
 
@@ -165,7 +165,7 @@ def train(
     if cfg.out is None:
         cfg = cfg.model_copy(update={"out": default_run_dir(cfg)})
     problem = prepare(cfg)
-    run_dir = _open_run_dir(cfg, resume)
+    run_dir = _check_run_dir(cfg, resume)
     state = problem.model.state_dict()
     layout = StateLayout.of(state)
     outer = OuterOptimizer(layout.flatten(state), cfg.outer_lr, cfg.outer_momentum)
@@ -183,22 +183,23 @@ def train(
         outer = OuterOptimizer(ckpt.theta, cfg.outer_lr, cfg.outer_momentum)
         outer.load_momentum_buffer(ckpt.outer_momentum)
     theta = outer.theta.numpy()
-    _write_config(run_dir, cfg)
-    metrics = MetricsLog(run_dir, keep_rounds=start)
 
     if on_start is not None:
         on_start(start, cfg.rounds)
     own_session = spark is None
     if own_session:
         spark = start_session(cfg.master, cfg.workers)
-    transport = SparkTransport(spark.sparkContext, cfg.workers)
-    base = RoundTask(
-        cfg, uuid.uuid4().hex[:12], start, layout, integers, problem.num_classes,
-        problem.split.input_shape, str(run_dir),
-    )  # fmt: skip
-    t_start = time.perf_counter()
     stage: Path | None = None
     try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_config(run_dir, cfg)
+        metrics = MetricsLog(run_dir, keep_rounds=start)
+        transport = SparkTransport(spark.sparkContext, cfg.workers)
+        base = RoundTask(
+            cfg, uuid.uuid4().hex[:12], start, layout, integers, problem.num_classes,
+            problem.split.input_shape, str(run_dir),
+        )  # fmt: skip
+        t_start = time.perf_counter()
         for r in range(start, cfg.rounds):
             done = r + 1
             due = _due(cfg.checkpoint_every, done, cfg.rounds)

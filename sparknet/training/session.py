@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
+from pyspark.errors import PySparkException
 from pyspark.sql import SparkSession
+
+from sparknet.errors import SparknetError
 
 #: Local mode retries nothing unless told to; a demanding user expects a flaky task to be retried.
 LOCAL_MAX_TASK_FAILURES = 4
@@ -43,9 +47,23 @@ def driver_memory_gb(total_bytes: int | None = None) -> int:
     return max(2, min(16, total_bytes // 4 // 2**30))
 
 
+def find_java() -> str:
+    """The java binary Spark's launcher will use (JAVA_HOME first, as spark-class does)."""
+    home = os.environ.get("JAVA_HOME")
+    java = str(Path(home) / "bin" / "java") if home else shutil.which("java")
+    if not java or not os.access(java, os.X_OK):
+        where = f"JAVA_HOME={home} has no bin/java" if home else "no java on PATH"
+        raise SparknetError(
+            f"Spark needs Java 17+ and found {where}: install it (e.g. apt-get install -y "
+            "openjdk-17-jre-headless) or point JAVA_HOME at it"
+        )
+    return java
+
+
 def start_session(master: str | None, workers: int) -> SparkSession:
     """A new SparkSession whose Python workers use this interpreter (and so see torch)."""
     master = master or embedded_master()
+    find_java()
     # PySpark's driver picks the executors' Python from this variable, not from the conf.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     log4j = Path(__file__).with_name("log4j2.properties")
@@ -66,6 +84,12 @@ def start_session(master: str | None, workers: int) -> SparkSession:
     if master.startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # everything stays on loopback
         builder = builder.config("spark.task.cpus", str(task_cpus(master, workers)))
-    session = builder.getOrCreate()
+    try:
+        session = builder.getOrCreate()
+    except PySparkException as exc:
+        raise SparknetError(
+            f"could not start Spark (master {master}): {str(exc).splitlines()[0]}; check that "
+            "Java 17+ is installed (java on PATH or JAVA_HOME) and that the master is reachable"
+        ) from exc
     session.sparkContext.setLogLevel("FATAL")  # failures reach the user as SparknetError
     return session

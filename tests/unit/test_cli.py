@@ -1,6 +1,7 @@
 """The command line's contract for bad input: one line that says what to fix, exit 2, no
 traceback, nothing written. These fail before Spark starts, so they are quick."""
 
+import os
 import subprocess
 
 import pytest
@@ -65,3 +66,19 @@ def test_submit_says_it_is_not_available():
         timeout=60,
     )
     assert proc.returncode == 2 and proc.stderr.startswith("error: ")
+
+
+def test_missing_java_is_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "JAVA_HOME": str(tmp_path / "no-jdk")}
+    proc = subprocess.run(
+        [str(SPARKNET), "train", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith("round")]
+    assert lines == [
+        f"error: Spark needs Java 17+ and found JAVA_HOME={tmp_path / 'no-jdk'} has no bin/java: "
+        "install it (e.g. apt-get install -y openjdk-17-jre-headless) or point JAVA_HOME at it"
+    ]
+    assert not out.exists()
