@@ -45,9 +45,13 @@ def staging_dir(run_dir: Path, rounds: int) -> Path:
     return run_dir / CHECKPOINTS / f".round-{rounds:05d}.partial"
 
 
+def inner_dir(checkpoint_dir: Path) -> Path:
+    """The workers' optimizer states in a checkpoint; each worker writes its own file."""
+    return checkpoint_dir / "inner"
+
+
 def inner_state_path(checkpoint_dir: Path, partition: int) -> Path:
-    """Where a worker puts its optimizer state in a checkpoint (it writes it itself)."""
-    return checkpoint_dir / "inner" / f"partition-{partition:05d}.pt"
+    return inner_dir(checkpoint_dir) / f"partition-{partition:05d}.pt"
 
 
 def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:

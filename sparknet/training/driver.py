@@ -206,7 +206,7 @@ def train(
             stage = checkpoint.staging_dir(run_dir, done) if due else None
             if stage is not None:
                 shutil.rmtree(stage, ignore_errors=True)  # left by an interrupted earlier run
-                checkpoint.inner_state_path(stage, 0).parent.mkdir(parents=True)
+                checkpoint.inner_dir(stage).mkdir(parents=True)
             task = replace(base, round=r, integers=integers, checkpoint_dir=stage and str(stage))
             t0 = time.perf_counter()
             contrib, broadcast_s = transport.map_reduce(
