@@ -98,7 +98,7 @@ def _timed(fn: Callable[[], object], warmup: int, reps: int) -> list[float]:
 
 
 def _half(
-    theta: np.ndarray, partition: int, attempt: int, threads: int, local_dir: str
+    theta: np.ndarray, partition: int, attempt: int, threads: int, local_dir: str, rows: list | None
 ) -> Contribution:
     """A round with no compute: the update is a fresh array of the weights' size.
 

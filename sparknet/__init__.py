@@ -1,3 +1,21 @@
 """sparknet: synchronized local SGD for PyTorch models on Apache Spark (SparkNet, DiLoCo)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from sparknet.fit import fit
+
+__all__ = ["fit"]
+
+
+def __getattr__(name: str):
+    # `sparknet.fit` without importing torch and Spark on `import sparknet` (the CLI starts fast)
+    if name == "fit":
+        from sparknet.fit import fit
+
+        return fit
+    raise AttributeError(f"module 'sparknet' has no attribute {name!r}")

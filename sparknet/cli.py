@@ -1,4 +1,5 @@
-"""Command line: `sparknet train` (the main job on one machine) and `sparknet-submit`."""
+"""Command line: `sparknet train` (the main job on one machine), `sparknet data ...` (datasets on
+local disk or S3) and `sparknet-submit`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sparknet.config import load_train_config, read_run_config
+from sparknet.config import (
+    find_config_file,
+    load_datasets,
+    load_train_config,
+    read_run_config,
+)
 from sparknet.errors import SparknetError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -46,6 +52,10 @@ def _summary(result) -> Table:
     if last_eval:
         table.add_row("test loss", f"{last_eval['eval_loss']:.4f}")
         table.add_row("test accuracy", f"{last_eval['eval_accuracy']:.4f}")
+        table.add_row("test top-5", f"{last_eval['eval_top5']:.4f}")
+    skipped = sum(r.get("skipped_samples", 0) for r in rows)
+    if skipped:
+        table.add_row("skipped bad samples", str(skipped))
     total = sum(r["seconds"]["total"] for r in rows)
     table.add_row("samples/s (mean)", f"{sum(r['samples'] for r in rows) / total:.0f}")
     table.add_row("wall time", f"{result.final['elapsed_s']:.1f} s")
@@ -55,11 +65,25 @@ def _summary(result) -> Table:
 
 @app.command()
 def train(
-    config: Path | None = typer.Option(None, "--config", help="YAML file with a train: section"),
+    config: Path | None = typer.Option(
+        None, "--config", help="settings YAML (train:, datasets:); default ./sparknet.yaml"
+    ),
     set_: list[str] = typer.Option([], "--set", help="key=value, repeatable"),
     model: str | None = typer.Option(None, help="mlp, cnn, a torchvision name, or module:factory"),
     num_classes: int | None = typer.Option(None, help="default: from the dataset"),
-    data: str | None = typer.Option(None, help="digits, or module:factory -> (train, test)"),
+    data: str | None = typer.Option(
+        None,
+        help="digits, module:factory, a name from sparknet.yaml's datasets:, s3://bucket/prefix, "
+        "a local dataset dir, parquet:PATH or table:NAME",
+    ),
+    eval_data: str | None = typer.Option(None, help="parquet:PATH or table:NAME to evaluate on"),
+    label_col: str | None = typer.Option(None, help="DataFrame label column (default label)"),
+    input_col: str | None = typer.Option(None, help="DataFrame image/features column"),
+    image_size: int | None = typer.Option(None, help="train/eval crop size for images"),
+    loader_workers: int | None = typer.Option(None, help="decoding processes per Spark task"),
+    cache_dir: Path | None = typer.Option(None, help="executor-local shard cache dir"),
+    cache_gb: float | None = typer.Option(None, help="shard cache cap (GiB); 0: stream only"),
+    endpoint_url: str | None = typer.Option(None, help="S3-compatible endpoint (MinIO, moto)"),
     workers: int | None = typer.Option(None, help="K: Spark partitions, one worker each"),
     tau: int | None = typer.Option(None, help="local steps per round"),
     rounds: int | None = typer.Option(None),
@@ -89,7 +113,9 @@ def train(
             if out is None:
                 raise SparknetError("--resume needs --out, the run dir to continue")
             base = read_run_config(out)
+        config = find_config_file(config)
         cfg = load_train_config(config_file=config, sets=set_, flags=flags, base=base)
+        datasets = load_datasets(config)
         from sparknet.training.driver import train as run_training
 
         progress = Progress(
@@ -111,7 +137,9 @@ def train(
             progress.update(bar, completed=row["round"], info=_fmt(row))
 
         try:
-            result = run_training(cfg, resume=resume, on_start=on_start, on_round=on_round)
+            result = run_training(
+                cfg, resume=resume, on_start=on_start, on_round=on_round, datasets=datasets
+            )
         finally:
             progress.stop()
         console.print(_summary(result))
@@ -123,6 +151,169 @@ def train(
             debug,
             code=130,
         )
+
+
+data_app = typer.Typer(
+    no_args_is_help=True, help="Datasets: shard an ImageNet tree, upload, verify, list."
+)
+app.add_typer(data_app, name="data")
+
+ConfigOption = typer.Option(None, "--config", help="settings YAML; default ./sparknet.yaml")
+EndpointOption = typer.Option(None, help="S3-compatible endpoint (MinIO, moto)")
+DebugOption = typer.Option(False, help="show tracebacks")
+
+
+def _dataset_uri(name_or_uri: str, config: Path | None, endpoint_url: str | None):
+    """A dataset name from `datasets:` or a URI/path as given, with its endpoint."""
+    entry = load_datasets(find_config_file(config)).get(name_or_uri)
+    if entry is None:
+        return name_or_uri, endpoint_url
+    return entry.uri, endpoint_url or entry.endpoint_url
+
+
+def _bytes_progress(description: str) -> Progress:
+    from rich.progress import DownloadColumn, TransferSpeedColumn
+
+    return Progress(
+        TextColumn(f"[bold]{description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+@data_app.command("shard")
+def data_shard(
+    src: Path = typer.Argument(..., help="ImageNet tree: train/<wnid>/*.JPEG and val/"),
+    dest: Path = typer.Argument(..., help="directory for the shards and manifest.json"),
+    shard_mb: int = typer.Option(256, "--shard-mb", min=1, help="target shard size (MiB)"),
+    seed: int = typer.Option(0, help="seed of the shuffle that mixes classes across shards"),
+    processes: int | None = typer.Option(None, help="default: all cores"),
+    debug: bool = DebugOption,
+) -> None:
+    """Write WebDataset tar shards and manifest.json; a re-run keeps shards already written."""
+    from sparknet.data.shards import write_dataset
+
+    try:
+        with Progress(
+            TextColumn("[bold]shards"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+            console=console,
+        ) as progress:  # fmt: skip
+            bar = progress.add_task("shard", total=None)
+
+            def on_progress(done: int, total: int) -> None:
+                progress.update(bar, completed=done, total=total)
+
+            report = write_dataset(
+                src, dest, shard_bytes=shard_mb << 20, seed=seed, processes=processes,
+                on_progress=on_progress,
+            )  # fmt: skip
+    except SparknetError as exc:
+        _fail(exc, debug)
+    except KeyboardInterrupt:
+        _fail(SparknetError("interrupted; run the same command again to resume"), debug, 130)
+    m = report.manifest
+    splits = ", ".join(f"{k}: {len(v)} shards, {sum(s.samples for s in v)} images"
+                       for k, v in m.splits.items())  # fmt: skip
+    print(
+        f"{dest}: {m.num_classes} classes; {splits}; "
+        f"{len(report.written)} written, {len(report.reused)} kept"
+    )
+
+
+@data_app.command("upload")
+def data_upload(
+    src: Path = typer.Argument(..., help="a dataset dir made by `sparknet data shard`"),
+    dest: str = typer.Argument(..., help="s3://bucket/prefix or a name from datasets:"),
+    concurrency: int = typer.Option(8, min=1, help="parallel transfers"),
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Upload shards (skipping ones already there), then manifest.json last."""
+    from sparknet.data.manifest import MANIFEST_NAME, Manifest
+    from sparknet.data.transfer import upload_dataset
+
+    try:
+        uri, endpoint = _dataset_uri(dest, config, endpoint_url)
+        path = src / MANIFEST_NAME
+        if not path.is_file():
+            raise SparknetError(f"{src} has no {MANIFEST_NAME}: run `sparknet data shard` first")
+        manifest = Manifest.loads(path.read_bytes(), str(path))
+        total = sum(s.bytes for v in manifest.splits.values() for s in v)
+        with _bytes_progress("upload") as progress:
+            bar = progress.add_task("upload", total=total)
+            report = upload_dataset(
+                src, uri, endpoint_url=endpoint, max_concurrency=concurrency,
+                on_progress=lambda n: progress.advance(bar, n),
+            )  # fmt: skip
+    except SparknetError as exc:
+        _fail(exc, debug)
+    except KeyboardInterrupt:
+        _fail(
+            SparknetError("interrupted; no manifest was uploaded, run it again to resume"),
+            debug,
+            130,
+        )
+    print(
+        f"{uri}: {len(report.uploaded)} shards uploaded "
+        f"({report.bytes_uploaded / 2**20:.1f} MiB), {len(report.skipped)} already there"
+    )
+
+
+@data_app.command("verify")
+def data_verify(
+    uri: str = typer.Argument(..., help="dataset dir, s3://bucket/prefix or a name"),
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Check every shard's size and sha256 against the manifest; exit 1 on any difference."""
+    from sparknet.data.transfer import verify_dataset
+
+    try:
+        where, endpoint = _dataset_uri(uri, config, endpoint_url)
+        with _bytes_progress("verify") as progress:
+            bar = progress.add_task("verify", total=None)
+            report = verify_dataset(
+                where, endpoint_url=endpoint, on_progress=lambda n: progress.advance(bar, n)
+            )
+    except SparknetError as exc:
+        _fail(exc, debug)
+    for line in report.problems:
+        print(line)
+    if not report.ok:
+        print(f"error: {len(report.problems)} of {report.checked} shards are bad", file=sys.stderr)
+        raise typer.Exit(1)
+    print(f"{where}: all {report.checked} shards match the manifest")
+
+
+@data_app.command("ls")
+def data_ls(
+    uri: str = typer.Argument(..., help="dataset dir, s3://bucket/prefix or a name"),
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Splits, shards, images and bytes of a dataset."""
+    from sparknet.data.transfer import list_dataset
+
+    try:
+        where, endpoint = _dataset_uri(uri, config, endpoint_url)
+        listing = list_dataset(where, endpoint_url=endpoint)
+    except SparknetError as exc:
+        _fail(exc, debug)
+    table = Table(title=f"{listing.uri} ({listing.num_classes} classes)")
+    for col in ("split", "shards", "images", "MiB"):
+        table.add_column(col, justify="left" if col == "split" else "right")
+    for sp in listing.splits:
+        table.add_row(sp.split, str(sp.shards), str(sp.samples), f"{sp.bytes / 2**20:.1f}")
+    Console().print(table)
+    if listing.missing:
+        print(f"error: missing shards: {', '.join(listing.missing)}", file=sys.stderr)
+        raise typer.Exit(1)
 
 
 submit_app = typer.Typer(add_completion=False, help="Run a training job on an EC2 GPU cluster.")

@@ -33,7 +33,29 @@ class TrainConfig(BaseModel):
 
     model: str = Field("cnn", description="mlp, cnn, a torchvision model name, or module:factory")
     num_classes: int | None = Field(None, ge=2, description="default: taken from the dataset")
-    data: str = Field("digits", description="digits, or module:factory -> (train, test)")
+    data: str = Field(
+        "digits",
+        description="digits, module:factory, a dataset name from `datasets:`, s3://..., a local "
+        "dataset dir, parquet:PATH or table:NAME",
+    )
+    eval_data: str | None = Field(
+        None, description="parquet:PATH or table:NAME to evaluate on (DataFrame training)"
+    )
+    label_col: str = Field("label", description="DataFrame column of class indices")
+    input_col: str | None = Field(
+        None,
+        description="DataFrame column of encoded images or feature arrays; default: "
+        "'image' or 'features', whichever the frame has",
+    )
+    image_size: int = Field(64, ge=8, description="side of the square crops images train at")
+    loader_workers: int = Field(2, ge=0, description="decoding processes per Spark task")
+    cache_dir: Path | None = Field(
+        None, description="executor-local shard cache; default ~/.cache/sparknet/shards"
+    )
+    cache_gb: float = Field(20.0, ge=0, description="shard cache cap per executor; 0: stream only")
+    endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (MinIO, moto); default AWS_ENDPOINT_URL or AWS"
+    )
     workers: int = Field(2, ge=1, description="Spark partitions, one worker each")
     tau: int = Field(10, ge=1, description="local steps per round")
     rounds: int = Field(30, ge=1)
@@ -89,6 +111,49 @@ class TrainConfig(BaseModel):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump({"train": self.model_dump(mode="json")}, sort_keys=False)
+
+
+class DatasetEntry(BaseModel):
+    """One entry of the `datasets:` map: a name for a dataset dir on S3 or on local disk."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uri: str = Field(description="s3://bucket/prefix or a local directory")
+    endpoint_url: str | None = None
+
+
+#: where settings are read from when no --config is given: $SPARKNET_CONFIG, then ./sparknet.yaml
+CONFIG_ENV = "SPARKNET_CONFIG"
+DEFAULT_CONFIG = Path("sparknet.yaml")
+
+
+def find_config_file(
+    explicit: Path | None, environ: Mapping[str, str] | None = None
+) -> Path | None:
+    """The settings file in use: --config, else $SPARKNET_CONFIG, else ./sparknet.yaml if any."""
+    if explicit is not None:
+        return explicit
+    env = (os.environ if environ is None else environ).get(CONFIG_ENV)
+    if env:
+        return Path(env)
+    return DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
+
+
+def load_datasets(config_file: Path | None) -> dict[str, DatasetEntry]:
+    """The `datasets:` map of the settings file (empty without one)."""
+    if config_file is None:
+        return {}
+    out = {}
+    for name, entry in _read_yaml_section(config_file, "datasets").items():
+        if isinstance(entry, str):
+            entry = {"uri": entry}
+        try:
+            out[str(name)] = DatasetEntry.model_validate(entry)
+        except ValidationError as exc:
+            raise SparknetError(
+                f"{config_file}: datasets.{name}: {describe_validation_error(exc)}"
+            ) from exc
+    return out
 
 
 def _parse_scalar(text: str) -> Any:

@@ -1,20 +1,38 @@
 """What a partition trains on, and the order it sees it in.
 
-A data source is a pair of map-style torch Datasets of `(tensor, int label)`. Every worker loads
-the source itself (it is cached per Python process) and takes its own shard by index, so nothing but
-weights crosses the network. The order of samples is a pure function of
-(seed, partition, round, step): a retried Spark task sees exactly the batches of the failed one.
+A `Source` is small and picklable: it travels inside every task, and each worker reads its own
+part of the data where it lies, so nothing but weights crosses between driver and workers.
+- `TensorSource`: a built-in dataset or a user's `module:factory` of map-style torch Datasets,
+  loaded once per Python worker process; partition k takes its own seeded slice by index.
+- `ShardSource`: WebDataset shards with a manifest, on S3 or a local dir, streamed (`stream.py`)
+  through an optional executor-local disk cache and decoded by a DataLoader (`loader.py`).
+- `FrameSource`: a Spark DataFrame whose rows reach the task as Arrow batches (`frames.py`).
+In every case the samples a step trains on are a pure function of (seed, partition, round, step):
+a retried Spark task sees exactly the batches of the failed one.
 """
 
 from __future__ import annotations
 
 import functools
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
+from sparknet.data.manifest import Manifest, ShardInfo
+from sparknet.data.store import Store
+from sparknet.data.stream import (
+    epoch_shards,
+    keep_cursor,
+    prefetch,
+    read_positions,
+    read_shard,
+    take_cursor,
+)
 from sparknet.errors import SparknetError
 from sparknet.imports import is_reference, load_callable
 
@@ -137,3 +155,250 @@ def make_batch(dataset: Dataset, indices: np.ndarray) -> tuple[torch.Tensor, tor
     else:
         x, y = default_collate([dataset[int(i)] for i in indices])
     return x, torch.as_tensor(y, dtype=torch.int64)
+
+
+# ---- sources: what a task reads ------------------------------------------------------------
+
+#: samples per evaluation batch
+EVAL_BATCH = 256
+
+
+@dataclass(frozen=True)
+class TaskInput:
+    """Where a task stands: which partition of how many, and what Spark handed it."""
+
+    partition: int
+    workers: int
+    seed: int
+    run_id: str
+    threads: int = 1
+    #: the partition's rows as Arrow record batches (DataFrame sources only)
+    rows: list | None = None
+
+
+class Source(ABC):
+    """What a partition trains and evaluates on; shipped inside every task, so keep it small."""
+
+    #: a DataFrame source needs its partition's rows handed to the task by the transport
+    needs_rows: bool = False
+    num_classes: int | None
+    input_shape: tuple[int, ...]
+    train_size: int
+
+    @abstractmethod
+    def describe(self) -> str: ...
+
+    @abstractmethod
+    def example(self) -> torch.Tensor:
+        """One input, for the driver's dry run of the model."""
+
+    @abstractmethod
+    def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
+        """The tau batches of round `rnd` for `inp.partition`, as `loader.Batch`es."""
+
+    @abstractmethod
+    def eval_batches(self, inp: TaskInput) -> Iterator:
+        """This partition's share of the evaluation set, as `loader.Batch`es."""
+
+    def check_workers(self, workers: int) -> None:
+        if workers > self.train_size:
+            raise SparknetError(
+                f"--workers {workers} is more than the {self.train_size} training samples of "
+                f"{self.describe()}; use at most {self.train_size} workers"
+            )
+
+
+@dataclass(frozen=True)
+class TensorSource(Source):
+    """A built-in dataset or a `module:factory`: map-style Datasets every worker loads itself."""
+
+    spec: str
+    num_classes: int | None
+    input_shape: tuple[int, ...]
+    train_size: int
+
+    @classmethod
+    def load(cls, spec: str) -> TensorSource:
+        split = load_data(spec)
+        return cls(spec, split.num_classes, split.input_shape, len(split.train))
+
+    def describe(self) -> str:
+        return repr(self.spec)
+
+    def example(self) -> torch.Tensor:
+        return load_data(self.spec).train[0][0]
+
+    def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
+        from sparknet.data.loader import Batch
+
+        train = load_data(self.spec).train
+        part = shard(len(train), inp.workers, inp.partition, inp.seed)
+        for step in range(tau):
+            g = rnd * tau + step
+            positions = batch_positions(inp.seed, inp.partition, len(part), g, batch_size)
+            yield Batch(*make_batch(train, part[positions]))
+
+    def eval_batches(self, inp: TaskInput) -> Iterator:
+        from sparknet.data.loader import Batch
+
+        test = load_data(self.spec).test
+        indices = np.arange(inp.partition, len(test), inp.workers)
+        for start in range(0, len(indices), EVAL_BATCH):
+            yield Batch(*make_batch(test, indices[start : start + EVAL_BATCH]))
+
+
+@dataclass(frozen=True)
+class ShardSource(Source):
+    """WebDataset shards with a manifest, streamed from S3 (or read from a local dir)."""
+
+    store: Store
+    manifest: Manifest
+    image_size: int
+    loader_workers: int
+    cache_dir: str | None
+    cache_bytes: int
+
+    TRAIN = "train"
+    EVAL = "val"
+
+    @property
+    def num_classes(self) -> int:  # type: ignore[override]
+        return self.manifest.num_classes
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:  # type: ignore[override]
+        return (3, self.image_size, self.image_size)
+
+    @property
+    def train_size(self) -> int:  # type: ignore[override]
+        return self.manifest.samples(self.TRAIN)
+
+    def describe(self) -> str:
+        return self.store.uri
+
+    def example(self) -> torch.Tensor:
+        return torch.zeros(self.input_shape)
+
+    def check_workers(self, workers: int) -> None:
+        super().check_workers(workers)
+        shards = self.manifest.shards(self.TRAIN)
+        epoch_shards([s.samples for s in shards], seed=0, epoch=0, workers=workers, partition=0)
+
+    def _open(self, info: ShardInfo):
+        from sparknet.data.store import LocalStore
+
+        if self.cache_dir is None or self.cache_bytes <= 0 or isinstance(self.store, LocalStore):
+            return self.store.open(info.name)  # a local dataset is read in place, never copied
+        from sparknet.data.cache import ShardCache
+
+        return open(
+            ShardCache(Path(self.cache_dir).expanduser(), self.cache_bytes).path(self.store, info),
+            "rb",
+        )
+
+    def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
+        from sparknet.data.imagenet import train_transform
+        from sparknet.data.loader import decoded_batches, sample_seed
+
+        shards = self.manifest.shards(self.TRAIN)
+        key = (inp.run_id, inp.partition)
+        start = rnd * tau * batch_size
+
+        def open_items(position: int) -> Iterator:
+            return read_positions(
+                shards, self._open, seed=inp.seed, workers=inp.workers,
+                partition=inp.partition, start=position,
+            )  # fmt: skip
+
+        cursor = take_cursor(key, start, open_items)
+
+        def steps() -> Iterator[list]:
+            for step in range(tau):
+                g = rnd * tau + step
+                items = cursor.take(batch_size)
+                yield [
+                    None
+                    if s is None
+                    else (s.data, s.label, sample_seed(inp.seed, inp.partition, g, i))
+                    for i, s in enumerate(items)
+                ]
+            keep_cursor(key, cursor)  # the whole round was read: the next round continues here
+
+        batches = decoded_batches(
+            prefetch(steps(), depth=2), train_transform(self.image_size),
+            min_size=self.image_size, workers=self.loader_workers,
+        )  # fmt: skip
+        yield from batches
+
+    def eval_batches(self, inp: TaskInput) -> Iterator:
+        from sparknet.data.imagenet import eval_resize, eval_transform
+        from sparknet.data.loader import decoded_batches
+
+        if self.EVAL not in self.manifest.splits:
+            return
+        mine = self.manifest.shards(self.EVAL)[inp.partition :: inp.workers]
+
+        def items() -> Iterator:
+            for info in mine:
+                with self._open(info) as stream:
+                    for s in read_shard(stream, info):
+                        yield None if s is None else (s.data, s.label, 0)
+
+        def steps() -> Iterator[list]:
+            chunk: list = []
+            for item in items():
+                chunk.append(item)
+                if len(chunk) == EVAL_BATCH:
+                    yield chunk
+                    chunk = []
+            if chunk:
+                yield chunk
+
+        transform = eval_transform(self.image_size)
+        yield from decoded_batches(
+            prefetch(steps(), depth=2), transform,
+            min_size=eval_resize(self.image_size), workers=self.loader_workers,
+        )  # fmt: skip
+
+
+#: the executor-local shard cache when `cache_dir` is not set (expanded on the executor)
+DEFAULT_CACHE_DIR = "~/.cache/sparknet/shards"
+
+
+def is_frame_spec(spec: str) -> bool:
+    """`parquet:PATH` and `table:NAME` name DataFrames, which need the Spark session to resolve."""
+    return spec.startswith(("parquet:", "table:"))
+
+
+def shard_source(uri: str, cfg, endpoint_url: str | None = None) -> ShardSource:
+    """A shard dataset, its manifest read now: a missing bucket or bad credentials fail here."""
+    from sparknet.data.store import load_manifest, open_store
+
+    store = open_store(uri, endpoint_url or cfg.endpoint_url)
+    manifest = load_manifest(store)
+    cache_dir = str(cfg.cache_dir) if cfg.cache_dir is not None else DEFAULT_CACHE_DIR
+    return ShardSource(
+        store, manifest, cfg.image_size, cfg.loader_workers, cache_dir, int(cfg.cache_gb * 2**30)
+    )
+
+
+def resolve_source(cfg, datasets: dict | None = None) -> Source:
+    """The source `cfg.data` names (anything but a DataFrame, see `is_frame_spec`)."""
+    spec = cfg.data
+    datasets = datasets or {}
+    if spec in datasets:
+        entry = datasets[spec]
+        return shard_source(entry.uri, cfg, entry.endpoint_url)
+    if spec.startswith(("s3://", "file://")):
+        return shard_source(spec, cfg)
+    if spec == "digits" or is_reference(spec):
+        return TensorSource.load(spec)
+    if Path(spec).is_dir():
+        return shard_source(spec, cfg)
+    named = (
+        f" or a dataset name from sparknet.yaml ({', '.join(sorted(datasets))})" if datasets else ""
+    )
+    raise SparknetError(
+        f"unknown dataset {spec!r}: use digits, package.module:factory, s3://bucket/prefix, a "
+        f"local dataset dir, parquet:PATH, table:NAME{named}"
+    )

@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparknet.config import TrainConfig
-from sparknet.data.sources import DataSplit, load_data
+from sparknet.config import DatasetEntry, TrainConfig
+from sparknet.data.frames import Frames
+from sparknet.data.sources import Source, is_frame_spec, resolve_source
 from sparknet.errors import SparknetError
 from sparknet.models import build_model, check_model_accepts
 from sparknet.training import checkpoint
@@ -58,7 +59,7 @@ class RunResult:
 class Problem:
     """What the driver checks before any Spark job: data, model and their fit."""
 
-    split: DataSplit
+    source: Source
     num_classes: int
     model: torch.nn.Module
 
@@ -71,23 +72,47 @@ def default_run_dir(cfg: TrainConfig) -> Path:
     return Path("runs") / f"{slug(cfg.model)}-{slug(cfg.data)}-{stamp}"
 
 
-def prepare(cfg: TrainConfig) -> Problem:
-    """Load the data and build the initial model on the driver; fail here, before Spark starts."""
-    split = load_data(cfg.data)
-    if cfg.workers > len(split.train):
-        raise SparknetError(
-            f"--workers {cfg.workers} is more than the {len(split.train)} training samples "
-            f"of {cfg.data!r}; use at most {len(split.train)} workers"
-        )
-    num_classes = cfg.num_classes or split.num_classes
+def prepare(cfg: TrainConfig, source: Source) -> Problem:
+    """Check the data against the settings and build the initial model on the driver."""
+    source.check_workers(cfg.workers)
+    num_classes = cfg.num_classes or source.num_classes
     if num_classes is None:
         raise SparknetError(f"cannot tell how many classes {cfg.data!r} has; pass --num-classes")
     if cfg.fail_once_at and cfg.fail_once_at[1] >= cfg.workers:
         raise SparknetError(f"fail_once partition {cfg.fail_once_at[1]} >= --workers {cfg.workers}")
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, split.input_shape, num_classes)
-    check_model_accepts(model, split.train[0][0], num_classes, cfg.model)
-    return Problem(split, num_classes, model)
+    model = build_model(cfg.model, source.input_shape, num_classes)
+    check_model_accepts(model, source.example(), num_classes, cfg.model)
+    return Problem(source, num_classes, model)
+
+
+def _frame_problem(cfg: TrainConfig, spark, frames: FrameInput) -> tuple[Problem, Frames]:
+    from sparknet.data.frames import prepare_frames, read_frame
+
+    train_df = frames.train if frames.train is not None else read_frame(spark, cfg.data)
+    eval_df = frames.eval
+    if eval_df is None and cfg.eval_data:
+        eval_df = read_frame(spark, cfg.eval_data)
+    source, placed = prepare_frames(
+        train_df, eval_df, workers=cfg.workers, label_col=cfg.label_col,
+        input_col=cfg.input_col, num_classes=cfg.num_classes, image_size=cfg.image_size,
+        loader_workers=cfg.loader_workers, feature_shape=frames.feature_shape,
+        name=cfg.data if frames.train is None else "the DataFrame",
+    )  # fmt: skip
+    try:
+        return prepare(cfg, source), placed
+    except BaseException:
+        placed.release()
+        raise
+
+
+@dataclass(frozen=True)
+class FrameInput:
+    """DataFrames handed in by the Python API (`sparknet.fit`); None: read `cfg.data`."""
+
+    train: Any = None
+    eval: Any = None
+    feature_shape: tuple[int, ...] | None = None
 
 
 def _write_config(run_dir: Path, cfg: TrainConfig) -> None:
@@ -132,6 +157,7 @@ def _round_row(
         },
         "samples_per_s": samples / round_s,
         "inner_state_misses": sum(r.inner_state_miss for r in reports),
+        "skipped_samples": sum(r.skipped for r in reports),
     }
 
 
@@ -143,14 +169,26 @@ def _raise_diverged(contrib: Contribution, done: int, run_dir: Path) -> None:
     )
 
 
-def _train_work(task: RoundTask, theta, partition, attempt, threads, local_dir) -> Contribution:
+def _train_work(task: RoundTask, theta, partition, attempt, threads, local_dir, rows):
     return train_partition(
-        task, theta, partition, attempt=attempt, threads=threads, local_dir=local_dir
+        task, theta, partition, attempt=attempt, threads=threads, local_dir=local_dir, rows=rows
     )
 
 
-def _eval_work(task: RoundTask, theta, partition, attempt, threads, local_dir) -> EvalResult:
-    return evaluate_partition(task, theta, partition, threads=threads)
+def _eval_work(task: RoundTask, theta, partition, attempt, threads, local_dir, rows):
+    return evaluate_partition(task, theta, partition, threads=threads, rows=rows)
+
+
+def _eval_row(ev: EvalResult) -> dict[str, Any]:
+    if ev.count == 0:
+        return {"eval_skipped_samples": ev.skipped} if ev.skipped else {}
+    return {
+        "eval_loss": ev.loss_sum / ev.count,
+        "eval_accuracy": ev.correct / ev.count,
+        "eval_top5": ev.correct5 / ev.count,
+        "eval_samples": ev.count,
+        "eval_skipped_samples": ev.skipped,
+    }
 
 
 def train(
@@ -160,35 +198,97 @@ def train(
     spark=None,
     on_start: StartCallback | None = None,
     on_round: RoundCallback | None = None,
+    datasets: dict[str, DatasetEntry] | None = None,
+    frames: FrameInput | None = None,
 ) -> RunResult:
-    """Run (or resume) a training job; writes the run dir of design.md section 4."""
+    """Run (or resume) a training job; writes the run dir of design.md section 4.
+
+    Everything that can be checked without Spark (settings, the run dir, a shard dataset's
+    manifest, the model) is checked before Spark starts; a DataFrame is checked right after.
+    """
     if cfg.out is None:
         cfg = cfg.model_copy(update={"out": default_run_dir(cfg)})
-    problem = prepare(cfg)
+    if frames is None and is_frame_spec(cfg.data):
+        frames = FrameInput()
     run_dir = _check_run_dir(cfg, resume)
+    own_session = spark is None
+    placed: Frames | None = None
+    if frames is None:
+        problem = prepare(cfg, resolve_source(cfg, datasets))
+        begin = _initial_state(cfg, problem, run_dir, resume)
+        if on_start is not None:
+            on_start(begin.rounds, cfg.rounds)
+        if own_session:
+            spark = start_session(cfg.master, cfg.workers)
+    else:
+        if own_session:
+            spark = start_session(cfg.master, cfg.workers)
+        try:
+            problem, placed = _frame_problem(cfg, spark, frames)
+            begin = _initial_state(cfg, problem, run_dir, resume)
+        except BaseException:
+            if placed is not None:
+                placed.release()
+            if own_session:
+                spark.stop()
+            raise
+        if on_start is not None:
+            on_start(begin.rounds, cfg.rounds)
+    try:
+        return _run(cfg, problem, begin, run_dir, spark, own_session, placed, on_round)
+    finally:
+        if placed is not None:
+            placed.release()
+        if own_session:
+            spark.stop()
+
+
+@dataclass
+class _Begin:
+    """Where the round loop starts: fresh from the model's initial weights, or a checkpoint."""
+
+    layout: StateLayout
+    outer: OuterOptimizer
+    integers: dict[str, np.ndarray]
+    rounds: int
+    elapsed_s: float
+
+
+def _initial_state(cfg: TrainConfig, problem: Problem, run_dir: Path, resume: bool) -> _Begin:
     state = problem.model.state_dict()
     layout = StateLayout.of(state)
-    outer = OuterOptimizer(layout.flatten(state), cfg.outer_lr, cfg.outer_momentum)
-    integers, start, elapsed0 = layout.integers(state), 0, 0.0
-    if resume:
-        last = checkpoint.latest(run_dir)
-        if last is None:
-            raise SparknetError(f"nothing to resume: {run_dir} has no complete checkpoint")
-        ckpt = checkpoint.load(last, layout)
-        if ckpt.rounds >= cfg.rounds:
-            raise SparknetError(
-                f"{run_dir} already ran {ckpt.rounds} rounds; pass --rounds > {ckpt.rounds}"
-            )
-        start, elapsed0, integers = ckpt.rounds, ckpt.elapsed_s, ckpt.integers
-        outer = OuterOptimizer(ckpt.theta, cfg.outer_lr, cfg.outer_momentum)
-        outer.load_momentum_buffer(ckpt.outer_momentum)
-    theta = outer.theta.numpy()
+    if not resume:
+        outer = OuterOptimizer(layout.flatten(state), cfg.outer_lr, cfg.outer_momentum)
+        return _Begin(layout, outer, layout.integers(state), 0, 0.0)
+    last = checkpoint.latest(run_dir)
+    if last is None:
+        raise SparknetError(f"nothing to resume: {run_dir} has no complete checkpoint")
+    ckpt = checkpoint.load(last, layout)
+    if ckpt.rounds >= cfg.rounds:
+        raise SparknetError(
+            f"{run_dir} already ran {ckpt.rounds} rounds; pass --rounds > {ckpt.rounds}"
+        )
+    outer = OuterOptimizer(ckpt.theta, cfg.outer_lr, cfg.outer_momentum)
+    outer.load_momentum_buffer(ckpt.outer_momentum)
+    return _Begin(layout, outer, ckpt.integers, ckpt.rounds, ckpt.elapsed_s)
 
-    if on_start is not None:
-        on_start(start, cfg.rounds)
-    own_session = spark is None
-    if own_session:
-        spark = start_session(cfg.master, cfg.workers)
+
+def _run(
+    cfg: TrainConfig,
+    problem: Problem,
+    begin: _Begin,
+    run_dir: Path,
+    spark,
+    own_session: bool,
+    placed: Frames | None,
+    on_round: RoundCallback | None,
+) -> RunResult:
+    layout, outer, integers = begin.layout, begin.outer, begin.integers
+    start, elapsed0 = begin.rounds, begin.elapsed_s
+    theta = outer.theta.numpy()
+    train_frame = placed.train if placed is not None else None
+    eval_frame = placed.eval if placed is not None else None
+    evaluates = placed is None or eval_frame is not None
     stage: Path | None = None
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -196,8 +296,8 @@ def train(
         metrics = MetricsLog(run_dir, keep_rounds=start)
         transport = SparkTransport(spark.sparkContext, cfg.workers)
         base = RoundTask(
-            cfg, uuid.uuid4().hex[:12], start, layout, integers, problem.num_classes,
-            problem.split.input_shape, str(run_dir),
+            cfg, problem.source, uuid.uuid4().hex[:12], start, layout, integers,
+            problem.num_classes, problem.source.input_shape, str(run_dir),
         )  # fmt: skip
         t_start = time.perf_counter()
         for r in range(start, cfg.rounds):
@@ -210,7 +310,7 @@ def train(
             task = replace(base, round=r, integers=integers, checkpoint_dir=stage and str(stage))
             t0 = time.perf_counter()
             contrib, broadcast_s = transport.map_reduce(
-                theta, functools.partial(_train_work, task), Contribution.combine
+                theta, functools.partial(_train_work, task), Contribution.combine, train_frame
             )
             if contrib.delta_sum is None:
                 _raise_diverged(contrib, done, run_dir)
@@ -218,12 +318,12 @@ def train(
             integers = contrib.integers
             round_s = time.perf_counter() - t0
             row = _round_row(done, contrib, round_s, broadcast_s)
-            if _due(cfg.eval_every, done, cfg.rounds):
+            if evaluates and _due(cfg.eval_every, done, cfg.rounds):
                 eval_task = replace(task, integers=integers, checkpoint_dir=None)
                 ev, _ = transport.map_reduce(
-                    theta, functools.partial(_eval_work, eval_task), EvalResult.combine
+                    theta, functools.partial(_eval_work, eval_task), EvalResult.combine, eval_frame
                 )
-                row.update(eval_loss=ev.loss_sum / ev.count, eval_accuracy=ev.correct / ev.count)
+                row.update(_eval_row(ev))
             row["elapsed_s"] = elapsed0 + time.perf_counter() - t_start
             if stage is not None:
                 checkpoint.write(
@@ -234,9 +334,9 @@ def train(
             if on_round is not None:
                 on_round(row)
     finally:
-        if own_session:
-            spark.stop()  # first: a cancelled task may still be writing into the stage
         if stage is not None:
+            if own_session:
+                spark.stop()  # first: a cancelled task may still be writing into the stage
             shutil.rmtree(stage, ignore_errors=True)
 
     checkpoint.save_state_dict(layout.unflatten(theta, integers), run_dir / MODEL_FILE)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import pickle
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -26,8 +27,12 @@ from sparknet.errors import SparknetError
 
 R = TypeVar("R")
 
-#: work(theta, partition, attempt, threads, local_dir) -> one partition's result
-PartitionWork = Callable[[np.ndarray, int, int, int, str], R]
+#: work(theta, partition, attempt, threads, local_dir, rows) -> one partition's result; `rows` is
+#: the partition's Arrow record batches when the job maps over a DataFrame, else None
+PartitionWork = Callable[[np.ndarray, int, int, int, str, list | None], R]
+
+#: what a task of a DataFrame job returns: its partition and its pickled result
+_FRAME_RESULT = "partition int, payload binary"
 
 _EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Failure)): (.+)$")
 
@@ -67,6 +72,20 @@ def tree_reduce(rdd, combine: Callable[[R, R], R], fan_in: int) -> R:
     return functools.reduce(combine, (v for _, v in parts))
 
 
+def _map_frame(frame, call: Callable[[int, list], R]):
+    """(partition, result) pairs of `call` over each partition's Arrow batches of `frame`."""
+
+    def run(batches: Iterator) -> Iterator:
+        import pyarrow as pa
+
+        index = TaskContext.get().partitionId()
+        payload = pickle.dumps(call(index, list(batches)), protocol=pickle.HIGHEST_PROTOCOL)
+        schema = pa.schema([("partition", pa.int32()), ("payload", pa.binary())])
+        yield pa.RecordBatch.from_pydict({"partition": [index], "payload": [payload]}, schema)
+
+    return frame.mapInArrow(run, _FRAME_RESULT).rdd.map(lambda r: (r[0], pickle.loads(r[1])))
+
+
 def describe_task_failure(exc: Exception) -> str:
     """The worker's own exception line out of a Py4J error, e.g. 'SparknetError: model ...'."""
     text = f"{exc}\n{getattr(exc, 'java_exception', '')}"
@@ -89,22 +108,40 @@ class SparkTransport:
         self.fan_in = fan_in or default_fan_in(partitions)
 
     def map_reduce(
-        self, theta: np.ndarray, work: PartitionWork[R], combine: Callable[[R, R], R]
+        self,
+        theta: np.ndarray,
+        work: PartitionWork[R],
+        combine: Callable[[R, R], R],
+        frame=None,
     ) -> tuple[R, float]:
-        """Run `work` on every partition against `theta`; returns (reduced result, broadcast s)."""
+        """Run `work` on every partition against `theta`; returns (reduced result, broadcast s).
+
+        Without `frame` the job has K empty partitions and the workers read their own data. With
+        a DataFrame of K partitions, the job maps over it (`mapInArrow`) and task k gets
+        partition k's rows as Arrow record batches.
+        """
         t0 = time.perf_counter()
         bc = self.sc.broadcast(theta)
         broadcast_s = time.perf_counter() - t0
         try:
 
-            def run(index: int, _rows: Iterator) -> Iterator[tuple[int, R]]:
+            def call(index: int, rows: list | None) -> R:
                 ctx = TaskContext.get()
                 threads = max(1, ctx.cpus()) if ctx else 1
                 attempt = ctx.attemptNumber() if ctx else 0
-                yield index, work(bc.value, index, attempt, threads, SparkFiles.getRootDirectory())
+                local_dir = SparkFiles.getRootDirectory()
+                return work(bc.value, index, attempt, threads, local_dir, rows)
 
-            rdd = self.sc.parallelize(range(self.partitions), self.partitions)
-            result = tree_reduce(rdd.mapPartitionsWithIndex(run), combine, self.fan_in)
+            if frame is None:
+
+                def run(index: int, _rows: Iterator) -> Iterator[tuple[int, R]]:
+                    yield index, call(index, None)
+
+                rdd = self.sc.parallelize(range(self.partitions), self.partitions)
+                results = rdd.mapPartitionsWithIndex(run)
+            else:
+                results = _map_frame(frame, call)
+            result = tree_reduce(results, combine, self.fan_in)
         except (Py4JJavaError, PySparkException) as exc:
             raise SparknetError(
                 f"a Spark task failed after all retries: {describe_task_failure(exc)}"

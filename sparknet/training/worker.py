@@ -17,13 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparknet.config import TrainConfig
-from sparknet.data.sources import batch_positions, load_data, make_batch, shard
+from sparknet.data.sources import Source, TaskInput
 from sparknet.models import build_model
 from sparknet.training import checkpoint
 from sparknet.training.outer import pseudo_gradient
 from sparknet.training.state import StateLayout
-
-EVAL_BATCH = 512
 
 
 @dataclass(frozen=True)
@@ -31,6 +29,7 @@ class RoundTask:
     """Everything a worker needs besides the weights; small, shipped inside every task."""
 
     cfg: TrainConfig
+    source: Source
     run_id: str
     round: int
     layout: StateLayout
@@ -50,6 +49,8 @@ class WorkerReport:
     load_s: float
     compute_s: float
     inner_state_miss: bool = False
+    #: samples that could not be read or decoded (a corrupt JPEG, a truncated tar member)
+    skipped: int = 0
     #: what went non-finite, e.g. "loss nan at step 3"; the round's update is then discarded
     diverged: str | None = None
 
@@ -83,11 +84,19 @@ class Contribution:
 class EvalResult:
     loss_sum: float = 0.0
     correct: int = 0
+    correct5: int = 0  # the label is among the 5 highest logits
     count: int = 0
+    skipped: int = 0
 
     @staticmethod
     def combine(a: EvalResult, b: EvalResult) -> EvalResult:
-        return EvalResult(a.loss_sum + b.loss_sum, a.correct + b.correct, a.count + b.count)
+        return EvalResult(
+            a.loss_sum + b.loss_sum,
+            a.correct + b.correct,
+            a.correct5 + b.correct5,
+            a.count + b.count,
+            a.skipped + b.skipped,
+        )
 
 
 # ---- executor-local state -------------------------------------------------------------------
@@ -176,12 +185,12 @@ def train_partition(
     attempt: int = 0,
     threads: int = 1,
     local_dir: str | os.PathLike[str] = ".",
+    rows: list | None = None,
 ) -> Contribution:
     """Run tau inner steps of `partition` from `theta` and return its pseudo-gradient."""
     cfg = task.cfg
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    split = load_data(cfg.data)
     model = _model_for(task)
     model.load_state_dict(task.layout.unflatten(theta, task.integers))
     model.train()
@@ -197,20 +206,22 @@ def train_partition(
     t1 = time.perf_counter()
 
     torch.manual_seed(task_seed(cfg.seed, partition, task.round))
-    part = shard(len(split.train), cfg.workers, partition, cfg.seed)
-    losses = torch.zeros(cfg.tau)
-    for step in range(cfg.tau):
-        positions = batch_positions(
-            cfg.seed, partition, len(part), task.round * cfg.tau + step, cfg.batch_size
-        )
-        x, y = make_batch(split.train, part[positions])
+    inp = TaskInput(partition, cfg.workers, cfg.seed, task.run_id, threads, rows)
+    batches = task.source.train_batches(inp, task.round, cfg.tau, cfg.batch_size)
+    losses: list[torch.Tensor] = []
+    samples = skipped = 0
+    for step, batch in enumerate(batches):
+        skipped += batch.skipped
+        if len(batch.y) == 0:
+            continue  # every sample of this step was unreadable: nothing to learn from
         optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy(model(batch.x), batch.y)
         if not torch.isfinite(loss):
             return _diverged(partition, f"loss {float(loss)} at step {step + 1}", t1 - t0, miss)
         loss.backward()
         optimizer.step()
-        losses[step] = loss.detach()
+        losses.append(loss.detach())
+        samples += len(batch.y)
         if cfg.fail_once_at == (task.round, partition) and attempt == 0:
             raise InjectedFailure(
                 f"fail_once drill: partition {partition}, round {task.round}, attempt 0"
@@ -229,29 +240,37 @@ def train_partition(
             save_atomically(
                 opt_state, checkpoint.inner_state_path(Path(task.checkpoint_dir), partition)
             )
-    report = WorkerReport(
-        partition, float(losses.mean()), cfg.tau * cfg.batch_size, t1 - t0, t2 - t1, miss
-    )
+    loss_mean = float(torch.stack(losses).mean()) if losses else float("nan")
+    report = WorkerReport(partition, loss_mean, samples, t1 - t0, t2 - t1, miss, skipped)
     integers = task.layout.integers(state) if partition == 0 else None
     return Contribution(partition, delta, 1, integers, [report])
 
 
 @torch.no_grad()
 def evaluate_partition(
-    task: RoundTask, theta: np.ndarray, partition: int, *, threads: int = 1
+    task: RoundTask,
+    theta: np.ndarray,
+    partition: int,
+    *,
+    threads: int = 1,
+    rows: list | None = None,
 ) -> EvalResult:
-    """Loss and accuracy of the global weights on this partition's slice of the test set."""
+    """Loss, top-1 and top-5 of the global weights on this partition's share of the test set."""
+    cfg = task.cfg
     torch.set_num_threads(threads)
-    split = load_data(task.cfg.data)
     model = _model_for(task)
     model.load_state_dict(task.layout.unflatten(theta, task.integers))
     model.eval()
-    indices = np.arange(partition, len(split.test), task.cfg.workers)
     result = EvalResult()
-    for start in range(0, len(indices), EVAL_BATCH):
-        x, y = make_batch(split.test, indices[start : start + EVAL_BATCH])
-        logits = model(x)
-        result.loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-        result.correct += int((logits.argmax(1) == y).sum())
-        result.count += len(y)
+    inp = TaskInput(partition, cfg.workers, cfg.seed, task.run_id, threads, rows)
+    for batch in task.source.eval_batches(inp):
+        result.skipped += batch.skipped
+        if len(batch.y) == 0:
+            continue
+        logits = model(batch.x)
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        result.loss_sum += float(F.cross_entropy(logits, batch.y, reduction="sum"))
+        result.correct += int((top[:, 0] == batch.y).sum())
+        result.correct5 += int((top == batch.y[:, None]).any(1).sum())
+        result.count += len(batch.y)
     return result

@@ -17,7 +17,7 @@ def test_tree_reduce_merges_in_partition_order_at_every_level(sc):
     assert tree_reduce(rdd, lambda a, b: a + b, fan_in=3) == list(range(11))
 
 
-def _echo(theta, partition, attempt, threads, local_dir):
+def _echo(theta, partition, attempt, threads, local_dir, rows):
     return (partition + 1) * theta
 
 
@@ -38,7 +38,7 @@ def _storage_used(sc) -> int:
     return used
 
 
-def _zeros(theta, partition, attempt, threads, local_dir):
+def _zeros(theta, partition, attempt, threads, local_dir, rows):
     return np.zeros(1, np.float32)
 
 
@@ -56,7 +56,7 @@ def test_broadcasts_are_destroyed_so_memory_stays_flat(sc):
     assert grown < theta.nbytes, f"block manager grew by {grown} bytes over 12 rounds"
 
 
-def _fail(theta, partition, attempt, threads, local_dir):
+def _fail(theta, partition, attempt, threads, local_dir, rows):
     raise SparknetError("data 'x:y': cannot import module 'x'")
 
 
@@ -68,7 +68,7 @@ def test_a_failing_task_becomes_one_sparknet_error(sc):
     )
 
 
-def _threads(theta, partition, attempt, threads, local_dir):
+def _threads(theta, partition, attempt, threads, local_dir, rows):
     return [threads]
 
 

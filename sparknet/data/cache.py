@@ -1,0 +1,121 @@
+"""A size-capped local disk cache of shards, shared by the processes of one machine.
+
+Executors read each shard many times (once per epoch); fetching it once and reading it from local
+disk afterwards keeps S3 traffic to one pass. A fetched shard is checked against the manifest's
+size and sha256 before it enters the cache, so a corrupt or replaced upload fails with its name
+instead of training on wrong bytes.
+
+Several Python workers share one root: every write goes to a temp name unique to its process and
+is renamed into place (atomic), eviction tolerates files another process removed first, and files
+whose names start with "." (in-flight temps) are never counted or evicted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import uuid
+from pathlib import Path
+
+from sparknet.data.manifest import ShardInfo, sha256_file
+from sparknet.data.store import Store
+from sparknet.errors import SparknetError
+
+
+def store_key(store: Store) -> str:
+    """A short stable name for a store, so two datasets with equal shard names do not collide."""
+    return hashlib.sha256(store.uri.encode()).hexdigest()[:12]
+
+
+class ShardCache:
+    """Local copies of shards under `root`, at most `cap_bytes` in total (least recently used are
+    evicted first; a single shard larger than the cap is still kept while it is the newest).
+
+    Picklable (a path and an int), so it can travel to executors with the task.
+    """
+
+    def __init__(self, root: Path, cap_bytes: int) -> None:
+        if cap_bytes <= 0:
+            raise SparknetError(f"the shard cache size must be positive, not {cap_bytes} bytes")
+        self.root = Path(root)
+        self.cap_bytes = cap_bytes
+
+    def __repr__(self) -> str:
+        return f"ShardCache({str(self.root)!r}, cap_bytes={self.cap_bytes})"
+
+    def file_name(self, store: Store, info: ShardInfo) -> str:
+        """The cache file name: store identity + content hash prefix + shard name, so a shard that
+        was re-made (new sha256) is a miss rather than a stale hit."""
+        return f"{store_key(store)}-{info.sha256[:16]}-{info.name}"
+
+    def path(self, store: Store, info: ShardInfo) -> Path:
+        """A local file holding the shard's bytes: cached, or fetched, checked and cached now."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / self.file_name(store, info)
+        try:
+            if final.stat().st_size == info.bytes:
+                os.utime(final)  # mark it recently used
+                return final
+        except FileNotFoundError:
+            pass
+        tmp = self.root / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            store.fetch(info.name, tmp)
+            self._check(store, info, tmp)
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.evict(keep=final)
+        return final
+
+    def _check(self, store: Store, info: ShardInfo, path: Path) -> None:
+        where = f"{store.uri}/{info.name}"
+        size = path.stat().st_size
+        if size != info.bytes:
+            raise SparknetError(
+                f"shard {where} has {size} bytes but the manifest says {info.bytes}; "
+                "run `sparknet data verify` on the dataset and upload it again"
+            )
+        digest = sha256_file(path)
+        if digest != info.sha256:
+            raise SparknetError(
+                f"shard {where} does not match its sha256 in the manifest (got {digest[:12]}..., "
+                f"expected {info.sha256[:12]}...); run `sparknet data verify` and upload it again"
+            )
+
+    def evict(self, keep: Path | None = None) -> None:
+        """Remove least-recently-used files until the total is within the cap (never `keep`)."""
+        entries: list[tuple[int, int, Path]] = []
+        total = 0
+        for entry in os.scandir(self.root):
+            if entry.name.startswith("."):
+                continue
+            try:
+                st = entry.stat()
+            except FileNotFoundError:  # evicted by another process meanwhile
+                continue
+            if not entry.is_file():
+                continue
+            entries.append((st.st_mtime_ns, st.st_size, Path(entry.path)))
+            total += st.st_size
+        entries.sort()
+        for _, size, path in entries:
+            if total <= self.cap_bytes:
+                break
+            if keep is not None and path == keep:
+                continue
+            with contextlib.suppress(FileNotFoundError):  # another process evicted it first
+                path.unlink()
+            total -= size
+
+    def total_bytes(self) -> int:
+        """Bytes held by cached (not in-flight) files."""
+        total = 0
+        if not self.root.is_dir():
+            return 0
+        for entry in os.scandir(self.root):
+            if not entry.name.startswith("."):
+                with contextlib.suppress(FileNotFoundError):
+                    total += entry.stat().st_size
+        return total

@@ -1,0 +1,86 @@
+"""Encoded images to training tensors inside a Spark task: a DataLoader with worker processes.
+
+The task's main thread decides which samples make up each step (a pure function of seed,
+partition, round and step); the loader's worker processes only decode and transform them. The
+batch sampler hands over the samples themselves, encoded bytes and label, so workers need no
+access to the data store, and the batches come back in step order whatever the worker timing.
+Every sample carries its own seed for augmentation: the same sample at the same step gets the
+same crop on any executor, with any number of loader workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+#: (encoded bytes, label, augmentation seed), or None for a sample that could not be read
+Item = tuple[bytes, int, int] | None
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+    #: samples of this step that could not be read or decoded (counted, never fatal)
+    skipped: int = 0
+
+
+def sample_seed(seed: int, partition: int, global_step: int, index: int) -> int:
+    return int(np.random.SeedSequence([seed, partition, global_step, index]).generate_state(1)[0])
+
+
+class DecodeDataset(Dataset):
+    """Maps an item handed over by the batch sampler to (tensor, label), or None if corrupt."""
+
+    def __init__(self, transform: Callable, min_size: int | None) -> None:
+        self.transform = transform
+        self.min_size = min_size
+
+    def __len__(self) -> int:  # items arrive from the sampler; there is no index space
+        return 0
+
+    def __getitem__(self, item: Item):
+        from sparknet.data.imagenet import decode_image
+
+        if item is None:
+            return None
+        data, label, seed = item
+        try:
+            image = decode_image(data, self.min_size)
+        except Exception:  # corrupt or truncated encoding: skipped and counted by the collate
+            return None
+        torch.manual_seed(seed)
+        return self.transform(image), label
+
+
+def collate_skipping(samples: list) -> Batch:
+    good = [s for s in samples if s is not None]
+    skipped = len(samples) - len(good)
+    if not good:
+        return Batch(torch.empty(0), torch.empty(0, dtype=torch.int64), skipped)
+    x = torch.stack([s[0] for s in good])
+    y = torch.tensor([s[1] for s in good], dtype=torch.int64)
+    return Batch(x, y, skipped)
+
+
+def decoded_batches(
+    steps: Iterable[list[Item]],
+    transform: Callable,
+    *,
+    min_size: int | None,
+    workers: int,
+) -> Iterator[Batch]:
+    """Decode each step's items in `workers` processes (0: in this thread); batches in order."""
+    loader = DataLoader(
+        DecodeDataset(transform, min_size),
+        batch_sampler=steps,
+        collate_fn=collate_skipping,
+        num_workers=workers,
+        prefetch_factor=2 if workers else None,
+        multiprocessing_context="fork" if workers else None,
+    )
+    yield from loader

@@ -1,0 +1,101 @@
+"""The dataset manifest: what shards a dataset has, what is in them, and the class list.
+
+A dataset is a directory (local or an S3 prefix) of WebDataset tar shards plus `manifest.json`.
+The manifest is written (and uploaded) last, so a dataset without one is unfinished and is never
+read. Every shard is recorded with its sample count, byte size and sha256: readers map a sample
+position to a shard without opening any, and `verify` checks bytes against it.
+
+Shard members are `<key>.jpg` (encoded image bytes) and `<key>.cls` (the class index, ASCII).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sparknet.errors import SparknetError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "sparknet-shards"
+VERSION = 1
+#: a shard's file name: `<split>-<6-digit index>.tar`
+SHARD_PATTERN = r"^[a-z]+-\d{6}\.tar$"
+
+
+_HASH_CHUNK = 1 << 20
+
+
+def sha256_stream(f: BinaryIO, on_chunk: Callable[[int], None] | None = None) -> str:
+    """Hex sha256 of a stream read to its end in 1 MiB chunks (shards are hundreds of MiB)."""
+    digest = hashlib.sha256()
+    while chunk := f.read(_HASH_CHUNK):
+        digest.update(chunk)
+        if on_chunk is not None:
+            on_chunk(len(chunk))
+    return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return sha256_stream(f)
+
+
+class ShardInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=SHARD_PATTERN)
+    samples: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class ClassInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0)
+    wnid: str
+    name: str | None = None
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal["sparknet-shards"] = FORMAT
+    version: Literal[1] = VERSION
+    classes: list[ClassInfo]
+    splits: dict[str, list[ShardInfo]]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def shards(self, split: str) -> list[ShardInfo]:
+        """The shards of `split`; a one-line error naming the splits there are when it is absent."""
+        if split not in self.splits or not self.splits[split]:
+            have = ", ".join(sorted(self.splits)) or "none"
+            raise SparknetError(f"the dataset has no {split!r} split (it has: {have})")
+        return self.splits[split]
+
+    def samples(self, split: str) -> int:
+        return sum(s.samples for s in self.shards(split))
+
+    def dumps(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=1) + "\n"
+
+    @classmethod
+    def loads(cls, text: str | bytes, where: str) -> Manifest:
+        """Parse a manifest; `where` names it in the error (a path or URI)."""
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"]) or "manifest"
+            raise SparknetError(
+                f"{where} is not a sparknet dataset manifest ({loc}: {err['msg']}); "
+                "re-create it with `sparknet data shard`"
+            ) from exc

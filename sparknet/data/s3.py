@@ -1,0 +1,364 @@
+"""S3 access for datasets: URIs, per-process clients, one-line errors, and resumable reads.
+
+Shards are read by long-lived streams from executors. A stream that breaks half-way (a reset
+connection, a read timeout) must not fail a Spark task, so `RangedReader` reopens the object at
+the byte it reached. Every reopen is pinned to the ETag of the first response, so an object that
+is replaced mid-read fails loudly instead of splicing two versions together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import io
+import os
+import re
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, BinaryIO, cast
+
+import boto3
+import botocore.exceptions as bx
+import urllib3.exceptions
+from botocore.config import Config
+
+from sparknet.errors import SparknetError
+
+#: connection / read timeouts (seconds) of every client; reads that stall longer are retried
+CONNECT_TIMEOUT = 10.0
+READ_TIMEOUT = 60.0
+#: `RangedReader` buffer size when wrapped by `open_object`
+READ_BUFFER = 1 << 20
+
+_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]$")
+_CREDENTIAL_CODES = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+}
+_MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+
+
+class MissingObjectError(SparknetError):
+    """An object (or local file) that is not there; its message names the full URI.
+
+    A subclass so callers can tell "absent" (e.g. a dataset without a manifest) from other
+    failures, while it still prints as a one-line SparknetError.
+    """
+
+
+@dataclass(frozen=True)
+class S3Uri:
+    """`s3://bucket/key`; `key` has no leading slash and may be empty (the bucket's root)."""
+
+    bucket: str
+    key: str
+
+    @classmethod
+    def parse(cls, uri: str) -> S3Uri:
+        """Split an `s3://` URI; a one-line error names what is wrong with it."""
+        if not uri.startswith("s3://"):
+            raise SparknetError(f"{uri!r} is not an S3 URI; write it as s3://BUCKET/PREFIX")
+        bucket, _, key = uri[len("s3://") :].partition("/")
+        if not _BUCKET.match(bucket):
+            raise SparknetError(
+                f"{uri!r} has no valid bucket name ({bucket!r}): bucket names are 3-63 letters, "
+                "digits, dots or dashes; write it as s3://BUCKET/PREFIX"
+            )
+        return cls(bucket, key.lstrip("/"))
+
+    def child(self, name: str) -> S3Uri:
+        """The object `name` directly under this URI taken as a prefix ("directory")."""
+        prefix = self.key.rstrip("/")
+        return S3Uri(self.bucket, f"{prefix}/{name}" if prefix else name)
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+
+_clients: dict[tuple[str | None, ...], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def client(endpoint_url: str | None = None) -> Any:
+    """A boto3 S3 client shared by the threads of this process.
+
+    Cached per process id because Spark forks Python workers: a client (and its connection pool)
+    inherited across a fork shares sockets with the parent. The key also holds the environment
+    that boto3 resolves at creation (profile, access key id, endpoint), so changing it takes
+    effect. `endpoint_url=None` leaves the endpoint to boto3, which honours AWS_ENDPOINT_URL.
+    Clients are made from their own Session: boto3's default session is not thread-safe.
+    """
+    env = os.environ
+    key = (
+        endpoint_url,
+        str(os.getpid()),
+        env.get("AWS_PROFILE"),
+        env.get("AWS_ACCESS_KEY_ID"),
+        env.get("AWS_ENDPOINT_URL"),
+        env.get("AWS_ENDPOINT_URL_S3"),
+    )
+    with _clients_lock:
+        found = _clients.get(key)
+        if found is None:
+            config = Config(
+                retries={"max_attempts": 10, "mode": "adaptive"},
+                connect_timeout=CONNECT_TIMEOUT,
+                read_timeout=READ_TIMEOUT,
+                max_pool_connections=32,
+            )
+            found = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+            _clients[key] = found
+        return found
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The botocore error behind wrappers such as boto3's S3UploadFailedError (which keeps the
+    ClientError only as its context)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, (bx.ClientError, bx.BotoCoreError)):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return exc
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def describe_client_error(exc: BaseException, what: str | S3Uri) -> SparknetError:
+    """Turn a boto3/botocore failure about `what` (an s3:// URI) into a one-line SparknetError
+    that says what to fix. Returned, not raised, so callers write `raise ... from exc`."""
+    what = str(what)
+    cause = _root_cause(exc)
+    if isinstance(cause, bx.ClientError):
+        err = cause.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code == "NoSuchBucket":
+            bucket = err.get("BucketName") or (
+                S3Uri.parse(what).bucket if what.startswith("s3://") else what
+            )
+            return SparknetError(
+                f"bucket {bucket} does not exist; create it or fix the URI ({what})"
+            )
+        if code in _MISSING_CODES:
+            return MissingObjectError(f"{what} does not exist")
+        if code in _CREDENTIAL_CODES:
+            return SparknetError(
+                f"AWS credentials were rejected for {what} ({code}); set AWS_PROFILE or "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY to valid credentials"
+            )
+        if code in ("AccessDenied", "403", "Forbidden") or status == 403:
+            return SparknetError(
+                f"access to {what} was denied ({code or 403}); the AWS credentials in use lack "
+                "permission: set AWS_PROFILE or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY to "
+                "credentials that may use this bucket"
+            )
+        if code in ("PreconditionFailed", "412"):
+            return SparknetError(
+                f"{what} was replaced while it was being read (its ETag changed); "
+                "wait for the upload to finish and run again"
+            )
+        message = _one_line(err.get("Message", "")) or "no message"
+        return SparknetError(f"S3 request for {what} failed: {code or status}: {message}")
+    if isinstance(cause, (bx.NoCredentialsError, bx.PartialCredentialsError)):
+        return SparknetError(
+            f"no usable AWS credentials to access {what}; set AWS_PROFILE or "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        )
+    if isinstance(cause, (bx.EndpointConnectionError, bx.ConnectTimeoutError)):
+        # botocore gives the request's full URL; the endpoint is its scheme and host
+        url = urllib.parse.urlsplit(str(cause.kwargs.get("endpoint_url", "")))
+        endpoint = f"{url.scheme}://{url.netloc}" if url.netloc else "the S3 endpoint"
+        return SparknetError(
+            f"cannot reach S3 at {endpoint} (for {what}); check endpoint_url / AWS_ENDPOINT_URL "
+            "and the network"
+        )
+    if isinstance(cause, bx.NoRegionError):
+        return SparknetError(
+            f"no AWS region for {what}; set AWS_DEFAULT_REGION (or AWS_PROFILE with a region)"
+        )
+    detail = _one_line(cause) or type(cause).__name__
+    return SparknetError(f"S3 request for {what} failed: {detail}")
+
+
+#: errors of a broken response stream; the read is resumed from the byte it reached
+STREAM_ERRORS: tuple[type[BaseException], ...] = (
+    bx.IncompleteReadError,
+    bx.ReadTimeoutError,
+    bx.ResponseStreamingError,
+    bx.ConnectionClosedError,
+    bx.EndpointConnectionError,
+    bx.ConnectTimeoutError,
+    urllib3.exceptions.ProtocolError,
+    urllib3.exceptions.ReadTimeoutError,
+    http.client.IncompleteRead,
+    ConnectionError,  # ConnectionResetError, BrokenPipeError, ...
+    TimeoutError,
+)
+
+
+class RangedReader(io.RawIOBase):
+    """A forward-only stream of one S3 object from byte `start`, resumed across broken streams.
+
+    Wrap it in `io.BufferedReader` (see `open_object`); it implements `readinto` and `tell`.
+    The object is opened at construction, so a missing object or bucket fails there, not at the
+    first read. After a stream error it reopens with `Range: bytes=<pos>-` and `If-Match: <etag>`;
+    up to `attempts` consecutive failures without progress, sleeping `backoff * 2**n` between
+    them, before it gives up with a SparknetError naming the URI.
+    """
+
+    def __init__(
+        self,
+        uri: S3Uri,
+        start: int = 0,
+        *,
+        endpoint_url: str | None = None,
+        attempts: int = 6,
+        backoff: float = 0.5,
+    ) -> None:
+        super().__init__()
+        if start < 0:
+            raise ValueError(f"start must be >= 0, not {start}")
+        self.uri = uri
+        self._endpoint_url = endpoint_url
+        self._attempts = attempts
+        self._backoff = backoff
+        self._pos = start
+        self._etag: str | None = None
+        self._size: int | None = None
+        self._body: Any = None
+        self.reopens = 0  # how many times a broken stream was resumed (for tests and logs)
+        try:
+            self._open()
+        except bx.BotoCoreError as exc:  # after the client's own retries: fail at open
+            raise describe_client_error(exc, uri) from exc
+
+    def _open(self) -> None:
+        """(Re)open the object at `self._pos`; sets `_body`, or leaves it None at end of object."""
+        args: dict[str, Any] = {"Bucket": self.uri.bucket, "Key": self.uri.key}
+        if self._pos > 0:
+            args["Range"] = f"bytes={self._pos}-"
+        if self._etag is not None:
+            args["IfMatch"] = self._etag
+        s3 = client(self._endpoint_url)
+        try:
+            resp = s3.get_object(**args)
+        except bx.ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
+            if code == "InvalidRange":  # start at (or past) the end
+                self._at_end_or_fail(s3)
+                return
+            raise describe_client_error(exc, self.uri) from exc
+        if self._pos > 0 and not resp.get("ContentRange"):
+            resp["Body"].close()
+            raise SparknetError(
+                f"the S3 endpoint ignored a Range request for {self.uri}; "
+                "use an S3-compatible store that supports ranged GETs"
+            )
+        if self._etag is None:
+            self._etag = resp.get("ETag")
+            self._size = self._pos + int(resp.get("ContentLength", 0))
+        self._body = resp["Body"]
+
+    def _at_end_or_fail(self, s3: Any) -> None:
+        try:
+            head = s3.head_object(Bucket=self.uri.bucket, Key=self.uri.key)
+        except bx.ClientError as exc:
+            raise describe_client_error(exc, self.uri) from exc
+        size = int(head["ContentLength"])
+        if self._pos > size:
+            raise SparknetError(
+                f"cannot read {self.uri} from byte {self._pos}: it has only {size} bytes"
+            )
+        if self._etag is None:
+            self._etag = head.get("ETag")
+        elif head.get("ETag") != self._etag:
+            raise describe_client_error(
+                bx.ClientError({"Error": {"Code": "PreconditionFailed"}}, "GetObject"), self.uri
+            )
+        self._size = size
+        self._body = None
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        if len(view) == 0:
+            return 0
+        failures = 0
+        while True:
+            if self._size is not None and self._pos >= self._size:
+                self._finish()
+                return 0
+            try:
+                if self._body is None:
+                    self._open()
+                    if self._body is None:
+                        return 0
+                chunk = self._body.read(len(view))
+                if not chunk and self._size is not None and self._pos < self._size:
+                    # a clean EOF short of the length the server promised
+                    raise bx.IncompleteReadError(actual_bytes=self._pos, expected_bytes=self._size)
+            except STREAM_ERRORS as exc:
+                failures += 1
+                self._drop_body()
+                if failures >= self._attempts:
+                    raise SparknetError(
+                        f"reading {self.uri} failed at byte {self._pos} after {failures} "
+                        f"attempts ({type(exc).__name__}: {_one_line(exc)}); check the network "
+                        "and the endpoint, then run again"
+                    ) from exc
+                time.sleep(self._backoff * 2 ** (failures - 1))
+                self.reopens += 1
+                continue
+            except bx.BotoCoreError as exc:  # e.g. credentials expired between two opens
+                raise describe_client_error(exc, self.uri) from exc
+            n = len(chunk)
+            view[:n] = chunk
+            self._pos += n
+            return n
+
+    def _finish(self) -> None:
+        """At the end of the object: read the (empty) rest, so urllib3 returns the connection to
+        the pool instead of closing it, then drop the body."""
+        if self._body is not None:
+            with contextlib.suppress(Exception):
+                self._body.read()
+        self._drop_body()
+
+    def _drop_body(self) -> None:
+        body, self._body = self._body, None
+        if body is not None:
+            # a broken stream may fail to close; it is dropped either way
+            with contextlib.suppress(Exception):
+                body.close()
+
+    def close(self) -> None:
+        self._drop_body()
+        super().close()
+
+
+def open_object(
+    uri: S3Uri,
+    start: int = 0,
+    endpoint_url: str | None = None,
+    *,
+    attempts: int = 6,
+    backoff: float = 0.5,
+) -> BinaryIO:
+    """A buffered, resumable stream of `uri` from byte `start` (see `RangedReader`)."""
+    raw = RangedReader(uri, start, endpoint_url=endpoint_url, attempts=attempts, backoff=backoff)
+    return cast(BinaryIO, io.BufferedReader(raw, buffer_size=READ_BUFFER))

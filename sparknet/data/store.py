@@ -1,0 +1,230 @@
+"""One interface over a dataset directory, local or on S3, so readers need not care which.
+
+Stores are shipped to Spark executors, so they hold only strings and make S3 clients lazily
+(per process, through `s3.client`). Every failure is a one-line SparknetError; an absent object
+is a `MissingObjectError` whose message names its full path or URI.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol, runtime_checkable
+
+import botocore.exceptions as bx
+from boto3.s3.transfer import TransferConfig
+
+from sparknet.data import s3
+from sparknet.data.manifest import MANIFEST_NAME, Manifest
+from sparknet.data.s3 import MissingObjectError, S3Uri
+from sparknet.errors import SparknetError
+
+__all__ = [
+    "LocalStore",
+    "MissingObjectError",
+    "S3Store",
+    "Store",
+    "load_manifest",
+    "open_store",
+]
+
+#: whole-object downloads: ranged GETs in parallel above the threshold
+DOWNLOAD_CONFIG = TransferConfig(
+    multipart_threshold=64 << 20, multipart_chunksize=16 << 20, max_concurrency=8
+)
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A flat directory of named objects (shards and `manifest.json`)."""
+
+    uri: str
+
+    def read_bytes(self, name: str) -> bytes:
+        """The whole object; for small ones such as the manifest."""
+        ...
+
+    def open(self, name: str, start: int = 0) -> BinaryIO:
+        """A stream of the object from byte `start`."""
+        ...
+
+    def size(self, name: str) -> int | None:
+        """The object's size in bytes, or None when it is not there."""
+        ...
+
+    def fetch(self, name: str, dest: Path) -> None:
+        """Write the whole object to `dest`, atomically (a reader never sees a partial file)."""
+        ...
+
+    def list(self) -> dict[str, int]:
+        """Names directly under the directory / prefix and their sizes."""
+        ...
+
+
+def _temp_beside(dest: Path) -> Path:
+    """A hidden temp name next to `dest` (same filesystem, so os.replace is atomic); unique per
+    process and call so concurrent fetches of the same object do not collide."""
+    return dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+class LocalStore:
+    """A dataset directory on a local (or network-mounted) filesystem."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.uri = str(Path(path).expanduser().absolute())
+
+    def __repr__(self) -> str:
+        return f"LocalStore({self.uri!r})"
+
+    def _path(self, name: str) -> Path:
+        return Path(self.uri) / name
+
+    def _missing(self, name: str) -> MissingObjectError:
+        return MissingObjectError(f"{self._path(name)} does not exist")
+
+    def read_bytes(self, name: str) -> bytes:
+        try:
+            return self._path(name).read_bytes()
+        except FileNotFoundError as exc:
+            raise self._missing(name) from exc
+
+    def open(self, name: str, start: int = 0) -> BinaryIO:
+        try:
+            f = self._path(name).open("rb")
+        except FileNotFoundError as exc:
+            raise self._missing(name) from exc
+        if start:
+            f.seek(start)
+        return f
+
+    def size(self, name: str) -> int | None:
+        try:
+            return self._path(name).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def fetch(self, name: str, dest: Path) -> None:
+        tmp = _temp_beside(dest)
+        try:
+            shutil.copyfile(self._path(name), tmp)
+            os.replace(tmp, dest)
+        except FileNotFoundError as exc:
+            if not self._path(name).exists():
+                raise self._missing(name) from exc
+            raise
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def list(self) -> dict[str, int]:
+        root = Path(self.uri)
+        if not root.is_dir():
+            raise SparknetError(f"{root} is not a directory; fix the dataset path")
+        out: dict[str, int] = {}
+        for entry in os.scandir(root):
+            if entry.is_file():
+                out[entry.name] = entry.stat().st_size
+        return out
+
+
+class S3Store:
+    """A dataset under an S3 prefix (any S3-compatible store, through `endpoint_url`)."""
+
+    def __init__(self, uri: str, endpoint_url: str | None = None) -> None:
+        parsed = S3Uri.parse(uri)
+        self._root = S3Uri(parsed.bucket, parsed.key.strip("/"))
+        self.uri = str(self._root) if self._root.key else f"s3://{self._root.bucket}"
+        self.endpoint_url = endpoint_url
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.uri!r}, endpoint_url={self.endpoint_url!r})"
+
+    def _client(self) -> Any:
+        return s3.client(self.endpoint_url)
+
+    def object_uri(self, name: str) -> S3Uri:
+        """The full URI of object `name` in this store."""
+        return self._root.child(name)
+
+    def read_bytes(self, name: str) -> bytes:
+        with self.open(name) as f:
+            return f.read()
+
+    def open(self, name: str, start: int = 0) -> BinaryIO:
+        return s3.open_object(self.object_uri(name), start, self.endpoint_url)
+
+    def head(self, name: str) -> dict[str, Any] | None:
+        """`HeadObject` of `name` (size, ETag, metadata), or None when it is not there.
+
+        A HEAD error has no body, so a missing bucket also reads as "not there" here; the
+        manifest is read with GET first (see `load_manifest`), which does tell them apart.
+        """
+        where = self.object_uri(name)
+        try:
+            return self._client().head_object(Bucket=where.bucket, Key=where.key)
+        except (bx.BotoCoreError, bx.ClientError) as exc:
+            err = s3.describe_client_error(exc, where)
+            if isinstance(err, MissingObjectError):
+                return None
+            raise err from exc
+
+    def size(self, name: str) -> int | None:
+        head = self.head(name)
+        return None if head is None else int(head["ContentLength"])
+
+    def fetch(self, name: str, dest: Path) -> None:
+        where = self.object_uri(name)
+        tmp = _temp_beside(dest)
+        try:
+            self._client().download_file(where.bucket, where.key, str(tmp), Config=DOWNLOAD_CONFIG)
+            os.replace(tmp, dest)
+        except (bx.BotoCoreError, bx.ClientError) as exc:
+            raise s3.describe_client_error(exc, where) from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def list(self) -> dict[str, int]:
+        prefix = f"{self._root.key}/" if self._root.key else ""
+        out: dict[str, int] = {}
+        try:
+            pages = (
+                self._client()
+                .get_paginator("list_objects_v2")
+                .paginate(Bucket=self._root.bucket, Prefix=prefix, Delimiter="/")
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    out[obj["Key"][len(prefix) :]] = int(obj["Size"])
+        except (bx.BotoCoreError, bx.ClientError) as exc:
+            raise s3.describe_client_error(exc, self.uri) from exc
+        return out
+
+
+def open_store(uri_or_path: str | Path, endpoint_url: str | None = None) -> Store:
+    """`s3://...` is an S3Store; anything else (a path, or `file://...`) a LocalStore."""
+    text = str(uri_or_path)
+    if text.startswith("s3://"):
+        return S3Store(text, endpoint_url)
+    if "://" in text and not text.startswith("file://"):
+        raise SparknetError(
+            f"{text!r}: only s3:// URIs and local paths are supported as dataset locations"
+        )
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    return LocalStore(text)
+
+
+def load_manifest(store: Store) -> Manifest:
+    """Read and check the dataset's manifest; the driver calls this before training starts, so a
+    wrong URI, a missing bucket or bad credentials fail at once with one line."""
+    if isinstance(store, LocalStore) and not Path(store.uri).is_dir():
+        raise SparknetError(f"{store.uri} is not a directory; fix the dataset path")
+    try:
+        text = store.read_bytes(MANIFEST_NAME)
+    except MissingObjectError as exc:
+        raise SparknetError(
+            f"{store.uri} has no {MANIFEST_NAME}: not a sparknet dataset, or its upload did not "
+            "finish; run `sparknet data upload` again"
+        ) from exc
+    return Manifest.loads(text, where=f"{store.uri}/{MANIFEST_NAME}")

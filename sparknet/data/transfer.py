@@ -1,0 +1,329 @@
+"""Dataset operations behind `sparknet data upload / verify / ls`, returning small reports.
+
+An upload writes every shard first and `manifest.json` last, only after all shards succeeded:
+readers refuse a prefix without a manifest, so an interrupted upload is never taken for a dataset,
+and running the upload again sends only what is missing (each object carries its sha256 in its
+metadata, which is how a finished shard is recognised).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3.exceptions
+import botocore.exceptions as bx
+from boto3.s3.transfer import TransferConfig
+
+from sparknet.data import s3
+from sparknet.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, sha256_stream
+from sparknet.data.store import MissingObjectError, S3Store, Store, load_manifest, open_store
+from sparknet.errors import SparknetError
+
+Progress = Callable[[int], None]
+
+MULTIPART_THRESHOLD = 64 << 20
+MULTIPART_CHUNKSIZE = 16 << 20
+
+
+@dataclass(frozen=True)
+class UploadReport:
+    """Shard names uploaded now and skipped (already there, same size and sha256), in manifest
+    order; `bytes_uploaded` counts the uploaded shards' bytes (not the manifest)."""
+
+    uploaded: list[str]
+    skipped: list[str]
+    bytes_uploaded: int
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """How many shards were checked, and one line per problem (empty when the dataset is good)."""
+
+    checked: int
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class SplitSummary:
+    split: str
+    shards: int
+    samples: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What `sparknet data ls` shows; `missing` are shards in the manifest but not in the store."""
+
+    uri: str
+    num_classes: int
+    splits: list[SplitSummary]
+    missing: list[str]
+
+
+class _LockedProgress:
+    """Serialises progress callbacks coming from transfer threads, so callers (a progress bar)
+    need not be thread-safe."""
+
+    def __init__(self, callback: Progress | None) -> None:
+        self._callback = callback
+        self._lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        if self._callback is not None and n:
+            with self._lock:
+                self._callback(n)
+
+
+def _all_shards(manifest: Manifest) -> list[ShardInfo]:
+    """Every shard of every split once, in manifest order."""
+    seen: dict[str, ShardInfo] = {}
+    for shards in manifest.splits.values():
+        for info in shards:
+            seen.setdefault(info.name, info)
+    return list(seen.values())
+
+
+def _check_local(src: Path, shards: Iterable[ShardInfo]) -> None:
+    """Every listed shard is there with the manifest's size, or one line naming what is not."""
+    problems: list[str] = []
+    for info in shards:
+        path = src / info.name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{path} is missing")
+            continue
+        if size != info.bytes:
+            problems.append(f"{path} has {size} bytes, the manifest says {info.bytes}")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise SparknetError(
+            f"{problems[0]}{more}; the local dataset does not match its manifest: "
+            "re-create it with `sparknet data shard`"
+        )
+
+
+def upload_dataset(
+    src_dir: Path,
+    dest_uri: str,
+    *,
+    endpoint_url: str | None = None,
+    max_concurrency: int = 8,
+    on_progress: Progress | None = None,
+    multipart_threshold: int = MULTIPART_THRESHOLD,
+    multipart_chunksize: int = MULTIPART_CHUNKSIZE,
+) -> UploadReport:
+    """Upload a local dataset directory to an S3 prefix; the manifest goes last.
+
+    Shards already there with the same size and metadata sha256 are skipped, so re-running an
+    interrupted upload finishes it. An existing manifest at the destination is deleted before
+    any shard is replaced, so readers never pair an old manifest with new shards.
+    `on_progress(n)` gets byte increments (from several threads, serialised): bytes as they are
+    sent (boto3 may report a negative amount when it retries a part) and a skipped shard's full
+    size, so a bar sized to the manifest's total bytes ends full.
+    """
+    src = Path(src_dir)
+    manifest_path = src / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise SparknetError(
+            f"{manifest_path} not found: make the dataset with `sparknet data shard` first"
+        )
+    manifest_bytes = manifest_path.read_bytes()
+    manifest = Manifest.loads(manifest_bytes, where=str(manifest_path))
+    shards = _all_shards(manifest)
+    _check_local(src, shards)
+    if not dest_uri.startswith("s3://"):
+        raise SparknetError(f"upload destination {dest_uri!r} must be an s3:// URI")
+    store = S3Store(dest_uri, endpoint_url)
+    progress = _LockedProgress(on_progress)
+
+    remote = store.list()  # fails fast (one line) on a missing bucket or bad credentials
+    todo: list[ShardInfo] = []
+    skipped: list[str] = []
+    for info in shards:
+        if remote.get(info.name) == info.bytes:
+            head = store.head(info.name)
+            if head is not None and head.get("Metadata", {}).get("sha256") == info.sha256:
+                skipped.append(info.name)
+                progress(info.bytes)
+                continue
+        todo.append(info)
+
+    s3c = s3.client(endpoint_url)
+    manifest_uri = store.object_uri(MANIFEST_NAME)
+    try:
+        if MANIFEST_NAME in remote and (todo or store.read_bytes(MANIFEST_NAME) != manifest_bytes):
+            s3c.delete_object(Bucket=manifest_uri.bucket, Key=manifest_uri.key)
+    except (bx.BotoCoreError, bx.ClientError) as exc:
+        raise s3.describe_client_error(exc, manifest_uri) from exc
+
+    uploaded = _upload_shards(
+        s3c,
+        store,
+        src,
+        todo,
+        max_concurrency=max_concurrency,
+        progress=progress,
+        config_args={
+            "multipart_threshold": multipart_threshold,
+            "multipart_chunksize": multipart_chunksize,
+        },
+    )
+    try:
+        s3c.put_object(
+            Bucket=manifest_uri.bucket,
+            Key=manifest_uri.key,
+            Body=manifest_bytes,
+            ContentType="application/json",
+        )
+    except (bx.BotoCoreError, bx.ClientError) as exc:
+        raise s3.describe_client_error(exc, manifest_uri) from exc
+    return UploadReport(
+        uploaded=uploaded,
+        skipped=skipped,
+        bytes_uploaded=sum(info.bytes for info in todo),
+    )
+
+
+def _upload_shards(
+    s3c: Any,
+    store: S3Store,
+    src: Path,
+    todo: list[ShardInfo],
+    *,
+    max_concurrency: int,
+    progress: _LockedProgress,
+    config_args: dict[str, int],
+) -> list[str]:
+    """Upload `todo` in parallel; on the first failure, start nothing new, let running uploads
+    finish, and raise one line that says how to resume. Returns the names uploaded."""
+    if not todo:
+        return []
+    files = max(1, min(max_concurrency, len(todo)))
+    # split the connections between files in flight and parts of one file (one big file: all)
+    config = TransferConfig(max_concurrency=max(1, max_concurrency // files), **config_args)
+
+    stop = threading.Event()  # set by the first failure: queued uploads then do not start
+
+    def one(info: ShardInfo) -> str | None:
+        if stop.is_set():
+            return None
+        where = store.object_uri(info.name)
+        s3c.upload_file(
+            str(src / info.name),
+            where.bucket,
+            where.key,
+            ExtraArgs={"Metadata": {"sha256": info.sha256}},
+            Config=config,
+            Callback=progress,
+        )
+        return info.name
+
+    def stop_on_failure(future: Future[str | None]) -> None:
+        # runs in the worker thread as the upload ends, before that worker takes the next one
+        if not future.cancelled() and future.exception() is not None:
+            stop.set()
+
+    pool = ThreadPoolExecutor(max_workers=files, thread_name_prefix="sparknet-upload")
+    futures: dict[Future[str | None], ShardInfo] = {}
+    for info in todo:
+        future = pool.submit(one, info)
+        future.add_done_callback(stop_on_failure)
+        futures[future] = info
+    try:
+        wait(futures, return_when=FIRST_EXCEPTION)
+    finally:  # also on Ctrl-C: start nothing new, let running uploads end
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+    finished = {
+        f.result() for f in futures if not f.cancelled() and f.exception() is None and f.result()
+    }
+    failed = [
+        (info, f.exception())
+        for f, info in futures.items()
+        if f.done() and not f.cancelled() and f.exception() is not None
+    ]
+    if failed:
+        info, exc = min(failed, key=lambda pair: todo.index(pair[0]))
+        assert exc is not None
+        if isinstance(exc, (bx.BotoCoreError, bx.ClientError, boto3.exceptions.Boto3Error)):
+            reason = str(s3.describe_client_error(exc, store.object_uri(info.name)))
+        elif isinstance(exc, OSError):
+            reason = f"reading {src / info.name} failed: {exc}"
+        else:
+            raise exc
+        raise SparknetError(
+            f"{reason}; {len(finished)} of {len(todo)} shards were uploaded and no manifest was "
+            "written: run `sparknet data upload` again to finish (finished shards are skipped)"
+        ) from exc
+    return [info.name for info in todo if info.name in finished]
+
+
+def _hash_object(store: Store, info: ShardInfo, progress: _LockedProgress) -> str:
+    with store.open(info.name) as f:
+        return sha256_stream(f, progress)
+
+
+def verify_dataset(
+    uri: str,
+    *,
+    endpoint_url: str | None = None,
+    on_progress: Progress | None = None,
+    max_concurrency: int = 4,
+) -> VerifyReport:
+    """Check every shard's size and sha256 (streamed) against the manifest, local or S3.
+
+    Problems are one line each, in manifest order; failures that are not about one shard
+    (credentials, network) raise a SparknetError instead. `on_progress(n)` gets bytes hashed.
+    """
+    store = open_store(uri, endpoint_url)
+    manifest = load_manifest(store)
+    shards = _all_shards(manifest)
+    present = store.list()
+    progress = _LockedProgress(on_progress)
+
+    def check(info: ShardInfo) -> str | None:
+        size = present.get(info.name)
+        if size is None:
+            return f"{info.name}: missing"
+        if size != info.bytes:
+            return f"{info.name}: size {size}, manifest says {info.bytes}"
+        try:
+            digest = _hash_object(store, info, progress)
+        except MissingObjectError:  # deleted since the listing
+            return f"{info.name}: missing"
+        if digest != info.sha256:
+            return f"{info.name}: sha256 differs from the manifest"
+        return None
+
+    with ThreadPoolExecutor(max_workers=max(1, max_concurrency)) as pool:
+        results = list(pool.map(check, shards))
+    return VerifyReport(checked=len(shards), problems=[p for p in results if p is not None])
+
+
+def list_dataset(uri: str, *, endpoint_url: str | None = None) -> Listing:
+    """Per-split shard counts, samples and bytes from the manifest, plus shards that are absent."""
+    store = open_store(uri, endpoint_url)
+    manifest = load_manifest(store)
+    present = store.list()
+    splits = [
+        SplitSummary(
+            split=name,
+            shards=len(shards),
+            samples=sum(s.samples for s in shards),
+            bytes=sum(s.bytes for s in shards),
+        )
+        for name, shards in manifest.splits.items()
+    ]
+    missing = [info.name for info in _all_shards(manifest) if info.name not in present]
+    return Listing(uri=store.uri, num_classes=manifest.num_classes, splits=splits, missing=missing)

@@ -1,0 +1,279 @@
+"""Dataset upload / verify / ls and the executor shard cache, against moto's real S3 server.
+
+Datasets are built here: a manifest made with Manifest/ShardInfo over shard files of random bytes
+(the transfer code never opens a tar, so real shards are not needed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import boto3
+import botocore.exceptions as bx
+import pytest
+
+from sparknet.data import s3
+from sparknet.data.cache import ShardCache
+from sparknet.data.manifest import MANIFEST_NAME, ClassInfo, Manifest, ShardInfo
+from sparknet.data.store import S3Store, Store, open_store
+from sparknet.data.transfer import list_dataset, upload_dataset, verify_dataset
+from sparknet.errors import SparknetError
+
+
+def make_dataset(root: Path, splits: dict[str, list[int]]) -> Manifest:
+    """Shards of random bytes with the given sizes per split, and their manifest, under `root`."""
+    root.mkdir(parents=True, exist_ok=True)
+    shards: dict[str, list[ShardInfo]] = {}
+    for split, sizes in splits.items():
+        for i, size in enumerate(sizes):
+            data = os.urandom(size)
+            name = f"{split}-{i:06d}.tar"
+            (root / name).write_bytes(data)
+            info = ShardInfo(
+                name=name, samples=10 + i, bytes=size, sha256=hashlib.sha256(data).hexdigest()
+            )
+            shards.setdefault(split, []).append(info)
+    manifest = Manifest(
+        classes=[ClassInfo(index=i, wnid=f"n{i:08d}") for i in range(3)], splits=shards
+    )
+    (root / MANIFEST_NAME).write_text(manifest.dumps())
+    return manifest
+
+
+def keys(endpoint: str, bucket: str) -> set[str]:
+    resp = boto3.client("s3", endpoint_url=endpoint).list_objects_v2(Bucket=bucket)
+    return {obj["Key"] for obj in resp.get("Contents", [])}
+
+
+def assert_one_line(err: BaseException, *needles: str) -> None:
+    text = str(err)
+    assert "\n" not in text, text
+    for needle in needles:
+        assert needle in text, f"{needle!r} not in {text!r}"
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> tuple[Path, Manifest]:
+    src = tmp_path / "ds"
+    return src, make_dataset(src, {"train": [3000, 2500, 4000, 1000, 2000], "val": [1500]})
+
+
+def test_upload_then_verify_is_clean(
+    moto_endpoint: str, bucket: str, dataset: tuple[Path, Manifest]
+) -> None:
+    src, manifest = dataset
+    uri = f"s3://{bucket}/imagenet"
+    seen: list[int] = []
+    report = upload_dataset(src, uri, endpoint_url=moto_endpoint, on_progress=seen.append)
+    names = [s.name for shards in manifest.splits.values() for s in shards]
+    total = sum(s.bytes for shards in manifest.splits.values() for s in shards)
+    assert report.uploaded == names and report.skipped == []
+    assert report.bytes_uploaded == total == sum(seen)
+    assert keys(moto_endpoint, bucket) == {f"imagenet/{n}" for n in [*names, MANIFEST_NAME]}
+    head = boto3.client("s3", endpoint_url=moto_endpoint).head_object(
+        Bucket=bucket, Key="imagenet/train-000000.tar"
+    )
+    assert head["Metadata"]["sha256"] == manifest.splits["train"][0].sha256
+
+    result = verify_dataset(uri, endpoint_url=moto_endpoint)
+    assert (result.checked, result.problems) == (6, [])
+    assert verify_dataset(str(src)).problems == []  # a local dataset verifies the same way
+
+    listing = list_dataset(uri, endpoint_url=moto_endpoint)
+    assert listing.num_classes == 3 and listing.missing == []
+    train = next(s for s in listing.splits if s.split == "train")
+    assert (train.shards, train.samples, train.bytes) == (5, 10 + 11 + 12 + 13 + 14, 12500)
+
+
+def test_verify_names_a_shard_whose_bytes_changed_at_the_same_size(
+    moto_endpoint: str, bucket: str, dataset: tuple[Path, Manifest]
+) -> None:
+    src, _ = dataset
+    uri = f"s3://{bucket}/ds"
+    upload_dataset(src, uri, endpoint_url=moto_endpoint)
+    s3c = boto3.client("s3", endpoint_url=moto_endpoint)
+    s3c.put_object(Bucket=bucket, Key="ds/train-000003.tar", Body=os.urandom(1000))  # same size
+    s3c.put_object(Bucket=bucket, Key="ds/train-000004.tar", Body=b"short")
+    s3c.delete_object(Bucket=bucket, Key="ds/val-000000.tar")
+
+    result = verify_dataset(uri, endpoint_url=moto_endpoint)
+    assert result.checked == 6
+    assert result.problems == [
+        "train-000003.tar: sha256 differs from the manifest",
+        "train-000004.tar: size 5, manifest says 2000",
+        "val-000000.tar: missing",
+    ]
+    assert list_dataset(uri, endpoint_url=moto_endpoint).missing == ["val-000000.tar"]
+
+
+def test_an_interrupted_upload_leaves_no_manifest_and_a_rerun_sends_only_the_rest(
+    moto_endpoint: str,
+    bucket: str,
+    dataset: tuple[Path, Manifest],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    src, _ = dataset
+    uri = f"s3://{bucket}/ds"
+    # upload_dataset runs in this test's process, so patching the cached client's method here is
+    # what it uses (an executor or subprocess would not see this patch).
+    s3c = s3.client(moto_endpoint)
+    real_upload = s3c.upload_file
+
+    def failing_third(filename: str, *args: object, **kwargs: object) -> None:
+        if filename.endswith("train-000002.tar"):
+            raise bx.ConnectionClosedError(endpoint_url=moto_endpoint)
+        real_upload(filename, *args, **kwargs)
+
+    monkeypatch.setattr(s3c, "upload_file", failing_third)
+    with pytest.raises(SparknetError) as info:
+        upload_dataset(src, uri, endpoint_url=moto_endpoint, max_concurrency=1)
+    assert_one_line(info.value, "2 of 6 shards were uploaded", "no manifest", "again")
+    present = keys(moto_endpoint, bucket)
+    assert f"ds/{MANIFEST_NAME}" not in present
+    assert present == {"ds/train-000000.tar", "ds/train-000001.tar"}
+    with pytest.raises(SparknetError, match=r"has no manifest\.json"):
+        verify_dataset(uri, endpoint_url=moto_endpoint)
+
+    monkeypatch.undo()
+    report = upload_dataset(src, uri, endpoint_url=moto_endpoint, max_concurrency=1)
+    assert report.skipped == ["train-000000.tar", "train-000001.tar"]
+    assert report.uploaded == [
+        "train-000002.tar",
+        "train-000003.tar",
+        "train-000004.tar",
+        "val-000000.tar",
+    ]
+    assert report.bytes_uploaded == 4000 + 1000 + 2000 + 1500
+    assert f"ds/{MANIFEST_NAME}" in keys(moto_endpoint, bucket)
+    assert verify_dataset(uri, endpoint_url=moto_endpoint).problems == []
+
+
+def test_reupload_skips_finished_shards_but_replaces_changed_ones(
+    moto_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    src = tmp_path / "ds"
+    make_dataset(src, {"train": [1000, 1000]})
+    uri = f"s3://{bucket}/ds"
+    upload_dataset(src, uri, endpoint_url=moto_endpoint)
+    again = upload_dataset(src, uri, endpoint_url=moto_endpoint)
+    assert again.uploaded == [] and again.skipped == ["train-000000.tar", "train-000001.tar"]
+
+    make_dataset(src, {"train": [1000, 1000]})  # same names and sizes, new bytes
+    redo = upload_dataset(src, uri, endpoint_url=moto_endpoint)
+    assert redo.uploaded == ["train-000000.tar", "train-000001.tar"] and redo.skipped == []
+    assert verify_dataset(uri, endpoint_url=moto_endpoint).problems == []
+
+
+def test_a_big_shard_goes_up_in_parts_with_its_sha256(
+    moto_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    src = tmp_path / "big"
+    manifest = make_dataset(src, {"train": [6 << 20]})
+    uri = f"s3://{bucket}/big"
+    kwargs = {"multipart_threshold": 5 << 20, "multipart_chunksize": 5 << 20}
+    upload_dataset(src, uri, endpoint_url=moto_endpoint, **kwargs)
+    head = boto3.client("s3", endpoint_url=moto_endpoint).head_object(
+        Bucket=bucket, Key="big/train-000000.tar"
+    )
+    assert head["ETag"].strip('"').endswith("-2")  # a two-part upload
+    assert head["Metadata"]["sha256"] == manifest.splits["train"][0].sha256
+    assert upload_dataset(src, uri, endpoint_url=moto_endpoint, **kwargs).skipped == [
+        "train-000000.tar"
+    ]
+    assert verify_dataset(uri, endpoint_url=moto_endpoint).problems == []
+
+
+def test_upload_to_a_missing_bucket_fails_before_sending_anything(
+    moto_endpoint: str, dataset: tuple[Path, Manifest]
+) -> None:
+    src, _ = dataset
+    with pytest.raises(SparknetError) as info:
+        upload_dataset(src, "s3://no-such-bucket-xyz/ds", endpoint_url=moto_endpoint)
+    assert_one_line(info.value, "bucket no-such-bucket-xyz does not exist")
+
+
+def test_upload_refuses_a_local_dataset_that_does_not_match_its_manifest(
+    moto_endpoint: str, bucket: str, dataset: tuple[Path, Manifest]
+) -> None:
+    src, _ = dataset
+    (src / "train-000001.tar").write_bytes(b"truncated")
+    (src / "val-000000.tar").unlink()
+    with pytest.raises(SparknetError) as info:
+        upload_dataset(src, f"s3://{bucket}/ds", endpoint_url=moto_endpoint)
+    assert_one_line(info.value, "train-000001.tar has 9 bytes, the manifest says 2500", "1 more")
+    assert keys(moto_endpoint, bucket) == set()
+    with pytest.raises(SparknetError, match=r"manifest\.json not found"):
+        upload_dataset(src / "nowhere", f"s3://{bucket}/ds", endpoint_url=moto_endpoint)
+
+
+# ---------------------------------------------------------------- the executor shard cache
+
+
+class CountingStore:
+    """Wraps a store to count whole-object fetches (a cache hit must not fetch)."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.uri = inner.uri
+        self.fetched: list[str] = []
+
+    def fetch(self, name: str, dest: Path) -> None:
+        self.fetched.append(name)
+        self.inner.fetch(name, dest)
+
+
+def test_shard_cache_evicts_least_recently_used_to_stay_under_its_cap(
+    moto_endpoint: str, bucket: str, dataset: tuple[Path, Manifest], tmp_path: Path
+) -> None:
+    src, manifest = dataset
+    upload_dataset(src, f"s3://{bucket}/ds", endpoint_url=moto_endpoint)
+    store = CountingStore(S3Store(f"s3://{bucket}/ds", endpoint_url=moto_endpoint))
+    t0, t1, t2, t3, _ = manifest.splits["train"]  # 3000, 2500, 4000, 1000 bytes
+    cache = ShardCache(tmp_path / "cache", cap_bytes=7000)
+
+    p0 = cache.path(store, t0)
+    assert p0.read_bytes() == (src / t0.name).read_bytes()
+    p1 = cache.path(store, t1)
+    os.utime(p0, ns=(1, 1))  # make t0 the oldest beyond doubt, then touch it by a hit
+    os.utime(p1, ns=(2, 2))
+    assert cache.path(store, t0) == p0
+    assert store.fetched == [t0.name, t1.name]  # the hit fetched nothing
+
+    cache.path(store, t2)  # 3000 + 2500 + 4000 > 7000: evict t1 (LRU)
+    assert p0.exists() and not p1.exists()
+    assert cache.total_bytes() == 7000
+    cache.path(store, t3)
+    assert cache.total_bytes() <= 7000
+    assert not any(p.name.startswith(".") for p in (tmp_path / "cache").iterdir())
+
+
+def test_shard_cache_rejects_bytes_that_do_not_match_the_manifest_sha256(
+    moto_endpoint: str, bucket: str, dataset: tuple[Path, Manifest], tmp_path: Path
+) -> None:
+    src, manifest = dataset
+    uri = f"s3://{bucket}/ds"
+    upload_dataset(src, uri, endpoint_url=moto_endpoint)
+    boto3.client("s3", endpoint_url=moto_endpoint).put_object(
+        Bucket=bucket, Key="ds/train-000003.tar", Body=os.urandom(1000)
+    )
+    cache = ShardCache(tmp_path / "cache", cap_bytes=1 << 20)
+    with pytest.raises(SparknetError) as info:
+        cache.path(open_store(uri, moto_endpoint), manifest.splits["train"][3])
+    assert_one_line(info.value, f"{uri}/train-000003.tar", "sha256", "upload it again")
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing cached, no temp left
+
+
+def test_shard_cache_keeps_two_datasets_with_equal_shard_names_apart(
+    moto_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    a = make_dataset(tmp_path / "a", {"train": [100]})
+    b = make_dataset(tmp_path / "b", {"train": [100]})
+    upload_dataset(tmp_path / "a", f"s3://{bucket}/a", endpoint_url=moto_endpoint)
+    cache = ShardCache(tmp_path / "cache", cap_bytes=1 << 20)
+    from_s3 = cache.path(open_store(f"s3://{bucket}/a", moto_endpoint), a.splits["train"][0])
+    local = cache.path(open_store(str(tmp_path / "b")), b.splits["train"][0])
+    assert from_s3 != local
+    assert from_s3.read_bytes() == (tmp_path / "a" / "train-000000.tar").read_bytes()
+    assert local.read_bytes() == (tmp_path / "b" / "train-000000.tar").read_bytes()

@@ -1,0 +1,229 @@
+"""Writing WebDataset shards and the manifest: contents, sizes, mixing, resume, determinism."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sparknet.data.imagenet import ImageTree, SourceImage, scan
+from sparknet.data.manifest import MANIFEST_NAME, Manifest, sha256_file
+from sparknet.data.shards import (
+    ShardPlan,
+    WriteReport,
+    plan_shards,
+    write_dataset,
+    write_shard,
+)
+from sparknet.errors import SparknetError
+from tests.imagenet_tree import make_tree
+
+CLASSES = 10
+#: the shard target, as a fraction of the train images' bytes: small JPEGs nearly double in tar
+#: (a 512-byte header each, padding, and a .cls member), so this gives 4-5 train shards
+TARGET_FRACTION = 1 / 2
+
+
+@dataclass(frozen=True)
+class Written:
+    src: Path
+    dest: Path
+    tree: ImageTree
+    target: int
+    report: WriteReport
+    progress: list[tuple[int, int]]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Written:
+    """One small tree written once (serially); tests that change things work on copies."""
+    root = tmp_path_factory.mktemp("shards")
+    src, dest = root / "src", root / "dest"
+    make_tree(src, classes=CLASSES, train_per_class=16, val_per_class=4, size=(64, 48))
+    tree = scan(src)
+    source_bytes = sum(os.path.getsize(i.path) for i in tree.splits["train"])
+    target = int(source_bytes * TARGET_FRACTION)
+    progress: list[tuple[int, int]] = []
+    report = write_dataset(
+        src,
+        dest,
+        shard_bytes=target,
+        seed=3,
+        processes=1,
+        on_progress=lambda done, total: progress.append((done, total)),
+    )
+    return Written(src, dest, tree, target, report, progress)
+
+
+def _read_shard(path: Path) -> dict[str, tuple[bytes, int]]:
+    """key -> (jpg bytes, label), checking every sample has exactly a .jpg and a .cls."""
+    members: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(path) as tar:
+        for member in tar:
+            key, ext = member.name.split(".", 1)
+            data = tar.extractfile(member).read()
+            members.setdefault(key, {})[ext] = data
+    assert all(set(m) == {"jpg", "cls"} for m in members.values())
+    return {k: (m["jpg"], int(m["cls"].decode("ascii"))) for k, m in members.items()}
+
+
+def test_train_shards_are_near_the_target_size(written):
+    shards = written.report.manifest.splits["train"]
+    assert len(shards) >= 3
+    for shard in shards:
+        assert 0.7 * written.target <= shard.bytes <= written.target
+
+
+def test_every_image_is_in_exactly_one_shard_with_its_label(written):
+    for split, images in written.tree.splits.items():
+        seen: dict[str, tuple[bytes, int]] = {}
+        for shard in written.report.manifest.splits[split]:
+            samples = _read_shard(written.dest / shard.name)
+            assert not set(samples) & set(seen)
+            seen.update(samples)
+        assert set(seen) == {i.key for i in images}
+        for image in images:
+            assert seen[image.key] == (image.path.read_bytes(), image.label)
+
+
+def test_each_shard_mixes_most_classes(written):
+    for shard in written.report.manifest.splits["train"]:
+        labels = {label for _, label in _read_shard(written.dest / shard.name).values()}
+        assert len(labels) >= 0.7 * CLASSES
+
+
+def test_the_manifest_matches_the_files(written):
+    manifest = Manifest.loads((written.dest / MANIFEST_NAME).read_text(), "manifest")
+    assert manifest == written.report.manifest
+    assert manifest.classes == written.tree.classes
+    assert set(manifest.splits) == {"train", "val"}
+    for split, images in written.tree.splits.items():
+        assert manifest.samples(split) == len(images)
+        for shard in manifest.shards(split):
+            path = written.dest / shard.name
+            assert path.stat().st_size == shard.bytes
+            assert sha256_file(path) == shard.sha256
+            assert len(_read_shard(path)) == shard.samples
+    assert written.report.reused == []
+    assert written.report.written == [s.name for s in manifest.splits["train"]] + [
+        s.name for s in manifest.splits["val"]
+    ]
+    assert not [n for n in os.listdir(written.dest) if n.endswith(".tmp")]
+
+
+def test_progress_counts_shards_from_zero_to_all(written):
+    total = len(written.report.written)
+    assert written.progress == [(n, total) for n in range(total + 1)]
+
+
+def test_a_rerun_reuses_every_shard_and_rewrites_a_damaged_one(written, tmp_path):
+    dest = tmp_path / "dest"
+    shutil.copytree(written.dest, dest)
+    (dest / "train-999999.tar").write_bytes(b"stale shard of an older plan")
+    again = write_dataset(written.src, dest, shard_bytes=written.target, seed=3, processes=1)
+    assert again.written == []
+    assert again.reused == written.report.written
+    assert again.manifest == written.report.manifest
+    assert (dest / "train-999999.tar").exists()  # left alone, and not listed
+
+    damaged = written.report.manifest.splits["train"][1]
+    with open(dest / damaged.name, "r+b") as f:  # same size, different bytes
+        f.seek(damaged.bytes // 2)
+        f.write(b"garbage!")
+    (dest / written.report.manifest.splits["val"][0].name).unlink()
+    fixed = write_dataset(written.src, dest, shard_bytes=written.target, seed=3, processes=1)
+    assert fixed.written == [damaged.name, written.report.manifest.splits["val"][0].name]
+    assert fixed.manifest == written.report.manifest  # rewritten byte-identically
+
+
+def test_another_seed_rewrites_every_shard(written, tmp_path):
+    dest = tmp_path / "dest"
+    shutil.copytree(written.dest, dest)
+    other = write_dataset(written.src, dest, shard_bytes=written.target, seed=4, processes=1)
+    assert other.reused == []
+    old = {s.name: s.sha256 for s in written.report.manifest.splits["train"]}
+    assert all(old.get(s.name) != s.sha256 for s in other.manifest.splits["train"])
+
+
+def test_the_same_seed_gives_byte_identical_shards(written, tmp_path):
+    again = write_dataset(
+        written.src, tmp_path / "again", shard_bytes=written.target, seed=3, processes=1
+    )
+    assert again.manifest == written.report.manifest
+    for name in again.written:
+        assert (tmp_path / "again" / name).read_bytes() == (written.dest / name).read_bytes()
+
+
+def test_a_process_pool_writes_the_same_dataset(written, tmp_path):
+    pooled = write_dataset(
+        written.src, tmp_path / "pooled", shard_bytes=written.target, seed=3, processes=2
+    )
+    assert pooled.manifest == written.report.manifest
+
+
+def _images(n: int, tmp_path: Path, size: int = 1000) -> list[SourceImage]:
+    out = []
+    for i in range(n):
+        path = tmp_path / f"{i}.jpg"
+        path.write_bytes(bytes([i % 256]) * (size + i))
+        out.append(SourceImage(path=path, label=i % 3, key=f"img_{i}"))
+    return out
+
+
+def test_plans_are_a_seeded_shuffle_cut_by_bytes(tmp_path):
+    images = _images(40, tmp_path)
+
+    def order(plans: list[ShardPlan]) -> list[str]:
+        return [i.key for p in plans for i in p.images]
+
+    plans = plan_shards(images, split="train", seed=1, target_bytes=30_000)
+    assert [p.name for p in plans] == [f"train-{n:06d}.tar" for n in range(len(plans))]
+    assert sorted(order(plans)) == sorted(i.key for i in images)
+    assert order(plans) == order(plan_shards(images, split="train", seed=1, target_bytes=30_000))
+    assert order(plans) != order(plan_shards(images, split="train", seed=2, target_bytes=30_000))
+    assert order(plans) != order(plan_shards(images, split="val", seed=1, target_bytes=30_000))
+    # a sample takes 2.5 or 3 KiB of tar (110 KiB in all) and a shard keeps ~10 KiB for the tar's
+    # end: 6 shards would hold it, 7 if an even cut overshoots; even sizes, no runt last shard
+    assert len(plans) in (6, 7)
+    counts = [len(p.images) for p in plans]
+    assert max(counts) - min(counts) <= 2
+    assert len({p.fingerprint for p in plans}) == len(plans)
+
+
+def test_no_shard_outgrows_the_target_except_for_one_oversized_image(tmp_path):
+    rng = random.Random(0)
+    images = []
+    for i in range(60):
+        size = 120_000 if i == 7 else rng.randint(100, 20_000)
+        path = tmp_path / f"{i}.jpg"
+        path.write_bytes(rng.randbytes(size))
+        images.append(SourceImage(path=path, label=0, key=f"k{i}"))
+    target = 60_000
+    plans = plan_shards(images, split="train", seed=5, target_bytes=target)
+    for plan in plans:
+        info = write_shard(plan, tmp_path / "dest")
+        if any(image.key == "k7" for image in plan.images):
+            assert info.samples == 1
+        else:
+            assert info.bytes <= target
+
+
+def test_a_target_below_one_image_gives_one_image_per_shard(tmp_path):
+    plans = plan_shards(_images(5, tmp_path), split="train", seed=0, target_bytes=1)
+    assert [len(p.images) for p in plans] == [1] * 5
+    assert plan_shards([], split="train", seed=0, target_bytes=1) == []
+
+
+def test_an_unreadable_image_fails_the_shard_and_leaves_nothing_behind(tmp_path):
+    images = _images(3, tmp_path)
+    plan = plan_shards(images, split="train", seed=0, target_bytes=10**6)[0]
+    images[1].path.unlink()
+    dest = tmp_path / "dest"
+    with pytest.raises(SparknetError, match="cannot read"):
+        write_shard(plan, dest)
+    assert os.listdir(dest) == []
