@@ -245,7 +245,7 @@ def test_feature_table_trains_from_the_cli(tmp_path):
     done = _cli(
         "train", "--data", f"parquet:{tmp_path / 'train.parquet'}",
         "--eval-data", f"parquet:{tmp_path / 'test.parquet'}", "--model", "mlp",
-        "--workers", "2", "--rounds", "10", "--out", "run", cwd=tmp_path,
+        "--workers", "2", "--rounds", "20", "--eval-every", "20", "--out", "run", cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     final = read_metrics(tmp_path / "run")[-1]
@@ -273,12 +273,13 @@ def test_table_name_trains_in_the_callers_session(spark, tmp_path):
     train_set, test_set = digits()
     for name, ds in (("digits_train", train_set), ("digits_test", test_set)):
         x, y = ds.tensors
-        rows = [(v, int(label)) for v, label in zip(x.reshape(len(x), -1).tolist(), y.tolist())]
+        flat = x.reshape(len(x), -1).tolist()
+        rows = [(v, int(label)) for v, label in zip(flat, y.tolist(), strict=True)]
         spark.createDataFrame(rows, "features array<float>, label int").createOrReplaceTempView(
             name
         )
     cfg = TrainConfig(data="table:digits_train", eval_data="table:digits_test", model="mlp",
-                      rounds=10, eval_every=10, out=tmp_path / "run")  # fmt: skip
+                      rounds=20, eval_every=20, out=tmp_path / "run")  # fmt: skip
     result = train(cfg, spark=spark)
     assert result.final["eval_samples"] == len(test_set)
     assert result.final["eval_accuracy"] >= 0.9, result.final
