@@ -26,6 +26,7 @@ from sparknet.data.manifest import ClassInfo
 from sparknet.errors import SparknetError
 
 if TYPE_CHECKING:
+    import torch
     from torchvision.transforms.v2 import Compose
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -284,22 +285,17 @@ def decode_image(data: bytes, min_size: int | None = None) -> Image.Image:
 
 
 def train_transform(image_size: int) -> Compose:
-    """ImageNet training augmentation: random-resized crop, flip, float tensor, normalize.
+    """ImageNet training augmentation: random-resized crop and flip, to a uint8 CHW tensor.
 
-    All randomness is drawn from torch's global RNG, so seeding it before each sample makes a
-    sample's augmentation reproducible (a retried task sees the same crops).
+    Scaling to float and normalizing happen once per batch (`normalize`), not per image: one
+    vectorised op instead of a few per image, and a quarter of the bytes through the DataLoader's
+    worker queues. All randomness is drawn from torch's global CPU generator, so seeding it
+    before each sample makes its augmentation reproducible (a retried task sees the same crops).
     """
-    import torch
     from torchvision.transforms import v2
 
     return v2.Compose(
-        [
-            v2.RandomResizedCrop(image_size, antialias=True),
-            v2.RandomHorizontalFlip(),
-            v2.ToImage(),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-        ]
+        [v2.RandomResizedCrop(image_size, antialias=True), v2.RandomHorizontalFlip(), v2.ToImage()]
     )
 
 
@@ -309,8 +305,7 @@ def eval_resize(image_size: int) -> int:
 
 
 def eval_transform(image_size: int) -> Compose:
-    """ImageNet evaluation: resize the shorter side to size*256/224, center crop, normalize."""
-    import torch
+    """ImageNet evaluation: resize the shorter side to size*256/224, centre crop; uint8 CHW."""
     from torchvision.transforms import v2
 
     return v2.Compose(
@@ -318,7 +313,15 @@ def eval_transform(image_size: int) -> Compose:
             v2.Resize(eval_resize(image_size), antialias=True),
             v2.CenterCrop(image_size),
             v2.ToImage(),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
         ]
     )
+
+
+def normalize(batch: torch.Tensor) -> torch.Tensor:
+    """A uint8 (N, 3, H, W) batch to float32 scaled to [0, 1] and normalized with ImageNet's
+    mean and std, as `ToDtype(scale=True)` + `Normalize` would do image by image."""
+    import torch
+
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    return batch.to(torch.float32).div_(255).sub_(mean).div_(std)

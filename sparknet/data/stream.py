@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 import numpy as np
-from webdataset.tariterators import group_by_keys, tar_file_iterator
+from webdataset.tariterators import group_by_keys
 
 from sparknet.data.manifest import ShardInfo
 from sparknet.errors import SparknetError
@@ -81,6 +81,61 @@ def locate(
         epoch += 1
 
 
+_BLOCK = tarfile.BLOCKSIZE
+_FILE_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE)
+
+
+def _exact(stream: BinaryIO, size: int) -> bytes:
+    data = stream.read(size)
+    if len(data) < size:
+        raise tarfile.ReadError("unexpected end of data")
+    return data
+
+
+def _pax_records(data: bytes) -> dict[str, str]:
+    """`<length> <key>=<value>\n` records of a PAX extended header."""
+    out, pos = {}, 0
+    while pos < len(data) and data[pos : pos + 1] != b"\0":
+        space = data.index(b" ", pos)
+        end = pos + int(data[pos:space])
+        key, _, value = data[space + 1 : end - 1].partition(b"=")
+        out[key.decode()] = value.decode("utf-8", "surrogateescape")
+        pos = end
+    return out
+
+
+def tar_files(stream: BinaryIO, url: str) -> Iterator[dict]:
+    """The regular files of a tar stream, as webdataset's `group_by_keys` takes them.
+
+    One read per header and one per member, where `tarfile`'s stream mode (and so webdataset's
+    `tar_file_iterator`) copies through a 10 KiB record buffer: at ~110 KB per image that costs
+    ~0.15 ms an image, a few percent of decoding it on one core. PAX and GNU long names are
+    honoured; a truncated or corrupt archive raises `tarfile.ReadError`.
+    """
+    pending: dict[str, str] = {}
+    while True:
+        header = stream.read(_BLOCK)
+        if not header.strip(b"\0"):
+            if len(header) < _BLOCK and header:
+                raise tarfile.ReadError("unexpected end of data")
+            return  # the end-of-archive zero block (or a clean end of stream)
+        if len(header) < _BLOCK:
+            raise tarfile.ReadError("unexpected end of data")
+        info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
+        size = int(pending.get("size", info.size))
+        data = _exact(stream, size)
+        _exact(stream, -size % _BLOCK)
+        if info.type == tarfile.XHDTYPE:
+            pending = _pax_records(data)
+            continue
+        if info.type == tarfile.GNUTYPE_LONGNAME:
+            pending = {"path": data.rstrip(b"\0").decode("utf-8", "surrogateescape")}
+            continue
+        name, pending = pending.get("path", info.name), {}
+        if info.type in _FILE_TYPES:
+            yield {"fname": name, "data": data, "__url__": url}
+
+
 def _parse(sample: dict) -> RawSample | None:
     try:
         return RawSample(sample["__key__"], bytes(sample["jpg"]), int(sample["cls"]))
@@ -94,7 +149,7 @@ def read_shard(stream: BinaryIO, info: ShardInfo, start: int = 0) -> Iterator[Ra
     A broken tar (a truncated member, garbage) ends the shard early; the positions it still owed
     come out as None. Extra samples beyond the manifest's count are ignored.
     """
-    files = ({**f, "__url__": info.name} for f in tar_file_iterator(stream))
+    files = tar_files(stream, info.name)
     produced = 0
     try:
         for sample in group_by_keys(files):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import webdataset as wds
 
 from sparknet.data.manifest import ShardInfo
-from sparknet.data.stream import epoch_shards, locate, read_positions, read_shard
+from sparknet.data.stream import epoch_shards, locate, read_positions, read_shard, tar_files
 from sparknet.errors import SparknetError
 
 COUNTS = [5, 3, 4, 6, 2, 5, 4]
@@ -157,3 +158,30 @@ def test_batches_are_a_pure_function_of_round_whatever_was_read_before(tmp_path,
     assert seen == continued
     assert len({s for step in seen for s in step}) == 12
     np.testing.assert_equal(len(seen), 3)
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
+def test_tar_files_reads_what_tarfile_wrote(fmt):
+    long = "k" * (40 if fmt == tarfile.USTAR_FORMAT else 150)
+    members = {f"{long}{i}.jpg": bytes([i]) * (700 * i + 3) for i in range(4)}
+    members["dir/x.cls"] = b"7"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        folder = tarfile.TarInfo("dir")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)  # a non-file entry is passed over
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mtime = 1.5  # a float mtime makes PAX write an extended header per member
+            tar.addfile(info, io.BytesIO(data))
+    got = {f["fname"]: f["data"] for f in tar_files(io.BytesIO(buf.getvalue()), "u")}
+    assert got == members
+
+
+def test_tar_files_raises_on_a_cut_member():
+    buf = io.BytesIO()
+    with wds.TarWriter(buf) as sink:
+        sink.write({"__key__": "a", "jpg": b"x" * 5000, "cls": "1"})
+    with pytest.raises(tarfile.ReadError):
+        list(tar_files(io.BytesIO(buf.getvalue()[:3000]), "u"))
