@@ -186,11 +186,7 @@ def read_positions(
             info = shards[i]
             if info.samples == 0:
                 continue
-            try:
-                stream = open_shard(info)
-            except SparknetError:
-                raise
-            with stream:
+            with open_shard(info) as stream:
                 yield from read_shard(stream, info, sample)
             sample = 0
         epoch, j = epoch + 1, 0

@@ -18,6 +18,7 @@ from torch import nn
 
 from sparknet.config import TrainConfig
 from sparknet.data.sources import Source, TaskInput
+from sparknet.errors import SparknetError
 from sparknet.models import build_model
 from sparknet.training import checkpoint
 from sparknet.training.outer import pseudo_gradient
@@ -227,6 +228,11 @@ def train_partition(
                 f"fail_once drill: partition {partition}, round {task.round}, attempt 0"
             )
     t2 = time.perf_counter()
+    if samples == 0:
+        raise SparknetError(
+            f"worker {partition} could not read a single sample in round {task.round + 1} "
+            f"({skipped} skipped as corrupt): check the data with `sparknet data verify`"
+        )
 
     state = model.state_dict()
     delta = pseudo_gradient(theta, task.layout.flatten(state))

@@ -291,3 +291,30 @@ def test_unknown_table_is_one_line(spark, tmp_path):
     with pytest.raises(SparknetError, match="cannot read table:no_such_table"):
         train(cfg, spark=spark)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_dataset_of_only_bad_images_fails_naming_the_fix(spark, tmp_path):
+    import webdataset as wds
+
+    from sparknet.data.manifest import ClassInfo
+
+    infos = []
+    for i in range(2):
+        path = tmp_path / f"train-{i:06d}.tar"
+        with wds.TarWriter(str(path)) as sink:
+            for j in range(8):
+                sink.write({"__key__": f"k{i}_{j}", "jpg": b"not a jpeg", "cls": str(j % 2)})
+        infos.append(
+            ShardInfo(
+                name=path.name, samples=8, bytes=path.stat().st_size, sha256=sha256_file(path)
+            )
+        )
+    classes = [ClassInfo(index=k, wnid=f"n{k:08d}") for k in range(2)]
+    (tmp_path / MANIFEST_NAME).write_text(
+        Manifest(classes=classes, splits={"train": infos}).dumps()
+    )
+    cfg = TrainConfig(data=str(tmp_path), rounds=1, loader_workers=0, out=tmp_path / "run", **FAST)
+    with pytest.raises(
+        SparknetError, match=r"could not read a single sample.*sparknet data verify"
+    ):
+        train(cfg, spark=spark)
