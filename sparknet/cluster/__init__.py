@@ -1,0 +1,1 @@
+"""EC2 GPU clusters: the foundation (network, security group, IAM), instances, lifecycle."""

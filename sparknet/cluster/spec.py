@@ -1,0 +1,54 @@
+"""What a cluster is: `ClusterSpec` (from `clusters:` in sparknet.yaml plus flags) and the
+constants every part of `cluster/` shares (tag keys, roles, the default AMI parameter)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: every AWS resource sparknet makes carries both tags; `down` and `sweep` find resources by them
+TAG_CLUSTER = "sparknet:cluster"
+TAG_ROLE = "sparknet:role"
+Role = Literal["master", "worker", "foundation"]
+
+SSH_PORT = 22
+
+#: the AWS Deep Learning AMI (GPU drivers, CUDA, Docker) for Ubuntu 22.04, newest release
+DEFAULT_AMI_PARAMETER = (
+    "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+)
+
+#: Terraform for the foundation and the data files (security rules, IAM policy documents) that
+#: Terraform and the boto3 foundation both read, so the two cannot drift apart
+INFRA_DIR = Path(__file__).resolve().parents[2] / "infra"
+
+
+class ClusterSpec(BaseModel):
+    """One cluster: its name, where, what machines, and how the foundation is made."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{1,30}$", description="unique per account+region")
+    region: str = "us-east-1"
+    availability_zones: list[str] = Field(
+        default_factory=list, description="fallback order; default: every AZ of the region"
+    )
+    workers: int = Field(2, ge=0)
+    master_type: str = "g5.xlarge"
+    instance_types: list[str] = Field(
+        default_factory=lambda: ["g5.xlarge", "g4dn.xlarge", "g6.xlarge"],
+        min_length=1,
+        description="worker types in fallback order",
+    )
+    spot: bool = Field(False, description="workers on spot (the master is always on-demand)")
+    ami: str | None = Field(None, description="an AMI id; default: from ami_parameter")
+    ami_parameter: str = DEFAULT_AMI_PARAMETER
+    root_volume_gb: int = Field(100, ge=8, le=16384)
+    key_name: str | None = None
+    allowed_cidr: str | None = Field(None, description="SSH source; default: the caller's /32")
+    foundation: Literal["terraform", "boto3"] = "boto3"
+    bucket: str | None = Field(None, description="data and runs bucket")
+    data_prefix: str = "datasets/"
+    runs_prefix: str = "runs/"
