@@ -4,8 +4,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # torch first, pinned: these builds install from local files here; any other would be a download.
 TORCH  := torch==2.14.1 torchvision==0.29.1
+# checkov pins an older boto3 than moto needs: it gets a venv of its own
+CHECKOV_VENV  := .venv-checkov
+CHECKOV       := $(CHECKOV_VENV)/bin/checkov
+CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench clean checkov infra-check cluster-up cluster-down
 
 install: $(STAMP)
 
@@ -20,8 +24,33 @@ $(STAMP): pyproject.toml
 demo: install
 	$(VENV)/bin/sparknet train --data digits --workers 2
 
-test: install
+test: install checkov
 	$(VENV)/bin/pytest -q
+
+checkov: $(CHECKOV_STAMP)
+
+$(CHECKOV_STAMP):
+	test -x $(CHECKOV_VENV)/bin/python || python3 -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CHECKOV_VENV)/bin/python -m pip install -q 'checkov>=3.2,<4'
+	touch $@
+
+# the Terraform foundation: formatted, and no checkov finding that is not skipped inline with a reason
+infra-check: checkov
+	@command -v terraform >/dev/null || { echo "error: infra-check needs Terraform >= 1.5 on PATH"; exit 2; }
+	terraform fmt -check -recursive infra tests/terraform_module
+	$(CHECKOV) -d infra --framework terraform --quiet --compact --skip-download
+
+# a GPU cluster on EC2 (needs AWS credentials): make cluster-up NAME=x WORKERS=4 SPOT=1
+NAME          ?= sparknet
+WORKERS       ?= 2
+INSTANCE_TYPE ?= g5.xlarge
+SPOT          ?=
+cluster-up: install
+	$(VENV)/bin/sparknet cluster up $(NAME) --workers $(WORKERS) --instance-type $(INSTANCE_TYPE) $(if $(SPOT),--spot,--on-demand)
+
+cluster-down: install
+	$(VENV)/bin/sparknet cluster down $(NAME)
 
 lint: install
 	$(VENV)/bin/ruff check sparknet tests benchmarks
@@ -31,4 +60,4 @@ bench: install
 	$(PY) -m benchmarks
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(CHECKOV_VENV) *.egg-info .pytest_cache .ruff_cache

@@ -316,6 +316,170 @@ def data_ls(
         raise typer.Exit(1)
 
 
+cluster_app = typer.Typer(no_args_is_help=True, help="EC2 GPU clusters: up, down, status, list.")
+app.add_typer(cluster_app, name="cluster")
+
+
+def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any]):
+    """The spec of cluster `name`: the registry's, else `clusters:` in the settings file, plus
+    flags; a one-line error when the result is invalid."""
+    from pydantic import ValidationError
+
+    from sparknet.cluster.lifecycle import registered
+    from sparknet.cluster.spec import ClusterSpec
+    from sparknet.config import describe_validation_error, read_section
+
+    base: dict[str, Any] = {}
+    known = registered().get(name)
+    if known is not None:
+        base = known.model_dump()
+    path = find_config_file(config)
+    if path is not None:
+        base.update(read_section(path, "clusters").get(name) or {})
+    base.update({k: v for k, v in flags.items() if v not in (None, [])})
+    base["name"] = name
+    try:
+        return ClusterSpec.model_validate(base)
+    except ValidationError as exc:
+        raise SparknetError(f"cluster {name}: {describe_validation_error(exc)}") from exc
+
+
+def _instances_table(info) -> Table:
+    table = Table(title=f"cluster {info.name} ({info.region})")
+    for col in ("role", "id", "type", "az", "public ip", "spot"):
+        table.add_column(col)
+    for inst in info.instances:
+        table.add_row(
+            inst.role,
+            inst.id,
+            inst.type,
+            inst.az,
+            inst.public_ip or "-",
+            "yes" if inst.spot else "",
+        )
+    return table
+
+
+@cluster_app.command("up")
+def cluster_up(
+    name: str = typer.Argument(..., help="cluster name (a `clusters:` entry, or new)"),
+    workers: int | None = typer.Option(None, help="worker instances"),
+    instance_type: list[str] = typer.Option([], help="worker type, repeatable: fallback order"),
+    master_type: str | None = typer.Option(None),
+    spot: bool | None = typer.Option(None, "--spot/--on-demand", help="workers on spot"),
+    region: str | None = typer.Option(None),
+    allowed_cidr: str | None = typer.Option(None, help="SSH source; default: your /32"),
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Bring a cluster up (idempotent); on error or Ctrl-C, remove what was created."""
+    from sparknet.cluster import lifecycle
+
+    flags = dict(
+        workers=workers, instance_types=instance_type, master_type=master_type, spot=spot,
+        region=region, allowed_cidr=allowed_cidr,
+    )  # fmt: skip
+    try:
+        spec = _cluster_spec(name, config, flags)
+        info = lifecycle.up(spec, endpoint_url=endpoint_url, say=console.print)
+    except SparknetError as exc:
+        _fail(exc, debug)
+    Console().print(_instances_table(info))
+    price = "unknown" if info.hourly_usd is None else f"${info.hourly_usd:.2f}/hour"
+    print(f"cluster {name} is up; estimated cost {price}; `sparknet cluster down {name}` ends it")
+
+
+@cluster_app.command("down")
+def cluster_down(
+    name: str = typer.Argument(...),
+    region: str | None = typer.Option(None),
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Terminate the cluster's instances, delete its resources, and list what was deleted."""
+    from sparknet.cluster import lifecycle
+
+    try:
+        spec = _cluster_spec(name, config, {"region": region})
+        report = lifecycle.down(spec, endpoint_url=endpoint_url, say=console.print)
+    except SparknetError as exc:
+        _fail(exc, debug)
+    for item in report.terminated:
+        print(f"terminated instance:{item}")
+    for item in report.deleted:
+        print(f"deleted {item}")
+    cost = "unknown" if report.cost_usd is None else f"${report.cost_usd:.2f}"
+    print(f"cluster {name} is down; its instances cost about {cost}")
+
+
+@cluster_app.command("status")
+def cluster_status(
+    name: str = typer.Argument(...),
+    region: str | None = typer.Option(None),
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """The cluster's instances, found by tag."""
+    from sparknet.cluster import lifecycle
+
+    try:
+        spec = _cluster_spec(name, config, {"region": region})
+        info = lifecycle.status(spec, endpoint_url=endpoint_url)
+    except SparknetError as exc:
+        _fail(exc, debug)
+    Console().print(_instances_table(info))
+
+
+@cluster_app.command("list")
+def cluster_list(
+    region: str = typer.Option("us-east-1"),
+    endpoint_url: str | None = EndpointOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Clusters with live instances in the region (by tag); whether this machine knows them."""
+    from sparknet.cluster import lifecycle
+
+    try:
+        found = lifecycle.tagged_clusters(region, endpoint_url=endpoint_url)
+    except SparknetError as exc:
+        _fail(exc, debug)
+    known = lifecycle.registered()
+    for name in sorted(set(found) | set(known)):
+        where = "registered" if name in known else "not registered"
+        print(f"{name}\t{len(found.get(name, []))} instances\t{where}")
+
+
+@cluster_app.command("sweep")
+def cluster_sweep(
+    region: str = typer.Option("us-east-1"),
+    yes: bool = typer.Option(False, "--yes", help="take them down; default: only list"),
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Clusters with tagged instances that are neither registered here nor in `clusters:`."""
+    from sparknet.cluster import lifecycle
+    from sparknet.config import read_section
+
+    try:
+        path = find_config_file(config)
+        wanted = set(lifecycle.registered())
+        if path is not None:
+            wanted |= set(read_section(path, "clusters"))
+        found = lifecycle.orphans(region, wanted, endpoint_url=endpoint_url)
+        for name, ids in sorted(found.items()):
+            print(f"orphan {name}: {', '.join(ids)}")
+            if yes:
+                spec = _cluster_spec(name, config, {"region": region})
+                lifecycle.down(spec, endpoint_url=endpoint_url, say=console.print)
+                print(f"took {name} down")
+    except SparknetError as exc:
+        _fail(exc, debug)
+
+
 submit_app = typer.Typer(add_completion=False, help="Run a training job on an EC2 GPU cluster.")
 
 

@@ -161,6 +161,11 @@ def _parse_scalar(text: str) -> Any:
     return text if isinstance(value, (dict, list)) else value
 
 
+def read_section(path: Path, section: str) -> dict[str, Any]:
+    """A top-level section of the settings file (e.g. `clusters:`), {} when absent."""
+    return _read_yaml_section(path, section)
+
+
 def _read_yaml_section(path: Path, section: str) -> dict[str, Any]:
     try:
         doc = yaml.safe_load(path.read_text()) or {}

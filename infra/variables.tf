@@ -1,0 +1,125 @@
+variable "cluster" {
+  description = "Cluster name, unique per account and region (the same pattern as ClusterSpec.name)."
+  type        = string
+
+  validation {
+    condition     = can(regex("^[a-z][a-z0-9-]{1,30}$", var.cluster))
+    error_message = "cluster must match ^[a-z][a-z0-9-]{1,30}$ (lowercase letter first, then 1-30 of a-z, 0-9, -)."
+  }
+}
+
+variable "region" {
+  description = "AWS region of the foundation, e.g. us-east-1."
+  type        = string
+
+  validation {
+    condition     = can(regex("^[a-z]{2}(-gov|-iso[a-z]?)?-[a-z]+-[0-9]+$", var.region))
+    error_message = "region must be an AWS region name such as us-east-1."
+  }
+}
+
+variable "allowed_cidr" {
+  description = "The only IPv4 source allowed to SSH in, e.g. the operator's 203.0.113.7/32."
+  type        = string
+
+  validation {
+    condition     = can(cidrhost(var.allowed_cidr, 0)) && can(cidrnetmask(var.allowed_cidr)) ? !endswith(var.allowed_cidr, "/0") : false
+    error_message = "allowed_cidr must be an IPv4 CIDR such as 203.0.113.7/32, and not all addresses (/0)."
+  }
+}
+
+variable "az_count" {
+  description = "How many availability zones get a public subnet (when no vpc_id is given)."
+  type        = number
+  default     = 2
+
+  validation {
+    condition     = var.az_count >= 2 && var.az_count <= 6 && floor(var.az_count) == var.az_count
+    error_message = "az_count must be a whole number from 2 to 6."
+  }
+}
+
+variable "availability_zones" {
+  description = "Zones for the subnets made here, e.g. [\"us-east-1a\", \"us-east-1b\"]; default: the first az_count of the region."
+  type        = list(string)
+  default     = []
+  nullable    = false
+
+  validation {
+    condition     = length(var.availability_zones) != 1 && alltrue([for az in var.availability_zones : can(regex("^[a-z]{2}(-gov|-iso[a-z]?)?-[a-z]+-[0-9]+[a-z]$", az))])
+    error_message = "availability_zones must be empty or two or more zone names such as us-east-1a."
+  }
+}
+
+variable "vpc_cidr" {
+  description = "IPv4 range of the VPC made here (ignored with vpc_id); each subnet gets a /24 of it."
+  type        = string
+  default     = "10.42.0.0/16"
+
+  validation {
+    condition     = can(cidrhost(var.vpc_cidr, 0)) && can(cidrnetmask(var.vpc_cidr)) ? tonumber(split("/", var.vpc_cidr)[1]) >= 16 && tonumber(split("/", var.vpc_cidr)[1]) <= 21 : false
+    error_message = "vpc_cidr must be an IPv4 CIDR from /16 to /21, such as 10.42.0.0/16."
+  }
+}
+
+variable "vpc_id" {
+  description = "An existing VPC to use instead of making one; needs subnet_ids too."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.vpc_id == null ? true : can(regex("^vpc-[0-9a-f]{8,17}$", var.vpc_id))
+    error_message = "vpc_id must be a VPC id such as vpc-0123456789abcdef0."
+  }
+}
+
+variable "subnet_ids" {
+  description = "Existing subnets of vpc_id (one per availability zone) for the cluster's instances."
+  type        = list(string)
+  default     = []
+  nullable    = false
+
+  validation {
+    condition     = alltrue([for id in var.subnet_ids : can(regex("^subnet-[0-9a-f]{8,17}$", id))])
+    error_message = "subnet_ids must be subnet ids such as subnet-0123456789abcdef0."
+  }
+}
+
+variable "bucket" {
+  description = "The S3 bucket holding datasets (data_prefix) and runs (runs_prefix)."
+  type        = string
+
+  validation {
+    condition     = can(regex("^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", var.bucket)) && !strcontains(var.bucket, "..")
+    error_message = "bucket must be an S3 bucket name: 3-63 of a-z, 0-9, '.', '-', starting and ending with a letter or digit."
+  }
+}
+
+variable "create_bucket" {
+  description = "Make the bucket here (encrypted, versioned, private); false: it already exists."
+  type        = bool
+  default     = false
+  nullable    = false
+}
+
+variable "data_prefix" {
+  description = "Key prefix of the datasets in the bucket; nodes may only read under it."
+  type        = string
+  default     = "datasets/"
+
+  validation {
+    condition     = can(regex("^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*/$", var.data_prefix))
+    error_message = "data_prefix must be a key prefix such as datasets/ (no leading /, ends with /, no wildcards)."
+  }
+}
+
+variable "runs_prefix" {
+  description = "Key prefix of the run outputs in the bucket; nodes may read and write under it."
+  type        = string
+  default     = "runs/"
+
+  validation {
+    condition     = can(regex("^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*/$", var.runs_prefix))
+    error_message = "runs_prefix must be a key prefix such as runs/ (no leading /, ends with /, no wildcards)."
+  }
+}

@@ -1,0 +1,249 @@
+"""A cluster's life: `up` (idempotent; tears down what it made on error or Ctrl-C), `down`,
+`status`, `list`, `sweep`, and the local registry of clusters under `~/.sparknet/clusters/`.
+
+The registry is a convenience, never the truth: `down`, `status` and `sweep` find everything by
+the `sparknet:cluster` tag, so a lost laptop or a deleted registry still leaves no instance
+running by accident.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sparknet.cluster import foundation, instances
+from sparknet.cluster.instances import Instance
+from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
+from sparknet.errors import SparknetError
+
+#: where the registry lives; SPARKNET_HOME moves it (tests, several accounts)
+HOME_ENV = "SPARKNET_HOME"
+
+Say = Callable[[str], None]
+
+
+def registry_dir() -> Path:
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".sparknet") / "clusters"
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    name: str
+    region: str
+    master: Instance | None
+    workers: list[Instance]
+    hourly_usd: float | None
+
+    @property
+    def instances(self) -> list[Instance]:
+        return ([self.master] if self.master else []) + self.workers
+
+
+@dataclass(frozen=True)
+class DownReport:
+    name: str
+    terminated: list[str]
+    deleted: list[str]
+    #: the estimated cost of the instances' lives, where prices are known
+    cost_usd: float | None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _save(spec: ClusterSpec, endpoint_url: str | None) -> None:
+    path = registry_dir() / f"{spec.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "spec": spec.model_dump(mode="json"),
+        "endpoint_url": endpoint_url,
+        "saved": datetime.now(timezone.utc).isoformat(),
+    }
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+
+
+def registered() -> dict[str, ClusterSpec]:
+    """The clusters this machine brought up and has not taken down."""
+    out = {}
+    for path in sorted(registry_dir().glob("*.json")):
+        try:
+            out[path.stem] = ClusterSpec.model_validate(json.loads(path.read_text())["spec"])
+        except (ValueError, KeyError):
+            continue  # a damaged entry: `list` and `sweep` still see the cluster by its tags
+    return out
+
+
+def _forget(name: str) -> None:
+    (registry_dir() / f"{name}.json").unlink(missing_ok=True)
+
+
+def hourly_cost(spec: ClusterSpec, ec2: Any) -> float | None:
+    """Estimated $/hour of the spec's instances (on-demand table; spot price history)."""
+    master = instances.hourly_price(spec.master_type, False, None, ec2)
+    worker = instances.hourly_price(spec.instance_types[0], spec.spot, None, ec2)
+    if master is None or (worker is None and spec.workers):
+        return None
+    return master + (worker or 0.0) * spec.workers
+
+
+def _by_role(found: list[Instance], role: str) -> list[Instance]:
+    return [i for i in found if i.role == role]
+
+
+def _foundation_exists(spec: ClusterSpec, ec2: Any) -> bool:
+    vpcs = ec2.describe_vpcs(
+        Filters=[
+            {"Name": f"tag:{TAG_CLUSTER}", "Values": [spec.name]},
+            {"Name": "tag:sparknet:role", "Values": ["foundation"]},
+        ]
+    )["Vpcs"]
+    return bool(vpcs)
+
+
+def up(
+    spec: ClusterSpec,
+    *,
+    endpoint_url: str | None = None,
+    say: Say = lambda _: None,
+    wait_timeout_s: float = 900.0,
+    wait_delay_s: float = 15.0,
+) -> ClusterInfo:
+    """Bring the cluster to its spec: foundation, master, workers, all running and checked.
+
+    Idempotent: what already runs (found by tag) is kept and only what is missing is launched.
+    On any error, or Ctrl-C, everything this call created is removed again before it re-raises.
+    """
+    if spec.foundation != "boto3":
+        raise SparknetError(
+            "foundation 'terraform' is not wired into `cluster up` yet; use foundation: boto3"
+        )
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    ssm = instances.ssm_client(spec.region, endpoint_url)
+    # everything that can fail without cost fails first
+    instances.check_offered(ec2, [spec.master_type, *spec.instance_types])
+    ami = instances.resolve_ami(spec, ssm)
+    cidr = spec.allowed_cidr or instances.caller_cidr()
+    before = {i.id for i in instances.find(ec2, spec.name)}
+    had_foundation = _foundation_exists(spec, ec2)
+    try:
+        base = foundation.ensure_boto3(spec, allowed_cidr=cidr, endpoint_url=endpoint_url)
+        _save(spec, endpoint_url)
+        say(f"foundation ready: {base.vpc_id}, security group {base.security_group_id}")
+        running = instances.find(ec2, spec.name)
+        common = dict(
+            subnet_by_az=base.subnet_by_az, security_group_id=base.security_group_id,
+            instance_profile_arn=base.instance_profile_arn, ami=ami,
+            client_token_prefix=f"{spec.name}-{int(time.time())}",
+        )  # fmt: skip
+        if not _by_role(running, "master"):
+            say(f"launching the master ({spec.master_type})")
+            instances.launch(
+                ec2, spec, role="master", count=1, spot=False,
+                instance_types=[spec.master_type], **common,
+            )  # fmt: skip
+        missing = spec.workers - len(_by_role(running, "worker"))
+        if missing > 0:
+            market = "spot" if spec.spot else "on-demand"
+            say(f"launching {missing} {market} workers ({', '.join(spec.instance_types)})")
+            instances.launch(
+                ec2, spec, role="worker", count=missing, spot=spec.spot,
+                instance_types=list(spec.instance_types), **common,
+            )  # fmt: skip
+        ids = [i.id for i in instances.find(ec2, spec.name)]
+        ready = instances.wait_ready(ec2, ids, wait_timeout_s, delay_s=wait_delay_s)
+    except BaseException as exc:
+        _undo(spec, ec2, before, had_foundation, endpoint_url, say)
+        if isinstance(exc, KeyboardInterrupt):
+            raise SparknetError(
+                "interrupted; everything this `up` created was removed again"
+            ) from exc
+        raise
+    masters = _by_role(ready, "master")
+    return ClusterInfo(
+        spec.name, spec.region, masters[0] if masters else None, _by_role(ready, "worker"),
+        hourly_cost(spec, ec2),
+    )  # fmt: skip
+
+
+def _undo(
+    spec: ClusterSpec,
+    ec2: Any,
+    before: set[str],
+    had_foundation: bool,
+    endpoint_url: str | None,
+    say: Say,
+) -> None:
+    """Remove what one `up` created: its instances, and the foundation if it made it."""
+    new = [i.id for i in instances.find(ec2, spec.name) if i.id not in before]
+    if new:
+        say(f"removing the {len(new)} instances this run launched")
+        instances.terminate(ec2, new, wait=True, delay_s=1.0)
+    if not had_foundation:
+        foundation.destroy_boto3(spec, endpoint_url=endpoint_url)
+        if not before:
+            _forget(spec.name)
+
+
+def down(
+    spec: ClusterSpec, *, endpoint_url: str | None = None, say: Say = lambda _: None
+) -> DownReport:
+    """Terminate the cluster's instances (waiting until they are gone), delete its foundation,
+    and estimate what its instances cost. Works from tags alone."""
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    found = instances.find(ec2, spec.name)
+    now = datetime.now(timezone.utc)
+    cost: float | None = 0.0
+    for inst in found:
+        price = instances.hourly_price(inst.type, inst.spot, inst.az, ec2)
+        if price is None or cost is None:
+            cost = None
+            continue
+        cost += price * max(0.0, (now - inst.launched_at).total_seconds()) / 3600
+    say(f"terminating {len(found)} instances")
+    terminated = instances.terminate_cluster(ec2, spec.name, wait=True, delay_s=1.0)
+    deleted = foundation.destroy_boto3(spec, endpoint_url=endpoint_url)
+    _forget(spec.name)
+    return DownReport(spec.name, terminated, deleted, cost)
+
+
+def status(spec: ClusterSpec, *, endpoint_url: str | None = None) -> ClusterInfo:
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    found = instances.find(ec2, spec.name)
+    masters = _by_role(found, "master")
+    return ClusterInfo(
+        spec.name, spec.region, masters[0] if masters else None, _by_role(found, "worker"),
+        hourly_cost(spec, ec2) if found else None,
+    )  # fmt: skip
+
+
+def tagged_clusters(region: str, *, endpoint_url: str | None = None) -> dict[str, list[str]]:
+    """Every cluster name with live tagged instances in `region` -> their instance ids."""
+    ec2 = instances.ec2_client(region, endpoint_url)
+    out: dict[str, list[str]] = {}
+    pages = ec2.get_paginator("describe_instances").paginate(
+        Filters=[
+            {"Name": "tag-key", "Values": [TAG_CLUSTER]},
+            {"Name": "instance-state-name", "Values": list(instances.LIVE_STATES)},
+        ]
+    )
+    for page in pages:
+        for reservation in page["Reservations"]:
+            for raw in reservation["Instances"]:
+                tags = {t["Key"]: t["Value"] for t in raw.get("Tags", [])}
+                out.setdefault(tags[TAG_CLUSTER], []).append(raw["InstanceId"])
+    return out
+
+
+def orphans(region: str, wanted: set[str], *, endpoint_url: str | None = None) -> dict:
+    """Clusters with live instances in `region` that nobody wants (not in `wanted`)."""
+    return {
+        name: ids
+        for name, ids in tagged_clusters(region, endpoint_url=endpoint_url).items()
+        if name not in wanted
+    }

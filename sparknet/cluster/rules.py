@@ -1,0 +1,141 @@
+"""The cluster security group's rules and the node role's IAM documents, read from the data files
+under infra/ that Terraform reads too, so the Terraform and boto3 foundations cannot drift apart.
+
+`infra/rules/security-group.json` holds ``{"ingress": [...], "egress": [...]}``; a rule is
+``{"description", "protocol", "from_port", "to_port"}`` plus, for ingress, ``"source"``:
+``"allowed_cidr"`` (the user's SSH source) or ``"self"`` (members of the group), and for egress
+``"destination": "anywhere"``. `infra/policies/NAME.json` is a plain policy document;
+`infra/policies/NAME.json.tftpl` a template whose only placeholders are ``${identifier}``, which
+Terraform's ``templatefile()`` and Python's `string.Template` both substitute the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import string
+from pathlib import Path
+from typing import Any, Literal
+
+from sparknet.cluster.spec import INFRA_DIR
+from sparknet.errors import SparknetError
+
+RULES_FILE = INFRA_DIR / "rules" / "security-group.json"
+POLICIES_DIR = INFRA_DIR / "policies"
+
+#: what a rule's peer may be, per direction: the key that names it and its allowed values
+PEERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "ingress": ("source", ("allowed_cidr", "self")),
+    "egress": ("destination", ("anywhere",)),
+}
+_RULE_FIELDS = {"description": str, "protocol": str, "from_port": int, "to_port": int}
+
+#: a substituted value stays inside its JSON string and can widen nothing (no quotes, no `*`)
+_SAFE_VALUE = re.compile(r"^[A-Za-z0-9._/:-]+$")
+
+
+def security_group_rules(
+    direction: Literal["ingress", "egress"] | None = None,
+) -> list[dict[str, Any]]:
+    """The cluster security group's rules, each a copy of the file's rule plus ``"direction"``.
+
+    Args:
+        direction: only the ``"ingress"`` or the ``"egress"`` rules; default ``None``: both,
+            ingress first.
+
+    Example::
+
+        >>> [(r["direction"], r["from_port"], r["source"]) for r in security_group_rules("ingress")]
+        [('ingress', 22, 'allowed_cidr'), ('ingress', 0, 'self')]
+    """
+    data = _read_json(RULES_FILE)
+    directions = [direction] if direction else list(PEERS)
+    rules = []
+    for name in directions:
+        if name not in PEERS:
+            raise SparknetError(
+                f"security group rule direction must be ingress or egress: {name!r}"
+            )
+        for rule in data.get(name, []):
+            _check_rule(name, rule)
+            rules.append({"direction": name, **rule})
+    return rules
+
+
+def policy_document(name: str, **values: str) -> dict[str, Any]:
+    """The IAM policy document `infra/policies/<name>.json[.tftpl]`, placeholders filled, parsed.
+
+    Args:
+        name: ``"instance-role"`` (needs ``bucket``, ``data_prefix``, ``runs_prefix``,
+            ``cluster``) or ``"assume-role"`` (no values).
+        values: one string per ``${placeholder}``; letters, digits and ``. _ / : -`` only, so no
+            value can leave its JSON string or add a wildcard. Extra values are ignored.
+
+    Example::
+
+        >>> doc = policy_document("instance-role", bucket="my-data", data_prefix="datasets/",
+        ...                       runs_prefix="runs/", cluster="demo")
+        >>> doc["Statement"][1]["Resource"]
+        'arn:aws:s3:::my-data/datasets/*'
+    """
+    path = _policy_path(name)
+    for key, value in values.items():
+        if not isinstance(value, str) or not _SAFE_VALUE.match(value):
+            raise SparknetError(
+                f"policy {name}: {key}={value!r} must be a non-empty string of letters, digits "
+                "and . _ / : - (a bucket, prefix or cluster name)"
+            )
+    try:
+        text = string.Template(path.read_text()).substitute(values)
+    except KeyError as missing:
+        raise SparknetError(
+            f"policy {name} needs a value for ${{{missing.args[0]}}}: "
+            f"pass {missing.args[0]}=... to policy_document"
+        ) from None
+    except ValueError as bad:
+        raise SparknetError(
+            f"{path}: only ${{identifier}} placeholders are allowed ({bad})"
+        ) from None
+    return _parse_json(text, path)
+
+
+def _policy_path(name: str) -> Path:
+    for candidate in (POLICIES_DIR / f"{name}.json.tftpl", POLICIES_DIR / f"{name}.json"):
+        if candidate.is_file():
+            return candidate
+    have = sorted(p.name.split(".")[0] for p in POLICIES_DIR.glob("*.json*"))
+    raise SparknetError(f"no policy document {name!r} in {POLICIES_DIR} (have: {', '.join(have)})")
+
+
+def _check_rule(direction: str, rule: Any) -> None:
+    peer_key, peers = PEERS[direction]
+    if not isinstance(rule, dict):
+        raise SparknetError(f"{RULES_FILE}: each {direction} rule must be an object, got {rule!r}")
+    for field, kind in _RULE_FIELDS.items():
+        if not isinstance(rule.get(field), kind):
+            raise SparknetError(
+                f"{RULES_FILE}: {direction} rule {rule!r} needs {field} ({kind.__name__})"
+            )
+    if rule.get(peer_key) not in peers:
+        raise SparknetError(
+            f"{RULES_FILE}: {direction} rule {rule['description']!r} needs {peer_key} "
+            f"one of {', '.join(peers)}"
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise SparknetError(f"cannot read {path}: {err.strerror}") from None
+    return _parse_json(text, path)
+
+
+def _parse_json(text: str, path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SparknetError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise SparknetError(f"{path} must hold a JSON object")
+    return data

@@ -1,0 +1,124 @@
+"""The boto3 foundation against moto's server: what `ensure` makes, twice, and `destroy`."""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+import uuid
+
+import boto3
+import pytest
+
+from sparknet.cluster.foundation import (
+    destroy_boto3,
+    ensure_boto3,
+    node_role_name,
+    security_group_name,
+)
+from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
+
+REGION = "us-east-1"
+CIDR = "203.0.113.7/32"
+
+
+@pytest.fixture
+def spec(moto_endpoint):
+    name = f"f{uuid.uuid4().hex[:8]}"
+    spec = ClusterSpec(name=name, region=REGION, bucket=f"{name}-data")
+    yield spec
+    destroy_boto3(spec, endpoint_url=moto_endpoint)
+
+
+def _tagged(ec2, spec: ClusterSpec) -> dict[str, int]:
+    """Counts of the cluster's tagged EC2 network resources."""
+    filters = [{"Name": f"tag:{TAG_CLUSTER}", "Values": [spec.name]}]
+    return {
+        "vpc": len(ec2.describe_vpcs(Filters=filters)["Vpcs"]),
+        "subnet": len(ec2.describe_subnets(Filters=filters)["Subnets"]),
+        "internet-gateway": len(
+            ec2.describe_internet_gateways(Filters=filters)["InternetGateways"]
+        ),
+        "route-table": len(ec2.describe_route_tables(Filters=filters)["RouteTables"]),
+        "security-group": len(ec2.describe_security_groups(Filters=filters)["SecurityGroups"]),
+    }
+
+
+def test_ensure_makes_the_foundation_tagged_with_only_ssh_and_members_open(spec, moto_endpoint):
+    f = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    ec2 = boto3.client("ec2", region_name=REGION)
+    assert _tagged(ec2, spec) == {
+        "vpc": 1, "subnet": len(f.subnet_by_az), "internet-gateway": 1, "route-table": 1,
+        "security-group": 1,
+    }  # fmt: skip
+    assert len(f.subnet_by_az) >= 2
+    vpc = ec2.describe_vpcs(VpcIds=[f.vpc_id])["Vpcs"][0]
+    tags = {t["Key"]: t["Value"] for t in vpc["Tags"]}
+    assert tags[TAG_CLUSTER] == spec.name and tags[TAG_ROLE] == "foundation"
+
+    group = ec2.describe_security_groups(GroupIds=[f.security_group_id])["SecurityGroups"][0]
+    assert group["GroupName"] == security_group_name(spec)
+    ingress = sorted(
+        (
+            p["IpProtocol"],
+            p.get("FromPort"),
+            tuple(r["CidrIp"] for r in p.get("IpRanges", [])),
+            tuple(g["GroupId"] for g in p.get("UserIdGroupPairs", [])),
+        )
+        for p in group["IpPermissions"]
+    )
+    assert ingress == [("-1", None, (), (f.security_group_id,)), ("tcp", 22, (CIDR,), ())]
+
+
+def test_node_role_reads_data_writes_runs_and_terminates_only_its_cluster(spec, moto_endpoint):
+    f = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    iam = boto3.client("iam", region_name=REGION)
+    name = node_role_name(spec)
+    profile = iam.get_instance_profile(InstanceProfileName=name)["InstanceProfile"]
+    assert [r["RoleName"] for r in profile["Roles"]] == [name]
+    assert f.instance_profile_arn == profile["Arn"]
+    doc = iam.get_role_policy(RoleName=name, PolicyName="sparknet-node")["PolicyDocument"]
+    if isinstance(doc, str):
+        doc = json.loads(urllib.parse.unquote(doc))
+    by_sid = {s["Sid"]: s for s in doc["Statement"]}
+    terminate = by_sid["TerminateOwnClusterOnly"]
+    assert terminate["Action"] == "ec2:TerminateInstances"
+    assert terminate["Condition"]["StringEquals"] == {"aws:ResourceTag/sparknet:cluster": spec.name}
+    assert by_sid["ReadDataPrefix"]["Resource"] == f"arn:aws:s3:::{spec.bucket}/datasets/*"
+    assert by_sid["ReadWriteRunsPrefix"]["Resource"] == f"arn:aws:s3:::{spec.bucket}/runs/*"
+    actions = [
+        a
+        for s in doc["Statement"]
+        for a in (s["Action"] if isinstance(s["Action"], list) else [s["Action"]])
+    ]
+    assert "ec2:TerminateInstances" in actions and not any("*" in a for a in actions)
+
+
+def test_bucket_is_encrypted_versioned_and_private(spec, moto_endpoint):
+    ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    s3 = boto3.client("s3", region_name=REGION)
+    rules = s3.get_bucket_encryption(Bucket=spec.bucket)["ServerSideEncryptionConfiguration"]
+    assert rules["Rules"][0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "aws:kms"
+    assert s3.get_bucket_versioning(Bucket=spec.bucket)["Status"] == "Enabled"
+    block = s3.get_public_access_block(Bucket=spec.bucket)["PublicAccessBlockConfiguration"]
+    assert all(block.values())
+
+
+def test_ensure_twice_creates_nothing_new(spec, moto_endpoint):
+    first = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    second = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    assert first.created and second.created == ()
+    assert (second.vpc_id, second.security_group_id, second.subnet_by_az) == (
+        first.vpc_id, first.security_group_id, first.subnet_by_az,
+    )  # fmt: skip
+
+
+def test_destroy_leaves_nothing_with_the_cluster_tag(spec, moto_endpoint):
+    f = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    deleted = destroy_boto3(spec, endpoint_url=moto_endpoint)
+    assert f"vpc:{f.vpc_id}" in deleted and f"security-group:{f.security_group_id}" in deleted
+    ec2 = boto3.client("ec2", region_name=REGION)
+    assert set(_tagged(ec2, spec).values()) == {0}
+    iam = boto3.client("iam", region_name=REGION)
+    with pytest.raises(iam.exceptions.NoSuchEntityException):
+        iam.get_role(RoleName=node_role_name(spec))
+    assert destroy_boto3(spec, endpoint_url=moto_endpoint) == []
