@@ -153,11 +153,7 @@ class _Boto3Foundation:
                 AvailabilityZone=az,
                 TagSpecifications=_tag_spec(self.spec, "subnet", f"sparknet-{self.spec.name}-{az}"),
             )["Subnet"]["SubnetId"]  # fmt: skip
-            self.created.append(f"subnet:{subnet}")
-            self._call(
-                "ModifySubnetAttribute", self.ec2.modify_subnet_attribute, SubnetId=subnet,
-                MapPublicIpOnLaunch={"Value": True},
-            )  # fmt: skip
+            self.created.append(f"subnet:{subnet}")  # no public IPs by default, as in infra/
             by_az[az] = subnet
         return {az: by_az[az] for az in zones}
 

@@ -259,8 +259,17 @@ def _run_request(
         "InstanceType": instance_type,
         "MinCount": count,
         "MaxCount": count,
-        "SubnetId": subnet_id,
-        "SecurityGroupIds": [security_group_id],
+        # the public address is asked for here, not by the subnet: the foundation's subnets (and
+        # subnets a user brings) do not hand one out by default, and SSH needs one
+        "NetworkInterfaces": [
+            {
+                "DeviceIndex": 0,
+                "SubnetId": subnet_id,
+                "Groups": [security_group_id],
+                "AssociatePublicIpAddress": True,
+                "DeleteOnTermination": True,
+            }
+        ],
         "IamInstanceProfile": {"Arn": instance_profile_arn},
         "MetadataOptions": {
             "HttpTokens": "required",

@@ -146,7 +146,7 @@ def fail_first(ec2: Any, monkeypatch: pytest.MonkeyPatch, codes: list[str]) -> l
     calls: list[tuple] = []
 
     def run_instances(**kwargs: Any) -> Any:
-        calls.append((kwargs["InstanceType"], kwargs["SubnetId"]))
+        calls.append((kwargs["InstanceType"], kwargs["NetworkInterfaces"][0]["SubnetId"]))
         if len(calls) <= len(codes):
             raise run_error(codes[len(calls) - 1])
         return real(**kwargs)
@@ -173,7 +173,9 @@ def test_launch_tags_and_hardens_master_and_workers(ec2: Any, spec: ClusterSpec,
         }
         assert raw["MetadataOptions"]["HttpTokens"] == "required"
         assert raw["MetadataOptions"]["HttpPutResponseHopLimit"] == 1
-        assert [g["GroupId"] for g in raw["SecurityGroups"]] == [network.security_group_id]
+        eni = raw["NetworkInterfaces"][0]
+        assert [g["GroupId"] for g in eni["Groups"]] == [network.security_group_id]
+        assert eni.get("Association", {}).get("PublicIp") or raw.get("PublicIpAddress")
         shutdown = ec2.describe_instance_attribute(
             InstanceId=raw["InstanceId"], Attribute="instanceInitiatedShutdownBehavior"
         )
