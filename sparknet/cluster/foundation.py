@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sparknet.cluster import aws, instances
 from sparknet.cluster.rules import policy_document, security_group_rules
-from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
+from sparknet.cluster.spec import INFRA_DIR, TAG_CLUSTER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
 
 VPC_CIDR = "10.77.0.0/16"
@@ -330,10 +331,13 @@ def ensure_boto3(
     """Find or create every foundation resource of `spec` with boto3."""
     f = _Boto3Foundation(spec, endpoint_url)
     try:
-        vpc = f.vpc()
-        igw = f.gateway(vpc)
-        subnets = f.subnets(vpc, f.zones())
-        f.routes(vpc, igw, subnets)
+        if spec.vpc_id:
+            vpc, subnets = spec.vpc_id, subnet_zones(f.ec2, spec)
+        else:
+            vpc = f.vpc()
+            igw = f.gateway(vpc)
+            subnets = f.subnets(vpc, f.zones())
+            f.routes(vpc, igw, subnets)
         group = f.security_group(vpc, allowed_cidr)
         bucket = spec.bucket
         if bucket is not None:
@@ -415,3 +419,69 @@ def destroy_boto3(spec: ClusterSpec, *, endpoint_url: str | None = None) -> list
         f._call("DeleteVpc", ec2.delete_vpc, VpcId=vpc["VpcId"])
         deleted.append(f"vpc:{vpc['VpcId']}")
     return deleted
+
+
+def subnet_zones(ec2: Any, spec: ClusterSpec, subnet_ids: list[str] | None = None) -> dict:
+    """AZ -> subnet of the given subnets (the spec's existing ones by default)."""
+    ids = list(subnet_ids if subnet_ids is not None else spec.subnet_ids)
+    with aws.aws_call("DescribeSubnets", spec.region):
+        found = ec2.describe_subnets(SubnetIds=ids)["Subnets"]
+    return {s["AvailabilityZone"]: s["SubnetId"] for s in found}
+
+
+def terraform_variables(spec: ClusterSpec, allowed_cidr: str) -> dict[str, Any]:
+    """The `infra/` module's inputs for `spec`."""
+    if spec.bucket is None:
+        raise SparknetError(
+            f"cluster {spec.name}: foundation terraform needs `bucket` (the data and runs bucket)"
+        )
+    out: dict[str, Any] = {
+        "cluster": spec.name, "region": spec.region, "allowed_cidr": allowed_cidr,
+        "bucket": spec.bucket, "data_prefix": spec.data_prefix, "runs_prefix": spec.runs_prefix,
+    }  # fmt: skip
+    if spec.availability_zones:
+        out["availability_zones"] = list(spec.availability_zones)
+    if spec.vpc_id:
+        out.update(vpc_id=spec.vpc_id, subnet_ids=list(spec.subnet_ids))
+    return out
+
+
+def ensure_terraform(
+    spec: ClusterSpec,
+    *,
+    allowed_cidr: str,
+    state_dir: Path,
+    endpoint_url: str | None = None,
+    module_dir: Path = INFRA_DIR,
+) -> Foundation:
+    """Apply `infra/` for `spec` (state in `state_dir`) and read the foundation from its outputs."""
+    from sparknet.cluster.terraform import TerraformRunner
+
+    runner = TerraformRunner(module_dir, state_dir)
+    runner.init()
+    runner.apply(terraform_variables(spec, allowed_cidr))
+    out = runner.output()
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    return Foundation(
+        vpc_id=out["vpc_id"],
+        subnet_by_az=subnet_zones(ec2, spec, list(out["subnet_ids"])),
+        security_group_id=out["security_group_id"],
+        instance_profile_name=out["instance_profile_name"],
+        instance_profile_arn=out["instance_profile_arn"],
+        role_name=out["instance_profile_name"],
+        bucket=out.get("bucket"),
+    )
+
+
+def destroy_terraform(
+    spec: ClusterSpec, *, state_dir: Path, module_dir: Path = INFRA_DIR
+) -> list[str]:
+    """`terraform destroy` of the cluster's state; returns the outputs that named what went."""
+    from sparknet.cluster.terraform import TerraformRunner
+
+    runner = TerraformRunner(module_dir, state_dir)
+    runner.init()
+    out = runner.output()
+    # destroy only checks the inputs; a placeholder SSH source passes the module's validation
+    runner.destroy(terraform_variables(spec, "127.0.0.1/32"))
+    return [f"{name}:{value}" for name, value in out.items() if isinstance(value, str)]

@@ -106,6 +106,28 @@ def _foundation_exists(spec: ClusterSpec, ec2: Any) -> bool:
     return bool(vpcs)
 
 
+def terraform_state_dir(spec: ClusterSpec) -> Path:
+    """Where a cluster's Terraform state lives (a user's own backend goes in infra/)."""
+    return registry_dir() / spec.name / "terraform"
+
+
+def _ensure_foundation(
+    spec: ClusterSpec, cidr: str, endpoint_url: str | None
+) -> foundation.Foundation:
+    if spec.foundation == "terraform":
+        return foundation.ensure_terraform(
+            spec, allowed_cidr=cidr, state_dir=terraform_state_dir(spec), endpoint_url=endpoint_url
+        )
+    return foundation.ensure_boto3(spec, allowed_cidr=cidr, endpoint_url=endpoint_url)
+
+
+def _destroy_foundation(spec: ClusterSpec, endpoint_url: str | None) -> list[str]:
+    state = terraform_state_dir(spec)
+    if spec.foundation == "terraform" and (state / "terraform.tfstate").is_file():
+        return foundation.destroy_terraform(spec, state_dir=state)
+    return foundation.destroy_boto3(spec, endpoint_url=endpoint_url)
+
+
 def up(
     spec: ClusterSpec,
     *,
@@ -119,10 +141,6 @@ def up(
     Idempotent: what already runs (found by tag) is kept and only what is missing is launched.
     On any error, or Ctrl-C, everything this call created is removed again before it re-raises.
     """
-    if spec.foundation != "boto3":
-        raise SparknetError(
-            "foundation 'terraform' is not wired into `cluster up` yet; use foundation: boto3"
-        )
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     ssm = instances.ssm_client(spec.region, endpoint_url)
     # everything that can fail without cost fails first
@@ -132,7 +150,7 @@ def up(
     before = {i.id for i in instances.find(ec2, spec.name)}
     had_foundation = _foundation_exists(spec, ec2)
     try:
-        base = foundation.ensure_boto3(spec, allowed_cidr=cidr, endpoint_url=endpoint_url)
+        base = _ensure_foundation(spec, cidr, endpoint_url)
         _save(spec, endpoint_url)
         say(f"foundation ready: {base.vpc_id}, security group {base.security_group_id}")
         running = instances.find(ec2, spec.name)
@@ -185,7 +203,7 @@ def _undo(
         say(f"removing the {len(new)} instances this run launched")
         instances.terminate(ec2, new, wait=True, delay_s=1.0)
     if not had_foundation:
-        foundation.destroy_boto3(spec, endpoint_url=endpoint_url)
+        _destroy_foundation(spec, endpoint_url)
         if not before:
             _forget(spec.name)
 
@@ -207,7 +225,7 @@ def down(
         cost += price * max(0.0, (now - inst.launched_at).total_seconds()) / 3600
     say(f"terminating {len(found)} instances")
     terminated = instances.terminate_cluster(ec2, spec.name, wait=True, delay_s=1.0)
-    deleted = foundation.destroy_boto3(spec, endpoint_url=endpoint_url)
+    deleted = _destroy_foundation(spec, endpoint_url)
     _forget(spec.name)
     return DownReport(spec.name, terminated, deleted, cost)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 #: every AWS resource sparknet makes carries both tags; `down` and `sweep` find resources by them
 TAG_CLUSTER = "sparknet:cluster"
@@ -48,7 +48,15 @@ class ClusterSpec(BaseModel):
     root_volume_gb: int = Field(100, ge=8, le=16384)
     key_name: str | None = None
     allowed_cidr: str | None = Field(None, description="SSH source; default: the caller's /32")
+    vpc_id: str | None = Field(None, description="an existing VPC to use (with subnet_ids)")
+    subnet_ids: list[str] = Field(default_factory=list, description="its subnets, one per AZ")
     foundation: Literal["terraform", "boto3"] = "boto3"
     bucket: str | None = Field(None, description="data and runs bucket")
     data_prefix: str = "datasets/"
     runs_prefix: str = "runs/"
+
+    @model_validator(mode="after")
+    def _existing_network(self) -> ClusterSpec:
+        if bool(self.vpc_id) != bool(self.subnet_ids):
+            raise ValueError("vpc_id and subnet_ids go together: give both or neither")
+        return self

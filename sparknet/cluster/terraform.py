@@ -103,13 +103,23 @@ class TerraformRunner:
         # reconfigure=None: a changed backend fails loudly instead of silently leaving state behind
         self._run("init", backend_config=backend, reconfigure=None, input=False)
 
+    def _var_file(self, variables: Mapping[str, Any]) -> str:
+        """`variables` as a JSON var-file in the state dir: lists, maps and bools reach Terraform
+        typed, where `-var k=v` would pass Python's repr of a list."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        path = self.state_dir / "variables.tfvars.json"
+        path.write_text(json.dumps(dict(variables), indent=1))
+        return str(path)
+
     def apply(self, variables: Mapping[str, Any]) -> None:
         """Create or update the resources so they match the module and `variables`."""
-        self._run("apply", skip_plan=True, var=dict(variables))
+        self._run("apply", skip_plan=True, var_file=self._var_file(variables))
 
     def plan(self, variables: Mapping[str, Any]) -> bool:
         """Whether applying `variables` would change anything (drift or a changed input)."""
-        code, _ = self._run("plan", ok=(0, 2), var=dict(variables), detailed_exitcode=IsFlagged)
+        code, _ = self._run(
+            "plan", ok=(0, 2), var_file=self._var_file(variables), detailed_exitcode=IsFlagged
+        )
         return code == 2
 
     def output(self) -> dict[str, Any]:
@@ -125,7 +135,7 @@ class TerraformRunner:
         """Delete every resource in this cluster's state."""
         # python-terraform's destroy() adds -force, which Terraform 0.15 removed: drop it and
         # approve the Terraform >= 0.15 way
-        self._run("destroy", force=None, auto_approve=IsFlagged, var=dict(variables))
+        self._run("destroy", force=None, auto_approve=IsFlagged, var_file=self._var_file(variables))
 
     def _check_version(self) -> None:
         _, text = self._run("version", json=IsFlagged)

@@ -122,3 +122,44 @@ def test_destroy_leaves_nothing_with_the_cluster_tag(spec, moto_endpoint):
     with pytest.raises(iam.exceptions.NoSuchEntityException):
         iam.get_role(RoleName=node_role_name(spec))
     assert destroy_boto3(spec, endpoint_url=moto_endpoint) == []
+
+
+def test_terraform_path_maps_module_outputs_to_the_foundation(moto_endpoint, tmp_path):
+    """The Terraform foundation for real, on a provider-free stand-in for infra/ (the AWS provider
+    cannot be downloaded here) with infra/'s inputs and outputs; the network is moto's."""
+    from sparknet.cluster.foundation import destroy_terraform, ensure_terraform
+    from tests.conftest import REPO
+
+    ec2 = boto3.client("ec2", region_name=REGION)
+    vpc = ec2.create_vpc(CidrBlock="10.90.0.0/16")["Vpc"]["VpcId"]
+    zones = ["us-east-1a", "us-east-1b"]
+    subnets = {
+        az: ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.90.{k}.0/24", AvailabilityZone=az)[
+            "Subnet"
+        ]["SubnetId"]
+        for k, az in enumerate(zones)
+    }
+    spec = ClusterSpec(
+        name="tfpath", region=REGION, bucket="tfpath-data", vpc_id=vpc,
+        subnet_ids=list(subnets.values()), foundation="terraform",
+    )  # fmt: skip
+    module, state = REPO / "tests" / "terraform_foundation", tmp_path / "state"
+    f = ensure_terraform(
+        spec, allowed_cidr=CIDR, state_dir=state, endpoint_url=moto_endpoint, module_dir=module
+    )
+    assert f.vpc_id == vpc and f.subnet_by_az == subnets
+    assert f.instance_profile_name == "sparknet-tfpath-us-east-1" and f.bucket == "tfpath-data"
+    assert (state / "terraform.tfstate").is_file()
+    saved = json.loads((state / "variables.tfvars.json").read_text())
+    assert saved["subnet_ids"] == list(subnets.values()) and saved["allowed_cidr"] == CIDR
+    gone = destroy_terraform(spec, state_dir=state, module_dir=module)
+    assert f"vpc_id:{vpc}" in gone
+    assert json.loads((state / "terraform.tfstate").read_text())["resources"] == []
+
+
+def test_terraform_foundation_needs_a_bucket(tmp_path):
+    from sparknet.cluster.foundation import terraform_variables
+    from sparknet.errors import SparknetError
+
+    with pytest.raises(SparknetError, match="needs `bucket`"):
+        terraform_variables(ClusterSpec(name="nob", foundation="terraform"), CIDR)
