@@ -257,7 +257,15 @@ def test_variables_refuse_bad_inputs(variables_only, name, value) -> None:
 
 def test_terraform_fmt_is_clean() -> None:
     result = subprocess.run(
-        [terraform(), "fmt", "-check", "-recursive", "infra", "tests/terraform_module", "tests/terraform_foundation"],
+        [
+            terraform(),
+            "fmt",
+            "-check",
+            "-recursive",
+            "infra",
+            "tests/terraform_module",
+            "tests/terraform_foundation",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
