@@ -256,7 +256,8 @@ class _Boto3Foundation:
     # -- bucket ---------------------------------------------------------------------------
 
     def bucket(self, name: str) -> None:
-        """Create the data/runs bucket if it is missing: encrypted, versioned, never public."""
+        """Create the data/runs bucket if it is missing: encrypted, versioned, never public,
+        TLS only (the same policy file infra/bucket.tf applies)."""
         try:
             self.s3.head_bucket(Bucket=name)
             return
@@ -286,6 +287,10 @@ class _Boto3Foundation:
         self._call(
             "PutBucketVersioning", self.s3.put_bucket_versioning, Bucket=name,
             VersioningConfiguration={"Status": "Enabled"},
+        )  # fmt: skip
+        self._call(
+            "PutBucketPolicy", self.s3.put_bucket_policy, Bucket=name,
+            Policy=json.dumps(policy_document("bucket-tls-only", bucket=name)),
         )  # fmt: skip
         self._call(
             "PutBucketTagging", self.s3.put_bucket_tagging, Bucket=name,

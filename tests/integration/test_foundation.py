@@ -101,6 +101,11 @@ def test_bucket_is_encrypted_versioned_and_private(spec, moto_endpoint):
     assert s3.get_bucket_versioning(Bucket=spec.bucket)["Status"] == "Enabled"
     block = s3.get_public_access_block(Bucket=spec.bucket)["PublicAccessBlockConfiguration"]
     assert all(block.values())
+    policy = json.loads(s3.get_bucket_policy(Bucket=spec.bucket)["Policy"])
+    (deny,) = policy["Statement"]
+    assert deny["Effect"] == "Deny" and deny["Condition"] == {
+        "Bool": {"aws:SecureTransport": "false"}
+    }
 
 
 def test_ensure_twice_creates_nothing_new(spec, moto_endpoint):
