@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from torchvision.transforms import v2
 
     from sparknet.data.imagenet import IMAGENET_MEAN, IMAGENET_STD, train_transform
-    from sparknet.data.loader import sample_seed
+    from sparknet.data.loader import derived_seed
     from sparknet.data.shards import write_dataset
     from sparknet.data.sources import ShardSource
     from sparknet.data.store import load_manifest, open_store
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if sorted(ordered) != sorted(jpegs):
                 raise RuntimeError("the shards do not hold the images written")
             b = args.batch_size
-            seeds = [sample_seed(0, 0, k // b, k % b) for k in range(args.images)]
+            seeds = [derived_seed(0, 0, k // b, k % b) for k in range(args.images)]
             raw: dict[int, Iterator] = {}  # per repetition: the raw S3 stream, read on per unit
 
             def raw_take(rep: int, n: int) -> Counted:

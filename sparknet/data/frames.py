@@ -65,7 +65,7 @@ class FrameSource(Source):
 
     def _batches(self, steps: Iterator[np.ndarray], labels, inputs, transform, g0: int, seed: int,
                  partition: int) -> Iterator:  # fmt: skip
-        from sparknet.data.loader import Batch, decoded_batches, sample_seed
+        from sparknet.data.loader import Batch, decoded_batches, derived_seed
 
         if self.kind == "features":
             for idx in steps:
@@ -75,7 +75,7 @@ class FrameSource(Source):
         def items() -> Iterator[list]:
             for s, idx in enumerate(steps):
                 yield [
-                    (inputs[i], int(labels[i]), sample_seed(seed, partition, g0 + s, j))
+                    (inputs[i], int(labels[i]), derived_seed(seed, partition, g0 + s, j))
                     for j, i in enumerate(idx)
                 ]
 

@@ -29,8 +29,9 @@ class Batch:
     skipped: int = 0
 
 
-def sample_seed(seed: int, partition: int, global_step: int, index: int) -> int:
-    return int(np.random.SeedSequence([seed, partition, global_step, index]).generate_state(1)[0])
+def derived_seed(*keys: int) -> int:
+    """A torch seed that is a pure function of `keys`, e.g. (seed, partition, step, sample)."""
+    return int(np.random.SeedSequence(list(keys)).generate_state(1)[0])
 
 
 class DecodeDataset(Dataset):

@@ -298,7 +298,7 @@ class ShardSource(Source):
 
     def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
         from sparknet.data.imagenet import train_transform
-        from sparknet.data.loader import decoded_batches, sample_seed
+        from sparknet.data.loader import decoded_batches, derived_seed
 
         shards = self.manifest.shards(self.TRAIN)
         key = (inp.run_id, inp.partition)
@@ -319,7 +319,7 @@ class ShardSource(Source):
                 yield [
                     None
                     if s is None
-                    else (s.data, s.label, sample_seed(inp.seed, inp.partition, g, i))
+                    else (s.data, s.label, derived_seed(inp.seed, inp.partition, g, i))
                     for i, s in enumerate(items)
                 ]
             keep_cursor(key, cursor)  # the whole round was read: the next round continues here

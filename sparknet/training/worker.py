@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparknet.config import TrainConfig
+from sparknet.data.loader import derived_seed
 from sparknet.data.sources import Source, TaskInput
 from sparknet.errors import SparknetError
 from sparknet.models import build_model
@@ -154,7 +155,7 @@ def make_inner_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
 
 def task_seed(seed: int, partition: int, rnd: int) -> int:
     """The torch seed of one task (dropout, augmentation): a pure function, like the data order."""
-    return int(np.random.SeedSequence([seed, partition, rnd]).generate_state(1)[0])
+    return derived_seed(seed, partition, rnd)
 
 
 class InjectedFailure(RuntimeError):
