@@ -318,6 +318,7 @@ def data_ls(
 
 cluster_app = typer.Typer(no_args_is_help=True, help="EC2 GPU clusters: up, down, status, list.")
 app.add_typer(cluster_app, name="cluster")
+RegionOption = typer.Option(None, help="AWS region; default: the cluster's, else us-east-1")
 
 
 def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any]):
@@ -367,7 +368,7 @@ def cluster_up(
     instance_type: list[str] = typer.Option([], help="worker type, repeatable: fallback order"),
     master_type: str | None = typer.Option(None),
     spot: bool | None = typer.Option(None, "--spot/--on-demand", help="workers on spot"),
-    region: str | None = typer.Option(None),
+    region: str | None = RegionOption,
     allowed_cidr: str | None = typer.Option(None, help="SSH source; default: your /32"),
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
@@ -390,10 +391,18 @@ def cluster_up(
     print(f"cluster {name} is up; estimated cost {price}; `sparknet cluster down {name}` ends it")
 
 
+def _on_cluster(action, name: str, region: str | None, config: Path | None, debug: bool, **kw):
+    """`action(spec, **kw)` for the named cluster; a one-line error and exit 2 on failure."""
+    try:
+        return action(_cluster_spec(name, config, {"region": region}), **kw)
+    except SparknetError as exc:
+        _fail(exc, debug)
+
+
 @cluster_app.command("down")
 def cluster_down(
     name: str = typer.Argument(...),
-    region: str | None = typer.Option(None),
+    region: str | None = RegionOption,
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
@@ -401,11 +410,9 @@ def cluster_down(
     """Terminate the cluster's instances, delete its resources, and list what was deleted."""
     from sparknet.cluster import lifecycle
 
-    try:
-        spec = _cluster_spec(name, config, {"region": region})
-        report = lifecycle.down(spec, endpoint_url=endpoint_url, say=console.print)
-    except SparknetError as exc:
-        _fail(exc, debug)
+    report = _on_cluster(
+        lifecycle.down, name, region, config, debug, endpoint_url=endpoint_url, say=console.print
+    )
     for item in report.terminated:
         print(f"terminated instance:{item}")
     for item in report.deleted:
@@ -417,7 +424,7 @@ def cluster_down(
 @cluster_app.command("status")
 def cluster_status(
     name: str = typer.Argument(...),
-    region: str | None = typer.Option(None),
+    region: str | None = RegionOption,
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
@@ -425,11 +432,7 @@ def cluster_status(
     """The cluster's instances, found by tag."""
     from sparknet.cluster import lifecycle
 
-    try:
-        spec = _cluster_spec(name, config, {"region": region})
-        info = lifecycle.status(spec, endpoint_url=endpoint_url)
-    except SparknetError as exc:
-        _fail(exc, debug)
+    info = _on_cluster(lifecycle.status, name, region, config, debug, endpoint_url=endpoint_url)
     Console().print(_instances_table(info))
 
 
@@ -439,17 +442,20 @@ def cluster_list(
     endpoint_url: str | None = EndpointOption,
     debug: bool = DebugOption,
 ) -> None:
-    """Clusters with live instances in the region (by tag); whether this machine knows them."""
+    """Clusters with resources in the region (by tag), and whether this machine knows them."""
+    from sparknet import aws
     from sparknet.cluster import lifecycle
 
     try:
-        found = lifecycle.tagged_clusters(region, endpoint_url=endpoint_url)
+        found = lifecycle.tagged_resources(aws.check_region(region), endpoint_url=endpoint_url)
     except SparknetError as exc:
         _fail(exc, debug)
     known = lifecycle.registered()
     for name in sorted(set(found) | set(known)):
+        items = found.get(name, [])
+        live = sum(item.startswith("instance:") for item in items)
         where = "registered" if name in known else "not registered"
-        print(f"{name}\t{len(found.get(name, []))} instances\t{where}")
+        print(f"{name}\t{live} instances\t{len(items) - live} other resources\t{where}")
 
 
 @cluster_app.command("sweep")
@@ -460,7 +466,9 @@ def cluster_sweep(
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
-    """Clusters with tagged instances that are neither registered here nor in `clusters:`."""
+    """Tagged resources of clusters neither registered here nor in `clusters:`; `--yes` deletes
+    them (the bucket is kept)."""
+    from sparknet import aws
     from sparknet.cluster import lifecycle
     from sparknet.config import read_section
 
@@ -469,13 +477,15 @@ def cluster_sweep(
         wanted = set(lifecycle.registered())
         if path is not None:
             wanted |= set(read_section(path, "clusters"))
-        found = lifecycle.orphans(region, wanted, endpoint_url=endpoint_url)
-        for name, ids in sorted(found.items()):
-            print(f"orphan {name}: {', '.join(ids)}")
+        found = lifecycle.orphans(aws.check_region(region), wanted, endpoint_url=endpoint_url)
+        for name, items in sorted(found.items()):
+            print(f"orphan {name}: {' '.join(items)}")
             if yes:
                 spec = _cluster_spec(name, config, {"region": region})
                 lifecycle.down(spec, endpoint_url=endpoint_url, say=console.print)
                 print(f"took {name} down")
+        if found and not yes:
+            print("run again with --yes to delete them")
     except SparknetError as exc:
         _fail(exc, debug)
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparknet.cluster import aws, instances
+from sparknet import aws
+from sparknet.cluster import instances
 from sparknet.cluster.rules import policy_document, security_group_rules
 from sparknet.cluster.spec import INFRA_DIR, TAG_CLUSTER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
@@ -263,7 +264,7 @@ class _Boto3Foundation:
             return
         except self.s3.exceptions.ClientError as exc:
             if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket"):
-                raise aws.describe_aws_error(exc, "HeadBucket", self.spec.region) from exc
+                raise aws.describe_error(exc, f"HeadBucket in {self.spec.region}") from exc
         extra = (
             {}
             if self.spec.region == "us-east-1"

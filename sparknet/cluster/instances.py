@@ -25,7 +25,7 @@ from typing import Any
 
 import botocore.exceptions as bx
 
-from sparknet.cluster import aws
+from sparknet import aws
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
 
@@ -101,12 +101,12 @@ class Instance:
 
 def ec2_client(region: str, endpoint_url: str | None = None, *, max_attempts: int = 8) -> Any:
     """An EC2 client for `region`; see `aws.client`."""
-    return aws.client("ec2", region, endpoint_url, max_attempts)
+    return aws.client("ec2", region, endpoint_url, max_attempts=max_attempts)
 
 
 def ssm_client(region: str, endpoint_url: str | None = None, *, max_attempts: int = 8) -> Any:
     """An SSM client for `region` (where `resolve_ami` reads the AMI parameter)."""
-    return aws.client("ssm", region, endpoint_url, max_attempts)
+    return aws.client("ssm", region, endpoint_url, max_attempts=max_attempts)
 
 
 # --- what to launch --------------------------------------------------------------------------
@@ -127,12 +127,12 @@ def resolve_ami(spec: ClusterSpec, ssm: Any) -> str:
                 f"SSM parameter {spec.ami_parameter} does not exist in {region}; set the "
                 "cluster's ami (an AMI id) or ami_parameter"
             ) from exc
-        raise aws.describe_aws_error(
-            exc, f"reading SSM parameter {spec.ami_parameter}", region
+        raise aws.describe_error(
+            exc, f"reading SSM parameter {spec.ami_parameter} in {region}"
         ) from exc
     except bx.BotoCoreError as exc:
-        raise aws.describe_aws_error(
-            exc, f"reading SSM parameter {spec.ami_parameter}", region
+        raise aws.describe_error(
+            exc, f"reading SSM parameter {spec.ami_parameter} in {region}"
         ) from exc
 
 
@@ -184,9 +184,9 @@ def _root_device(ec2: Any, ami: str) -> tuple[str, int]:
         if aws.error_code(exc).startswith("InvalidAMIID"):
             images = []
         else:
-            raise aws.describe_aws_error(exc, "DescribeImages", region) from exc
+            raise aws.describe_error(exc, f"DescribeImages in {region}") from exc
     except bx.BotoCoreError as exc:
-        raise aws.describe_aws_error(exc, "DescribeImages", region) from exc
+        raise aws.describe_error(exc, f"DescribeImages in {region}") from exc
     if not images:
         raise SparknetError(f"AMI {ami} does not exist in {region} (or is not shared with you)")
     image = images[0]
@@ -406,10 +406,10 @@ def launch(
                     quota_hits.append(_quota_hint(itype, spot, code))
                     break
                 action = f"RunInstances ({itype} in {az})"
-                raise aws.describe_aws_error(exc, action, region) from exc
+                raise aws.describe_error(exc, f"{action} in {region}") from exc
             except bx.BotoCoreError as exc:
                 action = f"RunInstances ({itype} in {az})"
-                raise aws.describe_aws_error(exc, action, region) from exc
+                raise aws.describe_error(exc, f"{action} in {region}") from exc
             return _launched(response, client_token_prefix)
     market = "spot" if spot else "on-demand"
     tried = ", ".join(failures + quota_hits)
@@ -489,7 +489,7 @@ def _wait(ec2: Any, waiter: str, ids: Sequence[str], deadline: float, delay_s: f
             f"({reason}); see the EC2 console for their state"
         ) from exc
     except (bx.BotoCoreError, bx.ClientError) as exc:
-        raise aws.describe_aws_error(exc, f"waiting for {waiter}", aws.region_of(ec2)) from exc
+        raise aws.describe_error(exc, f"waiting for {waiter} in {aws.region_of(ec2)}") from exc
 
 
 def wait_ready(

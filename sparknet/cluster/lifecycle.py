@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from sparknet import aws
 from sparknet.cluster import foundation, instances
 from sparknet.cluster.instances import Instance
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
@@ -240,28 +241,59 @@ def status(spec: ClusterSpec, *, endpoint_url: str | None = None) -> ClusterInfo
     )  # fmt: skip
 
 
-def tagged_clusters(region: str, *, endpoint_url: str | None = None) -> dict[str, list[str]]:
-    """Every cluster name with live tagged instances in `region` -> their instance ids."""
+#: (describe call, response key, id key, kind) of each tagged EC2 resource type of a foundation
+_TAGGED_EC2 = (
+    ("describe_vpcs", "Vpcs", "VpcId", "vpc"),
+    ("describe_subnets", "Subnets", "SubnetId", "subnet"),
+    ("describe_security_groups", "SecurityGroups", "GroupId", "security-group"),
+    ("describe_internet_gateways", "InternetGateways", "InternetGatewayId", "internet-gateway"),
+    ("describe_route_tables", "RouteTables", "RouteTableId", "route-table"),
+)
+
+
+def tagged_resources(region: str, *, endpoint_url: str | None = None) -> dict[str, list[str]]:
+    """Every cluster with resources in `region` -> "kind:id" of each: live instances, the
+    foundation's network and security group (by the `sparknet:cluster` tag), and its IAM role
+    and instance profile (IAM is global: by the name that carries the region, then the tag).
+    The bucket is not listed: it outlives clusters."""
     ec2 = instances.ec2_client(region, endpoint_url)
     out: dict[str, list[str]] = {}
-    pages = ec2.get_paginator("describe_instances").paginate(
-        Filters=[
-            {"Name": "tag-key", "Values": [TAG_CLUSTER]},
-            {"Name": "instance-state-name", "Values": list(instances.LIVE_STATES)},
-        ]
-    )
-    for page in pages:
-        for reservation in page["Reservations"]:
-            for raw in reservation["Instances"]:
-                tags = {t["Key"]: t["Value"] for t in raw.get("Tags", [])}
-                out.setdefault(tags[TAG_CLUSTER], []).append(raw["InstanceId"])
+
+    def add(tags: list[dict[str, str]], item: str) -> None:
+        name = {t["Key"]: t["Value"] for t in tags}.get(TAG_CLUSTER)
+        if name is not None:
+            out.setdefault(name, []).append(item)
+
+    tag_key = {"Name": "tag-key", "Values": [TAG_CLUSTER]}
+    live = {"Name": "instance-state-name", "Values": list(instances.LIVE_STATES)}
+    with aws.aws_call("DescribeInstances", region):
+        for page in ec2.get_paginator("describe_instances").paginate(Filters=[tag_key, live]):
+            for reservation in page["Reservations"]:
+                for raw in reservation["Instances"]:
+                    add(raw.get("Tags", []), f"instance:{raw['InstanceId']}")
+    for call, key, id_key, kind in _TAGGED_EC2:
+        with aws.aws_call(call, region):
+            for page in ec2.get_paginator(call).paginate(Filters=[tag_key]):
+                for item in page[key]:
+                    add(item.get("Tags", []), f"{kind}:{item[id_key]}")
+    iam = aws.client("iam", region, endpoint_url)
+    with aws.aws_call("ListRoles", region):
+        for page in iam.get_paginator("list_roles").paginate():
+            for role in page["Roles"]:
+                name = role["RoleName"]
+                if name.startswith("sparknet-") and name.endswith(f"-{region}"):
+                    tags = iam.list_role_tags(RoleName=name)["Tags"]
+                    add(tags, f"iam-role:{name}")
+                    profiles = iam.list_instance_profiles_for_role(RoleName=name)
+                    for profile in profiles["InstanceProfiles"]:
+                        add(tags, f"instance-profile:{profile['InstanceProfileName']}")
     return out
 
 
 def orphans(region: str, wanted: set[str], *, endpoint_url: str | None = None) -> dict:
-    """Clusters with live instances in `region` that nobody wants (not in `wanted`)."""
+    """Clusters with resources in `region` that nobody wants (not in `wanted`) -> "kind:id"."""
     return {
-        name: ids
-        for name, ids in tagged_clusters(region, endpoint_url=endpoint_url).items()
+        name: items
+        for name, items in tagged_resources(region, endpoint_url=endpoint_url).items()
         if name not in wanted
     }

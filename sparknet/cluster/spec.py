@@ -3,10 +3,14 @@ constants every part of `cluster/` shares (tag keys, roles, the default AMI para
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from sparknet import aws
+from sparknet.errors import SparknetError
 
 #: every AWS resource sparknet makes carries both tags; `down` and `sweep` find resources by them
 TAG_CLUSTER = "sparknet:cluster"
@@ -54,6 +58,28 @@ class ClusterSpec(BaseModel):
     bucket: str | None = Field(None, description="data and runs bucket")
     data_prefix: str = "datasets/"
     runs_prefix: str = "runs/"
+
+    @field_validator("region")
+    @classmethod
+    def _known_region(cls, region: str) -> str:
+        try:
+            return aws.check_region(region)
+        except SparknetError as exc:
+            raise ValueError(str(exc)) from exc
+
+    @field_validator("allowed_cidr")
+    @classmethod
+    def _ipv4_cidr_not_everyone(cls, cidr: str | None) -> str | None:
+        """As infra/variables.tf: one IPv4 network, never the whole internet."""
+        if cidr is None:
+            return None
+        try:
+            net = ipaddress.IPv4Network(cidr, strict=False)
+        except ValueError as exc:
+            raise ValueError(f"{cidr!r} is not an IPv4 CIDR such as 203.0.113.7/32") from exc
+        if net.prefixlen == 0:
+            raise ValueError("SSH may not be open to all addresses (/0); give your /32")
+        return str(net)
 
     @model_validator(mode="after")
     def _existing_network(self) -> ClusterSpec:

@@ -15,31 +15,19 @@ import os
 import re
 import threading
 import time
-import urllib.parse
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
-import boto3
 import botocore.exceptions as bx
 import urllib3.exceptions
-from botocore.config import Config
 
+from sparknet import aws
 from sparknet.errors import SparknetError
 
-#: connection / read timeouts (seconds) of every client; reads that stall longer are retried
-CONNECT_TIMEOUT = 10.0
-READ_TIMEOUT = 60.0
 #: `RangedReader` buffer size when wrapped by `open_object`
 READ_BUFFER = 1 << 20
 
 _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]$")
-_CREDENTIAL_CODES = {
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "ExpiredToken",
-    "InvalidToken",
-    "TokenRefreshRequired",
-}
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 
 
@@ -85,13 +73,12 @@ _clients_lock = threading.Lock()
 
 
 def client(endpoint_url: str | None = None) -> Any:
-    """A boto3 S3 client shared by the threads of this process.
+    """A boto3 S3 client (see `sparknet.aws.client`) shared by the threads of this process.
 
     Cached per process id because Spark forks Python workers: a client (and its connection pool)
     inherited across a fork shares sockets with the parent. The key also holds the environment
     that boto3 resolves at creation (profile, access key id, endpoint), so changing it takes
-    effect. `endpoint_url=None` leaves the endpoint to boto3, which honours AWS_ENDPOINT_URL.
-    Clients are made from their own Session: boto3's default session is not thread-safe.
+    effect. The pool is wide for the transfer manager's parallel parts.
     """
     env = os.environ
     key = (
@@ -105,39 +92,17 @@ def client(endpoint_url: str | None = None) -> Any:
     with _clients_lock:
         found = _clients.get(key)
         if found is None:
-            config = Config(
-                retries={"max_attempts": 10, "mode": "adaptive"},
-                connect_timeout=CONNECT_TIMEOUT,
-                read_timeout=READ_TIMEOUT,
-                max_pool_connections=32,
-            )
-            found = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+            found = aws.client("s3", None, endpoint_url, max_attempts=10, max_pool_connections=32)
             _clients[key] = found
         return found
 
 
-def _root_cause(exc: BaseException) -> BaseException:
-    """The botocore error behind wrappers such as boto3's S3UploadFailedError (which keeps the
-    ClientError only as its context)."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, (bx.ClientError, bx.BotoCoreError)):
-            return cur
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return exc
-
-
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
-
-
 def describe_client_error(exc: BaseException, what: str | S3Uri) -> SparknetError:
     """Turn a boto3/botocore failure about `what` (an s3:// URI) into a one-line SparknetError
-    that says what to fix. Returned, not raised, so callers write `raise ... from exc`."""
+    that says what to fix: S3's own cases here, the rest as for any AWS call (`sparknet.aws`).
+    Returned, not raised, so callers write `raise ... from exc`."""
     what = str(what)
-    cause = _root_cause(exc)
+    cause = aws.root_cause(exc)
     if isinstance(cause, bx.ClientError):
         err = cause.response.get("Error", {})
         code = str(err.get("Code", ""))
@@ -151,12 +116,7 @@ def describe_client_error(exc: BaseException, what: str | S3Uri) -> SparknetErro
             )
         if code in _MISSING_CODES:
             return MissingObjectError(f"{what} does not exist")
-        if code in _CREDENTIAL_CODES:
-            return SparknetError(
-                f"AWS credentials were rejected for {what} ({code}); set AWS_PROFILE or "
-                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY to valid credentials"
-            )
-        if code in ("AccessDenied", "403", "Forbidden") or status == 403:
+        if code not in aws.CREDENTIAL_CODES and (code in aws.DENIED_CODES or status == 403):
             return SparknetError(
                 f"access to {what} was denied ({code or 403}); the AWS credentials in use lack "
                 "permission: set AWS_PROFILE or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY to "
@@ -167,27 +127,7 @@ def describe_client_error(exc: BaseException, what: str | S3Uri) -> SparknetErro
                 f"{what} was replaced while it was being read (its ETag changed); "
                 "wait for the upload to finish and run again"
             )
-        message = _one_line(err.get("Message", "")) or "no message"
-        return SparknetError(f"S3 request for {what} failed: {code or status}: {message}")
-    if isinstance(cause, (bx.NoCredentialsError, bx.PartialCredentialsError)):
-        return SparknetError(
-            f"no usable AWS credentials to access {what}; set AWS_PROFILE or "
-            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
-        )
-    if isinstance(cause, (bx.EndpointConnectionError, bx.ConnectTimeoutError)):
-        # botocore gives the request's full URL; the endpoint is its scheme and host
-        url = urllib.parse.urlsplit(str(cause.kwargs.get("endpoint_url", "")))
-        endpoint = f"{url.scheme}://{url.netloc}" if url.netloc else "the S3 endpoint"
-        return SparknetError(
-            f"cannot reach S3 at {endpoint} (for {what}); check endpoint_url / AWS_ENDPOINT_URL "
-            "and the network"
-        )
-    if isinstance(cause, bx.NoRegionError):
-        return SparknetError(
-            f"no AWS region for {what}; set AWS_DEFAULT_REGION (or AWS_PROFILE with a region)"
-        )
-    detail = _one_line(cause) or type(cause).__name__
-    return SparknetError(f"S3 request for {what} failed: {detail}")
+    return aws.describe_error(cause, f"S3 request for {what}")
 
 
 #: errors of a broken response stream; the read is resumed from the byte it reached
@@ -318,7 +258,7 @@ class RangedReader(io.RawIOBase):
                 if failures >= self._attempts:
                     raise SparknetError(
                         f"reading {self.uri} failed at byte {self._pos} after {failures} "
-                        f"attempts ({type(exc).__name__}: {_one_line(exc)}); check the network "
+                        f"attempts ({type(exc).__name__}: {aws.one_line(exc)}); check the network "
                         "and the endpoint, then run again"
                     ) from exc
                 time.sleep(self._backoff * 2 ** (failures - 1))

@@ -477,7 +477,7 @@ def test_unreachable_region_endpoint_is_one_line():
     with pytest.raises(SparknetError) as err:
         instances.find(ec2, "anything")
 
-    assert_one_line(err.value, "cannot reach AWS", "'us-east-9'")
+    assert_one_line(err.value, "cannot reach AWS at http://127.0.0.1:9", "us-east-9")
 
 
 def test_malformed_region_is_one_line():

@@ -3,15 +3,22 @@ after a failure or Ctrl-C in the middle of `up`."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import uuid
+from collections import Counter
 
 import boto3
 import pytest
+import yaml
+from botocore.exceptions import ClientError
 
 from sparknet.cluster import instances, lifecycle
 from sparknet.cluster.foundation import node_role_name
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
 from sparknet.errors import SparknetError
+from tests.conftest import SPARKNET
 
 REGION = "us-east-1"
 AMI_PARAMETER = "/test/sparknet/lifecycle-ami"
@@ -86,21 +93,25 @@ def test_down_leaves_nothing_with_the_cluster_tag(spec, moto_endpoint):
     assert spec.name not in lifecycle.registered()
 
 
-def test_a_failed_worker_launch_removes_everything_up_made(spec, moto_endpoint, monkeypatch):
-    """The workers' RunInstances fails with an error no fallback helps (a stub on the real
-    client: moto never fails a launch); the master launched before it must go too."""
+def test_an_error_at_the_third_launch_removes_everything_up_made(spec, moto_endpoint, monkeypatch):
+    """RunInstances: 1st the master; 2nd the workers, refused for capacity in the first AZ; the
+    3rd, the workers' fallback to the next AZ, fails with an error no fallback helps. Stubs on the
+    real client, because moto never fails a launch. The master must go, and the foundation."""
     real = instances.ec2_client
+    calls: list[dict] = []
 
     def failing_client(*args, **kwargs):
         ec2 = real(*args, **kwargs)
         run = ec2.run_instances
-        calls = []
 
         def run_instances(**params):
             calls.append(params)
-            if len(calls) >= 2:
-                from botocore.exceptions import ClientError
-
+            if len(calls) == 2:
+                raise ClientError(
+                    {"Error": {"Code": "InsufficientInstanceCapacity", "Message": "none"}},
+                    "RunInstances",
+                )
+            if len(calls) == 3:
                 raise ClientError(
                     {"Error": {"Code": "InternalError", "Message": "injected"}}, "RunInstances"
                 )
@@ -112,6 +123,9 @@ def test_a_failed_worker_launch_removes_everything_up_made(spec, moto_endpoint, 
     monkeypatch.setattr(instances, "ec2_client", failing_client)
     with pytest.raises(SparknetError, match="injected"):
         _up(spec, moto_endpoint)
+    assert len(calls) == 3
+    subnets = [c["NetworkInterfaces"][0]["SubnetId"] for c in calls[1:]]
+    assert subnets[0] != subnets[1]  # the third launch was the fallback to another AZ
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
     assert spec.name not in lifecycle.registered()
 
@@ -126,21 +140,59 @@ def test_ctrl_c_during_up_removes_everything_up_made(spec, moto_endpoint, monkey
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
 
 
-def test_orphans_are_clusters_nobody_wants(spec, moto_endpoint):
+def _kinds(items: list[str]) -> dict[str, int]:
+    return dict(Counter(item.split(":", 1)[0] for item in items))
+
+
+def test_orphans_list_every_tagged_resource_of_clusters_nobody_wants(spec, moto_endpoint):
     _up(spec, moto_endpoint)
     found = lifecycle.orphans(REGION, set(), endpoint_url=moto_endpoint)
-    assert len(found[spec.name]) == 3
+    kinds = _kinds(found[spec.name])
+    assert kinds["instance"] == 3
+    assert (kinds["vpc"], kinds["security-group"], kinds["internet-gateway"]) == (1, 1, 1)
+    assert kinds["subnet"] >= 2 and kinds["route-table"] == 1
+    assert (kinds["iam-role"], kinds["instance-profile"]) == (1, 1)
     assert spec.name not in lifecycle.orphans(REGION, {spec.name}, endpoint_url=moto_endpoint)
 
 
+def cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(SPARKNET), "cluster", *args], cwd=cwd, env=os.environ.copy(),
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+
+
+def test_down_works_from_tags_alone_after_the_registry_is_lost(spec, moto_endpoint, tmp_path):
+    _up(spec, moto_endpoint)
+    shutil.rmtree(lifecycle.registry_dir())
+    gone = cli("down", spec.name, "--region", REGION, cwd=tmp_path)
+    assert gone.returncode == 0, gone.stderr
+    assert gone.stdout.count("terminated instance:") == 3 and "deleted vpc:" in gone.stdout
+    assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
+
+
+def test_sweep_lists_then_deletes_a_forgotten_clusters_foundation(spec, moto_endpoint, tmp_path):
+    """Instances already gone, registry lost: only the foundation is left to find, by tag."""
+    _up(spec, moto_endpoint)
+    ec2 = instances.ec2_client(REGION, moto_endpoint)
+    instances.terminate_cluster(ec2, spec.name, delay_s=0.2)
+    shutil.rmtree(lifecycle.registry_dir())
+
+    listed = cli("sweep", "--region", REGION, cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    line = next(ln for ln in listed.stdout.splitlines() if ln.startswith(f"orphan {spec.name}:"))
+    assert "instance:" not in line and "vpc:" in line and "iam-role:" in line
+    assert "--yes" in listed.stdout
+    assert _left(spec) == {"instances": 0, "vpcs": 1, "security_groups": 1, "roles": 1}
+
+    swept = cli("sweep", "--region", REGION, "--yes", cwd=tmp_path)
+    assert swept.returncode == 0, swept.stderr
+    assert f"took {spec.name} down" in swept.stdout
+    assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
+    assert spec.name not in lifecycle.orphans(REGION, set(), endpoint_url=moto_endpoint)
+
+
 def test_cli_up_status_down_from_a_clusters_section(spec, moto_endpoint, tmp_path):
-    import os
-    import subprocess
-
-    import yaml
-
-    from tests.conftest import SPARKNET
-
     settings = {
         "clusters": {
             spec.name: {
@@ -151,35 +203,23 @@ def test_cli_up_status_down_from_a_clusters_section(spec, moto_endpoint, tmp_pat
     }  # fmt: skip
     (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump(settings))
 
-    def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [str(SPARKNET), "cluster", *args], cwd=tmp_path, env=os.environ.copy(),
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-
-    done = cli("up", spec.name)
+    done = cli("up", spec.name, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert f"cluster {spec.name} is up" in done.stdout and "$" in done.stdout
     assert _left(spec)["instances"] == 2
-    shown = cli("status", spec.name)
+    shown = cli("status", spec.name, cwd=tmp_path)
     assert shown.returncode == 0 and shown.stdout.count("i-") == 2
-    gone = cli("down", spec.name)
+    gone = cli("down", spec.name, cwd=tmp_path)
     assert gone.returncode == 0, gone.stderr
     assert "deleted vpc:" in gone.stdout and gone.stdout.count("terminated instance:") == 2
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
 
 
 def test_cli_up_with_an_unoffered_type_is_one_line_and_creates_nothing(spec, tmp_path):
-    import os
-    import subprocess
-
-    from tests.conftest import SPARKNET
-
-    done = subprocess.run(
-        [str(SPARKNET), "cluster", "up", spec.name, "--instance-type", "p3.2xlarge",
-         "--allowed-cidr", "203.0.113.9/32"],
-        cwd=tmp_path, env=os.environ.copy(),  # moto offers no p3.2xlarge in us-east-1
-        capture_output=True, text=True, timeout=120,
+    # moto offers no p3.2xlarge in us-east-1
+    done = cli(
+        "up", spec.name, "--instance-type", "p3.2xlarge", "--allowed-cidr", "203.0.113.9/32",
+        cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()

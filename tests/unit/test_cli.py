@@ -9,10 +9,11 @@ import pytest
 from tests.conftest import REPO, SPARKNET
 
 
-def run_cli(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd=REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(SPARKNET), *args], cwd=cwd, capture_output=True, text=True, timeout=120
-    )
+        [str(SPARKNET), *args], cwd=cwd, capture_output=True, text=True, timeout=120,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -75,7 +75,7 @@ def client_error(code: str, status: int = 400, **extra: str) -> bx.ClientError:
         (bx.NoCredentialsError(), ["credentials", "AWS_PROFILE", "AWS_ACCESS_KEY_ID"]),
         (
             bx.EndpointConnectionError(endpoint_url="http://nowhere:9/bkt/p/x.tar"),
-            ["cannot reach S3 at http://nowhere:9 (", "AWS_ENDPOINT_URL"],
+            ["cannot reach AWS at http://nowhere:9 (for S3 request for s3://bkt/", "ENDPOINT_URL"],
         ),
     ],
 )

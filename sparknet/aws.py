@@ -1,0 +1,189 @@
+"""How sparknet talks to AWS: one client factory and one way a failure reads.
+
+`data/` (S3 datasets) and `cluster/` (EC2, IAM, SSM) both sit on this module, so every client has
+the same retry and timeout policy and the same problem (no credentials, a dead endpoint, a quota)
+gets the same one-line message, whichever part of sparknet met it. The parts add only what is
+their own: `data/s3.py` the S3 codes (no such bucket, a replaced object), `cluster/` the actions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import botocore.exceptions as bx
+from botocore.config import Config
+
+from sparknet.errors import SparknetError
+
+#: connection / read timeouts (seconds) of every client; a stalled read is retried
+CONNECT_TIMEOUT = 10.0
+READ_TIMEOUT = 60.0
+
+#: errors about a regional quota: no AZ helps, a type of another quota group may
+QUOTA_CODES = frozenset(
+    {"InstanceLimitExceeded", "VcpuLimitExceeded", "MaxSpotInstanceCountExceeded"}
+)
+#: the credentials were read but AWS does not accept them (EC2/IAM/SSM and S3 spellings)
+CREDENTIAL_CODES = frozenset(
+    {
+        "AuthFailure",
+        "InvalidClientTokenId",
+        "UnrecognizedClientException",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "RequestExpired",
+        "InvalidAccessKeyId",
+        "InvalidToken",
+        "TokenRefreshRequired",
+    }
+)
+DENIED_CODES = frozenset(
+    {"UnauthorizedOperation", "AccessDenied", "AccessDeniedException", "Forbidden", "403"}
+)
+
+
+def client(
+    service: str,
+    region: str | None = None,
+    endpoint_url: str | None = None,
+    *,
+    max_attempts: int = 8,
+    max_pool_connections: int = 10,
+) -> Any:
+    """A boto3 client with adaptive retries and bounded timeouts.
+
+    Adaptive mode retries throttling (EC2 answers bursts of Describe calls, as `up` and the
+    waiters make, with RequestLimitExceeded) and also slows the client down. `max_attempts` is
+    there so interactive commands and tests can fail fast on a dead endpoint. `region=None` and
+    `endpoint_url=None` leave them to boto3, which honours AWS_DEFAULT_REGION / AWS_PROFILE and
+    AWS_ENDPOINT_URL (moto in tests). Each client comes from its own Session: boto3's default
+    session is not thread-safe.
+    """
+    config = Config(
+        retries={"mode": "adaptive", "max_attempts": max_attempts},
+        connect_timeout=CONNECT_TIMEOUT,
+        read_timeout=READ_TIMEOUT,
+        max_pool_connections=max_pool_connections,
+    )
+    try:
+        return boto3.session.Session().client(
+            service, region_name=region, endpoint_url=endpoint_url, config=config
+        )
+    except bx.InvalidRegionError as exc:
+        raise SparknetError(
+            f"{region!r} is not an AWS region name; write it like us-east-1"
+        ) from exc
+
+
+def known_regions() -> frozenset[str]:
+    """Every region of every partition that the installed botocore knows (no network call)."""
+    session = boto3.session.Session()
+    return frozenset(
+        region
+        for partition in session.get_available_partitions()
+        for region in session.get_available_regions("ec2", partition_name=partition)
+    )
+
+
+def check_region(region: str) -> str:
+    """`region`, if AWS has it; else a one-line error. Checked before the first call, because an
+    unknown region otherwise surfaces only as an unreachable endpoint after every retry."""
+    if region in known_regions():
+        return region
+    area = region.rsplit("-", 1)[0]  # us-east-9 -> us-east
+    near = sorted(r for r in known_regions() if r.rsplit("-", 1)[0] == area)
+    hint = f"{area} has {', '.join(near)}" if near else "write it like us-east-1"
+    raise SparknetError(
+        f"{region!r} is not an AWS region ({hint}); if it is new, upgrade boto3 and botocore"
+    )
+
+
+def one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def region_of(client: Any) -> str:
+    return str(client.meta.region_name)
+
+
+def error_code(exc: bx.ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The botocore error behind wrappers such as boto3's S3UploadFailedError (which keeps the
+    ClientError only as its context)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, (bx.ClientError, bx.BotoCoreError)):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return exc
+
+
+def _endpoint(exc: bx.BotoCoreError, default: str) -> str:
+    """botocore gives the request's full URL; the endpoint is its scheme and host."""
+    url = urllib.parse.urlsplit(str(getattr(exc, "kwargs", {}).get("endpoint_url", "")))
+    return f"{url.scheme}://{url.netloc}" if url.netloc else default
+
+
+def describe_error(exc: BaseException, what: str) -> SparknetError:
+    """Turn a boto3/botocore failure of `what` (e.g. "RunInstances in us-east-1") into a one-line
+    error that says what to fix. Returned, not raised, so callers write `raise ... from exc`."""
+    cause = root_cause(exc)
+    if isinstance(cause, (bx.NoCredentialsError, bx.PartialCredentialsError)):
+        return SparknetError(
+            f"no AWS credentials found for {what}; set AWS_PROFILE or "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        )
+    if isinstance(cause, (bx.EndpointConnectionError, bx.ConnectTimeoutError)):
+        return SparknetError(
+            f"cannot reach AWS at {_endpoint(cause, 'its endpoint')} (for {what}); check the "
+            "region, endpoint_url / AWS_ENDPOINT_URL, and the network"
+        )
+    if isinstance(cause, bx.NoRegionError):
+        return SparknetError(
+            f"no AWS region for {what}; set AWS_DEFAULT_REGION (or a region in the config)"
+        )
+    if isinstance(cause, bx.ClientError):
+        err = cause.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        message = one_line(err.get("Message", "")) or "no message"
+        if code in CREDENTIAL_CODES:
+            return SparknetError(
+                f"AWS rejected the credentials for {what} ({code}); set AWS_PROFILE or "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY to valid credentials"
+            )
+        if code in DENIED_CODES or (not code and status == 403):
+            return SparknetError(
+                f"the AWS credentials in use may not do {what} ({code or 403}); use credentials "
+                "with that permission"
+            )
+        if code in QUOTA_CODES:
+            return SparknetError(
+                f"{what} hit an AWS quota ({code}: {message}); request an increase in the "
+                "Service Quotas console"
+            )
+        if code == "OptInRequired":
+            return SparknetError(
+                f"{what}: the account has not enabled this region or service (OptInRequired); "
+                "enable it in the AWS console or choose another region"
+            )
+        return SparknetError(f"{what} failed: {code or status}: {message}")
+    return SparknetError(f"{what} failed: {one_line(cause) or type(cause).__name__}")
+
+
+@contextlib.contextmanager
+def aws_call(action: str, region: str) -> Iterator[None]:
+    """Re-raise any boto3/botocore failure inside the block as a one-line SparknetError."""
+    try:
+        yield
+    except (bx.BotoCoreError, bx.ClientError) as exc:
+        raise describe_error(exc, f"{action} in {region}") from exc
