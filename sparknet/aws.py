@@ -77,6 +77,8 @@ def client(
         raise SparknetError(
             f"{region!r} is not an AWS region name; write it like us-east-1"
         ) from exc
+    except bx.ProfileNotFound as exc:
+        raise describe_error(exc, f"a {service} client") from exc
 
 
 def known_regions() -> frozenset[str]:
@@ -141,6 +143,12 @@ def describe_error(exc: BaseException, what: str) -> SparknetError:
         return SparknetError(
             f"no AWS credentials found for {what}; set AWS_PROFILE or "
             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        )
+    if isinstance(cause, bx.ProfileNotFound):
+        profile = cause.kwargs.get("profile", "")
+        return SparknetError(
+            f"AWS profile {profile!r} (AWS_PROFILE) is not in ~/.aws/config or ~/.aws/credentials "
+            f"(for {what}); fix AWS_PROFILE or unset it"
         )
     if isinstance(cause, (bx.EndpointConnectionError, bx.ConnectTimeoutError)):
         return SparknetError(

@@ -463,7 +463,7 @@ def ensure_terraform(
     """Apply `infra/` for `spec` (state in `state_dir`) and read the foundation from its outputs."""
     from sparknet.cluster.terraform import TerraformRunner
 
-    runner = TerraformRunner(module_dir, state_dir)
+    runner = TerraformRunner(module_dir, state_dir, backend_config=spec.terraform_backend)
     runner.init()
     runner.apply(terraform_variables(spec, allowed_cidr))
     out = runner.output()
@@ -485,7 +485,7 @@ def destroy_terraform(
     """`terraform destroy` of the cluster's state; returns the outputs that named what went."""
     from sparknet.cluster.terraform import TerraformRunner
 
-    runner = TerraformRunner(module_dir, state_dir)
+    runner = TerraformRunner(module_dir, state_dir, backend_config=spec.terraform_backend)
     runner.init()
     out = runner.output()
     # destroy only checks the inputs; a placeholder SSH source passes the module's validation

@@ -20,7 +20,7 @@ from typing import Any
 from sparknet import aws
 from sparknet.cluster import foundation, instances
 from sparknet.cluster.instances import Instance
-from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
+from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
 
 #: where the registry lives; SPARKNET_HOME moves it (tests, several accounts)
@@ -98,17 +98,18 @@ def _by_role(found: list[Instance], role: str) -> list[Instance]:
 
 
 def _foundation_exists(spec: ClusterSpec, ec2: Any) -> bool:
-    vpcs = ec2.describe_vpcs(
-        Filters=[
-            {"Name": f"tag:{TAG_CLUSTER}", "Values": [spec.name]},
-            {"Name": "tag:sparknet:role", "Values": ["foundation"]},
-        ]
-    )["Vpcs"]
+    with aws.aws_call("DescribeVpcs", spec.region):
+        vpcs = ec2.describe_vpcs(
+            Filters=[
+                {"Name": f"tag:{TAG_CLUSTER}", "Values": [spec.name]},
+                {"Name": f"tag:{TAG_ROLE}", "Values": ["foundation"]},
+            ]
+        )["Vpcs"]
     return bool(vpcs)
 
 
 def terraform_state_dir(spec: ClusterSpec) -> Path:
-    """Where a cluster's Terraform state lives (a user's own backend goes in infra/)."""
+    """Where a cluster's Terraform state lives, unless `terraform_backend` names another."""
     return registry_dir() / spec.name / "terraform"
 
 
@@ -123,8 +124,12 @@ def _ensure_foundation(
 
 
 def _destroy_foundation(spec: ClusterSpec, endpoint_url: str | None) -> list[str]:
+    """Terraform's destroy where its state is known; else by tag with boto3 (a lost state dir,
+    or a foundation another backend made)."""
     state = terraform_state_dir(spec)
-    if spec.foundation == "terraform" and (state / "terraform.tfstate").is_file():
+    if spec.foundation == "terraform" and (
+        spec.terraform_backend is not None or (state / "terraform.tfstate").is_file()
+    ):
         return foundation.destroy_terraform(spec, state_dir=state)
     return foundation.destroy_boto3(spec, endpoint_url=endpoint_url)
 

@@ -55,6 +55,11 @@ class ClusterSpec(BaseModel):
     vpc_id: str | None = Field(None, description="an existing VPC to use (with subnet_ids)")
     subnet_ids: list[str] = Field(default_factory=list, description="its subnets, one per AZ")
     foundation: Literal["terraform", "boto3"] = "boto3"
+    terraform_backend: dict[str, str] | None = Field(
+        None,
+        description="-backend-config settings of the backend declared in "
+        "infra/backend_override.tf; default: local state under ~/.sparknet/clusters/<name>/",
+    )
     bucket: str | None = Field(None, description="data and runs bucket")
     data_prefix: str = "datasets/"
     runs_prefix: str = "runs/"

@@ -168,3 +168,29 @@ def test_terraform_foundation_needs_a_bucket(tmp_path):
 
     with pytest.raises(SparknetError, match="needs `bucket`"):
         terraform_variables(ClusterSpec(name="nob", foundation="terraform"), CIDR)
+
+
+def test_terraform_backend_of_the_spec_holds_the_state(moto_endpoint, tmp_path):
+    """`terraform_backend` settings go to `init -backend-config`: here the stand-in's local
+    backend pointed at a path of the user's, so the cluster's own state dir stays empty."""
+    from sparknet.cluster.foundation import destroy_terraform, ensure_terraform
+    from tests.conftest import REPO
+
+    ec2 = boto3.client("ec2", region_name=REGION)
+    vpc = ec2.create_vpc(CidrBlock="10.91.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.91.0.0/24", AvailabilityZone="us-east-1a")
+    users = tmp_path / "team-state" / "tfuser.tfstate"
+    users.parent.mkdir()
+    spec = ClusterSpec(
+        name="tfuser", region=REGION, bucket="tfuser-data", vpc_id=vpc,
+        subnet_ids=[subnet["Subnet"]["SubnetId"]], foundation="terraform",
+        terraform_backend={"path": str(users)},
+    )  # fmt: skip
+    module, state = REPO / "tests" / "terraform_foundation", tmp_path / "state"
+    ensure_terraform(
+        spec, allowed_cidr=CIDR, state_dir=state, endpoint_url=moto_endpoint, module_dir=module
+    )
+    assert json.loads(users.read_text())["resources"]
+    assert not (state / "terraform.tfstate").exists()
+    destroy_terraform(spec, state_dir=state, module_dir=module)
+    assert json.loads(users.read_text())["resources"] == []

@@ -93,10 +93,10 @@ def test_down_leaves_nothing_with_the_cluster_tag(spec, moto_endpoint):
     assert spec.name not in lifecycle.registered()
 
 
-def test_an_error_at_the_third_launch_removes_everything_up_made(spec, moto_endpoint, monkeypatch):
-    """RunInstances: 1st the master; 2nd the workers, refused for capacity in the first AZ; the
-    3rd, the workers' fallback to the next AZ, fails with an error no fallback helps. Stubs on the
-    real client, because moto never fails a launch. The master must go, and the foundation."""
+def _failing_launches(monkeypatch, codes: dict[int, str]) -> list[dict]:
+    """RunInstances call number n (from 1) fails with `codes[n]` (or `codes[0]`, any call not
+    named, when given): a stub on the real client, because moto never fails a launch. Returns
+    the list every call's parameters go to."""
     real = instances.ec2_client
     calls: list[dict] = []
 
@@ -106,28 +106,47 @@ def test_an_error_at_the_third_launch_removes_everything_up_made(spec, moto_endp
 
         def run_instances(**params):
             calls.append(params)
-            if len(calls) == 2:
-                raise ClientError(
-                    {"Error": {"Code": "InsufficientInstanceCapacity", "Message": "none"}},
-                    "RunInstances",
-                )
-            if len(calls) == 3:
-                raise ClientError(
-                    {"Error": {"Code": "InternalError", "Message": "injected"}}, "RunInstances"
-                )
+            code = codes.get(len(calls), codes.get(0) if len(calls) > 1 else None)
+            if code is not None:
+                error = {"Code": code, "Message": f"injected at launch {len(calls)}"}
+                raise ClientError({"Error": error}, "RunInstances")
             return run(**params)
 
         ec2.run_instances = run_instances
         return ec2
 
     monkeypatch.setattr(instances, "ec2_client", failing_client)
-    with pytest.raises(SparknetError, match="injected"):
+    return calls
+
+
+def test_an_error_at_the_third_launch_removes_everything_up_made(spec, moto_endpoint, monkeypatch):
+    """RunInstances: 1st the master; 2nd the workers, refused for capacity in the first AZ; the
+    3rd, the workers' fallback to the next AZ, fails with an error no fallback helps. The master
+    must go, and the foundation."""
+    calls = _failing_launches(monkeypatch, {2: "InsufficientInstanceCapacity", 3: "InternalError"})
+    with pytest.raises(SparknetError, match="injected at launch 3"):
         _up(spec, moto_endpoint)
     assert len(calls) == 3
     subnets = [c["NetworkInterfaces"][0]["SubnetId"] for c in calls[1:]]
     assert subnets[0] != subnets[1]  # the third launch was the fallback to another AZ
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
     assert spec.name not in lifecycle.registered()
+
+
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [("InsufficientInstanceCapacity", "no capacity for 2"), ("VcpuLimitExceeded", "quota")],
+)
+def test_workers_refused_on_every_fallback_leave_nothing(
+    spec, moto_endpoint, monkeypatch, code, says
+):
+    """Every workers' launch, in every AZ, is refused: one line, and the master goes too."""
+    calls = _failing_launches(monkeypatch, {0: code})
+    with pytest.raises(SparknetError, match=says) as info:
+        _up(spec, moto_endpoint)
+    assert "\n" not in str(info.value)
+    assert len(calls) >= 2
+    assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
 
 
 def test_ctrl_c_during_up_removes_everything_up_made(spec, moto_endpoint, monkeypatch):

@@ -105,3 +105,22 @@ def test_cluster_cli_fails_before_any_aws_call(tmp_path, args, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "clusters").exists()
+
+
+@pytest.mark.parametrize(
+    ("profile", "message"),
+    [(None, "no AWS credentials found for"), ("nosuch", "AWS profile 'nosuch' (AWS_PROFILE)")],
+)
+def test_cluster_up_without_usable_credentials_is_one_line(tmp_path, profile, message):
+    """botocore looks for credentials before it sends anything, so no endpoint is needed."""
+    env = {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "SPARKNET_HOME": str(tmp_path),
+        "AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SESSION_TOKEN": None,
+        "AWS_PROFILE": profile, "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_EC2_METADATA_DISABLED": "true",
+    }  # fmt: skip
+    proc = run_cli("cluster", "up", "c1", "--allowed-cidr", "1.2.3.4/32", cwd=tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "clusters").exists()

@@ -9,10 +9,14 @@ import pytest
 from tests.conftest import REPO, SPARKNET
 
 
-def run_cli(*args: str, cwd=REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd=REPO, env: dict[str, str | None] | None = None
+) -> subprocess.CompletedProcess:
+    """Run `sparknet`; `env` adds to the environment, and a None value removes the variable."""
+    merged = {**os.environ, **(env or {})}
     return subprocess.run(
         [str(SPARKNET), *args], cwd=cwd, capture_output=True, text=True, timeout=120,
-        env={**os.environ, **(env or {})},
+        env={k: v for k, v in merged.items() if v is not None},
     )  # fmt: skip
 
 
