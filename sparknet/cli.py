@@ -3,8 +3,11 @@ local disk or S3) and `sparknet-submit`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -361,6 +364,30 @@ def _instances_table(info) -> Table:
     return table
 
 
+@contextlib.contextmanager
+def _interrupt_once(name: str) -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP (`kill`, a closed terminal, a CI timeout) unwind `up` once, so
+    it removes what it made instead of dying with instances running; a second signal must not
+    cut that clean-up short, so it is only acknowledged."""
+    interrupted = False
+
+    def interrupt(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        if interrupted:
+            console.print(f"still removing what `up` made; `sparknet cluster down {name}` after")
+            return
+        interrupted = True
+        raise KeyboardInterrupt
+
+    wanted = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    before = {sig: signal.signal(sig, interrupt) for sig in wanted}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 @cluster_app.command("up")
 def cluster_up(
     name: str = typer.Argument(..., help="cluster name (a `clusters:` entry, or new)"),
@@ -383,7 +410,8 @@ def cluster_up(
     )  # fmt: skip
     try:
         spec = _cluster_spec(name, config, flags)
-        info = lifecycle.up(spec, endpoint_url=endpoint_url, say=console.print)
+        with _interrupt_once(name):
+            info = lifecycle.up(spec, endpoint_url=endpoint_url, say=console.print)
     except SparknetError as exc:
         _fail(exc, debug)
     Console().print(_instances_table(info))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import uuid
 from collections import Counter
@@ -243,4 +244,30 @@ def test_cli_up_with_an_unoffered_type_is_one_line_and_creates_nothing(spec, tmp
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "p3.2xlarge" in lines[0], done.stderr
+    assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
+
+
+def test_sigterm_during_cli_up_removes_everything_and_a_second_one_does_not_cut_it_short(
+    spec, moto_endpoint, tmp_path
+):
+    """`kill` (or a closed terminal) while `up` launches: the same clean-up as Ctrl-C. A second
+    SIGTERM during that clean-up is acknowledged, not obeyed."""
+    settings = {"clusters": {spec.name: {"region": REGION, "ami_parameter": AMI_PARAMETER}}}
+    (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump(settings))
+    proc = subprocess.Popen(
+        [str(SPARKNET), "cluster", "up", spec.name, "--allowed-cidr", "203.0.113.9/32",
+         "--instance-type", "g4dn.xlarge", "--workers", "2"],
+        cwd=tmp_path, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "launching the master" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=180)
+    assert proc.returncode == 2, "".join(seen) + rest
+    assert "interrupted; everything this `up` created was removed again" in rest
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
