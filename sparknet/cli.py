@@ -457,11 +457,16 @@ def cluster_status(
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
-    """The cluster's instances, found by tag."""
+    """The cluster's instances, found by tag; exit 1 when it has none."""
     from sparknet.cluster import lifecycle
 
     info = _on_cluster(lifecycle.status, name, region, config, debug, endpoint_url=endpoint_url)
+    if not info.instances:
+        print(f"cluster {name} has no live instances in {info.region}")
+        raise typer.Exit(1)
     Console().print(_instances_table(info))
+    if info.hourly_usd is not None:
+        print(f"estimated cost ${info.hourly_usd:.2f}/hour")
 
 
 @cluster_app.command("list")

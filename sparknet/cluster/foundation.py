@@ -206,8 +206,20 @@ class _Boto3Foundation:
             )["GroupId"]  # fmt: skip
             self.created.append(f"security-group:{group}")
             have = []
-        want = ingress_permissions(group, allowed_cidr)
-        missing = [p for p in want if not _has_permission(have, p)]
+        # the group holds exactly the shared rules: a source left from an earlier `up` (the
+        # caller's old address, a rule added by hand) is revoked, not left open
+        want, have_atoms = _atoms(ingress_permissions(group, allowed_cidr)), _atoms(have)
+        stale = [
+            {**perm, key[3]: [{_SOURCES[key[3]]: key[4]}]}  # a revoke names only the source
+            for key, perm in have_atoms.items()
+            if key not in want
+        ]
+        missing = [perm for key, perm in want.items() if key not in have_atoms]
+        if stale:
+            self._call(
+                "RevokeSecurityGroupIngress", self.ec2.revoke_security_group_ingress,
+                GroupId=group, IpPermissions=stale,
+            )  # fmt: skip
         if missing:
             self._call(
                 "AuthorizeSecurityGroupIngress", self.ec2.authorize_security_group_ingress,
@@ -314,21 +326,31 @@ def ingress_permissions(group_id: str, allowed_cidr: str) -> list[dict[str, Any]
     return out
 
 
-def _has_permission(have: list[dict[str, Any]], want: dict[str, Any]) -> bool:
-    for perm in have:
-        if perm.get("IpProtocol") != want["IpProtocol"]:
-            continue
-        if want["IpProtocol"] != "-1" and (
-            perm.get("FromPort") != want.get("FromPort") or perm.get("ToPort") != want.get("ToPort")
-        ):
-            continue
-        cidrs = {r["CidrIp"] for r in perm.get("IpRanges", [])}
-        groups = {g["GroupId"] for g in perm.get("UserIdGroupPairs", [])}
-        if all(r["CidrIp"] in cidrs for r in want.get("IpRanges", [])) and all(
-            g["GroupId"] in groups for g in want.get("UserIdGroupPairs", [])
-        ):
-            return True
-    return False
+#: the source lists of an IpPermission and the field that names each source
+_SOURCES = {
+    "IpRanges": "CidrIp",
+    "Ipv6Ranges": "CidrIpv6",
+    "UserIdGroupPairs": "GroupId",
+    "PrefixListIds": "PrefixListId",
+}
+
+
+def _atoms(perms: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """Split IpPermissions into one permission per (protocol, ports, source), keyed by those,
+    so the rules a group has and the rules it should have compare one source at a time."""
+    out: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for perm in perms:
+        proto = perm.get("IpProtocol")
+        ports = (
+            {}
+            if proto == "-1"
+            else {"FromPort": perm.get("FromPort"), "ToPort": perm.get("ToPort")}
+        )
+        for kind, id_key in _SOURCES.items():
+            for source in perm.get(kind, []):
+                key = (proto, ports.get("FromPort"), ports.get("ToPort"), kind, source[id_key])
+                out[key] = {"IpProtocol": proto, **ports, kind: [source]}
+    return out
 
 
 def ensure_boto3(

@@ -57,15 +57,8 @@ def test_ensure_makes_the_foundation_tagged_with_only_ssh_and_members_open(spec,
 
     group = ec2.describe_security_groups(GroupIds=[f.security_group_id])["SecurityGroups"][0]
     assert group["GroupName"] == security_group_name(spec)
-    ingress = sorted(
-        (
-            p["IpProtocol"],
-            p.get("FromPort"),
-            tuple(r["CidrIp"] for r in p.get("IpRanges", [])),
-            tuple(g["GroupId"] for g in p.get("UserIdGroupPairs", [])),
-        )
-        for p in group["IpPermissions"]
-    )
+    assert len(group["IpPermissions"]) == 2
+    ingress = _ingress(ec2, f.security_group_id)
     assert ingress == [("-1", None, (), (f.security_group_id,)), ("tcp", 22, (CIDR,), ())]
 
 
@@ -106,6 +99,35 @@ def test_bucket_is_encrypted_versioned_and_private(spec, moto_endpoint):
     assert deny["Effect"] == "Deny" and deny["Condition"] == {
         "Bool": {"aws:SecureTransport": "false"}
     }
+
+
+def _ingress(ec2, group_id: str) -> list[tuple]:
+    group = ec2.describe_security_groups(GroupIds=[group_id])["SecurityGroups"][0]
+    return sorted(
+        (
+            p["IpProtocol"],
+            p.get("FromPort"),
+            tuple(r["CidrIp"] for r in p.get("IpRanges", [])),
+            tuple(g["GroupId"] for g in p.get("UserIdGroupPairs", [])),
+        )
+        for p in group["IpPermissions"]
+        if p.get("IpRanges") or p.get("UserIdGroupPairs")
+    )
+
+
+def test_a_new_ssh_source_replaces_the_old_one_and_stray_rules_go(spec, moto_endpoint):
+    """The caller moved (a new /32) and someone opened a port by hand: the next ensure leaves
+    exactly the shared rules for the new address."""
+    f = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    ec2 = boto3.client("ec2", region_name=REGION)
+    ec2.authorize_security_group_ingress(
+        GroupId=f.security_group_id, IpProtocol="tcp", FromPort=8080, ToPort=8080,
+        CidrIp="0.0.0.0/0",
+    )  # fmt: skip
+    moved = "198.51.100.4/32"
+    ensure_boto3(spec, allowed_cidr=moved, endpoint_url=moto_endpoint)
+    group = f.security_group_id
+    assert _ingress(ec2, group) == [("-1", None, (), (group,)), ("tcp", 22, (moved,), ())]
 
 
 def test_ensure_twice_creates_nothing_new(spec, moto_endpoint):
