@@ -42,15 +42,20 @@ infra-check: checkov
 	$(CHECKOV) -d infra --framework terraform --quiet --compact --skip-download
 
 # a GPU cluster on EC2 (needs AWS credentials): make cluster-up NAME=x WORKERS=4 SPOT=1
+# Unset variables leave the setting to `clusters: NAME:` in sparknet.yaml, then the defaults.
 NAME          ?= sparknet
-WORKERS       ?= 2
-INSTANCE_TYPE ?= g5.xlarge
+WORKERS       ?=
+INSTANCE_TYPE ?=
 SPOT          ?=
+REGION        ?=
 cluster-up: install
-	$(VENV)/bin/sparknet cluster up $(NAME) --workers $(WORKERS) --instance-type $(INSTANCE_TYPE) $(if $(SPOT),--spot,--on-demand)
+	$(VENV)/bin/sparknet cluster up $(NAME) $(if $(WORKERS),--workers $(WORKERS)) \
+		$(foreach t,$(INSTANCE_TYPE),--instance-type $(t)) \
+		$(if $(filter 1 yes true,$(SPOT)),--spot) $(if $(filter 0 no false,$(SPOT)),--on-demand) \
+		$(if $(REGION),--region $(REGION))
 
 cluster-down: install
-	$(VENV)/bin/sparknet cluster down $(NAME)
+	$(VENV)/bin/sparknet cluster down $(NAME) $(if $(REGION),--region $(REGION))
 
 lint: install
 	$(VENV)/bin/ruff check sparknet tests benchmarks

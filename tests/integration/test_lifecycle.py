@@ -19,7 +19,7 @@ from sparknet.cluster import instances, lifecycle
 from sparknet.cluster.foundation import node_role_name
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
 from sparknet.errors import SparknetError
-from tests.conftest import SPARKNET
+from tests.conftest import REPO, SPARKNET
 
 REGION = "us-east-1"
 AMI_PARAMETER = "/test/sparknet/lifecycle-ami"
@@ -273,4 +273,36 @@ def test_sigterm_during_cli_up_removes_everything_and_a_second_one_does_not_cut_
     _, rest = proc.communicate(timeout=180)
     assert proc.returncode == 2, "".join(seen) + rest
     assert "interrupted; everything this `up` created was removed again" in rest
+    assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
+
+
+def test_make_cluster_up_and_down_with_settings_from_the_clusters_section(
+    spec, moto_endpoint, tmp_path
+):
+    """The Makefile targets as a user runs them; unset variables leave `clusters:` in charge."""
+    settings = {
+        "clusters": {
+            spec.name: {
+                "region": REGION, "workers": 3, "instance_types": ["g4dn.xlarge"],
+                "ami_parameter": AMI_PARAMETER, "allowed_cidr": "203.0.113.9/32",
+            }
+        }
+    }  # fmt: skip
+    (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump(settings))
+    env = {**os.environ, "SPARKNET_CONFIG": str(tmp_path / "sparknet.yaml")}
+
+    def make(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["make", "-s", "-o", ".venv/.installed", *args, f"NAME={spec.name}"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+
+    done = make("cluster-up", "WORKERS=1", "SPOT=1")
+    assert done.returncode == 0, done.stderr
+    found = instances.find(instances.ec2_client(REGION, moto_endpoint), spec.name)
+    assert [(i.role, i.type, i.spot) for i in found] == [
+        ("master", "g5.xlarge", False), ("worker", "g4dn.xlarge", True)
+    ]  # fmt: skip
+    gone = make("cluster-down")
+    assert gone.returncode == 0, gone.stderr
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
