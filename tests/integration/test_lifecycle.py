@@ -212,16 +212,19 @@ def test_sweep_lists_then_deletes_a_forgotten_clusters_foundation(spec, moto_end
     assert spec.name not in lifecycle.orphans(REGION, set(), endpoint_url=moto_endpoint)
 
 
+def _settings_file(spec: ClusterSpec, folder, **entry) -> str:
+    """A sparknet.yaml in `folder` whose `clusters:` entry for `spec` holds `entry`, plus the
+    region and the test's AMI parameter."""
+    path = folder / "sparknet.yaml"
+    entry = {"region": REGION, "ami_parameter": AMI_PARAMETER, **entry}
+    path.write_text(yaml.safe_dump({"clusters": {spec.name: entry}}))
+    return str(path)
+
+
 def test_cli_up_status_down_from_a_clusters_section(spec, moto_endpoint, tmp_path):
-    settings = {
-        "clusters": {
-            spec.name: {
-                "region": REGION, "workers": 1, "instance_types": ["g4dn.xlarge"],
-                "ami_parameter": AMI_PARAMETER, "allowed_cidr": "203.0.113.9/32",
-            }
-        }
-    }  # fmt: skip
-    (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump(settings))
+    _settings_file(
+        spec, tmp_path, workers=1, instance_types=["g4dn.xlarge"], allowed_cidr="203.0.113.9/32"
+    )
 
     done = cli("up", spec.name, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -255,8 +258,7 @@ def test_sigterm_during_cli_up_removes_everything_and_a_second_one_does_not_cut_
 ):
     """`kill` (or a closed terminal) while `up` launches: the same clean-up as Ctrl-C. A second
     SIGTERM during that clean-up is acknowledged, not obeyed."""
-    settings = {"clusters": {spec.name: {"region": REGION, "ami_parameter": AMI_PARAMETER}}}
-    (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump(settings))
+    _settings_file(spec, tmp_path)
     proc = subprocess.Popen(
         [str(SPARKNET), "cluster", "up", spec.name, "--allowed-cidr", "203.0.113.9/32",
          "--instance-type", "g4dn.xlarge", "--workers", "2"],
@@ -280,16 +282,10 @@ def test_make_cluster_up_and_down_with_settings_from_the_clusters_section(
     spec, moto_endpoint, tmp_path
 ):
     """The Makefile targets as a user runs them; unset variables leave `clusters:` in charge."""
-    settings = {
-        "clusters": {
-            spec.name: {
-                "region": REGION, "workers": 3, "instance_types": ["g4dn.xlarge"],
-                "ami_parameter": AMI_PARAMETER, "allowed_cidr": "203.0.113.9/32",
-            }
-        }
-    }  # fmt: skip
-    (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump(settings))
-    env = {**os.environ, "SPARKNET_CONFIG": str(tmp_path / "sparknet.yaml")}
+    config = _settings_file(
+        spec, tmp_path, workers=3, instance_types=["g4dn.xlarge"], allowed_cidr="203.0.113.9/32"
+    )
+    env = {**os.environ, "SPARKNET_CONFIG": config}
 
     def make(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
