@@ -182,7 +182,15 @@ def up(
         ids = [i.id for i in instances.find(ec2, spec.name)]
         ready = instances.wait_ready(ec2, ids, wait_timeout_s, delay_s=wait_delay_s)
     except BaseException as exc:
-        _undo(spec, ec2, before, had_foundation, endpoint_url, say)
+        try:
+            _undo(spec, ec2, before, had_foundation, endpoint_url, say)
+        except Exception as undo_exc:
+            # the one case where something may be left running: say so, and what ends it
+            why = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
+            raise SparknetError(
+                f"{why}; removing what this `up` made then failed too ({undo_exc}); run "
+                f"`sparknet cluster down {spec.name} --region {spec.region}` to remove the rest"
+            ) from exc
         if isinstance(exc, KeyboardInterrupt):
             raise SparknetError(
                 "interrupted; everything this `up` created was removed again"

@@ -302,3 +302,26 @@ def test_make_cluster_up_and_down_with_settings_from_the_clusters_section(
     gone = make("cluster-down")
     assert gone.returncode == 0, gone.stderr
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
+
+
+def test_a_failed_clean_up_says_what_is_left_and_down_removes_it(spec, moto_endpoint, monkeypatch):
+    """The launch fails and then so does the clean-up's TerminateInstances: the one line names
+    both and the command that ends what is left, and that command does."""
+    real_client, real_terminate = instances.ec2_client, instances.terminate
+    _failing_launches(monkeypatch, {2: "InternalError"})
+
+    def refuse(*args, **kwargs):
+        raise SparknetError("TerminateInstances in us-east-1 failed: RequestLimitExceeded: slow")
+
+    monkeypatch.setattr(instances, "terminate", refuse)
+    with pytest.raises(SparknetError) as info:
+        _up(spec, moto_endpoint)
+    text = str(info.value)
+    assert "\n" not in text and "injected at launch 2" in text and "RequestLimitExceeded" in text
+    assert f"sparknet cluster down {spec.name} --region {REGION}" in text
+    assert _left(spec)["instances"] == 1  # the master
+
+    monkeypatch.setattr(instances, "ec2_client", real_client)
+    monkeypatch.setattr(instances, "terminate", real_terminate)
+    lifecycle.down(spec, endpoint_url=moto_endpoint)
+    assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
