@@ -10,6 +10,8 @@ works without any local state.
 
 from __future__ import annotations
 
+import ipaddress
+import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,9 +24,10 @@ from sparknet.cluster.rules import policy_document, security_group_rules
 from sparknet.cluster.spec import INFRA_DIR, TAG_CLUSTER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
 
-VPC_CIDR = "10.77.0.0/16"
-#: subnets are /20s of the VPC, one per availability zone, in zone order
-SUBNET_BITS = 4
+#: the network infra/ makes by default (`vpc_cidr` in infra/variables.tf; a test keeps them equal)
+VPC_CIDR = "10.42.0.0/16"
+#: subnets are /24s of the VPC, one per availability zone, in zone order (as infra/network.tf)
+SUBNET_PREFIX = 24
 MAX_AZS = 3
 NODE_POLICY = "sparknet-node"
 
@@ -72,6 +75,12 @@ def _filters(spec: ClusterSpec, **more: str) -> list[dict[str, Any]]:
     ]
     out += [{"Name": k.replace("_", "-"), "Values": [v]} for k, v in more.items()]
     return out
+
+
+def subnet_cidr(k: int) -> str:
+    """The k-th AZ's subnet: Terraform's `cidrsubnet(vpc_cidr, 24 - <vpc prefix>, k)`."""
+    net = ipaddress.ip_network(VPC_CIDR)
+    return str(next(itertools.islice(net.subnets(new_prefix=SUBNET_PREFIX), k, None)))
 
 
 class _Boto3Foundation:
@@ -149,7 +158,7 @@ class _Boto3Foundation:
         for k, az in enumerate(zones):
             if az in by_az:
                 continue
-            cidr = f"10.77.{k * 16}.0/20"
+            cidr = subnet_cidr(k)
             subnet = self._call(
                 "CreateSubnet", self.ec2.create_subnet, VpcId=vpc, CidrBlock=cidr,
                 AvailabilityZone=az,

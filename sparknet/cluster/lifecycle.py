@@ -12,7 +12,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,6 @@ class DownReport:
     deleted: list[str]
     #: the estimated cost of the instances' lives, where prices are known
     cost_usd: float | None
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 def _save(spec: ClusterSpec, endpoint_url: str | None) -> None:

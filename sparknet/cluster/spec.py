@@ -15,9 +15,6 @@ from sparknet.errors import SparknetError
 #: every AWS resource sparknet makes carries both tags; `down` and `sweep` find resources by them
 TAG_CLUSTER = "sparknet:cluster"
 TAG_ROLE = "sparknet:role"
-Role = Literal["master", "worker", "foundation"]
-
-SSH_PORT = 22
 
 #: the AWS Deep Learning AMI (GPU drivers, CUDA, Docker) for Ubuntu 22.04, newest release
 DEFAULT_AMI_PARAMETER = (

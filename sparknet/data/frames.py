@@ -40,8 +40,6 @@ class FrameSource(Source):
     loader_workers: int
     name: str = "a DataFrame"
 
-    needs_rows = True
-
     def describe(self) -> str:
         return self.name
 

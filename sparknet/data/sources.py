@@ -179,8 +179,6 @@ class TaskInput:
 class Source(ABC):
     """What a partition trains and evaluates on; shipped inside every task, so keep it small."""
 
-    #: a DataFrame source needs its partition's rows handed to the task by the transport
-    needs_rows: bool = False
     num_classes: int | None
     input_shape: tuple[int, ...]
     train_size: int

@@ -178,6 +178,18 @@ def test_network_is_made_only_without_a_given_vpc(module) -> None:
     assert subnets["count"] == "${local.create_network ? length(local.azs) : 0}"
 
 
+def test_boto3_network_is_the_one_terraform_makes(module, tmp_path) -> None:
+    """Both backends make the same VPC range and the same per-AZ subnets."""
+    from sparknet.cluster.foundation import VPC_CIDR, subnet_cidr
+
+    assert named(module, "variable")["vpc_cidr"]["default"] == VPC_CIDR
+    expression = resource(module, "aws_subnet", "public")["cidr_block"]
+    for k in range(3):
+        literal = expression.removeprefix("${").removesuffix("}")
+        literal = literal.replace("var.vpc_cidr", f'"{VPC_CIDR}"').replace("count.index", str(k))
+        assert terraform_eval(literal, tmp_path) == subnet_cidr(k)
+
+
 GOOD_INPUTS = {
     "cluster": "demo",
     "region": "us-east-1",
