@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import botocore.exceptions as bx
+
 from sparknet import aws
 from sparknet.cluster import instances
 from sparknet.cluster.rules import policy_document, security_group_rules
@@ -30,6 +32,8 @@ VPC_CIDR = "10.42.0.0/16"
 SUBNET_PREFIX = 24
 MAX_AZS = 3
 NODE_POLICY = "sparknet-node"
+#: what "not there" is called by IAM (get_role, get_instance_profile) and S3 (head_bucket)
+_ABSENT_CODES = frozenset({"NoSuchEntity", "404", "NoSuchBucket", "NotFound"})
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,17 @@ class _Boto3Foundation:
     def _call(self, action: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
         with aws.aws_call(action, self.spec.region):
             return fn(**kwargs)
+
+    def _find(self, action: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        """`_call`, but None when the thing is not there (IAM's NoSuchEntity, S3's 404)."""
+        try:
+            return fn(**kwargs)
+        except bx.ClientError as exc:
+            if aws.error_code(exc) in _ABSENT_CODES:
+                return None
+            raise aws.describe_error(exc, f"{action} in {self.spec.region}") from exc
+        except bx.BotoCoreError as exc:
+            raise aws.describe_error(exc, f"{action} in {self.spec.region}") from exc
 
     # -- network --------------------------------------------------------------------------
 
@@ -243,9 +258,7 @@ class _Boto3Foundation:
         changed prefix or bucket takes effect."""
         name = node_role_name(self.spec)
         iam_tags = [t for t in _tags(self.spec, name) if t["Key"] != "Name"]
-        try:
-            self.iam.get_role(RoleName=name)
-        except self.iam.exceptions.NoSuchEntityException:
+        if self._find("GetRole", self.iam.get_role, RoleName=name) is None:
             self._call(
                 "CreateRole", self.iam.create_role, RoleName=name,
                 AssumeRolePolicyDocument=json.dumps(policy_document("assume-role")),
@@ -260,9 +273,12 @@ class _Boto3Foundation:
             "PutRolePolicy", self.iam.put_role_policy, RoleName=name, PolicyName=NODE_POLICY,
             PolicyDocument=json.dumps(policy),
         )  # fmt: skip
-        try:
-            profile = self.iam.get_instance_profile(InstanceProfileName=name)["InstanceProfile"]
-        except self.iam.exceptions.NoSuchEntityException:
+        found = self._find(
+            "GetInstanceProfile", self.iam.get_instance_profile, InstanceProfileName=name
+        )
+        if found is not None:
+            profile = found["InstanceProfile"]
+        else:
             profile = self._call(
                 "CreateInstanceProfile", self.iam.create_instance_profile,
                 InstanceProfileName=name, Tags=iam_tags,
@@ -281,11 +297,17 @@ class _Boto3Foundation:
         """Create the data/runs bucket if it is missing: encrypted, versioned, never public,
         TLS only (the same policy file infra/bucket.tf applies)."""
         try:
-            self.s3.head_bucket(Bucket=name)
-            return
-        except self.s3.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket"):
-                raise aws.describe_error(exc, f"HeadBucket in {self.spec.region}") from exc
+            if self._find("HeadBucket", self.s3.head_bucket, Bucket=name) is not None:
+                return
+        except SparknetError as exc:
+            if isinstance(exc.__cause__, bx.ClientError) and aws.error_code(exc.__cause__) in (
+                "403", "Forbidden", "AccessDenied",
+            ):  # fmt: skip
+                raise SparknetError(
+                    f"bucket {name} exists but this account may not use it (403); bucket names "
+                    "are global: choose another `bucket`, or use credentials that own it"
+                ) from exc
+            raise
         extra = (
             {}
             if self.spec.region == "us-east-1"
@@ -395,23 +417,16 @@ def destroy_boto3(spec: ClusterSpec, *, endpoint_url: str | None = None) -> list
     f = _Boto3Foundation(spec, endpoint_url)
     ec2, iam, deleted = f.ec2, f.iam, []
     name = node_role_name(spec)
-    try:
-        profile = iam.get_instance_profile(InstanceProfileName=name)["InstanceProfile"]
-    except iam.exceptions.NoSuchEntityException:
-        profile = None
-    if profile is not None:
-        for role in profile.get("Roles", []):
+    found = f._find("GetInstanceProfile", iam.get_instance_profile, InstanceProfileName=name)
+    if found is not None:
+        for role in found["InstanceProfile"].get("Roles", []):
             f._call(
                 "RemoveRoleFromInstanceProfile", iam.remove_role_from_instance_profile,
                 InstanceProfileName=name, RoleName=role["RoleName"],
             )  # fmt: skip
         f._call("DeleteInstanceProfile", iam.delete_instance_profile, InstanceProfileName=name)
         deleted.append(f"instance-profile:{name}")
-    try:
-        iam.get_role(RoleName=name)
-    except iam.exceptions.NoSuchEntityException:
-        pass
-    else:
+    if f._find("GetRole", iam.get_role, RoleName=name) is not None:
         for policy in f._call("ListRolePolicies", iam.list_role_policies, RoleName=name)[
             "PolicyNames"
         ]:

@@ -216,3 +216,28 @@ def test_terraform_backend_of_the_spec_holds_the_state(moto_endpoint, tmp_path):
     assert not (state / "terraform.tfstate").exists()
     destroy_terraform(spec, state_dir=state, module_dir=module)
     assert json.loads(users.read_text())["resources"] == []
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "says"),
+    [
+        ("403", 403, "exists but this account may not use it"),
+        ("AccessDenied", 403, "exists but this account may not use it"),
+        ("SlowDown", 503, "HeadBucket in us-east-1 failed: SlowDown"),
+    ],
+)
+def test_a_bucket_name_taken_elsewhere_is_one_line(spec, moto_endpoint, code, status, says):
+    """S3 names are global: HeadBucket answers 403 for another account's bucket. moto keeps one
+    account here, so botocore's Stubber gives that answer on the real client."""
+    from botocore.stub import Stubber
+
+    from sparknet.cluster.foundation import _Boto3Foundation
+    from sparknet.errors import SparknetError
+
+    f = _Boto3Foundation(spec, moto_endpoint)
+    with Stubber(f.s3) as stub:
+        stub.add_client_error("head_bucket", service_error_code=code, http_status_code=status)
+        with pytest.raises(SparknetError) as info:
+            f.bucket("someone-elses-bucket")
+    assert says in str(info.value) and "\n" not in str(info.value)
+    assert f.created == []
