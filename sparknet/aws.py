@@ -9,6 +9,7 @@ their own: `data/s3.py` the S3 codes (no such bucket, a replaced object), `clust
 from __future__ import annotations
 
 import contextlib
+import functools
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
@@ -81,6 +82,7 @@ def client(
         raise describe_error(exc, f"a {service} client") from exc
 
 
+@functools.cache
 def known_regions() -> frozenset[str]:
     """Every region of every partition that the installed botocore knows (no network call)."""
     session = boto3.session.Session()

@@ -163,6 +163,7 @@ app.add_typer(data_app, name="data")
 
 ConfigOption = typer.Option(None, "--config", help="settings YAML; default ./sparknet.yaml")
 EndpointOption = typer.Option(None, help="S3-compatible endpoint (MinIO, moto)")
+DatasetArgument = typer.Argument(..., help="dataset dir, s3://bucket/prefix or a name")
 DebugOption = typer.Option(False, help="show tracebacks")
 
 
@@ -268,7 +269,7 @@ def data_upload(
 
 @data_app.command("verify")
 def data_verify(
-    uri: str = typer.Argument(..., help="dataset dir, s3://bucket/prefix or a name"),
+    uri: str = DatasetArgument,
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
@@ -295,7 +296,7 @@ def data_verify(
 
 @data_app.command("ls")
 def data_ls(
-    uri: str = typer.Argument(..., help="dataset dir, s3://bucket/prefix or a name"),
+    uri: str = DatasetArgument,
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,

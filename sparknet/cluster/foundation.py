@@ -102,13 +102,19 @@ class _Boto3Foundation:
         with aws.aws_call(action, self.spec.region):
             return fn(**kwargs)
 
-    def _find(self, action: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
-        """`_call`, but None when the thing is not there (IAM's NoSuchEntity, S3's 404)."""
+    def _find(
+        self, action: str, fn: Callable[..., Any], denied: str | None = None, **kwargs: Any
+    ) -> Any:
+        """`_call`, but None when the thing is not there (IAM's NoSuchEntity, S3's 404), and
+        the `denied` message, when given, for an access-denied answer."""
         try:
             return fn(**kwargs)
         except bx.ClientError as exc:
-            if aws.error_code(exc) in _ABSENT_CODES:
+            code = aws.error_code(exc)
+            if code in _ABSENT_CODES:
                 return None
+            if denied is not None and code in aws.DENIED_CODES:
+                raise SparknetError(denied) from exc
             raise aws.describe_error(exc, f"{action} in {self.spec.region}") from exc
         except bx.BotoCoreError as exc:
             raise aws.describe_error(exc, f"{action} in {self.spec.region}") from exc
@@ -296,18 +302,12 @@ class _Boto3Foundation:
     def bucket(self, name: str) -> None:
         """Create the data/runs bucket if it is missing: encrypted, versioned, never public,
         TLS only (the same policy file infra/bucket.tf applies)."""
-        try:
-            if self._find("HeadBucket", self.s3.head_bucket, Bucket=name) is not None:
-                return
-        except SparknetError as exc:
-            if isinstance(exc.__cause__, bx.ClientError) and aws.error_code(exc.__cause__) in (
-                "403", "Forbidden", "AccessDenied",
-            ):  # fmt: skip
-                raise SparknetError(
-                    f"bucket {name} exists but this account may not use it (403); bucket names "
-                    "are global: choose another `bucket`, or use credentials that own it"
-                ) from exc
-            raise
+        taken = (
+            f"bucket {name} exists but this account may not use it (403); bucket names are "
+            "global: choose another `bucket`, or use credentials that own it"
+        )
+        if self._find("HeadBucket", self.s3.head_bucket, taken, Bucket=name) is not None:
+            return
         extra = (
             {}
             if self.spec.region == "us-east-1"
