@@ -15,6 +15,8 @@ from sparknet.errors import SparknetError
 #: every AWS resource sparknet makes carries both tags; `down` and `sweep` find resources by them
 TAG_CLUSTER = "sparknet:cluster"
 TAG_ROLE = "sparknet:role"
+#: the principal (STS caller ARN) that made the resource: `sweep` touches only the caller's own
+TAG_OWNER = "sparknet:owner"
 
 #: the AWS Deep Learning AMI (GPU drivers, CUDA, Docker) for Ubuntu 22.04, newest release
 DEFAULT_AMI_PARAMETER = (
@@ -60,6 +62,11 @@ class ClusterSpec(BaseModel):
     bucket: str | None = Field(None, description="data and runs bucket")
     data_prefix: str = "datasets/"
     runs_prefix: str = "runs/"
+    owner: str | None = Field(
+        None,
+        description="set by `up` from STS GetCallerIdentity (the caller's ARN) and tagged on "
+        "every resource as sparknet:owner; not a user setting",
+    )
 
     @field_validator("region")
     @classmethod

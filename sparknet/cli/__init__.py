@@ -1,0 +1,40 @@
+"""Command line: `sparknet train` (the main job on one machine), `sparknet data ...` (datasets on
+local disk or S3), `sparknet cluster ...` (EC2 GPU clusters) and `sparknet-submit`. One module per
+command group."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from sparknet.cli import train as train_command
+from sparknet.cli.cluster import cluster_app
+from sparknet.cli.data import data_app
+from sparknet.cli.submit import submit_app
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+
+@app.callback()
+def _root() -> None:
+    """sparknet: synchronized local SGD for PyTorch on Apache Spark."""
+
+
+# the module keeps its name: a function imported as `train` would shadow the submodule
+app.command(name="train")(train_command.train)
+app.add_typer(data_app, name="data")
+app.add_typer(cluster_app, name="cluster")
+
+
+def main() -> None:
+    # `package.module:factory` resolves against the current directory, as with `python -m`
+    # (and as Spark's Python workers, started with -m, already do).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    app()
+
+
+def submit_main() -> None:
+    submit_app()

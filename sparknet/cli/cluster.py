@@ -1,0 +1,219 @@
+"""`sparknet cluster ...`: EC2 GPU clusters up, down, status, list and sweep."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sparknet.cli.common import ConfigOption, DebugOption, EndpointOption, console, fail
+from sparknet.config import find_config_file
+from sparknet.errors import SparknetError
+
+cluster_app = typer.Typer(no_args_is_help=True, help="EC2 GPU clusters: up, down, status, list.")
+RegionOption = typer.Option(None, help="AWS region; default: the cluster's, else us-east-1")
+
+
+def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any]):
+    """The spec of cluster `name`: the registry's, else `clusters:` in the settings file, plus
+    flags; a one-line error when the result is invalid."""
+    from pydantic import ValidationError
+
+    from sparknet.cluster.lifecycle import registered
+    from sparknet.cluster.spec import ClusterSpec
+    from sparknet.config import describe_validation_error, read_section
+
+    base: dict[str, Any] = {}
+    known = registered().get(name)
+    if known is not None:
+        base = known.model_dump()
+    path = find_config_file(config)
+    if path is not None:
+        base.update(read_section(path, "clusters").get(name) or {})
+    base.update({k: v for k, v in flags.items() if v not in (None, [])})
+    base["name"] = name
+    try:
+        return ClusterSpec.model_validate(base)
+    except ValidationError as exc:
+        raise SparknetError(f"cluster {name}: {describe_validation_error(exc)}") from exc
+
+
+def _instances_table(info) -> Table:
+    table = Table(title=f"cluster {info.name} ({info.region})")
+    for col in ("role", "id", "type", "az", "public ip", "spot"):
+        table.add_column(col)
+    for inst in info.instances:
+        table.add_row(
+            inst.role,
+            inst.id,
+            inst.type,
+            inst.az,
+            inst.public_ip or "-",
+            "yes" if inst.spot else "",
+        )
+    return table
+
+
+@contextlib.contextmanager
+def _interrupt_once(name: str) -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP (`kill`, a closed terminal, a CI timeout) unwind `up` once, so
+    it removes what it made instead of dying with instances running; a second signal must not
+    cut that clean-up short, so it is only acknowledged."""
+    interrupted = False
+
+    def interrupt(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        if interrupted:
+            console.print(f"still removing what `up` made; `sparknet cluster down {name}` after")
+            return
+        interrupted = True
+        raise KeyboardInterrupt
+
+    wanted = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    before = {sig: signal.signal(sig, interrupt) for sig in wanted}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+@cluster_app.command("up")
+def cluster_up(
+    name: str = typer.Argument(..., help="cluster name (a `clusters:` entry, or new)"),
+    workers: int | None = typer.Option(None, help="worker instances"),
+    instance_type: list[str] = typer.Option([], help="worker type, repeatable: fallback order"),
+    master_type: str | None = typer.Option(None),
+    spot: bool | None = typer.Option(None, "--spot/--on-demand", help="workers on spot"),
+    region: str | None = RegionOption,
+    allowed_cidr: str | None = typer.Option(None, help="SSH source; default: your /32"),
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Bring a cluster up (idempotent); on error or Ctrl-C, remove what was created."""
+    from sparknet.cluster import lifecycle
+
+    flags = dict(
+        workers=workers, instance_types=instance_type, master_type=master_type, spot=spot,
+        region=region, allowed_cidr=allowed_cidr,
+    )  # fmt: skip
+    try:
+        spec = _cluster_spec(name, config, flags)
+        with _interrupt_once(name):
+            info = lifecycle.up(spec, endpoint_url=endpoint_url, say=console.print)
+    except SparknetError as exc:
+        fail(exc, debug)
+    Console().print(_instances_table(info))
+    price = "unknown" if info.hourly_usd is None else f"${info.hourly_usd:.2f}/hour"
+    print(f"cluster {name} is up; estimated cost {price}; `sparknet cluster down {name}` ends it")
+
+
+def _on_cluster(action, name: str, region: str | None, config: Path | None, debug: bool, **kw):
+    """`action(spec, **kw)` for the named cluster; a one-line error and exit 2 on failure."""
+    try:
+        return action(_cluster_spec(name, config, {"region": region}), **kw)
+    except SparknetError as exc:
+        fail(exc, debug)
+
+
+@cluster_app.command("down")
+def cluster_down(
+    name: str = typer.Argument(...),
+    region: str | None = RegionOption,
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Terminate the cluster's instances, delete its resources, and list what was deleted."""
+    from sparknet.cluster import lifecycle
+
+    report = _on_cluster(
+        lifecycle.down, name, region, config, debug, endpoint_url=endpoint_url, say=console.print
+    )
+    for item in report.terminated:
+        print(f"terminated instance:{item}")
+    for item in report.deleted:
+        print(f"deleted {item}")
+    cost = "unknown" if report.cost_usd is None else f"${report.cost_usd:.2f}"
+    print(f"cluster {name} is down; its instances cost about {cost}")
+
+
+@cluster_app.command("status")
+def cluster_status(
+    name: str = typer.Argument(...),
+    region: str | None = RegionOption,
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """The cluster's instances, found by tag; exit 1 when it has none."""
+    from sparknet.cluster import lifecycle
+
+    info = _on_cluster(lifecycle.status, name, region, config, debug, endpoint_url=endpoint_url)
+    if not info.instances:
+        print(f"cluster {name} has no live instances in {info.region}")
+        raise typer.Exit(1)
+    Console().print(_instances_table(info))
+    if info.hourly_usd is not None:
+        print(f"estimated cost ${info.hourly_usd:.2f}/hour")
+
+
+@cluster_app.command("list")
+def cluster_list(
+    region: str = typer.Option("us-east-1"),
+    endpoint_url: str | None = EndpointOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Clusters with resources in the region (by tag), and whether this machine knows them."""
+    from sparknet import aws
+    from sparknet.cluster import lifecycle
+
+    try:
+        found = lifecycle.tagged_resources(aws.check_region(region), endpoint_url=endpoint_url)
+    except SparknetError as exc:
+        fail(exc, debug)
+    known = lifecycle.registered()
+    for name in sorted(set(found) | set(known)):
+        items = found.get(name, [])
+        live = sum(item.startswith("instance:") for item in items)
+        where = "registered" if name in known else "not registered"
+        print(f"{name}\t{live} instances\t{len(items) - live} other resources\t{where}")
+
+
+@cluster_app.command("sweep")
+def cluster_sweep(
+    region: str = typer.Option("us-east-1"),
+    yes: bool = typer.Option(False, "--yes", help="take them down; default: only list"),
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Tagged resources of clusters neither registered here nor in `clusters:`; `--yes` deletes
+    them (the bucket is kept)."""
+    from sparknet import aws
+    from sparknet.cluster import lifecycle
+    from sparknet.config import read_section
+
+    try:
+        path = find_config_file(config)
+        wanted = set(lifecycle.registered())
+        if path is not None:
+            wanted |= set(read_section(path, "clusters"))
+        found = lifecycle.orphans(aws.check_region(region), wanted, endpoint_url=endpoint_url)
+        for name, items in sorted(found.items()):
+            print(f"orphan {name}: {' '.join(items)}")
+            if yes:
+                spec = _cluster_spec(name, config, {"region": region})
+                lifecycle.down(spec, endpoint_url=endpoint_url, say=console.print)
+                print(f"took {name} down")
+        if found and not yes:
+            print("run again with --yes to delete them")
+    except SparknetError as exc:
+        fail(exc, debug)

@@ -1,0 +1,174 @@
+"""`sparknet data ...`: shard an ImageNet tree, upload, verify and list datasets."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sparknet.cli.common import ConfigOption, DebugOption, EndpointOption, console, fail
+from sparknet.config import find_config_file, load_datasets
+from sparknet.errors import SparknetError
+
+data_app = typer.Typer(
+    no_args_is_help=True, help="Datasets: shard an ImageNet tree, upload, verify, list."
+)
+
+DatasetArgument = typer.Argument(..., help="dataset dir, s3://bucket/prefix or a name")
+
+
+def _dataset_uri(name_or_uri: str, config: Path | None, endpoint_url: str | None):
+    """A dataset name from `datasets:` or a URI/path as given, with its endpoint."""
+    entry = load_datasets(find_config_file(config)).get(name_or_uri)
+    if entry is None:
+        return name_or_uri, endpoint_url
+    return entry.uri, endpoint_url or entry.endpoint_url
+
+
+def _bytes_progress(description: str) -> Progress:
+    from rich.progress import DownloadColumn, TransferSpeedColumn
+
+    return Progress(
+        TextColumn(f"[bold]{description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+@data_app.command("shard")
+def data_shard(
+    src: Path = typer.Argument(..., help="ImageNet tree: train/<wnid>/*.JPEG and val/"),
+    dest: Path = typer.Argument(..., help="directory for the shards and manifest.json"),
+    shard_mb: int = typer.Option(256, "--shard-mb", min=1, help="target shard size (MiB)"),
+    seed: int = typer.Option(0, help="seed of the shuffle that mixes classes across shards"),
+    processes: int | None = typer.Option(None, help="default: all cores"),
+    debug: bool = DebugOption,
+) -> None:
+    """Write WebDataset tar shards and manifest.json; a re-run keeps shards already written."""
+    from sparknet.data.shards import write_dataset
+
+    try:
+        with Progress(
+            TextColumn("[bold]shards"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+            console=console,
+        ) as progress:  # fmt: skip
+            bar = progress.add_task("shard", total=None)
+
+            def on_progress(done: int, total: int) -> None:
+                progress.update(bar, completed=done, total=total)
+
+            report = write_dataset(
+                src, dest, shard_bytes=shard_mb << 20, seed=seed, processes=processes,
+                on_progress=on_progress,
+            )  # fmt: skip
+    except SparknetError as exc:
+        fail(exc, debug)
+    except KeyboardInterrupt:
+        fail(SparknetError("interrupted; run the same command again to resume"), debug, 130)
+    m = report.manifest
+    splits = ", ".join(f"{k}: {len(v)} shards, {sum(s.samples for s in v)} images"
+                       for k, v in m.splits.items())  # fmt: skip
+    print(
+        f"{dest}: {m.num_classes} classes; {splits}; "
+        f"{len(report.written)} written, {len(report.reused)} kept"
+    )
+
+
+@data_app.command("upload")
+def data_upload(
+    src: Path = typer.Argument(..., help="a dataset dir made by `sparknet data shard`"),
+    dest: str = typer.Argument(..., help="s3://bucket/prefix or a name from datasets:"),
+    concurrency: int = typer.Option(8, min=1, help="parallel transfers"),
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Upload shards (skipping ones already there), then manifest.json last."""
+    from sparknet.data.manifest import MANIFEST_NAME, Manifest
+    from sparknet.data.transfer import upload_dataset
+
+    try:
+        uri, endpoint = _dataset_uri(dest, config, endpoint_url)
+        path = src / MANIFEST_NAME
+        if not path.is_file():
+            raise SparknetError(f"{src} has no {MANIFEST_NAME}: run `sparknet data shard` first")
+        manifest = Manifest.loads(path.read_bytes(), str(path))
+        total = sum(s.bytes for v in manifest.splits.values() for s in v)
+        with _bytes_progress("upload") as progress:
+            bar = progress.add_task("upload", total=total)
+            report = upload_dataset(
+                src, uri, endpoint_url=endpoint, max_concurrency=concurrency,
+                on_progress=lambda n: progress.advance(bar, n),
+            )  # fmt: skip
+    except SparknetError as exc:
+        fail(exc, debug)
+    except KeyboardInterrupt:
+        fail(
+            SparknetError("interrupted; no manifest was uploaded, run it again to resume"),
+            debug,
+            130,
+        )
+    print(
+        f"{uri}: {len(report.uploaded)} shards uploaded "
+        f"({report.bytes_uploaded / 2**20:.1f} MiB), {len(report.skipped)} already there"
+    )
+
+
+@data_app.command("verify")
+def data_verify(
+    uri: str = DatasetArgument,
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Check every shard's size and sha256 against the manifest; exit 1 on any difference."""
+    from sparknet.data.transfer import verify_dataset
+
+    try:
+        where, endpoint = _dataset_uri(uri, config, endpoint_url)
+        with _bytes_progress("verify") as progress:
+            bar = progress.add_task("verify", total=None)
+            report = verify_dataset(
+                where, endpoint_url=endpoint, on_progress=lambda n: progress.advance(bar, n)
+            )
+    except SparknetError as exc:
+        fail(exc, debug)
+    for line in report.problems:
+        print(line)
+    if not report.ok:
+        print(f"error: {len(report.problems)} of {report.checked} shards are bad", file=sys.stderr)
+        raise typer.Exit(1)
+    print(f"{where}: all {report.checked} shards match the manifest")
+
+
+@data_app.command("ls")
+def data_ls(
+    uri: str = DatasetArgument,
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Splits, shards, images and bytes of a dataset."""
+    from sparknet.data.transfer import list_dataset
+
+    try:
+        where, endpoint = _dataset_uri(uri, config, endpoint_url)
+        listing = list_dataset(where, endpoint_url=endpoint)
+    except SparknetError as exc:
+        fail(exc, debug)
+    table = Table(title=f"{listing.uri} ({listing.num_classes} classes)")
+    for col in ("split", "shards", "images", "MiB"):
+        table.add_column(col, justify="left" if col == "split" else "right")
+    for sp in listing.splits:
+        table.add_row(sp.split, str(sp.shards), str(sp.samples), f"{sp.bytes / 2**20:.1f}")
+    Console().print(table)
+    if listing.missing:
+        print(f"error: missing shards: {', '.join(listing.missing)}", file=sys.stderr)
+        raise typer.Exit(1)

@@ -1,0 +1,128 @@
+"""`sparknet train`: the main job on one machine (embedded local Spark, or `--master`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sparknet.cli.common import console, fail
+from sparknet.config import find_config_file, load_datasets, load_train_config, read_run_config
+from sparknet.errors import SparknetError
+
+
+def _fmt(row: dict[str, Any]) -> str:
+    acc = f"  acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else ""
+    return f"loss {row['loss']:.4f}{acc}  {row['samples_per_s']:.0f} samples/s"
+
+
+def _summary(result) -> Table:
+    rows = result.metrics
+    last_eval = next((r for r in reversed(rows) if "eval_accuracy" in r), {})
+    table = Table(title="sparknet run", show_header=False)
+    table.add_row("rounds", str(result.rounds))
+    table.add_row("train loss (last round)", f"{result.final['loss']:.4f}")
+    if last_eval:
+        table.add_row("test loss", f"{last_eval['eval_loss']:.4f}")
+        table.add_row("test accuracy", f"{last_eval['eval_accuracy']:.4f}")
+        table.add_row("test top-5", f"{last_eval['eval_top5']:.4f}")
+    skipped = sum(r.get("skipped_samples", 0) for r in rows)
+    if skipped:
+        table.add_row("skipped bad samples", str(skipped))
+    total = sum(r["seconds"]["total"] for r in rows)
+    table.add_row("samples/s (mean)", f"{sum(r['samples'] for r in rows) / total:.0f}")
+    table.add_row("wall time", f"{result.final['elapsed_s']:.1f} s")
+    table.add_row("run dir", str(result.run_dir))
+    return table
+
+
+def train(
+    config: Path | None = typer.Option(
+        None, "--config", help="settings YAML (train:, datasets:); default ./sparknet.yaml"
+    ),
+    set_: list[str] = typer.Option([], "--set", help="key=value, repeatable"),
+    model: str | None = typer.Option(None, help="mlp, cnn, a torchvision name, or module:factory"),
+    num_classes: int | None = typer.Option(None, help="default: from the dataset"),
+    data: str | None = typer.Option(
+        None,
+        help="digits, module:factory, a name from sparknet.yaml's datasets:, s3://bucket/prefix, "
+        "a local dataset dir, parquet:PATH or table:NAME",
+    ),
+    eval_data: str | None = typer.Option(None, help="parquet:PATH or table:NAME to evaluate on"),
+    label_col: str | None = typer.Option(None, help="DataFrame label column (default label)"),
+    input_col: str | None = typer.Option(None, help="DataFrame image/features column"),
+    image_size: int | None = typer.Option(None, help="train/eval crop size for images"),
+    loader_workers: int | None = typer.Option(None, help="decoding processes per Spark task"),
+    cache_dir: Path | None = typer.Option(None, help="executor-local shard cache dir"),
+    cache_gb: float | None = typer.Option(None, help="shard cache cap (GiB); 0: stream only"),
+    endpoint_url: str | None = typer.Option(None, help="S3-compatible endpoint (MinIO, moto)"),
+    workers: int | None = typer.Option(None, help="K: Spark partitions, one worker each"),
+    tau: int | None = typer.Option(None, help="local steps per round"),
+    rounds: int | None = typer.Option(None),
+    batch_size: int | None = typer.Option(None, help="per worker"),
+    optimizer: str | None = typer.Option(None, help="inner optimizer: sgd or adamw"),
+    lr: float | None = typer.Option(None, help="inner learning rate"),
+    momentum: float | None = typer.Option(None, help="inner momentum (sgd)"),
+    weight_decay: float | None = typer.Option(None),
+    outer: str | None = typer.Option(None, help="average (SparkNet) or nesterov (DiLoCo)"),
+    outer_lr: float | None = typer.Option(None, help="nesterov only; default 0.7"),
+    outer_momentum: float | None = typer.Option(None, help="nesterov only; default 0.9"),
+    inner_state: str | None = typer.Option(None, help="keep or reset the inner optimizer state"),
+    seed: int | None = typer.Option(None),
+    eval_every: int | None = typer.Option(None, help="rounds; 0: only at the end"),
+    checkpoint_every: int | None = typer.Option(None, help="rounds; 0: only at the end"),
+    out: Path | None = typer.Option(None, help="run dir; default runs/<model>-<data>-<time>"),
+    resume: bool = typer.Option(False, help="continue the run in --out from its last checkpoint"),
+    master: str | None = typer.Option(None, help="Spark master; default local[<cores>,4]"),
+    transport: str | None = typer.Option(None, help="spark"),
+    debug: bool = typer.Option(False, help="show tracebacks"),
+) -> None:
+    """Train a model with synchronized local SGD on Spark and write a run dir."""
+    flags = {k: v for k, v in locals().items() if k not in ("config", "set_", "resume", "debug")}
+    try:
+        base = None
+        if resume:
+            if out is None:
+                raise SparknetError("--resume needs --out, the run dir to continue")
+            base = read_run_config(out)
+        config = find_config_file(config)
+        cfg = load_train_config(config_file=config, sets=set_, flags=flags, base=base)
+        datasets = load_datasets(config)
+        from sparknet.training.driver import train as run_training
+
+        progress = Progress(
+            TextColumn("[bold]round"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        bar = progress.add_task("train", start=False, info="starting Spark")
+
+        def on_start(done: int, total: int) -> None:
+            progress.update(bar, completed=done, total=total)
+            progress.start_task(bar)
+            progress.start()
+
+        def on_round(row: dict[str, Any]) -> None:
+            progress.update(bar, completed=row["round"], info=_fmt(row))
+
+        try:
+            result = run_training(
+                cfg, resume=resume, on_start=on_start, on_round=on_round, datasets=datasets
+            )
+        finally:
+            progress.stop()
+        console.print(_summary(result))
+    except SparknetError as exc:
+        fail(exc, debug)
+    except KeyboardInterrupt:
+        fail(
+            SparknetError("interrupted; Spark stopped, the last complete checkpoint is kept"),
+            debug,
+            code=130,
+        )
