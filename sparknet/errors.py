@@ -3,3 +3,9 @@
 
 class SparknetError(Exception):
     """A problem with the user's input or environment; the CLI prints it without a traceback."""
+
+
+class PermanentTaskError(SparknetError):
+    """Raised inside a Spark task for a fault that a retry cannot heal (a shard whose bytes differ
+    from the manifest, a missing object): the task hands it back to the driver, which fails the run
+    at once instead of letting Spark retry the task."""
