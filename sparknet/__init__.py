@@ -7,15 +7,17 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from sparknet.fit import fit
+    from sparknet.api import fit
 
 __all__ = ["fit"]
 
 
 def __getattr__(name: str):
-    # `sparknet.fit` without importing torch and Spark on `import sparknet` (the CLI starts fast)
+    # `sparknet.fit` without importing torch and Spark on `import sparknet` (the CLI starts fast).
+    # The function lives in `sparknet.api`: a submodule named `fit` would replace this attribute
+    # with itself the moment it is imported.
     if name == "fit":
-        from sparknet.fit import fit
+        from sparknet.api import fit
 
         return fit
     raise AttributeError(f"module 'sparknet' has no attribute {name!r}")
