@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
@@ -47,6 +48,33 @@ DENIED_CODES = frozenset(
 )
 
 
+#: environment variables boto3 reads an endpoint from (the service-specific one is upper-cased)
+_ENDPOINT_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_{service}")
+
+
+def check_endpoint_url(url: str | None, where: str = "endpoint_url") -> str | None:
+    """`url` when boto3 can use it (http:// or https:// and a host), else a one-line error.
+
+    botocore refuses `127.0.0.1:9000` only with a bare ValueError deep inside client creation,
+    which reads as a crash; the scheme is the usual thing left out.
+    """
+    if url is None:
+        return None
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise SparknetError(
+            f"{where} {url!r} is not a URL: write it as http://HOST:PORT (or https://...)"
+        )
+    return url
+
+
+def _check_endpoint_env(service: str) -> None:
+    for name in _ENDPOINT_ENV:
+        name = name.format(service=service.upper().replace("-", "_"))
+        if os.environ.get(name):
+            check_endpoint_url(os.environ[name], name)
+
+
 def client(
     service: str,
     region: str | None = None,
@@ -64,6 +92,8 @@ def client(
     AWS_ENDPOINT_URL (moto in tests). Each client comes from its own Session: boto3's default
     session is not thread-safe.
     """
+    check_endpoint_url(endpoint_url)
+    _check_endpoint_env(service)
     config = Config(
         retries={"mode": "adaptive", "max_attempts": max_attempts},
         connect_timeout=CONNECT_TIMEOUT,

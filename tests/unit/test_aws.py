@@ -124,3 +124,38 @@ def test_cluster_up_without_usable_credentials_is_one_line(tmp_path, profile, me
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "clusters").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "config"),
+    [
+        (["--endpoint-url", "127.0.0.1:9000"], {}, None),
+        ([], {"AWS_ENDPOINT_URL": "127.0.0.1:9000"}, None),
+        ([], {"AWS_ENDPOINT_URL_S3": "localhost:9000"}, None),
+        ([], {}, "datasets:\n  ds:\n    uri: s3://bkt/x\n    endpoint_url: minio:9000\n"),
+    ],
+    ids=["flag", "env", "env-s3", "dataset-entry"],
+)
+def test_an_endpoint_url_without_a_scheme_is_one_line_exit_2(tmp_path, args, env, config):
+    if config is not None:
+        (tmp_path / "sparknet.yaml").write_text(config)
+    dataset = "ds" if config is not None else "s3://bkt/x"
+    done = run_cli(
+        "data", "ls", dataset, *args, cwd=tmp_path,
+        env={"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
+             "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": None, **env},
+    )  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and "http://" in lines[0] and "9000" in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9000", "https://s3.example.com", None])
+def test_an_endpoint_url_with_a_scheme_is_accepted(url):
+    assert aws.check_endpoint_url(url) == url
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:9000", "ftp://h:1", "http://", "http//h:9"])
+def test_check_endpoint_url_refuses_what_botocore_cannot_use(url):
+    with pytest.raises(SparknetError, match=r"write it as http://HOST:PORT"):
+        aws.check_endpoint_url(url)
