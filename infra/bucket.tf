@@ -33,7 +33,10 @@ resource "aws_s3_bucket_policy" "data" {
   count = var.create_bucket ? 1 : 0
 
   bucket = aws_s3_bucket.data[0].id
-  policy = templatefile("${path.module}/policies/bucket-tls-only.json.tftpl", { bucket = var.bucket })
+  policy = templatefile("${path.module}/policies/bucket-tls-only.json.tftpl", {
+    partition = data.aws_partition.current.partition
+    bucket    = var.bucket
+  })
 
   depends_on = [aws_s3_bucket_public_access_block.data]
 }

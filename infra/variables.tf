@@ -123,3 +123,14 @@ variable "runs_prefix" {
     error_message = "runs_prefix must be a key prefix such as runs/ (no leading /, ends with /, no wildcards)."
   }
 }
+
+variable "owner" {
+  description = "Who made the foundation (sparknet passes the caller's STS ARN): tagged sparknet:owner on every resource, so `sweep` touches only its caller's own; null: no owner tag."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.owner == null ? true : can(regex("^[\\p{L}\\p{Z}\\p{N}_.:/=+@-]{1,256}$", var.owner))
+    error_message = "owner must be a tag value: 1-256 letters, digits, spaces and _ . : / = + - @ (an ARN such as arn:aws:iam::123456789012:user/alice)."
+  }
+}

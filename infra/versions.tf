@@ -20,11 +20,15 @@ terraform {
 provider "aws" {
   region = var.region
 
-  # every resource carries both tags: `sparknet cluster down` and the orphan sweep find them by tag
+  # every resource carries both tags: `sparknet cluster down` and the orphan sweep find them by
+  # tag; and its maker's, when known: `sweep` touches only its caller's own
   default_tags {
-    tags = {
-      "sparknet:cluster" = var.cluster
-      "sparknet:role"    = "foundation"
-    }
+    tags = merge(
+      {
+        "sparknet:cluster" = var.cluster
+        "sparknet:role"    = "foundation"
+      },
+      var.owner == null ? {} : { "sparknet:owner" = var.owner },
+    )
   }
 }

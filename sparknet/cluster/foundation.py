@@ -4,36 +4,48 @@ Two backends make the same resources from the same data files (`infra/rules`, `i
 `terraform` (the module in `infra/`, through `terraform.py`) and `boto3` (here) for users
 without Terraform. Both are idempotent: `ensure` finds what exists (by the cluster tag, or by
 name where AWS has no tag lookup) and creates only what is missing, and reports what it created,
-so a failed `up` can remove exactly that. `destroy` finds everything by tag and name alone, so it
-works without any local state.
+so a failed `up` can remove exactly that (`destroy_boto3(..., only=created)`). Without `only`,
+`destroy` finds everything by tag and name alone, so it works without any local state.
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import itertools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import boto3
 import botocore.exceptions as bx
 
 from sparknet import aws
 from sparknet.cluster import instances
-from sparknet.cluster.rules import policy_document, security_group_rules
-from sparknet.cluster.spec import INFRA_DIR, TAG_CLUSTER, TAG_ROLE, ClusterSpec
+from sparknet.cluster.rules import bucket_settings, network, policy_document, security_group_rules
+from sparknet.cluster.spec import INFRA_DIR, TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
 
-#: the network infra/ makes by default (`vpc_cidr` in infra/variables.tf; a test keeps them equal)
-VPC_CIDR = "10.42.0.0/16"
-#: subnets are /24s of the VPC, one per availability zone, in zone order (as infra/network.tf)
-SUBNET_PREFIX = 24
-MAX_AZS = 3
 NODE_POLICY = "sparknet-node"
-#: what "not there" is called by IAM (get_role, get_instance_profile) and S3 (head_bucket)
-_ABSENT_CODES = frozenset({"NoSuchEntity", "404", "NoSuchBucket", "NotFound"})
+#: what "not there" is called by IAM (get_role, get_instance_profile), S3 (head_bucket, a bucket
+#: without tags) and EC2 (an id that is gone)
+_ABSENT_CODES = frozenset(
+    {
+        "NoSuchEntity", "404", "NoSuchBucket", "NotFound", "NoSuchTagSet", "NoSuchTagSetError",
+        "InvalidGroup.NotFound", "InvalidSubnetID.NotFound", "InvalidVpcID.NotFound",
+        "InvalidRouteTableID.NotFound", "InvalidInternetGatewayID.NotFound",
+        "InvalidVpcEndpointId.NotFound",
+    }
+)  # fmt: skip
+#: the order a foundation is taken apart in: each kind only after what depends on it
+DESTROY_ORDER = (
+    "instance-profile", "iam-role", "vpc-endpoint", "security-group", "route-table", "subnet",
+    "internet-gateway", "vpc",
+)  # fmt: skip
+#: kinds `destroy` never deletes: the bucket holds datasets and runs that outlive any cluster
+KEPT_KINDS = frozenset({"bucket"})
 
 
 @dataclass(frozen=True)
@@ -56,20 +68,36 @@ def node_role_name(spec: ClusterSpec) -> str:
     return f"sparknet-{spec.name}-{spec.region}"
 
 
+def node_role_description(spec: ClusterSpec) -> str:
+    return f"sparknet cluster {spec.name} nodes in {spec.region}"
+
+
 def security_group_name(spec: ClusterSpec) -> str:
     return f"sparknet-{spec.name}"
 
 
-def _tags(spec: ClusterSpec, name: str) -> list[dict[str, str]]:
-    return [
-        {"Key": TAG_CLUSTER, "Value": spec.name},
-        {"Key": TAG_ROLE, "Value": "foundation"},
-        {"Key": "Name", "Value": name},
-    ]
+def security_group_description(spec: ClusterSpec) -> str:
+    """As infra/security.tf; AWS allows only a-z A-Z 0-9 spaces and ._-:/()#,@[]+=&;{}!$*."""
+    return f"sparknet cluster {spec.name}: SSH from allowed_cidr, all traffic between members"
+
+
+def partition(region: str) -> str:
+    """The ARN partition of `region`: aws, aws-us-gov, aws-cn, ..."""
+    return boto3.session.Session().get_partition_for_region(region)
+
+
+def tags(spec: ClusterSpec, name: str | None = None) -> list[dict[str, str]]:
+    """The tags of every foundation resource: cluster, role, the owner when known, and a Name."""
+    out = [{"Key": TAG_CLUSTER, "Value": spec.name}, {"Key": TAG_ROLE, "Value": "foundation"}]
+    if spec.owner:
+        out.append({"Key": TAG_OWNER, "Value": spec.owner})
+    if name is not None:
+        out.append({"Key": "Name", "Value": name})
+    return out
 
 
 def _tag_spec(spec: ClusterSpec, kind: str, name: str) -> list[dict[str, Any]]:
-    return [{"ResourceType": kind, "Tags": _tags(spec, name)}]
+    return [{"ResourceType": kind, "Tags": tags(spec, name)}]
 
 
 def _filters(spec: ClusterSpec, **more: str) -> list[dict[str, Any]]:
@@ -82,20 +110,29 @@ def _filters(spec: ClusterSpec, **more: str) -> list[dict[str, Any]]:
 
 
 def subnet_cidr(k: int) -> str:
-    """The k-th AZ's subnet: Terraform's `cidrsubnet(vpc_cidr, 24 - <vpc prefix>, k)`."""
-    net = ipaddress.ip_network(VPC_CIDR)
-    return str(next(itertools.islice(net.subnets(new_prefix=SUBNET_PREFIX), k, None)))
+    """The k-th AZ's subnet: Terraform's `cidrsubnet(vpc_cidr, <subnet - vpc prefix>, k)`."""
+    settings = network()
+    net = ipaddress.ip_network(settings["vpc_cidr"])
+    subnets = net.subnets(new_prefix=settings["subnet_prefix"])
+    return str(next(itertools.islice(subnets, k, None)))
 
 
 class _Boto3Foundation:
-    """The boto3 backend: one method per resource, each find-or-create."""
+    """The boto3 backend: one method per resource, each find-or-create.
 
-    def __init__(self, spec: ClusterSpec, endpoint_url: str | None) -> None:
+    `created` collects "kind:id" of what this object made, in order, as it makes it: a caller
+    that passed its own list still knows what was made when a later step fails.
+    """
+
+    def __init__(
+        self, spec: ClusterSpec, endpoint_url: str | None, created: list[str] | None = None
+    ) -> None:
         self.spec = spec
+        self.endpoint_url = endpoint_url
         self.ec2 = instances.ec2_client(spec.region, endpoint_url)
         self.iam = aws.client("iam", spec.region, endpoint_url)
         self.s3 = aws.client("s3", spec.region, endpoint_url)
-        self.created: list[str] = []
+        self.created: list[str] = created if created is not None else []
         self.name = f"sparknet-{spec.name}"
 
     def _call(self, action: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
@@ -105,8 +142,8 @@ class _Boto3Foundation:
     def _find(
         self, action: str, fn: Callable[..., Any], denied: str | None = None, **kwargs: Any
     ) -> Any:
-        """`_call`, but None when the thing is not there (IAM's NoSuchEntity, S3's 404), and
-        the `denied` message, when given, for an access-denied answer."""
+        """`_call`, but None when the thing is not there (IAM's NoSuchEntity, S3's 404, EC2's
+        *.NotFound), and the `denied` message, when given, for an access-denied answer."""
         try:
             return fn(**kwargs)
         except bx.ClientError as exc:
@@ -119,6 +156,12 @@ class _Boto3Foundation:
         except bx.BotoCoreError as exc:
             raise aws.describe_error(exc, f"{action} in {self.spec.region}") from exc
 
+    @functools.cached_property
+    def account(self) -> str:
+        """The caller's account id (STS): the node role may terminate instances of it only."""
+        sts = aws.client("sts", self.spec.region, self.endpoint_url)
+        return str(self._call("GetCallerIdentity", sts.get_caller_identity)["Account"])
+
     # -- network --------------------------------------------------------------------------
 
     def vpc(self) -> str:
@@ -127,17 +170,31 @@ class _Boto3Foundation:
         ]
         if found:
             return found[0]["VpcId"]
-        name = f"sparknet-{self.spec.name}"
         vpc = self._call(
-            "CreateVpc", self.ec2.create_vpc, CidrBlock=VPC_CIDR,
-            TagSpecifications=_tag_spec(self.spec, "vpc", name),
+            "CreateVpc", self.ec2.create_vpc, CidrBlock=network()["vpc_cidr"],
+            TagSpecifications=_tag_spec(self.spec, "vpc", self.name),
         )["Vpc"]["VpcId"]  # fmt: skip
         self.created.append(f"vpc:{vpc}")
-        self._call(
-            "ModifyVpcAttribute", self.ec2.modify_vpc_attribute, VpcId=vpc,
-            EnableDnsHostnames={"Value": True},
-        )  # fmt: skip
+        for attribute in ("EnableDnsSupport", "EnableDnsHostnames"):  # as infra/network.tf
+            self._call(
+                "ModifyVpcAttribute", self.ec2.modify_vpc_attribute, VpcId=vpc,
+                **{attribute: {"Value": True}},
+            )  # fmt: skip
         return vpc
+
+    def default_group(self, vpc: str) -> None:
+        """Strip the VPC's `default` security group of every rule, as infra/network.tf's
+        aws_default_security_group does: nothing launched without a group is reachable."""
+        found = self._call(
+            "DescribeSecurityGroups", self.ec2.describe_security_groups,
+            Filters=[
+                {"Name": "vpc-id", "Values": [vpc]},
+                {"Name": "group-name", "Values": ["default"]},
+            ],
+        )["SecurityGroups"]  # fmt: skip
+        for group in found:
+            self._revoke(group["GroupId"], "ingress", _atoms(group.get("IpPermissions", [])))
+            self._revoke(group["GroupId"], "egress", _atoms(group.get("IpPermissionsEgress", [])))
 
     def gateway(self, vpc: str) -> str:
         found = self._call(
@@ -158,18 +215,23 @@ class _Boto3Foundation:
         return igw
 
     def zones(self) -> list[str]:
+        """The spec's zones, else the region's first `az_count` regular zones (as infra/)."""
         if self.spec.availability_zones:
             return list(self.spec.availability_zones)
+        settings = network()
         found = self._call(
             "DescribeAvailabilityZones", self.ec2.describe_availability_zones,
-            Filters=[{"Name": "state", "Values": ["available"]}],
+            Filters=[
+                {"Name": "state", "Values": ["available"]},
+                {"Name": "zone-type", "Values": [settings["zone_type"]]},
+            ],
         )["AvailabilityZones"]  # fmt: skip
         names = sorted(z["ZoneName"] for z in found)
         if len(names) < 2:
             raise SparknetError(
                 f"{self.spec.region} offers {len(names)} availability zone(s); the cluster needs 2"
             )
-        return names[:MAX_AZS]
+        return names[: settings["az_count"]]
 
     def subnets(self, vpc: str, zones: list[str]) -> dict[str, str]:
         found = self._call(
@@ -179,11 +241,10 @@ class _Boto3Foundation:
         for k, az in enumerate(zones):
             if az in by_az:
                 continue
-            cidr = subnet_cidr(k)
             subnet = self._call(
-                "CreateSubnet", self.ec2.create_subnet, VpcId=vpc, CidrBlock=cidr,
+                "CreateSubnet", self.ec2.create_subnet, VpcId=vpc, CidrBlock=subnet_cidr(k),
                 AvailabilityZone=az,
-                TagSpecifications=_tag_spec(self.spec, "subnet", f"sparknet-{self.spec.name}-{az}"),
+                TagSpecifications=_tag_spec(self.spec, "subnet", f"{self.name}-{az}"),
             )["Subnet"]["SubnetId"]  # fmt: skip
             self.created.append(f"subnet:{subnet}")  # no public IPs by default, as in infra/
             by_az[az] = subnet
@@ -216,6 +277,31 @@ class _Boto3Foundation:
                 )  # fmt: skip
         return table
 
+    def s3_endpoint(self, vpc: str, table: str) -> str:
+        """A gateway endpoint for S3 on the route table (free): S3 traffic stays inside AWS
+        instead of going out through the internet gateway."""
+        service = f"com.amazonaws.{self.spec.region}.s3"
+        found = self._call(
+            "DescribeVpcEndpoints", self.ec2.describe_vpc_endpoints,
+            Filters=_filters(self.spec, vpc_id=vpc, service_name=service),
+        )["VpcEndpoints"]  # fmt: skip
+        live = [e for e in found if e.get("State", "").lower() not in ("deleting", "deleted")]
+        if live:
+            endpoint = live[0]
+            if table not in endpoint.get("RouteTableIds", []):
+                self._call(
+                    "ModifyVpcEndpoint", self.ec2.modify_vpc_endpoint,
+                    VpcEndpointId=endpoint["VpcEndpointId"], AddRouteTableIds=[table],
+                )  # fmt: skip
+            return endpoint["VpcEndpointId"]
+        endpoint_id = self._call(
+            "CreateVpcEndpoint", self.ec2.create_vpc_endpoint, VpcEndpointType="Gateway",
+            VpcId=vpc, ServiceName=service, RouteTableIds=[table],
+            TagSpecifications=_tag_spec(self.spec, "vpc-endpoint", f"{self.name}-s3"),
+        )["VpcEndpoint"]["VpcEndpointId"]  # fmt: skip
+        self.created.append(f"vpc-endpoint:{endpoint_id}")
+        return endpoint_id
+
     # -- security group -------------------------------------------------------------------
 
     def security_group(self, vpc: str, allowed_cidr: str) -> str:
@@ -226,36 +312,48 @@ class _Boto3Foundation:
         )["SecurityGroups"]  # fmt: skip
         if found:
             group = found[0]["GroupId"]
-            have = found[0].get("IpPermissions", [])
+            have = {
+                "ingress": found[0].get("IpPermissions", []),
+                "egress": found[0].get("IpPermissionsEgress", []),
+            }
         else:
-            group = self._call(
+            made = self._call(
                 "CreateSecurityGroup", self.ec2.create_security_group, GroupName=name,
-                Description=f"sparknet cluster {self.spec.name}: SSH from allowed_cidr, "
-                "all traffic between members",
-                VpcId=vpc, TagSpecifications=_tag_spec(self.spec, "security-group", name),
-            )["GroupId"]  # fmt: skip
+                Description=security_group_description(self.spec), VpcId=vpc,
+                TagSpecifications=_tag_spec(self.spec, "security-group", name),
+            )  # fmt: skip
+            group = made["GroupId"]
             self.created.append(f"security-group:{group}")
-            have = []
-        # the group holds exactly the shared rules: a source left from an earlier `up` (the
-        # caller's old address, a rule added by hand) is revoked, not left open
-        want, have_atoms = _atoms(ingress_permissions(group, allowed_cidr)), _atoms(have)
-        stale = [
-            {**perm, key[3]: [{_SOURCES[key[3]]: key[4]}]}  # a revoke names only the source
-            for key, perm in have_atoms.items()
-            if key not in want
-        ]
-        missing = [perm for key, perm in want.items() if key not in have_atoms]
-        if stale:
-            self._call(
-                "RevokeSecurityGroupIngress", self.ec2.revoke_security_group_ingress,
-                GroupId=group, IpPermissions=stale,
-            )  # fmt: skip
-        if missing:
-            self._call(
-                "AuthorizeSecurityGroupIngress", self.ec2.authorize_security_group_ingress,
-                GroupId=group, IpPermissions=missing,
-            )  # fmt: skip
+            described = self._call(
+                "DescribeSecurityGroups", self.ec2.describe_security_groups, GroupIds=[group]
+            )["SecurityGroups"][0]
+            have = {"ingress": [], "egress": described.get("IpPermissionsEgress", [])}
+        # the group holds exactly the shared rules, both ways: a source left from an earlier
+        # `up` (the caller's old address, a rule added by hand) is revoked, not left open, and
+        # AWS's default allow-all egress gives way to the described one of the rules file
+        for direction in ("ingress", "egress"):
+            want = _atoms(permissions(direction, group, allowed_cidr))
+            atoms = _atoms(have[direction])
+            self._revoke(group, direction, {k: p for k, p in atoms.items() if k not in want})
+            missing = [perm for key, perm in want.items() if key not in atoms]
+            if missing:
+                call = f"authorize_security_group_{direction}"
+                self._call(
+                    f"AuthorizeSecurityGroup{direction.title()}", getattr(self.ec2, call),
+                    GroupId=group, IpPermissions=missing,
+                )  # fmt: skip
         return group
+
+    def _revoke(self, group: str, direction: str, atoms: dict[tuple[Any, ...], Any]) -> None:
+        if not atoms:
+            return
+        # a revoke names only the source, not its description
+        perms = [{**perm, key[3]: [{_SOURCES[key[3]]: key[4]}]} for key, perm in atoms.items()]
+        self._call(
+            f"RevokeSecurityGroup{direction.title()}",
+            getattr(self.ec2, f"revoke_security_group_{direction}"),
+            GroupId=group, IpPermissions=perms,
+        )  # fmt: skip
 
     # -- IAM ------------------------------------------------------------------------------
 
@@ -263,18 +361,16 @@ class _Boto3Foundation:
         """The node role and its instance profile; the policy is (re)written every time so a
         changed prefix or bucket takes effect."""
         name = node_role_name(self.spec)
-        iam_tags = [t for t in _tags(self.spec, name) if t["Key"] != "Name"]
+        iam_tags = tags(self.spec)
         if self._find("GetRole", self.iam.get_role, RoleName=name) is None:
             self._call(
                 "CreateRole", self.iam.create_role, RoleName=name,
                 AssumeRolePolicyDocument=json.dumps(policy_document("assume-role")),
-                Description=f"sparknet cluster {self.spec.name} nodes", Tags=iam_tags,
+                Description=node_role_description(self.spec), MaxSessionDuration=3600,
+                Tags=iam_tags,
             )  # fmt: skip
             self.created.append(f"iam-role:{name}")
-        policy = policy_document(
-            "instance-role", bucket=bucket, data_prefix=self.spec.data_prefix,
-            runs_prefix=self.spec.runs_prefix, cluster=self.spec.name,
-        )  # fmt: skip
+        policy = node_policy(self.spec, bucket, self.account)
         self._call(
             "PutRolePolicy", self.iam.put_role_policy, RoleName=name, PolicyName=NODE_POLICY,
             PolicyDocument=json.dumps(policy),
@@ -300,61 +396,110 @@ class _Boto3Foundation:
     # -- bucket ---------------------------------------------------------------------------
 
     def bucket(self, name: str) -> None:
-        """Create the data/runs bucket if it is missing: encrypted, versioned, never public,
-        TLS only (the same policy file infra/bucket.tf applies)."""
+        """Create the data/runs bucket if it is missing, and hold a sparknet bucket (one made by
+        sparknet: it carries the foundation tag) to `infra/rules/bucket.json` on every call, so
+        a setting changed by hand is put back. A bucket of the user's own is left as it is: its
+        policy and settings are theirs."""
         taken = (
             f"bucket {name} exists but this account may not use it (403); bucket names are "
             "global: choose another `bucket`, or use credentials that own it"
         )
-        if self._find("HeadBucket", self.s3.head_bucket, taken, Bucket=name) is not None:
+        if self._find("HeadBucket", self.s3.head_bucket, taken, Bucket=name) is None:
+            extra = (
+                {}
+                if self.spec.region == "us-east-1"
+                else {"CreateBucketConfiguration": {"LocationConstraint": self.spec.region}}
+            )
+            self._call("CreateBucket", self.s3.create_bucket, Bucket=name, **extra)
+            self.created.append(f"bucket:{name}")
+            self._call(
+                "PutBucketTagging", self.s3.put_bucket_tagging, Bucket=name,
+                Tagging={"TagSet": tags(self.spec, name)},
+            )  # fmt: skip
+        elif not self._made_by_sparknet(name):
             return
-        extra = (
-            {}
-            if self.spec.region == "us-east-1"
-            else {"CreateBucketConfiguration": {"LocationConstraint": self.spec.region}}
-        )
-        self._call("CreateBucket", self.s3.create_bucket, Bucket=name, **extra)
-        self.created.append(f"bucket:{name}")
-        self._call(
-            "PutPublicAccessBlock", self.s3.put_public_access_block, Bucket=name,
-            PublicAccessBlockConfiguration={
-                "BlockPublicAcls": True, "IgnorePublicAcls": True,
-                "BlockPublicPolicy": True, "RestrictPublicBuckets": True,
-            },
-        )  # fmt: skip
-        self._call(
-            "PutBucketEncryption", self.s3.put_bucket_encryption, Bucket=name,
-            ServerSideEncryptionConfiguration={
-                "Rules": [{"ApplyServerSideEncryptionByDefault": {"SSEAlgorithm": "aws:kms"}}]
-            },
-        )  # fmt: skip
-        self._call(
-            "PutBucketVersioning", self.s3.put_bucket_versioning, Bucket=name,
-            VersioningConfiguration={"Status": "Enabled"},
-        )  # fmt: skip
-        self._call(
-            "PutBucketPolicy", self.s3.put_bucket_policy, Bucket=name,
-            Policy=json.dumps(policy_document("bucket-tls-only", bucket=name)),
-        )  # fmt: skip
-        self._call(
-            "PutBucketTagging", self.s3.put_bucket_tagging, Bucket=name,
-            Tagging={"TagSet": _tags(self.spec, name)},
-        )  # fmt: skip
+        self.harden_bucket(name)
+
+    def _made_by_sparknet(self, name: str) -> bool:
+        found = self._find("GetBucketTagging", self.s3.get_bucket_tagging, Bucket=name)
+        have = {t["Key"]: t["Value"] for t in (found or {}).get("TagSet", [])}
+        return have.get(TAG_ROLE) == "foundation" and TAG_CLUSTER in have
+
+    def harden_bucket(self, name: str) -> None:
+        """Put `infra/rules/bucket.json` on the bucket (as infra/bucket.tf): never public,
+        ownership enforced (no ACLs), KMS with a bucket key, versioned, TLS only, old versions
+        and failed uploads expired."""
+        want = bucket_settings()
+        calls: list[tuple[str, Callable[..., Any], dict[str, Any]]] = [
+            ("PutPublicAccessBlock", self.s3.put_public_access_block, {
+                "PublicAccessBlockConfiguration": {
+                    "BlockPublicAcls": True, "IgnorePublicAcls": True,
+                    "BlockPublicPolicy": True, "RestrictPublicBuckets": True,
+                }}),
+            ("PutBucketOwnershipControls", self.s3.put_bucket_ownership_controls, {
+                "OwnershipControls": {"Rules": [{"ObjectOwnership": want["object_ownership"]}]}}),
+            ("PutBucketEncryption", self.s3.put_bucket_encryption, {
+                "ServerSideEncryptionConfiguration": {"Rules": [{
+                    "ApplyServerSideEncryptionByDefault": {"SSEAlgorithm": want["sse_algorithm"]},
+                    "BucketKeyEnabled": want["bucket_key_enabled"],
+                }]}}),
+            ("PutBucketVersioning", self.s3.put_bucket_versioning, {
+                "VersioningConfiguration": {"Status": want["versioning"]}}),
+            ("PutBucketPolicy", self.s3.put_bucket_policy, {
+                "Policy": json.dumps(policy_document(
+                    "bucket-tls-only", partition=partition(self.spec.region), bucket=name))}),
+            ("PutBucketLifecycleConfiguration", self.s3.put_bucket_lifecycle_configuration, {
+                "LifecycleConfiguration": {"Rules": [bucket_lifecycle_rule(want)]}}),
+        ]  # fmt: skip
+        for action, fn, kwargs in calls:
+            self._call(action, fn, Bucket=name, **kwargs)
+
+
+def bucket_lifecycle_rule(settings: dict[str, Any]) -> dict[str, Any]:
+    """The one lifecycle rule of a sparknet bucket (the rule infra/bucket.tf names the same)."""
+    return {
+        "ID": "expire-old-versions-and-failed-uploads",
+        "Status": "Enabled",
+        "Filter": {},
+        "NoncurrentVersionExpiration": {
+            "NoncurrentDays": settings["noncurrent_version_expiration_days"]
+        },
+        "AbortIncompleteMultipartUpload": {
+            "DaysAfterInitiation": settings["abort_incomplete_multipart_upload_days"]
+        },
+    }
+
+
+def node_policy(spec: ClusterSpec, bucket: str, account: str) -> dict[str, Any]:
+    """The node role's policy: data read, its own runs prefix read/write, and terminate only
+    its own cluster's instances, in its region and account."""
+    return policy_document(
+        "instance-role", partition=partition(spec.region), region=spec.region, account=account,
+        bucket=bucket, data_prefix=spec.data_prefix, runs_prefix=spec.runs_prefix,
+        cluster=spec.name,
+    )  # fmt: skip
+
+
+def permissions(direction: str, group_id: str, allowed_cidr: str) -> list[dict[str, Any]]:
+    """The shared rules of one direction as EC2 IpPermissions for this group and SSH source."""
+    out = []
+    for rule in security_group_rules(direction):  # type: ignore[arg-type]
+        perm: dict[str, Any] = {"IpProtocol": rule["protocol"]}
+        if rule["protocol"] != "-1":
+            perm.update(FromPort=rule["from_port"], ToPort=rule["to_port"])
+        peer = rule.get("source") or rule.get("destination")
+        if peer == "self":
+            perm["UserIdGroupPairs"] = [{"GroupId": group_id, "Description": rule["description"]}]
+        else:
+            cidr = allowed_cidr if peer == "allowed_cidr" else "0.0.0.0/0"
+            perm["IpRanges"] = [{"CidrIp": cidr, "Description": rule["description"]}]
+        out.append(perm)
+    return out
 
 
 def ingress_permissions(group_id: str, allowed_cidr: str) -> list[dict[str, Any]]:
     """The shared ingress rules as EC2 IpPermissions for this group and SSH source."""
-    out = []
-    for rule in security_group_rules("ingress"):
-        perm: dict[str, Any] = {"IpProtocol": rule["protocol"]}
-        if rule["protocol"] != "-1":
-            perm.update(FromPort=rule["from_port"], ToPort=rule["to_port"])
-        if rule["source"] == "allowed_cidr":
-            perm["IpRanges"] = [{"CidrIp": allowed_cidr, "Description": rule["description"]}]
-        else:
-            perm["UserIdGroupPairs"] = [{"GroupId": group_id, "Description": rule["description"]}]
-        out.append(perm)
-    return out
+    return permissions("ingress", group_id, allowed_cidr)
 
 
 #: the source lists of an IpPermission and the field that names each source
@@ -367,8 +512,9 @@ _SOURCES = {
 
 
 def _atoms(perms: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
-    """Split IpPermissions into one permission per (protocol, ports, source), keyed by those,
-    so the rules a group has and the rules it should have compare one source at a time."""
+    """Split IpPermissions into one permission per (protocol, ports, source, description), keyed
+    by those, so the rules a group has and the rules it should have compare one source at a
+    time; a changed description counts as a different rule (revoked, then authorized)."""
     out: dict[tuple[Any, ...], dict[str, Any]] = {}
     for perm in perms:
         proto = perm.get("IpProtocol")
@@ -379,24 +525,39 @@ def _atoms(perms: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]
         )
         for kind, id_key in _SOURCES.items():
             for source in perm.get(kind, []):
-                key = (proto, ports.get("FromPort"), ports.get("ToPort"), kind, source[id_key])
+                key = (
+                    proto, ports.get("FromPort"), ports.get("ToPort"), kind, source[id_key],
+                    source.get("Description") or "",
+                )  # fmt: skip
                 out[key] = {"IpProtocol": proto, **ports, kind: [source]}
     return out
 
 
 def ensure_boto3(
-    spec: ClusterSpec, *, allowed_cidr: str, endpoint_url: str | None = None
+    spec: ClusterSpec,
+    *,
+    allowed_cidr: str,
+    endpoint_url: str | None = None,
+    created: list[str] | None = None,
 ) -> Foundation:
-    """Find or create every foundation resource of `spec` with boto3."""
-    f = _Boto3Foundation(spec, endpoint_url)
+    """Find or create every foundation resource of `spec` with boto3.
+
+    Args:
+        created: a list this call appends "kind:id" to as it creates each resource, so a caller
+            knows what was made even when a later step fails (then pass it to
+            `destroy_boto3(..., only=created)`); the returned `Foundation.created` holds the same.
+    """
+    f = _Boto3Foundation(spec, endpoint_url, created)
     try:
         if spec.vpc_id:
             vpc, subnets = spec.vpc_id, subnet_zones(f.ec2, spec)
         else:
             vpc = f.vpc()
+            f.default_group(vpc)
             igw = f.gateway(vpc)
             subnets = f.subnets(vpc, f.zones())
-            f.routes(vpc, igw, subnets)
+            table = f.routes(vpc, igw, subnets)
+            f.s3_endpoint(vpc, table)
         group = f.security_group(vpc, allowed_cidr)
         bucket = spec.bucket
         if bucket is not None:
@@ -408,69 +569,175 @@ def ensure_boto3(
     return Foundation(vpc, subnets, group, role, profile_arn, role, bucket, tuple(f.created))
 
 
-def destroy_boto3(spec: ClusterSpec, *, endpoint_url: str | None = None) -> list[str]:
-    """Delete the cluster's foundation, found by tag and name alone; returns "kind:id" of each.
+def destroy_boto3(
+    spec: ClusterSpec,
+    *,
+    endpoint_url: str | None = None,
+    only: Collection[str] | None = None,
+) -> list[str]:
+    """Delete the cluster's foundation; returns "kind:id" of each thing deleted.
 
-    The bucket is kept: it holds datasets and runs that outlive any cluster. Call after the
-    cluster's instances are terminated (the security group is still in use until then).
+    Args:
+        only: "kind:id" strings (a `Foundation.created`, or what `ensure_boto3` appended to its
+            `created` list): delete exactly those and nothing else, so a failed `up` removes
+            what it made and never what a concurrent `up` of the same name made. Default
+            ``None``: everything of the cluster, found by tag and name alone.
+
+    The bucket is kept either way: it holds datasets and runs that outlive any cluster. The
+    VPC's `default` security group is never deleted (AWS refuses; it goes with its VPC). Call
+    after the cluster's instances are terminated (the security group is in use until then).
     """
     f = _Boto3Foundation(spec, endpoint_url)
-    ec2, iam, deleted = f.ec2, f.iam, []
-    name = node_role_name(spec)
-    found = f._find("GetInstanceProfile", iam.get_instance_profile, InstanceProfileName=name)
-    if found is not None:
-        for role in found["InstanceProfile"].get("Roles", []):
-            f._call(
-                "RemoveRoleFromInstanceProfile", iam.remove_role_from_instance_profile,
-                InstanceProfileName=name, RoleName=role["RoleName"],
-            )  # fmt: skip
-        f._call("DeleteInstanceProfile", iam.delete_instance_profile, InstanceProfileName=name)
-        deleted.append(f"instance-profile:{name}")
-    if f._find("GetRole", iam.get_role, RoleName=name) is not None:
-        for policy in f._call("ListRolePolicies", iam.list_role_policies, RoleName=name)[
-            "PolicyNames"
-        ]:
-            f._call("DeleteRolePolicy", iam.delete_role_policy, RoleName=name, PolicyName=policy)
-        f._call("DeleteRole", iam.delete_role, RoleName=name)
-        deleted.append(f"iam-role:{name}")
-    for group in f._call(
-        "DescribeSecurityGroups", ec2.describe_security_groups, Filters=_filters(spec)
-    )["SecurityGroups"]:
-        f._call("DeleteSecurityGroup", ec2.delete_security_group, GroupId=group["GroupId"])
-        deleted.append(f"security-group:{group['GroupId']}")
-    for table in f._call("DescribeRouteTables", ec2.describe_route_tables, Filters=_filters(spec))[
-        "RouteTables"
-    ]:
-        for assoc in table.get("Associations", []):
-            if not assoc.get("Main"):
-                f._call(
-                    "DisassociateRouteTable", ec2.disassociate_route_table,
-                    AssociationId=assoc["RouteTableAssociationId"],
-                )  # fmt: skip
-        f._call("DeleteRouteTable", ec2.delete_route_table, RouteTableId=table["RouteTableId"])
-        deleted.append(f"route-table:{table['RouteTableId']}")
-    for subnet in f._call("DescribeSubnets", ec2.describe_subnets, Filters=_filters(spec))[
-        "Subnets"
-    ]:
-        f._call("DeleteSubnet", ec2.delete_subnet, SubnetId=subnet["SubnetId"])
-        deleted.append(f"subnet:{subnet['SubnetId']}")
-    for igw in f._call(
-        "DescribeInternetGateways", ec2.describe_internet_gateways, Filters=_filters(spec)
-    )["InternetGateways"]:
-        for att in igw.get("Attachments", []):
-            f._call(
-                "DetachInternetGateway", ec2.detach_internet_gateway,
-                InternetGatewayId=igw["InternetGatewayId"], VpcId=att["VpcId"],
-            )  # fmt: skip
-        f._call(
-            "DeleteInternetGateway", ec2.delete_internet_gateway,
-            InternetGatewayId=igw["InternetGatewayId"],
-        )  # fmt: skip
-        deleted.append(f"internet-gateway:{igw['InternetGatewayId']}")
-    for vpc in f._call("DescribeVpcs", ec2.describe_vpcs, Filters=_filters(spec))["Vpcs"]:
-        f._call("DeleteVpc", ec2.delete_vpc, VpcId=vpc["VpcId"])
-        deleted.append(f"vpc:{vpc['VpcId']}")
+    targets = _parse_only(only) if only is not None else _tagged(f)
+    deleted = []
+    for kind in DESTROY_ORDER:
+        for ident in targets.get(kind, []):
+            if _DELETERS[kind](f, ident):
+                deleted.append(f"{kind}:{ident}")
     return deleted
+
+
+def _parse_only(only: Collection[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for item in only:
+        kind, _, ident = item.partition(":")
+        if kind in KEPT_KINDS:
+            continue
+        if kind not in _DELETERS or not ident:
+            raise SparknetError(
+                f"cannot delete {item!r}: expected kind:id, kind one of {', '.join(DESTROY_ORDER)}"
+            )
+        out.setdefault(kind, []).append(ident)
+    return out
+
+
+def _tagged(f: _Boto3Foundation) -> dict[str, list[str]]:
+    """Everything of the cluster's foundation, by tag (EC2) and by name (IAM)."""
+    spec, ec2, iam = f.spec, f.ec2, f.iam
+    name = node_role_name(spec)
+    out: dict[str, list[str]] = {}
+    if f._find("GetInstanceProfile", iam.get_instance_profile, InstanceProfileName=name):
+        out["instance-profile"] = [name]
+    if f._find("GetRole", iam.get_role, RoleName=name):
+        out["iam-role"] = [name]
+    listed = [
+        ("vpc-endpoint", "DescribeVpcEndpoints", ec2.describe_vpc_endpoints, "VpcEndpoints",
+         "VpcEndpointId"),
+        ("security-group", "DescribeSecurityGroups", ec2.describe_security_groups,
+         "SecurityGroups", "GroupId"),
+        ("route-table", "DescribeRouteTables", ec2.describe_route_tables, "RouteTables",
+         "RouteTableId"),
+        ("subnet", "DescribeSubnets", ec2.describe_subnets, "Subnets", "SubnetId"),
+        ("internet-gateway", "DescribeInternetGateways", ec2.describe_internet_gateways,
+         "InternetGateways", "InternetGatewayId"),
+        ("vpc", "DescribeVpcs", ec2.describe_vpcs, "Vpcs", "VpcId"),
+    ]  # fmt: skip
+    for kind, action, fn, key, id_key in listed:
+        items = f._call(action, fn, Filters=_filters(spec))[key]
+        out[kind] = [item[id_key] for item in items if _deletable(kind, item)]
+    return out
+
+
+def _deletable(kind: str, item: dict[str, Any]) -> bool:
+    """Not the VPC's `default` group (Terraform's aws_default_security_group tags it; AWS
+    refuses to delete it), not a VPC's main route table, not an endpoint already going."""
+    if kind == "security-group":
+        return item.get("GroupName") != "default"
+    if kind == "route-table":
+        return not any(a.get("Main") for a in item.get("Associations", []))
+    if kind == "vpc-endpoint":
+        return item.get("State", "").lower() not in ("deleting", "deleted")
+    return True
+
+
+def _delete_instance_profile(f: _Boto3Foundation, name: str) -> bool:
+    found = f._find("GetInstanceProfile", f.iam.get_instance_profile, InstanceProfileName=name)
+    if found is None:
+        return False
+    for role in found["InstanceProfile"].get("Roles", []):
+        f._call(
+            "RemoveRoleFromInstanceProfile", f.iam.remove_role_from_instance_profile,
+            InstanceProfileName=name, RoleName=role["RoleName"],
+        )  # fmt: skip
+    f._call("DeleteInstanceProfile", f.iam.delete_instance_profile, InstanceProfileName=name)
+    return True
+
+
+def _delete_role(f: _Boto3Foundation, name: str) -> bool:
+    if f._find("GetRole", f.iam.get_role, RoleName=name) is None:
+        return False
+    profiles = f._call(
+        "ListInstanceProfilesForRole", f.iam.list_instance_profiles_for_role, RoleName=name
+    )["InstanceProfiles"]
+    for profile in profiles:  # a profile this call did not create still holds the role
+        f._call(
+            "RemoveRoleFromInstanceProfile", f.iam.remove_role_from_instance_profile,
+            InstanceProfileName=profile["InstanceProfileName"], RoleName=name,
+        )  # fmt: skip
+    policies = f._call("ListRolePolicies", f.iam.list_role_policies, RoleName=name)
+    for policy in policies["PolicyNames"]:
+        f._call("DeleteRolePolicy", f.iam.delete_role_policy, RoleName=name, PolicyName=policy)
+    f._call("DeleteRole", f.iam.delete_role, RoleName=name)
+    return True
+
+
+def _delete_endpoint(f: _Boto3Foundation, endpoint: str) -> bool:
+    answer = f._find("DeleteVpcEndpoints", f.ec2.delete_vpc_endpoints, VpcEndpointIds=[endpoint])
+    return answer is not None and not answer.get("Unsuccessful")
+
+
+def _delete_group(f: _Boto3Foundation, group: str) -> bool:
+    found = f._find("DescribeSecurityGroups", f.ec2.describe_security_groups, GroupIds=[group])
+    if not found or not _deletable("security-group", found["SecurityGroups"][0]):
+        return False
+    return f._find("DeleteSecurityGroup", f.ec2.delete_security_group, GroupId=group) is not None
+
+
+def _delete_route_table(f: _Boto3Foundation, table: str) -> bool:
+    found = f._find("DescribeRouteTables", f.ec2.describe_route_tables, RouteTableIds=[table])
+    if not found or not _deletable("route-table", found["RouteTables"][0]):
+        return False
+    for assoc in found["RouteTables"][0].get("Associations", []):
+        f._find(
+            "DisassociateRouteTable", f.ec2.disassociate_route_table,
+            AssociationId=assoc["RouteTableAssociationId"],
+        )  # fmt: skip
+    return f._find("DeleteRouteTable", f.ec2.delete_route_table, RouteTableId=table) is not None
+
+
+def _delete_subnet(f: _Boto3Foundation, subnet: str) -> bool:
+    return f._find("DeleteSubnet", f.ec2.delete_subnet, SubnetId=subnet) is not None
+
+
+def _delete_gateway(f: _Boto3Foundation, igw: str) -> bool:
+    found = f._find(
+        "DescribeInternetGateways", f.ec2.describe_internet_gateways, InternetGatewayIds=[igw]
+    )
+    if not found or not found["InternetGateways"]:
+        return False
+    for att in found["InternetGateways"][0].get("Attachments", []):
+        f._find(
+            "DetachInternetGateway", f.ec2.detach_internet_gateway,
+            InternetGatewayId=igw, VpcId=att["VpcId"],
+        )  # fmt: skip
+    deleted = f._find("DeleteInternetGateway", f.ec2.delete_internet_gateway, InternetGatewayId=igw)
+    return deleted is not None
+
+
+def _delete_vpc(f: _Boto3Foundation, vpc: str) -> bool:
+    return f._find("DeleteVpc", f.ec2.delete_vpc, VpcId=vpc) is not None
+
+
+_DELETERS: dict[str, Callable[[_Boto3Foundation, str], bool]] = {
+    "instance-profile": _delete_instance_profile,
+    "iam-role": _delete_role,
+    "vpc-endpoint": _delete_endpoint,
+    "security-group": _delete_group,
+    "route-table": _delete_route_table,
+    "subnet": _delete_subnet,
+    "internet-gateway": _delete_gateway,
+    "vpc": _delete_vpc,
+}
 
 
 def subnet_zones(ec2: Any, spec: ClusterSpec, subnet_ids: list[str] | None = None) -> dict:
@@ -495,6 +762,8 @@ def terraform_variables(spec: ClusterSpec, allowed_cidr: str) -> dict[str, Any]:
         out["availability_zones"] = list(spec.availability_zones)
     if spec.vpc_id:
         out.update(vpc_id=spec.vpc_id, subnet_ids=list(spec.subnet_ids))
+    if spec.owner:
+        out["owner"] = spec.owner
     return out
 
 
@@ -514,6 +783,12 @@ def ensure_terraform(
     runner.apply(terraform_variables(spec, allowed_cidr))
     out = runner.output()
     ec2 = instances.ec2_client(spec.region, endpoint_url)
+    # the bucket outlives clusters, so it is not in a cluster's state: made and held to
+    # infra/rules/bucket.json here, as the boto3 foundation does (infra/bucket.tf makes the same
+    # bucket with create_bucket = true, for use by hand)
+    made: list[str] = []
+    if spec.bucket is not None:
+        _Boto3Foundation(spec, endpoint_url, made).bucket(spec.bucket)
     return Foundation(
         vpc_id=out["vpc_id"],
         subnet_by_az=subnet_zones(ec2, spec, list(out["subnet_ids"])),
@@ -522,6 +797,7 @@ def ensure_terraform(
         instance_profile_arn=out["instance_profile_arn"],
         role_name=out["instance_profile_name"],
         bucket=out.get("bucket"),
+        created=tuple(made),
     )
 
 

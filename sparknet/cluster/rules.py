@@ -21,6 +21,10 @@ from sparknet.cluster.spec import INFRA_DIR
 from sparknet.errors import SparknetError
 
 RULES_FILE = INFRA_DIR / "rules" / "security-group.json"
+#: the network both foundations make: VPC range, subnet size, how many zones, which zone type
+NETWORK_FILE = INFRA_DIR / "rules" / "network.json"
+#: the settings every sparknet bucket is held to (encryption, ownership, versioning, lifecycle)
+BUCKET_FILE = INFRA_DIR / "rules" / "bucket.json"
 POLICIES_DIR = INFRA_DIR / "policies"
 
 #: what a rule's peer may be, per direction: the key that names it and its allowed values
@@ -62,21 +66,54 @@ def security_group_rules(
     return rules
 
 
+_NETWORK_FIELDS = {"vpc_cidr": str, "subnet_prefix": int, "az_count": int, "zone_type": str}
+_BUCKET_FIELDS = {
+    "sse_algorithm": str,
+    "bucket_key_enabled": bool,
+    "object_ownership": str,
+    "versioning": str,
+    "noncurrent_version_expiration_days": int,
+    "abort_incomplete_multipart_upload_days": int,
+}
+
+
+def network() -> dict[str, Any]:
+    """`infra/rules/network.json`: ``vpc_cidr``, ``subnet_prefix`` (each AZ's subnet size),
+    ``az_count`` (at most this many zones get a subnet) and ``zone_type`` (regular zones only:
+    local and wavelength zones lack most GPU types)."""
+    return _settings(NETWORK_FILE, _NETWORK_FIELDS)
+
+
+def bucket_settings() -> dict[str, Any]:
+    """`infra/rules/bucket.json`: what every sparknet bucket is reconciled to on each `up`."""
+    return _settings(BUCKET_FILE, _BUCKET_FIELDS)
+
+
+def _settings(path: Path, fields: dict[str, type]) -> dict[str, Any]:
+    data = _read_json(path)
+    for key, kind in fields.items():
+        if type(data.get(key)) is not kind:  # exact: a bool is no int here
+            raise SparknetError(f"{path}: {key} must be a {kind.__name__}, got {data.get(key)!r}")
+    return data
+
+
 def policy_document(name: str, **values: str) -> dict[str, Any]:
     """The IAM policy document `infra/policies/<name>.json[.tftpl]`, placeholders filled, parsed.
 
     Args:
-        name: ``"instance-role"`` (needs ``bucket``, ``data_prefix``, ``runs_prefix``,
-            ``cluster``) or ``"assume-role"`` (no values).
+        name: ``"instance-role"`` (needs ``partition``, ``region``, ``account``, ``bucket``,
+            ``data_prefix``, ``runs_prefix``, ``cluster``), ``"bucket-tls-only"`` (``partition``,
+            ``bucket``) or ``"assume-role"`` (no values).
         values: one string per ``${placeholder}``; letters, digits and ``. _ / : -`` only, so no
             value can leave its JSON string or add a wildcard. Extra values are ignored.
 
     Example::
 
-        >>> doc = policy_document("instance-role", bucket="my-data", data_prefix="datasets/",
-        ...                       runs_prefix="runs/", cluster="demo")
-        >>> doc["Statement"][1]["Resource"]
-        'arn:aws:s3:::my-data/datasets/*'
+        >>> doc = policy_document("instance-role", partition="aws", region="us-east-1",
+        ...     account="123456789012", bucket="my-data", data_prefix="datasets/",
+        ...     runs_prefix="runs/", cluster="demo")
+        >>> doc["Statement"][2]["Resource"]
+        'arn:aws:s3:::my-data/runs/demo/*'
     """
     path = _policy_path(name)
     for key, value in values.items():

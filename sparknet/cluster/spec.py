@@ -4,6 +4,7 @@ constants every part of `cluster/` shares (tag keys, roles, the default AMI para
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -17,6 +18,14 @@ TAG_CLUSTER = "sparknet:cluster"
 TAG_ROLE = "sparknet:role"
 #: the principal (STS caller ARN) that made the resource: `sweep` touches only the caller's own
 TAG_OWNER = "sparknet:owner"
+
+#: what AWS accepts in a tag value on every service sparknet tags (IAM's and S3's rule, the
+#: strictest): letters, digits, spaces and ``_ . : / = + - @``, at most 256 characters
+TAG_VALUE_MAX = 256
+_TAG_VALUE_BAD = re.compile(r"[^\w .:/=+\-@]")  # \w: letters, digits and _
+
+#: the narrowest SSH source sparknet refuses: wider than these is "open to the internet"
+MIN_SSH_PREFIX = {4: 16, 6: 48}
 
 #: the AWS Deep Learning AMI (GPU drivers, CUDA, Docker) for Ubuntu 22.04, newest release
 DEFAULT_AMI_PARAMETER = (
@@ -78,20 +87,83 @@ class ClusterSpec(BaseModel):
 
     @field_validator("allowed_cidr")
     @classmethod
-    def _ipv4_cidr_not_everyone(cls, cidr: str | None) -> str | None:
-        """As infra/variables.tf: one IPv4 network, never the whole internet."""
-        if cidr is None:
-            return None
-        try:
-            net = ipaddress.IPv4Network(cidr, strict=False)
-        except ValueError as exc:
-            raise ValueError(f"{cidr!r} is not an IPv4 CIDR such as 203.0.113.7/32") from exc
-        if net.prefixlen == 0:
-            raise ValueError("SSH may not be open to all addresses (/0); give your /32")
-        return str(net)
+    def _ssh_source_not_the_internet(cls, cidr: str | None) -> str | None:
+        return None if cidr is None else check_ssh_cidr(cidr)
+
+    @field_validator("bucket")
+    @classmethod
+    def _s3_bucket_name(cls, bucket: str | None) -> str | None:
+        return None if bucket is None else check_bucket_name(bucket)
+
+    @field_validator("owner")
+    @classmethod
+    def _owner_as_tag_value(cls, owner: str | None) -> str | None:
+        return None if owner is None else tag_value(owner)
+
+    @property
+    def cluster_runs_prefix(self) -> str:
+        """Where this cluster's runs go (``runs/<cluster>/``): its nodes may write only there, so
+        one cluster cannot overwrite or delete another's runs."""
+        return f"{self.runs_prefix}{self.name}/"
 
     @model_validator(mode="after")
     def _existing_network(self) -> ClusterSpec:
         if bool(self.vpc_id) != bool(self.subnet_ids):
             raise ValueError("vpc_id and subnet_ids go together: give both or neither")
         return self
+
+
+def check_ssh_cidr(cidr: str) -> str:
+    """`cidr` as a normalized IPv4 network no wider than /16, as `infra/variables.tf` checks it.
+
+    The cluster's VPC has no IPv6, so an IPv6 source could reach nothing and is refused too (an
+    IPv6 rule would also need at least /48). A /15 or wider is a large part of the internet.
+    """
+    try:
+        net = ipaddress.ip_network(cidr, strict=False)
+    except ValueError as exc:
+        raise ValueError(f"{cidr!r} is not an IPv4 CIDR such as 203.0.113.7/32") from exc
+    if net.version == 6:
+        raise ValueError(
+            f"{cidr!r} is IPv6; the cluster's network is IPv4 only: give an IPv4 CIDR such as "
+            "203.0.113.7/32"
+        )
+    if net.prefixlen < MIN_SSH_PREFIX[4]:
+        raise ValueError(
+            f"SSH from {net} is open to {net.num_addresses:,} addresses; give your own /32 or "
+            f"a network of /{MIN_SSH_PREFIX[4]} or narrower"
+        )
+    return str(net)
+
+
+#: S3's bucket naming rules (general purpose buckets): 3-63 of a-z 0-9 . -, letter or digit at
+#: both ends, no "..", not an IP address, and none of the reserved prefixes and suffixes
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_BUCKET_RESERVED_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
+_BUCKET_RESERVED_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3")
+
+
+def check_bucket_name(bucket: str) -> str:
+    """`bucket`, if S3 accepts it as a bucket name; else a ValueError that says why."""
+    why = None
+    if not _BUCKET.match(bucket):
+        why = "3-63 of a-z, 0-9, '.', '-', starting and ending with a letter or digit"
+    elif ".." in bucket or ".-" in bucket or "-." in bucket:
+        why = "no '..', '.-' or '-.'"
+    elif re.fullmatch(r"\d+\.\d+\.\d+\.\d+", bucket):
+        why = "not an IP address"
+    elif bucket.startswith(_BUCKET_RESERVED_PREFIXES) or bucket.endswith(_BUCKET_RESERVED_SUFFIXES):
+        why = "none of S3's reserved prefixes (xn--, sthree-, amzn-s3-demo-) or suffixes"
+    if why:
+        raise ValueError(f"{bucket!r} is not an S3 bucket name: {why}")
+    return bucket
+
+
+def tag_value(text: str) -> str:
+    """`text` as a tag value every service accepts: characters outside IAM's and S3's set
+    (letters, digits, spaces, ``_ . : / = + - @``) become ``_``; at most 256 characters.
+
+    An STS ARN fits as it is (``arn:aws:sts::123456789012:assumed-role/Dev/alice@example.com``);
+    a session name may hold a ``,`` which IAM refuses in tags.
+    """
+    return _TAG_VALUE_BAD.sub("_", text)[:TAG_VALUE_MAX]

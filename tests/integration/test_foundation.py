@@ -62,9 +62,11 @@ def test_ensure_makes_the_foundation_tagged_with_only_ssh_and_members_open(spec,
     assert ingress == [("-1", None, (), (f.security_group_id,)), ("tcp", 22, (CIDR,), ())]
 
 
-def test_node_role_reads_data_writes_runs_and_terminates_only_its_cluster(spec, moto_endpoint):
+def test_node_role_reads_data_writes_own_runs_and_terminates_only_its_cluster(spec, moto_endpoint):
+    """Terminate only in the cluster's region and account, write only under runs/<cluster>/."""
     f = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
     iam = boto3.client("iam", region_name=REGION)
+    account = boto3.client("sts", region_name=REGION).get_caller_identity()["Account"]
     name = node_role_name(spec)
     profile = iam.get_instance_profile(InstanceProfileName=name)["InstanceProfile"]
     assert [r["RoleName"] for r in profile["Roles"]] == [name]
@@ -75,15 +77,19 @@ def test_node_role_reads_data_writes_runs_and_terminates_only_its_cluster(spec, 
     by_sid = {s["Sid"]: s for s in doc["Statement"]}
     terminate = by_sid["TerminateOwnClusterOnly"]
     assert terminate["Action"] == "ec2:TerminateInstances"
+    assert terminate["Resource"] == f"arn:aws:ec2:{REGION}:{account}:instance/*"
     assert terminate["Condition"]["StringEquals"] == {"aws:ResourceTag/sparknet:cluster": spec.name}
     assert by_sid["ReadDataPrefix"]["Resource"] == f"arn:aws:s3:::{spec.bucket}/datasets/*"
-    assert by_sid["ReadWriteRunsPrefix"]["Resource"] == f"arn:aws:s3:::{spec.bucket}/runs/*"
+    runs = by_sid["ReadWriteOwnRunsPrefix"]
+    assert runs["Resource"] == f"arn:aws:s3:::{spec.bucket}/runs/{spec.name}/*"
+    assert spec.cluster_runs_prefix == f"runs/{spec.name}/"
     actions = [
         a
         for s in doc["Statement"]
         for a in (s["Action"] if isinstance(s["Action"], list) else [s["Action"]])
     ]
     assert "ec2:TerminateInstances" in actions and not any("*" in a for a in actions)
+    assert "s3:DeleteObject" not in actions
 
 
 def test_bucket_is_encrypted_versioned_and_private(spec, moto_endpoint):
@@ -241,3 +247,132 @@ def test_a_bucket_name_taken_elsewhere_is_one_line(spec, moto_endpoint, code, st
             f.bucket("someone-elses-bucket")
     assert says in str(info.value) and "\n" not in str(info.value)
     assert f.created == []
+
+
+def _everything(ec2, iam, spec: ClusterSpec) -> dict[str, int]:
+    """Counts of the cluster's EC2 resources (by tag) and IAM resources (by name)."""
+    counts = _tagged(ec2, spec)
+    filters = [{"Name": f"tag:{TAG_CLUSTER}", "Values": [spec.name]}]
+    endpoints = ec2.describe_vpc_endpoints(Filters=filters)["VpcEndpoints"]
+    counts["vpc-endpoint"] = sum(e["State"].lower() != "deleted" for e in endpoints)
+    name = node_role_name(spec)
+    counts["iam-role"] = int(any(r["RoleName"] == name for r in iam.list_roles()["Roles"]))
+    profiles = iam.list_instance_profiles()["InstanceProfiles"]
+    counts["instance-profile"] = int(any(p["InstanceProfileName"] == name for p in profiles))
+    return counts
+
+
+def test_destroy_only_removes_exactly_what_one_call_created(spec, moto_endpoint):
+    """Two `up`s of one name: the second finds the first's network and makes only what was
+    missing (here: the role, deleted by hand). Its clean-up with `only` removes that role and
+    profile and leaves the first one's VPC, subnets, group and endpoint standing."""
+    ec2 = boto3.client("ec2", region_name=REGION)
+    iam = boto3.client("iam", region_name=REGION)
+    first = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    kinds = {item.split(":")[0] for item in first.created}
+    assert kinds == {
+        "vpc", "internet-gateway", "subnet", "route-table", "vpc-endpoint", "security-group",
+        "bucket", "iam-role", "instance-profile",
+    }  # fmt: skip
+    before = _everything(ec2, iam, spec)
+    destroy_boto3(
+        spec, endpoint_url=moto_endpoint,
+        only=[f"instance-profile:{node_role_name(spec)}", f"iam-role:{node_role_name(spec)}"],
+    )  # fmt: skip
+    created: list[str] = []
+    second = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint, created=created)
+    name = node_role_name(spec)
+    assert list(second.created) == created == [f"iam-role:{name}", f"instance-profile:{name}"]
+    deleted = destroy_boto3(spec, endpoint_url=moto_endpoint, only=second.created)
+    assert deleted == [f"instance-profile:{name}", f"iam-role:{name}"]
+    after = _everything(ec2, iam, spec)
+    assert after == {**before, "iam-role": 0, "instance-profile": 0}
+    assert after["vpc"] == 1 and after["subnet"] == len(first.subnet_by_az)
+    # the first call's whole list, in dependency order, even with the bucket in it (kept)
+    gone = destroy_boto3(spec, endpoint_url=moto_endpoint, only=first.created)
+    assert [g.split(":")[0] for g in gone][-1] == "vpc"
+    assert _everything(ec2, iam, spec) == dict.fromkeys(before, 0)
+    boto3.client("s3", region_name=REGION).head_bucket(Bucket=spec.bucket)
+
+
+def test_a_failed_ensure_still_tells_the_caller_what_it_made(spec, moto_endpoint):
+    """The caller's `created` list holds what was made before the failure (here the security
+    group's name is taken by a group without the cluster's tags), so it can be removed."""
+    from sparknet.errors import SparknetError
+
+    ec2 = boto3.client("ec2", region_name=REGION)
+    created: list[str] = []
+    vpc_calls: list[str] = []
+
+    def squat(**kwargs):  # a stranger's group of the same name in the new VPC
+        vpc_calls.append(kwargs["params"]["VpcId"])
+        ec2.create_security_group(
+            GroupName=security_group_name(spec), Description="x", VpcId=kwargs["params"]["VpcId"]
+        )
+
+    from sparknet.cluster import foundation
+
+    real = foundation._Boto3Foundation.security_group
+
+    def racing(self, vpc, allowed_cidr):
+        squat(params={"VpcId": vpc})
+        return real(self, vpc, allowed_cidr)
+
+    foundation._Boto3Foundation.security_group = racing
+    try:
+        with pytest.raises(SparknetError, match="CreateSecurityGroup"):
+            ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint, created=created)
+    finally:
+        foundation._Boto3Foundation.security_group = real
+    assert [c.split(":")[0] for c in created] == [
+        "vpc",
+        "internet-gateway",
+        "subnet",
+        "subnet",
+        "subnet",
+        "route-table",
+        "vpc-endpoint",
+    ]
+    stranger = ec2.describe_security_groups(
+        Filters=[{"Name": "group-name", "Values": [security_group_name(spec)]},
+                 {"Name": "vpc-id", "Values": vpc_calls}]
+    )["SecurityGroups"][0]["GroupId"]  # fmt: skip
+    ec2.delete_security_group(GroupId=stranger)
+    destroy_boto3(spec, endpoint_url=moto_endpoint, only=created)
+    assert set(_tagged(ec2, spec).values()) == {0}
+
+
+def test_owner_tag_on_every_foundation_resource(moto_endpoint):
+    """With `owner` (set by `up` from STS), every resource carries sparknet:owner; an ARN with
+    a character IAM refuses in tags (a session name's comma) is made a valid tag value."""
+    from sparknet.cluster.spec import TAG_OWNER
+
+    name = f"o{uuid.uuid4().hex[:8]}"
+    arn = "arn:aws:sts::123456789012:assumed-role/Dev/alice,ops@example.com"
+    spec = ClusterSpec(name=name, region=REGION, bucket=f"{name}-data", owner=arn)
+    owner = "arn:aws:sts::123456789012:assumed-role/Dev/alice_ops@example.com"
+    assert spec.owner == owner
+    try:
+        f = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+        ec2 = boto3.client("ec2", region_name=REGION)
+        iam = boto3.client("iam", region_name=REGION)
+        s3 = boto3.client("s3", region_name=REGION)
+        filters = [{"Name": f"tag:{TAG_OWNER}", "Values": [owner]}]
+        owned = {
+            "vpc": ec2.describe_vpcs(Filters=filters)["Vpcs"],
+            "subnet": ec2.describe_subnets(Filters=filters)["Subnets"],
+            "internet-gateway": ec2.describe_internet_gateways(Filters=filters)["InternetGateways"],
+            "route-table": ec2.describe_route_tables(Filters=filters)["RouteTables"],
+            "security-group": ec2.describe_security_groups(Filters=filters)["SecurityGroups"],
+            "vpc-endpoint": ec2.describe_vpc_endpoints(Filters=filters)["VpcEndpoints"],
+        }
+        made = {item.split(":")[0] for item in f.created} - {"bucket", "iam-role"}
+        made -= {"instance-profile"}
+        assert {kind for kind, found in owned.items() if found} == made
+        role_tags = iam.list_role_tags(RoleName=node_role_name(spec))["Tags"]
+        profile = iam.get_instance_profile(InstanceProfileName=node_role_name(spec))
+        bucket_tags = s3.get_bucket_tagging(Bucket=spec.bucket)["TagSet"]
+        for tag_set in (role_tags, profile["InstanceProfile"]["Tags"], bucket_tags):
+            assert {"Key": TAG_OWNER, "Value": owner} in tag_set
+    finally:
+        destroy_boto3(spec, endpoint_url=moto_endpoint)
