@@ -1,5 +1,11 @@
-# An optional bucket for datasets and runs (create_bucket = true): private, encrypted with the
-# account's aws/s3 KMS key, TLS only, versioned; old versions and failed uploads expire.
+# An optional bucket for datasets and runs (create_bucket = true, for use by hand; sparknet makes
+# and reconciles the bucket itself, since it outlives any cluster's state): private, encrypted with
+# the account's aws/s3 KMS key, TLS only, versioned; old versions and failed uploads expire. The
+# settings are rules/bucket.json, which the boto3 side holds every sparknet bucket to.
+
+locals {
+  bucket_settings = jsondecode(file("${path.module}/rules/bucket.json"))
+}
 
 resource "aws_s3_bucket" "data" {
   #checkov:skip=CKV_AWS_18:access logs need a second bucket; a dataset bucket's reads are CloudTrail data events where wanted
@@ -25,7 +31,7 @@ resource "aws_s3_bucket_ownership_controls" "data" {
 
   bucket = aws_s3_bucket.data[0].id
   rule {
-    object_ownership = "BucketOwnerEnforced"
+    object_ownership = local.bucket_settings.object_ownership
   }
 }
 
@@ -47,9 +53,9 @@ resource "aws_s3_bucket_server_side_encryption_configuration" "data" {
   bucket = aws_s3_bucket.data[0].id
   rule {
     apply_server_side_encryption_by_default {
-      sse_algorithm = "aws:kms"
+      sse_algorithm = local.bucket_settings.sse_algorithm
     }
-    bucket_key_enabled = true
+    bucket_key_enabled = local.bucket_settings.bucket_key_enabled
   }
 }
 
@@ -58,7 +64,7 @@ resource "aws_s3_bucket_versioning" "data" {
 
   bucket = aws_s3_bucket.data[0].id
   versioning_configuration {
-    status = "Enabled"
+    status = local.bucket_settings.versioning
   }
 }
 
@@ -73,10 +79,10 @@ resource "aws_s3_bucket_lifecycle_configuration" "data" {
     filter {}
 
     noncurrent_version_expiration {
-      noncurrent_days = 30
+      noncurrent_days = local.bucket_settings.noncurrent_version_expiration_days
     }
     abort_incomplete_multipart_upload {
-      days_after_initiation = 7
+      days_after_initiation = local.bucket_settings.abort_incomplete_multipart_upload_days
     }
   }
 

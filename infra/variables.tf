@@ -19,22 +19,22 @@ variable "region" {
 }
 
 variable "allowed_cidr" {
-  description = "The only IPv4 source allowed to SSH in, e.g. the operator's 203.0.113.7/32."
+  description = "The only IPv4 source allowed to SSH in, e.g. the operator's 203.0.113.7/32; /16 or narrower."
   type        = string
 
   validation {
-    condition     = can(cidrhost(var.allowed_cidr, 0)) && can(cidrnetmask(var.allowed_cidr)) ? !endswith(var.allowed_cidr, "/0") : false
-    error_message = "allowed_cidr must be an IPv4 CIDR such as 203.0.113.7/32, and not all addresses (/0)."
+    condition     = can(cidrhost(var.allowed_cidr, 0)) && can(cidrnetmask(var.allowed_cidr)) ? tonumber(split("/", var.allowed_cidr)[1]) >= 16 : false
+    error_message = "allowed_cidr must be an IPv4 CIDR of /16 or narrower, such as your own 203.0.113.7/32 (a wider one opens SSH to a large part of the internet; the network has no IPv6)."
   }
 }
 
 variable "az_count" {
-  description = "How many availability zones get a public subnet (when no vpc_id is given)."
+  description = "At most how many availability zones get a public subnet (when no vpc_id is given); default: az_count of rules/network.json."
   type        = number
-  default     = 2
+  default     = null
 
   validation {
-    condition     = var.az_count >= 2 && var.az_count <= 6 && floor(var.az_count) == var.az_count
+    condition     = var.az_count == null ? true : var.az_count >= 2 && var.az_count <= 6 && floor(var.az_count) == var.az_count
     error_message = "az_count must be a whole number from 2 to 6."
   }
 }
@@ -52,12 +52,12 @@ variable "availability_zones" {
 }
 
 variable "vpc_cidr" {
-  description = "IPv4 range of the VPC made here (ignored with vpc_id); each subnet gets a /24 of it."
+  description = "IPv4 range of the VPC made here (ignored with vpc_id); each subnet gets a /24 of it. Default: vpc_cidr of rules/network.json."
   type        = string
-  default     = "10.42.0.0/16"
+  default     = null
 
   validation {
-    condition     = can(cidrhost(var.vpc_cidr, 0)) && can(cidrnetmask(var.vpc_cidr)) ? tonumber(split("/", var.vpc_cidr)[1]) >= 16 && tonumber(split("/", var.vpc_cidr)[1]) <= 21 : false
+    condition     = var.vpc_cidr == null ? true : can(cidrhost(var.vpc_cidr, 0)) && can(cidrnetmask(var.vpc_cidr)) ? tonumber(split("/", var.vpc_cidr)[1]) >= 16 && tonumber(split("/", var.vpc_cidr)[1]) <= 21 : false
     error_message = "vpc_cidr must be an IPv4 CIDR from /16 to /21, such as 10.42.0.0/16."
   }
 }

@@ -17,7 +17,7 @@ import pytest
 
 from sparknet.cluster import rules
 from sparknet.cluster.rules import policy_document, security_group_rules
-from sparknet.cluster.spec import INFRA_DIR, TAG_CLUSTER, TAG_ROLE
+from sparknet.cluster.spec import INFRA_DIR, TAG_CLUSTER, TAG_OWNER, TAG_ROLE
 from sparknet.errors import SparknetError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +37,9 @@ OUTPUTS = {
     "bucket",
 }
 POLICY_VALUES = {
+    "partition": "aws",
+    "region": "us-east-1",
+    "account": "123456789012",
     "bucket": "sparknet-data",
     "data_prefix": "datasets/",
     "runs_prefix": "runs/",
@@ -119,8 +122,10 @@ def test_role_policies_come_from_the_shared_policy_files(module) -> None:
     assert policy.startswith(
         '${templatefile("${path.module}/policies/instance-role.json.tftpl", {'
     ), policy
-    for name in POLICY_VALUES:
+    for name in ("region", "bucket", "data_prefix", "runs_prefix", "cluster"):
         assert re.search(rf"\b{name} = var\.{name}\b", policy), f"{name} not passed to the template"
+    assert re.search(r"\baccount = data\.aws_caller_identity\.current\.account_id\b", policy)
+    assert re.search(r"\bpartition = data\.aws_partition\.current\.partition\b", policy)
     role = resource(module, "aws_iam_role", "node")
     assert role["assume_role_policy"] == '${file("${path.module}/policies/assume-role.json")}'
     assert resource(module, "aws_iam_instance_profile", "node")["role"] == (
@@ -153,10 +158,17 @@ def test_outputs_include_what_python_reads(module) -> None:
     assert set(named(module, "output")) >= OUTPUTS
 
 
-def test_provider_tags_every_resource_with_cluster_and_foundation_role(module) -> None:
+def test_provider_tags_every_resource_with_cluster_role_and_owner(module, tmp_path) -> None:
+    """default_tags: cluster and role always, sparknet:owner when `owner` is given."""
     (provider,) = [block["aws"] for block in module["provider"] if "aws" in block]
-    tags = provider["default_tags"][0]["tags"]
-    assert tags == {TAG_CLUSTER: "${var.cluster}", TAG_ROLE: "foundation"}
+    expression = provider["default_tags"][0]["tags"].removeprefix("${").removesuffix("}")
+    for owner, extra in [("null", {}), ('"arn:aws:iam::123456789012:user/a"', {TAG_OWNER: 1})]:
+        literal = expression.replace("var.cluster", '"demo"').replace("var.owner", owner)
+        tags = terraform_eval(literal, tmp_path)
+        want = {TAG_CLUSTER: "demo", TAG_ROLE: "foundation"}
+        if extra:
+            want[TAG_OWNER] = "arn:aws:iam::123456789012:user/a"
+        assert tags == want
 
 
 def test_terraform_and_aws_provider_versions_are_pinned(module) -> None:
@@ -179,14 +191,26 @@ def test_network_is_made_only_without_a_given_vpc(module) -> None:
 
 
 def test_boto3_network_is_the_one_terraform_makes(module, tmp_path) -> None:
-    """Both backends make the same VPC range and the same per-AZ subnets."""
-    from sparknet.cluster.foundation import VPC_CIDR, subnet_cidr
+    """Both backends take the VPC range, subnet size, zone count and zone type from
+    rules/network.json, and cut the same per-AZ subnets."""
+    from sparknet.cluster.foundation import subnet_cidr
+    from sparknet.cluster.rules import NETWORK_FILE, network
 
-    assert named(module, "variable")["vpc_cidr"]["default"] == VPC_CIDR
+    (local_sets,) = [block for block in module["locals"] if "network" in block]
+    assert local_sets["network"] == '${jsondecode(file("${path.module}/rules/network.json"))}'
+    assert local_sets["vpc_cidr"] == "${coalesce(var.vpc_cidr, local.network.vpc_cidr)}"
+    assert local_sets["az_count"] == "${coalesce(var.az_count, local.network.az_count)}"
+    zones = next(d for d in module["data"] if "aws_availability_zones" in d)
+    (zone_filter,) = zones["aws_availability_zones"]["available"]["filter"]
+    assert zone_filter == {"name": "zone-type", "values": ["${local.network.zone_type}"]}
+    settings = network()
+    assert settings["zone_type"] == "availability-zone" and settings["az_count"] == 3
     expression = resource(module, "aws_subnet", "public")["cidr_block"]
-    for k in range(3):
+    for k in range(settings["az_count"]):
         literal = expression.removeprefix("${").removesuffix("}")
-        literal = literal.replace("var.vpc_cidr", f'"{VPC_CIDR}"').replace("count.index", str(k))
+        literal = literal.replace("local.network", f'jsondecode(file("{NETWORK_FILE}"))')
+        literal = literal.replace("local.vpc_cidr", json.dumps(settings["vpc_cidr"]))
+        literal = literal.replace("count.index", str(k))
         assert terraform_eval(literal, tmp_path) == subnet_cidr(k)
 
 
@@ -224,10 +248,11 @@ def plan(root: Path, inputs: dict[str, Any]) -> subprocess.CompletedProcess[str]
         {},
         {"vpc_id": "vpc-0123456789abcdef0", "subnet_ids": ["subnet-0123456789abcdef0"]},
         {"availability_zones": ["us-east-1a", "us-east-1b"], "az_count": 3},
-        {"allowed_cidr": "10.0.0.0/8", "region": "us-gov-west-1", "bucket": "a.b-c"},
+        {"allowed_cidr": "10.0.0.0/16", "region": "us-gov-west-1", "bucket": "a.b-c"},
+        {"owner": "arn:aws:sts::123456789012:assumed-role/Dev/alice@example.com"},
         {"data_prefix": "imagenet/shards/", "runs_prefix": "team-a/runs/", "create_bucket": True},
     ],
-    ids=["defaults", "own-vpc", "zones", "wide-cidr-gov", "prefixes"],
+    ids=["defaults", "own-vpc", "zones", "widest-cidr-gov", "owner", "prefixes"],
 )
 def test_variables_accept_good_inputs(variables_only, inputs) -> None:
     result = plan(variables_only, {**GOOD_INPUTS, **inputs})
@@ -241,6 +266,10 @@ def test_variables_accept_good_inputs(variables_only, inputs) -> None:
         ("cluster", "a"),
         ("region", "useast1"),
         ("allowed_cidr", "0.0.0.0/0"),
+        ("allowed_cidr", "0.0.0.0/1"),
+        ("allowed_cidr", "10.0.0.0/15"),
+        ("owner", "arn:aws:sts::1:assumed-role/a/b,c"),
+        ("owner", ""),
         ("allowed_cidr", "300.1.2.3/32"),
         ("allowed_cidr", "2001:db8::/64"),
         ("allowed_cidr", "203.0.113.7"),
@@ -317,7 +346,7 @@ resource "aws_security_group" "rendered" {{
 resource "aws_s3_bucket_policy" "rendered" {{
   bucket = "sparknet-data"
   policy = <<-JSON
-    {json.dumps(policy_document("bucket-tls-only", bucket=POLICY_VALUES["bucket"]))}
+    {json.dumps(policy_document("bucket-tls-only", partition="aws", bucket="sparknet-data"))}
   JSON
 }}
 
@@ -440,32 +469,46 @@ def test_instance_policy_terminates_only_own_cluster_and_grants_no_wildcard_acti
     terminate = [s for s in doc["Statement"] if "ec2:TerminateInstances" in _as_list(s["Action"])]
     assert len(terminate) == 1
     assert terminate[0]["Condition"] == {"StringEquals": {f"aws:ResourceTag/{TAG_CLUSTER}": "demo"}}
+    # only instances of the cluster's own region and account
+    assert terminate[0]["Resource"] == "arn:aws:ec2:us-east-1:123456789012:instance/*"
+    describe = statements["FindInstancesInOwnRegion"]
+    assert describe["Condition"] == {"StringEquals": {"aws:RequestedRegion": "us-east-1"}}
+    # nothing the nodes do not use yet (no DeleteObject: nodes never delete; no part listing)
     assert set(actions) == {
         "s3:ListBucket",
         "s3:GetObject",
         "s3:PutObject",
-        "s3:DeleteObject",
         "s3:AbortMultipartUpload",
-        "s3:ListMultipartUploadParts",
         "ec2:DescribeInstances",
         "ec2:TerminateInstances",
     }
-    # data: read only; runs: read and write; nothing on the rest of the bucket
+    # data: read only; runs: read and write under the cluster's own prefix only
     read_data = statements["ReadDataPrefix"]
     assert (read_data["Action"], read_data["Resource"]) == (
         "s3:GetObject",
         "arn:aws:s3:::sparknet-data/datasets/*",
     )
-    assert statements["ReadWriteRunsPrefix"]["Resource"] == "arn:aws:s3:::sparknet-data/runs/*"
-    assert statements["ListDataAndRunsPrefixes"]["Condition"] == {
-        "StringLike": {"s3:prefix": ["datasets/*", "runs/*"]}
+    runs = statements["ReadWriteOwnRunsPrefix"]
+    assert runs["Resource"] == "arn:aws:s3:::sparknet-data/runs/demo/*"
+    assert statements["ListDataAndOwnRunsPrefixes"]["Condition"] == {
+        "StringLike": {"s3:prefix": ["datasets/*", "runs/demo/*"]}
     }
     wildcard_resources = [s["Sid"] for s in doc["Statement"] if s["Resource"] == "*"]
-    assert wildcard_resources == ["FindOwnClusterInstances"]  # EC2 Describe* takes no ARN
+    assert wildcard_resources == ["FindInstancesInOwnRegion"]  # EC2 Describe* takes no ARN
+    no_arn_wildcards = [s["Resource"] for s in doc["Statement"] if ":*:" in str(s["Resource"])]
+    assert not no_arn_wildcards
+
+
+def test_policies_name_the_partition_of_gov_regions() -> None:
+    values = {**POLICY_VALUES, "partition": "aws-us-gov", "region": "us-gov-west-1"}
+    doc = policy_document("instance-role", **values)
+    arns = [a for s in doc["Statement"] for a in _as_list(s["Resource"]) if a != "*"]
+    assert arns and all(a.startswith("arn:aws-us-gov:") for a in arns)
 
 
 def test_bucket_policy_refuses_plain_http() -> None:
-    (statement,) = policy_document("bucket-tls-only", bucket="sparknet-data")["Statement"]
+    doc = policy_document("bucket-tls-only", partition="aws", bucket="sparknet-data")
+    (statement,) = doc["Statement"]
     assert statement["Effect"] == "Deny"
     assert statement["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
     assert statement["Resource"] == ["arn:aws:s3:::sparknet-data", "arn:aws:s3:::sparknet-data/*"]
@@ -474,7 +517,9 @@ def test_bucket_policy_refuses_plain_http() -> None:
 def test_bucket_policy_comes_from_the_shared_policy_file(module) -> None:
     policy = resource(module, "aws_s3_bucket_policy", "data")["policy"]
     template = '"${path.module}/policies/bucket-tls-only.json.tftpl"'
-    assert policy == f"${{templatefile({template}, {{bucket = var.bucket}})}}"
+    assert policy.startswith(f"${{templatefile({template}, {{")
+    assert "bucket = var.bucket" in policy
+    assert "partition = data.aws_partition.current.partition" in policy
 
 
 def test_assume_role_lets_only_ec2_assume_the_role() -> None:
