@@ -460,7 +460,7 @@ def bucket_lifecycle_rule(settings: dict[str, Any]) -> dict[str, Any]:
     return {
         "ID": "expire-old-versions-and-failed-uploads",
         "Status": "Enabled",
-        "Filter": {},
+        "Filter": {"Prefix": ""},  # every object; what Terraform's empty `filter {}` sends
         "NoncurrentVersionExpiration": {
             "NoncurrentDays": settings["noncurrent_version_expiration_days"]
         },

@@ -33,8 +33,10 @@ DEFAULT_AMI_PARAMETER = (
 )
 
 #: Terraform for the foundation and the data files (security rules, IAM policy documents) that
-#: Terraform and the boto3 foundation both read, so the two cannot drift apart
-INFRA_DIR = Path(__file__).resolve().parents[2] / "infra"
+#: Terraform and the boto3 foundation both read, so the two cannot drift apart. In a checkout,
+#: sparknet/cluster/infra is a link to the repository's infra/; a wheel carries the files there
+#: (package data), so an installed sparknet reads the same single copy.
+INFRA_DIR = Path(__file__).resolve().parent / "infra"
 
 
 class ClusterSpec(BaseModel):

@@ -48,6 +48,9 @@ class TerraformRunner:
         terraform_bin: the Terraform executable, found on PATH.
         plugin_cache_dir: where provider plugins are cached across clusters; default
             ``$TF_PLUGIN_CACHE_DIR`` or ``~/.cache/sparknet/terraform-plugins``.
+        plugin_dir: a local directory of providers (holding ``registry.terraform.io/``) that
+            `init` takes them from instead of downloading (``-plugin-dir``), for machines
+            without the registry; default ``None``: the registry, through the cache.
 
     Example::
 
@@ -66,6 +69,7 @@ class TerraformRunner:
         backend_config: Mapping[str, str] | None = None,
         terraform_bin: str = "terraform",
         plugin_cache_dir: Path | str | None = None,
+        plugin_dir: Path | str | None = None,
     ) -> None:
         binary = shutil.which(terraform_bin)
         if binary is None:
@@ -85,6 +89,7 @@ class TerraformRunner:
             / "sparknet"
             / "terraform-plugins"
         ).expanduser()
+        self.plugin_dir = Path(plugin_dir).expanduser().resolve() if plugin_dir else None
         self._tf = Terraform(working_dir=str(self.working_dir), terraform_bin_path=binary)
 
     @property
@@ -100,8 +105,9 @@ class TerraformRunner:
         backend = self.backend_config
         if backend is None:
             backend = {"path": str(self.state_dir / STATE_FILE)}
+        extra = {"plugin_dir": str(self.plugin_dir)} if self.plugin_dir else {}
         # reconfigure=None: a changed backend fails loudly instead of silently leaving state behind
-        self._run("init", backend_config=backend, reconfigure=None, input=False)
+        self._run("init", backend_config=backend, reconfigure=None, input=False, **extra)
 
     def _var_file(self, variables: Mapping[str, Any]) -> str:
         """`variables` as a JSON var-file in the state dir: lists, maps and bools reach Terraform
