@@ -1,0 +1,57 @@
+"""ClusterSpec refuses, in one line, what would open the cluster to the internet or what AWS
+refuses, before anything is made (the same limits as infra/variables.tf)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from sparknet.cluster.spec import MIN_SSH_PREFIX, ClusterSpec
+from tests.conftest import SPARKNET
+
+
+@pytest.mark.parametrize(
+    ("cidr", "normalized"),
+    [
+        ("203.0.113.7", "203.0.113.7/32"),
+        ("10.1.0.0/16", "10.1.0.0/16"),
+        ("10.1.2.3/24", "10.1.2.0/24"),
+    ],
+)
+def test_ssh_sources_of_16_or_narrower_are_accepted(cidr: str, normalized: str) -> None:
+    assert ClusterSpec(name="demo", allowed_cidr=cidr).allowed_cidr == normalized
+
+
+@pytest.mark.parametrize(
+    ("cidr", "says"),
+    [
+        ("0.0.0.0/0", "open to 4,294,967,296 addresses"),
+        ("0.0.0.0/1", "open to 2,147,483,648 addresses"),
+        ("10.0.0.0/15", "give your own /32 or a network of /16 or narrower"),
+        ("2001:db8::/32", "IPv6"),
+        ("2001:db8::/64", "IPv4 only"),
+        ("300.1.2.3/32", "is not an IPv4 CIDR"),
+    ],
+)
+def test_wider_ssh_sources_are_refused(cidr: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        ClusterSpec(name="demo", allowed_cidr=cidr)
+    assert MIN_SSH_PREFIX == {4: 16, 6: 48}
+
+
+def test_cli_refuses_half_the_internet_in_one_line(tmp_path) -> None:
+    """`cluster up --allowed-cidr 0.0.0.0/1`: exit 2, one line that says what to give; no AWS
+    call is made (no endpoint or credentials are set)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env["HOME"] = str(tmp_path)
+    result = subprocess.run(
+        [str(SPARKNET), "cluster", "up", "demo", "--allowed-cidr", "0.0.0.0/1"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "0.0.0.0/1" in lines[0] and "/16 or narrower" in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
