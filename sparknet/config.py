@@ -48,7 +48,12 @@ class TrainConfig(BaseModel):
         "'image' or 'features', whichever the frame has",
     )
     image_size: int = Field(64, ge=8, description="side of the square crops images train at")
-    loader_workers: int = Field(2, ge=0, description="decoding processes per Spark task")
+    loader_workers: int | None = Field(
+        None,
+        ge=0,
+        description="decoding processes per Spark task; default: from the task's cores "
+        "(none up to 2 cores, one per core beyond the first above that, at most 8)",
+    )
     cache_dir: Path | None = Field(
         None, description="executor-local shard cache; default ~/.cache/sparknet/shards"
     )

@@ -48,7 +48,9 @@ def data_shard(
     dest: Path = typer.Argument(..., help="directory for the shards and manifest.json"),
     shard_mb: int = typer.Option(256, "--shard-mb", min=1, help="target shard size (MiB)"),
     seed: int = typer.Option(0, help="seed of the shuffle that mixes classes across shards"),
-    processes: int | None = typer.Option(None, help="default: all cores"),
+    processes: int | None = typer.Option(
+        None, help="default: one per core, one for a small tree (under 32 MiB)"
+    ),
     debug: bool = DebugOption,
 ) -> None:
     """Write WebDataset tar shards and manifest.json; a re-run keeps shards already written."""
@@ -75,10 +77,29 @@ def data_shard(
     m = report.manifest
     splits = ", ".join(f"{k}: {len(v)} shards, {sum(s.samples for s in v)} images"
                        for k, v in m.splits.items())  # fmt: skip
+    removed = f", {len(report.removed)} old removed" if report.removed else ""
     print(
         f"{dest}: {m.num_classes} classes; {splits}; "
-        f"{len(report.written)} written, {len(report.reused)} kept"
+        f"{len(report.written)} written, {len(report.reused)} kept{removed}"
     )
+    _print_rejected(m.rejected, dest)
+
+
+#: rejected images named one per line in the summary; the rest are in the manifest
+SHOWN_REJECTS = 10
+
+
+def _print_rejected(rejected: list, dest: Path) -> None:
+    """Name the images left out because they do not decode (all are in the manifest)."""
+    if not rejected:
+        return
+    print(
+        f"{len(rejected)} images do not decode and were left out (listed in {dest}/manifest.json):"
+    )
+    for r in rejected[:SHOWN_REJECTS]:
+        print(f"  {r.path}: {r.reason}")
+    if len(rejected) > SHOWN_REJECTS:
+        print(f"  ... and {len(rejected) - SHOWN_REJECTS} more")
 
 
 @data_app.command("upload")

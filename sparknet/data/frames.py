@@ -37,7 +37,8 @@ class FrameSource(Source):
     num_classes: int | None
     train_size: int
     image_size: int
-    loader_workers: int
+    #: None: chosen from the task's cores (`loader.default_loader_workers`)
+    loader_workers: int | None
     name: str = "a DataFrame"
 
     def describe(self) -> str:
@@ -61,8 +62,8 @@ class FrameSource(Source):
             inputs = flat.astype(np.float32, copy=False).reshape(-1, *self.input_shape)
         return labels.astype(np.int64), inputs
 
-    def _batches(self, steps: Iterator[np.ndarray], labels, inputs, transform, g0: int, seed: int,
-                 partition: int) -> Iterator:  # fmt: skip
+    def _batches(self, steps: Iterator[np.ndarray], labels, inputs, transform, g0: int,
+                 inp: TaskInput) -> Iterator:  # fmt: skip
         from sparknet.data.loader import Batch, decoded_batches, derived_seed
 
         if self.kind == "features":
@@ -73,13 +74,14 @@ class FrameSource(Source):
         def items() -> Iterator[list]:
             for s, idx in enumerate(steps):
                 yield [
-                    (inputs[i], int(labels[i]), derived_seed(seed, partition, g0 + s, j))
+                    (inputs[i], int(labels[i]), derived_seed(inp.seed, inp.partition, g0 + s, j))
                     for j, i in enumerate(idx)
                 ]
 
         yield from decoded_batches(
-            items(), transform, min_size=self.image_size, workers=self.loader_workers
-        )
+            items(), transform, min_size=self.image_size, workers=self.loader_workers,
+            cores=inp.threads,
+        )  # fmt: skip
 
     def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
         from sparknet.data.imagenet import train_transform
@@ -92,8 +94,7 @@ class FrameSource(Source):
             for s in range(tau)
         )
         transform = train_transform(self.image_size) if self.kind == "image" else None
-        yield from self._batches(steps, labels, inputs, transform, rnd * tau, inp.seed,
-                                 inp.partition)  # fmt: skip
+        yield from self._batches(steps, labels, inputs, transform, rnd * tau, inp)
 
     def eval_batches(self, inp: TaskInput) -> Iterator:
         from sparknet.data.imagenet import eval_transform
@@ -104,7 +105,7 @@ class FrameSource(Source):
             for s in range(0, len(labels), EVAL_BATCH)
         )
         transform = eval_transform(self.image_size) if self.kind == "image" else None
-        yield from self._batches(steps, labels, inputs, transform, 0, inp.seed, inp.partition)
+        yield from self._batches(steps, labels, inputs, transform, 0, inp)
 
 
 @dataclass
@@ -175,7 +176,7 @@ def prepare_frames(
     input_col: str | None,
     num_classes: int | None,
     image_size: int,
-    loader_workers: int,
+    loader_workers: int | None,
     feature_shape: tuple[int, ...] | None = None,
     name: str = "the DataFrame",
 ) -> tuple[FrameSource, Frames]:

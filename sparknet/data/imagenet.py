@@ -15,6 +15,7 @@ import csv
 import io
 import os
 import re
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,6 +268,27 @@ def _with_keys(labelled: list[tuple[Path, int]]) -> list[SourceImage]:
         SourceImage(path=path, label=label, key=key)
         for (path, label), key in zip(labelled, keys, strict=True)
     ]
+
+
+def image_problem(data: bytes) -> str | None:
+    """Why `data` is not an image training can decode (one line), or None when it is.
+
+    `verify` checks the file's structure and `load` decodes every pixel, which is what finds a
+    truncated or garbled JPEG; `data shard` calls this on every image so that a bad file is named
+    once, at shard time, instead of being skipped silently on every epoch.
+    """
+    if not data:
+        return "empty file"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. corrupt EXIF: a warning, the pixels are fine
+            with Image.open(io.BytesIO(data)) as image:
+                image.verify()
+            with Image.open(io.BytesIO(data)) as image:
+                image.load()
+    except Exception as exc:  # PIL raises many types for bad data (OSError, SyntaxError, ...)
+        return " ".join(str(exc).split()) or type(exc).__name__
+    return None
 
 
 def decode_image(data: bytes, min_size: int | None = None) -> Image.Image:

@@ -70,16 +70,36 @@ def collate_skipping(samples: list) -> Batch:
     return Batch(x, y, skipped)
 
 
+#: the most decoding processes the default gives one task
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_loader_workers(cores: int) -> int:
+    """Decoding processes for a task with `cores` CPUs when `loader_workers` is not set.
+
+    A worker process pays for itself only with a core of its own: the task's main thread trains
+    (torch uses its cores) and feeds the workers. Measured on a 2-core machine with one core per
+    task, 2 workers decoded 110 samples/s against 160 in the task's own thread; so none up to 2
+    cores, and one per core beyond the first above that (GPU nodes, where decoding is the
+    bottleneck), capped at MAX_DEFAULT_WORKERS.
+    """
+    return 0 if cores <= 2 else min(cores - 1, MAX_DEFAULT_WORKERS)
+
+
 def decoded_batches(
     steps: Iterable[list[Item]],
     transform: Callable,
     *,
     min_size: int | None,
-    workers: int,
+    workers: int | None,
+    cores: int = 1,
 ) -> Iterator[Batch]:
-    """Decode each step's items in `workers` processes (0: in this thread); batches in order,
-    as normalized float32."""
+    """Decode each step's items in `workers` processes (0: in this thread; None: the default
+    for a task of `cores` CPUs); batches in order, as normalized float32."""
     from sparknet.data.imagenet import normalize
+
+    if workers is None:
+        workers = default_loader_workers(cores)
 
     loader = DataLoader(
         DecodeDataset(transform, min_size),

@@ -6,6 +6,11 @@ read. Every shard is recorded with its sample count, byte size and sha256: reade
 position to a shard without opening any, and `verify` checks bytes against it.
 
 Shard members are `<key>.jpg` (encoded image bytes) and `<key>.cls` (the class index, ASCII).
+
+Format versions: 1 has classes and splits. 2 adds `rejected`, the source images `data shard` left
+out because they do not decode. A manifest is written as version 2 only when it has rejected
+images, so a clean dataset stays readable by sparknet releases that know only version 1 (they
+refuse version 2 with a one-line error, as they would any manifest they cannot read).
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sparknet.errors import SparknetError
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "sparknet-shards"
 VERSION = 1
+#: the version of a manifest that lists rejected images
+VERSION_REJECTED = 2
 #: a shard's file name: `<split>-<6-digit index>.tar`
 SHARD_PATTERN = r"^[a-z]+-\d{6}\.tar$"
 
@@ -62,13 +69,30 @@ class ClassInfo(BaseModel):
     name: str | None = None
 
 
+class RejectedImage(BaseModel):
+    """A source image that `data shard` did not pack: where it was and why it cannot be used."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    split: str
+    path: str
+    reason: str
+
+
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["sparknet-shards"] = FORMAT
-    version: Literal[1] = VERSION
+    version: Literal[1, 2] = VERSION
     classes: list[ClassInfo]
     splits: dict[str, list[ShardInfo]]
+    rejected: list[RejectedImage] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _version_follows_content(self) -> Manifest:
+        """Version 2 exactly when there are rejected images (see the module docstring)."""
+        object.__setattr__(self, "version", VERSION_REJECTED if self.rejected else VERSION)
+        return self
 
     @property
     def num_classes(self) -> int:
@@ -85,7 +109,8 @@ class Manifest(BaseModel):
         return sum(s.samples for s in self.shards(split))
 
     def dumps(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), indent=1) + "\n"
+        exclude = None if self.rejected else {"rejected"}  # a version 1 reader forbids the key
+        return json.dumps(self.model_dump(mode="json", exclude=exclude), indent=1) + "\n"
 
     @classmethod
     def loads(cls, text: str | bytes, where: str) -> Manifest:

@@ -13,11 +13,13 @@ destination without one is unfinished and readers refuse it. One writer per dest
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import multiprocessing
 import os
 import re
+import tarfile
 import tempfile
 import zlib
 from collections.abc import Callable
@@ -26,10 +28,16 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from webdataset import TarWriter
 
-from sparknet.data.imagenet import SourceImage, scan
-from sparknet.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, sha256_file
+from sparknet.data.imagenet import SourceImage, image_problem, scan
+from sparknet.data.manifest import (
+    MANIFEST_NAME,
+    SHARD_PATTERN,
+    Manifest,
+    RejectedImage,
+    ShardInfo,
+    sha256_file,
+)
 from sparknet.errors import SparknetError
 
 DEFAULT_SHARD_BYTES = 256 * 2**20
@@ -41,14 +49,20 @@ TAR_TAIL = 21 * TAR_BLOCK
 TAR_NAME_MAX = 100
 #: temp names of shards, sidecars and the manifest (`.<name>.<random>.tmp`)
 _TEMP = re.compile(r"^\.(\.?[a-z]+-\d{6}\.tar(\.json)?|manifest\.json)\..+\.tmp$")
+_SHARD = re.compile(SHARD_PATTERN)
+#: shards, sidecars and the manifest are for everyone to read (mkstemp makes 0600 files)
+FILE_MODE = 0o644
+#: below this much source data a process pool costs more to start than it saves
+POOL_MIN_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
 class ShardPlan:
     """One shard to write: its file name, its images in order, and a fingerprint of both.
 
-    The fingerprint hashes (key, label, file size) of every image in order, so a resumed run
-    recognises a shard written from the same plan and rewrites one whose contents would differ.
+    The fingerprint hashes (key, label, file size, mtime) of every image in order, so a resumed
+    run recognises a shard written from the same plan and rewrites one whose contents would differ,
+    even when an edited image kept its size.
     """
 
     name: str
@@ -58,11 +72,13 @@ class ShardPlan:
 
 @dataclass(frozen=True)
 class WriteReport:
-    """The manifest written, and which shards were written now or kept from an earlier run."""
+    """The manifest written, which shards were written now or kept from an earlier run, and the
+    shards of an earlier plan that were removed (a re-shard into fewer, bigger shards)."""
 
     manifest: Manifest
     written: list[str]
     reused: list[str]
+    removed: list[str]
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,17 @@ class _Sidecar:
     sha256: str
     bytes: int
     samples: int
+    #: [path, reason] of each image of the plan that did not decode and was left out
+    rejected: list[list[str]]
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """One shard as written (or kept), and the images of its plan that were left out."""
+
+    info: ShardInfo
+    rejected: list[tuple[str, str]]
+    kept: bool = False
 
 
 def _tar_bytes(size: int, key: str) -> int:
@@ -79,10 +106,10 @@ def _tar_bytes(size: int, key: str) -> int:
     return 2 * per_member + -(-size // TAR_BLOCK) * TAR_BLOCK + TAR_BLOCK
 
 
-def _fingerprint(images: list[SourceImage], sizes: list[int]) -> str:
+def _fingerprint(images: list[SourceImage], stats: list[os.stat_result]) -> str:
     digest = hashlib.sha256()
-    for image, size in zip(images, sizes, strict=True):
-        digest.update(f"{image.key}\t{image.label}\t{size}\n".encode())
+    for image, st in zip(images, stats, strict=True):
+        digest.update(f"{image.key}\t{image.label}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
     return digest.hexdigest()
 
 
@@ -126,10 +153,10 @@ def plan_shards(
         return []
     order = np.random.default_rng([seed, zlib.crc32(split.encode())]).permutation(len(images))
     shuffled = [images[i] for i in order]
-    sizes = [os.stat(image.path).st_size for image in shuffled]
+    stats = [os.stat(image.path) for image in shuffled]
     groups = _even_cut(
         np.array(
-            [_tar_bytes(size, image.key) for size, image in zip(sizes, shuffled, strict=True)]
+            [_tar_bytes(st.st_size, image.key) for st, image in zip(stats, shuffled, strict=True)]
         ),
         room=max(1, target_bytes - TAR_TAIL),
     )
@@ -137,7 +164,7 @@ def plan_shards(
         ShardPlan(
             name=f"{split}-{number:06d}.tar",
             images=shuffled[lo:hi],
-            fingerprint=_fingerprint(shuffled[lo:hi], sizes[lo:hi]),
+            fingerprint=_fingerprint(shuffled[lo:hi], stats[lo:hi]),
         )
         for number, (lo, hi) in enumerate(groups)
     ]
@@ -165,6 +192,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
     """Write via a temp file in the same dir and rename: readers see the old file or the new."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
@@ -173,33 +201,52 @@ def _atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def write_shard(plan: ShardPlan, dest_dir: Path) -> ShardInfo:
-    """Write `plan` as `dest_dir/<name>`: `<key>.jpg` (the file's bytes) and `<key>.cls` members.
+def _read_image(image: SourceImage) -> bytes:
+    try:
+        return image.path.read_bytes()
+    except OSError as exc:
+        raise SparknetError(
+            f"cannot read {image.path} ({exc.strerror or exc}): "
+            "fix its permissions or remove it, then run again"
+        ) from exc
 
-    The tar is written under a temp name and renamed into place, then the sidecar is written, so
-    a crash leaves either no sidecar or one that does not match, and a resumed run rewrites it.
-    Only one image's bytes are in memory at a time. Fixed tar metadata (mtime 0) makes the same
-    plan give byte-identical shards.
+
+def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    # fixed metadata (mtime 0, no owner): the same plan gives byte-identical shards
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o444
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_shard(plan: ShardPlan, dest_dir: Path) -> ShardResult:
+    """Write `plan` as `dest_dir/<name>`: `<key>.cls` and `<key>.jpg` (the file's bytes) members.
+
+    Every image is decode-checked first (`image_problem`); one that fails is left out and
+    returned in `rejected` with its reason, so training never meets it. The tar is written under
+    a temp name and renamed into place, then the sidecar is written, so a crash leaves either no
+    sidecar or one that does not match, and a resumed run rewrites it. Only one image's bytes are
+    in memory at a time. The standard library's tarfile writes it (webdataset's writer would
+    import torch into every pool process, seconds each).
     """
     dest_dir = Path(dest_dir)
     dest_dir.mkdir(parents=True, exist_ok=True)
     sidecar = _sidecar_path(dest_dir, plan.name)
     sidecar.unlink(missing_ok=True)
+    rejected: list[tuple[str, str]] = []
     fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{plan.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as raw:
             out = _HashingFile(raw)
-            # an int mtime: a float one makes tarfile add a PAX header to every member
-            with TarWriter(out, encoder=False, mtime=0) as tar:
+            with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                 for image in plan.images:
-                    try:
-                        data = image.path.read_bytes()
-                    except OSError as exc:
-                        raise SparknetError(
-                            f"cannot read {image.path} ({exc.strerror or exc}): "
-                            "fix its permissions or remove it, then run again"
-                        ) from exc
-                    tar.write({"__key__": image.key, "jpg": data, "cls": str(image.label).encode()})
+                    data = _read_image(image)
+                    problem = image_problem(data)
+                    if problem is not None:
+                        rejected.append((str(image.path), problem))
+                        continue
+                    _add_member(tar, f"{image.key}.cls", str(image.label).encode())
+                    _add_member(tar, f"{image.key}.jpg", data)
             raw.flush()
             os.fsync(raw.fileno())
         os.replace(tmp, dest_dir / plan.name)
@@ -207,11 +254,16 @@ def write_shard(plan: ShardPlan, dest_dir: Path) -> ShardInfo:
         Path(tmp).unlink(missing_ok=True)
         raise
     info = ShardInfo(
-        name=plan.name, samples=len(plan.images), bytes=out.size, sha256=out.digest.hexdigest()
+        name=plan.name,
+        samples=len(plan.images) - len(rejected),
+        bytes=out.size,
+        sha256=out.digest.hexdigest(),
     )
-    record = _Sidecar(plan.fingerprint, info.sha256, info.bytes, info.samples)
+    record = _Sidecar(
+        plan.fingerprint, info.sha256, info.bytes, info.samples, [list(r) for r in rejected]
+    )
     _atomic_write_text(sidecar, json.dumps(record.__dict__) + "\n")
-    return info
+    return ShardResult(info, rejected)
 
 
 def _read_sidecar(dest_dir: Path, name: str) -> _Sidecar | None:
@@ -222,17 +274,18 @@ def _read_sidecar(dest_dir: Path, name: str) -> _Sidecar | None:
             sha256=str(record["sha256"]),
             bytes=int(record["bytes"]),
             samples=int(record["samples"]),
+            rejected=[[str(path), str(reason)] for path, reason in record["rejected"]],
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _reusable(plan: ShardPlan, dest_dir: Path) -> ShardInfo | None:
-    """The existing shard's info when its sidecar matches the plan and its bytes the sidecar."""
+def _reusable(plan: ShardPlan, dest_dir: Path) -> ShardResult | None:
+    """The existing shard when its sidecar matches the plan and its bytes the sidecar."""
     record = _read_sidecar(dest_dir, plan.name)
     if record is None or record.fingerprint != plan.fingerprint:
         return None
-    if record.samples != len(plan.images):
+    if record.samples + len(record.rejected) != len(plan.images):
         return None
     path = dest_dir / plan.name
     try:
@@ -242,18 +295,16 @@ def _reusable(plan: ShardPlan, dest_dir: Path) -> ShardInfo | None:
         return None
     if sha256_file(path) != record.sha256:
         return None
-    return ShardInfo(
+    info = ShardInfo(
         name=plan.name, samples=record.samples, bytes=record.bytes, sha256=record.sha256
     )
+    return ShardResult(info, [(image, why) for image, why in record.rejected], kept=True)
 
 
-def _ensure_shard(job: tuple[ShardPlan, Path]) -> tuple[ShardInfo, bool]:
-    """Keep the shard if it is already right, else write it; True when kept. Runs in the pool."""
+def _ensure_shard(job: tuple[ShardPlan, Path]) -> ShardResult:
+    """Keep the shard if it is already right, else write it. Runs in the pool."""
     plan, dest_dir = job
-    kept = _reusable(plan, dest_dir)
-    if kept is not None:
-        return kept, True
-    return write_shard(plan, dest_dir), False
+    return _reusable(plan, dest_dir) or write_shard(plan, dest_dir)
 
 
 def _remove_stale_temps(dest_dir: Path) -> None:
@@ -261,6 +312,31 @@ def _remove_stale_temps(dest_dir: Path) -> None:
     for entry in os.scandir(dest_dir):
         if _TEMP.match(entry.name):
             Path(entry.path).unlink(missing_ok=True)
+
+
+def _remove_orphans(dest_dir: Path, planned: set[str]) -> list[str]:
+    """Remove shards (and their sidecars) of an earlier plan that this one does not name, e.g.
+    `train-000009.tar` after a re-shard into fewer, bigger shards; the sorted names removed.
+    Only names sparknet writes are touched: the destination belongs to one dataset."""
+    removed = []
+    for entry in os.scandir(dest_dir):
+        if _SHARD.match(entry.name) and entry.name not in planned:
+            Path(entry.path).unlink(missing_ok=True)
+            _sidecar_path(dest_dir, entry.name).unlink(missing_ok=True)
+            removed.append(entry.name)
+    return sorted(removed)
+
+
+def default_processes(jobs: int, source_bytes: int) -> int:
+    """How many processes write shards when `--processes` is not given.
+
+    Each pool process starts a Python interpreter (~0.2 s) and hashing, tar writing and the
+    decode check are CPU work, so more processes than cores, than shards, or than the data
+    warrants lose to one process: one per core, at most one per shard, and one for a small tree.
+    """
+    if source_bytes < POOL_MIN_BYTES:
+        return 1
+    return max(1, min(os.cpu_count() or 1, jobs))
 
 
 def write_dataset(
@@ -275,10 +351,11 @@ def write_dataset(
     """Scan `src`, write every split's shards into `dest` and then `manifest.json`.
 
     Shards already written by an earlier run with the same plan and intact bytes are kept
-    (`reused`); shards of an old plan that this one does not name are left alone but not listed.
+    (`reused`); shards of an old plan that this one does not name are removed (`removed`).
+    Images that do not decode are left out and listed in the manifest's `rejected`.
     Any old manifest is removed first, so `dest` reads as unfinished until this run completes.
-    `processes` defaults to all cores (shard writing is I/O and hashing, one shard per process);
-    `on_progress(done, total)` counts shards, starting at 0.
+    `processes` defaults to `default_processes`; `on_progress(done, total)` counts shards,
+    starting at 0.
     """
     if processes is not None and processes < 1:
         raise SparknetError(f"processes must be at least 1, got {processes}")
@@ -293,16 +370,19 @@ def write_dataset(
     (dest / MANIFEST_NAME).unlink(missing_ok=True)
     _remove_stale_temps(dest)
 
-    results: dict[str, tuple[ShardInfo, bool]] = {}
+    results: dict[str, ShardResult] = {}
 
-    def record(result: tuple[ShardInfo, bool]) -> None:
-        results[result[0].name] = result
+    def record(result: ShardResult) -> None:
+        results[result.info.name] = result
         if on_progress is not None:
             on_progress(len(results), len(jobs))
 
     if on_progress is not None:
         on_progress(0, len(jobs))
-    workers = min(processes or os.cpu_count() or 1, len(jobs))
+    if processes is None:
+        source_bytes = sum(os.path.getsize(i.path) for p, _ in jobs for i in p.images)
+        processes = default_processes(len(jobs), source_bytes)
+    workers = min(processes, len(jobs))
     if workers <= 1:
         for job in jobs:
             record(_ensure_shard(job))
@@ -312,16 +392,25 @@ def write_dataset(
             for result in pool.imap_unordered(_ensure_shard, jobs):
                 record(result)
 
+    removed = _remove_orphans(dest, {plan.name for plan, _ in jobs})
     manifest = Manifest(
         classes=tree.classes,
         splits={
-            split: [results[p.name][0] for p in split_plans] for split, split_plans in plans.items()
+            split: [results[p.name].info for p in split_plans]
+            for split, split_plans in plans.items()
         },
+        rejected=[
+            RejectedImage(split=split, path=path, reason=reason)
+            for split, split_plans in plans.items()
+            for p in split_plans
+            for path, reason in results[p.name].rejected
+        ],
     )
     _atomic_write_text(dest / MANIFEST_NAME, manifest.dumps())
     names = [plan.name for plan, _ in jobs]
     return WriteReport(
         manifest=manifest,
-        written=[n for n in names if not results[n][1]],
-        reused=[n for n in names if results[n][1]],
+        written=[n for n in names if not results[n].kept],
+        reused=[n for n in names if results[n].kept],
+        removed=removed,
     )

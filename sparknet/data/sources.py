@@ -252,7 +252,8 @@ class ShardSource(Source):
     store: Store
     manifest: Manifest
     image_size: int
-    loader_workers: int
+    #: None: chosen from the task's cores (`loader.default_loader_workers`)
+    loader_workers: int | None
     cache_dir: str | None
     cache_bytes: int
 
@@ -324,7 +325,7 @@ class ShardSource(Source):
 
         batches = decoded_batches(
             prefetch(steps(), depth=2), train_transform(self.image_size),
-            min_size=self.image_size, workers=self.loader_workers,
+            min_size=self.image_size, workers=self.loader_workers, cores=inp.threads,
         )  # fmt: skip
         yield from batches
 
@@ -355,7 +356,7 @@ class ShardSource(Source):
         transform = eval_transform(self.image_size)
         yield from decoded_batches(
             prefetch(steps(), depth=2), transform,
-            min_size=eval_resize(self.image_size), workers=self.loader_workers,
+            min_size=eval_resize(self.image_size), workers=self.loader_workers, cores=inp.threads,
         )  # fmt: skip
 
 

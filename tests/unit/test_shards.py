@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from sparknet.data.imagenet import ImageTree, SourceImage, scan
 from sparknet.data.manifest import MANIFEST_NAME, Manifest, sha256_file
@@ -21,7 +26,7 @@ from sparknet.data.shards import (
     write_shard,
 )
 from sparknet.errors import SparknetError
-from tests.imagenet_tree import make_tree
+from tests.imagenet_tree import corrupt_jpeg, make_tree
 
 CLASSES = 10
 #: the shard target, as a fraction of the train images' bytes: small JPEGs nearly double in tar
@@ -129,7 +134,8 @@ def test_a_rerun_reuses_every_shard_and_rewrites_a_damaged_one(written, tmp_path
     assert again.written == []
     assert again.reused == written.report.written
     assert again.manifest == written.report.manifest
-    assert (dest / "train-999999.tar").exists()  # left alone, and not listed
+    assert again.removed == ["train-999999.tar"]  # an older plan's shard is not left behind
+    assert not (dest / "train-999999.tar").exists()
 
     damaged = written.report.manifest.splits["train"][1]
     with open(dest / damaged.name, "r+b") as f:  # same size, different bytes
@@ -166,11 +172,21 @@ def test_a_process_pool_writes_the_same_dataset(written, tmp_path):
     assert pooled.manifest == written.report.manifest
 
 
+def _jpeg(size: int, seed: int = 0) -> bytes:
+    """A real 8x8 JPEG padded to `size` bytes: PIL ignores bytes after the end-of-image marker,
+    so planning sees any size it needs and the decode check still passes."""
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (seed % 256, 0, 0)).save(buf, format="JPEG")
+    data = buf.getvalue()
+    assert size >= len(data)
+    return data + bytes(size - len(data))
+
+
 def _images(n: int, tmp_path: Path, size: int = 1000) -> list[SourceImage]:
     out = []
     for i in range(n):
         path = tmp_path / f"{i}.jpg"
-        path.write_bytes(bytes([i % 256]) * (size + i))
+        path.write_bytes(_jpeg(size + i, seed=i))
         out.append(SourceImage(path=path, label=i % 3, key=f"img_{i}"))
     return out
 
@@ -199,14 +215,14 @@ def test_no_shard_outgrows_the_target_except_for_one_oversized_image(tmp_path):
     rng = random.Random(0)
     images = []
     for i in range(60):
-        size = 120_000 if i == 7 else rng.randint(100, 20_000)
+        size = 120_000 if i == 7 else rng.randint(1000, 20_000)
         path = tmp_path / f"{i}.jpg"
-        path.write_bytes(rng.randbytes(size))
+        path.write_bytes(_jpeg(size, seed=i))
         images.append(SourceImage(path=path, label=0, key=f"k{i}"))
     target = 60_000
     plans = plan_shards(images, split="train", seed=5, target_bytes=target)
     for plan in plans:
-        info = write_shard(plan, tmp_path / "dest")
+        info = write_shard(plan, tmp_path / "dest").info
         if any(image.key == "k7" for image in plan.images):
             assert info.samples == 1
         else:
@@ -227,3 +243,89 @@ def test_an_unreadable_image_fails_the_shard_and_leaves_nothing_behind(tmp_path)
     with pytest.raises(SparknetError, match="cannot read"):
         write_shard(plan, dest)
     assert os.listdir(dest) == []
+
+
+def _copy_src(written: Written, tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(written.src, src)
+    return src
+
+
+def test_images_that_do_not_decode_are_left_out_and_listed_in_the_manifest(written, tmp_path):
+    src = _copy_src(written, tmp_path)
+    train = sorted((src / "train").rglob("*.JPEG"))
+    empty, garbage, cut, broken = train[3], train[20], train[41], train[77]
+    empty.write_bytes(b"")
+    garbage.write_bytes(os.urandom(3000))
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    corrupt_jpeg(broken)
+    report = write_dataset(src, tmp_path / "dest", shard_bytes=written.target, seed=3, processes=1)
+    m = report.manifest
+    assert {(r.split, r.path) for r in m.rejected} == {
+        ("train", str(p)) for p in (empty, garbage, cut, broken)
+    }
+    assert all(r.reason for r in m.rejected)
+    assert m.samples("train") == len(written.tree.splits["train"]) - 4
+    packed = {k for s in m.shards("train") for k in _read_shard(tmp_path / "dest" / s.name)}
+    assert not packed & {p.stem for p in (empty, garbage, cut, broken)}
+    on_disk = Manifest.loads((tmp_path / "dest" / MANIFEST_NAME).read_text(), "m")
+    assert on_disk == m and on_disk.version == 2
+    again = write_dataset(src, tmp_path / "dest", shard_bytes=written.target, seed=3, processes=1)
+    assert again.written == [] and again.manifest == m  # kept shards still list their rejects
+
+
+def test_a_clean_manifest_stays_version_1_for_older_readers(written):
+    raw = json.loads((written.dest / MANIFEST_NAME).read_text())
+    assert raw["version"] == 1 and "rejected" not in raw
+
+
+def test_a_source_image_changed_at_the_same_size_rewrites_its_shard(written, tmp_path):
+    src = _copy_src(written, tmp_path)
+    dest = tmp_path / "dest"
+    shutil.copytree(written.dest, dest)
+    first = write_dataset(src, dest, shard_bytes=written.target, seed=3, processes=1)
+    image = sorted((src / "train").rglob("*.JPEG"))[5]
+    data = bytearray(image.read_bytes())
+    data[-3] ^= 0xFF  # inside the entropy-coded data, before the end marker: same size
+    stat = image.stat()
+    image.write_bytes(bytes(data))
+    os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    again = write_dataset(src, dest, shard_bytes=written.target, seed=3, processes=1)
+    owner = next(
+        s.name for s in first.manifest.shards("train")
+        if image.stem in _read_shard(dest / s.name)
+    )  # fmt: skip
+    assert again.written == [owner]
+    assert _read_shard(dest / owner)[image.stem][0] == bytes(data)
+
+
+def test_shards_and_manifest_are_readable_by_everyone(written):
+    names = [MANIFEST_NAME, *written.report.written]
+    assert {oct(os.stat(written.dest / n).st_mode & 0o777) for n in names} == {oct(0o644)}
+
+
+def test_a_reshard_into_bigger_shards_removes_the_old_extra_ones(written, tmp_path):
+    dest = tmp_path / "dest"
+    shutil.copytree(written.dest, dest)
+    bigger = write_dataset(written.src, dest, shard_bytes=written.target * 4, seed=3, processes=1)
+    listed = {s.name for v in bigger.manifest.splits.values() for s in v}
+    on_disk = {p.name for p in dest.glob("*.tar")}
+    assert on_disk == listed
+    assert bigger.removed == sorted(set(written.report.written) - listed)
+    assert not [p for p in dest.glob(".*.json") if p.name[1:-5] not in listed]
+
+
+def test_shard_writing_processes_never_import_torch():
+    """Each pool process imports this module; torch would cost it seconds (webdataset imports
+    it), which made the default of all cores slower than one process on two cores."""
+    code = "import sys, sparknet.data.shards; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_the_default_process_count_is_one_for_a_small_tree_and_at_most_the_cores():
+    from sparknet.data.shards import POOL_MIN_BYTES, default_processes
+
+    assert default_processes(jobs=50, source_bytes=POOL_MIN_BYTES - 1) == 1
+    assert default_processes(jobs=1, source_bytes=10**12) == 1
+    assert default_processes(jobs=10**6, source_bytes=10**12) == (os.cpu_count() or 1)

@@ -57,3 +57,30 @@ def test_bad_data_specs_say_what_is_wrong(spec, message):
     with pytest.raises(SparknetError) as exc:
         load_data(spec)
     assert message in str(exc.value)
+
+
+@pytest.mark.parametrize(("cores", "workers"), [(1, 0), (2, 0), (3, 2), (4, 3), (64, 8)])
+def test_default_loader_workers_follow_the_task_cores(cores, workers):
+    """Measured on 2 cores: 2 loader workers decoded 110 samples/s, 0 (in the task) 160."""
+    from sparknet.config import TrainConfig
+    from sparknet.data.loader import default_loader_workers
+
+    assert TrainConfig().loader_workers is None  # unset: the task decides from its cores
+    assert default_loader_workers(cores) == workers
+
+
+def test_an_unset_loader_worker_count_decodes_in_the_task_on_one_core(monkeypatch):
+    import torch.utils.data
+
+    from sparknet.data import loader
+
+    seen = []
+    real = torch.utils.data.DataLoader
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["num_workers"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "DataLoader", spy)  # records the choice; the loader is real
+    list(loader.decoded_batches([[None]], lambda x: x, min_size=None, workers=None, cores=1))
+    assert seen == [0]
