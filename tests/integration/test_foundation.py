@@ -376,3 +376,130 @@ def test_owner_tag_on_every_foundation_resource(moto_endpoint):
             assert {"Key": TAG_OWNER, "Value": owner} in tag_set
     finally:
         destroy_boto3(spec, endpoint_url=moto_endpoint)
+
+
+def _bucket_settings(s3, bucket: str) -> dict:
+    """What a sparknet bucket is held to, read back (None where a setting is missing)."""
+
+    def read(call, *keys):
+        try:
+            value = call(Bucket=bucket)
+        except s3.exceptions.ClientError:
+            return None
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    return {
+        "public": read(s3.get_public_access_block, "PublicAccessBlockConfiguration"),
+        "ownership": read(s3.get_bucket_ownership_controls, "OwnershipControls", "Rules"),
+        "encryption": read(s3.get_bucket_encryption, "ServerSideEncryptionConfiguration", "Rules"),
+        "versioning": read(s3.get_bucket_versioning, "Status"),
+        "policy": read(s3.get_bucket_policy, "Policy"),
+        "lifecycle": read(s3.get_bucket_lifecycle_configuration, "Rules"),
+    }
+
+
+def test_every_ensure_puts_a_sparknet_buckets_settings_back(spec, moto_endpoint):
+    """Hardening changed by hand (public access block and policy removed, versioning suspended,
+    encryption, ownership and lifecycle gone) is restored by the next `up`."""
+    ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    s3 = boto3.client("s3", region_name=REGION)
+    hardened = _bucket_settings(s3, spec.bucket)
+    assert all(hardened.values()), hardened
+    assert hardened["ownership"] == [{"ObjectOwnership": "BucketOwnerEnforced"}]
+    assert hardened["encryption"][0]["BucketKeyEnabled"] is True
+    assert hardened["lifecycle"][0]["NoncurrentVersionExpiration"] == {"NoncurrentDays": 30}
+    s3.delete_public_access_block(Bucket=spec.bucket)
+    s3.delete_bucket_policy(Bucket=spec.bucket)
+    s3.delete_bucket_encryption(Bucket=spec.bucket)
+    s3.delete_bucket_ownership_controls(Bucket=spec.bucket)
+    s3.delete_bucket_lifecycle(Bucket=spec.bucket)
+    s3.put_bucket_versioning(Bucket=spec.bucket, VersioningConfiguration={"Status": "Suspended"})
+    assert _bucket_settings(s3, spec.bucket)["versioning"] == "Suspended"
+    ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    assert _bucket_settings(s3, spec.bucket) == hardened
+
+
+def test_a_users_own_bucket_is_left_as_it_is(moto_endpoint):
+    """A bucket without sparknet's tags is the user's: its policy and settings stay theirs."""
+    name = f"u{uuid.uuid4().hex[:8]}"
+    s3 = boto3.client("s3", region_name=REGION)
+    s3.create_bucket(Bucket=f"{name}-own")
+    spec = ClusterSpec(name=name, region=REGION, bucket=f"{name}-own")
+    try:
+        f = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+        assert not [c for c in f.created if c.startswith("bucket:")]
+        settings = _bucket_settings(s3, spec.bucket)
+        assert settings["policy"] is None and settings["lifecycle"] is None
+    finally:
+        destroy_boto3(spec, endpoint_url=moto_endpoint)
+
+
+def test_egress_is_the_shared_rule_and_stray_egress_goes(spec, moto_endpoint):
+    """AWS's default allow-all egress gives way to the rules file's described rule, as
+    Terraform's group has it; an egress rule added by hand is revoked by the next ensure."""
+    from sparknet.cluster.rules import security_group_rules
+
+    f = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    ec2 = boto3.client("ec2", region_name=REGION)
+    ec2.authorize_security_group_egress(
+        GroupId=f.security_group_id,
+        IpPermissions=[{"IpProtocol": "tcp", "FromPort": 443, "ToPort": 443,
+                        "IpRanges": [{"CidrIp": "198.51.100.9/32"}]}],
+    )  # fmt: skip
+    ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    group = ec2.describe_security_groups(GroupIds=[f.security_group_id])["SecurityGroups"][0]
+    (rule,) = security_group_rules("egress")
+    assert [
+        (p["IpProtocol"], r["CidrIp"], r.get("Description"))
+        for p in group["IpPermissionsEgress"]
+        for r in p.get("IpRanges", [])
+    ] == [("-1", "0.0.0.0/0", rule["description"])]
+
+
+def test_network_has_the_shared_zone_count_and_an_s3_endpoint(spec, moto_endpoint):
+    from sparknet.cluster.rules import network
+
+    f = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    ec2 = boto3.client("ec2", region_name=REGION)
+    zones = ec2.describe_availability_zones(
+        Filters=[{"Name": "zone-type", "Values": ["availability-zone"]}]
+    )["AvailabilityZones"]
+    first = sorted(z["ZoneName"] for z in zones)[: network()["az_count"]]
+    assert sorted(f.subnet_by_az) == first and len(first) == 3
+    (endpoint,) = ec2.describe_vpc_endpoints(Filters=[{"Name": "vpc-id", "Values": [f.vpc_id]}])[
+        "VpcEndpoints"
+    ]
+    assert endpoint["ServiceName"] == f"com.amazonaws.{REGION}.s3"
+    assert endpoint["VpcEndpointType"].lower() == "gateway"
+    (table,) = ec2.describe_route_tables(
+        Filters=[{"Name": f"tag:{TAG_CLUSTER}", "Values": [spec.name]}]
+    )["RouteTables"]
+    assert endpoint["RouteTableIds"] == [table["RouteTableId"]]
+
+
+def test_the_vpcs_default_group_is_emptied_and_never_deleted(spec, moto_endpoint):
+    """AWS refuses to delete a VPC's `default` group (moto does not): `down` must not try, even
+    when the group carries the cluster's tags, as Terraform's aws_default_security_group gives
+    it. Its rules are removed, as Terraform does, so nothing without a group is reachable."""
+    f = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    ec2 = boto3.client("ec2", region_name=REGION)
+    in_vpc = [{"Name": "vpc-id", "Values": [f.vpc_id]}]
+    (default,) = ec2.describe_security_groups(
+        Filters=[*in_vpc, {"Name": "group-name", "Values": ["default"]}]
+    )["SecurityGroups"]
+    assert default["IpPermissions"] == [] and default["IpPermissionsEgress"] == []
+    ec2.create_tags(
+        Resources=[default["GroupId"]],
+        Tags=[{"Key": TAG_CLUSTER, "Value": spec.name}, {"Key": TAG_ROLE, "Value": "foundation"}],
+    )
+    deleted = destroy_boto3(spec, endpoint_url=moto_endpoint)
+    assert f"security-group:{f.security_group_id}" in deleted
+    assert f"security-group:{default['GroupId']}" not in deleted
+    assert (
+        destroy_boto3(
+            spec, endpoint_url=moto_endpoint, only=[f"security-group:{default['GroupId']}"]
+        )
+        == []
+    )
