@@ -70,19 +70,13 @@ class ShardCache:
         return final
 
     def _check(self, store: Store, info: ShardInfo, path: Path) -> None:
-        where = f"{store.uri}/{info.name}"
+        from sparknet.data.integrity import bad_shard
+
         size = path.stat().st_size
         if size != info.bytes:
-            raise SparknetError(
-                f"shard {where} has {size} bytes but the manifest says {info.bytes}; "
-                "run `sparknet data verify` on the dataset and upload it again"
-            )
-        digest = sha256_file(path)
-        if digest != info.sha256:
-            raise SparknetError(
-                f"shard {where} does not match its sha256 in the manifest (got {digest[:12]}..., "
-                f"expected {info.sha256[:12]}...); run `sparknet data verify` and upload it again"
-            )
+            raise bad_shard(store, info, f"has {size} bytes, the manifest says {info.bytes}")
+        if sha256_file(path) != info.sha256:
+            raise bad_shard(store, info, "does not match its sha256 in the manifest")
 
     def evict(self, keep: Path | None = None) -> None:
         """Remove least-recently-used files until the total is within the cap (never `keep`)."""

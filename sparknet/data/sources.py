@@ -14,6 +14,7 @@ a retried Spark task sees exactly the batches of the failed one.
 from __future__ import annotations
 
 import functools
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -284,16 +285,16 @@ class ShardSource(Source):
         epoch_shards([s.samples for s in shards], seed=0, epoch=0, workers=workers, partition=0)
 
     def _open(self, info: ShardInfo):
-        from sparknet.data.store import LocalStore
+        """The shard's bytes, checked against the manifest before any sample is read from them
+        (`integrity.open_verified`); a remote shard goes through the executor's cache."""
+        from sparknet.data.integrity import open_verified
 
-        if self.cache_dir is None or self.cache_bytes <= 0 or isinstance(self.store, LocalStore):
-            return self.store.open(info.name)  # a local dataset is read in place, never copied
-        from sparknet.data.cache import ShardCache
+        cache = None
+        if self.cache_dir is not None and self.cache_bytes > 0:
+            from sparknet.data.cache import ShardCache
 
-        return open(
-            ShardCache(Path(self.cache_dir).expanduser(), self.cache_bytes).path(self.store, info),
-            "rb",
-        )
+            cache = ShardCache(Path(self.cache_dir).expanduser(), self.cache_bytes)
+        return open_verified(self.store, info, cache)
 
     def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
         from sparknet.data.imagenet import train_transform
@@ -371,10 +372,18 @@ def is_frame_spec(spec: str) -> bool:
 
 def shard_source(uri: str, cfg, endpoint_url: str | None = None) -> ShardSource:
     """A shard dataset, its manifest read now: a missing bucket or bad credentials fail here."""
+    from sparknet.data.integrity import check_present
     from sparknet.data.store import load_manifest, open_store
 
     store = open_store(uri, endpoint_url or cfg.endpoint_url)
     manifest = load_manifest(store)
+    check_present(store, manifest)  # a missing or replaced shard fails here, before Spark
+    if ShardSource.EVAL not in manifest.splits:
+        print(
+            f"warning: {store.uri} has no {ShardSource.EVAL!r} split: training runs without "
+            "evaluation (put images in val/ and re-shard to measure accuracy)",
+            file=sys.stderr,
+        )
     cache_dir = str(cfg.cache_dir) if cfg.cache_dir is not None else DEFAULT_CACHE_DIR
     return ShardSource(
         store, manifest, cfg.image_size, cfg.loader_workers, cache_dir, int(cfg.cache_gb * 2**30)

@@ -20,6 +20,7 @@ import botocore.exceptions as bx
 from boto3.s3.transfer import TransferConfig
 
 from sparknet.data import s3
+from sparknet.data.integrity import all_shards
 from sparknet.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, sha256_stream
 from sparknet.data.store import MissingObjectError, S3Store, Store, load_manifest, open_store
 from sparknet.errors import SparknetError
@@ -84,15 +85,6 @@ class _LockedProgress:
                 self._callback(n)
 
 
-def _all_shards(manifest: Manifest) -> list[ShardInfo]:
-    """Every shard of every split once, in manifest order."""
-    seen: dict[str, ShardInfo] = {}
-    for shards in manifest.splits.values():
-        for info in shards:
-            seen.setdefault(info.name, info)
-    return list(seen.values())
-
-
 def _check_local(src: Path, shards: Iterable[ShardInfo]) -> None:
     """Every listed shard is there with the manifest's size, or one line naming what is not."""
     problems: list[str] = []
@@ -140,7 +132,7 @@ def upload_dataset(
         )
     manifest_bytes = manifest_path.read_bytes()
     manifest = Manifest.loads(manifest_bytes, where=str(manifest_path))
-    shards = _all_shards(manifest)
+    shards = all_shards(manifest)
     _check_local(src, shards)
     if not dest_uri.startswith("s3://"):
         raise SparknetError(f"upload destination {dest_uri!r} must be an s3:// URI")
@@ -288,7 +280,7 @@ def verify_dataset(
     """
     store = open_store(uri, endpoint_url)
     manifest = load_manifest(store)
-    shards = _all_shards(manifest)
+    shards = all_shards(manifest)
     present = store.list()
     progress = _LockedProgress(on_progress)
 
@@ -325,5 +317,5 @@ def list_dataset(uri: str, *, endpoint_url: str | None = None) -> Listing:
         )
         for name, shards in manifest.splits.items()
     ]
-    missing = [info.name for info in _all_shards(manifest) if info.name not in present]
+    missing = [info.name for info in all_shards(manifest) if info.name not in present]
     return Listing(uri=store.uri, num_classes=manifest.num_classes, splits=splits, missing=missing)
