@@ -182,6 +182,10 @@ def test_terraform_path_maps_module_outputs_to_the_foundation(moto_endpoint, tmp
     )
     assert f.vpc_id == vpc and f.subnet_by_az == subnets
     assert f.instance_profile_name == "sparknet-tfpath-us-east-1" and f.bucket == "tfpath-data"
+    # the bucket is not in the cluster's state: made and hardened as the boto3 foundation does
+    assert f.created == ("bucket:tfpath-data",)
+    s3 = boto3.client("s3", region_name=REGION)
+    assert s3.get_bucket_versioning(Bucket="tfpath-data")["Status"] == "Enabled"
     assert (state / "terraform.tfstate").is_file()
     saved = json.loads((state / "variables.tfvars.json").read_text())
     assert saved["subnet_ids"] == list(subnets.values()) and saved["allowed_cidr"] == CIDR

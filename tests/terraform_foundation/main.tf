@@ -49,6 +49,11 @@ variable "subnet_ids" {
   type = list(string)
 }
 
+variable "owner" {
+  type    = string
+  default = null
+}
+
 resource "terraform_data" "profile" {
   input = "sparknet-${var.cluster}-${var.region}"
 }
