@@ -128,14 +128,19 @@ def test_missing_credentials_fail_in_one_line(tmp_path, moto_endpoint):
     assert len(lines) == 1 and "credentials" in lines[0].lower(), done.stderr
 
 
-def _bad_dataset(tree: Path, dest: Path) -> tuple[Path, str]:
-    """A copy of the shards with one corrupt JPEG and one shard cut inside its last member."""
+def _bad_dataset(tree: Path, dest: Path, monkeypatch) -> tuple[Path, str]:
+    """A copy of the shards with one corrupt JPEG and one shard cut inside its last member,
+    its manifest updated to the cut bytes: what an older sparknet or another tool may write
+    (`data shard` itself now leaves undecodable images out, so its check is switched off)."""
+    import sparknet.data.shards as shards_module
+
     src = dest / "tree"
     shutil.copytree(tree, src)
     victim = sorted((src / "train").rglob("*.JPEG"))[7]
     corrupt_jpeg(victim)
     out = dest / "shards"
-    write_dataset(src, out, shard_bytes=SHARD_BYTES, seed=0, processes=2)
+    monkeypatch.setattr(shards_module, "image_problem", lambda data: None)
+    write_dataset(src, out, shard_bytes=SHARD_BYTES, seed=0, processes=1)
     manifest = Manifest.loads((out / MANIFEST_NAME).read_text(), "manifest")
     cut = manifest.splits["train"][1]
     path = out / cut.name
@@ -169,8 +174,10 @@ def _expected_skips(out: Path, corrupt_key: str, cfg: TrainConfig) -> int:
     return bad
 
 
-def test_corrupt_jpeg_and_truncated_member_are_skipped_and_counted(spark, tree, tmp_path):
-    out, corrupt_key = _bad_dataset(tree, tmp_path)
+def test_corrupt_jpeg_and_truncated_member_are_skipped_and_counted(
+    spark, tree, tmp_path, monkeypatch
+):
+    out, corrupt_key = _bad_dataset(tree, tmp_path, monkeypatch)
     cfg = TrainConfig(data=str(out), rounds=2, eval_every=2, loader_workers=0, cache_gb=0,
                       out=tmp_path / "run", **FAST)  # fmt: skip
     result = train(cfg, spark=spark)
@@ -318,3 +325,17 @@ def test_a_dataset_of_only_bad_images_fails_naming_the_fix(spark, tmp_path):
         SparknetError, match=r"could not read a single sample.*sparknet data verify"
     ):
         train(cfg, spark=spark)
+
+
+def test_shard_cli_names_the_images_it_left_out(tree, tmp_path):
+    src = tmp_path / "tree"
+    shutil.copytree(tree, src)
+    bad = sorted((src / "train").rglob("*.JPEG"))[3]
+    bad.write_bytes(b"")
+    done = _cli("data", "shard", str(src), str(tmp_path / "ds"), "--shard-mb", "1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "1 images do not decode and were left out" in done.stdout
+    assert f"  {bad}: empty file" in done.stdout
+    manifest = Manifest.loads((tmp_path / "ds" / MANIFEST_NAME).read_text(), "m")
+    assert [r.path for r in manifest.rejected] == [str(bad)]
+    assert manifest.samples("train") == CLASSES * 60 - 1
