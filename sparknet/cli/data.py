@@ -107,11 +107,12 @@ def data_upload(
     src: Path = typer.Argument(..., help="a dataset dir made by `sparknet data shard`"),
     dest: str = typer.Argument(..., help="s3://bucket/prefix or a name from datasets:"),
     concurrency: int = typer.Option(8, min=1, help="parallel transfers"),
+    force: bool = typer.Option(False, "--force", help="send every shard, even ones already there"),
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
-    """Upload shards (skipping ones already there), then manifest.json last."""
+    """Upload shards (skipping ones already there with the same bytes), then manifest.json last."""
     from sparknet.data.manifest import MANIFEST_NAME, Manifest
     from sparknet.data.transfer import upload_dataset
 
@@ -125,7 +126,7 @@ def data_upload(
         with _bytes_progress("upload") as progress:
             bar = progress.add_task("upload", total=total)
             report = upload_dataset(
-                src, uri, endpoint_url=endpoint, max_concurrency=concurrency,
+                src, uri, endpoint_url=endpoint, max_concurrency=concurrency, force=force,
                 on_progress=lambda n: progress.advance(bar, n),
             )  # fmt: skip
     except SparknetError as exc:
@@ -157,8 +158,9 @@ def data_verify(
         with _bytes_progress("verify") as progress:
             bar = progress.add_task("verify", total=None)
             report = verify_dataset(
-                where, endpoint_url=endpoint, on_progress=lambda n: progress.advance(bar, n)
-            )
+                where, endpoint_url=endpoint, on_progress=lambda n: progress.advance(bar, n),
+                on_total=lambda n: progress.update(bar, total=n),
+            )  # fmt: skip
     except SparknetError as exc:
         fail(exc, debug)
     for line in report.problems:

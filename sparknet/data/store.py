@@ -154,15 +154,17 @@ class S3Store:
     def open(self, name: str, start: int = 0) -> BinaryIO:
         return s3.open_object(self.object_uri(name), start, self.endpoint_url)
 
-    def head(self, name: str) -> dict[str, Any] | None:
-        """`HeadObject` of `name` (size, ETag, metadata), or None when it is not there.
+    def head(self, name: str, *, checksum: bool = False) -> dict[str, Any] | None:
+        """`HeadObject` of `name` (size, ETag, metadata; with `checksum`, the checksum S3 computed
+        over the bytes it received), or None when it is not there.
 
         A HEAD error has no body, so a missing bucket also reads as "not there" here; the
         manifest is read with GET first (see `load_manifest`), which does tell them apart.
         """
         where = self.object_uri(name)
+        extra = {"ChecksumMode": "ENABLED"} if checksum else {}
         try:
-            return self._client().head_object(Bucket=where.bucket, Key=where.key)
+            return self._client().head_object(Bucket=where.bucket, Key=where.key, **extra)
         except (bx.BotoCoreError, bx.ClientError) as exc:
             err = s3.describe_client_error(exc, where)
             if isinstance(err, MissingObjectError):

@@ -2,12 +2,17 @@
 
 An upload writes every shard first and `manifest.json` last, only after all shards succeeded:
 readers refuse a prefix without a manifest, so an interrupted upload is never taken for a dataset,
-and running the upload again sends only what is missing (each object carries its sha256 in its
-metadata, which is how a finished shard is recognised).
+and running the upload again sends only what is missing or different. Each object carries its
+sha256 in its metadata (read by the pre-flight check before training) and is sent with S3's own
+SHA256 checksum, which S3 computes over the bytes it received: a shard is skipped only when that
+checksum is the one the local file gives, so an object whose bytes were replaced (what `verify`
+calls bad) is sent again even when its size and metadata still look right.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -114,11 +119,13 @@ def upload_dataset(
     on_progress: Progress | None = None,
     multipart_threshold: int = MULTIPART_THRESHOLD,
     multipart_chunksize: int = MULTIPART_CHUNKSIZE,
+    force: bool = False,
 ) -> UploadReport:
     """Upload a local dataset directory to an S3 prefix; the manifest goes last.
 
-    Shards already there with the same size and metadata sha256 are skipped, so re-running an
-    interrupted upload finishes it. An existing manifest at the destination is deleted before
+    Shards already there with the same bytes (size, sha256 metadata and S3's checksum, see the
+    module docstring) are skipped, so re-running an interrupted upload finishes it; `force`
+    sends every shard. An existing manifest at the destination is deleted before
     any shard is replaced, so readers never pair an old manifest with new shards.
     `on_progress(n)` gets byte increments (from several threads, serialised): bytes as they are
     sent (boto3 may report a negative amount when it retries a part) and a skipped shard's full
@@ -140,16 +147,24 @@ def upload_dataset(
     progress = _LockedProgress(on_progress)
 
     remote = store.list()  # fails fast (one line) on a missing bucket or bad credentials
+    parts = (multipart_threshold, multipart_chunksize)
+    candidates = [] if force else [i for i in shards if remote.get(i.name) == i.bytes]
+    with ThreadPoolExecutor(max_workers=max(1, max_concurrency)) as pool:
+        same = dict(
+            zip(
+                [i.name for i in candidates],
+                pool.map(lambda i: _already_there(store, src / i.name, i, parts), candidates),
+                strict=True,
+            )
+        )
     todo: list[ShardInfo] = []
     skipped: list[str] = []
     for info in shards:
-        if remote.get(info.name) == info.bytes:
-            head = store.head(info.name)
-            if head is not None and head.get("Metadata", {}).get("sha256") == info.sha256:
-                skipped.append(info.name)
-                progress(info.bytes)
-                continue
-        todo.append(info)
+        if same.get(info.name):
+            skipped.append(info.name)
+            progress(info.bytes)
+        else:
+            todo.append(info)
 
     s3c = s3.client(endpoint_url)
     manifest_uri = store.object_uri(MANIFEST_NAME)
@@ -187,6 +202,32 @@ def upload_dataset(
     )
 
 
+def _s3_checksum(path: Path, info: ShardInfo, parts: tuple[int, int]) -> str:
+    """The SHA256 checksum S3 reports for `path` uploaded as `upload_file` sends it: of the
+    whole object below the multipart threshold (the manifest's sha256, no read needed), else
+    the composite, the SHA256 of the parts' SHA256s (one read of the local file)."""
+    threshold, chunksize = parts
+    if info.bytes < threshold:
+        return base64.b64encode(bytes.fromhex(info.sha256)).decode()
+    digests = b""
+    with open(path, "rb") as f:
+        while part := f.read(chunksize):
+            digests += hashlib.sha256(part).digest()
+    return base64.b64encode(hashlib.sha256(digests).digest()).decode()
+
+
+def _already_there(store: S3Store, path: Path, info: ShardInfo, parts: tuple[int, int]) -> bool:
+    """Whether the object holds exactly the local shard's bytes, as far as S3's own checksum
+    tells: an object from an older upload (no SHA256 checksum), or one replaced since, is not."""
+    head = store.head(info.name, checksum=True)
+    if head is None or int(head["ContentLength"]) != info.bytes:
+        return False
+    if head.get("Metadata", {}).get("sha256") != info.sha256:
+        return False
+    remote = str(head.get("ChecksumSHA256") or "").split("-")[0]  # AWS adds -N to a composite
+    return remote == _s3_checksum(path, info, parts)
+
+
 def _upload_shards(
     s3c: Any,
     store: S3Store,
@@ -215,7 +256,7 @@ def _upload_shards(
             str(src / info.name),
             where.bucket,
             where.key,
-            ExtraArgs={"Metadata": {"sha256": info.sha256}},
+            ExtraArgs={"Metadata": {"sha256": info.sha256}, "ChecksumAlgorithm": "SHA256"},
             Config=config,
             Callback=progress,
         )
@@ -271,16 +312,20 @@ def verify_dataset(
     *,
     endpoint_url: str | None = None,
     on_progress: Progress | None = None,
+    on_total: Progress | None = None,
     max_concurrency: int = 4,
 ) -> VerifyReport:
     """Check every shard's size and sha256 (streamed) against the manifest, local or S3.
 
     Problems are one line each, in manifest order; failures that are not about one shard
-    (credentials, network) raise a SparknetError instead. `on_progress(n)` gets bytes hashed.
+    (credentials, network) raise a SparknetError instead. `on_total(n)` gets the bytes there are
+    to hash (the manifest's), once, before `on_progress(n)` gets bytes hashed.
     """
     store = open_store(uri, endpoint_url)
     manifest = load_manifest(store)
     shards = all_shards(manifest)
+    if on_total is not None:
+        on_total(sum(info.bytes for info in shards))
     present = store.list()
     progress = _LockedProgress(on_progress)
 
