@@ -57,7 +57,7 @@ def epoch_shards(
     if len(counts) < workers:
         raise SparknetError(
             f"the dataset has {len(counts)} train shards, fewer than --workers {workers}: "
-            "use fewer workers or re-shard with a smaller --shard-size"
+            "use fewer workers or re-shard with a smaller --shard-mb (`sparknet data shard`)"
         )
     return _epoch_shards(tuple(counts), seed, epoch, workers)[partition]
 

@@ -59,8 +59,9 @@ def test_each_epoch_deals_every_shard_to_exactly_one_partition():
 
 
 def test_fewer_shards_than_workers_names_the_fix():
-    with pytest.raises(SparknetError, match="fewer than --workers 9"):
+    with pytest.raises(SparknetError, match="fewer than --workers 9") as exc:
         epoch_shards(COUNTS, seed=0, epoch=0, workers=9, partition=0)
+    assert "smaller --shard-mb" in str(exc.value)  # the flag `data shard` has
 
 
 def test_locate_walks_shards_then_epochs():
