@@ -48,11 +48,12 @@ WORKERS       ?=
 INSTANCE_TYPE ?=
 SPOT          ?=
 REGION        ?=
+AMI           ?=
 cluster-up: install
 	$(VENV)/bin/sparknet cluster up $(NAME) $(if $(WORKERS),--workers $(WORKERS)) \
 		$(foreach t,$(INSTANCE_TYPE),--instance-type $(t)) \
 		$(if $(filter 1 yes true,$(SPOT)),--spot) $(if $(filter 0 no false,$(SPOT)),--on-demand) \
-		$(if $(REGION),--region $(REGION))
+		$(if $(REGION),--region $(REGION)) $(if $(AMI),--ami $(AMI))
 
 cluster-down: install
 	$(VENV)/bin/sparknet cluster down $(NAME) $(if $(REGION),--region $(REGION))

@@ -35,7 +35,13 @@ def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any]):
         base = known.model_dump()
     path = find_config_file(config)
     if path is not None:
-        base.update(read_section(path, "clusters").get(name) or {})
+        entry = read_section(path, "clusters").get(name) or {}
+        if "owner" in entry:
+            raise SparknetError(
+                f"cluster {name}: `owner` is set by `up` from your AWS identity (STS); remove it "
+                f"from `clusters: {name}:` in {path}"
+            )
+        base.update(entry)
     base.update({k: v for k, v in flags.items() if v not in (None, [])})
     base["name"] = name
     try:
@@ -44,20 +50,39 @@ def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any]):
         raise SparknetError(f"cluster {name}: {describe_validation_error(exc)}") from exc
 
 
-def _instances_table(info) -> Table:
+_COLUMNS = ("role", "id", "type", "az", "public ip", "spot")
+
+
+def _print_instances(info) -> None:
+    """The cluster's instances: a table on a terminal; tab-separated lines when stdout is a
+    file or a pipe, which has no width (rich would assume 80 columns and cut the ids)."""
+    rows = [
+        (i.role, i.id, i.type, i.az, i.public_ip or "-", "yes" if i.spot else "")
+        for i in info.instances
+    ]
+    out = Console()
+    if not out.is_terminal:
+        print(f"cluster {info.name} ({info.region})")
+        for row in [_COLUMNS, *rows]:
+            print("\t".join(row))
+        return
     table = Table(title=f"cluster {info.name} ({info.region})")
-    for col in ("role", "id", "type", "az", "public ip", "spot"):
-        table.add_column(col)
-    for inst in info.instances:
-        table.add_row(
-            inst.role,
-            inst.id,
-            inst.type,
-            inst.az,
-            inst.public_ip or "-",
-            "yes" if inst.spot else "",
-        )
-    return table
+    for k, col in enumerate(_COLUMNS):
+        # ids and addresses are copied into other commands: never cut, at worst folded
+        widest = max((len(row[k]) for row in rows), default=0)
+        whole = col in ("id", "public ip")
+        table.add_column(col, min_width=widest if whole else None, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
+
+
+def _fail(exc: SparknetError, debug: bool) -> None:
+    """`fail` with exit 1 where the command was right but the cluster's state says no (busy,
+    not there), and 2 for everything a user fixes in the command or settings."""
+    from sparknet.cluster.lifecycle import ClusterBusy, ClusterNotFound
+
+    fail(exc, debug, 1 if isinstance(exc, (ClusterBusy, ClusterNotFound)) else 2)
 
 
 @contextlib.contextmanager
@@ -93,6 +118,9 @@ def cluster_up(
     spot: bool | None = typer.Option(None, "--spot/--on-demand", help="workers on spot"),
     region: str | None = RegionOption,
     allowed_cidr: str | None = typer.Option(None, help="SSH source; default: your /32"),
+    ami: str | None = typer.Option(
+        None, help="AMI id of the nodes (e.g. one `make ami` baked); default: ami_parameter"
+    ),
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
@@ -102,25 +130,27 @@ def cluster_up(
 
     flags = dict(
         workers=workers, instance_types=instance_type, master_type=master_type, spot=spot,
-        region=region, allowed_cidr=allowed_cidr,
+        region=region, allowed_cidr=allowed_cidr, ami=ami,
     )  # fmt: skip
     try:
         spec = _cluster_spec(name, config, flags)
         with _interrupt_once(name):
             info = lifecycle.up(spec, endpoint_url=endpoint_url, say=console.print)
     except SparknetError as exc:
-        fail(exc, debug)
-    Console().print(_instances_table(info))
-    price = "unknown" if info.hourly_usd is None else f"${info.hourly_usd:.2f}/hour"
-    print(f"cluster {name} is up; estimated cost {price}; `sparknet cluster down {name}` ends it")
+        _fail(exc, debug)
+    _print_instances(info)
+    print(
+        f"cluster {name} is up; estimated cost {info.cost.describe()}; "
+        f"`sparknet cluster down {name}` ends it"
+    )
 
 
 def _on_cluster(action, name: str, region: str | None, config: Path | None, debug: bool, **kw):
-    """`action(spec, **kw)` for the named cluster; a one-line error and exit 2 on failure."""
+    """`action(spec, **kw)` for the named cluster; a one-line error on failure."""
     try:
         return action(_cluster_spec(name, config, {"region": region}), **kw)
     except SparknetError as exc:
-        fail(exc, debug)
+        _fail(exc, debug)
 
 
 @cluster_app.command("down")
@@ -131,7 +161,8 @@ def cluster_down(
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
-    """Terminate the cluster's instances, delete its resources, and list what was deleted."""
+    """Terminate the cluster's instances, delete its resources, and list what was deleted; exit
+    1 when the region has nothing of that name (the line names the clusters it has)."""
     from sparknet.cluster import lifecycle
 
     report = _on_cluster(
@@ -160,9 +191,8 @@ def cluster_status(
     if not info.instances:
         print(f"cluster {name} has no live instances in {info.region}")
         raise typer.Exit(1)
-    Console().print(_instances_table(info))
-    if info.hourly_usd is not None:
-        print(f"estimated cost ${info.hourly_usd:.2f}/hour")
+    _print_instances(info)
+    print(f"estimated cost {info.cost.describe()}")
 
 
 @cluster_app.command("list")
@@ -171,49 +201,79 @@ def cluster_list(
     endpoint_url: str | None = EndpointOption,
     debug: bool = DebugOption,
 ) -> None:
-    """Clusters with resources in the region (by tag), and whether this machine knows them."""
+    """Clusters with resources in the region (by tag), whether this machine knows them, and
+    their owners (`-`: resources made before sparknet tagged owners)."""
     from sparknet import aws
     from sparknet.cluster import lifecycle
 
     try:
-        found = lifecycle.tagged_resources(aws.check_region(region), endpoint_url=endpoint_url)
+        found = lifecycle.tagged_clusters(aws.check_region(region), endpoint_url=endpoint_url)
     except SparknetError as exc:
         fail(exc, debug)
     known = lifecycle.registered()
     for name in sorted(set(found) | set(known)):
-        items = found.get(name, [])
-        live = sum(item.startswith("instance:") for item in items)
+        cluster = found.get(name, lifecycle.TaggedCluster(name))
+        live = sum(item.startswith("instance:") for item in cluster.items)
         where = "registered" if name in known else "not registered"
-        print(f"{name}\t{live} instances\t{len(items) - live} other resources\t{where}")
+        owners = ", ".join(sorted(owner or "-" for owner in cluster.owners)) or "-"
+        print(
+            f"{name}\t{live} instances\t{len(cluster.items) - live} other resources\t{where}"
+            f"\towner {owners}"
+        )
+
+
+def _not_yours(cluster, caller: str) -> str:
+    """Why `sweep` leaves a cluster alone: whose it is."""
+    others = sorted(o for o in cluster.owners if o is not None and o != caller)
+    if others:
+        return f"owned by {', '.join(others)}"
+    return "resources without an owner tag (made before sparknet tagged owners)"
 
 
 @cluster_app.command("sweep")
 def cluster_sweep(
     region: str = typer.Option("us-east-1"),
     yes: bool = typer.Option(False, "--yes", help="take them down; default: only list"),
+    all_owners: bool = typer.Option(
+        False, "--all-owners", help="also other principals' clusters, and untagged ones"
+    ),
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
-    """Tagged resources of clusters neither registered here nor in `clusters:`; `--yes` deletes
-    them (the bucket is kept)."""
+    """Tagged resources of your clusters (sparknet:owner = your AWS identity) that are neither
+    registered here nor in `clusters:`; `--yes` deletes them (the bucket is kept)."""
     from sparknet import aws
     from sparknet.cluster import lifecycle
     from sparknet.config import read_section
 
     try:
+        region = aws.check_region(region)
         path = find_config_file(config)
         wanted = set(lifecycle.registered())
         if path is not None:
             wanted |= set(read_section(path, "clusters"))
-        found = lifecycle.orphans(aws.check_region(region), wanted, endpoint_url=endpoint_url)
-        for name, items in sorted(found.items()):
-            print(f"orphan {name}: {' '.join(items)}")
+        caller = None if all_owners else lifecycle.caller_owner(region, endpoint_url)
+        found = lifecycle.orphans(region, wanted, endpoint_url=endpoint_url)
+        swept = skipped = 0
+        for name, cluster in sorted(found.items()):
+            if caller is not None and not cluster.owned_by(caller):
+                print(f"skipped {name}: {_not_yours(cluster, caller)}")
+                skipped += 1
+                continue
+            print(f"orphan {name}: {' '.join(cluster.items)}")
+            swept += 1
             if yes:
                 spec = _cluster_spec(name, config, {"region": region})
-                lifecycle.down(spec, endpoint_url=endpoint_url, say=console.print)
+                try:
+                    lifecycle.down(spec, endpoint_url=endpoint_url, say=console.print)
+                except lifecycle.ClusterBusy as exc:
+                    print(f"skipped {name}: {exc}")
+                    continue
                 print(f"took {name} down")
-        if found and not yes:
+        if skipped:
+            print(f"{skipped} cluster(s) not yours were left alone; --all-owners includes them")
+        if swept and not yes:
             print("run again with --yes to delete them")
     except SparknetError as exc:
-        fail(exc, debug)
+        _fail(exc, debug)

@@ -26,7 +26,7 @@ from typing import Any
 import botocore.exceptions as bx
 
 from sparknet import aws
-from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
+from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
 
 #: AWS's own "what is my IP" endpoint; `SPARKNET_CHECKIP_URL` overrides it (tests, proxies)
@@ -59,6 +59,8 @@ _QUOTA_NAMES = {
 #: visible to EC2
 PROFILE_PROPAGATION_S = 60.0
 PROFILE_RETRY_S = 5.0
+#: what AWS's AMI ids look like (older ones have 8 hex digits, newer ones 17)
+AMI_ID = re.compile(r"ami-(?:[0-9a-f]{8}|[0-9a-f]{17})")
 #: a ClientToken is at most 64 ASCII characters; launch appends "-" and a 12-character digest
 _MAX_TOKEN_PREFIX = 64 - 13
 
@@ -117,6 +119,11 @@ def resolve_ami(spec: ClusterSpec, ssm: Any) -> str:
     `spec.ami_parameter` (AWS publishes its Deep Learning AMIs that way, so the newest one is
     used without hard-coding ids that differ per region and change every release)."""
     if spec.ami:
+        if not AMI_ID.fullmatch(spec.ami):
+            raise SparknetError(
+                f"ami {spec.ami!r} is not an AMI id (ami- and 8 or 17 hex digits, as "
+                "`aws ec2 describe-images` shows them)"
+            )
         return spec.ami
     region = aws.region_of(ssm)
     try:
@@ -202,6 +209,19 @@ def _root_device(ec2: Any, ami: str) -> tuple[str, int]:
     return name, size
 
 
+def check_ami(ec2: Any, ami: str, root_volume_gb: int) -> str:
+    """The AMI's root device name, once the AMI is known to exist in the region and to fit in a
+    root volume of `root_volume_gb`; a one-line error otherwise. `up` calls it before anything
+    is made, so a wrong `--ami` costs nothing."""
+    root_device, snapshot_gb = _root_device(ec2, ami)
+    if root_volume_gb < snapshot_gb:
+        raise SparknetError(
+            f"root_volume_gb {root_volume_gb} is smaller than AMI {ami}'s {snapshot_gb} GiB "
+            f"snapshot; set root_volume_gb to at least {snapshot_gb}"
+        )
+    return root_device
+
+
 # --- launch ----------------------------------------------------------------------------------
 
 
@@ -225,11 +245,16 @@ def _check_prefix(prefix: str) -> None:
 
 
 def _tags(spec: ClusterSpec, role: str) -> list[dict[str, str]]:
-    return [
+    """The cluster and role tags, and the owner tag when `up` has set the spec's owner (so
+    `sweep` can tell one user's clusters from another's in a shared account)."""
+    tags = [
         {"Key": TAG_CLUSTER, "Value": spec.name},
         {"Key": TAG_ROLE, "Value": role},
         {"Key": "Name", "Value": f"{spec.name}-{role}"},
     ]
+    if spec.owner:
+        tags.append({"Key": TAG_OWNER, "Value": spec.owner})
+    return tags
 
 
 def _run_request(
@@ -306,20 +331,20 @@ def _run_request(
     return request
 
 
-def _launched_before(ec2: Any, cluster: str, role: str, prefix: str) -> list[Instance]:
-    """Live instances of this cluster and role that an earlier launch with `prefix` made.
+def launched_with(ec2: Any, cluster: str, prefix: str, role: str | None = None) -> list[Instance]:
+    """Live instances of this cluster (and role, when given) launched under `prefix`.
 
     AWS's ClientToken alone does not make a retried `up` safe: after a fallback the retry tries
     the first (type, AZ) again under that attempt's token, which AWS has never seen succeed.
-    Looking for any token with the prefix catches every attempt."""
-    raw = _describe(
-        ec2,
-        [
-            {"Name": f"tag:{TAG_CLUSTER}", "Values": [cluster]},
-            {"Name": f"tag:{TAG_ROLE}", "Values": [role]},
-            {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
-        ],
-    )
+    Looking for any token with the prefix catches every attempt. A prefix that is unique to one
+    `up` also names exactly what that `up` launched, even a launch whose answer was lost."""
+    filters = [
+        {"Name": f"tag:{TAG_CLUSTER}", "Values": [cluster]},
+        {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
+    ]
+    if role is not None:
+        filters.append({"Name": f"tag:{TAG_ROLE}", "Values": [role]})
+    raw = _describe(ec2, filters)
     token = re.compile(rf"{re.escape(prefix)}-[0-9a-f]{{12}}")
     mine = [r for r in raw if token.fullmatch(str(r.get("ClientToken", "")))]
     return sorted((Instance.from_ec2(r) for r in mine), key=lambda i: i.id)
@@ -361,16 +386,11 @@ def launch(
         raise ValueError("instance_types must name at least one instance type")
     region = aws.region_of(ec2)
     _check_prefix(client_token_prefix)
-    earlier = _launched_before(ec2, spec.name, role, client_token_prefix)
+    earlier = launched_with(ec2, spec.name, client_token_prefix, role)
     if earlier:
         return earlier
     offered = check_offered(ec2, instance_types, list(subnet_by_az))
-    root_device, snapshot_gb = _root_device(ec2, ami)
-    if spec.root_volume_gb < snapshot_gb:
-        raise SparknetError(
-            f"root_volume_gb {spec.root_volume_gb} is smaller than AMI {ami}'s {snapshot_gb} GiB "
-            f"snapshot; set root_volume_gb to at least {snapshot_gb}"
-        )
+    root_device = check_ami(ec2, ami, spec.root_volume_gb)
     failures: list[str] = []
     quota_hits: list[str] = []
     for itype in instance_types:
@@ -561,10 +581,117 @@ def _price_table() -> dict[str, Any]:
     return dict(json.loads(text))
 
 
+#: how AWS turns a per-GB-month EBS price into hours (its pricing pages use 730 hours a month)
+HOURS_PER_MONTH = 730
+
+
+@dataclass(frozen=True)
+class Hourly:
+    """USD per hour of running instances, by what AWS bills separately: compute (by type and
+    market), EBS volumes (by GiB) and public IPv4 addresses (per address).
+
+    `compute` and `ebs` are None where a price is unknown (a region the table lacks, a spot
+    type with no price history, a volume type not in the table); `total` is then None too, so
+    an estimate is never silently low.
+    """
+
+    compute: float | None = 0.0
+    ebs_gib: int = 0
+    ebs: float | None = 0.0
+    public_ipv4: int = 0
+
+    @property
+    def ipv4(self) -> float:
+        return self.public_ipv4 * float(_price_table()["public_ipv4_usd_per_hour"])
+
+    @property
+    def total(self) -> float | None:
+        if self.compute is None or self.ebs is None:
+            return None
+        return self.compute + self.ebs + self.ipv4
+
+    def __add__(self, other: Hourly) -> Hourly:
+        def plus(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else a + b
+
+        return Hourly(
+            compute=plus(self.compute, other.compute),
+            ebs_gib=self.ebs_gib + other.ebs_gib,
+            ebs=plus(self.ebs, other.ebs),
+            public_ipv4=self.public_ipv4 + other.public_ipv4,
+        )
+
+    def describe(self) -> str:
+        """One line: the total and its parts, e.g. "$2.11/hour (instances $2.058, 360 GiB
+        EBS $0.039, 3 public IPv4 $0.015)"."""
+
+        def usd(value: float | None, digits: int = 3) -> str:
+            return "unknown" if value is None else f"${value:.{digits}f}"
+
+        total = "unknown" if self.total is None else f"{usd(self.total, 2)}/hour"
+        return (
+            f"{total} (instances {usd(self.compute)}, {self.ebs_gib} GiB EBS {usd(self.ebs)}, "
+            f"{self.public_ipv4} public IPv4 {usd(self.ipv4)})"
+        )
+
+
+def hourly_costs(ec2: Any, found: Sequence[Instance]) -> dict[str, Hourly]:
+    """Instance id -> what it costs per hour as it runs now: its own type and market, the EBS
+    volumes attached to it, and its public IPv4 address. Priced from EC2's answers, not from a
+    spec, so what a fallback or an earlier `up` launched is priced as launched."""
+    volumes = _attached_volumes(ec2, [i.id for i in found])
+    out = {}
+    for inst in found:
+        mine = None if volumes is None else volumes.get(inst.id, [])
+        out[inst.id] = Hourly(
+            compute=hourly_price(inst.type, inst.spot, inst.az, ec2),
+            ebs_gib=sum(size for _, size in mine or []),
+            ebs=None if mine is None else _ebs_hourly(ec2, mine),
+            public_ipv4=1 if inst.public_ip else 0,
+        )
+    return out
+
+
+def hourly_cost(ec2: Any, found: Sequence[Instance]) -> Hourly:
+    """What the instances cost per hour together (see `hourly_costs`)."""
+    return sum(hourly_costs(ec2, found).values(), Hourly())
+
+
+def _attached_volumes(ec2: Any, ids: Sequence[str]) -> dict[str, list[tuple[str, int]]] | None:
+    """Instance id -> (volume type, GiB) of each EBS volume attached to it; None when EC2 does
+    not answer (an estimate must never stop `up` or `down`)."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    try:
+        for start in range(0, len(ids), 200):  # EC2 takes at most 200 values per filter
+            chunk = list(ids[start : start + 200])
+            attached = [{"Name": "attachment.instance-id", "Values": chunk}]
+            for page in ec2.get_paginator("describe_volumes").paginate(Filters=attached):
+                for volume in page["Volumes"]:
+                    for att in volume.get("Attachments", []):
+                        if att.get("InstanceId") in chunk:
+                            item = (volume["VolumeType"], int(volume["Size"]))
+                            out.setdefault(att["InstanceId"], []).append(item)
+    except (bx.BotoCoreError, bx.ClientError):
+        return None
+    return out
+
+
+def _ebs_hourly(ec2: Any, volumes: Sequence[tuple[str, int]]) -> float | None:
+    """USD per hour of the volumes (the table's $/GB-month over `HOURS_PER_MONTH`); None for a
+    region or volume type the table lacks."""
+    table = _price_table()
+    if aws.region_of(ec2) != table["region"]:
+        return None
+    prices = table["ebs_usd_per_gb_month"]
+    if any(kind not in prices for kind, _ in volumes):
+        return None
+    return sum(float(prices[kind]) * size for kind, size in volumes) / HOURS_PER_MONTH
+
+
 def hourly_price(
     instance_type: str, spot: bool = False, az: str | None = None, ec2: Any | None = None
 ) -> float | None:
-    """USD per hour of one instance, for estimates that `up` prints; None when unknown.
+    """USD per hour of one instance's compute, for estimates; None when unknown.
 
     On-demand from the bundled table (us-east-1 list prices; other regions are unknown, as is
     the region when `ec2` is a client of another). Spot from EC2's spot price history: the

@@ -3,30 +3,42 @@
 
 The registry is a convenience, never the truth: `down`, `status` and `sweep` find everything by
 the `sparknet:cluster` tag, so a lost laptop or a deleted registry still leaves no instance
-running by accident.
+running by accident. `up` and `down` of one cluster hold a lock in the registry dir, so two of
+them on one machine never work on the same cluster at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import secrets
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from sparknet import aws
 from sparknet.cluster import foundation, instances
-from sparknet.cluster.instances import Instance
-from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
+from sparknet.cluster.instances import Hourly, Instance
+from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec, tag_value
 from sparknet.errors import SparknetError
 
 #: where the registry lives; SPARKNET_HOME moves it (tests, several accounts)
 HOME_ENV = "SPARKNET_HOME"
 
 Say = Callable[[str], None]
+
+
+class ClusterBusy(SparknetError):
+    """Another `up` or `down` of the same cluster holds its lock on this machine."""
+
+
+class ClusterNotFound(SparknetError):
+    """`down` of a name with no tagged resources in the region and no registry entry."""
 
 
 def registry_dir() -> Path:
@@ -39,11 +51,16 @@ class ClusterInfo:
     region: str
     master: Instance | None
     workers: list[Instance]
-    hourly_usd: float | None
+    #: what the instances cost per hour as they run (type, market, EBS, public IPv4)
+    cost: Hourly
 
     @property
     def instances(self) -> list[Instance]:
         return ([self.master] if self.master else []) + self.workers
+
+    @property
+    def hourly_usd(self) -> float | None:
+        return self.cost.total if self.instances else None
 
 
 @dataclass(frozen=True)
@@ -55,8 +72,73 @@ class DownReport:
     cost_usd: float | None
 
 
+# --- the lock ----------------------------------------------------------------------------------
+
+
+def _lock_path(name: str) -> Path:
+    return registry_dir() / f"{name}.lock"
+
+
+@contextlib.contextmanager
+def cluster_lock(name: str) -> Iterator[None]:
+    """Hold cluster `name`'s lock (`<registry>/<name>.lock`) for the block, or refuse at once.
+
+    A second `up` or `down` of a cluster on this machine refuses rather than waits: it would
+    otherwise start from a state the first is still changing, and a user who started it by
+    mistake learns so in a second, not after the first ends. `flock` is released by the kernel
+    when the holder exits however it exits (kill -9 too), so no stale lock is ever left. The
+    file holds the holder's PID for the refusal's message. A holder may remove the file as it
+    finishes (`_remove_lock`): whoever locked the removed file meanwhile sees that it is no
+    longer the one at the path and locks the new one instead.
+    """
+    path = _lock_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise ClusterBusy(
+                f"cluster {name} is busy: another `sparknet cluster up/down` (PID {holder}) is "
+                f"working on it; wait for it to end, then run this again"
+            ) from None
+        if _is_at(fd, path):
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """The open file `fd` is still the file at `path` (not removed or replaced)."""
+    try:
+        at = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (at.st_dev, at.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _remove_lock(name: str) -> None:
+    """Remove the lock file of a cluster that is gone; only while holding its lock."""
+    _lock_path(name).unlink(missing_ok=True)
+
+
+# --- the registry ------------------------------------------------------------------------------
+
+
+def _entry(name: str) -> Path:
+    return registry_dir() / f"{name}.json"
+
+
 def _save(spec: ClusterSpec, endpoint_url: str | None) -> None:
-    path = registry_dir() / f"{spec.name}.json"
+    path = _entry(spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "spec": spec.model_dump(mode="json"),
@@ -79,17 +161,32 @@ def registered() -> dict[str, ClusterSpec]:
     return out
 
 
-def _forget(name: str) -> None:
-    (registry_dir() / f"{name}.json").unlink(missing_ok=True)
+def _registered_in(name: str, region: str) -> bool:
+    """The registry holds cluster `name` in `region` (an entry of another region is another
+    cluster as far as AWS is concerned)."""
+    known = registered().get(name)
+    return known is not None and known.region == region
 
 
-def hourly_cost(spec: ClusterSpec, ec2: Any) -> float | None:
-    """Estimated $/hour of the spec's instances (on-demand table; spot price history)."""
-    master = instances.hourly_price(spec.master_type, False, None, ec2)
-    worker = instances.hourly_price(spec.instance_types[0], spec.spot, None, ec2)
-    if master is None or (worker is None and spec.workers):
-        return None
-    return master + (worker or 0.0) * spec.workers
+def _forget(name: str, region: str) -> None:
+    """Drop the registry entry of `name` in `region`; an entry of another region stays."""
+    if _registered_in(name, region):
+        _entry(name).unlink(missing_ok=True)
+
+
+# --- the owner ---------------------------------------------------------------------------------
+
+
+def caller_owner(region: str, endpoint_url: str | None = None) -> str:
+    """The calling principal (STS GetCallerIdentity's ARN) as an owner tag value (`tag_value`:
+    a role session name may hold a comma, which IAM refuses in tags); `sweep` compares owners
+    in the same form."""
+    sts = aws.client("sts", region, endpoint_url)
+    with aws.aws_call("GetCallerIdentity", region):
+        return tag_value(str(sts.get_caller_identity()["Arn"]))
+
+
+# --- up ----------------------------------------------------------------------------------------
 
 
 def _by_role(found: list[Instance], role: str) -> list[Instance]:
@@ -113,24 +210,50 @@ def terraform_state_dir(spec: ClusterSpec) -> Path:
 
 
 def _ensure_foundation(
-    spec: ClusterSpec, cidr: str, endpoint_url: str | None
+    spec: ClusterSpec, cidr: str, endpoint_url: str | None, created: list[str]
 ) -> foundation.Foundation:
+    """The foundation, found or made; boto3 appends "kind:id" of what it makes to `created` as
+    it goes, so a failure half-way still knows what to remove."""
     if spec.foundation == "terraform":
         return foundation.ensure_terraform(
             spec, allowed_cidr=cidr, state_dir=terraform_state_dir(spec), endpoint_url=endpoint_url
         )
-    return foundation.ensure_boto3(spec, allowed_cidr=cidr, endpoint_url=endpoint_url)
+    return foundation.ensure_boto3(
+        spec, allowed_cidr=cidr, endpoint_url=endpoint_url, created=created
+    )
+
+
+def _has_terraform_state(spec: ClusterSpec) -> bool:
+    state = terraform_state_dir(spec) / "terraform.tfstate"
+    return spec.foundation == "terraform" and (
+        spec.terraform_backend is not None or state.is_file()
+    )
 
 
 def _destroy_foundation(spec: ClusterSpec, endpoint_url: str | None) -> list[str]:
     """Terraform's destroy where its state is known; else by tag with boto3 (a lost state dir,
     or a foundation another backend made)."""
-    state = terraform_state_dir(spec)
-    if spec.foundation == "terraform" and (
-        spec.terraform_backend is not None or (state / "terraform.tfstate").is_file()
-    ):
-        return foundation.destroy_terraform(spec, state_dir=state)
+    if _has_terraform_state(spec):
+        return foundation.destroy_terraform(spec, state_dir=terraform_state_dir(spec))
     return foundation.destroy_boto3(spec, endpoint_url=endpoint_url)
+
+
+def launch_prefix(name: str) -> str:
+    """The ClientToken prefix of one `up`: unique to it (time and 24 random bits), so the
+    instances carrying it are exactly the ones this `up` launched, and never another's."""
+    return f"{name}-{int(time.time())}-{secrets.token_hex(3)}"
+
+
+@dataclass
+class _Made:
+    """What one `up` made so far: the only things its clean-up may remove."""
+
+    prefix: str
+    had_foundation: bool
+    had_entry: bool
+    launched: list[str] = field(default_factory=list)
+    #: "kind:id" of the foundation resources the boto3 foundation made, as it makes them
+    created: list[str] = field(default_factory=list)
 
 
 def up(
@@ -144,45 +267,70 @@ def up(
     """Bring the cluster to its spec: foundation, master, workers, all running and checked.
 
     Idempotent: what already runs (found by tag) is kept and only what is missing is launched.
-    On any error, or Ctrl-C, everything this call created is removed again before it re-raises.
+    On any error, or Ctrl-C, what this call created (and only that) is removed again before it
+    re-raises. Holds the cluster's lock throughout; every resource it makes is tagged with the
+    caller's identity (`sparknet:owner`).
     """
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     ssm = instances.ssm_client(spec.region, endpoint_url)
-    # everything that can fail without cost fails first
+    # everything that can fail without cost fails first, and before the lock, whose file is the
+    # first thing `up` writes
     instances.check_offered(ec2, [spec.master_type, *spec.instance_types])
     ami = instances.resolve_ami(spec, ssm)
+    instances.check_ami(ec2, ami, spec.root_volume_gb)
     cidr = spec.allowed_cidr or instances.caller_cidr()
-    before = {i.id for i in instances.find(ec2, spec.name)}
-    had_foundation = _foundation_exists(spec, ec2)
+    spec = spec.model_copy(update={"owner": caller_owner(spec.region, endpoint_url)})
+    with cluster_lock(spec.name):
+        return _build(spec, ec2, ami, cidr, endpoint_url, say, wait_timeout_s, wait_delay_s)
+
+
+def _build(
+    spec: ClusterSpec,
+    ec2: Any,
+    ami: str,
+    cidr: str,
+    endpoint_url: str | None,
+    say: Say,
+    wait_timeout_s: float,
+    wait_delay_s: float,
+) -> ClusterInfo:
+    """`up` once the checks passed, under the cluster's lock."""
+    made = _Made(
+        prefix=launch_prefix(spec.name),
+        had_foundation=_foundation_exists(spec, ec2),
+        had_entry=_entry(spec.name).exists(),
+    )
     try:
-        base = _ensure_foundation(spec, cidr, endpoint_url)
+        base = _ensure_foundation(spec, cidr, endpoint_url, made.created)
         _save(spec, endpoint_url)
         say(f"foundation ready: {base.vpc_id}, security group {base.security_group_id}")
         running = instances.find(ec2, spec.name)
         common = dict(
             subnet_by_az=base.subnet_by_az, security_group_id=base.security_group_id,
             instance_profile_arn=base.instance_profile_arn, ami=ami,
-            client_token_prefix=f"{spec.name}-{int(time.time())}",
+            client_token_prefix=made.prefix,
         )  # fmt: skip
         if not _by_role(running, "master"):
             say(f"launching the master ({spec.master_type})")
-            instances.launch(
+            master = instances.launch(
                 ec2, spec, role="master", count=1, spot=False,
                 instance_types=[spec.master_type], **common,
             )  # fmt: skip
+            made.launched += [i.id for i in master]
         missing = spec.workers - len(_by_role(running, "worker"))
         if missing > 0:
             market = "spot" if spec.spot else "on-demand"
             say(f"launching {missing} {market} workers ({', '.join(spec.instance_types)})")
-            instances.launch(
+            workers = instances.launch(
                 ec2, spec, role="worker", count=missing, spot=spec.spot,
                 instance_types=list(spec.instance_types), **common,
             )  # fmt: skip
+            made.launched += [i.id for i in workers]
         ids = [i.id for i in instances.find(ec2, spec.name)]
         ready = instances.wait_ready(ec2, ids, wait_timeout_s, delay_s=wait_delay_s)
     except BaseException as exc:
         try:
-            _undo(spec, ec2, before, had_foundation, endpoint_url, say)
+            _undo(spec, ec2, made, endpoint_url, say)
         except Exception as undo_exc:
             # the one case where something may be left running: say so, and what ends it
             why = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
@@ -198,49 +346,86 @@ def up(
     masters = _by_role(ready, "master")
     return ClusterInfo(
         spec.name, spec.region, masters[0] if masters else None, _by_role(ready, "worker"),
-        hourly_cost(spec, ec2),
+        instances.hourly_cost(ec2, ready),
     )  # fmt: skip
 
 
-def _undo(
-    spec: ClusterSpec,
-    ec2: Any,
-    before: set[str],
-    had_foundation: bool,
-    endpoint_url: str | None,
-    say: Say,
-) -> None:
-    """Remove what one `up` created: its instances, and the foundation if it made it."""
-    new = [i.id for i in instances.find(ec2, spec.name) if i.id not in before]
-    if new:
-        say(f"removing the {len(new)} instances this run launched")
-        instances.terminate(ec2, new, wait=True, delay_s=1.0)
-    if not had_foundation:
-        _destroy_foundation(spec, endpoint_url)
-        if not before:
-            _forget(spec.name)
+def _undo(spec: ClusterSpec, ec2: Any, made: _Made, endpoint_url: str | None, say: Say) -> None:
+    """Remove what one `up` made, and nothing else: the instances it launched (the ids
+    `launch` returned, and any carrying its unique ClientToken prefix: a launch whose answer a
+    Ctrl-C cut off), the foundation resources it created, and the registry entry it wrote.
+    Another `up` of the same cluster from another machine may have launched instances or made
+    the foundation meanwhile; those stay."""
+    ours = set(made.launched)
+    ours |= {i.id for i in instances.launched_with(ec2, spec.name, made.prefix)}
+    if ours:
+        say(f"removing the {len(ours)} instances this run launched")
+        instances.terminate(ec2, sorted(ours), wait=True, delay_s=1.0)
+    if spec.foundation == "terraform":
+        if not made.had_foundation:
+            # the lock keeps other `up`s on this machine out of the state this run applied
+            _destroy_foundation(spec, endpoint_url)
+    elif made.created:
+        foundation.destroy_boto3(spec, endpoint_url=endpoint_url, only=made.created)
+    if not made.had_entry:
+        _forget(spec.name, spec.region)
+        _remove_lock(spec.name)
+
+
+# --- down and status ---------------------------------------------------------------------------
+
+
+def _check_exists(spec: ClusterSpec, endpoint_url: str | None) -> None:
+    """Refuse `down` of a name that has nothing to take down: no registry entry, no Terraform
+    state and no tagged resource in the region. A typo or a wrong region must not read as
+    success while the real cluster runs on, so the error names the clusters that do exist."""
+    if _registered_in(spec.name, spec.region) or _has_terraform_state(spec):
+        return
+    found = sorted(tagged_clusters(spec.region, endpoint_url=endpoint_url))
+    if spec.name in found:
+        return
+    there = (
+        f"clusters there: {', '.join(found)}"
+        if found
+        else f"there are no sparknet clusters in {spec.region}"
+    )
+    raise ClusterNotFound(
+        f"no cluster {spec.name} in {spec.region} (no tagged resources, not registered here); "
+        f"{there}; check the name and --region"
+    )
 
 
 def down(
     spec: ClusterSpec, *, endpoint_url: str | None = None, say: Say = lambda _: None
 ) -> DownReport:
     """Terminate the cluster's instances (waiting until they are gone), delete its foundation,
-    and estimate what its instances cost. Works from tags alone."""
+    and estimate what its instances cost as they ran. Works from tags alone; holds the cluster's
+    lock; `ClusterNotFound` when there is nothing of that name to take down."""
     ec2 = instances.ec2_client(spec.region, endpoint_url)
-    found = instances.find(ec2, spec.name)
-    now = datetime.now(timezone.utc)
-    cost: float | None = 0.0
-    for inst in found:
-        price = instances.hourly_price(inst.type, inst.spot, inst.az, ec2)
-        if price is None or cost is None:
-            cost = None
-            continue
-        cost += price * max(0.0, (now - inst.launched_at).total_seconds()) / 3600
-    say(f"terminating {len(found)} instances")
-    terminated = instances.terminate_cluster(ec2, spec.name, wait=True, delay_s=1.0)
-    deleted = _destroy_foundation(spec, endpoint_url)
-    _forget(spec.name)
+    if not instances.find(ec2, spec.name):
+        _check_exists(spec, endpoint_url)  # before the lock: a typo leaves no file behind
+    with cluster_lock(spec.name):
+        found = instances.find(ec2, spec.name)
+        cost = lifetime_cost(ec2, found, datetime.now(timezone.utc))
+        say(f"terminating {len(found)} instances")
+        terminated = instances.terminate_cluster(ec2, spec.name, wait=True, delay_s=1.0)
+        deleted = _destroy_foundation(spec, endpoint_url)
+        _forget(spec.name, spec.region)
+        _remove_lock(spec.name)
     return DownReport(spec.name, terminated, deleted, cost)
+
+
+def lifetime_cost(ec2: Any, found: list[Instance], now: datetime) -> float | None:
+    """USD the instances cost from launch to `now` at their current hourly price (type, market,
+    EBS, public IPv4); None when any price is unknown."""
+    hourly_of = instances.hourly_costs(ec2, found)
+    total = 0.0
+    for inst in found:
+        hourly = hourly_of[inst.id].total
+        if hourly is None:
+            return None
+        total += hourly * max(0.0, (now - inst.launched_at).total_seconds()) / 3600
+    return total
 
 
 def status(spec: ClusterSpec, *, endpoint_url: str | None = None) -> ClusterInfo:
@@ -249,9 +434,11 @@ def status(spec: ClusterSpec, *, endpoint_url: str | None = None) -> ClusterInfo
     masters = _by_role(found, "master")
     return ClusterInfo(
         spec.name, spec.region, masters[0] if masters else None, _by_role(found, "worker"),
-        hourly_cost(spec, ec2) if found else None,
+        instances.hourly_cost(ec2, found),
     )  # fmt: skip
 
+
+# --- list and sweep ----------------------------------------------------------------------------
 
 #: (describe call, response key, id key, kind) of each tagged EC2 resource type of a foundation
 _TAGGED_EC2 = (
@@ -263,18 +450,35 @@ _TAGGED_EC2 = (
 )
 
 
-def tagged_resources(region: str, *, endpoint_url: str | None = None) -> dict[str, list[str]]:
-    """Every cluster with resources in `region` -> "kind:id" of each: live instances, the
-    foundation's network and security group (by the `sparknet:cluster` tag), and its IAM role
-    and instance profile (IAM is global: by the name that carries the region, then the tag).
-    The bucket is not listed: it outlives clusters."""
+@dataclass
+class TaggedCluster:
+    """A cluster as its tags show it: "kind:id" of each resource, and the owner tag values
+    seen on them (None for a resource without one: made before sparknet tagged owners)."""
+
+    name: str
+    items: list[str] = field(default_factory=list)
+    owners: set[str | None] = field(default_factory=set)
+
+    def owned_by(self, owner: str) -> bool:
+        """Every resource carries `owner`'s tag (none lacks one, none has another's)."""
+        return self.owners == {owner}
+
+
+def tagged_clusters(region: str, *, endpoint_url: str | None = None) -> dict[str, TaggedCluster]:
+    """Every cluster with resources in `region`: live instances, the foundation's network and
+    security group (by the `sparknet:cluster` tag), and its IAM role and instance profile (IAM
+    is global: by the name that carries the region, then the tag). The bucket is not listed:
+    it outlives clusters."""
     ec2 = instances.ec2_client(region, endpoint_url)
-    out: dict[str, list[str]] = {}
+    out: dict[str, TaggedCluster] = {}
 
     def add(tags: list[dict[str, str]], item: str) -> None:
-        name = {t["Key"]: t["Value"] for t in tags}.get(TAG_CLUSTER)
+        by_key = {t["Key"]: t["Value"] for t in tags}
+        name = by_key.get(TAG_CLUSTER)
         if name is not None:
-            out.setdefault(name, []).append(item)
+            cluster = out.setdefault(name, TaggedCluster(name))
+            cluster.items.append(item)
+            cluster.owners.add(by_key.get(TAG_OWNER))
 
     tag_key = {"Name": "tag-key", "Values": [TAG_CLUSTER]}
     live = {"Name": "instance-state-name", "Values": list(instances.LIVE_STATES)}
@@ -302,10 +506,12 @@ def tagged_resources(region: str, *, endpoint_url: str | None = None) -> dict[st
     return out
 
 
-def orphans(region: str, wanted: set[str], *, endpoint_url: str | None = None) -> dict:
-    """Clusters with resources in `region` that nobody wants (not in `wanted`) -> "kind:id"."""
+def orphans(
+    region: str, wanted: set[str], *, endpoint_url: str | None = None
+) -> dict[str, TaggedCluster]:
+    """Clusters with resources in `region` that nobody wants (not in `wanted`)."""
     return {
-        name: items
-        for name, items in tagged_resources(region, endpoint_url=endpoint_url).items()
+        name: cluster
+        for name, cluster in tagged_clusters(region, endpoint_url=endpoint_url).items()
         if name not in wanted
     }

@@ -3,6 +3,7 @@ after a failure or Ctrl-C in the middle of `up`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -39,7 +40,20 @@ def spec(moto_endpoint, tmp_path, monkeypatch):
         allowed_cidr="203.0.113.9/32", root_volume_gb=120,
     )  # fmt: skip
     yield spec
-    lifecycle.down(spec, endpoint_url=moto_endpoint)
+    with contextlib.suppress(lifecycle.ClusterNotFound):
+        lifecycle.down(spec, endpoint_url=moto_endpoint)
+
+
+def another_ami() -> str:
+    """A moto AMI other than the one the test's SSM parameter names (`--ami`, `AMI=`)."""
+    ssm = boto3.client("ssm", region_name=REGION)
+    default = ssm.get_parameter(Name=AMI_PARAMETER)["Parameter"]["Value"]
+    images = boto3.client("ec2", region_name=REGION).describe_images(Owners=["amazon"])["Images"]
+    return next(
+        i["ImageId"]
+        for i in images
+        if i["ImageId"] != default and instances.AMI_ID.fullmatch(i["ImageId"])
+    )
 
 
 def _left(spec: ClusterSpec) -> dict[str, int]:
@@ -167,7 +181,9 @@ def _kinds(items: list[str]) -> dict[str, int]:
 def test_orphans_list_every_tagged_resource_of_clusters_nobody_wants(spec, moto_endpoint):
     _up(spec, moto_endpoint)
     found = lifecycle.orphans(REGION, set(), endpoint_url=moto_endpoint)
-    kinds = _kinds(found[spec.name])
+    kinds = _kinds(found[spec.name].items)
+    # every resource carries the owner tag: moto's default caller made them all
+    assert found[spec.name].owners == {"arn:aws:sts::123456789012:user/moto"}
     assert kinds["instance"] == 3
     assert (kinds["vpc"], kinds["security-group"], kinds["internet-gateway"]) == (1, 1, 1)
     assert kinds["subnet"] >= 2 and kinds["route-table"] == 1
@@ -293,12 +309,16 @@ def test_make_cluster_up_and_down_with_settings_from_the_clusters_section(
             cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
         )  # fmt: skip
 
-    done = make("cluster-up", "WORKERS=1", "SPOT=1")
+    ec2 = boto3.client("ec2", region_name=REGION)
+    ami = another_ami()
+    done = make("cluster-up", "WORKERS=1", "SPOT=1", f"AMI={ami}")
     assert done.returncode == 0, done.stderr
     found = instances.find(instances.ec2_client(REGION, moto_endpoint), spec.name)
     assert [(i.role, i.type, i.spot) for i in found] == [
         ("master", "g5.xlarge", False), ("worker", "g4dn.xlarge", True)
     ]  # fmt: skip
+    raws = ec2.describe_instances(InstanceIds=[i.id for i in found])["Reservations"]
+    assert {i["ImageId"] for r in raws for i in r["Instances"]} == {ami}
     gone = make("cluster-down")
     assert gone.returncode == 0, gone.stderr
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
