@@ -68,7 +68,7 @@ def test_known_regions_come_from_botocore_without_a_call():
     [
         ({"region": "us-east-9"}, ["'us-east-9' is not an AWS region", "us-east-1, us-east-2"]),
         ({"region": "moon-1"}, ["'moon-1' is not an AWS region", "like us-east-1"]),
-        ({"allowed_cidr": "0.0.0.0/0"}, ["not be open to all addresses"]),
+        ({"allowed_cidr": "0.0.0.0/0"}, ["is open to 4,294,967,296 addresses", "/16 or narrower"]),
         ({"allowed_cidr": "300.1.2.3/32"}, ["not an IPv4 CIDR"]),
         ({"vpc_id": "vpc-1"}, ["vpc_id and subnet_ids go together"]),
     ],
@@ -91,7 +91,7 @@ def test_cluster_spec_normalises_an_address_to_its_network():
     ("args", "message"),
     [
         (["up", "c1", "--region", "us-east-9", "--allowed-cidr", "1.2.3.4/32"], "us-east-9"),
-        (["up", "c1", "--allowed-cidr", "0.0.0.0/0"], "all addresses (/0)"),
+        (["up", "c1", "--allowed-cidr", "0.0.0.0/0"], "/16 or narrower"),
         (["down", "c1", "--region", "mars-1"], "'mars-1' is not an AWS region"),
         (["list", "--region", "xx-north-4"], "'xx-north-4' is not an AWS region"),
         (["sweep", "--region", "xx-north-4"], "'xx-north-4' is not an AWS region"),
