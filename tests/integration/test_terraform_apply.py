@@ -38,11 +38,14 @@ CIDR = "203.0.113.7/32"
 OWNER = "arn:aws:iam::123456789012:user/alice"
 LOCK_FILE = ".terraform.lock.hcl"
 
-pytestmark = pytest.mark.skipif(
-    not (PLUGIN_DIR / "registry.terraform.io" / "hashicorp" / "aws").is_dir(),
-    reason=f"no hashicorp/aws provider in {PLUGIN_DIR} (set SPARKNET_TF_PLUGIN_DIR to a directory "
-    "holding registry.terraform.io/hashicorp/aws): infra/ cannot be applied offline",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (PLUGIN_DIR / "registry.terraform.io" / "hashicorp" / "aws").is_dir(),
+        reason=f"no hashicorp/aws provider in {PLUGIN_DIR} (set SPARKNET_TF_PLUGIN_DIR to a "
+        "directory holding registry.terraform.io/hashicorp/aws): infra/ cannot be applied offline",
+    ),
+]
 
 
 def provider_override(endpoint: str) -> str:
