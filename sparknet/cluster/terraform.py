@@ -105,9 +105,17 @@ class TerraformRunner:
         backend = self.backend_config
         if backend is None:
             backend = {"path": str(self.state_dir / STATE_FILE)}
-        extra = {"plugin_dir": str(self.plugin_dir)} if self.plugin_dir else {}
-        # reconfigure=None: a changed backend fails loudly instead of silently leaving state behind
-        self._run("init", backend_config=backend, reconfigure=None, input=False, **extra)
+        if self.plugin_dir is None:
+            # reconfigure=None: a changed backend fails loudly instead of leaving state behind
+            self._run("init", backend_config=backend, reconfigure=None, input=False)
+            return
+        try:
+            self._run(
+                "init", backend_config=backend, reconfigure=None, input=False,
+                plugin_dir=str(self.plugin_dir),
+            )  # fmt: skip
+        except SparknetError as exc:
+            raise SparknetError(f"{exc} (providers only from {self.plugin_dir})") from exc
 
     def _var_file(self, variables: Mapping[str, Any]) -> str:
         """`variables` as a JSON var-file in the state dir: lists, maps and bools reach Terraform

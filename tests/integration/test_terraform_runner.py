@@ -154,3 +154,21 @@ def test_first_error_without_a_diagnostic_names_the_exit_code() -> None:
     )
     assert first_error("panic: runtime error\n", 2) == "exit code 2: panic: runtime error"
     assert first_error("", 3) == "exit code 3"
+
+
+def test_plugin_dir_is_where_init_looks_for_providers(tmp_path) -> None:
+    """With `plugin_dir`, init takes providers from that directory only (no registry): a
+    provider missing there is a one-line error that names the directory, at once."""
+    module = tmp_path / "needs-aws"
+    module.mkdir()
+    (module / "main.tf").write_text(
+        'terraform {\n  required_providers {\n    aws = { source = "hashicorp/aws" }\n  }\n}\n'
+    )
+    empty = tmp_path / "no-plugins"
+    empty.mkdir()
+    runner = TerraformRunner(module, tmp_path / "state", plugin_dir=empty)
+    with pytest.raises(SparknetError, match=r"^terraform init failed: .*hashicorp/aws") as err:
+        runner.init()
+    message = str(err.value)
+    assert "not found in any of the search locations" in message  # not the registry's answer
+    assert message.endswith(f"(providers only from {empty})") and "\n" not in message
