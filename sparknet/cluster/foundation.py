@@ -497,11 +497,6 @@ def permissions(direction: str, group_id: str, allowed_cidr: str) -> list[dict[s
     return out
 
 
-def ingress_permissions(group_id: str, allowed_cidr: str) -> list[dict[str, Any]]:
-    """The shared ingress rules as EC2 IpPermissions for this group and SSH source."""
-    return permissions("ingress", group_id, allowed_cidr)
-
-
 #: the source lists of an IpPermission and the field that names each source
 _SOURCES = {
     "IpRanges": "CidrIp",
