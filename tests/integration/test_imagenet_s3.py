@@ -339,3 +339,19 @@ def test_shard_cli_names_the_images_it_left_out(tree, tmp_path):
     manifest = Manifest.loads((tmp_path / "ds" / MANIFEST_NAME).read_text(), "m")
     assert [r.path for r in manifest.rejected] == [str(bad)]
     assert manifest.samples("train") == CLASSES * 60 - 1
+
+
+def test_a_local_shard_changed_at_its_size_fails_the_run_naming_it(spark, shards, tmp_path):
+    """It used to train to rc 0, its samples counted as skipped."""
+    ds = tmp_path / "ds"
+    shutil.copytree(shards, ds)
+    victim = Manifest.loads((ds / MANIFEST_NAME).read_text(), "m").shards("train")[0]
+    data = bytearray((ds / victim.name).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (ds / victim.name).write_bytes(bytes(data))
+    cfg = TrainConfig(data=str(ds), rounds=2, eval_every=0, loader_workers=0, cache_gb=0,
+                      out=tmp_path / "run", **FAST)  # fmt: skip
+    with pytest.raises(SparknetError) as exc:
+        train(cfg, spark=spark)
+    text = str(exc.value)
+    assert victim.name in text and "sha256" in text and "sparknet data verify" in text, text
