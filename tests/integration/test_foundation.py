@@ -507,3 +507,21 @@ def test_the_vpcs_default_group_is_emptied_and_never_deleted(spec, moto_endpoint
         )
         == []
     )
+
+
+def test_zones_are_asked_for_regular_zones_only(spec, moto_endpoint):
+    """Local and wavelength zones lack most GPU types: the zone query asks for zone-type
+    availability-zone, as infra/'s data source does. moto has no local zones, so the request
+    the real client sends is what is checked."""
+    from sparknet.cluster.foundation import _Boto3Foundation
+
+    f = _Boto3Foundation(spec, moto_endpoint)
+    sent: list[dict] = []
+    f.ec2.meta.events.register(
+        "provide-client-params.ec2.DescribeAvailabilityZones",
+        lambda params, **_: sent.append(params),
+    )
+    zones = f.zones()
+    assert len(zones) == 3
+    (params,) = sent
+    assert {"Name": "zone-type", "Values": ["availability-zone"]} in params["Filters"]
