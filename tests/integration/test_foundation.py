@@ -260,10 +260,17 @@ def _everything(ec2, iam, spec: ClusterSpec) -> dict[str, int]:
     endpoints = ec2.describe_vpc_endpoints(Filters=filters)["VpcEndpoints"]
     counts["vpc-endpoint"] = sum(e["State"].lower() != "deleted" for e in endpoints)
     name = node_role_name(spec)
-    counts["iam-role"] = int(any(r["RoleName"] == name for r in iam.list_roles()["Roles"]))
-    profiles = iam.list_instance_profiles()["InstanceProfiles"]
-    counts["instance-profile"] = int(any(p["InstanceProfileName"] == name for p in profiles))
+    counts["iam-role"] = _exists(iam.get_role, iam, RoleName=name)
+    counts["instance-profile"] = _exists(iam.get_instance_profile, iam, InstanceProfileName=name)
     return counts
+
+
+def _exists(call, iam, **kwargs) -> int:
+    try:
+        call(**kwargs)
+    except iam.exceptions.NoSuchEntityException:
+        return 0
+    return 1
 
 
 def test_destroy_only_removes_exactly_what_one_call_created(spec, moto_endpoint):

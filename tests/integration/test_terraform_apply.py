@@ -295,4 +295,5 @@ def test_destroy_leaves_nothing_of_the_cluster(applied, moto_endpoint) -> None:
     assert ec2.describe_vpcs(Filters=tagged)["Vpcs"] == []
     assert ec2.describe_security_groups(Filters=tagged)["SecurityGroups"] == []
     iam = boto3.client("iam", region_name=REGION)
-    assert node_role_name(spec) not in [r["RoleName"] for r in iam.list_roles()["Roles"]]
+    with pytest.raises(iam.exceptions.NoSuchEntityException):
+        iam.get_role(RoleName=node_role_name(spec))
