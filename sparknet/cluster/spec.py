@@ -24,8 +24,9 @@ TAG_OWNER = "sparknet:owner"
 TAG_VALUE_MAX = 256
 _TAG_VALUE_BAD = re.compile(r"[^\w .:/=+\-@]")  # \w: letters, digits and _
 
-#: the narrowest SSH source sparknet refuses: wider than these is "open to the internet"
-MIN_SSH_PREFIX = {4: 16, 6: 48}
+#: the widest SSH source sparknet accepts (as infra/variables.tf): a /15 or wider opens SSH to a
+#: large part of the internet. IPv6 sources are refused whole: the cluster's network has no IPv6.
+MIN_SSH_PREFIX = 16
 
 #: the AWS Deep Learning AMI (GPU drivers, CUDA, Docker) for Ubuntu 22.04, newest release
 DEFAULT_AMI_PARAMETER = (
@@ -118,8 +119,7 @@ class ClusterSpec(BaseModel):
 def check_ssh_cidr(cidr: str) -> str:
     """`cidr` as a normalized IPv4 network no wider than /16, as `infra/variables.tf` checks it.
 
-    The cluster's VPC has no IPv6, so an IPv6 source could reach nothing and is refused too (an
-    IPv6 rule would also need at least /48). A /15 or wider is a large part of the internet.
+    The cluster's VPC has no IPv6, so an IPv6 source could reach nothing and is refused too.
     """
     try:
         net = ipaddress.ip_network(cidr, strict=False)
@@ -130,10 +130,10 @@ def check_ssh_cidr(cidr: str) -> str:
             f"{cidr!r} is IPv6; the cluster's network is IPv4 only: give an IPv4 CIDR such as "
             "203.0.113.7/32"
         )
-    if net.prefixlen < MIN_SSH_PREFIX[4]:
+    if net.prefixlen < MIN_SSH_PREFIX:
         raise ValueError(
             f"SSH from {net} is open to {net.num_addresses:,} addresses; give your own /32 or "
-            f"a network of /{MIN_SSH_PREFIX[4]} or narrower"
+            f"a network of /{MIN_SSH_PREFIX} or narrower"
         )
     return str(net)
 
