@@ -173,7 +173,10 @@ def cluster_down(
     for item in report.deleted:
         print(f"deleted {item}")
     cost = "unknown" if report.cost_usd is None else f"${report.cost_usd:.2f}"
-    print(f"cluster {name} is down; its instances cost about {cost}")
+    print(
+        f"cluster {name} is down; its instances (with their volumes and public addresses) "
+        f"cost about {cost}"
+    )
 
 
 @cluster_app.command("status")

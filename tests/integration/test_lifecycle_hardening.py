@@ -115,8 +115,12 @@ def test_a_killed_up_leaves_no_stale_lock(spec, moto_endpoint, tmp_path):
     assert _left(spec) == INTACT
 
 
-def test_the_lock_refuses_while_held_and_is_free_after_its_holder_is_killed(spec, tmp_path):
-    """The lock itself, held by another real process (which then dies by SIGKILL)."""
+def test_the_lock_refuses_while_held_and_is_free_after_its_holder_is_killed(
+    spec, moto_endpoint, tmp_path
+):
+    """The lock, held by another real process (which then dies by SIGKILL): `down` of the
+    cluster meanwhile refuses and deletes nothing."""
+    _up(spec, moto_endpoint)
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, time\nfrom sparknet.cluster import lifecycle\n"
@@ -125,6 +129,9 @@ def test_the_lock_refuses_while_held_and_is_free_after_its_holder_is_killed(spec
         env=os.environ.copy(), stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(lifecycle.ClusterBusy, match=f"PID {holder.pid}"):
+        lifecycle.down(spec, endpoint_url=moto_endpoint)
+    assert _left(spec) == INTACT
     with (
         pytest.raises(lifecycle.ClusterBusy, match=f"PID {holder.pid}"),
         lifecycle.cluster_lock(spec.name),
