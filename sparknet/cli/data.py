@@ -49,7 +49,7 @@ def data_shard(
     shard_mb: int = typer.Option(256, "--shard-mb", min=1, help="target shard size (MiB)"),
     seed: int = typer.Option(0, help="seed of the shuffle that mixes classes across shards"),
     processes: int | None = typer.Option(
-        None, help="default: one per core, one for a small tree (under 32 MiB)"
+        None, help="writer processes; default: one thread per core (no process start-up cost)"
     ),
     debug: bool = DebugOption,
 ) -> None:
