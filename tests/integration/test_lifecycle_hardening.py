@@ -179,6 +179,25 @@ def test_a_failed_up_removes_only_what_it_made_not_what_another_up_added(
     assert spec.name not in lifecycle.registered()
 
 
+def test_ctrl_c_after_a_launch_whose_answer_was_lost_still_removes_its_instances(
+    spec, moto_endpoint, monkeypatch
+):
+    """Ctrl-C lands after RunInstances launched the workers but before `launch` returned their
+    ids to `up`: the clean-up finds them by this run's own ClientToken prefix."""
+    real_launch = instances.launch
+
+    def launch_then_interrupt(*args, **kwargs):
+        launched = real_launch(*args, **kwargs)
+        if kwargs["role"] == "worker":
+            raise KeyboardInterrupt
+        return launched
+
+    monkeypatch.setattr(instances, "launch", launch_then_interrupt)
+    with pytest.raises(SparknetError, match="interrupted"):
+        _up(spec, moto_endpoint)
+    assert _left(spec) == GONE
+
+
 # --- point 8: owners ---------------------------------------------------------------------------
 
 
