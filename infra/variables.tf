@@ -90,8 +90,8 @@ variable "bucket" {
   type        = string
 
   validation {
-    condition     = can(regex("^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", var.bucket)) && !strcontains(var.bucket, "..")
-    error_message = "bucket must be an S3 bucket name: 3-63 of a-z, 0-9, '.', '-', starting and ending with a letter or digit."
+    condition     = can(regex("^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$", var.bucket)) && !can(regex("\\.\\.|\\.-|-\\.|^\\d+\\.\\d+\\.\\d+\\.\\d+$|^(xn--|sthree-|amzn-s3-demo-)|(-s3alias|--ol-s3|\\.mrap|--x-s3|--table-s3)$", var.bucket))
+    error_message = "bucket must be an S3 bucket name: 3-63 of a-z, 0-9, '.', '-', starting and ending with a letter or digit, no '..', '.-' or '-.', not an IP address, none of S3's reserved prefixes (xn--, sthree-, amzn-s3-demo-) or suffixes (-s3alias, --ol-s3, .mrap, --x-s3, --table-s3)."
   }
 }
 
