@@ -6,10 +6,16 @@ so data from SQL, a table or any query trains with no copy to another system.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from sparknet.config import load_train_config
+from sparknet.errors import SparknetError
 from sparknet.training.driver import FrameInput, RunResult, train
+
+#: a CLI flag in a message, and the value that follows it (a number, a path, a placeholder)
+_FLAG = re.compile(r"--([a-z][a-z0-9-]*)(?: ([0-9/.~'][^\s;:,]*|[A-Z]+\b))?")
+_SWITCHES = {"resume", "allow-change"}
 
 
 def fit(
@@ -20,6 +26,7 @@ def fit(
     eval_df=None,
     feature_shape: tuple[int, ...] | None = None,
     resume: bool = False,
+    allow_change: bool = False,
     **settings: Any,
 ) -> RunResult:
     """Train `settings["model"]` (default `cnn`) on `df` with synchronized local SGD.
@@ -32,6 +39,8 @@ def fit(
         eval_df: a frame of the same columns to report test loss, top-1 and top-5 on.
         feature_shape: the shape each feature array is reshaped to (default: flat).
         resume: continue the run in `settings["out"]` from its last checkpoint.
+        allow_change: with `resume`, accept settings that change the weights (`workers`, `lr`,
+            ...); recorded in metrics.jsonl.
         settings: any `sparknet train` setting (`workers`, `tau`, `rounds`, `lr`, ...).
 
     Runs on `df`'s own Spark session, which it leaves running. Example::
@@ -40,6 +49,25 @@ def fit(
         print(result.final["eval_accuracy"])
     """
     flags = {**settings, "label_col": label_col, "input_col": input_col, "data": "dataframe"}
-    cfg = load_train_config(flags=flags, environ={})
-    frames = FrameInput(df, eval_df, feature_shape)
-    return train(cfg, resume=resume, spark=df.sparkSession, frames=frames)
+    try:
+        cfg = load_train_config(flags=flags, environ={})
+        frames = FrameInput(df, eval_df, feature_shape)
+        return train(
+            cfg, resume=resume, spark=df.sparkSession, frames=frames, allow_change=allow_change
+        )
+    except SparknetError as exc:
+        raise SparknetError(as_fit_arguments(str(exc))) from exc
+
+
+def as_fit_arguments(message: str) -> str:
+    """The message with every CLI flag spelt as the `fit()` argument it is (`--label-col` ->
+    `label_col=`, `--workers 5` -> `workers=5`, `--resume` -> `resume=True`)."""
+
+    def spell(m: re.Match) -> str:
+        name = m.group(1)
+        if name in _SWITCHES:
+            arg = f"{name.replace('-', '_')}=True"
+            return f"{arg} {m.group(2)}" if m.group(2) else arg
+        return f"{name.replace('-', '_')}={m.group(2) or ''}"
+
+    return _FLAG.sub(spell, message)

@@ -79,9 +79,11 @@ class TrainConfig(BaseModel):
     out: Path | None = Field(None, description="run dir; default runs/<model>-<data>-<time>")
     master: str | None = Field(None, description="Spark master; default embedded local[cores,4]")
     transport: Literal["spark"] = "spark"
+    #: a test drill, not a user setting: never written to config.yaml (nor carried by --resume)
     fail_once: str | None = Field(
         None,
         pattern=r"^\d+:\d+$",
+        exclude=True,
         description="fault drill 'ROUND:PARTITION': that task's first attempt raises mid-round",
     )
 
@@ -116,6 +118,21 @@ class TrainConfig(BaseModel):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump({"train": self.model_dump(mode="json")}, sort_keys=False)
+
+    def trajectory_changes(self, before: TrainConfig) -> dict[str, tuple[Any, Any]]:
+        """{setting: (before, now)} for the settings whose change alters what a resumed run
+        computes; `rounds`, evaluation, checkpoints and where it runs may change freely."""
+        old, new = before.model_dump(mode="json"), self.model_dump(mode="json")
+        return {k: (old[k], new[k]) for k in TRAJECTORY_SETTINGS if old[k] != new[k]}
+
+
+#: the settings that decide the weights a run computes, round by round; resuming with any of them
+#: changed would break the promise that a resumed run equals an uninterrupted one
+TRAJECTORY_SETTINGS = (
+    "model", "num_classes", "data", "label_col", "input_col", "image_size", "workers", "tau",
+    "batch_size", "optimizer", "lr", "momentum", "weight_decay", "outer", "outer_lr",
+    "outer_momentum", "inner_state", "seed",
+)  # fmt: skip
 
 
 class DatasetEntry(BaseModel):
@@ -171,6 +188,11 @@ def read_section(path: Path, section: str) -> dict[str, Any]:
     return _read_yaml_section(path, section)
 
 
+#: the top-level sections a settings file may hold; anything else is a typo that would otherwise
+#: leave a whole section silently at its defaults
+SECTIONS = ("train", "datasets", "clusters")
+
+
 def _read_yaml_section(path: Path, section: str) -> dict[str, Any]:
     try:
         doc = yaml.safe_load(path.read_text()) or {}
@@ -180,6 +202,12 @@ def _read_yaml_section(path: Path, section: str) -> dict[str, Any]:
         raise SparknetError(f"config file {path} is not valid YAML: {exc}".splitlines()[0]) from exc
     if not isinstance(doc, dict) or not isinstance(doc.get(section, {}), dict):
         raise SparknetError(f"config file {path}: expected a mapping with a '{section}:' section")
+    unknown = [str(key) for key in doc if key not in SECTIONS]
+    if unknown:
+        raise SparknetError(
+            f"config file {path}: unknown section '{unknown[0]}:'; the sections are "
+            f"{', '.join(s + ':' for s in SECTIONS)}"
+        )
     return dict(doc.get(section) or {})
 
 

@@ -12,6 +12,7 @@ from torch.utils.data import TensorDataset
 
 from sparknet.config import TrainConfig
 from sparknet.data.sources import batch_indices, digits
+from sparknet.errors import PermanentTaskError
 from sparknet.models import build_model
 
 IDENTICAL_LABEL = 3
@@ -107,3 +108,35 @@ def poisoned_digits() -> tuple[TensorDataset, TensorDataset]:
     x = train.tensors[0].clone()
     x[poisoned_index()] = float("nan")
     return TensorDataset(x, train.tensors[1]), test
+
+
+class _UnreadableAfterFirst(torch.utils.data.Dataset):
+    """A dataset whose every sample but the first (the driver's dry run) cannot heal."""
+
+    def __init__(self, inner: TensorDataset) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        if i != 0:
+            raise PermanentTaskError(f"sample {i} differs from the manifest")
+        return self.inner[i]
+
+
+def unhealable_digits() -> tuple[torch.utils.data.Dataset, TensorDataset]:
+    """The digits, but a worker's first batch raises PermanentTaskError (as a changed shard)."""
+    train, test = digits()
+    return _UnreadableAfterFirst(train), test
+
+
+def failed_tasks(sc, group: str) -> int:
+    """Task attempts that failed in the jobs of Spark job group `group`."""
+    tracker = sc.statusTracker()
+    return sum(
+        tracker.getStageInfo(stage).numFailedTasks
+        for job in tracker.getJobIdsForGroup(group)
+        for stage in tracker.getJobInfo(job).stageIds
+        if tracker.getStageInfo(stage) is not None
+    )

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import signal
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -19,5 +25,44 @@ def fail(exc: BaseException, debug: bool, code: int = 2) -> None:
     """One line that says what to fix, exit `code`; the traceback only with --debug."""
     if debug:
         raise exc
-    print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+    print(f"error: {first_line(exc)}", file=sys.stderr)
     raise typer.Exit(code)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of the message (some begin with a newline), else the type."""
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+
+
+@dataclass
+class Caught:
+    """The signal that interrupted a command; None until one arrives."""
+
+    signum: int | None = None
+
+
+@contextlib.contextmanager
+def interrupts(caught: Caught) -> Iterator[Caught]:
+    """SIGTERM (`kill`, a CI timeout, `docker stop`) unwinds like Ctrl-C: KeyboardInterrupt, so
+    `finally` blocks stop Spark and remove partial files; `caught.signum` says which it was."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        caught.signum = signum
+        raise KeyboardInterrupt
+
+    wanted = (signal.SIGINT, signal.SIGTERM)
+    before = {sig: signal.signal(sig, interrupt) for sig in wanted}
+    try:
+        yield caught
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def quiet_py4j() -> None:
+    """py4j logs every call that an interrupt cuts short with `logging.exception` on the root
+    logger (pages of tracebacks under the one `error: interrupted` line): drop its records."""
+    logging.getLogger().addFilter(lambda record: "py4j" not in record.pathname)
+    py4j = logging.getLogger("py4j")  # its own loggers too ("py4j.clientserver")
+    py4j.addHandler(logging.NullHandler())
+    py4j.propagate = False

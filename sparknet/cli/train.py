@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sparknet.cli.common import console, fail
+from sparknet.cli.common import Caught, console, fail, interrupts, quiet_py4j
 from sparknet.config import find_config_file, load_datasets, load_train_config, read_run_config
 from sparknet.errors import SparknetError
 
@@ -76,12 +78,22 @@ def train(
     checkpoint_every: int | None = typer.Option(None, help="rounds; 0: only at the end"),
     out: Path | None = typer.Option(None, help="run dir; default runs/<model>-<data>-<time>"),
     resume: bool = typer.Option(False, help="continue the run in --out from its last checkpoint"),
+    allow_change: bool = typer.Option(
+        False,
+        help="with --resume: accept settings that change the weights (--workers, --lr, ...); "
+        "recorded in metrics.jsonl",
+    ),
     master: str | None = typer.Option(None, help="Spark master; default local[<cores>,4]"),
     transport: str | None = typer.Option(None, help="spark"),
     debug: bool = typer.Option(False, help="show tracebacks"),
 ) -> None:
     """Train a model with synchronized local SGD on Spark and write a run dir."""
-    flags = {k: v for k, v in locals().items() if k not in ("config", "set_", "resume", "debug")}
+    flags = {
+        k: v
+        for k, v in locals().items()
+        if k not in ("config", "set_", "resume", "allow_change", "debug")
+    }
+    caught = Caught()
     try:
         base = None
         if resume:
@@ -93,7 +105,44 @@ def train(
         datasets = load_datasets(config)
         from sparknet.training.driver import train as run_training
 
-        progress = Progress(
+        report = _Report(live=console.is_terminal)
+        if not debug:
+            quiet_py4j()
+        with interrupts(caught):
+            try:
+                result = run_training(
+                    cfg, resume=resume, on_start=report.start, on_round=report.round,
+                    on_status=report.status, datasets=datasets, allow_change=allow_change,
+                )  # fmt: skip
+            finally:
+                report.stop()
+        console.print(_summary(result))
+    except (KeyboardInterrupt, Exception) as exc:
+        # An interrupt can cut a JVM call short in a way that surfaces as a py4j error from the
+        # clean-up that follows (a call made while unwinding): once a signal came, it is the cause.
+        if isinstance(exc, KeyboardInterrupt) or caught.signum is not None:
+            signum = caught.signum or signal.SIGINT
+            how = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
+            fail(
+                SparknetError(
+                    f"interrupted{how}; Spark stopped, the last complete checkpoint is kept"
+                ),
+                debug,
+                code=128 + signum,
+            )
+        if isinstance(exc, SparknetError):
+            fail(exc, debug)
+        raise
+
+
+class _Report:
+    """Round progress on stderr: a live bar on a terminal; otherwise (a log file, CI, a pipe)
+    one plain line per event as it happens, since a bar there shows nothing until the end."""
+
+    def __init__(self, live: bool) -> None:
+        self.live = live
+        self.done, self.total = 0, 0
+        self.progress = Progress(
             TextColumn("[bold]round"),
             MofNCompleteColumn(),
             BarColumn(),
@@ -101,28 +150,43 @@ def train(
             TimeElapsedColumn(),
             console=console,
         )
-        bar = progress.add_task("train", start=False, info="starting Spark")
+        self.bar = self.progress.add_task("train", start=False, info="starting Spark")
+        self.shown = False
 
-        def on_start(done: int, total: int) -> None:
-            progress.update(bar, completed=done, total=total)
-            progress.start_task(bar)
-            progress.start()
+    def _show(self) -> None:
+        if self.live and not self.shown:
+            self.progress.start()
+            self.shown = True
 
-        def on_round(row: dict[str, Any]) -> None:
-            progress.update(bar, completed=row["round"], info=_fmt(row))
+    def start(self, done: int, total: int) -> None:
+        self.done, self.total = done, total
+        self.progress.update(self.bar, completed=done, total=total)
+        self.progress.start_task(self.bar)
+        self._show()
 
-        try:
-            result = run_training(
-                cfg, resume=resume, on_start=on_start, on_round=on_round, datasets=datasets
+    def status(self, text: str) -> None:
+        if text != "starting Spark":
+            text = f"round {self.done + 1} ({text})"
+        if not self.live:
+            _line(text)
+            return
+        self.progress.update(self.bar, info=text)
+        self._show()
+
+    def round(self, row: dict[str, Any]) -> None:
+        self.done = row["round"]
+        if self.live:
+            self.progress.update(self.bar, completed=row["round"], info=_fmt(row))
+        else:
+            _line(
+                f"round {row['round']}/{self.total}  {_fmt(row)}  {row['seconds']['total']:.1f} s"
             )
-        finally:
-            progress.stop()
-        console.print(_summary(result))
-    except SparknetError as exc:
-        fail(exc, debug)
-    except KeyboardInterrupt:
-        fail(
-            SparknetError("interrupted; Spark stopped, the last complete checkpoint is kept"),
-            debug,
-            code=130,
-        )
+
+    def stop(self) -> None:
+        """Close the bar; one never shown prints nothing (not even an empty line)."""
+        if self.shown:
+            self.progress.stop()
+
+
+def _line(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

@@ -167,6 +167,97 @@ def _kind(df, col: str, name: str) -> Literal["image", "features"]:
     )
 
 
+@dataclass(frozen=True)
+class FrameStats:
+    """What one pass over a frame on the executors found: rows, label range, feature length."""
+
+    rows: int
+    lo: int
+    hi: int
+    length: int | None  # feature arrays only
+
+
+def _label_type(df, label_col: str, name: str) -> bool:
+    """True for float labels (Spark ML's StringIndexer makes doubles): they must be integral."""
+    from pyspark.sql.types import FractionalType, IntegralType
+
+    dtype = df.schema[label_col].dataType
+    if isinstance(dtype, IntegralType):
+        return False
+    if isinstance(dtype, FractionalType):
+        return True
+    raise SparknetError(
+        f"{name}: label column {label_col!r} is {dtype.simpleString()}; it must hold class "
+        "indices (integers, or integral floats as StringIndexer makes)"
+    )
+
+
+def _check_frame(df, name: str, label_col: str, col: str, kind: str) -> FrameStats:
+    """Count `df` and check its labels and inputs in one aggregation on the executors."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import FractionalType
+
+    for c in (label_col, col):
+        if c not in df.columns:
+            flag = "--label-col" if c == label_col else "--input-col"
+            raise SparknetError(
+                f"{name} has no column {c!r} (it has: {', '.join(df.columns)}); set {flag}"
+            )
+    floats = _label_type(df, label_col, name)
+    if _kind(df, col, name) != kind:
+        raise SparknetError(f"{name}: column {col!r} must hold {kind} like the training frame's")
+    label, inputs = F.col(label_col), F.col(col)
+
+    def count(cond):
+        return F.sum(F.when(cond, 1).otherwise(0))
+
+    aggs = [
+        F.count(F.lit(1)).alias("n"),
+        F.min(label_col).alias("lo"),
+        F.max(label_col).alias("hi"),
+        count(label.isNull() | inputs.isNull()).alias("nulls"),
+        count((label != F.floor(label)) | F.isnan(label) if floats else F.lit(False)).alias("frac"),
+    ]
+    if kind == "features":
+        element = df.schema[col].dataType.elementType
+        bad = (lambda v: v.isNull() | F.isnan(v)) if isinstance(element, FractionalType) else (
+            lambda v: v.isNull()
+        )  # fmt: skip
+        aggs += [
+            F.min(F.size(col)).alias("min_len"),
+            F.max(F.size(col)).alias("max_len"),
+            count(F.exists(inputs, bad)).alias("bad_elements"),
+        ]
+    stats = df.agg(*aggs).first().asDict()  # one row of numbers, computed on the executors
+    if stats["n"] == 0:
+        raise SparknetError(f"{name} has no rows")
+    if stats["nulls"]:
+        raise SparknetError(
+            f"{name} has {stats['nulls']} rows with a null label or input; drop them"
+        )
+    if stats["frac"]:
+        raise SparknetError(
+            f"{name}: {stats['frac']} labels in {label_col!r} are not whole numbers; labels are "
+            "class indices"
+        )
+    if stats["lo"] < 0:
+        raise SparknetError(f"{name}: labels must be class indices >= 0, found {stats['lo']:g}")
+    length = None
+    if kind == "features":
+        if stats["bad_elements"]:
+            raise SparknetError(
+                f"{name}: {stats['bad_elements']} feature arrays in {col!r} hold null or NaN "
+                "elements; fill or drop them"
+            )
+        if stats["min_len"] != stats["max_len"]:
+            raise SparknetError(
+                f"{name}: feature arrays in {col!r} differ in length "
+                f"({stats['min_len']} to {stats['max_len']}); they must all be the same"
+            )
+        length = stats["max_len"]
+    return FrameStats(stats["n"], int(stats["lo"]), int(stats["hi"]), length)
+
+
 def prepare_frames(
     train_df,
     eval_df,
@@ -179,73 +270,48 @@ def prepare_frames(
     loader_workers: int | None,
     feature_shape: tuple[int, ...] | None = None,
     name: str = "the DataFrame",
+    eval_name: str = "the eval frame",
 ) -> tuple[FrameSource, Frames]:
-    """Check the frame's columns, count it on the executors, and persist it in K partitions."""
+    """Check both frames (columns, labels, inputs) on the executors before any training job,
+    and persist them in K partitions."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
-    from pyspark.sql.types import IntegralType
 
-    if label_col not in train_df.columns:
-        raise SparknetError(
-            f"{name} has no label column {label_col!r} (it has: {', '.join(train_df.columns)}); "
-            "set --label-col"
-        )
-    if not isinstance(train_df.schema[label_col].dataType, IntegralType):
-        raise SparknetError(f"{name}: label column {label_col!r} must hold integer class indices")
     col = _input_column(train_df, input_col, name)
     kind = _kind(train_df, col, name)
-    aggs = [
-        F.count(F.lit(1)).alias("n"),
-        F.min(label_col).alias("lo"),
-        F.max(label_col).alias("hi"),
-        F.sum(F.when(F.col(label_col).isNull() | F.col(col).isNull(), 1).otherwise(0)).alias(
-            "nulls"
-        ),
-    ]
+    stats = _check_frame(train_df, name, label_col, col, kind)
+    classes = num_classes or stats.hi + 1
+    if stats.hi >= classes:
+        raise SparknetError(f"{name}: label {stats.hi} is out of range for --num-classes {classes}")
     if kind == "features":
-        aggs += [F.min(F.size(col)).alias("min_len"), F.max(F.size(col)).alias("max_len")]
-    stats = train_df.agg(*aggs).first().asDict()  # one row of numbers, computed on the executors
-    n = stats["n"]
-    if n == 0:
-        raise SparknetError(f"{name} has no rows")
-    if stats["nulls"]:
-        raise SparknetError(
-            f"{name} has {stats['nulls']} rows with a null label or input; drop them"
-        )
-    if stats["lo"] < 0:
-        raise SparknetError(f"{name}: labels must be class indices >= 0, found {stats['lo']}")
-    classes = num_classes or stats["hi"] + 1
-    if stats["hi"] >= classes:
-        raise SparknetError(
-            f"{name}: label {stats['hi']} is out of range for --num-classes {classes}"
-        )
-    if kind == "features":
-        if stats["min_len"] != stats["max_len"]:
+        shape = feature_shape or (stats.length,)
+        if int(np.prod(shape)) != stats.length:
             raise SparknetError(
-                f"{name}: feature arrays in {col!r} differ in length "
-                f"({stats['min_len']} to {stats['max_len']}); they must all be the same"
-            )
-        shape = feature_shape or (stats["max_len"],)
-        if int(np.prod(shape)) != stats["max_len"]:
-            raise SparknetError(
-                f"{name}: feature shape {shape} does not hold {stats['max_len']} values"
+                f"{name}: feature shape {shape} does not hold {stats.length} values"
             )
     else:
         shape = (3, image_size, image_size)
-    if n < workers:
-        raise SparknetError(f"{name} has {n} rows, fewer than --workers {workers}")
+    if stats.rows < workers:
+        raise SparknetError(f"{name} has {stats.rows} rows, fewer than --workers {workers}")
+    if eval_df is not None:
+        held = _check_frame(eval_df, eval_name, label_col, col, kind)
+        if held.hi >= classes:
+            raise SparknetError(
+                f"{eval_name}: label {held.hi} is out of range for the {classes} classes of {name}"
+            )
+        if held.length != stats.length:
+            raise SparknetError(
+                f"{eval_name}: feature arrays in {col!r} hold {held.length} values, the training "
+                f"frame's {stats.length}"
+            )
     source = FrameSource(
-        label_col, col, kind, tuple(shape), classes, n, image_size, loader_workers, name
+        label_col, col, kind, tuple(shape), classes, stats.rows, image_size, loader_workers, name
     )
 
     def place(df):
-        return df.select(label_col, col).repartition(workers).persist(StorageLevel.MEMORY_AND_DISK)
+        # float labels (checked integral) travel as integers, like the rest
+        columns = [F.col(label_col).cast("long").alias(label_col), col]
+        return df.select(*columns).repartition(workers).persist(StorageLevel.MEMORY_AND_DISK)
 
     train = place(train_df)
-    evaluation = None
-    if eval_df is not None:
-        for c in (label_col, col):
-            if c not in eval_df.columns:
-                raise SparknetError(f"the eval frame has no column {c!r}")
-        evaluation = place(eval_df)
-    return source, Frames(train, evaluation)
+    return source, Frames(train, place(eval_df) if eval_df is not None else None)

@@ -9,7 +9,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sparknet.config import DatasetEntry, TrainConfig
+from sparknet.config import DatasetEntry, TrainConfig, read_run_config
 from sparknet.data.frames import Frames
 from sparknet.data.sources import Source, is_frame_spec, resolve_source
 from sparknet.errors import SparknetError
@@ -25,7 +25,7 @@ from sparknet.models import build_model, check_model_accepts
 from sparknet.training import checkpoint
 from sparknet.training.outer import OuterOptimizer, mean_update
 from sparknet.training.report import CURVES, MetricsLog, plot_curves
-from sparknet.training.session import start_session
+from sparknet.training.session import check_python_workers, start_session, stop_quietly
 from sparknet.training.state import StateLayout
 from sparknet.training.transport import SparkTransport
 from sparknet.training.worker import (
@@ -42,6 +42,8 @@ CONFIG_FILE = "config.yaml"
 RoundCallback = Callable[[dict[str, Any]], None]
 #: called once the run is validated and its dir opened: (rounds already done, rounds in all)
 StartCallback = Callable[[int, int], None]
+#: what the run is waiting for before its first round: "starting Spark", "starting Python workers"
+StatusCallback = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ def _frame_problem(cfg: TrainConfig, spark, frames: FrameInput) -> tuple[Problem
         input_col=cfg.input_col, num_classes=cfg.num_classes, image_size=cfg.image_size,
         loader_workers=cfg.loader_workers, feature_shape=frames.feature_shape,
         name=cfg.data if frames.train is None else "the DataFrame",
+        eval_name=cfg.eval_data if frames.eval is None else "eval_df",
     )  # fmt: skip
     try:
         return prepare(cfg, source), placed
@@ -122,16 +125,44 @@ def _write_config(run_dir: Path, cfg: TrainConfig) -> None:
 
 
 def _check_run_dir(cfg: TrainConfig, resume: bool) -> Path:
-    """The run dir, if it can be used as asked; created only once Spark is up."""
+    """The run dir, if it can be used as asked; created only once Spark is up.
+
+    A dir whose run ended before its first complete checkpoint holds nothing to resume, so a new
+    run may start over in it (without --resume)."""
     run_dir = Path(cfg.out)
+    for path in (run_dir, *run_dir.parents):
+        if path.exists() and not path.is_dir():
+            raise SparknetError(
+                f"--out {run_dir}: {path} is a file; choose a directory for the run"
+            )
     if resume:
         if not (run_dir / CONFIG_FILE).is_file():
             raise SparknetError(f"nothing to resume: {run_dir} is not a sparknet run dir")
     elif run_dir.exists() and any(run_dir.iterdir()):
-        raise SparknetError(
-            f"{run_dir} already holds a run; pass --resume to continue it or choose another --out"
-        )
+        unfinished = (run_dir / CONFIG_FILE).is_file() and checkpoint.latest(run_dir) is None
+        if not unfinished:
+            raise SparknetError(
+                f"{run_dir} already holds a run; pass --resume to continue it or choose another "
+                "--out"
+            )
     return run_dir
+
+
+def _resume_changes(cfg: TrainConfig, run_dir: Path, allow_change: bool) -> dict[str, Any]:
+    """What differs from the stored run in settings that decide the weights: refused, or with
+    --allow-change returned to be recorded in metrics.jsonl."""
+    try:
+        stored = TrainConfig(**read_run_config(run_dir))
+    except (ValueError, TypeError) as exc:
+        raise SparknetError(f"{run_dir / CONFIG_FILE} is not a config sparknet can resume") from exc
+    changes = cfg.trajectory_changes(stored)
+    if changes and not allow_change:
+        listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        raise SparknetError(
+            f"resuming {run_dir} would change {listed}, so it would no longer equal an "
+            "uninterrupted run; drop the change, or pass --allow-change to continue anyway"
+        )
+    return {k: {"stored": a, "now": b} for k, (a, b) in changes.items()}
 
 
 def _due(every: int, done: int, last: int) -> bool:
@@ -198,19 +229,25 @@ def train(
     spark=None,
     on_start: StartCallback | None = None,
     on_round: RoundCallback | None = None,
+    on_status: StatusCallback | None = None,
     datasets: dict[str, DatasetEntry] | None = None,
     frames: FrameInput | None = None,
+    allow_change: bool = False,
 ) -> RunResult:
     """Run (or resume) a training job; writes the run dir of design.md section 4.
 
     Everything that can be checked without Spark (settings, the run dir, a shard dataset's
     manifest, the model) is checked before Spark starts; a DataFrame is checked right after.
+    A resume may change `rounds` and what does not alter the weights; other changes are refused
+    unless `allow_change`, and then recorded in the first resumed round's metrics row.
     """
     if cfg.out is None:
         cfg = cfg.model_copy(update={"out": default_run_dir(cfg)})
     if frames is None and is_frame_spec(cfg.data):
         frames = FrameInput()
     run_dir = _check_run_dir(cfg, resume)
+    changes = _resume_changes(cfg, run_dir, allow_change) if resume else {}
+    status = on_status or (lambda _text: None)
     own_session = spark is None
     placed: Frames | None = None
     if frames is None:
@@ -218,29 +255,24 @@ def train(
         begin = _initial_state(cfg, problem, run_dir, resume)
         if on_start is not None:
             on_start(begin.rounds, cfg.rounds)
+    try:
         if own_session:
+            status("starting Spark")
             spark = start_session(cfg.master, cfg.workers)
-    else:
-        if own_session:
-            spark = start_session(cfg.master, cfg.workers)
-        try:
+        status("starting Python workers")
+        check_python_workers(spark, cfg.workers)
+        if frames is not None:
             problem, placed = _frame_problem(cfg, spark, frames)
             begin = _initial_state(cfg, problem, run_dir, resume)
-        except BaseException:
-            if placed is not None:
-                placed.release()
-            if own_session:
-                spark.stop()
-            raise
-        if on_start is not None:
-            on_start(begin.rounds, cfg.rounds)
-    try:
+            if on_start is not None:
+                on_start(begin.rounds, cfg.rounds)
+        begin.changes = changes
         return _run(cfg, problem, begin, run_dir, spark, own_session, placed, on_round)
     finally:
         if placed is not None:
             placed.release()
-        if own_session:
-            spark.stop()
+        if own_session and spark is not None:
+            stop_quietly(spark)
 
 
 @dataclass
@@ -252,6 +284,8 @@ class _Begin:
     integers: dict[str, np.ndarray]
     rounds: int
     elapsed_s: float
+    #: settings a resume changed with --allow-change: {name: {"stored": x, "now": y}}
+    changes: dict[str, Any] = field(default_factory=dict)
 
 
 def _initial_state(cfg: TrainConfig, problem: Problem, run_dir: Path, resume: bool) -> _Begin:
@@ -262,11 +296,14 @@ def _initial_state(cfg: TrainConfig, problem: Problem, run_dir: Path, resume: bo
         return _Begin(layout, outer, layout.integers(state), 0, 0.0)
     last = checkpoint.latest(run_dir)
     if last is None:
-        raise SparknetError(f"nothing to resume: {run_dir} has no complete checkpoint")
+        raise SparknetError(
+            f"nothing to resume: {run_dir} has no complete checkpoint; run again without --resume "
+            "to start it over"
+        )
     ckpt = checkpoint.load(last, layout)
     if ckpt.rounds >= cfg.rounds:
         raise SparknetError(
-            f"{run_dir} already ran {ckpt.rounds} rounds; pass --rounds > {ckpt.rounds}"
+            f"{run_dir} already ran {ckpt.rounds} rounds; pass --rounds N with N > {ckpt.rounds}"
         )
     outer = OuterOptimizer(ckpt.theta, cfg.outer_lr, cfg.outer_momentum)
     outer.load_momentum_buffer(ckpt.outer_momentum)
@@ -325,6 +362,8 @@ def _run(
                 )
                 row.update(_eval_row(ev))
             row["elapsed_s"] = elapsed0 + time.perf_counter() - t_start
+            if r == start and begin.changes:
+                row["resumed_with_changes"] = begin.changes
             if stage is not None:
                 checkpoint.write(
                     run_dir, done, layout, theta, integers, outer.momentum_buffer, row["elapsed_s"]
@@ -336,7 +375,7 @@ def _run(
     finally:
         if stage is not None:
             if own_session:
-                spark.stop()  # first: a cancelled task may still be writing into the stage
+                stop_quietly(spark)  # first: a cancelled task may still be writing into the stage
             shutil.rmtree(stage, ignore_errors=True)
 
     checkpoint.save_state_dict(layout.unflatten(theta, integers), run_dir / MODEL_FILE)

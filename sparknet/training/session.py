@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
+from py4j.protocol import Py4JError
 from pyspark.errors import PySparkException
 from pyspark.sql import SparkSession
 
@@ -85,7 +89,8 @@ def start_session(master: str | None, workers: int) -> SparkSession:
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # everything stays on loopback
         builder = builder.config("spark.task.cpus", str(task_cpus(master, workers)))
     try:
-        session = builder.getOrCreate()
+        with _keep_sigint_handler():
+            session = builder.getOrCreate()
     except PySparkException as exc:
         raise SparknetError(
             f"could not start Spark (master {master}): {str(exc).splitlines()[0]}; check that "
@@ -93,3 +98,60 @@ def start_session(master: str | None, workers: int) -> SparkSession:
         ) from exc
     session.sparkContext.setLogLevel("FATAL")  # failures reach the user as SparknetError
     return session
+
+
+@contextlib.contextmanager
+def _keep_sigint_handler():
+    """PySpark's SparkContext installs a SIGINT handler that calls into the JVM (cancelAllJobs)
+    from inside whatever JVM call Ctrl-C interrupted: py4j then logs pages of reentrancy
+    tracebacks. A session sparknet owns is stopped on any interrupt anyway, so the handler in
+    place before (Python's KeyboardInterrupt, or the CLI's) stays."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        yield
+    finally:
+        if main and before is not None:
+            signal.signal(signal.SIGINT, before)
+
+
+def stop_quietly(session: SparkSession) -> None:
+    """Stop a session sparknet started, in one piece after an interrupt too: cancel what still
+    runs, then mute the JVM's stderr, where stopping in the middle of a job prints stack traces
+    (RejectedExecutionException from futures that complete after their pool shut down). The
+    JVM may be gone already (SIGTERM to the process group): its py4j error must not replace
+    the interrupt the user sees."""
+    with contextlib.suppress(Exception):
+        session.sparkContext.cancelAllJobs()
+        jvm = session.sparkContext._jvm
+        jvm.System.setErr(jvm.java.io.PrintStream(jvm.java.io.OutputStream.nullOutputStream()))
+    with contextlib.suppress(Exception):
+        session.stop()
+
+
+def check_python_workers(spark: SparkSession, tasks: int) -> None:
+    """Fail before the first training job when Spark's Python workers cannot import sparknet
+    (a user's session started without PYSPARK_PYTHON runs them on `python3` from PATH), instead
+    of after every task's retries."""
+    sc = spark.sparkContext
+    # a lambda is pickled by value: unpickling it on the executors needs no sparknet
+    probe = lambda _: (  # noqa: E731
+        __import__("sys").executable,
+        __import__("importlib.util").util.find_spec("sparknet") is not None,
+    )
+    fix = (
+        "set PYSPARK_PYTHON (spark-submit: spark.pyspark.python) to a Python that has sparknet, "
+        f"e.g. {sys.executable}, before the SparkSession starts"
+    )
+    try:
+        found = sc.parallelize(range(tasks), tasks).map(probe).collect()
+    except (Py4JError, PySparkException) as exc:
+        first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise SparknetError(
+            f"Spark's Python workers did not start ({first.strip()}); {fix}"
+        ) from exc
+    missing = sorted({exe for exe, ok in found if not ok})
+    if missing:
+        raise SparknetError(
+            f"Spark's Python workers ({', '.join(missing)}) cannot import sparknet: {fix}"
+        )

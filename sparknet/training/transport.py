@@ -16,6 +16,7 @@ import pickle
 import re
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -23,7 +24,7 @@ from py4j.protocol import Py4JJavaError
 from pyspark import SparkContext, SparkFiles, TaskContext
 from pyspark.errors import PySparkException
 
-from sparknet.errors import SparknetError
+from sparknet.errors import PermanentTaskError, SparknetError
 
 R = TypeVar("R")
 
@@ -38,6 +39,38 @@ _EXC_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|F
 
 
 _WRAPPERS = {"Py4JJavaError", "PythonException", "SparkException", "PySparkRuntimeError"}
+
+
+@dataclass(frozen=True)
+class TaskFault:
+    """A `PermanentTaskError` handed back as a task's result instead of raised: Spark retries a
+    raised exception up to maxFailures times, and a retry cannot heal these."""
+
+    partition: int
+    message: str
+
+    @staticmethod
+    def of(partition: int, exc: PermanentTaskError) -> TaskFault:
+        # a DataLoader worker re-raises it with its traceback in the message: keep the cause line
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        mark = "PermanentTaskError: "
+        causes = [ln.split(mark, 1)[1] for ln in lines if mark in ln]
+        if causes:
+            return TaskFault(partition, causes[-1])
+        return TaskFault(partition, lines[0] if lines else type(exc).__name__)
+
+
+def _fault_first(combine: Callable[[R, R], R]) -> Callable:
+    """`combine`, except that a fault wins (the lowest partition's, as merges are ordered)."""
+
+    def merge(a, b):
+        if isinstance(a, TaskFault):
+            return a
+        if isinstance(b, TaskFault):
+            return b
+        return combine(a, b)
+
+    return merge
 
 
 def default_fan_in(partitions: int) -> int:
@@ -130,7 +163,10 @@ class SparkTransport:
                 threads = max(1, ctx.cpus()) if ctx else 1
                 attempt = ctx.attemptNumber() if ctx else 0
                 local_dir = SparkFiles.getRootDirectory()
-                return work(bc.value, index, attempt, threads, local_dir, rows)
+                try:
+                    return work(bc.value, index, attempt, threads, local_dir, rows)
+                except PermanentTaskError as exc:
+                    return TaskFault.of(index, exc)
 
             if frame is None:
 
@@ -141,11 +177,13 @@ class SparkTransport:
                 results = rdd.mapPartitionsWithIndex(run)
             else:
                 results = _map_frame(frame, call)
-            result = tree_reduce(results, combine, self.fan_in)
+            result = tree_reduce(results, _fault_first(combine), self.fan_in)
         except (Py4JJavaError, PySparkException) as exc:
             raise SparknetError(
                 f"a Spark task failed after all retries: {describe_task_failure(exc)}"
             ) from exc
         finally:
             bc.destroy()
+        if isinstance(result, TaskFault):
+            raise PermanentTaskError(result.message)
         return result, broadcast_s

@@ -13,6 +13,7 @@ from sparknet.training.worker import task_seed
 from tests.helpers import (
     assert_state_close,
     assert_state_equal,
+    failed_tasks,
     identical_samples,
     initial_model,
     load_run_model,
@@ -143,16 +144,6 @@ def test_same_seed_gives_identical_model_file(spark, tmp_path):
     assert not torch.equal(other["0.weight"], load_run_model(tmp_path / "a")["0.weight"])
 
 
-def _failed_tasks(sc, group: str) -> int:
-    tracker = sc.statusTracker()
-    return sum(
-        tracker.getStageInfo(stage).numFailedTasks
-        for job in tracker.getJobIdsForGroup(group)
-        for stage in tracker.getJobInfo(job).stageIds
-        if tracker.getStageInfo(stage) is not None
-    )
-
-
 def test_a_task_that_fails_once_is_retried_with_identical_result(spark, tmp_path):
     settings = dict(model="cnn", workers=2, tau=3, rounds=4, batch_size=16, momentum=0.9, seed=2)
     sc = spark.sparkContext
@@ -161,8 +152,8 @@ def test_a_task_that_fails_once_is_retried_with_identical_result(spark, tmp_path
     sc.setJobGroup("drill", "run with one failing task")
     retried = run(spark, tmp_path, "drill", fail_once="2:1", **settings)
     sc.setJobGroup("after", "")
-    assert _failed_tasks(sc, "clean") == 0
-    assert _failed_tasks(sc, "drill") == 1
+    assert failed_tasks(sc, "clean") == 0
+    assert failed_tasks(sc, "drill") == 1
     assert_state_equal(retried, clean)
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -103,32 +105,72 @@ def test_divergence_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_p
     assert not (out / "model.safetensors").exists()
 
 
-def test_ctrl_c_stops_spark_and_leaves_no_partial_checkpoint(tmp_path):
+ROUND_LINE = re.compile(
+    r"^round (\d+)/500  loss \d+\.\d{4}(  acc \d\.\d{3})?  \d+ samples/s  \d+\.\d s$"
+)
+
+
+class Lines:
+    """A pipe's lines as they arrive, read on a thread (a log file or CI sees the same)."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, prefix: str, proc: subprocess.Popen, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(ln.startswith(prefix) for ln in self.lines):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"no line {prefix!r} while running; stderr so far: {self.lines}")
+            time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("signum", "group", "code", "said"),
+    [
+        (signal.SIGINT, True, 130, "interrupted;"),  # Ctrl-C: the terminal signals the group
+        (signal.SIGTERM, False, 143, "interrupted (SIGTERM);"),  # `kill PID`, a CI timeout
+    ],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_rounds_stream_without_a_tty_and_a_signal_prints_one_line(
+    tmp_path, signum, group, code, said
+):
     out = tmp_path / "interrupted"
     proc = subprocess.Popen(
-        [str(SPARKNET), "train", "--rounds", "500", "--checkpoint-every", "1", "--out", str(out)],
+        [str(SPARKNET), "train", "--rounds", "500", "--tau", "2", "--eval-every", "2",
+         "--checkpoint-every", "1", "--out", str(out)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
+    err = Lines(proc.stderr)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            metrics = out / "metrics.jsonl"
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("training never got to round 2")
+        err.wait_for("round 2/500", proc, timeout=180)  # printed as it happens, not at the end
         spawned = descendants(proc.pid)
         assert any("java" in cmd for cmd in spawned.values())
         assert any("pyspark.daemon" in cmd for cmd in spawned.values())
-        os.kill(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        os.killpg(proc.pid, signum) if group else os.kill(proc.pid, signum)
+        proc.wait(timeout=60)
+        err.thread.join(timeout=10)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, stderr[-2000:]
-    assert "error: interrupted; Spark stopped" in stderr
+    lines = err.lines
+    assert proc.returncode == code, "\n".join(lines[-80:])
+    assert lines.index("starting Spark") < lines.index("round 1 (starting Python workers)")
+    rounds = [m for ln in lines if (m := ROUND_LINE.match(ln))]
+    assert [int(m.group(1)) for m in rounds] == list(range(1, len(rounds) + 1))
+    assert all(bool(m.group(2)) == (int(m.group(1)) % 2 == 0) for m in rounds), lines
+    # after the last round: the one line, no py4j, Python or Java traces
+    after = lines[lines.index(rounds[-1].group(0)) + 1 :]
+    assert after == [f"error: {said} Spark stopped, the last complete checkpoint is kept"]
+    text = "\n".join(lines)
+    assert "Traceback" not in text and "py4j" not in text and "Exception" not in text
     # the JVM and Spark's Python workers must not outlive the CLI
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(alive(pid) for pid in spawned):

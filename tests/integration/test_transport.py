@@ -7,8 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from sparknet.errors import SparknetError
-from sparknet.training.transport import SparkTransport, tree_reduce
+from sparknet.errors import PermanentTaskError, SparknetError
+from sparknet.training.transport import SparkTransport, TaskFault, tree_reduce
+from tests.helpers import failed_tasks
 
 
 def test_tree_reduce_merges_in_partition_order_at_every_level(sc):
@@ -75,3 +76,29 @@ def _threads(theta, partition, attempt, threads, local_dir, rows):
 def test_each_task_is_told_its_share_of_cores(sc):
     got, _ = SparkTransport(sc, 2).map_reduce(np.zeros(1, np.float32), _threads, list.__add__)
     assert got == [int(sc.getConf().get("spark.task.cpus"))] * 2
+
+
+def _unhealable(theta, partition, attempt, threads, local_dir, rows):
+    if partition == 1:
+        raise PermanentTaskError(f"shard of partition {partition}: sha256 differs")
+    return theta
+
+
+def test_a_permanent_fault_comes_back_in_band_and_is_never_retried(sc):
+    """local[2,2] retries a raised exception once; this one must reach the driver unretried."""
+    sc.setJobGroup("permanent", "a task that cannot heal")
+    try:
+        with pytest.raises(PermanentTaskError) as exc:
+            SparkTransport(sc, 3).map_reduce(np.zeros(2, np.float32), _unhealable, np.add)
+    finally:
+        sc.setJobGroup("after", "")
+    assert str(exc.value) == "shard of partition 1: sha256 differs"
+    assert failed_tasks(sc, "permanent") == 0
+
+
+def test_a_fault_re_raised_by_a_dataloader_keeps_its_cause_line():
+    wrapped = PermanentTaskError(
+        "Caught PermanentTaskError in DataLoader worker process 0.\nOriginal Traceback (most "
+        'recent call last):\n  File "x.py", line 1\nsparknet.errors.PermanentTaskError: bad shard'
+    )
+    assert TaskFault.of(0, wrapped).message == "bad shard"

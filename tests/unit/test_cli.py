@@ -5,7 +5,9 @@ import os
 import subprocess
 
 import pytest
+import typer
 
+from sparknet.errors import SparknetError
 from tests.conftest import REPO, SPARKNET
 
 
@@ -56,7 +58,11 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 def test_an_existing_run_dir_is_not_overwritten(tmp_path):
+    """A dir with a complete checkpoint holds a run (without one, a new run may start over)."""
     (tmp_path / "config.yaml").write_text("train: {}\n")
+    done = tmp_path / "checkpoints" / "round-00005"
+    done.mkdir(parents=True)
+    (done / "state.json").write_text('{"rounds": 5, "elapsed_s": 1.0}')
     proc = run_cli("train", "--out", str(tmp_path))
     assert proc.returncode == 2
     assert "already holds a run; pass --resume" in proc.stderr
@@ -81,9 +87,44 @@ def test_missing_java_is_one_line_and_writes_nothing(tmp_path):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2
-    lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith("round")]
+    progress = ("round", "starting Spark")  # plain progress lines: stderr is not a terminal
+    lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith(progress)]
     assert lines == [
         f"error: Spark needs Java 17+ and found JAVA_HOME={tmp_path / 'no-jdk'} has no bin/java: "
         "install it (e.g. apt-get install -y openjdk-17-jre-headless) or point JAVA_HOME at it"
     ]
     assert not out.exists()
+
+
+def test_fail_prints_the_first_non_empty_line(capsys):
+    from sparknet.cli.common import fail
+
+    with pytest.raises(typer.Exit) as exc:
+        fail(SparknetError("\n  the real message\nmore detail"), debug=False)
+    assert exc.value.exit_code == 2
+    assert capsys.readouterr().err == "error: the real message\n"
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["out-is-a-file", "out-under-a-file"])
+def test_out_on_a_file_is_one_line_exit_2(tmp_path, inside):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    out = blocker / "run" if inside else blocker
+    proc = run_cli("train", "--out", str(out))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"error: --out {out}: {blocker} is a file; choose a directory for the run"
+    ]
+    assert blocker.read_text() == "mine\n"
+
+
+def test_resume_with_other_workers_is_refused_before_spark(tmp_path):
+    from sparknet.config import TrainConfig
+
+    (tmp_path / "config.yaml").write_text(TrainConfig(workers=2, out=tmp_path).to_yaml())
+    proc = run_cli("train", "--out", str(tmp_path), "--resume", "--workers", "3", "--rounds", "40")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"error: resuming {tmp_path} would change workers 2 -> 3, so it would no longer equal an "
+        "uninterrupted run; drop the change, or pass --allow-change to continue anyway"
+    ]

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from sparknet.config import TrainConfig, load_train_config
+from sparknet.config import TrainConfig, load_datasets, load_train_config
 from sparknet.errors import SparknetError
 
 
@@ -53,3 +53,27 @@ def test_bad_settings_give_one_line(kwargs, message):
         load_train_config(environ={}, **kwargs)
     assert message in str(exc.value)
     assert "\n" not in str(exc.value)
+
+
+def test_a_misspelt_section_names_the_known_ones(tmp_path: Path):
+    cfg_file = tmp_path / "sparknet.yaml"
+    cfg_file.write_text("trian:\n  rounds: 3\n")
+    with pytest.raises(SparknetError) as exc:
+        load_train_config(config_file=cfg_file, environ={})
+    assert str(exc.value) == (
+        f"config file {cfg_file}: unknown section 'trian:'; the sections are "
+        "train:, datasets:, clusters:"
+    )
+    with pytest.raises(SparknetError, match="unknown section 'trian:'"):
+        load_datasets(cfg_file)
+
+
+def test_the_fault_drill_is_not_written_to_config_yaml():
+    assert "fail_once" not in TrainConfig(fail_once="1:0").to_yaml()
+
+
+def test_trajectory_changes_name_only_what_alters_the_weights():
+    before = TrainConfig(workers=2, rounds=5)
+    after = TrainConfig(workers=3, rounds=9, lr=0.1, eval_every=1, master="local[2]")
+    assert after.trajectory_changes(before) == {"workers": (2, 3), "lr": (0.05, 0.1)}
+    assert TrainConfig(rounds=50).trajectory_changes(before) == {}

@@ -1,0 +1,62 @@
+"""What a run dir allows next: a failed first round, a resume with changed settings, a fault
+that no retry can heal. Real local Spark (local[2,2]), small runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparknet.config import TrainConfig, load_train_config, read_run_config
+from sparknet.errors import SparknetError
+from sparknet.training.driver import train
+from sparknet.training.report import read_metrics
+from tests.helpers import failed_tasks
+
+SMALL = {"model": "mlp", "workers": 2, "tau": 1, "batch_size": 8, "eval_every": 0}
+
+
+def test_an_unhealable_fault_fails_at_once_and_the_dir_can_start_over(spark, tmp_path):
+    sc = spark.sparkContext
+    out = tmp_path / "run"
+    bad = TrainConfig(
+        data="tests.helpers:unhealable_digits", num_classes=10, rounds=3, out=out, **SMALL
+    )
+    sc.setJobGroup("unhealable", "a dataset whose samples cannot heal")
+    try:
+        with pytest.raises(SparknetError, match=r"^sample \d+ differs from the manifest$"):
+            train(bad, spark=spark)
+    finally:
+        sc.setJobGroup("after", "")
+    tracker = sc.statusTracker()
+    # the Python workers check, then round 1; nothing after (no eval, no round 2)
+    assert len(tracker.getJobIdsForGroup("unhealable")) == 2
+    assert failed_tasks(sc, "unhealable") == 0  # handed back in band: Spark retried nothing
+    assert (out / "config.yaml").is_file() and read_metrics(out) == []
+
+    with pytest.raises(SparknetError, match="no complete checkpoint; run again without --resume"):
+        train(bad, resume=True, spark=spark)
+    result = train(TrainConfig(rounds=1, out=out, **SMALL), spark=spark)
+    assert [r["round"] for r in result.metrics] == [1]
+    assert (out / "model.safetensors").is_file()
+
+
+def test_resume_refuses_a_changed_trajectory_unless_allowed(spark, tmp_path):
+    out = tmp_path / "run"
+    train(TrainConfig(rounds=2, checkpoint_every=0, out=out, **SMALL), spark=spark)
+
+    def resumed(**flags) -> TrainConfig:
+        return load_train_config(base=read_run_config(out), flags=flags, environ={})
+
+    with pytest.raises(SparknetError) as exc:
+        train(resumed(rounds=3, workers=3, lr=0.1), resume=True, spark=spark)
+    assert str(exc.value) == (
+        f"resuming {out} would change workers 2 -> 3, lr 0.05 -> 0.1, so it would no longer equal "
+        "an uninterrupted run; drop the change, or pass --allow-change to continue anyway"
+    )
+    assert [r["round"] for r in read_metrics(out)] == [1, 2]
+
+    result = train(resumed(rounds=3, workers=3), resume=True, spark=spark, allow_change=True)
+    rows = read_metrics(out)
+    assert [r["round"] for r in rows] == [1, 2, 3] == [r["round"] for r in result.metrics]
+    assert rows[2]["resumed_with_changes"] == {"workers": {"stored": 2, "now": 3}}
+    assert "resumed_with_changes" not in rows[1]
+    assert "workers: 3" in (out / "config.yaml").read_text()
