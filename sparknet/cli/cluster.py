@@ -18,6 +18,9 @@ from sparknet.errors import SparknetError
 
 cluster_app = typer.Typer(no_args_is_help=True, help="EC2 GPU clusters: up, down, status, list.")
 RegionOption = typer.Option(None, help="AWS region; default: the cluster's, else us-east-1")
+AnyOwnerOption = typer.Option(
+    False, "--any-owner", help="act on the cluster even if its sparknet:owner tag names another"
+)
 
 
 def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any]):
@@ -80,9 +83,9 @@ def _print_instances(info) -> None:
 def _fail(exc: SparknetError, debug: bool) -> None:
     """`fail` with exit 1 where the command was right but the cluster's state says no (busy,
     not there), and 2 for everything a user fixes in the command or settings."""
-    from sparknet.cluster.lifecycle import ClusterBusy, ClusterNotFound
+    from sparknet.cluster.lifecycle import ClusterBusy, ClusterNotFound, NotYours
 
-    fail(exc, debug, 1 if isinstance(exc, (ClusterBusy, ClusterNotFound)) else 2)
+    fail(exc, debug, 1 if isinstance(exc, (ClusterBusy, ClusterNotFound, NotYours)) else 2)
 
 
 @contextlib.contextmanager
@@ -121,11 +124,13 @@ def cluster_up(
     ami: str | None = typer.Option(
         None, help="AMI id of the nodes (e.g. one `make ami` baked); default: ami_parameter"
     ),
+    any_owner: bool = AnyOwnerOption,
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
-    """Bring a cluster up (idempotent); on error or Ctrl-C, remove what was created."""
+    """Bring a cluster up (idempotent); on error or Ctrl-C, remove what was created. Refuses
+    (exit 1) a cluster of that name tagged with another owner unless --any-owner."""
     from sparknet.cluster import lifecycle
 
     flags = dict(
@@ -135,7 +140,9 @@ def cluster_up(
     try:
         spec = _cluster_spec(name, config, flags)
         with _interrupt_once(name):
-            info = lifecycle.up(spec, endpoint_url=endpoint_url, say=console.print)
+            info = lifecycle.up(
+                spec, endpoint_url=endpoint_url, say=console.print, any_owner=any_owner
+            )
     except SparknetError as exc:
         _fail(exc, debug)
     _print_instances(info)
@@ -157,17 +164,20 @@ def _on_cluster(action, name: str, region: str | None, config: Path | None, debu
 def cluster_down(
     name: str = typer.Argument(...),
     region: str | None = RegionOption,
+    any_owner: bool = AnyOwnerOption,
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
     """Terminate the cluster's instances, delete its resources, and list what was deleted; exit
-    1 when the region has nothing of that name (the line names the clusters it has)."""
+    1 when the region has nothing of that name (the line names the clusters it has), or when
+    its owner tag names another principal (unless --any-owner)."""
     from sparknet.cluster import lifecycle
 
     report = _on_cluster(
-        lifecycle.down, name, region, config, debug, endpoint_url=endpoint_url, say=console.print
-    )
+        lifecycle.down, name, region, config, debug, endpoint_url=endpoint_url, say=console.print,
+        any_owner=any_owner,
+    )  # fmt: skip
     for item in report.terminated:
         print(f"terminated instance:{item}")
     for item in report.deleted:
@@ -269,7 +279,9 @@ def cluster_sweep(
             if yes:
                 spec = _cluster_spec(name, config, {"region": region})
                 try:
-                    lifecycle.down(spec, endpoint_url=endpoint_url, say=console.print)
+                    lifecycle.down(
+                        spec, endpoint_url=endpoint_url, say=console.print, any_owner=all_owners
+                    )
                 except lifecycle.ClusterBusy as exc:
                     print(f"skipped {name}: {exc}")
                     continue

@@ -41,6 +41,10 @@ class ClusterNotFound(SparknetError):
     """`down` of a name with no tagged resources in the region and no registry entry."""
 
 
+class NotYours(SparknetError):
+    """A tagged resource of the cluster carries another principal's `sparknet:owner`."""
+
+
 def registry_dir() -> Path:
     return Path(os.environ.get(HOME_ENV) or Path.home() / ".sparknet") / "clusters"
 
@@ -186,6 +190,21 @@ def caller_owner(region: str, endpoint_url: str | None = None) -> str:
         return tag_value(str(sts.get_caller_identity()["Arn"]))
 
 
+def check_owner(spec: ClusterSpec, owner: str, endpoint_url: str | None = None) -> None:
+    """Refuse to touch cluster `spec.name` in its region when any of its tagged resources carries
+    another principal's owner tag: in a shared account a name is no proof of whose a cluster
+    is, and `up` would rewrite the other's SSH rule and role policy, `down` delete their
+    cluster. Resources without an owner tag (made before sparknet tagged owners) pass."""
+    cluster = tagged_clusters(spec.region, endpoint_url=endpoint_url).get(spec.name)
+    others = sorted(o for o in cluster.owners if o not in (None, owner)) if cluster else []
+    if others:
+        raise NotYours(
+            f"cluster {spec.name} in {spec.region} belongs to {', '.join(others)} (its "
+            f"{TAG_OWNER} tag), not to you ({owner}); choose another name, or pass --any-owner "
+            "to act on it anyway"
+        )
+
+
 # --- up ----------------------------------------------------------------------------------------
 
 
@@ -263,13 +282,15 @@ def up(
     say: Say = lambda _: None,
     wait_timeout_s: float = 900.0,
     wait_delay_s: float = 15.0,
+    any_owner: bool = False,
 ) -> ClusterInfo:
     """Bring the cluster to its spec: foundation, master, workers, all running and checked.
 
     Idempotent: what already runs (found by tag) is kept and only what is missing is launched.
     On any error, or Ctrl-C, what this call created (and only that) is removed again before it
     re-raises. Holds the cluster's lock throughout; every resource it makes is tagged with the
-    caller's identity (`sparknet:owner`).
+    caller's identity (`sparknet:owner`), and it refuses (`NotYours`) a cluster of that name
+    tagged with another owner unless `any_owner`.
     """
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     ssm = instances.ssm_client(spec.region, endpoint_url)
@@ -280,6 +301,8 @@ def up(
     instances.check_ami(ec2, ami, spec.root_volume_gb)
     cidr = spec.allowed_cidr or instances.caller_cidr()
     spec = spec.model_copy(update={"owner": caller_owner(spec.region, endpoint_url)})
+    if not any_owner:
+        check_owner(spec, str(spec.owner), endpoint_url)
     with cluster_lock(spec.name):
         return _build(spec, ec2, ami, cidr, endpoint_url, say, wait_timeout_s, wait_delay_s)
 
@@ -396,14 +419,21 @@ def _check_exists(spec: ClusterSpec, endpoint_url: str | None) -> None:
 
 
 def down(
-    spec: ClusterSpec, *, endpoint_url: str | None = None, say: Say = lambda _: None
+    spec: ClusterSpec,
+    *,
+    endpoint_url: str | None = None,
+    say: Say = lambda _: None,
+    any_owner: bool = False,
 ) -> DownReport:
     """Terminate the cluster's instances (waiting until they are gone), delete its foundation,
     and estimate what its instances cost as they ran. Works from tags alone; holds the cluster's
-    lock; `ClusterNotFound` when there is nothing of that name to take down."""
+    lock; `ClusterNotFound` when there is nothing of that name to take down, `NotYours` when
+    another principal's owner tag is on it (unless `any_owner`)."""
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     if not instances.find(ec2, spec.name):
         _check_exists(spec, endpoint_url)  # before the lock: a typo leaves no file behind
+    if not any_owner:
+        check_owner(spec, caller_owner(spec.region, endpoint_url), endpoint_url)
     with cluster_lock(spec.name):
         found = instances.find(ec2, spec.name)
         cost = lifetime_cost(ec2, found, datetime.now(timezone.utc))
