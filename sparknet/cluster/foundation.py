@@ -14,6 +14,8 @@ import functools
 import ipaddress
 import itertools
 import json
+import os
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +48,14 @@ DESTROY_ORDER = (
 )  # fmt: skip
 #: kinds `destroy` never deletes: the bucket holds datasets and runs that outlive any cluster
 KEPT_KINDS = frozenset({"bucket"})
+#: how long a delete waits for AWS to let go of what still depends on it: a security group stays
+#: "in use" for seconds to minutes after its instances terminate, and a VPC endpoint deletes
+#: asynchronously, so the subnet, gateway and VPC after it are refused meanwhile
+DEPENDENCY_WAIT_S = 600.0
+#: AWS's answer while a dependency is still letting go (retried until `DEPENDENCY_WAIT_S`)
+_BUSY_CODES = frozenset({"DependencyViolation"})
+#: where `foundation: terraform` takes providers from instead of the registry (init -plugin-dir)
+PLUGIN_DIR_ENV = "SPARKNET_TF_PLUGIN_DIR"
 
 
 @dataclass(frozen=True)
@@ -645,6 +655,26 @@ def _deletable(kind: str, item: dict[str, Any]) -> bool:
     return True
 
 
+def patient(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a boto3 call) retried while AWS answers DependencyViolation, with a growing pause,
+    until `DEPENDENCY_WAIT_S` has passed; then the last answer is raised. botocore's own retries
+    cover throttling and 5xx only, never this."""
+
+    def call(**kwargs: Any) -> Any:
+        deadline = time.monotonic() + DEPENDENCY_WAIT_S
+        pause = 1.0
+        while True:
+            try:
+                return fn(**kwargs)
+            except bx.ClientError as exc:
+                if aws.error_code(exc) not in _BUSY_CODES or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 15.0)
+
+    return call
+
+
 def _delete_instance_profile(f: _Boto3Foundation, name: str) -> bool:
     found = f._find("GetInstanceProfile", f.iam.get_instance_profile, InstanceProfileName=name)
     if found is None:
@@ -685,7 +715,8 @@ def _delete_group(f: _Boto3Foundation, group: str) -> bool:
     found = f._find("DescribeSecurityGroups", f.ec2.describe_security_groups, GroupIds=[group])
     if not found or not _deletable("security-group", found["SecurityGroups"][0]):
         return False
-    return f._find("DeleteSecurityGroup", f.ec2.delete_security_group, GroupId=group) is not None
+    deleted = f._find("DeleteSecurityGroup", patient(f.ec2.delete_security_group), GroupId=group)
+    return deleted is not None
 
 
 def _delete_route_table(f: _Boto3Foundation, table: str) -> bool:
@@ -701,7 +732,7 @@ def _delete_route_table(f: _Boto3Foundation, table: str) -> bool:
 
 
 def _delete_subnet(f: _Boto3Foundation, subnet: str) -> bool:
-    return f._find("DeleteSubnet", f.ec2.delete_subnet, SubnetId=subnet) is not None
+    return f._find("DeleteSubnet", patient(f.ec2.delete_subnet), SubnetId=subnet) is not None
 
 
 def _delete_gateway(f: _Boto3Foundation, igw: str) -> bool:
@@ -712,15 +743,17 @@ def _delete_gateway(f: _Boto3Foundation, igw: str) -> bool:
         return False
     for att in found["InternetGateways"][0].get("Attachments", []):
         f._find(
-            "DetachInternetGateway", f.ec2.detach_internet_gateway,
+            "DetachInternetGateway", patient(f.ec2.detach_internet_gateway),
             InternetGatewayId=igw, VpcId=att["VpcId"],
         )  # fmt: skip
-    deleted = f._find("DeleteInternetGateway", f.ec2.delete_internet_gateway, InternetGatewayId=igw)
+    deleted = f._find(
+        "DeleteInternetGateway", patient(f.ec2.delete_internet_gateway), InternetGatewayId=igw
+    )
     return deleted is not None
 
 
 def _delete_vpc(f: _Boto3Foundation, vpc: str) -> bool:
-    return f._find("DeleteVpc", f.ec2.delete_vpc, VpcId=vpc) is not None
+    return f._find("DeleteVpc", patient(f.ec2.delete_vpc), VpcId=vpc) is not None
 
 
 _DELETERS: dict[str, Callable[[_Boto3Foundation, str], bool]] = {

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.parse
 import uuid
 
 import boto3
+import botocore.exceptions
 import pytest
 
+from sparknet.cluster import foundation
 from sparknet.cluster.foundation import (
     destroy_boto3,
     ensure_boto3,
@@ -16,6 +19,7 @@ from sparknet.cluster.foundation import (
     security_group_name,
 )
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
+from sparknet.errors import SparknetError
 
 REGION = "us-east-1"
 CIDR = "203.0.113.7/32"
@@ -532,3 +536,82 @@ def test_zones_are_asked_for_regular_zones_only(spec, moto_endpoint):
     assert len(zones) == 3
     (params,) = sent
     assert {"Name": "zone-type", "Values": ["availability-zone"]} in params["Filters"]
+
+
+# -- deletes wait for AWS to let go of dependencies ----------------------------------------------
+
+
+def _vpc_with_subnet(ec2) -> tuple[str, str]:
+    vpc = ec2.create_vpc(CidrBlock="10.93.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.93.0.0/24")["Subnet"]["SubnetId"]
+    return vpc, subnet
+
+
+def test_a_vpc_delete_waits_while_aws_answers_dependency_violation(moto_endpoint, monkeypatch):
+    """moto refuses DeleteVpc with DependencyViolation while a subnet is in it, as AWS does for
+    seconds after an endpoint or instance lets go: the delete is retried until it passes."""
+    import threading
+
+    monkeypatch.setattr(foundation, "DEPENDENCY_WAIT_S", 60.0)
+    ec2 = boto3.client("ec2", region_name=REGION)
+    vpc, subnet = _vpc_with_subnet(ec2)
+    spec = ClusterSpec(name=f"d{uuid.uuid4().hex[:8]}", region=REGION)
+    release = threading.Timer(1.5, lambda: ec2.delete_subnet(SubnetId=subnet))
+    release.start()
+    started = time.monotonic()
+    try:
+        assert destroy_boto3(spec, endpoint_url=moto_endpoint, only=[f"vpc:{vpc}"]) == [
+            f"vpc:{vpc}"
+        ]
+    finally:
+        release.cancel()
+    assert time.monotonic() - started >= 1.5
+    assert ec2.describe_vpcs(Filters=[{"Name": "vpc-id", "Values": [vpc]}])["Vpcs"] == []
+
+
+def test_a_dependency_that_never_goes_fails_in_one_line_after_the_deadline(
+    moto_endpoint, monkeypatch
+):
+    monkeypatch.setattr(foundation, "DEPENDENCY_WAIT_S", 1.0)
+    ec2 = boto3.client("ec2", region_name=REGION)
+    vpc, subnet = _vpc_with_subnet(ec2)
+    spec = ClusterSpec(name=f"d{uuid.uuid4().hex[:8]}", region=REGION)
+    with pytest.raises(SparknetError, match=r"DeleteVpc in us-east-1 .*DependencyViolation") as err:
+        destroy_boto3(spec, endpoint_url=moto_endpoint, only=[f"vpc:{vpc}"])
+    assert "\n" not in str(err.value)
+    ec2.delete_subnet(SubnetId=subnet)
+    ec2.delete_vpc(VpcId=vpc)
+
+
+def test_a_security_group_still_in_use_is_retried(moto_endpoint, monkeypatch):
+    """moto deletes a group at once even where AWS says "has a dependent object" for a while
+    after its instances terminate, so this one answer is stubbed (the first DeleteSecurityGroup
+    fails as AWS's does); the retry then deletes the real group on moto."""
+    monkeypatch.setattr(foundation, "DEPENDENCY_WAIT_S", 30.0)
+    ec2 = boto3.client("ec2", region_name=REGION)
+    vpc, subnet = _vpc_with_subnet(ec2)
+    group = ec2.create_security_group(GroupName="busy", Description="busy", VpcId=vpc)["GroupId"]
+    real = foundation._Boto3Foundation.__init__
+    refusals = []
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        delete = self.ec2.delete_security_group
+
+        def busy_once(**call):
+            if not refusals:
+                refusals.append(call)
+                raise botocore.exceptions.ClientError(
+                    {"Error": {"Code": "DependencyViolation",
+                               "Message": f"resource {group} has a dependent object"}},
+                    "DeleteSecurityGroup",
+                )  # fmt: skip
+            return delete(**call)
+
+        self.ec2.delete_security_group = busy_once
+
+    monkeypatch.setattr(foundation._Boto3Foundation, "__init__", init)
+    spec = ClusterSpec(name=f"d{uuid.uuid4().hex[:8]}", region=REGION)
+    only = [f"security-group:{group}", f"subnet:{subnet}", f"vpc:{vpc}"]
+    assert destroy_boto3(spec, endpoint_url=moto_endpoint, only=only) == only
+    assert refusals == [{"GroupId": group}]
