@@ -83,9 +83,10 @@ def _print_instances(info) -> None:
 def _fail(exc: SparknetError, debug: bool) -> None:
     """`fail` with exit 1 where the command was right but the cluster's state says no (busy,
     not there), and 2 for everything a user fixes in the command or settings."""
-    from sparknet.cluster.lifecycle import ClusterBusy, ClusterNotFound, NotYours
+    from sparknet.cluster.lifecycle import ClusterBusy, ClusterNotFound, NotYours, OtherRegion
 
-    fail(exc, debug, 1 if isinstance(exc, (ClusterBusy, ClusterNotFound, NotYours)) else 2)
+    state = (ClusterBusy, ClusterNotFound, NotYours, OtherRegion)
+    fail(exc, debug, 1 if isinstance(exc, state) else 2)
 
 
 @contextlib.contextmanager

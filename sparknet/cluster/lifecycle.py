@@ -41,6 +41,11 @@ class ClusterNotFound(SparknetError):
     """`down` of a name with no tagged resources in the region and no registry entry."""
 
 
+class OtherRegion(SparknetError):
+    """`up` of a name this machine has registered (or holds Terraform state of) in another
+    region."""
+
+
 class NotYours(SparknetError):
     """A tagged resource of the cluster carries another principal's `sparknet:owner`."""
 
@@ -224,8 +229,50 @@ def _foundation_exists(spec: ClusterSpec, ec2: Any) -> bool:
 
 
 def terraform_state_dir(spec: ClusterSpec) -> Path:
-    """Where a cluster's Terraform state lives, unless `terraform_backend` names another."""
-    return registry_dir() / spec.name / "terraform"
+    """Where a cluster's Terraform state lives, unless `terraform_backend` names another:
+    ``<registry>/<name>/<region>/terraform``. Keyed by region too: two regions' clusters of one
+    name are two clusters (IAM names carry the region), and `down --region` of the wrong one
+    must find no state to destroy. The dir of an older sparknet (``<name>/terraform``) is used
+    for the region its saved variables name."""
+    legacy = registry_dir() / spec.name / "terraform"
+    if _state_region(legacy) == spec.region:
+        return legacy
+    return registry_dir() / spec.name / spec.region / "terraform"
+
+
+def _state_region(state_dir: Path) -> str | None:
+    """The region a local Terraform state dir was applied for (its saved variables); None when
+    it holds no resources (never applied, or destroyed)."""
+    try:
+        state = json.loads((state_dir / "terraform.tfstate").read_text())
+        region = json.loads((state_dir / "variables.tfvars.json").read_text())["region"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return str(region) if state.get("resources") else None
+
+
+def _known_regions(name: str) -> set[str]:
+    """The regions where this machine knows cluster `name`: its registry entry and any local
+    Terraform state that still holds resources."""
+    out = {spec.region for spec in [registered().get(name)] if spec is not None}
+    base = registry_dir() / name
+    for state_dir in [base / "terraform", *base.glob("*/terraform")]:
+        region = _state_region(state_dir)
+        if region is not None:
+            out.add(region)
+    return out
+
+
+def _check_region(spec: ClusterSpec) -> None:
+    """Refuse `up` of a name this machine knows in another region: the registry, the lock and
+    `down` would confuse the two clusters, and the second would inherit the first's settings."""
+    elsewhere = sorted(_known_regions(spec.name) - {spec.region})
+    if elsewhere:
+        raise OtherRegion(
+            f"cluster {spec.name} already runs in {', '.join(elsewhere)} (registered here); "
+            f"take it down there first (`sparknet cluster down {spec.name} --region "
+            f"{elsewhere[0]}`) or choose another name"
+        )
 
 
 def _ensure_foundation(
@@ -243,6 +290,8 @@ def _ensure_foundation(
 
 
 def _has_terraform_state(spec: ClusterSpec) -> bool:
+    """Terraform holds this cluster's foundation: a backend of the user's, or local state of
+    this region."""
     state = terraform_state_dir(spec) / "terraform.tfstate"
     return spec.foundation == "terraform" and (
         spec.terraform_backend is not None or state.is_file()
@@ -296,6 +345,7 @@ def up(
     ssm = instances.ssm_client(spec.region, endpoint_url)
     # everything that can fail without cost fails first, and before the lock, whose file is the
     # first thing `up` writes
+    _check_region(spec)
     instances.check_offered(ec2, [spec.master_type, *spec.instance_types])
     ami = instances.resolve_ami(spec, ssm)
     instances.check_ami(ec2, ami, spec.root_volume_gb)
@@ -399,22 +449,34 @@ def _undo(spec: ClusterSpec, ec2: Any, made: _Made, endpoint_url: str | None, sa
 
 
 def _check_exists(spec: ClusterSpec, endpoint_url: str | None) -> None:
-    """Refuse `down` of a name that has nothing to take down: no registry entry, no Terraform
-    state and no tagged resource in the region. A typo or a wrong region must not read as
-    success while the real cluster runs on, so the error names the clusters that do exist."""
-    if _registered_in(spec.name, spec.region) or _has_terraform_state(spec):
+    """Refuse `down` of a name that has nothing to take down in the region: no registry entry,
+    no Terraform state and no tagged resource there. A typo or a wrong region must not read as
+    success while the real cluster runs on, so the error names the clusters that do exist, and
+    the region where this machine knows the name."""
+    if spec.region in _known_regions(spec.name):
         return
-    found = sorted(tagged_clusters(spec.region, endpoint_url=endpoint_url))
+    found = tagged_clusters(spec.region, endpoint_url=endpoint_url)
     if spec.name in found:
         return
-    there = (
-        f"clusters there: {', '.join(found)}"
-        if found
+    raise ClusterNotFound(_not_found(spec, sorted(found)))
+
+
+def _not_found(spec: ClusterSpec, there: list[str]) -> str:
+    """One line: no cluster `spec.name` in its region, where it is instead, what is there."""
+    elsewhere = sorted(_known_regions(spec.name) - {spec.region})
+    if elsewhere:
+        return (
+            f"no cluster {spec.name} in {spec.region}; it is in {', '.join(elsewhere)} "
+            f"(registered here): pass --region {elsewhere[0]}"
+        )
+    listed = (
+        f"clusters there: {', '.join(there)}"
+        if there
         else f"there are no sparknet clusters in {spec.region}"
     )
-    raise ClusterNotFound(
+    return (
         f"no cluster {spec.name} in {spec.region} (no tagged resources, not registered here); "
-        f"{there}; check the name and --region"
+        f"{listed}; check the name and --region"
     )
 
 
@@ -459,8 +521,12 @@ def lifetime_cost(ec2: Any, found: list[Instance], now: datetime) -> float | Non
 
 
 def status(spec: ClusterSpec, *, endpoint_url: str | None = None) -> ClusterInfo:
+    """The cluster's live instances and what they cost per hour; `ClusterNotFound` (naming the
+    clusters that exist) when the region has nothing of that name at all."""
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     found = instances.find(ec2, spec.name)
+    if not found:
+        _check_exists(spec, endpoint_url)
     masters = _by_role(found, "master")
     return ClusterInfo(
         spec.name, spec.region, masters[0] if masters else None, _by_role(found, "worker"),

@@ -5,7 +5,11 @@ shrinking `up`."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import boto3
+import pytest
 
 from sparknet.cluster import lifecycle
 from sparknet.cluster.spec import TAG_OWNER, ClusterSpec
@@ -78,3 +82,68 @@ def test_up_and_down_refuse_a_cluster_of_that_name_owned_by_another(spec, moto_e
     forced = cli("down", spec.name, "--any-owner", cwd=tmp_path)
     assert forced.returncode == 0, forced.stderr
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
+
+
+# --- 2 and 5: one name in two regions -----------------------------------------------------------
+
+
+def _fake_terraform_state(spec: ClusterSpec) -> Path:
+    """A local Terraform state of `spec` that holds resources (as `up` leaves it), without
+    applying anything: what `down` and `up` look for."""
+    state_dir = lifecycle.terraform_state_dir(spec)
+    state_dir.mkdir(parents=True)
+    (state_dir / "terraform.tfstate").write_text(json.dumps({"resources": [{"type": "aws_vpc"}]}))
+    (state_dir / "variables.tfvars.json").write_text(json.dumps({"region": spec.region}))
+    return state_dir / "terraform.tfstate"
+
+
+def test_terraform_state_is_kept_per_region_and_down_in_another_region_is_refused(
+    spec, moto_endpoint, tmp_path
+):
+    """The Terraform state of a cluster in us-east-1 is not the state of the same name in
+    us-west-2: `down --region us-west-2` refuses in one line naming us-east-1 and destroys
+    nothing (it used to destroy the us-east-1 state, IAM role included)."""
+    tf = spec.model_copy(update={"foundation": "terraform", "bucket": "probe-tf-data"})
+    west = tf.model_copy(update={"region": "us-west-2"})
+    assert lifecycle.terraform_state_dir(tf) != lifecycle.terraform_state_dir(west)
+    state = _fake_terraform_state(tf)
+    held = state.read_text()
+
+    with pytest.raises(lifecycle.ClusterNotFound) as info:
+        lifecycle.down(west, endpoint_url=moto_endpoint)
+    assert "it is in us-east-1" in str(info.value) and "--region us-east-1" in str(info.value)
+    gone = cli("down", tf.name, "--region", "us-west-2", cwd=tmp_path)
+    assert gone.returncode == 1, gone.stderr
+    assert "--region us-east-1" in _one_line(gone.stderr)
+    assert state.read_text() == held
+    state.unlink()
+
+
+def test_up_of_a_name_running_in_another_region_is_refused(spec, moto_endpoint, tmp_path):
+    """`up NAME --region B` while NAME runs in A (from this machine): refused in one line (exit
+    1) before anything is made in B, and A's registry entry stays; `status` and `down` in B
+    name A."""
+    _up(spec.model_copy(update={"workers": 1}), moto_endpoint)
+    _settings_file(spec, tmp_path, instance_types=["g4dn.xlarge"])
+
+    took = cli("up", spec.name, "--region", "us-west-2", "--allowed-cidr", "192.0.2.9/32",
+               cwd=tmp_path)  # fmt: skip
+    assert took.returncode == 1, took.stderr
+    assert "already runs in us-east-1" in _one_line(took.stderr)
+    west = boto3.client("ec2", region_name="us-west-2")
+    tag = [{"Name": "tag:sparknet:cluster", "Values": [spec.name]}]
+    assert west.describe_vpcs(Filters=tag)["Vpcs"] == []
+    assert lifecycle.registered()[spec.name].region == REGION
+    for command in ("status", "down"):
+        done = cli(command, spec.name, "--region", "us-west-2", cwd=tmp_path)
+        assert done.returncode == 1, done.stderr
+        assert "it is in us-east-1" in _one_line(done.stderr)
+    assert _left(spec)["instances"] == 2
+
+
+def test_status_of_an_unknown_name_names_the_clusters_there(spec, moto_endpoint, tmp_path):
+    _up(spec.model_copy(update={"workers": 0}), moto_endpoint)
+    done = cli("status", "nope", "--region", REGION, cwd=tmp_path)
+    assert done.returncode == 1
+    line = _one_line(done.stderr)
+    assert "no cluster nope in us-east-1" in line and spec.name in line

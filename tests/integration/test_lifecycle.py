@@ -253,7 +253,7 @@ def test_cli_up_status_down_from_a_clusters_section(spec, moto_endpoint, tmp_pat
     assert gone.returncode == 0, gone.stderr
     assert "deleted vpc:" in gone.stdout and gone.stdout.count("terminated instance:") == 2
     after = cli("status", spec.name, cwd=tmp_path)
-    assert after.returncode == 1 and "no live instances" in after.stdout
+    assert after.returncode == 1 and f"no cluster {spec.name} in {REGION}" in after.stderr
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
 
 

@@ -320,7 +320,9 @@ def test_down_of_an_unknown_name_exits_1_and_names_the_clusters_there(
 
     elsewhere = cli("down", spec.name, "--region", "eu-west-3", cwd=tmp_path)
     assert elsewhere.returncode == 1
-    assert "there are no sparknet clusters in eu-west-3" in _one_line(elsewhere.stderr)
+    assert "it is in us-east-1 (registered here): pass --region us-east-1" in _one_line(
+        elsewhere.stderr
+    )
     assert _left(spec) == INTACT  # the real cluster was not touched
 
 
