@@ -146,12 +146,26 @@ def check_python_workers(spark: SparkSession, tasks: int) -> None:
     try:
         found = sc.parallelize(range(tasks), tasks).map(probe).collect()
     except (Py4JError, PySparkException) as exc:
-        first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-        raise SparknetError(
-            f"Spark's Python workers did not start ({first.strip()}); {fix}"
-        ) from exc
+        cause = _worker_failure(exc)
+        raise SparknetError(f"Spark's Python workers did not start ({cause}); {fix}") from exc
     missing = sorted({exe for exe, ok in found if not ok})
     if missing:
         raise SparknetError(
             f"Spark's Python workers ({', '.join(missing)}) cannot import sparknet: {fix}"
         )
+
+
+def _worker_failure(exc: Exception) -> str:
+    """Why Python workers failed: the worker's own exception line where there is one, else the
+    JVM's (e.g. "EOFException occurred while reading the port number from pyspark.daemon's
+    stdout" for a PYSPARK_PYTHON that is not a Python)."""
+    from sparknet.training.transport import describe_task_failure
+
+    cause = describe_task_failure(exc)
+    if not cause.startswith("An error occurred while calling"):
+        return cause
+    for line in str(getattr(exc, "java_exception", "") or exc).splitlines():
+        _, sep, message = line.partition("Exception: ")
+        if sep and message.strip():
+            return message.strip()
+    return cause

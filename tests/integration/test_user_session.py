@@ -66,3 +66,16 @@ def test_executors_without_sparknet_fail_fast_saying_how_to_fix_it(tmp_path):
     ]
     assert not out.exists()
     print(f"failed in {time.monotonic() - t0:.1f} s")
+
+
+def test_executors_on_something_that_is_not_python_fail_in_one_line(tmp_path):
+    env = {**os.environ, "PYSPARK_PYTHON": "/bin/false", "SPARK_LOCAL_IP": "127.0.0.1"}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "run")], capture_output=True, text=True,
+        env=env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = done.stdout.splitlines()
+    assert line.startswith("error: Spark's Python workers did not start (EOFException"), line
+    assert line.endswith(f"e.g. {sys.executable}, before the SparkSession starts")
+    assert not (tmp_path / "run").exists()
