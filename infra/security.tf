@@ -14,11 +14,14 @@ resource "aws_security_group" "cluster" {
   name        = "sparknet-${var.cluster}"
   description = "sparknet cluster ${var.cluster}: SSH from allowed_cidr, all traffic between members"
   vpc_id      = local.vpc_id
+  # as the boto3 foundation names it (the consoles show the Name tag)
+  tags = { Name = "sparknet-${var.cluster}" }
 
   dynamic "ingress" {
     for_each = local.sg_rules.ingress
     content {
-      description = ingress.value.description
+      # the SSH rule says which source it opens to: ${allowed_cidr} in its description
+      description = replace(ingress.value.description, "$${allowed_cidr}", var.allowed_cidr)
       protocol    = ingress.value.protocol
       from_port   = ingress.value.from_port
       to_port     = ingress.value.to_port

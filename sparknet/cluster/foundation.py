@@ -19,16 +19,27 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import boto3
 import botocore.exceptions as bx
 
 from sparknet import aws
 from sparknet.cluster import instances
-from sparknet.cluster.rules import bucket_settings, network, policy_document, security_group_rules
+from sparknet.cluster.rules import (
+    NO_BUCKET,
+    bucket_settings,
+    network,
+    policy_document,
+    rule_description,
+    security_group_rules,
+    without_s3,
+)
 from sparknet.cluster.spec import INFRA_DIR, TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
+
+if TYPE_CHECKING:
+    from sparknet.cluster.terraform import TerraformRunner
 
 NODE_POLICY = "sparknet-node"
 #: what "not there" is called by IAM (get_role, get_instance_profile), S3 (head_bucket, a bucket
@@ -367,9 +378,9 @@ class _Boto3Foundation:
 
     # -- IAM ------------------------------------------------------------------------------
 
-    def node_role(self, bucket: str) -> tuple[str, str]:
+    def node_role(self, bucket: str | None) -> tuple[str, str]:
         """The node role and its instance profile; the policy is (re)written every time so a
-        changed prefix or bucket takes effect."""
+        changed prefix or bucket takes effect (and S3 access goes when the bucket does)."""
         name = node_role_name(self.spec)
         iam_tags = tags(self.spec)
         if self._find("GetRole", self.iam.get_role, RoleName=name) is None:
@@ -480,14 +491,17 @@ def bucket_lifecycle_rule(settings: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def node_policy(spec: ClusterSpec, bucket: str, account: str) -> dict[str, Any]:
+def node_policy(spec: ClusterSpec, bucket: str | None, account: str) -> dict[str, Any]:
     """The node role's policy: data read, its own runs prefix read/write, and terminate only
-    its own cluster's instances, in its region and account."""
-    return policy_document(
+    its own cluster's instances, in its region and account. Without a bucket it has no S3
+    statement at all: a stand-in bucket name would grant access to a bucket anyone could
+    create."""
+    document = policy_document(
         "instance-role", partition=partition(spec.region), region=spec.region, account=account,
-        bucket=bucket, data_prefix=spec.data_prefix, runs_prefix=spec.runs_prefix,
+        bucket=bucket or NO_BUCKET, data_prefix=spec.data_prefix, runs_prefix=spec.runs_prefix,
         cluster=spec.name,
     )  # fmt: skip
+    return document if bucket is not None else without_s3(document)
 
 
 def permissions(direction: str, group_id: str, allowed_cidr: str) -> list[dict[str, Any]]:
@@ -498,11 +512,12 @@ def permissions(direction: str, group_id: str, allowed_cidr: str) -> list[dict[s
         if rule["protocol"] != "-1":
             perm.update(FromPort=rule["from_port"], ToPort=rule["to_port"])
         peer = rule.get("source") or rule.get("destination")
+        description = rule_description(rule, allowed_cidr)
         if peer == "self":
-            perm["UserIdGroupPairs"] = [{"GroupId": group_id, "Description": rule["description"]}]
+            perm["UserIdGroupPairs"] = [{"GroupId": group_id, "Description": description}]
         else:
             cidr = allowed_cidr if peer == "allowed_cidr" else "0.0.0.0/0"
-            perm["IpRanges"] = [{"CidrIp": cidr, "Description": rule["description"]}]
+            perm["IpRanges"] = [{"CidrIp": cidr, "Description": description}]
         out.append(perm)
     return out
 
@@ -567,7 +582,7 @@ def ensure_boto3(
         bucket = spec.bucket
         if bucket is not None:
             f.bucket(bucket)
-        role, profile_arn = f.node_role(bucket or f"sparknet-{spec.name}-unused")
+        role, profile_arn = f.node_role(bucket)
     except BaseException as exc:
         exc.add_note(f"created before the failure: {', '.join(f.created) or 'nothing'}")
         raise
@@ -795,6 +810,17 @@ def terraform_variables(spec: ClusterSpec, allowed_cidr: str) -> dict[str, Any]:
     return out
 
 
+def _runner(spec: ClusterSpec, state_dir: Path, module_dir: Path) -> TerraformRunner:
+    """The cluster's Terraform runner; providers from `$SPARKNET_TF_PLUGIN_DIR` when set (a
+    machine without the registry), else the registry through the plugin cache."""
+    from sparknet.cluster.terraform import TerraformRunner
+
+    return TerraformRunner(
+        module_dir, state_dir, backend_config=spec.terraform_backend,
+        plugin_dir=os.environ.get(PLUGIN_DIR_ENV) or None,
+    )  # fmt: skip
+
+
 def ensure_terraform(
     spec: ClusterSpec,
     *,
@@ -804,9 +830,7 @@ def ensure_terraform(
     module_dir: Path = INFRA_DIR,
 ) -> Foundation:
     """Apply `infra/` for `spec` (state in `state_dir`) and read the foundation from its outputs."""
-    from sparknet.cluster.terraform import TerraformRunner
-
-    runner = TerraformRunner(module_dir, state_dir, backend_config=spec.terraform_backend)
+    runner = _runner(spec, state_dir, module_dir)
     runner.init()
     runner.apply(terraform_variables(spec, allowed_cidr))
     out = runner.output()
@@ -829,15 +853,87 @@ def ensure_terraform(
     )
 
 
-def destroy_terraform(
-    spec: ClusterSpec, *, state_dir: Path, module_dir: Path = INFRA_DIR
-) -> list[str]:
-    """`terraform destroy` of the cluster's state; returns the outputs that named what went."""
-    from sparknet.cluster.terraform import TerraformRunner
+#: the Terraform resource types of infra/ that `destroy` reports, as the kinds `destroy_boto3`
+#: names; each one's ``id`` is what boto3 calls it by (IAM: the name). The bucket is absent: it
+#: is kept
+TERRAFORM_KINDS = {
+    "aws_iam_instance_profile": "instance-profile", "aws_iam_role": "iam-role",
+    "aws_vpc_endpoint": "vpc-endpoint", "aws_security_group": "security-group",
+    "aws_route_table": "route-table", "aws_subnet": "subnet",
+    "aws_internet_gateway": "internet-gateway", "aws_vpc": "vpc",
+}  # fmt: skip
 
-    runner = TerraformRunner(module_dir, state_dir, backend_config=spec.terraform_backend)
+
+def destroy_terraform(
+    spec: ClusterSpec,
+    *,
+    state_dir: Path,
+    module_dir: Path = INFRA_DIR,
+    endpoint_url: str | None = None,
+) -> list[str]:
+    """`terraform destroy` of the cluster's state, then by tag (`destroy_boto3`) whatever of the
+    cluster is still there in its region: what an interrupted apply made but never recorded, or
+    what a boto3 `up` of the same name added. Returns "kind:id" of each resource that is gone
+    now and was not before, never the bucket (kept) or an output's name.
+
+    Raises `SparknetError` naming what is still tagged with the cluster afterwards, so nobody
+    reports "removed" while something is left.
+    """
+    runner = _runner(spec, state_dir, module_dir)
     runner.init()
-    out = runner.output()
+    recorded = [
+        f"{TERRAFORM_KINDS[kind]}:{values['id']}"
+        for kind, values in runner.resources()
+        if kind in TERRAFORM_KINDS and values.get("id")
+    ]
     # destroy only checks the inputs; a placeholder SSH source passes the module's validation
     runner.destroy(terraform_variables(spec, "127.0.0.1/32"))
-    return [f"{name}:{value}" for name, value in out.items() if isinstance(value, str)]
+    swept = destroy_boto3(spec, endpoint_url=endpoint_url)
+    f = _Boto3Foundation(spec, endpoint_url)
+    gone = [item for item in recorded if not _still_there(f, item)]
+    check_removed(spec, endpoint_url=endpoint_url)
+    return gone + [item for item in swept if item not in gone]
+
+
+def check_removed(spec: ClusterSpec, *, endpoint_url: str | None = None) -> None:
+    """Raise `SparknetError` when any foundation resource of the cluster is still there (by tag
+    in its region, IAM by name): what a clean-up checks before it says "removed"."""
+    left = _tagged(_Boto3Foundation(spec, endpoint_url))
+    items = [f"{kind}:{ident}" for kind in DESTROY_ORDER for ident in left.get(kind, [])]
+    if items:
+        raise SparknetError(
+            f"cluster {spec.name} in {spec.region} still has {', '.join(items)} after the "
+            f"destroy; run `sparknet cluster down {spec.name} --region {spec.region}` again"
+        )
+
+
+#: how to look one resource up by its id: (action, client, method, id parameter, answer key)
+_LOOKUPS: dict[str, tuple[str, str, str, str, str]] = {
+    "instance-profile": ("GetInstanceProfile", "iam", "get_instance_profile",
+                         "InstanceProfileName", "InstanceProfile"),
+    "iam-role": ("GetRole", "iam", "get_role", "RoleName", "Role"),
+    "vpc-endpoint": ("DescribeVpcEndpoints", "ec2", "describe_vpc_endpoints", "VpcEndpointIds",
+                     "VpcEndpoints"),
+    "security-group": ("DescribeSecurityGroups", "ec2", "describe_security_groups", "GroupIds",
+                       "SecurityGroups"),
+    "route-table": ("DescribeRouteTables", "ec2", "describe_route_tables", "RouteTableIds",
+                    "RouteTables"),
+    "subnet": ("DescribeSubnets", "ec2", "describe_subnets", "SubnetIds", "Subnets"),
+    "internet-gateway": ("DescribeInternetGateways", "ec2", "describe_internet_gateways",
+                         "InternetGatewayIds", "InternetGateways"),
+    "vpc": ("DescribeVpcs", "ec2", "describe_vpcs", "VpcIds", "Vpcs"),
+}  # fmt: skip
+
+
+def _still_there(f: _Boto3Foundation, item: str) -> bool:
+    """Whether the "kind:id" resource exists (an endpoint that is deleting counts as gone)."""
+    kind, _, ident = item.partition(":")
+    action, client, method, param, key = _LOOKUPS[kind]
+    value: str | list[str] = ident if client == "iam" else [ident]
+    found = f._find(action, getattr(getattr(f, client), method), **{param: value})
+    if found is None:
+        return False
+    answer = found[key]
+    if isinstance(answer, dict):
+        return True
+    return any(kind != "vpc-endpoint" or _deletable(kind, one) for one in answer)

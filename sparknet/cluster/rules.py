@@ -66,6 +66,17 @@ def security_group_rules(
     return rules
 
 
+#: the placeholder an ingress rule's description may hold for its source; infra/security.tf
+#: substitutes it with Terraform's replace(), `rule_description` the same way
+CIDR_PLACEHOLDER = "${allowed_cidr}"
+
+
+def rule_description(rule: dict[str, Any], allowed_cidr: str) -> str:
+    """The description a rule is sent with: the SSH rule names the source it opens to, so it
+    stays true for a /32 and a /16 alike."""
+    return str(rule["description"]).replace(CIDR_PLACEHOLDER, allowed_cidr)
+
+
 _NETWORK_FIELDS = {"vpc_cidr": str, "subnet_prefix": int, "az_count": int, "zone_type": str}
 _BUCKET_FIELDS = {
     "sse_algorithm": str,
@@ -134,6 +145,23 @@ def policy_document(name: str, **values: str) -> dict[str, Any]:
             f"{path}: only ${{identifier}} placeholders are allowed ({bad})"
         ) from None
     return _parse_json(text, path)
+
+
+#: what fills ${bucket} for a cluster without one; `without_s3` then drops every statement
+#: that names it, so it is never granted
+NO_BUCKET = "no-bucket"
+
+
+def without_s3(document: dict[str, Any]) -> dict[str, Any]:
+    """`document` without its S3 statements (those whose resources are S3 ARNs): the node
+    policy of a cluster that has no bucket."""
+
+    def on_s3(statement: dict[str, Any]) -> bool:
+        resources = statement.get("Resource", [])
+        resources = [resources] if isinstance(resources, str) else resources
+        return any(":s3:::" in str(r) for r in resources)
+
+    return {**document, "Statement": [s for s in document["Statement"] if not on_s3(s)]}
 
 
 def _policy_path(name: str) -> Path:

@@ -194,7 +194,10 @@ def test_terraform_path_maps_module_outputs_to_the_foundation(moto_endpoint, tmp
     saved = json.loads((state / "variables.tfvars.json").read_text())
     assert saved["subnet_ids"] == list(subnets.values()) and saved["allowed_cidr"] == CIDR
     gone = destroy_terraform(spec, state_dir=state, module_dir=module)
-    assert f"vpc_id:{vpc}" in gone
+    # the stand-in holds no AWS resource and the VPC is the user's own: nothing of AWS went, and
+    # no output name (vpc_id:..., bucket:...) is passed off as something deleted
+    assert gone == []
+    assert ec2.describe_vpcs(VpcIds=[vpc])["Vpcs"]
     assert json.loads((state / "terraform.tfstate").read_text())["resources"] == []
 
 
@@ -615,3 +618,26 @@ def test_a_security_group_still_in_use_is_retried(moto_endpoint, monkeypatch):
     only = [f"security-group:{group}", f"subnet:{subnet}", f"vpc:{vpc}"]
     assert destroy_boto3(spec, endpoint_url=moto_endpoint, only=only) == only
     assert refusals == [{"GroupId": group}]
+
+
+def test_without_a_bucket_the_node_role_has_no_s3_statement(moto_endpoint):
+    """Issue 9 probe, point 13: no stand-in bucket (`sparknet-NAME-unused`, a name anyone could
+    register) is granted; the role keeps only its EC2 statements."""
+    spec = ClusterSpec(name=f"n{uuid.uuid4().hex[:8]}", region=REGION)
+    f = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+    try:
+        iam = boto3.client("iam", region_name=REGION)
+        (policy,) = iam.list_role_policies(RoleName=f.role_name)["PolicyNames"]
+        document = iam.get_role_policy(RoleName=f.role_name, PolicyName=policy)["PolicyDocument"]
+        if isinstance(document, str):
+            document = json.loads(urllib.parse.unquote(document))
+        statements = document["Statement"]
+        actions = {
+            a
+            for s in statements
+            for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])
+        }
+        assert actions == {"ec2:DescribeInstances", "ec2:TerminateInstances"}
+        assert "s3" not in json.dumps(document)
+    finally:
+        destroy_boto3(spec, endpoint_url=moto_endpoint)

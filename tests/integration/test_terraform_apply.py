@@ -272,7 +272,7 @@ def test_the_applied_state_is_the_shared_rules(applied) -> None:
     assert state["group"]["ingress"] == [
         ["-1", None, None, "UserIdGroupPairs", "self", "All traffic between cluster members: "
          "Spark RPC, block manager, shuffle, torch.distributed"],
-        ["tcp", 22, 22, "IpRanges", CIDR, "SSH from the operator address only"],
+        ["tcp", 22, 22, "IpRanges", CIDR, f"SSH from {CIDR} only (the cluster allowed_cidr)"],
     ]  # fmt: skip
     assert [rule[:5] for rule in state["group"]["egress"]] == [
         ["-1", None, None, "IpRanges", "0.0.0.0/0"]

@@ -66,11 +66,33 @@ def test_the_longest_cluster_name_is_the_longest_allowed() -> None:
     assert len(LONGEST_NAME) == 31
 
 
-def test_security_group_rule_descriptions() -> None:
-    rules = security_group_rules()
-    assert rules
-    bad = [r["description"] for r in rules if not RULE_DESCRIPTION.match(r["description"])]
+#: SSH sources the spec accepts, from the narrowest to the widest (/16)
+ALLOWED_SOURCES = ("203.0.113.7/32", "198.51.100.0/24", "10.200.0.0/16")
+
+
+@pytest.mark.parametrize("source", ALLOWED_SOURCES)
+def test_security_group_rule_descriptions(source: str) -> None:
+    """Each rule as it is sent (`permissions`, for the longest and the widest sources the spec
+    allows) has a description AWS accepts."""
+    sent = [
+        pair["Description"]
+        for direction in ("ingress", "egress")
+        for perm in foundation.permissions(direction, "sg-0123456789abcdef0", source)
+        for pair in perm.get("IpRanges", []) + perm.get("UserIdGroupPairs", [])
+    ]
+    assert len(sent) == len(security_group_rules())
+    bad = [d for d in sent if not RULE_DESCRIPTION.match(d)]
     assert not bad, f"AWS refuses these rule descriptions: {bad}"
+
+
+@pytest.mark.parametrize("source", ALLOWED_SOURCES)
+def test_the_ssh_rule_description_is_true_for_any_allowed_source(source: str) -> None:
+    """It names the source it opens to (issue 9 probe 14e: "the operator address only" was
+    false for a /16), and claims nothing about who is behind it."""
+    (ssh,) = [p for p in foundation.permissions("ingress", "sg-1", source) if p.get("FromPort")]
+    (opened,) = ssh["IpRanges"]
+    assert opened["CidrIp"] == source and source in opened["Description"]
+    assert "operator" not in opened["Description"] and "address" not in opened["Description"]
 
 
 def test_security_group_name_and_description(spec) -> None:
@@ -127,8 +149,8 @@ def test_bucket_names_aws_refuses_are_refused(bucket: str) -> None:
 
 
 def test_bucket_names_the_code_makes_are_valid(spec) -> None:
-    # the policy's stand-in when a cluster has no bucket, and the longest user bucket
-    for name in (f"sparknet-{spec.name}-unused", "b" * 63, "my.data-1"):
+    # the longest user bucket (a cluster without one gets no S3 statement, not a stand-in)
+    for name in ("b" * 63, "my.data-1"):
         assert check_bucket_name(name) == name
 
 

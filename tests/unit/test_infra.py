@@ -455,6 +455,20 @@ def test_rules_are_what_terraform_reads(tmp_path) -> None:
         assert from_terraform[direction] == expected
 
 
+def test_rule_descriptions_are_what_terraform_sends(tmp_path) -> None:
+    """infra/security.tf fills a description's ${allowed_cidr} with replace(), as Python does."""
+    source = "10.200.0.0/16"
+    expression = (
+        f'[for r in jsondecode(file("{rules.RULES_FILE}")).ingress : '
+        f'replace(r.description, "$${{allowed_cidr}}", "{source}")]'
+    )
+    expected = [rules.rule_description(r, source) for r in security_group_rules("ingress")]
+    assert terraform_eval(expression, tmp_path) == expected
+    assert source in expected[0]
+    security = (INFRA_DIR / "security.tf").read_text()
+    assert 'replace(ingress.value.description, "$${allowed_cidr}", var.allowed_cidr)' in security
+
+
 def test_policy_is_what_terraform_templatefile_renders(tmp_path) -> None:
     values = ", ".join(f'{k} = "{v}"' for k, v in POLICY_VALUES.items())
     template = rules.POLICIES_DIR / "instance-role.json.tftpl"
