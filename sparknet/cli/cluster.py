@@ -12,7 +12,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sparknet.cli.common import ConfigOption, DebugOption, EndpointOption, console, fail
+from sparknet.cli.common import (
+    Caught,
+    ConfigOption,
+    DebugOption,
+    EndpointOption,
+    console,
+    fail,
+)
 from sparknet.config import find_config_file
 from sparknet.errors import SparknetError
 
@@ -80,34 +87,42 @@ def _print_instances(info) -> None:
     out.print(table)
 
 
-def _fail(exc: SparknetError, debug: bool) -> None:
+def _fail(exc: SparknetError, debug: bool, caught: Caught | None = None) -> None:
     """`fail` with exit 1 where the command was right but the cluster's state says no (busy,
-    not there), and 2 for everything a user fixes in the command or settings."""
-    from sparknet.cluster.lifecycle import ClusterBusy, ClusterNotFound, NotYours, OtherRegion
+    not there, another's, in another region), 128 + the signal's number where a signal stopped
+    it (130 Ctrl-C, 143 SIGTERM), and 2 for everything a user fixes in the command or settings."""
+    from sparknet.cluster import lifecycle
 
-    state = (ClusterBusy, ClusterNotFound, NotYours, OtherRegion)
+    state = (
+        lifecycle.ClusterBusy, lifecycle.ClusterNotFound, lifecycle.NotYours,
+        lifecycle.OtherRegion,
+    )  # fmt: skip
+    if isinstance(exc, lifecycle.Interrupted) and caught is not None and caught.signum:
+        fail(exc, debug, 128 + caught.signum)
     fail(exc, debug, 1 if isinstance(exc, state) else 2)
 
 
 @contextlib.contextmanager
-def _interrupt_once(name: str) -> Iterator[None]:
-    """Ctrl-C, SIGTERM and SIGHUP (`kill`, a closed terminal, a CI timeout) unwind `up` once, so
-    it removes what it made instead of dying with instances running; a second signal must not
-    cut that clean-up short, so it is only acknowledged."""
-    interrupted = False
+def _signals(caught: Caught, *, stop_at: int, note: str) -> Iterator[Caught]:
+    """Ctrl-C, SIGTERM and SIGHUP (`kill`, a closed terminal, a CI timeout): the `stop_at`-th
+    one raises KeyboardInterrupt, every other one only prints `note`. `up` stops at the first
+    (its clean-up then runs, and a second signal must not cut that short); `down` at the
+    second (stopping half-way would leave a half-deleted cluster: it finishes unless asked
+    twice). `caught.signum` keeps the first signal, for the exit code."""
+    count = 0
 
-    def interrupt(signum: int, frame: Any) -> None:
-        nonlocal interrupted
-        if interrupted:
-            console.print(f"still removing what `up` made; `sparknet cluster down {name}` after")
-            return
-        interrupted = True
-        raise KeyboardInterrupt
+    def handle(signum: int, frame: Any) -> None:
+        nonlocal count
+        count += 1
+        caught.signum = caught.signum or signum
+        if count == stop_at:
+            raise KeyboardInterrupt
+        console.print(note)
 
     wanted = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
-    before = {sig: signal.signal(sig, interrupt) for sig in wanted}
+    before = {sig: signal.signal(sig, handle) for sig in wanted}
     try:
-        yield
+        yield caught
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
@@ -138,14 +153,19 @@ def cluster_up(
         workers=workers, instance_types=instance_type, master_type=master_type, spot=spot,
         region=region, allowed_cidr=allowed_cidr, ami=ami,
     )  # fmt: skip
+    caught = Caught()
+    note = f"still removing what `up` made; `sparknet cluster down {name}` after"
     try:
-        spec = _cluster_spec(name, config, flags)
-        with _interrupt_once(name):
-            info = lifecycle.up(
-                spec, endpoint_url=endpoint_url, say=console.print, any_owner=any_owner
-            )
+        with _signals(caught, stop_at=1, note=note):
+            try:
+                spec = _cluster_spec(name, config, flags)
+                info = lifecycle.up(
+                    spec, endpoint_url=endpoint_url, say=console.print, any_owner=any_owner
+                )
+            except KeyboardInterrupt as exc:  # before `up` made anything
+                raise lifecycle.Interrupted("interrupted; nothing was made") from exc
     except SparknetError as exc:
-        _fail(exc, debug)
+        _fail(exc, debug, caught)
     _print_instances(info)
     print(
         f"cluster {name} is up; estimated cost {info.cost.describe()}; "
@@ -175,10 +195,19 @@ def cluster_down(
     its owner tag names another principal (unless --any-owner)."""
     from sparknet.cluster import lifecycle
 
-    report = _on_cluster(
-        lifecycle.down, name, region, config, debug, endpoint_url=endpoint_url, say=console.print,
-        any_owner=any_owner,
-    )  # fmt: skip
+    caught = Caught()
+    spec = _on_cluster(lambda spec: spec, name, region, config, debug)
+    finish = f"`sparknet cluster down {name} --region {spec.region}`"
+    note = f"taking {name} down to the end so nothing is left half-deleted; again to stop it"
+    try:
+        with _signals(caught, stop_at=2, note=note):
+            report = lifecycle.down(
+                spec, endpoint_url=endpoint_url, say=console.print, any_owner=any_owner
+            )
+    except KeyboardInterrupt:
+        _fail(lifecycle.Interrupted(f"interrupted; run {finish} to finish"), debug, caught)
+    except SparknetError as exc:
+        _fail(exc, debug, caught)
     for item in report.terminated:
         print(f"terminated instance:{item}")
     for item in report.deleted:

@@ -41,6 +41,10 @@ class ClusterNotFound(SparknetError):
     """`down` of a name with no tagged resources in the region and no registry entry."""
 
 
+class Interrupted(SparknetError):
+    """Ctrl-C or SIGTERM stopped `up` (after its clean-up) or `down`."""
+
+
 class OtherRegion(SparknetError):
     """`up` of a name this machine has registered (or holds Terraform state of) in another
     region."""
@@ -406,13 +410,14 @@ def _build(
             _undo(spec, ec2, made, endpoint_url, say)
         except Exception as undo_exc:
             # the one case where something may be left running: say so, and what ends it
-            why = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
-            raise SparknetError(
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            why = "interrupted" if interrupted else str(exc)
+            raise (Interrupted if interrupted else SparknetError)(
                 f"{why}; removing what this `up` made then failed too ({undo_exc}); run "
                 f"`sparknet cluster down {spec.name} --region {spec.region}` to remove the rest"
             ) from exc
         if isinstance(exc, KeyboardInterrupt):
-            raise SparknetError(
+            raise Interrupted(
                 "interrupted; everything this `up` created was removed again"
             ) from exc
         raise

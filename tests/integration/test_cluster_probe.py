@@ -6,6 +6,9 @@ shrinking `up`."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import boto3
@@ -13,6 +16,7 @@ import pytest
 
 from sparknet.cluster import lifecycle
 from sparknet.cluster.spec import TAG_OWNER, ClusterSpec
+from tests.conftest import SPARKNET
 from tests.integration import test_lifecycle
 from tests.integration.test_lifecycle import REGION, _left, _settings_file, _up, cli
 
@@ -147,3 +151,71 @@ def test_status_of_an_unknown_name_names_the_clusters_there(spec, moto_endpoint,
     assert done.returncode == 1
     line = _one_line(done.stderr)
     assert "no cluster nope in us-east-1" in line and spec.name in line
+
+
+# --- 10 and 11: signals during `down` and `up` --------------------------------------------------
+
+
+def _start_and_wait_for(args: list[str], cwd, needle: str) -> subprocess.Popen:
+    """Start a CLI process and return once its stderr shows `needle`."""
+    proc = subprocess.Popen(
+        args, cwd=cwd, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    seen = ""
+    for line in proc.stderr:
+        seen += line
+        if needle in line:
+            return proc
+    proc.wait(timeout=60)
+    raise AssertionError(f"never saw {needle!r}: rc {proc.returncode}\n{seen}")
+
+
+def _signal_while_stopped(proc: subprocess.Popen, *signums: int) -> tuple[str, str]:
+    """Deliver `signums` to `proc` at one point of its work: moto answers in milliseconds, so
+    the process is held with SIGSTOP, the signals queued, and let go with SIGCONT."""
+    proc.send_signal(signal.SIGSTOP)
+    for signum in signums:
+        proc.send_signal(signum)
+    proc.send_signal(signal.SIGCONT)
+    return proc.communicate(timeout=180)
+
+
+def test_one_signal_during_down_is_acknowledged_and_down_finishes(spec, moto_endpoint, tmp_path):
+    _up(spec, moto_endpoint)
+    proc = _start_and_wait_for(
+        [str(SPARKNET), "cluster", "down", spec.name], tmp_path, "terminating"
+    )
+    out, err = _signal_while_stopped(proc, signal.SIGTERM)
+    assert proc.returncode == 0, err
+    assert "to the end so nothing is left half-deleted" in err and f"{spec.name} is down" in out
+    assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
+
+
+def test_two_signals_stop_down_with_one_line_that_says_how_to_finish(spec, moto_endpoint, tmp_path):
+    _up(spec, moto_endpoint)
+    proc = _start_and_wait_for(
+        [str(SPARKNET), "cluster", "down", spec.name], tmp_path, "terminating"
+    )
+    _, err = _signal_while_stopped(proc, signal.SIGTERM, signal.SIGINT)
+    assert proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM), err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert errors == [
+        f"error: interrupted; run `sparknet cluster down {spec.name} --region {REGION}` to finish"
+    ], err
+    assert "Traceback" not in err
+    again = cli("down", spec.name, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
+
+
+def test_ctrl_c_during_up_exits_130_after_removing_what_it_made(spec, moto_endpoint, tmp_path):
+    """SIGTERM exits 143 (test_lifecycle); Ctrl-C 130, as a shell reports a process it killed."""
+    _settings_file(spec, tmp_path, instance_types=["g4dn.xlarge"], allowed_cidr="203.0.113.9/32")
+    proc = _start_and_wait_for(
+        [str(SPARKNET), "cluster", "up", spec.name], tmp_path, "launching the master"
+    )
+    _, err = _signal_while_stopped(proc, signal.SIGINT)
+    assert proc.returncode == 130, err
+    assert "interrupted; everything this `up` created was removed again" in err
+    assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}

@@ -289,7 +289,7 @@ def test_sigterm_during_cli_up_removes_everything_and_a_second_one_does_not_cut_
             break
     proc.send_signal(signal.SIGTERM)
     _, rest = proc.communicate(timeout=180)
-    assert proc.returncode == 2, "".join(seen) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(seen) + rest
     assert "interrupted; everything this `up` created was removed again" in rest
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
 
