@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +26,13 @@ from boto3.s3.transfer import TransferConfig
 
 from sparknet.data import s3
 from sparknet.data.integrity import all_shards
-from sparknet.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, sha256_stream
+from sparknet.data.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    sha256_file,
+    sha256_stream,
+)
 from sparknet.data.store import MissingObjectError, S3Store, Store, load_manifest, open_store
 from sparknet.errors import SparknetError
 
@@ -90,18 +96,26 @@ class _LockedProgress:
                 self._callback(n)
 
 
-def _check_local(src: Path, shards: Iterable[ShardInfo]) -> None:
-    """Every listed shard is there with the manifest's size, or one line naming what is not."""
-    problems: list[str] = []
-    for info in shards:
-        path = src / info.name
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            problems.append(f"{path} is missing")
-            continue
-        if size != info.bytes:
-            problems.append(f"{path} has {size} bytes, the manifest says {info.bytes}")
+def _local_problem(src: Path, info: ShardInfo) -> str | None:
+    """Why the local shard is not the manifest's (missing, size, sha256), or None."""
+    path = src / info.name
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"{path} is missing"
+    if size != info.bytes:
+        return f"{path} has {size} bytes, the manifest says {info.bytes}"
+    if sha256_file(path) != info.sha256:
+        return f"{path} does not match its sha256 in the manifest"
+    return None
+
+
+def _check_local(src: Path, shards: list[ShardInfo], threads: int) -> None:
+    """Every listed shard is there with the manifest's size and sha256, or one line naming what
+    is not: the upload tags each object with the manifest's sha256, so bytes that differ from
+    it must never be sent (nor replace a good remote copy)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(shards)))) as pool:
+        problems = [p for p in pool.map(lambda i: _local_problem(src, i), shards) if p]
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise SparknetError(
@@ -123,6 +137,9 @@ def upload_dataset(
 ) -> UploadReport:
     """Upload a local dataset directory to an S3 prefix; the manifest goes last.
 
+    Every local shard is hashed first: one whose bytes differ from the manifest is refused
+    (re-run `data shard`), so no object is ever tagged with a sha256 its bytes do not have.
+
     Shards already there with the same bytes (size, sha256 metadata and S3's checksum, see the
     module docstring) are skipped, so re-running an interrupted upload finishes it; `force`
     sends every shard. An existing manifest at the destination is deleted before
@@ -140,7 +157,7 @@ def upload_dataset(
     manifest_bytes = manifest_path.read_bytes()
     manifest = Manifest.loads(manifest_bytes, where=str(manifest_path))
     shards = all_shards(manifest)
-    _check_local(src, shards)
+    _check_local(src, shards, max_concurrency)
     if not dest_uri.startswith("s3://"):
         raise SparknetError(f"upload destination {dest_uri!r} must be an s3:// URI")
     store = S3Store(dest_uri, endpoint_url)

@@ -328,3 +328,31 @@ def test_verify_announces_its_total_before_the_first_byte(
     total = sum(s.bytes for v in manifest.splits.values() for s in v)
     assert events[0] == ("total", total)
     assert sum(n for kind, n in events if kind == "done") == total
+
+
+def flip_byte(path: Path, at: int = 100) -> None:
+    """Change one byte of a file in place, keeping its size."""
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("parts", [False, True], ids=["single", "multipart"])
+def test_upload_refuses_a_local_shard_whose_bytes_differ_from_the_manifest(
+    moto_endpoint: str, bucket: str, tmp_path: Path, parts: bool
+) -> None:
+    """A local shard corrupted at the same size is never sent, and never replaces a good copy."""
+    src = tmp_path / "ds"
+    make_dataset(src, {"train": [6 << 20 if parts else 3000, 2000]})
+    uri = f"s3://{bucket}/ds"
+    kwargs = {"multipart_threshold": 5 << 20, "multipart_chunksize": 5 << 20} if parts else {}
+    if parts:  # a good copy is there already
+        upload_dataset(src, uri, endpoint_url=moto_endpoint, **kwargs)
+    before = keys(moto_endpoint, bucket)
+    flip_byte(src / "train-000000.tar")
+    with pytest.raises(SparknetError) as info:
+        upload_dataset(src, uri, endpoint_url=moto_endpoint, **kwargs)
+    assert_one_line(info.value, "train-000000.tar", "sha256", "sparknet data shard")
+    assert keys(moto_endpoint, bucket) == before
+    if parts:
+        assert verify_dataset(uri, endpoint_url=moto_endpoint).problems == []
