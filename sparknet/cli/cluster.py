@@ -60,14 +60,14 @@ def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any]):
         raise SparknetError(f"cluster {name}: {describe_validation_error(exc)}") from exc
 
 
-_COLUMNS = ("role", "id", "type", "az", "public ip", "spot")
+_COLUMNS = ("role", "id", "state", "type", "az", "public ip", "spot")
 
 
 def _print_instances(info) -> None:
     """The cluster's instances: a table on a terminal; tab-separated lines when stdout is a
     file or a pipe, which has no width (rich would assume 80 columns and cut the ids)."""
     rows = [
-        (i.role, i.id, i.type, i.az, i.public_ip or "-", "yes" if i.spot else "")
+        (i.role, i.id, i.state, i.type, i.az, i.public_ip or "-", "yes" if i.spot else "")
         for i in info.instances
     ]
     out = Console()

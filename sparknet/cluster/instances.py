@@ -81,6 +81,13 @@ class Instance:
     public_ip: str | None
     spot: bool
     launched_at: datetime
+    #: EC2's state name: pending, running, stopping, stopped, shutting-down, terminated
+    state: str = "running"
+
+    @property
+    def stopped(self) -> bool:
+        """Stopped or on its way there: no compute is billed, and it must be started to serve."""
+        return self.state in ("stopping", "stopped")
 
     @classmethod
     def from_ec2(cls, raw: Mapping[str, Any]) -> Instance:
@@ -95,6 +102,7 @@ class Instance:
             public_ip=raw.get("PublicIpAddress"),
             spot=raw.get("InstanceLifecycle") == "spot",
             launched_at=raw["LaunchTime"],
+            state=raw.get("State", {}).get("Name", "running"),
         )
 
 
@@ -544,6 +552,22 @@ def find(ec2: Any, cluster: str) -> list[Instance]:
     return sorted(found, key=lambda i: (i.role != "master", i.role, i.id))
 
 
+def start_stopped(
+    ec2: Any, found: Sequence[Instance], *, timeout_s: float = 600.0, delay_s: float = 5.0
+) -> list[str]:
+    """Start the stopped instances among `found` (a stopping one once it has stopped); the ids
+    started. A stopped node never passes `wait_ready`: `up` starts it (its disk, and whatever
+    was installed on it, are kept) rather than waiting for it until the timeout."""
+    stopping = [i.id for i in found if i.state == "stopping"]
+    if stopping:
+        _wait(ec2, "instance_stopped", stopping, time.monotonic() + timeout_s, delay_s)
+    ids = [i.id for i in found if i.stopped]
+    if ids:
+        with aws.aws_call("StartInstances", aws.region_of(ec2)):
+            ec2.start_instances(InstanceIds=ids)
+    return ids
+
+
 def terminate(
     ec2: Any,
     ids: Sequence[str],
@@ -638,16 +662,17 @@ class Hourly:
 def hourly_costs(ec2: Any, found: Sequence[Instance]) -> dict[str, Hourly]:
     """Instance id -> what it costs per hour as it runs now: its own type and market, the EBS
     volumes attached to it, and its public IPv4 address. Priced from EC2's answers, not from a
-    spec, so what a fallback or an earlier `up` launched is priced as launched."""
+    spec, so what a fallback or an earlier `up` launched is priced as launched. A stopped
+    instance bills only its volumes (AWS releases its public address too)."""
     volumes = _attached_volumes(ec2, [i.id for i in found])
     out = {}
     for inst in found:
         mine = None if volumes is None else volumes.get(inst.id, [])
         out[inst.id] = Hourly(
-            compute=hourly_price(inst.type, inst.spot, inst.az, ec2),
+            compute=0.0 if inst.stopped else hourly_price(inst.type, inst.spot, inst.az, ec2),
             ebs_gib=sum(size for _, size in mine or []),
             ebs=None if mine is None else _ebs_hourly(ec2, mine),
-            public_ipv4=1 if inst.public_ip else 0,
+            public_ipv4=1 if inst.public_ip and not inst.stopped else 0,
         )
     return out
 

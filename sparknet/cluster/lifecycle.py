@@ -381,7 +381,11 @@ def _build(
         base = _ensure_foundation(spec, cidr, endpoint_url, made.created)
         _save(spec, endpoint_url)
         say(f"foundation ready: {base.vpc_id}, security group {base.security_group_id}")
-        running = instances.find(ec2, spec.name)
+        # a shutting-down instance is going away: it is no member, and one is launched for it
+        running = [i for i in instances.find(ec2, spec.name) if i.state != "shutting-down"]
+        started = instances.start_stopped(ec2, running, delay_s=wait_delay_s)
+        if started:
+            say(f"starting {len(started)} stopped instances: {', '.join(started)}")
         common = dict(
             subnet_by_az=base.subnet_by_az, security_group_id=base.security_group_id,
             instance_profile_arn=base.instance_profile_arn, ami=ami,
@@ -403,7 +407,7 @@ def _build(
                 instance_types=list(spec.instance_types), **common,
             )  # fmt: skip
             made.launched += [i.id for i in workers]
-        ids = [i.id for i in instances.find(ec2, spec.name)]
+        ids = [i.id for i in instances.find(ec2, spec.name) if i.state != "shutting-down"]
         ready = instances.wait_ready(ec2, ids, wait_timeout_s, delay_s=wait_delay_s)
     except BaseException as exc:
         try:

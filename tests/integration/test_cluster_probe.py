@@ -219,3 +219,29 @@ def test_ctrl_c_during_up_exits_130_after_removing_what_it_made(spec, moto_endpo
     assert proc.returncode == 130, err
     assert "interrupted; everything this `up` created was removed again" in err
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
+
+
+# --- 7: stopped instances -----------------------------------------------------------------------
+
+
+def test_a_stopped_master_is_priced_at_its_volume_shown_stopped_and_started_by_up(
+    spec, moto_endpoint, tmp_path
+):
+    """`up` used to wait 900 s for a stopped master to pass status checks; `status` priced it
+    as running and did not say it was stopped."""
+    info = _up(spec, moto_endpoint)
+    ec2 = boto3.client("ec2", region_name=REGION)
+    ec2.stop_instances(InstanceIds=[info.master.id])
+
+    stopped = lifecycle.status(spec, endpoint_url=moto_endpoint)
+    assert stopped.master.state == "stopped"
+    assert stopped.cost.compute == pytest.approx(2 * 0.526)  # the two g4dn.xlarge workers only
+    assert stopped.cost.ebs_gib == 3 * 120  # the master's volume still bills
+    assert stopped.cost.public_ipv4 == 2
+    shown = cli("status", spec.name, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert any(info.master.id in ln and "stopped" in ln for ln in shown.stdout.splitlines())
+
+    again = lifecycle.up(spec, endpoint_url=moto_endpoint, wait_timeout_s=20, wait_delay_s=0.2)
+    assert again.master.id == info.master.id and again.master.state == "running"
+    assert _left(spec)["instances"] == 3

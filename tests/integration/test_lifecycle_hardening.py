@@ -411,7 +411,7 @@ def test_up_ami_flag_and_status_into_a_pipe_keep_whole_instance_ids(spec, moto_e
     for inst in found:
         assert len(inst.id) == 19  # i- and 17 hex digits, as AWS makes them
         row = next(ln for ln in shown.stdout.splitlines() if inst.id in ln)
-        assert row.split("\t")[:3] == [inst.role, inst.id, inst.type]
+        assert row.split("\t")[:4] == [inst.role, inst.id, "running", inst.type]
     assert all(inst.id in done.stdout for inst in found)
 
 
