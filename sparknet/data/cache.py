@@ -3,7 +3,8 @@
 Executors read each shard many times (once per epoch); fetching it once and reading it from local
 disk afterwards keeps S3 traffic to one pass. A fetched shard is checked against the manifest's
 size and sha256 before it enters the cache, so a corrupt or replaced upload fails with its name
-instead of training on wrong bytes.
+instead of training on wrong bytes; a cache hit is hashed again once per process, so a cached
+file damaged on disk is fetched again rather than trained on.
 
 Several Python workers share one root: every write goes to a temp name unique to its process and
 is renamed into place (atomic), eviction tolerates files another process removed first, and files
@@ -18,9 +19,16 @@ import os
 import uuid
 from pathlib import Path
 
+from sparknet.data.integrity import bad_shard, remember_hash, sha256_once
 from sparknet.data.manifest import ShardInfo, sha256_file
 from sparknet.data.store import Store
 from sparknet.errors import SparknetError
+
+
+def _identity(st: os.stat_result, path: Path) -> tuple:
+    """A cached file's identity for the hash memo. Not its mtime: every hit touches that (LRU);
+    a cache file is only ever replaced by a rename, which gives a new inode."""
+    return ("cache", str(path), st.st_dev, st.st_ino, st.st_size)
 
 
 def store_key(store: Store) -> str:
@@ -53,12 +61,9 @@ class ShardCache:
         """A local file holding the shard's bytes: cached, or fetched, checked and cached now."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / self.file_name(store, info)
-        try:
-            if final.stat().st_size == info.bytes:
-                os.utime(final)  # mark it recently used
-                return final
-        except FileNotFoundError:
-            pass
+        if self._intact(final, info):
+            os.utime(final)  # mark it recently used
+            return final
         tmp = self.root / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             store.fetch(info.name, tmp)
@@ -66,12 +71,27 @@ class ShardCache:
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):  # evicted by another process meanwhile
+            remember_hash(_identity(final.stat(), final), info.sha256)
         self.evict(keep=final)
         return final
 
-    def _check(self, store: Store, info: ShardInfo, path: Path) -> None:
-        from sparknet.data.integrity import bad_shard
+    def _intact(self, final: Path, info: ShardInfo) -> bool:
+        """Whether a cached file holds the manifest's bytes: its size, and its sha256 hashed once
+        per process (a cache file on a failing disk, or rewritten in place, must not train). A
+        cached file that is not intact is removed, so the shard is fetched again."""
+        try:
+            with open(final, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_size == info.bytes and sha256_once(f, _identity(st, final)) == info.sha256:
+                    return True
+        except FileNotFoundError:
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            final.unlink()
+        return False
 
+    def _check(self, store: Store, info: ShardInfo, path: Path) -> None:
         size = path.stat().st_size
         if size != info.bytes:
             raise bad_shard(store, info, f"has {size} bytes, the manifest says {info.bytes}")

@@ -95,23 +95,34 @@ def check_present(store: Store, manifest: Manifest) -> None:
 # ---- in the task --------------------------------------------------------------------------------
 
 
-def _check_local(store: LocalStore, info: ShardInfo, f: BinaryIO) -> None:
-    """Hash an open local shard unless this process already hashed this very file."""
-    st = os.fstat(f.fileno())
-    key = (store.uri, info.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+def sha256_once(f: BinaryIO, key: tuple) -> str:
+    """The sha256 of an open file from its start, hashed only the first time this process meets
+    `key` (the file's identity from its stat); the file is left at its start."""
     with _hashed_lock:
         known = _hashed.get(key)
     if known is None:
-        if st.st_size != info.bytes:
-            raise bad_shard(store, info, f"has {st.st_size} bytes, the manifest says {info.bytes}")
         digest = hashlib.sha256()
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
         known = digest.hexdigest()
-        with _hashed_lock:
-            _hashed[key] = known
+        remember_hash(key, known)
         f.seek(0)
-    if known != info.sha256:
+    return known
+
+
+def remember_hash(key: tuple, digest: str) -> None:
+    """Record a file's sha256 already checked (e.g. while it was fetched), so it is not re-read."""
+    with _hashed_lock:
+        _hashed[key] = digest
+
+
+def _check_local(store: LocalStore, info: ShardInfo, f: BinaryIO) -> None:
+    """Hash an open local shard unless this process already hashed this very file."""
+    st = os.fstat(f.fileno())
+    if st.st_size != info.bytes:
+        raise bad_shard(store, info, f"has {st.st_size} bytes, the manifest says {info.bytes}")
+    key = (store.uri, info.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if sha256_once(f, key) != info.sha256:
         raise bad_shard(store, info, "does not match its sha256 in the manifest")
 
 

@@ -356,3 +356,23 @@ def test_upload_refuses_a_local_shard_whose_bytes_differ_from_the_manifest(
     assert keys(moto_endpoint, bucket) == before
     if parts:
         assert verify_dataset(uri, endpoint_url=moto_endpoint).problems == []
+
+
+def test_a_cache_hit_whose_bytes_changed_at_the_same_size_is_fetched_again(
+    tmp_path: Path,
+) -> None:
+    """A cached file is hashed once per process: rewritten in place (same size), it is not
+    handed out; the shard is fetched again from the store and the good bytes are served."""
+    from sparknet.data.integrity import forget_hashes
+
+    manifest = make_dataset(tmp_path / "ds", {"train": [3000]})
+    info = manifest.splits["train"][0]
+    store = CountingStore(open_store(str(tmp_path / "ds")))
+    cache = ShardCache(tmp_path / "cache", cap_bytes=1 << 20)
+    cached = cache.path(store, info)
+    assert cache.path(store, info) == cached and store.fetched == [info.name]  # a plain hit
+    flip_byte(cached)
+    forget_hashes()  # as a new Python worker would start
+    again = cache.path(store, info)
+    assert store.fetched == [info.name, info.name]
+    assert again.read_bytes() == (tmp_path / "ds" / info.name).read_bytes()
