@@ -316,10 +316,15 @@ def _remove_stale_temps(dest_dir: Path) -> None:
 def _remove_orphans(dest_dir: Path, planned: set[str]) -> list[str]:
     """Remove shards (and their sidecars) of an earlier plan that this one does not name, e.g.
     `train-000009.tar` after a re-shard into fewer, bigger shards; the sorted names removed.
-    Only names sparknet writes are touched: the destination belongs to one dataset."""
+    Only shards sparknet wrote are touched: a shard-like name with no sidecar beside it is the
+    user's own file and stays."""
     removed = []
     for entry in os.scandir(dest_dir):
-        if _SHARD.match(entry.name) and entry.name not in planned:
+        if (
+            _SHARD.match(entry.name)
+            and entry.name not in planned
+            and _sidecar_path(dest_dir, entry.name).is_file()
+        ):
             Path(entry.path).unlink(missing_ok=True)
             _sidecar_path(dest_dir, entry.name).unlink(missing_ok=True)
             removed.append(entry.name)

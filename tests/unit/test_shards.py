@@ -129,7 +129,9 @@ def test_progress_counts_shards_from_zero_to_all(written):
 def test_a_rerun_reuses_every_shard_and_rewrites_a_damaged_one(written, tmp_path):
     dest = tmp_path / "dest"
     shutil.copytree(written.dest, dest)
+    # a shard of an older plan has a sidecar like every shard sparknet writes
     (dest / "train-999999.tar").write_bytes(b"stale shard of an older plan")
+    shutil.copy(dest / ".train-000000.tar.json", dest / ".train-999999.tar.json")
     again = write_dataset(written.src, dest, shard_bytes=written.target, seed=3, processes=1)
     assert again.written == []
     assert again.reused == written.report.written
@@ -313,6 +315,18 @@ def test_a_reshard_into_bigger_shards_removes_the_old_extra_ones(written, tmp_pa
     assert on_disk == listed
     assert bigger.removed == sorted(set(written.report.written) - listed)
     assert not [p for p in dest.glob(".*.json") if p.name[1:-5] not in listed]
+
+
+def test_a_reshard_leaves_user_files_with_shard_like_names_alone(written, tmp_path):
+    """Only shards sparknet wrote (a sidecar beside them) are removed as orphans."""
+    dest = tmp_path / "dest"
+    shutil.copytree(written.dest, dest)
+    mine = {"imagenet-000000.tar": b"the user's own tar", "train-000999.tar": b"also theirs"}
+    for name, data in mine.items():
+        (dest / name).write_bytes(data)
+    again = write_dataset(written.src, dest, shard_bytes=written.target, seed=3, processes=1)
+    assert again.removed == []
+    assert {name: (dest / name).read_bytes() for name in mine} == mine
 
 
 def test_shard_writing_processes_never_import_torch():
