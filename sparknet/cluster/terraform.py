@@ -16,7 +16,10 @@ import json
 import os
 import re
 import shutil
+import signal
+import subprocess
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -127,7 +130,7 @@ class TerraformRunner:
 
     def apply(self, variables: Mapping[str, Any]) -> None:
         """Create or update the resources so they match the module and `variables`."""
-        self._run("apply", skip_plan=True, var_file=self._var_file(variables))
+        self._run("apply", auto_approve=IsFlagged, var_file=self._var_file(variables))
 
     def plan(self, variables: Mapping[str, Any]) -> bool:
         """Whether applying `variables` would change anything (drift or a changed input)."""
@@ -145,11 +148,29 @@ class TerraformRunner:
             raise SparknetError(f"terraform output -json printed something else: {err}") from None
         return {name: entry["value"] for name, entry in raw.items()}
 
+    def resources(self) -> list[tuple[str, dict[str, Any]]]:
+        """``(type, attributes)`` of every managed resource in the state (any backend), e.g.
+        ``("aws_vpc", {"id": "vpc-...", ...})``; empty before any apply."""
+        _, out = self._run("show", json=IsFlagged, no_color=IsFlagged)
+        try:
+            shown = json.loads(out or "{}")
+        except json.JSONDecodeError as err:
+            raise SparknetError(f"terraform show -json printed something else: {err}") from None
+        found: list[tuple[str, dict[str, Any]]] = []
+        modules = [shown.get("values", {}).get("root_module", {})]
+        while modules:
+            module = modules.pop()
+            found += [
+                (r["type"], r.get("values") or {})
+                for r in module.get("resources", [])
+                if r.get("mode") == "managed"
+            ]
+            modules += module.get("child_modules", [])
+        return found
+
     def destroy(self, variables: Mapping[str, Any]) -> None:
         """Delete every resource in this cluster's state."""
-        # python-terraform's destroy() adds -force, which Terraform 0.15 removed: drop it and
-        # approve the Terraform >= 0.15 way
-        self._run("destroy", force=None, auto_approve=IsFlagged, var_file=self._var_file(variables))
+        self._run("destroy", auto_approve=IsFlagged, var_file=self._var_file(variables))
 
     def _check_version(self) -> None:
         _, text = self._run("version", json=IsFlagged)
@@ -167,11 +188,11 @@ class TerraformRunner:
     def _run(self, command: str, ok: tuple[int, ...] = (0,), **options: Any) -> tuple[int, str]:
         """Run `terraform <command>`: its exit code and stdout, or a SparknetError with its first
         error when the exit code is not in `ok`."""
+        if command in _PROMPTING:
+            options = {"input": False, "no_color": IsFlagged, **options}
+        argv = self._tf.generate_cmd_string(command, **options)
         with self._environment():
-            if command in ("apply", "destroy", "init", "plan"):
-                code, out, err = getattr(self._tf, command)(**options)
-            else:
-                code, out, err = self._tf.cmd(command, **options)
+            code, out, err = _communicate(argv, self.working_dir)
         if code not in ok:
             raise SparknetError(f"terraform {command} failed: {first_error(err, code)}")
         return code, out
@@ -197,6 +218,52 @@ class TerraformRunner:
                         os.environ.pop(key, None)
                     else:
                         os.environ[key] = value
+
+
+#: commands that would ask for input and colour their output unless told not to
+_PROMPTING = frozenset({"apply", "destroy", "init", "plan"})
+#: how long an interrupted Terraform may take to stop: it finishes the API calls in flight,
+#: writes its state and releases the state lock
+STOP_WAIT_S = 300.0
+
+
+def _communicate(argv: list[str], cwd: Path) -> tuple[int, str, str]:
+    """Run one Terraform command to its end: exit code, stdout, stderr.
+
+    Terraform runs in its own session, so a Ctrl-C at the terminal reaches sparknet alone and
+    Terraform gets exactly one SIGINT, from here (a second one would make it exit at once,
+    state unwritten and locked). When sparknet is interrupted (Ctrl-C, SIGTERM: any exception
+    while it waits), Terraform is told to stop and waited for: it finishes the calls in flight,
+    records what it made in the state and releases the lock, so the clean-up that follows can
+    destroy all of it. Only after `STOP_WAIT_S` is it killed.
+    """
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop Terraform gracefully (one SIGINT) and wait for it, through further interrupts."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while True:
+        try:
+            proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            return
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return
+        except BaseException:  # a second Ctrl-C must not orphan a running apply
+            continue
 
 
 def first_error(stderr: str | None, code: int) -> str:
