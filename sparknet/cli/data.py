@@ -82,22 +82,25 @@ def data_shard(
         f"{dest}: {m.num_classes} classes; {splits}; "
         f"{len(report.written)} written, {len(report.reused)} kept{removed}"
     )
-    _print_rejected(m.rejected, dest)
+    _print_rejected(m.rejected, src, dest)
+    for warning in report.warnings:
+        print(warning, file=sys.stderr)
 
 
 #: rejected images named one per line in the summary; the rest are in the manifest
 SHOWN_REJECTS = 10
 
 
-def _print_rejected(rejected: list, dest: Path) -> None:
-    """Name the images left out because they do not decode (all are in the manifest)."""
+def _print_rejected(rejected: list, src: Path, dest: Path) -> None:
+    """Name the images left out because they do not decode (all are in the manifest, by their
+    path relative to `src`)."""
     if not rejected:
         return
     print(
         f"{len(rejected)} images do not decode and were left out (listed in {dest}/manifest.json):"
     )
     for r in rejected[:SHOWN_REJECTS]:
-        print(f"  {r.path}: {r.reason}")
+        print(f"  {src / r.path}: {r.reason}")
     if len(rejected) > SHOWN_REJECTS:
         print(f"  ... and {len(rejected) - SHOWN_REJECTS} more")
 

@@ -287,8 +287,14 @@ def image_problem(data: bytes) -> str | None:
             with Image.open(io.BytesIO(data)) as image:
                 image.load()
     except Exception as exc:  # PIL raises many types for bad data (OSError, SyntaxError, ...)
-        return " ".join(str(exc).split()) or type(exc).__name__
+        return _without_addresses(" ".join(str(exc).split())) or type(exc).__name__
     return None
+
+
+def _without_addresses(reason: str) -> str:
+    """PIL names the stream it read (`<_io.BytesIO object at 0x7f...>`): an address that differs
+    every run and tells the user nothing."""
+    return re.sub(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>", "", reason).strip()
 
 
 def decode_image(data: bytes, min_size: int | None = None) -> Image.Image:

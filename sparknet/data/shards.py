@@ -12,6 +12,7 @@ destination without one is unfinished and readers refuse it. One writer per dest
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -24,13 +25,13 @@ import tempfile
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 
-from sparknet.data.imagenet import SourceImage, image_problem, scan
+from sparknet.data.imagenet import ImageTree, SourceImage, image_problem, scan
 from sparknet.data.manifest import (
     MANIFEST_NAME,
     SHARD_PATTERN,
@@ -49,10 +50,14 @@ TAR_TAIL = 21 * TAR_BLOCK
 #: USTAR's name field; a longer member name costs a PAX header (2 blocks) in front of it
 TAR_NAME_MAX = 100
 #: temp names of shards, sidecars and the manifest (`.<name>.<random>.tmp`)
-_TEMP = re.compile(r"^\.(\.?[a-z]+-\d{6}\.tar(\.json)?|manifest\.json)\..+\.tmp$")
+_TEMP = re.compile(
+    r"^\.(\.?[a-z]+-\d{6}\.tar(\.json)?|manifest\.json|sparknet-checks\.json)\..+\.tmp$"
+)
 _SHARD = re.compile(SHARD_PATTERN)
 #: shards, sidecars and the manifest are for everyone to read (mkstemp makes 0600 files)
 FILE_MODE = 0o644
+#: decode-check results of an earlier run, so a re-run decodes only new or changed images
+CHECKS_NAME = ".sparknet-checks.json"
 
 
 @dataclass(frozen=True)
@@ -71,13 +76,15 @@ class ShardPlan:
 
 @dataclass(frozen=True)
 class WriteReport:
-    """The manifest written, which shards were written now or kept from an earlier run, and the
-    shards of an earlier plan that were removed (a re-shard into fewer, bigger shards)."""
+    """The manifest written, which shards were written now or kept from an earlier run, the
+    shards of an earlier plan that were removed (a re-shard into fewer, bigger shards), and
+    warnings for the user (a class left with no image that decodes)."""
 
     manifest: Manifest
     written: list[str]
     reused: list[str]
     removed: list[str]
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -86,16 +93,13 @@ class _Sidecar:
     sha256: str
     bytes: int
     samples: int
-    #: [path, reason] of each image of the plan that did not decode and was left out
-    rejected: list[list[str]]
 
 
 @dataclass(frozen=True)
 class ShardResult:
-    """One shard as written (or kept), and the images of its plan that were left out."""
+    """One shard as written (or kept from an earlier run)."""
 
     info: ShardInfo
-    rejected: list[tuple[str, str]]
     kept: bool = False
 
 
@@ -204,9 +208,9 @@ def _read_image(image: SourceImage) -> bytes:
     try:
         return image.path.read_bytes()
     except OSError as exc:
+        fix = "fix its permissions" if exc.errno == errno.EACCES else "replace it"
         raise SparknetError(
-            f"cannot read {image.path} ({exc.strerror or exc}): "
-            "fix its permissions or remove it, then run again"
+            f"cannot read {image.path} ({exc.strerror or exc}): {fix} or remove it, then run again"
         ) from exc
 
 
@@ -220,10 +224,9 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 def write_shard(plan: ShardPlan, dest_dir: Path) -> ShardResult:
     """Write `plan` as `dest_dir/<name>`: `<key>.cls` and `<key>.jpg` (the file's bytes) members.
 
-    Every image is decode-checked first (`image_problem`); one that fails is left out and
-    returned in `rejected` with its reason, so training never meets it. The tar is written under
-    a temp name and renamed into place, then the sidecar is written, so a crash leaves either no
-    sidecar or one that does not match, and a resumed run rewrites it. Only one image's bytes are
+    The images were decode-checked before the plan was made (`check_images`). The tar is written
+    under a temp name and renamed into place, then the sidecar is written, so a crash leaves either
+    no sidecar or one that does not match, and a resumed run rewrites it. Only one image's bytes are
     in memory at a time. The standard library's tarfile writes it (webdataset's writer would
     import torch into every pool process, seconds each).
     """
@@ -231,7 +234,6 @@ def write_shard(plan: ShardPlan, dest_dir: Path) -> ShardResult:
     dest_dir.mkdir(parents=True, exist_ok=True)
     sidecar = _sidecar_path(dest_dir, plan.name)
     sidecar.unlink(missing_ok=True)
-    rejected: list[tuple[str, str]] = []
     fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{plan.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, FILE_MODE)
@@ -240,10 +242,6 @@ def write_shard(plan: ShardPlan, dest_dir: Path) -> ShardResult:
             with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                 for image in plan.images:
                     data = _read_image(image)
-                    problem = image_problem(data)
-                    if problem is not None:
-                        rejected.append((str(image.path), problem))
-                        continue
                     _add_member(tar, f"{image.key}.cls", str(image.label).encode())
                     _add_member(tar, f"{image.key}.jpg", data)
             raw.flush()
@@ -254,15 +252,13 @@ def write_shard(plan: ShardPlan, dest_dir: Path) -> ShardResult:
         raise
     info = ShardInfo(
         name=plan.name,
-        samples=len(plan.images) - len(rejected),
+        samples=len(plan.images),
         bytes=out.size,
         sha256=out.digest.hexdigest(),
     )
-    record = _Sidecar(
-        plan.fingerprint, info.sha256, info.bytes, info.samples, [list(r) for r in rejected]
-    )
+    record = _Sidecar(plan.fingerprint, info.sha256, info.bytes, info.samples)
     _atomic_write_text(sidecar, json.dumps(record.__dict__) + "\n")
-    return ShardResult(info, rejected)
+    return ShardResult(info)
 
 
 def _read_sidecar(dest_dir: Path, name: str) -> _Sidecar | None:
@@ -273,7 +269,6 @@ def _read_sidecar(dest_dir: Path, name: str) -> _Sidecar | None:
             sha256=str(record["sha256"]),
             bytes=int(record["bytes"]),
             samples=int(record["samples"]),
-            rejected=[[str(path), str(reason)] for path, reason in record["rejected"]],
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -284,7 +279,7 @@ def _reusable(plan: ShardPlan, dest_dir: Path) -> ShardResult | None:
     record = _read_sidecar(dest_dir, plan.name)
     if record is None or record.fingerprint != plan.fingerprint:
         return None
-    if record.samples + len(record.rejected) != len(plan.images):
+    if record.samples != len(plan.images):
         return None
     path = dest_dir / plan.name
     try:
@@ -297,7 +292,7 @@ def _reusable(plan: ShardPlan, dest_dir: Path) -> ShardResult | None:
     info = ShardInfo(
         name=plan.name, samples=record.samples, bytes=record.bytes, sha256=record.sha256
     )
-    return ShardResult(info, [(image, why) for image, why in record.rejected], kept=True)
+    return ShardResult(info, kept=True)
 
 
 def _ensure_shard(job: tuple[ShardPlan, Path]) -> ShardResult:
@@ -331,6 +326,85 @@ def _remove_orphans(dest_dir: Path, planned: set[str]) -> list[str]:
     return sorted(removed)
 
 
+@dataclass(frozen=True)
+class CheckedTree:
+    """Each split's images that decode, and those that do not (paths relative to the source)."""
+
+    good: dict[str, list[SourceImage]]
+    rejected: list[RejectedImage]
+
+
+def _load_checks(dest: Path, src: Path) -> dict[str, list]:
+    """An earlier run's decode checks of this source: relative path -> [size, mtime_ns, problem]."""
+    try:
+        record = json.loads((dest / CHECKS_NAME).read_text())
+        if record["src"] == str(src.resolve()):
+            return {str(k): list(v) for k, v in record["images"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return {}
+
+
+def _check_image(image: SourceImage, rel: str, known: dict[str, list]) -> list:
+    """[size, mtime_ns, problem] of one image: from `known` when the file has not changed since,
+    else decoded now (`image_problem`)."""
+    try:
+        st = os.stat(image.path)
+    except OSError as exc:
+        raise SparknetError(
+            f"cannot read {image.path} ({exc.strerror or exc}): replace it or remove it, "
+            "then run again"
+        ) from exc
+    hit = known.get(rel)
+    if hit is not None and hit[:2] == [st.st_size, st.st_mtime_ns]:
+        return hit
+    return [st.st_size, st.st_mtime_ns, image_problem(_read_image(image))]
+
+
+def check_images(tree: ImageTree, src: Path, dest: Path, threads: int) -> CheckedTree:
+    """Decode-check every image before any shard is planned, so shards hold only images training
+    can decode and no shard is planned around images that will be left out. The results are kept
+    in `dest` (CHECKS_NAME): a re-run decodes only new or changed files.
+
+    A split with no image that decodes is refused in one line (it would make empty shards)."""
+    known = _load_checks(dest, src)
+    images = [
+        (split, image) for split, split_images in tree.splits.items() for image in split_images
+    ]
+    rels = [Path(os.path.relpath(image.path, src)).as_posix() for _, image in images]
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="sparknet-check") as pool:
+        checks = list(
+            pool.map(lambda i: _check_image(images[i][1], rels[i], known), range(len(rels)))
+        )
+    record = {"src": str(src.resolve()), "images": dict(zip(rels, checks, strict=True))}
+    _atomic_write_text(dest / CHECKS_NAME, json.dumps(record) + "\n")
+    good: dict[str, list[SourceImage]] = {split: [] for split in tree.splits}
+    rejected: list[RejectedImage] = []
+    for (split, image), rel, (_, _, problem) in zip(images, rels, checks, strict=True):
+        if problem is None:
+            good[split].append(image)
+        else:
+            rejected.append(RejectedImage(split=split, path=rel, reason=problem))
+    for split, split_images in good.items():
+        if not split_images:
+            first = next(r for r in rejected if r.split == split)
+            raise SparknetError(
+                f"no image of the {split} split of {src} decodes ({len(tree.splits[split])} "
+                f"tried, e.g. {first.path}: {first.reason}): replace the damaged files"
+            )
+    return CheckedTree(good, rejected)
+
+
+def _empty_classes(tree: ImageTree, checked: CheckedTree) -> list[str]:
+    """One warning per class whose every train image was rejected (it cannot be learnt)."""
+    usable = {image.label for image in checked.good.get("train", [])}
+    return [
+        f"warning: class {c.wnid} has no train image that decodes: the model cannot learn it"
+        for c in tree.classes
+        if c.index not in usable
+    ]
+
+
 def _threads(jobs: int) -> int:
     """Writer threads when `--processes` is not given: one per core, at most one per shard."""
     return max(1, min(os.cpu_count() or 1, jobs))
@@ -357,12 +431,14 @@ def write_dataset(
     """
     if processes is not None and processes < 1:
         raise SparknetError(f"processes must be at least 1, got {processes}")
-    tree = scan(Path(src))
+    src = Path(src)
+    tree = scan(src)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
+    checked = check_images(tree, src, dest, processes or _threads(os.cpu_count() or 1))
     plans = {
         split: plan_shards(images, split=split, seed=seed, target_bytes=shard_bytes)
-        for split, images in tree.splits.items()
+        for split, images in checked.good.items()
     }
     jobs = [(plan, dest) for split_plans in plans.values() for plan in split_plans]
     (dest / MANIFEST_NAME).unlink(missing_ok=True)
@@ -401,12 +477,7 @@ def write_dataset(
             split: [results[p.name].info for p in split_plans]
             for split, split_plans in plans.items()
         },
-        rejected=[
-            RejectedImage(split=split, path=path, reason=reason)
-            for split, split_plans in plans.items()
-            for p in split_plans
-            for path, reason in results[p.name].rejected
-        ],
+        rejected=checked.rejected,
     )
     _atomic_write_text(dest / MANIFEST_NAME, manifest.dumps())
     names = [plan.name for plan, _ in jobs]
@@ -415,4 +486,5 @@ def write_dataset(
         written=[n for n in names if not results[n].kept],
         reused=[n for n in names if results[n].kept],
         removed=removed,
+        warnings=_empty_classes(tree, checked),
     )

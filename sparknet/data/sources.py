@@ -334,7 +334,7 @@ class ShardSource(Source):
         from sparknet.data.imagenet import eval_resize, eval_transform
         from sparknet.data.loader import decoded_batches
 
-        if self.EVAL not in self.manifest.splits:
+        if not _split_samples(self.manifest, self.EVAL):  # missing or empty: like no val
             return
         mine = self.manifest.shards(self.EVAL)[inp.partition :: inp.workers]
 
@@ -370,6 +370,30 @@ def is_frame_spec(spec: str) -> bool:
     return spec.startswith(("parquet:", "table:"))
 
 
+def _split_samples(manifest, split: str) -> int | None:
+    """The samples of `split`, or None when the manifest has no such split."""
+    shards = manifest.splits.get(split)
+    return None if shards is None else sum(s.samples for s in shards)
+
+
+def _check_splits(uri: str, manifest) -> None:
+    """A train split without samples is refused (shards of an older sparknet could be empty); a
+    missing or empty val split is a warning: training runs, but measures no accuracy."""
+    if _split_samples(manifest, ShardSource.TRAIN) == 0:
+        raise SparknetError(
+            f"{uri} has no training samples (its {ShardSource.TRAIN!r} shards are empty): "
+            "re-create it with `sparknet data shard`"
+        )
+    val = _split_samples(manifest, ShardSource.EVAL)
+    if not val:
+        what = "has no" if val is None else "has an empty"
+        print(
+            f"warning: {uri} {what} {ShardSource.EVAL!r} split: training runs without "
+            "evaluation (put images in val/ and re-shard to measure accuracy)",
+            file=sys.stderr,
+        )
+
+
 def shard_source(uri: str, cfg, endpoint_url: str | None = None) -> ShardSource:
     """A shard dataset, its manifest read now: a missing bucket or bad credentials fail here."""
     from sparknet.data.integrity import check_present
@@ -378,12 +402,7 @@ def shard_source(uri: str, cfg, endpoint_url: str | None = None) -> ShardSource:
     store = open_store(uri, endpoint_url or cfg.endpoint_url)
     manifest = load_manifest(store)
     check_present(store, manifest)  # a missing or replaced shard fails here, before Spark
-    if ShardSource.EVAL not in manifest.splits:
-        print(
-            f"warning: {store.uri} has no {ShardSource.EVAL!r} split: training runs without "
-            "evaluation (put images in val/ and re-shard to measure accuracy)",
-            file=sys.stderr,
-        )
+    _check_splits(store.uri, manifest)
     cache_dir = str(cfg.cache_dir) if cfg.cache_dir is not None else DEFAULT_CACHE_DIR
     return ShardSource(
         store, manifest, cfg.image_size, cfg.loader_workers, cache_dir, int(cfg.cache_gb * 2**30)

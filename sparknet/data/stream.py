@@ -27,7 +27,7 @@ import numpy as np
 from webdataset.tariterators import group_by_keys
 
 from sparknet.data.manifest import ShardInfo
-from sparknet.errors import SparknetError
+from sparknet.errors import PermanentTaskError, SparknetError
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,11 @@ def locate(
         shards = epoch_shards(counts, seed=seed, epoch=epoch, workers=workers, partition=partition)
         size = sum(counts[i] for i in shards)
         if size == 0:
-            raise SparknetError(f"partition {partition} got only empty shards in epoch {epoch}")
+            # the manifest cannot change under a run: no retry can heal this
+            raise PermanentTaskError(
+                f"partition {partition} got only empty shards in epoch {epoch}: re-create the "
+                "dataset with `sparknet data shard` (it writes no empty shards)"
+            )
         if position < size:
             for j, i in enumerate(shards):
                 if position < counts[i]:

@@ -153,3 +153,46 @@ def test_a_dataset_without_a_val_split_warns_in_one_line(shards, tmp_path, capsy
     assert len(err) == 1 and err[0].startswith("warning:") and "'val'" in err[0], err
     shard_source(str(shards), _cfg(tmp_path))
     assert capsys.readouterr().err == ""
+
+
+def _with_splits(shards: Path, ds: Path, **splits) -> None:
+    """A copy of the dataset whose manifest has the given splits (lists of ShardInfo)."""
+    ds.mkdir()
+    m = _manifest(shards)
+    for infos in splits.values():
+        for info in infos:
+            (ds / info.name).write_bytes((shards / info.name).read_bytes())
+    (ds / MANIFEST_NAME).write_text(Manifest(classes=m.classes, splits=splits).dumps())
+
+
+def _emptied(info: ShardInfo) -> ShardInfo:
+    return info.model_copy(update={"samples": 0})
+
+
+def test_an_empty_val_split_warns_like_a_missing_one_and_evaluates_nothing(
+    shards, tmp_path, capsys
+):
+    """Shards of an older sparknet could hold no sample (all of its images bad)."""
+    m = _manifest(shards)
+    _with_splits(shards, tmp_path / "ds", train=m.shards("train"),
+                 val=[_emptied(i) for i in m.shards("val")])  # fmt: skip
+    source = shard_source(str(tmp_path / "ds"), _cfg(tmp_path))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "empty 'val' split" in err[0], err
+    inp = TaskInput(partition=0, workers=1, seed=0, run_id="r", threads=1)
+    assert list(source.eval_batches(inp)) == []
+
+
+def test_a_train_split_without_samples_is_refused_in_one_line(shards, tmp_path):
+    m = _manifest(shards)
+    _with_splits(shards, tmp_path / "ds", train=[_emptied(i) for i in m.shards("train")])
+    with pytest.raises(SparknetError) as info:
+        shard_source(str(tmp_path / "ds"), _cfg(tmp_path))
+    assert "has no training samples" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_partition_of_only_empty_shards_is_a_permanent_task_error():
+    from sparknet.data.stream import locate
+
+    with pytest.raises(PermanentTaskError, match="only empty shards"):
+        locate([0, 0], seed=0, workers=2, partition=0, position=0)

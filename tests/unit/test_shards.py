@@ -264,7 +264,7 @@ def test_images_that_do_not_decode_are_left_out_and_listed_in_the_manifest(writt
     report = write_dataset(src, tmp_path / "dest", shard_bytes=written.target, seed=3, processes=1)
     m = report.manifest
     assert {(r.split, r.path) for r in m.rejected} == {
-        ("train", str(p)) for p in (empty, garbage, cut, broken)
+        ("train", p.relative_to(src).as_posix()) for p in (empty, garbage, cut, broken)
     }
     assert all(r.reason for r in m.rejected)
     assert m.samples("train") == len(written.tree.splits["train"]) - 4
@@ -273,7 +273,7 @@ def test_images_that_do_not_decode_are_left_out_and_listed_in_the_manifest(writt
     on_disk = Manifest.loads((tmp_path / "dest" / MANIFEST_NAME).read_text(), "m")
     assert on_disk == m and on_disk.version == 2
     again = write_dataset(src, tmp_path / "dest", shard_bytes=written.target, seed=3, processes=1)
-    assert again.written == [] and again.manifest == m  # kept shards still list their rejects
+    assert again.written == [] and again.manifest == m  # a re-run still lists the rejects
 
 
 def test_a_clean_manifest_stays_version_1_for_older_readers(written):
@@ -314,7 +314,7 @@ def test_a_reshard_into_bigger_shards_removes_the_old_extra_ones(written, tmp_pa
     on_disk = {p.name for p in dest.glob("*.tar")}
     assert on_disk == listed
     assert bigger.removed == sorted(set(written.report.written) - listed)
-    assert not [p for p in dest.glob(".*.json") if p.name[1:-5] not in listed]
+    assert not [p for p in dest.glob(".*.tar.json") if p.name[1:-5] not in listed]
 
 
 def test_a_reshard_leaves_user_files_with_shard_like_names_alone(written, tmp_path):
@@ -348,3 +348,44 @@ def test_the_default_writes_with_threads_and_starts_no_process(written, tmp_path
     monkeypatch.setattr(multiprocessing, "get_context", no_processes)
     threaded = write_dataset(written.src, tmp_path / "t", shard_bytes=written.target, seed=3)
     assert threaded.manifest == written.report.manifest
+
+
+def test_images_are_checked_before_the_cut_so_no_shard_is_empty(tmp_path):
+    """A class whose every image is bad, and a mostly-bad split: shards hold only good images,
+    none is empty, and the class is warned about."""
+    src = tmp_path / "src"
+    make_tree(src, classes=3, train_per_class=6, val_per_class=2, size=(32, 24))
+    for path in sorted((src / "train" / "n00000001").iterdir()):
+        path.write_bytes(b"not a jpeg")
+    report = write_dataset(src, tmp_path / "dest", shard_bytes=4000, seed=0, processes=1)
+    m = report.manifest
+    assert all(s.samples > 0 for v in m.splits.values() for s in v)
+    assert m.samples("train") == 12 and len(m.rejected) == 6
+    assert report.warnings == [
+        "warning: class n00000001 has no train image that decodes: the model cannot learn it"
+    ]
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_split_with_no_image_that_decodes_is_refused(tmp_path, split):
+    src = tmp_path / "src"
+    make_tree(src, classes=2, train_per_class=3, val_per_class=2, size=(32, 24))
+    for path in (src / split).rglob("*.JPEG"):
+        path.write_bytes(b"")
+    with pytest.raises(SparknetError) as info:
+        write_dataset(src, tmp_path / "dest", shard_bytes=4000, seed=0, processes=1)
+    assert f"no image of the {split} split" in str(info.value)
+    assert "\n" not in str(info.value) and "empty file" in str(info.value)
+    assert not (tmp_path / "dest" / MANIFEST_NAME).exists()
+    assert not list((tmp_path / "dest").glob("*.tar"))
+
+
+def test_reject_reasons_hold_no_addresses_and_paths_are_relative_to_the_source(tmp_path):
+    src = tmp_path / "src"
+    make_tree(src, classes=2, train_per_class=3, val_per_class=2, size=(32, 24))
+    bad = sorted((src / "train").rglob("*.JPEG"))[0]
+    bad.write_bytes(os.urandom(2000))
+    m = write_dataset(src, tmp_path / "dest", shard_bytes=4000, seed=0, processes=1).manifest
+    (rejected,) = m.rejected
+    assert rejected.path == bad.relative_to(src).as_posix()
+    assert " at 0x" not in rejected.reason and rejected.reason
