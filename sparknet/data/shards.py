@@ -12,7 +12,9 @@ destination without one is unfinished and readers refuse it. One writer per dest
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import io
 import json
@@ -23,7 +25,7 @@ import re
 import tarfile
 import tempfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -405,6 +407,28 @@ def _empty_classes(tree: ImageTree, checked: CheckedTree) -> list[str]:
     ]
 
 
+#: held by the `data shard` writing into a destination (never deleted: deleting races the lock)
+LOCK_NAME = ".sparknet-shard.lock"
+
+
+@contextlib.contextmanager
+def _dest_lock(dest: Path) -> Iterator[None]:
+    """One writer per destination: a second run would delete the first's in-flight temps. An
+    flock is released by the kernel when its holder dies, so a killed run never blocks the next."""
+    fd = os.open(dest / LOCK_NAME, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SparknetError(
+                f"another `sparknet data shard` is writing into {dest}: wait for it to finish "
+                "(or give another destination)"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
 def _threads(jobs: int) -> int:
     """Writer threads when `--processes` is not given: one per core, at most one per shard."""
     return max(1, min(os.cpu_count() or 1, jobs))
@@ -435,56 +459,58 @@ def write_dataset(
     tree = scan(src)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    checked = check_images(tree, src, dest, processes or _threads(os.cpu_count() or 1))
-    plans = {
-        split: plan_shards(images, split=split, seed=seed, target_bytes=shard_bytes)
-        for split, images in checked.good.items()
-    }
-    jobs = [(plan, dest) for split_plans in plans.values() for plan in split_plans]
-    (dest / MANIFEST_NAME).unlink(missing_ok=True)
-    _remove_stale_temps(dest)
+    with _dest_lock(dest):
+        checked = check_images(tree, src, dest, processes or _threads(os.cpu_count() or 1))
+        plans = {
+            split: plan_shards(images, split=split, seed=seed, target_bytes=shard_bytes)
+            for split, images in checked.good.items()
+        }
+        jobs = [(plan, dest) for split_plans in plans.values() for plan in split_plans]
+        (dest / MANIFEST_NAME).unlink(missing_ok=True)
+        _remove_stale_temps(dest)
 
-    results: dict[str, ShardResult] = {}
+        results: dict[str, ShardResult] = {}
 
-    def record(result: ShardResult) -> None:
-        results[result.info.name] = result
+        def record(result: ShardResult) -> None:
+            results[result.info.name] = result
+            if on_progress is not None:
+                on_progress(len(results), len(jobs))
+
         if on_progress is not None:
-            on_progress(len(results), len(jobs))
+            on_progress(0, len(jobs))
+        workers = min(processes or _threads(len(jobs)), len(jobs))
+        if processes is None and workers > 1:
+            # threads by default: decoding, hashing and file I/O release the GIL, and a thread
+            # costs nothing to start, where each spawned process pays ~0.5 s of CPU to start
+            # Python and its imports (measured on 2 busy cores: 2 processes lost to 1, 2 threads
+            # used the CPU of 1)
+            with ThreadPoolExecutor(workers, thread_name_prefix="sparknet-shard") as pool:
+                for result in pool.map(_ensure_shard, jobs):
+                    record(result)
+        elif workers <= 1:
+            for job in jobs:
+                record(_ensure_shard(job))
+        else:
+            # spawn, not fork: the caller may hold threads (Spark, torch) that fork would break
+            with multiprocessing.get_context("spawn").Pool(workers) as pool:
+                for result in pool.imap_unordered(_ensure_shard, jobs):
+                    record(result)
 
-    if on_progress is not None:
-        on_progress(0, len(jobs))
-    workers = min(processes or _threads(len(jobs)), len(jobs))
-    if processes is None and workers > 1:
-        # threads by default: decoding, hashing and file I/O release the GIL, and a thread costs
-        # nothing to start, where each spawned process pays ~0.5 s of CPU to start Python and its
-        # imports (measured on 2 busy cores: 2 processes lost to 1, 2 threads used the CPU of 1)
-        with ThreadPoolExecutor(workers, thread_name_prefix="sparknet-shard") as pool:
-            for result in pool.map(_ensure_shard, jobs):
-                record(result)
-    elif workers <= 1:
-        for job in jobs:
-            record(_ensure_shard(job))
-    else:
-        # spawn, not fork: the caller may hold threads (Spark, torch) that fork would break
-        with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            for result in pool.imap_unordered(_ensure_shard, jobs):
-                record(result)
-
-    removed = _remove_orphans(dest, {plan.name for plan, _ in jobs})
-    manifest = Manifest(
-        classes=tree.classes,
-        splits={
-            split: [results[p.name].info for p in split_plans]
-            for split, split_plans in plans.items()
-        },
-        rejected=checked.rejected,
-    )
-    _atomic_write_text(dest / MANIFEST_NAME, manifest.dumps())
-    names = [plan.name for plan, _ in jobs]
-    return WriteReport(
-        manifest=manifest,
-        written=[n for n in names if not results[n].kept],
-        reused=[n for n in names if results[n].kept],
-        removed=removed,
-        warnings=_empty_classes(tree, checked),
-    )
+        removed = _remove_orphans(dest, {plan.name for plan, _ in jobs})
+        manifest = Manifest(
+            classes=tree.classes,
+            splits={
+                split: [results[p.name].info for p in split_plans]
+                for split, split_plans in plans.items()
+            },
+            rejected=checked.rejected,
+        )
+        _atomic_write_text(dest / MANIFEST_NAME, manifest.dumps())
+        names = [plan.name for plan, _ in jobs]
+        return WriteReport(
+            manifest=manifest,
+            written=[n for n in names if not results[n].kept],
+            reused=[n for n in names if results[n].kept],
+            removed=removed,
+            warnings=_empty_classes(tree, checked),
+        )

@@ -389,3 +389,23 @@ def test_reject_reasons_hold_no_addresses_and_paths_are_relative_to_the_source(t
     (rejected,) = m.rejected
     assert rejected.path == bad.relative_to(src).as_posix()
     assert " at 0x" not in rejected.reason and rejected.reason
+
+
+def test_a_second_writer_into_the_same_destination_is_refused(tmp_path):
+    """The lock is an flock: a second open of it (another run) cannot take it while held."""
+    import fcntl
+
+    from sparknet.data.shards import LOCK_NAME
+
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    make_tree(src, classes=2, train_per_class=3, val_per_class=2, size=(32, 24))
+    dest.mkdir()
+    (dest / ".train-000000.tar.abc.tmp").write_bytes(b"the first run's in-flight temp")
+    with open(dest / LOCK_NAME, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(SparknetError) as info:
+            write_dataset(src, dest, shard_bytes=4000, seed=0, processes=1)
+    assert "another `sparknet data shard` is writing into" in str(info.value)
+    assert (dest / ".train-000000.tar.abc.tmp").exists()  # the other run's temp is untouched
+    write_dataset(src, dest, shard_bytes=4000, seed=0, processes=1)  # free again: it runs
+    assert (dest / MANIFEST_NAME).exists()
