@@ -19,6 +19,7 @@ from sparknet.cli.common import (
     EndpointOption,
     console,
     fail,
+    first_line,
 )
 from sparknet.config import find_config_file
 from sparknet.errors import SparknetError
@@ -30,9 +31,17 @@ AnyOwnerOption = typer.Option(
 )
 
 
-def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any]):
+#: a valid name that stands in while a spec named by a tag is validated (`_cluster_spec`)
+_STAND_IN = "removal"
+
+
+def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_name: bool = False):
     """The spec of cluster `name`: the registry's, else `clusters:` in the settings file, plus
-    flags; a one-line error when the result is invalid."""
+    flags; a one-line error when the result is invalid.
+
+    `any_name`: `down` and `sweep` remove by tag, and a tag may carry a name sparknet no longer
+    accepts (an older sparknet's, or a person's): everything else is validated, the name is not.
+    """
     from pydantic import ValidationError
 
     from sparknet.cluster.lifecycle import registered
@@ -53,11 +62,12 @@ def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any]):
             )
         base.update(entry)
     base.update({k: v for k, v in flags.items() if v not in (None, [])})
-    base["name"] = name
+    base["name"] = _STAND_IN if any_name else name
     try:
-        return ClusterSpec.model_validate(base)
+        spec = ClusterSpec.model_validate(base)
     except ValidationError as exc:
         raise SparknetError(f"cluster {name}: {describe_validation_error(exc)}") from exc
+    return spec.model_copy(update={"name": name})
 
 
 _COLUMNS = ("role", "id", "state", "type", "az", "public ip", "spot")
@@ -173,10 +183,13 @@ def cluster_up(
     )
 
 
-def _on_cluster(action, name: str, region: str | None, config: Path | None, debug: bool, **kw):
-    """`action(spec, **kw)` for the named cluster; a one-line error on failure."""
+def _on_cluster(
+    action, name: str, region: str | None, config: Path | None, debug: bool, **kw
+) -> Any:
+    """`action(spec, **kw)` for the named cluster (any name a tag may carry); a one-line error on
+    failure."""
     try:
-        return action(_cluster_spec(name, config, {"region": region}), **kw)
+        return action(_cluster_spec(name, config, {"region": region}, any_name=True), **kw)
     except SparknetError as exc:
         _fail(exc, debug)
 
@@ -208,15 +221,24 @@ def cluster_down(
         _fail(lifecycle.Interrupted(f"interrupted; run {finish} to finish"), debug, caught)
     except SparknetError as exc:
         _fail(exc, debug, caught)
+    _print_down(report)
+    print(f"cluster {name} is down")
+
+
+def _print_down(report) -> None:
+    """What a `down` removed, one line each, and what the instances cost as they ran."""
     for item in report.terminated:
         print(f"terminated instance:{item}")
     for item in report.deleted:
         print(f"deleted {item}")
-    cost = "unknown" if report.cost_usd is None else f"${report.cost_usd:.2f}"
-    print(
-        f"cluster {name} is down; its instances (with their volumes and public addresses) "
-        f"cost about {cost}"
-    )
+    if not report.terminated:
+        print(f"{report.name}: no instances were running")
+        return
+    if report.cost_usd is None:
+        cost = f"an unknown amount (no price for {report.region} or one of its types)"
+    else:
+        cost = f"about ${report.cost_usd:.2f}"
+    print(f"{report.name}: its instances (with their volumes and public addresses) cost {cost}")
 
 
 @cluster_app.command("status")
@@ -253,8 +275,8 @@ def cluster_list(
         found = lifecycle.tagged_clusters(aws.check_region(region), endpoint_url=endpoint_url)
     except SparknetError as exc:
         fail(exc, debug)
-    known = lifecycle.registered()
-    for name in sorted(set(found) | set(known)):
+    known = {name for name, spec in lifecycle.registered().items() if spec.region == region}
+    for name in sorted(set(found) | known):
         cluster = found.get(name, lifecycle.TaggedCluster(name))
         live = sum(item.startswith("instance:") for item in cluster.items)
         where = "registered" if name in known else "not registered"
@@ -288,37 +310,53 @@ def cluster_sweep(
     registered here nor in `clusters:`; `--yes` deletes them (the bucket is kept)."""
     from sparknet import aws
     from sparknet.cluster import lifecycle
-    from sparknet.config import read_section
 
     try:
         region = aws.check_region(region)
-        path = find_config_file(config)
-        wanted = set(lifecycle.registered())
-        if path is not None:
-            wanted |= set(read_section(path, "clusters"))
+        wanted = _wanted(region, config)
         caller = None if all_owners else lifecycle.caller_owner(region, endpoint_url)
         found = lifecycle.orphans(region, wanted, endpoint_url=endpoint_url)
-        swept = skipped = 0
-        for name, cluster in sorted(found.items()):
-            if caller is not None and not cluster.owned_by(caller):
-                print(f"skipped {name}: {_not_yours(cluster, caller)}")
-                skipped += 1
-                continue
-            print(f"orphan {name}: {' '.join(cluster.items)}")
-            swept += 1
-            if yes:
-                spec = _cluster_spec(name, config, {"region": region})
-                try:
-                    lifecycle.down(
-                        spec, endpoint_url=endpoint_url, say=console.print, any_owner=all_owners
-                    )
-                except lifecycle.ClusterBusy as exc:
-                    print(f"skipped {name}: {exc}")
-                    continue
-                print(f"took {name} down")
-        if skipped:
-            print(f"{skipped} cluster(s) not yours were left alone; --all-owners includes them")
-        if swept and not yes:
-            print("run again with --yes to delete them")
     except SparknetError as exc:
         _fail(exc, debug)
+    swept = skipped = 0
+    failed = []
+    for name, cluster in sorted(found.items()):
+        if caller is not None and not cluster.owned_by(caller):
+            print(f"skipped {name}: {_not_yours(cluster, caller)}")
+            skipped += 1
+            continue
+        print(f"orphan {name}: {' '.join(cluster.items)}")
+        swept += 1
+        if yes:
+            try:
+                spec = _cluster_spec(name, config, {"region": region}, any_name=True)
+                report = lifecycle.down(
+                    spec, endpoint_url=endpoint_url, say=console.print, any_owner=all_owners
+                )
+            except SparknetError as exc:  # the next orphan may still go: report, go on
+                print(f"failed {name}: {first_line(exc)}")
+                failed.append(name)
+                continue
+            _print_down(report)
+            print(f"took {name} down")
+    if skipped:
+        print(f"{skipped} cluster(s) not yours were left alone; --all-owners includes them")
+    if swept and not yes:
+        print("run again with --yes to delete them")
+    if failed:
+        fail(SparknetError(f"could not take down {', '.join(failed)} (see above)"), debug, 1)
+
+
+def _wanted(region: str, config: Path | None) -> set[str]:
+    """The clusters of `region` that `sweep` leaves alone: registered here, or in `clusters:`
+    of the settings file (whose region is us-east-1 unless it says otherwise)."""
+    from sparknet.cluster import lifecycle
+    from sparknet.config import read_section
+
+    wanted = {name for name, spec in lifecycle.registered().items() if spec.region == region}
+    path = find_config_file(config)
+    if path is not None:
+        for name, entry in read_section(path, "clusters").items():
+            if (entry or {}).get("region", "us-east-1") == region:
+                wanted.add(name)
+    return wanted

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -79,6 +81,7 @@ class ClusterInfo:
 @dataclass(frozen=True)
 class DownReport:
     name: str
+    region: str
     terminated: list[str]
     deleted: list[str]
     #: the estimated cost of the instances' lives, where prices are known
@@ -88,8 +91,17 @@ class DownReport:
 # --- the lock ----------------------------------------------------------------------------------
 
 
+def _file_stem(name: str) -> str:
+    """`name` as a file name in the registry dir. A valid cluster name is one already; a name
+    read from a tag (`down`/`sweep` of clusters an older sparknet or a person named) may hold
+    anything, so it is hashed rather than allowed to leave the dir."""
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        return name
+    return "tag-" + hashlib.sha256(name.encode()).hexdigest()[:16]
+
+
 def _lock_path(name: str) -> Path:
-    return registry_dir() / f"{name}.lock"
+    return registry_dir() / f"{_file_stem(name)}.lock"
 
 
 @contextlib.contextmanager
@@ -147,7 +159,7 @@ def _remove_lock(name: str) -> None:
 
 
 def _entry(name: str) -> Path:
-    return registry_dir() / f"{name}.json"
+    return registry_dir() / f"{_file_stem(name)}.json"
 
 
 def _save(spec: ClusterSpec, endpoint_url: str | None) -> None:
@@ -306,8 +318,19 @@ def _destroy_foundation(spec: ClusterSpec, endpoint_url: str | None) -> list[str
     """Terraform's destroy where its state is known; else by tag with boto3 (a lost state dir,
     or a foundation another backend made)."""
     if _has_terraform_state(spec):
-        return foundation.destroy_terraform(spec, state_dir=terraform_state_dir(spec))
+        before = _foundation_items(spec, endpoint_url)
+        foundation.destroy_terraform(spec, state_dir=terraform_state_dir(spec))
+        after = set(_foundation_items(spec, endpoint_url))
+        return [item for item in before if item not in after]
     return foundation.destroy_boto3(spec, endpoint_url=endpoint_url)
+
+
+def _foundation_items(spec: ClusterSpec, endpoint_url: str | None) -> list[str]:
+    """The "kind:id" of the cluster's tagged resources other than instances. Terraform's destroy
+    says what went only as its outputs' names and values (`vpc_id:...`, and the bucket, which
+    it keeps): what was there before and is not after is what `down` reports deleted."""
+    cluster = tagged_clusters(spec.region, endpoint_url=endpoint_url).get(spec.name)
+    return [i for i in cluster.items if not i.startswith("instance:")] if cluster else []
 
 
 def launch_prefix(name: str) -> str:
@@ -513,7 +536,7 @@ def down(
         deleted = _destroy_foundation(spec, endpoint_url)
         _forget(spec.name, spec.region)
         _remove_lock(spec.name)
-    return DownReport(spec.name, terminated, deleted, cost)
+    return DownReport(spec.name, spec.region, terminated, deleted, cost)
 
 
 def lifetime_cost(ec2: Any, found: list[Instance], now: datetime) -> float | None:
@@ -552,7 +575,10 @@ _TAGGED_EC2 = (
     ("describe_security_groups", "SecurityGroups", "GroupId", "security-group"),
     ("describe_internet_gateways", "InternetGateways", "InternetGatewayId", "internet-gateway"),
     ("describe_route_tables", "RouteTables", "RouteTableId", "route-table"),
+    ("describe_vpc_endpoints", "VpcEndpoints", "VpcEndpointId", "vpc-endpoint"),
 )
+#: states of a resource that is gone or going (EC2 lists deleted VPC endpoints for a while)
+_GONE_STATES = frozenset({"deleted", "deleting"})
 
 
 @dataclass
@@ -596,19 +622,37 @@ def tagged_clusters(region: str, *, endpoint_url: str | None = None) -> dict[str
         with aws.aws_call(call, region):
             for page in ec2.get_paginator(call).paginate(Filters=[tag_key]):
                 for item in page[key]:
-                    add(item.get("Tags", []), f"{kind}:{item[id_key]}")
+                    if str(item.get("State", "")).lower() not in _GONE_STATES:
+                        add(item.get("Tags", []), f"{kind}:{item[id_key]}")
+    _add_iam(region, endpoint_url, add)
+    return out
+
+
+def _add_iam(region: str, endpoint_url: str | None, add: Callable[[list, str], None]) -> None:
+    """The node roles and instance profiles of the region's clusters (IAM is global: by the
+    name, which carries the region, then the tag). Profiles are listed on their own: one whose
+    role is gone still names the cluster and must still be found and deleted."""
     iam = aws.client("iam", region, endpoint_url)
+
+    def ours(name: str) -> bool:
+        return name.startswith("sparknet-") and name.endswith(f"-{region}")
+
     with aws.aws_call("ListRoles", region):
         for page in iam.get_paginator("list_roles").paginate():
             for role in page["Roles"]:
-                name = role["RoleName"]
-                if name.startswith("sparknet-") and name.endswith(f"-{region}"):
-                    tags = iam.list_role_tags(RoleName=name)["Tags"]
-                    add(tags, f"iam-role:{name}")
-                    profiles = iam.list_instance_profiles_for_role(RoleName=name)
-                    for profile in profiles["InstanceProfiles"]:
-                        add(tags, f"instance-profile:{profile['InstanceProfileName']}")
-    return out
+                if ours(role["RoleName"]):
+                    with contextlib.suppress(iam.exceptions.NoSuchEntityException):  # going
+                        tags = iam.list_role_tags(RoleName=role["RoleName"])["Tags"]
+                        add(tags, f"iam-role:{role['RoleName']}")
+    with aws.aws_call("ListInstanceProfiles", region):
+        for page in iam.get_paginator("list_instance_profiles").paginate():
+            for profile in page["InstanceProfiles"]:
+                name = profile["InstanceProfileName"]
+                if ours(name):
+                    with contextlib.suppress(iam.exceptions.NoSuchEntityException):  # going
+                        found = iam.get_instance_profile(InstanceProfileName=name)
+                        tags = found["InstanceProfile"].get("Tags", [])
+                        add(tags, f"instance-profile:{name}")
 
 
 def orphans(
