@@ -30,6 +30,7 @@ def _dataset_uri(name_or_uri: str, config: Path | None, endpoint_url: str | None
 
 
 def _bytes_progress(description: str) -> Progress:
+    """A bytes bar on stderr; none without a terminal (a log would keep only its last frame)."""
     from rich.progress import DownloadColumn, TransferSpeedColumn
 
     return Progress(
@@ -39,6 +40,7 @@ def _bytes_progress(description: str) -> Progress:
         TransferSpeedColumn(),
         TimeElapsedColumn(),
         console=console,
+        disable=not console.is_terminal,
     )
 
 
@@ -59,7 +61,7 @@ def data_shard(
     try:
         with Progress(
             TextColumn("[bold]shards"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
-            console=console,
+            console=console, disable=not console.is_terminal,
         ) as progress:  # fmt: skip
             bar = progress.add_task("shard", total=None)
 

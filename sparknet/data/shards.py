@@ -20,10 +20,13 @@ import io
 import json
 import math
 import multiprocessing
+import multiprocessing.pool
 import os
 import re
+import signal
 import tarfile
 import tempfile
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -429,6 +432,43 @@ def _dest_lock(dest: Path) -> Iterator[None]:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _pool_ignoring_sigint(workers: int) -> Iterator[multiprocessing.pool.Pool]:
+    """A spawned pool whose processes leave Ctrl-C (sent to the whole foreground group) to the
+    parent, which stops the pool and prints one line; each worker would otherwise print its own
+    KeyboardInterrupt traceback. The processes are started while SIGINT is ignored: an ignored
+    signal stays ignored across exec, so they ignore it from their first instruction on, imports
+    included. The parent's handler is back before any job runs."""
+    # spawn, not fork: the caller may hold threads (Spark, torch) that fork would break
+    ctx = multiprocessing.get_context("spawn")
+    if threading.current_thread() is not threading.main_thread():  # cannot touch handlers
+        with ctx.Pool(workers) as pool:
+            yield pool
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        pool = ctx.Pool(workers)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    with pool:
+        yield pool
+
+
+def _os_error(exc: OSError, dest: Path) -> SparknetError:
+    """One line for a file system error outside the source images (those are named by
+    `_read_image`): the destination is not a directory, not writable, or full."""
+    where = exc.filename or dest
+    if exc.errno == errno.ENOSPC:
+        fix = "free some space or give another destination"
+    elif exc.errno in (errno.EEXIST, errno.ENOTDIR):
+        fix = f"{dest}, or a directory above it, is a file: give a directory"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "give a destination you can write to"
+    else:
+        fix = "check the path, or give another destination"
+    return SparknetError(f"cannot write {where} ({exc.strerror or exc}): {fix}")
+
+
 def _threads(jobs: int) -> int:
     """Writer threads when `--processes` is not given: one per core, at most one per shard."""
     return max(1, min(os.cpu_count() or 1, jobs))
@@ -458,6 +498,22 @@ def write_dataset(
     src = Path(src)
     tree = scan(src)
     dest = Path(dest)
+    try:
+        return _write_dataset(tree, src, dest, shard_bytes, seed, processes, on_progress)
+    except OSError as exc:
+        raise _os_error(exc, dest) from None  # from None: the chained trace would print it twice
+
+
+def _write_dataset(
+    tree: ImageTree,
+    src: Path,
+    dest: Path,
+    shard_bytes: int,
+    seed: int,
+    processes: int | None,
+    on_progress: Callable[[int, int], None] | None,
+) -> WriteReport:
+    """`write_dataset` once the source is scanned; may raise OSError about the destination."""
     dest.mkdir(parents=True, exist_ok=True)
     with _dest_lock(dest):
         checked = check_images(tree, src, dest, processes or _threads(os.cpu_count() or 1))
@@ -491,8 +547,7 @@ def write_dataset(
             for job in jobs:
                 record(_ensure_shard(job))
         else:
-            # spawn, not fork: the caller may hold threads (Spark, torch) that fork would break
-            with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            with _pool_ignoring_sigint(workers) as pool:
                 for result in pool.imap_unordered(_ensure_shard, jobs):
                     record(result)
 

@@ -409,3 +409,22 @@ def test_a_second_writer_into_the_same_destination_is_refused(tmp_path):
     assert (dest / ".train-000000.tar.abc.tmp").exists()  # the other run's temp is untouched
     write_dataset(src, dest, shard_bytes=4000, seed=0, processes=1)  # free again: it runs
     assert (dest / MANIFEST_NAME).exists()
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temp(tmp_path, monkeypatch):
+    """ENOSPC is simulated (a mock: tests cannot mount a small file system): fsync fails."""
+    import errno
+
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    make_tree(src, classes=2, train_per_class=3, val_per_class=2, size=(32, 24))
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(SparknetError) as info:
+        write_dataset(src, dest, shard_bytes=4000, seed=0, processes=1)
+    text = str(info.value)
+    assert "No space left on device" in text and "free some space" in text
+    assert "\n" not in text and info.value.__cause__ is None
+    assert not list(dest.glob("*.tmp")) and not list(dest.glob(".*.tmp"))

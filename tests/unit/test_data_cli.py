@@ -1,0 +1,67 @@
+"""`sparknet data ...` on bad input and interruption: one `error:` line on stderr (no traceback,
+no progress frame when stderr is not a terminal), exit 2 (130 on Ctrl-C). Real subprocesses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SPARKNET
+from tests.imagenet_tree import make_tree
+
+
+def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(SPARKNET), *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    make_tree(root / "tree", classes=2, train_per_class=3, val_per_class=2, size=(32, 24))
+    (root / "afile").write_text("not a directory")
+    return root
+
+
+def assert_one_error_line(done: subprocess.CompletedProcess, needle: str, rc: int = 2) -> None:
+    lines = done.stderr.splitlines()
+    assert done.returncode == rc and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: ") and needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    ("dest", "needle"),
+    [
+        ("afile", "afile, or a directory above it, is a file"),
+        ("afile/sub", "is a file: give a directory"),
+        ("/proc/nope", "cannot write /proc/nope"),
+    ],
+)
+def test_a_destination_that_cannot_be_written_is_one_line(tree, dest, needle):
+    assert_one_error_line(run("data", "shard", "tree", dest, cwd=tree), needle)
+
+
+def test_ctrl_c_during_a_process_pool_prints_one_line(tmp_path):
+    """Ctrl-C goes to the whole foreground process group, pool workers included: they ignore it
+    and leave the one line to the parent."""
+    make_tree(tmp_path / "tree", classes=4, train_per_class=40, val_per_class=2, size=(64, 48))
+    proc = subprocess.Popen(
+        [str(SPARKNET), "data", "shard", "tree", "ds", "--processes", "2", "--shard-mb", "1"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline = time.monotonic() + 60
+    while len(children.read_text().split()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the pool's workers are up once the parent has 2+ children
+    time.sleep(0.2)  # let them start importing
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.splitlines() == ["error: interrupted; run the same command again to resume"], err
