@@ -324,6 +324,23 @@ def _hash_object(store: Store, info: ShardInfo, progress: _LockedProgress) -> st
         return sha256_stream(f, progress)
 
 
+def _metadata_problem(store: Store, info: ShardInfo) -> str | None:
+    """An S3 object's sha256 metadata (what training's pre-flight check reads) must be the
+    manifest's: training refuses one that is not, so verify must not call it good."""
+    if not isinstance(store, S3Store):
+        return None
+    head = store.head(info.name)
+    if head is None:
+        return f"{info.name}: missing"
+    tagged = head.get("Metadata", {}).get("sha256")
+    if tagged not in (None, info.sha256):
+        return (
+            f"{info.name}: its sha256 metadata differs from the manifest "
+            "(upload it again: `sparknet data upload`)"
+        )
+    return None
+
+
 def verify_dataset(
     uri: str,
     *,
@@ -332,7 +349,8 @@ def verify_dataset(
     on_total: Progress | None = None,
     max_concurrency: int = 4,
 ) -> VerifyReport:
-    """Check every shard's size and sha256 (streamed) against the manifest, local or S3.
+    """Check every shard's size and sha256 (streamed) against the manifest, local or S3, and on
+    S3 the sha256 metadata training's pre-flight check reads.
 
     Problems are one line each, in manifest order; failures that are not about one shard
     (credentials, network) raise a SparknetError instead. `on_total(n)` gets the bytes there are
@@ -358,7 +376,7 @@ def verify_dataset(
             return f"{info.name}: missing"
         if digest != info.sha256:
             return f"{info.name}: sha256 differs from the manifest"
-        return None
+        return _metadata_problem(store, info)
 
     with ThreadPoolExecutor(max_workers=max(1, max_concurrency)) as pool:
         results = list(pool.map(check, shards))

@@ -376,3 +376,23 @@ def test_a_cache_hit_whose_bytes_changed_at_the_same_size_is_fetched_again(
     again = cache.path(store, info)
     assert store.fetched == [info.name, info.name]
     assert again.read_bytes() == (tmp_path / "ds" / info.name).read_bytes()
+
+
+def test_verify_and_upload_catch_stale_sha256_metadata_on_good_bytes(
+    moto_endpoint: str, bucket: str, dataset: tuple[Path, Manifest]
+) -> None:
+    """Training refuses an object whose sha256 metadata is not the manifest's: so does verify,
+    and upload sends it again."""
+    src, _ = dataset
+    uri = f"s3://{bucket}/ds"
+    upload_dataset(src, uri, endpoint_url=moto_endpoint)
+    s3c = boto3.client("s3", endpoint_url=moto_endpoint)
+    s3c.copy_object(
+        Bucket=bucket, Key="ds/train-000002.tar", Metadata={"sha256": "0" * 64},
+        CopySource={"Bucket": bucket, "Key": "ds/train-000002.tar"}, MetadataDirective="REPLACE",
+    )  # fmt: skip
+    (problem,) = verify_dataset(uri, endpoint_url=moto_endpoint).problems
+    assert problem.startswith("train-000002.tar: its sha256 metadata differs from the manifest")
+    redo = upload_dataset(src, uri, endpoint_url=moto_endpoint)
+    assert redo.uploaded == ["train-000002.tar"]
+    assert verify_dataset(uri, endpoint_url=moto_endpoint).problems == []
