@@ -189,6 +189,45 @@ def check_offered(
     return offered
 
 
+def check_zones(ec2: Any, zones: Sequence[str]) -> None:
+    """Every AZ the spec names is a regular AZ of the region (not a Local or Wavelength Zone,
+    not another region's); a one-line error naming the region's AZs otherwise. `up` calls it
+    before anything is made: the foundation would otherwise be built and then fail."""
+    if not zones:
+        return
+    region = aws.region_of(ec2)
+    regular = [{"Name": "zone-type", "Values": ["availability-zone"]}]
+    with aws.aws_call("DescribeAvailabilityZones", region):
+        found = ec2.describe_availability_zones(Filters=regular)["AvailabilityZones"]
+    names = sorted(z["ZoneName"] for z in found if z.get("RegionName", region) == region)
+    unknown = [z for z in zones if z not in names]
+    if unknown:
+        raise SparknetError(
+            f"availability_zones: {', '.join(unknown)} is not an AZ of {region}; its AZs are "
+            f"{', '.join(names)}"
+        )
+
+
+def check_key_pair(ec2: Any, key_name: str | None) -> None:
+    """The spec's EC2 key pair exists in the region; a one-line error before anything is made
+    otherwise (RunInstances would refuse it only after the foundation is built)."""
+    if not key_name:
+        return
+    region = aws.region_of(ec2)
+    try:
+        ec2.describe_key_pairs(KeyNames=[key_name])
+    except bx.ClientError as exc:
+        if aws.error_code(exc) == "InvalidKeyPair.NotFound":
+            raise SparknetError(
+                f"key pair {key_name!r} does not exist in {region}; import your public key "
+                f"(aws ec2 import-key-pair --region {region} --key-name {key_name} ...) or "
+                "remove key_name"
+            ) from exc
+        raise aws.describe_error(exc, f"DescribeKeyPairs in {region}") from exc
+    except bx.BotoCoreError as exc:
+        raise aws.describe_error(exc, f"DescribeKeyPairs in {region}") from exc
+
+
 def _root_device(ec2: Any, ami: str) -> tuple[str, int]:
     """The AMI's root device name (the block device mapping must name it, and it differs between
     AMIs: /dev/sda1, /dev/xvda) and its snapshot size in GiB (the smallest root volume allowed)."""

@@ -373,7 +373,11 @@ def up(
     # everything that can fail without cost fails first, and before the lock, whose file is the
     # first thing `up` writes
     _check_region(spec)
-    instances.check_offered(ec2, [spec.master_type, *spec.instance_types])
+    instances.check_zones(ec2, spec.availability_zones)
+    instances.check_offered(
+        ec2, [spec.master_type, *spec.instance_types], spec.availability_zones or None
+    )
+    instances.check_key_pair(ec2, spec.key_name)
     ami = instances.resolve_ami(spec, ssm)
     instances.check_ami(ec2, ami, spec.root_volume_gb)
     cidr = spec.allowed_cidr or instances.caller_cidr()

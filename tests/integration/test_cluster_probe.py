@@ -398,3 +398,26 @@ def test_a_terraform_down_reports_the_resources_deleted_not_its_outputs(
     assert {"vpc", "subnet", "security-group", "iam-role", "instance-profile"} <= kinds
     assert not any(item.startswith(("bucket:", "vpc_id:", "role_arn:")) for item in report.deleted)
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
+
+
+# --- 12: the free checks come before anything is made --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        ({"availability_zones": ["us-east-1zz"]}, "us-east-1zz is not an AZ of us-east-1"),
+        ({"availability_zones": ["eu-west-1a"]}, "eu-west-1a is not an AZ of us-east-1"),
+        ({"key_name": "no-such-key"}, "key pair 'no-such-key' does not exist in us-east-1"),
+    ],
+)
+def test_wrong_zones_or_key_pair_are_one_short_line_before_anything_is_made(
+    spec, tmp_path, entry, says
+):
+    _settings_file(spec, tmp_path, instance_types=["g4dn.xlarge"], **entry)
+    done = cli("up", spec.name, "--allowed-cidr", "203.0.113.9/32", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    line = _one_line(done.stderr)
+    assert says in line and len(line) < 300, line
+    assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
+    assert not lifecycle.registry_dir().exists() or not list(lifecycle.registry_dir().iterdir())
