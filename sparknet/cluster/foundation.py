@@ -62,7 +62,7 @@ KEPT_KINDS = frozenset({"bucket"})
 #: how long a delete waits for AWS to let go of what still depends on it: a security group stays
 #: "in use" for seconds to minutes after its instances terminate, and a VPC endpoint deletes
 #: asynchronously, so the subnet, gateway and VPC after it are refused meanwhile
-DEPENDENCY_WAIT_S = 600.0
+DEPENDENCY_WAIT_S = 300.0
 #: AWS's answer while a dependency is still letting go (retried until `DEPENDENCY_WAIT_S`)
 _BUSY_CODES = frozenset({"DependencyViolation"})
 #: where `foundation: terraform` takes providers from instead of the registry (init -plugin-dir)
@@ -605,7 +605,9 @@ def destroy_boto3(
 
     The bucket is kept either way: it holds datasets and runs that outlive any cluster. The
     VPC's `default` security group is never deleted (AWS refuses; it goes with its VPC). Call
-    after the cluster's instances are terminated (the security group is in use until then).
+    after the cluster's instances are terminated (the security group is in use until then);
+    a delete AWS refuses with DependencyViolation is retried for up to `DEPENDENCY_WAIT_S`.
+    Without `only`, it then checks by tag that nothing of the cluster is left (`check_removed`).
     """
     f = _Boto3Foundation(spec, endpoint_url)
     targets = _parse_only(only) if only is not None else _tagged(f)
@@ -614,6 +616,8 @@ def destroy_boto3(
         for ident in targets.get(kind, []):
             if _DELETERS[kind](f, ident):
                 deleted.append(f"{kind}:{ident}")
+    if only is None:
+        check_removed(spec, endpoint_url=endpoint_url)
     return deleted
 
 
@@ -888,10 +892,9 @@ def destroy_terraform(
     ]
     # destroy only checks the inputs; a placeholder SSH source passes the module's validation
     runner.destroy(terraform_variables(spec, "127.0.0.1/32"))
-    swept = destroy_boto3(spec, endpoint_url=endpoint_url)
+    swept = destroy_boto3(spec, endpoint_url=endpoint_url)  # raises if anything is left
     f = _Boto3Foundation(spec, endpoint_url)
     gone = [item for item in recorded if not _still_there(f, item)]
-    check_removed(spec, endpoint_url=endpoint_url)
     return gone + [item for item in swept if item not in gone]
 
 

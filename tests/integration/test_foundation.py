@@ -641,3 +641,18 @@ def test_without_a_bucket_the_node_role_has_no_s3_statement(moto_endpoint):
         assert "s3" not in json.dumps(document)
     finally:
         destroy_boto3(spec, endpoint_url=moto_endpoint)
+
+
+def test_check_removed_names_what_is_still_tagged(moto_endpoint):
+    """What a clean-up asks before it says "removed": a tagged VPC left is named, in one line."""
+    spec = ClusterSpec(name=f"r{uuid.uuid4().hex[:8]}", region=REGION)
+    foundation.check_removed(spec, endpoint_url=moto_endpoint)  # nothing there: no complaint
+    ec2 = boto3.client("ec2", region_name=REGION)
+    vpc = ec2.create_vpc(
+        CidrBlock="10.94.0.0/16",
+        TagSpecifications=[{"ResourceType": "vpc", "Tags": foundation.tags(spec)}],
+    )["Vpc"]["VpcId"]
+    with pytest.raises(SparknetError, match=rf"still has vpc:{vpc} after the destroy") as err:
+        foundation.check_removed(spec, endpoint_url=moto_endpoint)
+    assert "\n" not in str(err.value)
+    assert destroy_boto3(spec, endpoint_url=moto_endpoint) == [f"vpc:{vpc}"]
