@@ -79,9 +79,7 @@ def scan(src: Path) -> ImageTree:
     data = _data_root(src)
     meta_dirs = _meta_dirs(src, data)
     train_dir = data / "train"
-    wnids = sorted(
-        e.name for e in os.scandir(train_dir) if e.is_dir() and not e.name.startswith(".")
-    )
+    wnids = _subdirs(train_dir)
     if not wnids:
         raise SparknetError(
             f"{train_dir} has no class directories: put each class's images in train/<wnid>/"
@@ -146,6 +144,28 @@ def _class_names(meta_dirs: list[Path]) -> dict[str, str]:
     return {p[0].strip(): p[1].strip() for p in pairs if len(p) == 2 and p[1].strip()}
 
 
+def _utf8(directory: Path, name: str) -> str:
+    """`name` (of an entry of `directory`) when it is valid UTF-8: the manifest is JSON, which
+    cannot hold the lone surrogates Python decodes other bytes to, and no reader could load it."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(directory / name).decode("utf-8", "backslashreplace")
+        raise SparknetError(
+            f"{shown} has a name that is not valid UTF-8: rename it (or remove it), then run again"
+        ) from None
+    return name
+
+
+def _subdirs(directory: Path) -> list[str]:
+    """The sorted names of `directory`'s class directories (hidden ones are not classes)."""
+    return sorted(
+        _utf8(directory, e.name)
+        for e in os.scandir(directory)
+        if e.is_dir() and not e.name.startswith(".")
+    )
+
+
 def _is_image(entry: os.DirEntry[str]) -> bool:
     return (
         not entry.name.startswith(".")
@@ -156,7 +176,8 @@ def _is_image(entry: os.DirEntry[str]) -> bool:
 
 def _images_in(directory: Path) -> list[Path]:
     return [
-        directory / name for name in sorted(e.name for e in os.scandir(directory) if _is_image(e))
+        directory / name
+        for name in sorted(_utf8(directory, e.name) for e in os.scandir(directory) if _is_image(e))
     ]
 
 
@@ -173,9 +194,7 @@ def _scan_val(
     val_dir: Path, index: dict[str, int], meta_dirs: list[Path]
 ) -> list[tuple[Path, int]]:
     """val/<wnid>/* when val/ has class dirs; otherwise a flat val/ labelled by Kaggle's CSV."""
-    subdirs = sorted(
-        e.name for e in os.scandir(val_dir) if e.is_dir() and not e.name.startswith(".")
-    )
+    subdirs = _subdirs(val_dir)
     if subdirs:
         out = []
         for w in subdirs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import shutil
 from pathlib import Path
 
@@ -242,3 +243,20 @@ def test_train_transform_is_deterministic_under_a_fixed_torch_seed():
     assert first.dtype == torch.uint8
     assert torch.equal(first, sample(7))
     assert any(not torch.equal(first, sample(s)) for s in range(8, 12))
+
+
+@pytest.mark.parametrize("what", ["image", "class"])
+def test_a_name_that_is_not_utf8_is_refused_naming_it(tmp_path, what):
+    """JSON cannot hold such a name: the manifest would be written and then unreadable."""
+    make_tree(tmp_path, classes=2, train_per_class=2, val_per_class=1, size=(16, 16))
+    cls = tmp_path / "train" / "n00000001"
+    bad = os.fsdecode(b"caf\xe9")  # Latin-1, not UTF-8: a lone surrogate in Python
+    if what == "image":
+        next(cls.iterdir()).rename(cls / f"{bad}.JPEG")
+    else:
+        cls.rename(tmp_path / "train" / bad)
+    with pytest.raises(SparknetError) as info:
+        scan(tmp_path)
+    text = str(info.value)
+    assert "caf\\xe9" in text and "not valid UTF-8: rename it" in text
+    text.encode("utf-8")  # the message itself prints anywhere
