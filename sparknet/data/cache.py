@@ -7,8 +7,9 @@ instead of training on wrong bytes; a cache hit is hashed again once per process
 file damaged on disk is fetched again rather than trained on.
 
 Several Python workers share one root: every write goes to a temp name unique to its process and
-is renamed into place (atomic), eviction tolerates files another process removed first, and files
-whose names start with "." (in-flight temps) are never counted or evicted.
+is renamed into place (atomic) and eviction tolerates files another process removed first. Files
+whose names start with "." are in-flight temps: they count against the cap but are not evicted,
+unless their writer is gone (a process killed mid-fetch) or they have been idle for an hour.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
+import time
 import uuid
 from pathlib import Path
 
@@ -29,6 +32,29 @@ def _identity(st: os.stat_result, path: Path) -> tuple:
     """A cached file's identity for the hash memo. Not its mtime: every hit touches that (LRU);
     a cache file is only ever replaced by a rename, which gives a new inode."""
     return ("cache", str(path), st.st_dev, st.st_ino, st.st_size)
+
+
+#: a temp not written to for this long is abandoned, whoever holds its PID now
+TEMP_IDLE_SECONDS = 3600
+#: the writer's PID in a temp name: `.<name>.<pid>.<8 hex>.tmp` (a fetch's own temp nests one)
+_TEMP_PID = re.compile(r"\.(\d+)\.[0-9a-f]{8}\.tmp$")
+
+
+def _abandoned(name: str, st: os.stat_result) -> bool:
+    """Whether a dot-temp was left by a writer that is gone (`kill -9` mid-fetch) or has been
+    idle past TEMP_IDLE_SECONDS (a PID can be reused)."""
+    match = _TEMP_PID.search(name)
+    if match is None:
+        return False  # not one of ours
+    if time.time() - st.st_mtime > TEMP_IDLE_SECONDS:
+        return True
+    try:
+        os.kill(int(match.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 def store_key(store: Store) -> str:
@@ -98,18 +124,25 @@ class ShardCache:
         if sha256_file(path) != info.sha256:
             raise bad_shard(store, info, "does not match its sha256 in the manifest")
 
-    def evict(self, keep: Path | None = None) -> None:
-        """Remove least-recently-used files until the total is within the cap (never `keep`)."""
+    def evict(self, keep: Path | None = None) -> int:
+        """Remove temps of dead writers, then least-recently-used files until the total (live
+        temps included) is within the cap (never `keep`). Returns the dead temps removed."""
         entries: list[tuple[int, int, Path]] = []
-        total = 0
+        total = removed = 0
         for entry in os.scandir(self.root):
-            if entry.name.startswith("."):
-                continue
             try:
                 st = entry.stat()
             except FileNotFoundError:  # evicted by another process meanwhile
                 continue
             if not entry.is_file():
+                continue
+            if entry.name.startswith("."):
+                if _abandoned(entry.name, st):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+                    removed += 1
+                else:
+                    total += st.st_size
                 continue
             entries.append((st.st_mtime_ns, st.st_size, Path(entry.path)))
             total += st.st_size
@@ -122,6 +155,7 @@ class ShardCache:
             with contextlib.suppress(FileNotFoundError):  # another process evicted it first
                 path.unlink()
             total -= size
+        return removed
 
     def total_bytes(self) -> int:
         """Bytes held by cached (not in-flight) files."""

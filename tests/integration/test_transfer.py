@@ -396,3 +396,29 @@ def test_verify_and_upload_catch_stale_sha256_metadata_on_good_bytes(
     redo = upload_dataset(src, uri, endpoint_url=moto_endpoint)
     assert redo.uploaded == ["train-000002.tar"]
     assert verify_dataset(uri, endpoint_url=moto_endpoint).problems == []
+
+
+def test_eviction_removes_temps_of_dead_writers_and_counts_live_ones(tmp_path: Path) -> None:
+    """A `kill -9` mid-fetch leaves a temp: eviction removes it once its writer is gone (or it
+    has been idle an hour), and counts live temps against the cap."""
+    import subprocess
+    import sys
+    import time
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead_pid, me = int(gone.stdout), os.getpid()
+    root = tmp_path / "cache"
+    root.mkdir()
+    dead = root / f"..k-0123-train-000000.tar.{dead_pid}.0badf00d.tmp.{dead_pid}.00c0ffee.tmp"
+    idle = root / f".k-0123-train-000001.tar.{me}.0badf00d.tmp"
+    live = root / f".k-0123-train-000002.tar.{me}.00c0ffee.tmp"
+    cached = root / "k-0123-train-000003.tar"
+    for path in (dead, idle, live, cached):
+        path.write_bytes(b"x" * 4000)
+    old = time.time() - 2 * 3600
+    os.utime(idle, (old, old))
+    cache = ShardCache(root, cap_bytes=6000)
+    assert cache.evict() == 2
+    assert not dead.exists() and not idle.exists() and live.exists()
+    assert not cached.exists()  # 4000 live + 4000 cached > 6000: the cached file goes
