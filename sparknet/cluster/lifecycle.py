@@ -410,6 +410,7 @@ def _build(
         say(f"foundation ready: {base.vpc_id}, security group {base.security_group_id}")
         # a shutting-down instance is going away: it is no member, and one is launched for it
         running = [i for i in instances.find(ec2, spec.name) if i.state != "shutting-down"]
+        running = _shrink(ec2, spec, running, say, wait_delay_s)
         started = instances.start_stopped(ec2, running, delay_s=wait_delay_s)
         if started:
             say(f"starting {len(started)} stopped instances: {', '.join(started)}")
@@ -457,6 +458,25 @@ def _build(
         spec.name, spec.region, masters[0] if masters else None, _by_role(ready, "worker"),
         instances.hourly_cost(ec2, ready),
     )  # fmt: skip
+
+
+def _shrink(
+    ec2: Any, spec: ClusterSpec, running: list[Instance], say: Say, delay_s: float
+) -> list[Instance]:
+    """Terminate the workers beyond `spec.workers`, newest first, and return what is left.
+
+    `up --workers 1` of a cluster with 4 workers means 1 worker: the spec is what the user pays
+    for, and the registry records it. The newest go first: the oldest have the warmest caches
+    and the settled host keys."""
+    workers = _by_role(running, "worker")
+    extra = len(workers) - spec.workers
+    if extra <= 0:
+        return running
+    newest = sorted(workers, key=lambda i: (i.launched_at, i.id), reverse=True)[:extra]
+    ids = [i.id for i in newest]
+    say(f"terminating {extra} surplus workers (newest first): {', '.join(ids)}")
+    instances.terminate(ec2, ids, wait=True, delay_s=delay_s)
+    return [i for i in running if i.id not in ids]
 
 
 def _undo(spec: ClusterSpec, ec2: Any, made: _Made, endpoint_url: str | None, say: Say) -> None:

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import boto3
@@ -421,3 +422,22 @@ def test_wrong_zones_or_key_pair_are_one_short_line_before_anything_is_made(
     assert says in line and len(line) < 300, line
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
     assert not lifecycle.registry_dir().exists() or not list(lifecycle.registry_dir().iterdir())
+
+
+# --- 4: `up` with fewer workers ------------------------------------------------------------------
+
+
+def test_up_with_fewer_workers_terminates_the_newest_surplus(spec, moto_endpoint, tmp_path):
+    first = _up(spec.model_copy(update={"workers": 1}), moto_endpoint)
+    time.sleep(1.1)  # the later workers are newer by their LaunchTime (whole seconds)
+    grown = _up(spec.model_copy(update={"workers": 3}), moto_endpoint)
+    assert len(grown.workers) == 3
+    _settings_file(spec, tmp_path, instance_types=["g4dn.xlarge"], allowed_cidr="203.0.113.9/32")
+
+    done = cli("up", spec.name, "--workers", "1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "terminating 2 surplus workers (newest first)" in done.stderr
+    now = lifecycle.status(spec, endpoint_url=moto_endpoint)
+    assert [w.id for w in now.workers] == [w.id for w in first.workers]
+    assert now.master.id == first.master.id
+    assert lifecycle.registered()[spec.name].workers == 1
