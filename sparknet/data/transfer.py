@@ -184,6 +184,7 @@ def upload_dataset(
             todo.append(info)
 
     s3c = s3.client(endpoint_url)
+    _abort_incomplete(s3c, store, [info.name for info in shards])
     manifest_uri = store.object_uri(MANIFEST_NAME)
     try:
         if MANIFEST_NAME in remote and (todo or store.read_bytes(MANIFEST_NAME) != manifest_bytes):
@@ -217,6 +218,28 @@ def upload_dataset(
         skipped=skipped,
         bytes_uploaded=sum(info.bytes for info in todo),
     )
+
+
+def _abort_incomplete(s3c: Any, store: S3Store, names: list[str]) -> int:
+    """Abort the unfinished multipart uploads of these shards (an upload killed mid-file leaves
+    its parts, which S3 keeps and bills until aborted); the number aborted."""
+    keys = {store.object_uri(name).key for name in names}
+    bucket = store.object_uri(MANIFEST_NAME).bucket
+    prefix = store.object_uri(MANIFEST_NAME).key[: -len(MANIFEST_NAME)]
+    aborted = 0
+    try:
+        for page in s3c.get_paginator("list_multipart_uploads").paginate(
+            Bucket=bucket, Prefix=prefix
+        ):
+            for upload in page.get("Uploads", []):
+                if upload["Key"] in keys:
+                    s3c.abort_multipart_upload(
+                        Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
+                    aborted += 1
+    except (bx.BotoCoreError, bx.ClientError) as exc:
+        raise s3.describe_client_error(exc, store.object_uri(MANIFEST_NAME)) from exc
+    return aborted
 
 
 def _s3_checksum(path: Path, info: ShardInfo, parts: tuple[int, int]) -> str:

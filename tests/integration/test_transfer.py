@@ -422,3 +422,18 @@ def test_eviction_removes_temps_of_dead_writers_and_counts_live_ones(tmp_path: P
     assert cache.evict() == 2
     assert not dead.exists() and not idle.exists() and live.exists()
     assert not cached.exists()  # 4000 live + 4000 cached > 6000: the cached file goes
+
+
+def test_a_rerun_aborts_the_multipart_uploads_a_killed_upload_left(
+    moto_endpoint: str, bucket: str, dataset: tuple[Path, Manifest]
+) -> None:
+    """`kill -9` mid-file leaves parts S3 bills until aborted; another prefix's are not touched."""
+    src, _ = dataset
+    s3c = boto3.client("s3", endpoint_url=moto_endpoint)
+    for key in ("ds/train-000001.tar", "other/train-000001.tar"):
+        started = s3c.create_multipart_upload(Bucket=bucket, Key=key)
+        s3c.upload_part(Bucket=bucket, Key=key, UploadId=started["UploadId"], PartNumber=1,
+                        Body=b"x" * 1000)  # fmt: skip
+    upload_dataset(src, f"s3://{bucket}/ds", endpoint_url=moto_endpoint)
+    left = s3c.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    assert [u["Key"] for u in left] == ["other/train-000001.tar"]
