@@ -145,6 +145,7 @@ def data_upload(
     print(
         f"{uri}: {len(report.uploaded)} shards uploaded "
         f"({report.bytes_uploaded / 2**20:.1f} MiB), {len(report.skipped)} already there"
+        + (f", {len(report.removed)} old removed" if report.removed else "")
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -28,6 +29,7 @@ from sparknet.data import s3
 from sparknet.data.integrity import all_shards
 from sparknet.data.manifest import (
     MANIFEST_NAME,
+    SHARD_PATTERN,
     Manifest,
     ShardInfo,
     sha256_file,
@@ -38,6 +40,7 @@ from sparknet.errors import SparknetError
 
 Progress = Callable[[int], None]
 
+_SHARD = re.compile(SHARD_PATTERN)
 MULTIPART_THRESHOLD = 64 << 20
 MULTIPART_CHUNKSIZE = 16 << 20
 
@@ -45,11 +48,13 @@ MULTIPART_CHUNKSIZE = 16 << 20
 @dataclass(frozen=True)
 class UploadReport:
     """Shard names uploaded now and skipped (already there, same size and sha256), in manifest
-    order; `bytes_uploaded` counts the uploaded shards' bytes (not the manifest)."""
+    order; `bytes_uploaded` counts the uploaded shards' bytes (not the manifest); `removed`, the
+    shards of an earlier upload that the new manifest does not name (deleted, sorted)."""
 
     uploaded: list[str]
     skipped: list[str]
     bytes_uploaded: int
+    removed: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -217,7 +222,22 @@ def upload_dataset(
         uploaded=uploaded,
         skipped=skipped,
         bytes_uploaded=sum(info.bytes for info in todo),
+        removed=_remove_orphans(s3c, store, remote, {info.name for info in shards}),
     )
+
+
+def _remove_orphans(s3c: Any, store: S3Store, remote: dict[str, int], keep: set[str]) -> list[str]:
+    """Delete shards an earlier upload left that the manifest just written does not name (a
+    re-shard into fewer shards). Runs after that manifest is in place: no reader's manifest
+    names them any more. Only names of sparknet's shard pattern are touched."""
+    orphans = sorted(n for n in remote if _SHARD.match(n) and n not in keep)
+    for name in orphans:
+        where = store.object_uri(name)
+        try:
+            s3c.delete_object(Bucket=where.bucket, Key=where.key)
+        except (bx.BotoCoreError, bx.ClientError) as exc:
+            raise s3.describe_client_error(exc, where) from exc
+    return orphans
 
 
 def _abort_incomplete(s3c: Any, store: S3Store, names: list[str]) -> int:

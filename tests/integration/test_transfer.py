@@ -437,3 +437,24 @@ def test_a_rerun_aborts_the_multipart_uploads_a_killed_upload_left(
     upload_dataset(src, f"s3://{bucket}/ds", endpoint_url=moto_endpoint)
     left = s3c.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
     assert [u["Key"] for u in left] == ["other/train-000001.tar"]
+
+
+def test_an_upload_of_a_reshard_into_fewer_shards_removes_the_old_extra_ones(
+    moto_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    src = tmp_path / "ds"
+    make_dataset(src, {"train": [1000, 1000, 1000], "val": [500, 500]})
+    uri = f"s3://{bucket}/ds"
+    upload_dataset(src, uri, endpoint_url=moto_endpoint)
+    s3c = boto3.client("s3", endpoint_url=moto_endpoint)
+    s3c.put_object(Bucket=bucket, Key="ds/notes.txt", Body=b"the user's own")
+    for name in ("train-000002.tar", "val-000001.tar", MANIFEST_NAME):
+        (src / name).unlink()
+    make_dataset(src, {"train": [1500, 1500], "val": [900]})
+    report = upload_dataset(src, uri, endpoint_url=moto_endpoint)
+    assert report.removed == ["train-000002.tar", "val-000001.tar"]
+    assert keys(moto_endpoint, bucket) == {
+        f"ds/{n}" for n in ("train-000000.tar", "train-000001.tar", "val-000000.tar",
+                            MANIFEST_NAME, "notes.txt")
+    }  # fmt: skip
+    assert verify_dataset(uri, endpoint_url=moto_endpoint).problems == []
