@@ -139,8 +139,9 @@ def resolve_ami(spec: ClusterSpec, ssm: Any) -> str:
     except bx.ClientError as exc:
         if aws.error_code(exc) == "ParameterNotFound":
             raise SparknetError(
-                f"SSM parameter {spec.ami_parameter} does not exist in {region}; set the "
-                "cluster's ami (an AMI id) or ami_parameter"
+                f"SSM parameter {spec.ami_parameter} does not exist in {region}; pass --ami "
+                "AMI_ID to `cluster up` (e.g. one `make ami` baked), or set ami or "
+                "ami_parameter in the cluster's `clusters:` entry"
             ) from exc
         raise aws.describe_error(
             exc, f"reading SSM parameter {spec.ami_parameter} in {region}"

@@ -45,7 +45,15 @@ class ClusterSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(pattern=r"^[a-z][a-z0-9-]{1,30}$", description="unique per account+region")
+    #: 2-31 of a-z 0-9 and single hyphens, a letter first and no hyphen last: it becomes
+    #: `<name>-master`, `sparknet-<name>-<region>` and file names, where `c2-` or `a--b` would
+    #: read as a typo
+    name: str = Field(
+        min_length=2,
+        max_length=31,
+        pattern=r"^[a-z](?:-?[a-z0-9])+$",
+        description="unique per account+region",
+    )
     region: str = "us-east-1"
     availability_zones: list[str] = Field(
         default_factory=list, description="fallback order; default: every AZ of the region"

@@ -385,7 +385,7 @@ def test_resolve_ami_reads_the_parameter_unless_an_ami_is_given(moto_endpoint, n
     )
     with pytest.raises(SparknetError) as err:
         instances.resolve_ami(base.model_copy(update={"ami_parameter": "/test/missing"}), ssm)
-    assert_one_line(err.value, "/test/missing", "does not exist", REGION)
+    assert_one_line(err.value, "/test/missing", "does not exist", REGION, "pass --ami")
 
 
 @pytest.fixture

@@ -55,3 +55,14 @@ def test_cli_refuses_half_the_internet_in_one_line(tmp_path) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "0.0.0.0/1" in lines[0] and "/16 or narrower" in lines[0]
     assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("name", ["c2-", "a--b", "-ab", "2ab", "Ab", "a", "a" * 32, "a_b"])
+def test_names_with_a_trailing_or_double_hyphen_or_outside_the_pattern_are_refused(name):
+    with pytest.raises(ValueError, match="name"):
+        ClusterSpec(name=name)
+
+
+@pytest.mark.parametrize("name", ["c2", "a-b-c", "gpu-1", "a" * 31])
+def test_names_of_letters_digits_and_single_inner_hyphens_are_accepted(name):
+    assert ClusterSpec(name=name).name == name
