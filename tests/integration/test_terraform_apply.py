@@ -180,6 +180,7 @@ def end_state(spec: ClusterSpec, vpc: str, group: str, role: str) -> dict[str, A
             "ingress": _rules(cluster_group["IpPermissions"], group),
             "egress": _rules(cluster_group["IpPermissionsEgress"], group),
             "tags": _tags(cluster_group.get("Tags")),
+            "name_tag": {t["Key"]: t["Value"] for t in cluster_group.get("Tags", [])}.get("Name"),
         },
         "role": {
             "description": role_info.get("Description"),
