@@ -250,10 +250,11 @@ def terraform_state_dir(spec: ClusterSpec) -> Path:
     name are two clusters (IAM names carry the region), and `down --region` of the wrong one
     must find no state to destroy. The dir of an older sparknet (``<name>/terraform``) is used
     for the region its saved variables name."""
-    legacy = registry_dir() / spec.name / "terraform"
+    base = registry_dir() / _file_stem(spec.name)
+    legacy = base / "terraform"
     if _state_region(legacy) == spec.region:
         return legacy
-    return registry_dir() / spec.name / spec.region / "terraform"
+    return base / spec.region / "terraform"
 
 
 def _state_region(state_dir: Path) -> str | None:
@@ -271,7 +272,7 @@ def _known_regions(name: str) -> set[str]:
     """The regions where this machine knows cluster `name`: its registry entry and any local
     Terraform state that still holds resources."""
     out = {spec.region for spec in [registered().get(name)] if spec is not None}
-    base = registry_dir() / name
+    base = registry_dir() / _file_stem(name)
     for state_dir in [base / "terraform", *base.glob("*/terraform")]:
         region = _state_region(state_dir)
         if region is not None:
