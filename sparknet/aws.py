@@ -182,6 +182,11 @@ def describe_error(exc: BaseException, what: str) -> SparknetError:
             f"AWS profile {profile!r} (AWS_PROFILE) is not in ~/.aws/config or ~/.aws/credentials "
             f"(for {what}); fix AWS_PROFILE or unset it"
         )
+    if isinstance(cause, bx.SSLError):
+        return SparknetError(
+            f"the TLS handshake with {_endpoint(cause, 'the endpoint')} failed (for {what}); "
+            "check the endpoint URL's scheme (http:// or https://) and its certificate"
+        )
     if isinstance(cause, (bx.EndpointConnectionError, bx.ConnectTimeoutError)):
         return SparknetError(
             f"cannot reach AWS at {_endpoint(cause, 'its endpoint')} (for {what}); check the "

@@ -9,12 +9,20 @@ key=value`, then explicit flags. Values from text (env, `--set`) are parsed as Y
 from __future__ import annotations
 
 import os
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from sparknet.errors import SparknetError
 
@@ -142,6 +150,15 @@ class DatasetEntry(BaseModel):
 
     uri: str = Field(description="s3://bucket/prefix or a local directory")
     endpoint_url: str | None = None
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_is_a_url(cls, url: str | None) -> str | None:
+        """Checked here, so the error names the settings file (see `aws.check_endpoint_url`)."""
+        parts = urllib.parse.urlsplit(url or "http://x")
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError("not a URL: write it as http://HOST:PORT (or https://...)")
+        return url
 
 
 #: where settings are read from when no --config is given: $SPARKNET_CONFIG, then ./sparknet.yaml

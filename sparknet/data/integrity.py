@@ -38,7 +38,13 @@ _hashed_lock = threading.Lock()
 
 
 def fix_hint(store: Store) -> str:
-    """What to do about a shard that does not match the manifest."""
+    """What to do about a shard that does not match the manifest: a local dataset is made by
+    `data shard` (nothing was uploaded), an S3 one by `data upload`."""
+    if isinstance(store, LocalStore):
+        return (
+            f"re-create the dataset with `sparknet data shard` (`sparknet data verify "
+            f"{store.uri}` lists every bad shard)"
+        )
     return (
         f"run `sparknet data verify {store.uri}` and upload it again (`sparknet data upload`), "
         "or re-create it with `sparknet data shard`"

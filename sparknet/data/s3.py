@@ -97,6 +97,23 @@ def client(endpoint_url: str | None = None) -> Any:
         return found
 
 
+#: failures where retrying only wastes the user's time: nothing listens, or TLS does not fit
+UNREACHABLE = (bx.EndpointConnectionError, bx.SSLError, bx.ConnectTimeoutError)
+
+
+def check_reachable(uri: S3Uri, endpoint_url: str | None = None) -> None:
+    """One `HeadBucket`, tried once: a refused connection or a TLS mismatch fails now, in one
+    line, instead of after the shared client's retries (tens of seconds). Any other answer
+    (even an error) means S3 is there; the real request then says what is wrong."""
+    probe = aws.client("s3", None, endpoint_url, max_attempts=1)
+    try:
+        probe.head_bucket(Bucket=uri.bucket)
+    except UNREACHABLE as exc:
+        raise describe_client_error(exc, uri) from exc
+    except (bx.BotoCoreError, bx.ClientError):
+        pass
+
+
 def describe_client_error(exc: BaseException, what: str | S3Uri) -> SparknetError:
     """Turn a boto3/botocore failure about `what` (an s3:// URI) into a one-line SparknetError
     that says what to fix: S3's own cases here, the rest as for any AWS call (`sparknet.aws`).

@@ -225,6 +225,11 @@ def load_manifest(store: Store) -> Manifest:
     try:
         text = store.read_bytes(MANIFEST_NAME)
     except MissingObjectError as exc:
+        if isinstance(store, LocalStore):
+            raise SparknetError(
+                f"{store.uri} has no {MANIFEST_NAME}: not a sparknet dataset, or `sparknet data "
+                "shard` did not finish writing it; run `sparknet data shard` (again)"
+            ) from exc
         raise SparknetError(
             f"{store.uri} has no {MANIFEST_NAME}: not a sparknet dataset, or its upload did not "
             "finish; run `sparknet data upload` again"

@@ -166,6 +166,7 @@ def upload_dataset(
     if not dest_uri.startswith("s3://"):
         raise SparknetError(f"upload destination {dest_uri!r} must be an s3:// URI")
     store = S3Store(dest_uri, endpoint_url)
+    s3.check_reachable(store.object_uri(MANIFEST_NAME), endpoint_url)
     progress = _LockedProgress(on_progress)
 
     remote = store.list()  # fails fast (one line) on a missing bucket or bad credentials
@@ -384,6 +385,13 @@ def _metadata_problem(store: Store, info: ShardInfo) -> str | None:
     return None
 
 
+def _reachable(store: Store) -> Store:
+    """`store`, once an S3 endpoint is known to answer (`s3.check_reachable`)."""
+    if isinstance(store, S3Store):
+        s3.check_reachable(store.object_uri(MANIFEST_NAME), store.endpoint_url)
+    return store
+
+
 def verify_dataset(
     uri: str,
     *,
@@ -399,7 +407,7 @@ def verify_dataset(
     (credentials, network) raise a SparknetError instead. `on_total(n)` gets the bytes there are
     to hash (the manifest's), once, before `on_progress(n)` gets bytes hashed.
     """
-    store = open_store(uri, endpoint_url)
+    store = _reachable(open_store(uri, endpoint_url))
     manifest = load_manifest(store)
     shards = all_shards(manifest)
     if on_total is not None:
@@ -428,7 +436,7 @@ def verify_dataset(
 
 def list_dataset(uri: str, *, endpoint_url: str | None = None) -> Listing:
     """Per-split shard counts, samples and bytes from the manifest, plus shards that are absent."""
-    store = open_store(uri, endpoint_url)
+    store = _reachable(open_store(uri, endpoint_url))
     manifest = load_manifest(store)
     present = store.list()
     splits = [

@@ -65,3 +65,12 @@ def test_ctrl_c_during_a_process_pool_prints_one_line(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert err.splitlines() == ["error: interrupted; run the same command again to resume"], err
+
+
+def test_a_dataset_entry_endpoint_without_a_scheme_names_the_settings_file(tmp_path):
+    (tmp_path / "sparknet.yaml").write_text(
+        "datasets:\n  foo:\n    uri: s3://bkt/ds\n    endpoint_url: localhost:5066\n"
+    )
+    done = run("data", "ls", "foo", cwd=tmp_path)
+    assert_one_error_line(done, "sparknet.yaml: datasets.foo: invalid setting endpoint_url")
+    assert "http://HOST:PORT" in done.stderr and "'localhost:5066'" in done.stderr

@@ -71,6 +71,7 @@ def test_a_local_shard_changed_at_the_same_size_fails_before_any_sample(shards, 
     text = str(exc.value)
     assert "\n" not in text and victim.name in text and "sha256" in text
     assert f"sparknet data verify {ds}" in text
+    assert "re-create the dataset with `sparknet data shard`" in text and "upload" not in text
 
 
 @pytest.fixture

@@ -398,11 +398,19 @@ def test_load_manifest_reads_it_from_s3(moto_endpoint: str, bucket: str) -> None
 def test_load_manifest_on_a_prefix_without_one_says_the_upload_did_not_finish(
     moto_endpoint: str, bucket: str, tmp_path: Path
 ) -> None:
+    """...and on a local dir without one, that `data shard` did not finish (nothing uploads)."""
     put(moto_endpoint, bucket, "ds/train-000000.tar", b"x")
-    for store in (open_store(f"s3://{bucket}/ds", moto_endpoint), LocalStore(tmp_path)):
+    advice = {
+        open_store(f"s3://{bucket}/ds", moto_endpoint): "run `sparknet data upload` again",
+        LocalStore(tmp_path): "run `sparknet data shard` (again)",
+    }
+    for store, fix in advice.items():
         with pytest.raises(SparknetError) as info:
             load_manifest(store)
-        assert_one_line(info.value, f"{store.uri} has no manifest.json", "sparknet data upload")
+        assert_one_line(info.value, f"{store.uri} has no manifest.json", fix)
+    with pytest.raises(SparknetError) as info:
+        load_manifest(LocalStore(tmp_path))
+    assert "upload" not in str(info.value)
 
 
 def test_load_manifest_on_a_missing_bucket_says_so(moto_endpoint: str) -> None:
@@ -447,3 +455,46 @@ def test_load_manifest_without_any_credentials_says_to_set_them(
     with pytest.raises(SparknetError) as info:
         load_manifest(open_store(f"s3://{bucket}/ds", moto_endpoint))
     assert_one_line(info.value, "credentials", "AWS_PROFILE", "AWS_ACCESS_KEY_ID")
+
+
+def _refused_endpoint() -> str:
+    """A local port nothing listens on (bound, then closed)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("kind", ["refused", "tls"])
+def test_data_commands_fail_fast_on_an_endpoint_that_cannot_answer(
+    moto_endpoint: str, tmp_path: Path, kind: str
+) -> None:
+    """No retries for what retrying cannot heal: nothing listening (was 25 s), or https to an
+    http server (an SSL error, was 31 s)."""
+    import hashlib
+    import time
+
+    from sparknet.data.transfer import list_dataset, upload_dataset, verify_dataset
+
+    endpoint = (
+        _refused_endpoint() if kind == "refused" else moto_endpoint.replace("http:", "https:")
+    )
+    needle = "cannot reach AWS" if kind == "refused" else "TLS handshake"
+    (tmp_path / "train-000000.tar").write_bytes(b"x")
+    shard = ShardInfo(name="train-000000.tar", samples=1, bytes=1,
+                      sha256=hashlib.sha256(b"x").hexdigest())  # fmt: skip
+    manifest = Manifest(classes=small_manifest().classes, splits={"train": [shard]})
+    (tmp_path / MANIFEST_NAME).write_text(manifest.dumps())
+    calls = [
+        lambda: verify_dataset("s3://bkt/ds", endpoint_url=endpoint),
+        lambda: list_dataset("s3://bkt/ds", endpoint_url=endpoint),
+        lambda: upload_dataset(tmp_path, "s3://bkt/ds", endpoint_url=endpoint),
+    ]
+    for call in calls:
+        started = time.monotonic()
+        with pytest.raises(SparknetError) as info:
+            call()
+        assert time.monotonic() - started < 5
+        assert_one_line(info.value, needle)

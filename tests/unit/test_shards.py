@@ -428,3 +428,25 @@ def test_a_full_disk_is_one_line_and_leaves_no_temp(tmp_path, monkeypatch):
     assert "No space left on device" in text and "free some space" in text
     assert "\n" not in text and info.value.__cause__ is None
     assert not list(dest.glob("*.tmp")) and not list(dest.glob(".*.tmp"))
+
+
+def test_an_io_error_reading_an_image_does_not_blame_permissions(tmp_path, monkeypatch):
+    """EIO is simulated (a mock: no failing disk here); EACCES keeps the permissions advice."""
+    import errno
+
+    src = tmp_path / "src"
+    make_tree(src, classes=2, train_per_class=2, val_per_class=1, size=(16, 16))
+    victim = sorted((src / "train").rglob("*.JPEG"))[0]
+    real = Path.read_bytes
+    for code, advice in [(errno.EIO, "replace it or remove it"),
+                         (errno.EACCES, "fix its permissions or remove it")]:  # fmt: skip
+
+        def failing(self: Path, code: int = code) -> bytes:
+            if self == victim:
+                raise OSError(code, os.strerror(code))
+            return real(self)
+
+        monkeypatch.setattr(Path, "read_bytes", failing)
+        with pytest.raises(SparknetError) as info:
+            write_dataset(src, tmp_path / "dest", shard_bytes=4000, seed=0, processes=1)
+        assert f"cannot read {victim}" in str(info.value) and advice in str(info.value)
