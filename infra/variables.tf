@@ -3,8 +3,8 @@ variable "cluster" {
   type        = string
 
   validation {
-    condition     = can(regex("^[a-z][a-z0-9-]{1,30}$", var.cluster))
-    error_message = "cluster must match ^[a-z][a-z0-9-]{1,30}$ (lowercase letter first, then 1-30 of a-z, 0-9, -)."
+    condition     = can(regex("^[a-z](?:-?[a-z0-9])+$", var.cluster)) && length(var.cluster) >= 2 && length(var.cluster) <= 31
+    error_message = "cluster must be 2-31 of a-z, 0-9 and single hyphens, a letter first and no hyphen last (^[a-z](?:-?[a-z0-9])+$)."
   }
 }
 

@@ -47,7 +47,7 @@ IAM_DESCRIPTION = re.compile(r"^[\u0009\u000a\u000d\u0020-\u007e\u00a1-\u00ff]{0
 TAG_KEY = re.compile(r"^(?!aws:)[A-Za-z0-9 _.:/=+\-@]{1,128}$")
 TAG_VALUE = re.compile(r"^[A-Za-z0-9 _.:/=+\-@]{0,256}$")
 
-LONGEST_NAME = "a" + "b-" * 15  # 31 characters: the most ClusterSpec.name allows
+LONGEST_NAME = "a" + "-b" * 15  # 31 characters: the most ClusterSpec.name allows
 OWNER = "arn:aws:sts::123456789012:assumed-role/AWSReservedSSO_Admin_0123456789abcdef/a@b.example"
 
 

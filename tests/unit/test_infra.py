@@ -149,9 +149,14 @@ def test_every_user_variable_is_validated(module) -> None:
 def test_cluster_name_validation_matches_cluster_spec(module) -> None:
     from sparknet.cluster.spec import ClusterSpec
 
-    pattern = ClusterSpec.model_fields["name"].metadata[0].pattern
+    metadata = ClusterSpec.model_fields["name"].metadata
+    (pattern,) = [m.pattern for m in metadata if getattr(m, "pattern", None)]
+    (shortest,) = [m.min_length for m in metadata if getattr(m, "min_length", None)]
+    (longest,) = [m.max_length for m in metadata if getattr(m, "max_length", None)]
     condition = named(module, "variable")["cluster"]["validation"][0]["condition"]
     assert f'regex("{pattern}", var.cluster)' in condition
+    assert f"length(var.cluster) >= {shortest}" in condition
+    assert f"length(var.cluster) <= {longest}" in condition
 
 
 def test_outputs_include_what_python_reads(module) -> None:
@@ -250,9 +255,10 @@ def plan(root: Path, inputs: dict[str, Any]) -> subprocess.CompletedProcess[str]
         {"availability_zones": ["us-east-1a", "us-east-1b"], "az_count": 3},
         {"allowed_cidr": "10.0.0.0/16", "region": "us-gov-west-1", "bucket": "a.b-c"},
         {"owner": "arn:aws:sts::123456789012:assumed-role/Dev/alice@example.com"},
+        {"cluster": "a-b" + "c" * 28},
         {"data_prefix": "imagenet/shards/", "runs_prefix": "team-a/runs/", "create_bucket": True},
     ],
-    ids=["defaults", "own-vpc", "zones", "widest-cidr-gov", "owner", "prefixes"],
+    ids=["defaults", "own-vpc", "zones", "widest-cidr-gov", "owner", "longest-name", "prefixes"],
 )
 def test_variables_accept_good_inputs(variables_only, inputs) -> None:
     result = plan(variables_only, {**GOOD_INPUTS, **inputs})
@@ -264,6 +270,9 @@ def test_variables_accept_good_inputs(variables_only, inputs) -> None:
     [
         ("cluster", "Demo"),
         ("cluster", "a"),
+        ("cluster", "c2-"),
+        ("cluster", "a--b"),
+        ("cluster", "a" * 32),
         ("region", "useast1"),
         ("allowed_cidr", "0.0.0.0/0"),
         ("allowed_cidr", "0.0.0.0/1"),
