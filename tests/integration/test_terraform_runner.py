@@ -172,3 +172,50 @@ def test_plugin_dir_is_where_init_looks_for_providers(tmp_path) -> None:
     message = str(err.value)
     assert "not found in any of the search locations" in message  # not the registry's answer
     assert message.endswith(f"(providers only from {empty})") and "\n" not in message
+
+
+def test_resources_lists_the_managed_resources_of_the_state(runner) -> None:
+    assert runner.resources() == []
+    runner.apply({"cluster": "demo", "subnet_count": 1})
+    found = runner.resources()
+    assert sorted(kind for kind, _ in found) == ["terraform_data", "terraform_data"]
+    assert sorted(values["id"] for _, values in found) == sorted(resource_ids(runner).values())
+
+
+def test_an_interrupt_stops_terraform_gracefully_and_releases_the_state_lock(tmp_path) -> None:
+    """A signal to this process alone (as `kill PID` sends it) while an apply runs: Terraform
+    is told to stop and waited for, so the state lock is free for the destroy that follows
+    (issue 9 probe, point 3: "Error acquiring the state lock")."""
+    import os
+    import signal
+    import threading
+    import time
+
+    marker = tmp_path / "started"
+    module = tmp_path / "slow"
+    module.mkdir()
+    (module / "main.tf").write_text(
+        'terraform {\n  backend "local" {}\n}\n\n'
+        'resource "terraform_data" "slow" {\n'
+        '  provisioner "local-exec" {\n'
+        f'    command = "touch {marker} && exec sleep 60"\n'
+        "  }\n}\n"
+    )
+    runner = TerraformRunner(module, tmp_path / "state", plugin_cache_dir=tmp_path / "plugins")
+    runner.init()
+
+    def interrupt_once_started() -> None:
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_started, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        runner.apply({})
+    assert marker.exists()
+    assert time.monotonic() - started < 50  # the provisioner was stopped, not sat out
+    assert not (runner.state_dir / ".terraform.tfstate.lock.info").exists()
+    runner.destroy({})  # no "Error acquiring the state lock"
+    assert runner.resources() == []
