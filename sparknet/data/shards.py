@@ -333,10 +333,12 @@ def _remove_orphans(dest_dir: Path, planned: set[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class CheckedTree:
-    """Each split's images that decode, and those that do not (paths relative to the source)."""
+    """Each split's images that decode, those that do not (paths relative to the source), and
+    how many images were added or removed since the last run on this destination (0 for none)."""
 
     good: dict[str, list[SourceImage]]
     rejected: list[RejectedImage]
+    changed: int = 0
 
 
 def _load_checks(dest: Path, src: Path) -> dict[str, list]:
@@ -397,7 +399,8 @@ def check_images(tree: ImageTree, src: Path, dest: Path, threads: int) -> Checke
                 f"no image of the {split} split of {src} decodes ({len(tree.splits[split])} "
                 f"tried, e.g. {first.path}: {first.reason}): replace the damaged files"
             )
-    return CheckedTree(good, rejected)
+    changed = len(set(rels) ^ set(known)) if known else 0
+    return CheckedTree(good, rejected, changed)
 
 
 def _empty_classes(tree: ImageTree, checked: CheckedTree) -> list[str]:
@@ -467,6 +470,19 @@ def _os_error(exc: OSError, dest: Path) -> SparknetError:
     else:
         fix = "check the path, or give another destination"
     return SparknetError(f"cannot write {where} ({exc.strerror or exc}): {fix}")
+
+
+def _reshuffled(changed: int, written: list[str], names: list[str]) -> list[str]:
+    """A warning when images added or removed since the last run made shards be rewritten: the
+    seeded shuffle and the even cut span a whole split, so one image more or less moves most
+    images to another shard (and `data upload` sends those shards again)."""
+    if not changed or not written:
+        return []
+    return [
+        f"warning: {changed} source images were added or removed since the last run; the shuffle "
+        f"spans each whole split, so {len(written)} of {len(names)} shards were rewritten "
+        "(`sparknet data upload` sends them again)"
+    ]
 
 
 def _threads(jobs: int) -> int:
@@ -567,5 +583,8 @@ def _write_dataset(
             written=[n for n in names if not results[n].kept],
             reused=[n for n in names if results[n].kept],
             removed=removed,
-            warnings=_empty_classes(tree, checked),
+            warnings=[
+                *_empty_classes(tree, checked),
+                *_reshuffled(checked.changed, [n for n in names if not results[n].kept], names),
+            ],
         )

@@ -450,3 +450,17 @@ def test_an_io_error_reading_an_image_does_not_blame_permissions(tmp_path, monke
         with pytest.raises(SparknetError) as info:
             write_dataset(src, tmp_path / "dest", shard_bytes=4000, seed=0, processes=1)
         assert f"cannot read {victim}" in str(info.value) and advice in str(info.value)
+
+
+def test_a_rerun_after_images_were_added_or_removed_warns_that_shards_were_rewritten(tmp_path):
+    """The shuffle spans the whole split, so one image less rewrites most shards: say so."""
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    make_tree(src, classes=3, train_per_class=8, val_per_class=2, size=(32, 24))
+    assert write_dataset(src, dest, shard_bytes=8000, seed=0, processes=1).warnings == []
+    assert write_dataset(src, dest, shard_bytes=8000, seed=0, processes=1).warnings == []
+    sorted((src / "train").rglob("*.JPEG"))[0].unlink()
+    again = write_dataset(src, dest, shard_bytes=8000, seed=0, processes=1)
+    (warning,) = again.warnings
+    assert warning.startswith("warning: 1 source images were added or removed since the last run")
+    total = len(again.written) + len(again.reused)
+    assert again.written and f"{len(again.written)} of {total} shards were rewritten" in warning
