@@ -18,7 +18,7 @@ import re
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import resources
 from typing import Any
@@ -81,8 +81,9 @@ class Instance:
     public_ip: str | None
     spot: bool
     launched_at: datetime
-    #: EC2's state name: pending, running, stopping, stopped, shutting-down, terminated
-    state: str = "running"
+    #: EC2's state name (pending, running, stopping, stopped, ...) when the record was read: a
+    #: snapshot, so two records of one instance compare equal whatever its state did meanwhile
+    state: str = field(default="running", compare=False)
 
     @property
     def stopped(self) -> bool:
