@@ -319,19 +319,10 @@ def _destroy_foundation(spec: ClusterSpec, endpoint_url: str | None) -> list[str
     """Terraform's destroy where its state is known; else by tag with boto3 (a lost state dir,
     or a foundation another backend made)."""
     if _has_terraform_state(spec):
-        before = _foundation_items(spec, endpoint_url)
-        foundation.destroy_terraform(spec, state_dir=terraform_state_dir(spec))
-        after = set(_foundation_items(spec, endpoint_url))
-        return [item for item in before if item not in after]
+        return foundation.destroy_terraform(
+            spec, state_dir=terraform_state_dir(spec), endpoint_url=endpoint_url
+        )
     return foundation.destroy_boto3(spec, endpoint_url=endpoint_url)
-
-
-def _foundation_items(spec: ClusterSpec, endpoint_url: str | None) -> list[str]:
-    """The "kind:id" of the cluster's tagged resources other than instances. Terraform's destroy
-    says what went only as its outputs' names and values (`vpc_id:...`, and the bucket, which
-    it keeps): what was there before and is not after is what `down` reports deleted."""
-    cluster = tagged_clusters(spec.region, endpoint_url=endpoint_url).get(spec.name)
-    return [i for i in cluster.items if not i.startswith("instance:")] if cluster else []
 
 
 def launch_prefix(name: str) -> str:

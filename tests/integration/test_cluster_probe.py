@@ -375,32 +375,6 @@ def test_down_in_an_unpriced_region_says_why_the_cost_is_unknown(spec, moto_endp
     assert "about unknown" not in gone.stdout
 
 
-def test_a_terraform_down_reports_the_resources_deleted_not_its_outputs(
-    spec, moto_endpoint, monkeypatch
-):
-    """Terraform's destroy names what went only by its outputs (`vpc_id:...`, `bucket:...`
-    though the bucket is kept). The AWS provider cannot run in this test, so the destroy
-    itself is stood in for by the boto3 one on a real foundation (a mock, said here), and
-    `down` must report what is gone from AWS."""
-    from sparknet.cluster import foundation
-
-    info = _up(spec.model_copy(update={"workers": 0}), moto_endpoint)
-    tf = spec.model_copy(update={"foundation": "terraform", "bucket": "probe-kept-bucket"})
-    _fake_terraform_state(tf)
-
-    def terraform_destroy(spec, *, state_dir, module_dir=None):
-        foundation.destroy_boto3(spec, endpoint_url=moto_endpoint)
-        return ["vpc_id:vpc-x", "bucket:probe-kept-bucket", "role_arn:arn:aws:iam::1:role/x"]
-
-    monkeypatch.setattr(foundation, "destroy_terraform", terraform_destroy)
-    report = lifecycle.down(tf, endpoint_url=moto_endpoint)
-    assert report.terminated == [info.master.id]
-    kinds = {item.split(":")[0] for item in report.deleted}
-    assert {"vpc", "subnet", "security-group", "iam-role", "instance-profile"} <= kinds
-    assert not any(item.startswith(("bucket:", "vpc_id:", "role_arn:")) for item in report.deleted)
-    assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
-
-
 # --- 12: the free checks come before anything is made --------------------------------------------
 
 
