@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,7 @@ from sparknet.cli.common import (
     console,
     fail,
     first_line,
+    interrupts,
 )
 from sparknet.config import find_config_file
 from sparknet.errors import SparknetError
@@ -112,32 +110,6 @@ def _fail(exc: SparknetError, debug: bool, caught: Caught | None = None) -> None
     fail(exc, debug, 1 if isinstance(exc, state) else 2)
 
 
-@contextlib.contextmanager
-def _signals(caught: Caught, *, stop_at: int, note: str) -> Iterator[Caught]:
-    """Ctrl-C, SIGTERM and SIGHUP (`kill`, a closed terminal, a CI timeout): the `stop_at`-th
-    one raises KeyboardInterrupt, every other one only prints `note`. `up` stops at the first
-    (its clean-up then runs, and a second signal must not cut that short); `down` at the
-    second (stopping half-way would leave a half-deleted cluster: it finishes unless asked
-    twice). `caught.signum` keeps the first signal, for the exit code."""
-    count = 0
-
-    def handle(signum: int, frame: Any) -> None:
-        nonlocal count
-        count += 1
-        caught.signum = caught.signum or signum
-        if count == stop_at:
-            raise KeyboardInterrupt
-        console.print(note)
-
-    wanted = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
-    before = {sig: signal.signal(sig, handle) for sig in wanted}
-    try:
-        yield caught
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-
-
 @cluster_app.command("up")
 def cluster_up(
     name: str = typer.Argument(..., help="cluster name (a `clusters:` entry, or new)"),
@@ -166,7 +138,7 @@ def cluster_up(
     caught = Caught()
     note = f"still removing what `up` made; `sparknet cluster down {name}` after"
     try:
-        with _signals(caught, stop_at=1, note=note):
+        with interrupts(caught, stop_at=1, note=note):
             try:
                 spec = _cluster_spec(name, config, flags)
                 info = lifecycle.up(
@@ -213,7 +185,7 @@ def cluster_down(
     finish = f"`sparknet cluster down {name} --region {spec.region}`"
     note = f"taking {name} down to the end so nothing is left half-deleted; again to stop it"
     try:
-        with _signals(caught, stop_at=2, note=note):
+        with interrupts(caught, stop_at=2, note=note):
             report = lifecycle.down(
                 spec, endpoint_url=endpoint_url, say=console.print, any_owner=any_owner
             )

@@ -42,15 +42,23 @@ class Caught:
 
 
 @contextlib.contextmanager
-def interrupts(caught: Caught) -> Iterator[Caught]:
-    """SIGTERM (`kill`, a CI timeout, `docker stop`) unwinds like Ctrl-C: KeyboardInterrupt, so
-    `finally` blocks stop Spark and remove partial files; `caught.signum` says which it was."""
+def interrupts(caught: Caught, *, stop_at: int = 1, note: str = "") -> Iterator[Caught]:
+    """Ctrl-C, SIGTERM and SIGHUP (`kill`, a CI timeout, a closed terminal) unwind alike: the
+    `stop_at`-th one raises KeyboardInterrupt, so `finally` blocks stop Spark, remove partial
+    files or what `up` made; every other one only prints `note`, so it cannot cut that
+    clean-up short. `caught.signum` keeps the first signal, for the exit code (128 + it)."""
+    count = 0
 
     def interrupt(signum: int, frame: Any) -> None:
-        caught.signum = signum
-        raise KeyboardInterrupt
+        nonlocal count
+        count += 1
+        caught.signum = caught.signum or signum
+        if count == stop_at:
+            raise KeyboardInterrupt
+        if note:
+            console.print(note)
 
-    wanted = (signal.SIGINT, signal.SIGTERM)
+    wanted = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     before = {sig: signal.signal(sig, interrupt) for sig in wanted}
     try:
         yield caught

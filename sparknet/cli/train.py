@@ -108,7 +108,7 @@ def train(
         report = _Report(live=console.is_terminal)
         if not debug:
             quiet_py4j()
-        with interrupts(caught):
+        with interrupts(caught, note="still stopping Spark; the last complete checkpoint is kept"):
             try:
                 result = run_training(
                     cfg, resume=resume, on_start=report.start, on_round=report.round,
