@@ -153,6 +153,24 @@ def make_inner_optimizer(cfg: TrainConfig, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
+def load_inner_state(optimizer: torch.optim.Optimizer, state: dict) -> bool:
+    """Load a saved inner state's per-parameter part (momentum buffers, Adam moments) but keep
+    `optimizer`'s own hyperparameters: a resume with `--allow-change --lr X` trains at X from its
+    first round (a plain `load_state_dict` would bring the stored lr back). A state written by
+    another optimizer (sgd -> adamw) cannot be used: nothing is loaded and False is returned."""
+    saved = state.get("param_groups") or []
+    groups = optimizer.param_groups
+    if len(saved) != len(groups) or any(
+        set(s) != set(g) for s, g in zip(saved, groups, strict=True)
+    ):
+        return False
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    optimizer.load_state_dict(state)
+    for group, own in zip(optimizer.param_groups, hyper, strict=True):
+        group.update(own)
+    return True
+
+
 def task_seed(seed: int, partition: int, rnd: int) -> int:
     """The torch seed of one task (dropout, augmentation): a pure function, like the data order."""
     return derived_seed(seed, partition, rnd)
@@ -201,10 +219,7 @@ def train_partition(
     miss = False
     if cfg.inner_state == "keep" and task.round > 0:
         state = _restore_inner_state(task, store, partition)
-        if state is None:
-            miss = True
-        else:
-            optimizer.load_state_dict(state)
+        miss = state is None or not load_inner_state(optimizer, state)
     t1 = time.perf_counter()
 
     torch.manual_seed(task_seed(cfg.seed, partition, task.round))
