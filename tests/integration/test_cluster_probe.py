@@ -20,6 +20,7 @@ from sparknet.cluster.spec import TAG_OWNER, ClusterSpec
 from tests.conftest import SPARKNET
 from tests.integration import test_lifecycle
 from tests.integration.test_lifecycle import REGION, _left, _settings_file, _up, cli
+from tests.integration.test_lifecycle_hardening import start_and_wait_for
 
 #: the same cluster fixture (a fresh name, SPARKNET_HOME in tmp_path, taken down afterwards)
 spec = test_lifecycle.spec
@@ -157,21 +158,6 @@ def test_status_of_an_unknown_name_names_the_clusters_there(spec, moto_endpoint,
 # --- 10 and 11: signals during `down` and `up` --------------------------------------------------
 
 
-def _start_and_wait_for(args: list[str], cwd, needle: str) -> subprocess.Popen:
-    """Start a CLI process and return once its stderr shows `needle`."""
-    proc = subprocess.Popen(
-        args, cwd=cwd, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    seen = ""
-    for line in proc.stderr:
-        seen += line
-        if needle in line:
-            return proc
-    proc.wait(timeout=60)
-    raise AssertionError(f"never saw {needle!r}: rc {proc.returncode}\n{seen}")
-
-
 def _signal_while_stopped(proc: subprocess.Popen, *signums: int) -> tuple[str, str]:
     """Deliver `signums` to `proc` at one point of its work: moto answers in milliseconds, so
     the process is held with SIGSTOP, the signals queued, and let go with SIGCONT."""
@@ -184,7 +170,7 @@ def _signal_while_stopped(proc: subprocess.Popen, *signums: int) -> tuple[str, s
 
 def test_one_signal_during_down_is_acknowledged_and_down_finishes(spec, moto_endpoint, tmp_path):
     _up(spec, moto_endpoint)
-    proc = _start_and_wait_for(
+    proc, _ = start_and_wait_for(
         [str(SPARKNET), "cluster", "down", spec.name], tmp_path, "terminating"
     )
     out, err = _signal_while_stopped(proc, signal.SIGTERM)
@@ -195,7 +181,7 @@ def test_one_signal_during_down_is_acknowledged_and_down_finishes(spec, moto_end
 
 def test_two_signals_stop_down_with_one_line_that_says_how_to_finish(spec, moto_endpoint, tmp_path):
     _up(spec, moto_endpoint)
-    proc = _start_and_wait_for(
+    proc, _ = start_and_wait_for(
         [str(SPARKNET), "cluster", "down", spec.name], tmp_path, "terminating"
     )
     _, err = _signal_while_stopped(proc, signal.SIGTERM, signal.SIGINT)
@@ -213,7 +199,7 @@ def test_two_signals_stop_down_with_one_line_that_says_how_to_finish(spec, moto_
 def test_ctrl_c_during_up_exits_130_after_removing_what_it_made(spec, moto_endpoint, tmp_path):
     """SIGTERM exits 143 (test_lifecycle); Ctrl-C 130, as a shell reports a process it killed."""
     _settings_file(spec, tmp_path, instance_types=["g4dn.xlarge"], allowed_cidr="203.0.113.9/32")
-    proc = _start_and_wait_for(
+    proc, _ = start_and_wait_for(
         [str(SPARKNET), "cluster", "up", spec.name], tmp_path, "launching the master"
     )
     _, err = _signal_while_stopped(proc, signal.SIGINT)

@@ -42,7 +42,7 @@ def _up_cli(spec: ClusterSpec, *more: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _start_and_wait_for(args: list[str], cwd, needle: str) -> tuple[subprocess.Popen, str]:
+def start_and_wait_for(args: list[str], cwd, needle: str) -> tuple[subprocess.Popen, str]:
     """Start a CLI process and return once its stderr shows `needle` (it is then mid-`up`)."""
     proc = subprocess.Popen(
         args, cwd=cwd, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -76,7 +76,7 @@ def test_a_second_concurrent_up_refuses_at_once_naming_the_first_and_deletes_not
     moto answers in milliseconds, so the first is held where it is with SIGSTOP (and let go
     with SIGCONT) to be sure the second starts while the first is still at work."""
     _settings_file(spec, tmp_path)
-    first, _ = _start_and_wait_for(_up_cli(spec), tmp_path, "foundation ready")
+    first, _ = start_and_wait_for(_up_cli(spec), tmp_path, "foundation ready")
     first.send_signal(signal.SIGSTOP)
     started = time.monotonic()
     try:
@@ -103,7 +103,7 @@ def test_a_killed_up_leaves_no_stale_lock(spec, moto_endpoint, tmp_path):
     """kill -9 in the middle of `up`: the kernel drops the lock, so the next `up` runs (and,
     being idempotent, completes the cluster)."""
     _settings_file(spec, tmp_path)
-    first, _ = _start_and_wait_for(_up_cli(spec), tmp_path, "foundation ready")
+    first, _ = start_and_wait_for(_up_cli(spec), tmp_path, "foundation ready")
     first.send_signal(signal.SIGKILL)
     first.communicate(timeout=60)
 
