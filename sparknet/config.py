@@ -287,8 +287,15 @@ def load_train_config(
 
 
 def read_run_config(run_dir: Path) -> dict[str, Any]:
-    """The `train:` section a run dir was started with (for `--resume`)."""
+    """The `train:` section of the settings a `--resume` continues: those its newest complete
+    checkpoint was made with (the run dir's `config.yaml` may already hold the changes of an
+    `--allow-change` resume that was interrupted before its first checkpoint)."""
+    from sparknet.training import checkpoint  # torch: only when a run dir is read
+
+    last = checkpoint.latest(run_dir)
     path = run_dir / "config.yaml"
+    if last is not None and (last / checkpoint.CONFIG).is_file():
+        path = last / checkpoint.CONFIG
     if not path.is_file():
         raise SparknetError(f"{run_dir} has no config.yaml: it is not a sparknet run dir")
     return _read_yaml_section(path, "train")

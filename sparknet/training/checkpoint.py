@@ -2,10 +2,11 @@
 
 `checkpoints/round-NNNNN/` holds the state after N completed rounds: `weights.safetensors` (global
 weights, the model's own keys), `outer.safetensors` (outer momentum, when there is one),
-`inner/partition-KKKKK.pt` (each worker's optimizer state, written by the workers themselves) and
-`state.json`. A checkpoint is assembled in `.round-NNNNN.partial/` and renamed when complete, so a
-crash never leaves a half checkpoint that `--resume` could pick up. The data position needs no
-saving: it is a pure function of (seed, partition, round, step).
+`inner/partition-KKKKK.pt` (each worker's optimizer state, written by the workers themselves),
+`config.yaml` (the settings that produced it; a resume compares against these) and `state.json`.
+A checkpoint is assembled in `.round-NNNNN.partial/` and renamed when complete, so a crash never
+leaves a half checkpoint that `--resume` could pick up. The data position needs no saving: it is a
+pure function of (seed, partition, round, step).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from sparknet.training.state import StateLayout
 
 CHECKPOINTS = "checkpoints"
+CONFIG = "config.yaml"
 _NAME = re.compile(r"^round-(\d{5,})$")
 
 
@@ -69,10 +71,14 @@ def write(
     integers: dict[str, np.ndarray],
     outer_momentum: np.ndarray | None,
     elapsed_s: float,
+    config_text: str,
 ) -> Path:
-    """Complete the staged checkpoint for `rounds` and publish it atomically."""
+    """Complete the staged checkpoint for `rounds` and publish it atomically, with the settings
+    that produced it: an interrupted `--allow-change` resume then leaves no changed settings
+    behind that a later plain `--resume` would take as the run's own."""
     stage = staging_dir(run_dir, rounds)
     stage.mkdir(parents=True, exist_ok=True)
+    (stage / CONFIG).write_text(config_text)
     save_state_dict(layout.unflatten(theta, integers), stage / "weights.safetensors")
     if outer_momentum is not None:
         save_state_dict(

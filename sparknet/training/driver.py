@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
 import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -24,7 +26,7 @@ from sparknet.errors import SparknetError
 from sparknet.models import build_model, check_model_accepts
 from sparknet.training import checkpoint
 from sparknet.training.outer import OuterOptimizer, mean_update
-from sparknet.training.report import CURVES, MetricsLog, plot_curves
+from sparknet.training.report import CURVES, METRICS, MetricsLog, plot_curves
 from sparknet.training.session import check_python_workers, start_session, stop_quietly
 from sparknet.training.state import StateLayout
 from sparknet.training.transport import SparkTransport
@@ -124,28 +126,83 @@ def _write_config(run_dir: Path, cfg: TrainConfig) -> None:
     os.replace(tmp, run_dir / CONFIG_FILE)
 
 
-def _check_run_dir(cfg: TrainConfig, resume: bool) -> Path:
-    """The run dir, if it can be used as asked; created only once Spark is up.
+#: what a run writes into its dir (temp names included); anything else there is not a run's
+RUN_ENTRIES = {
+    CONFIG_FILE, f".{CONFIG_FILE}.tmp", METRICS, checkpoint.CHECKPOINTS, MODEL_FILE,
+    f".{MODEL_FILE}.tmp", CURVES, f".{CURVES}.tmp.png",
+}  # fmt: skip
 
-    A dir whose run ended before its first complete checkpoint holds nothing to resume, so a new
-    run may start over in it (without --resume)."""
-    run_dir = Path(cfg.out)
+
+def _check_out(run_dir: Path) -> None:
+    """--out must be (or become) a directory: neither it nor a parent may be a file."""
     for path in (run_dir, *run_dir.parents):
         if path.exists() and not path.is_dir():
             raise SparknetError(
                 f"--out {run_dir}: {path} is a file; choose a directory for the run"
             )
+
+
+@contextlib.contextmanager
+def _locked(run_dir: Path) -> Iterator[None]:
+    """Hold the run dir for this run: a second run with the same --out refuses at once, before
+    writing anything, instead of mixing its files into the first one's. The lock is `flock` on
+    the dir itself (no lock file to leave behind; the kernel drops it when the process dies).
+    A dir made here and still empty at the end is removed again."""
+    made = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise SparknetError(f"--out {run_dir}: cannot create it: {exc.strerror}") from exc
+    try:
+        if not os.access(run_dir, os.W_OK):
+            raise SparknetError(f"--out {run_dir}: not writable; choose another --out")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise SparknetError(
+                f"another sparknet run is using {run_dir}; wait for it to end or choose "
+                "another --out"
+            ) from exc
+        yield
+    finally:
+        os.close(fd)
+        if made:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()  # only if empty
+
+
+def _is_unfinished_run(run_dir: Path) -> bool:
+    """A sparknet run dir whose run ended before its first complete checkpoint: its config
+    parses as a run's, nothing but a run's files is there, and there is nothing to resume."""
+    if any(p.name not in RUN_ENTRIES for p in run_dir.iterdir()):
+        return False
+    try:
+        TrainConfig(**read_run_config(run_dir))
+    except (SparknetError, ValueError, TypeError):
+        return False
+    return checkpoint.latest(run_dir) is None
+
+
+def _check_run_dir(run_dir: Path, resume: bool) -> None:
+    """Refuse a run dir that cannot be used as asked.
+
+    A dir whose run ended before its first complete checkpoint holds nothing to resume, so a new
+    run may start over in it (without --resume); a dir of anything else is never overwritten."""
     if resume:
         if not (run_dir / CONFIG_FILE).is_file():
             raise SparknetError(f"nothing to resume: {run_dir} is not a sparknet run dir")
-    elif run_dir.exists() and any(run_dir.iterdir()):
-        unfinished = (run_dir / CONFIG_FILE).is_file() and checkpoint.latest(run_dir) is None
-        if not unfinished:
+    elif any(run_dir.iterdir()) and not _is_unfinished_run(run_dir):
+        if (run_dir / CONFIG_FILE).is_file() and all(
+            p.name in RUN_ENTRIES for p in run_dir.iterdir()
+        ):
             raise SparknetError(
                 f"{run_dir} already holds a run; pass --resume to continue it or choose another "
                 "--out"
             )
-    return run_dir
+        raise SparknetError(
+            f"--out {run_dir} is not empty and is not a sparknet run dir; choose another --out"
+        )
 
 
 def _resume_changes(cfg: TrainConfig, run_dir: Path, allow_change: bool) -> dict[str, Any]:
@@ -245,8 +302,29 @@ def train(
         cfg = cfg.model_copy(update={"out": default_run_dir(cfg)})
     if frames is None and is_frame_spec(cfg.data):
         frames = FrameInput()
-    run_dir = _check_run_dir(cfg, resume)
-    changes = _resume_changes(cfg, run_dir, allow_change) if resume else {}
+    run_dir = Path(cfg.out)
+    _check_out(run_dir)
+    with _locked(run_dir):
+        _check_run_dir(run_dir, resume)
+        changes = _resume_changes(cfg, run_dir, allow_change) if resume else {}
+        return _start(
+            cfg, run_dir, resume, changes, spark, on_start, on_round, on_status, datasets, frames
+        )
+
+
+def _start(
+    cfg: TrainConfig,
+    run_dir: Path,
+    resume: bool,
+    changes: dict[str, Any],
+    spark,
+    on_start: StartCallback | None,
+    on_round: RoundCallback | None,
+    on_status: StatusCallback | None,
+    datasets: dict[str, DatasetEntry] | None,
+    frames: FrameInput | None,
+) -> RunResult:
+    """Check the problem, start Spark (unless given a session) and run the rounds."""
     status = on_status or (lambda _text: None)
     own_session = spark is None
     placed: Frames | None = None
@@ -329,7 +407,8 @@ def _run(
     stage: Path | None = None
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_config(run_dir, cfg)
+        if not begin.changes:  # changed settings are the run's only once a checkpoint has them
+            _write_config(run_dir, cfg)
         metrics = MetricsLog(run_dir, keep_rounds=start)
         transport = SparkTransport(spark.sparkContext, cfg.workers)
         base = RoundTask(
@@ -366,9 +445,11 @@ def _run(
                 row["resumed_with_changes"] = begin.changes
             if stage is not None:
                 checkpoint.write(
-                    run_dir, done, layout, theta, integers, outer.momentum_buffer, row["elapsed_s"]
-                )
+                    run_dir, done, layout, theta, integers, outer.momentum_buffer,
+                    row["elapsed_s"], cfg.to_yaml(),
+                )  # fmt: skip
                 stage = None
+                _write_config(run_dir, cfg)
             metrics.append(row)
             if on_round is not None:
                 on_round(row)

@@ -60,3 +60,27 @@ def test_resume_refuses_a_changed_trajectory_unless_allowed(spark, tmp_path):
     assert rows[2]["resumed_with_changes"] == {"workers": {"stored": 2, "now": 3}}
     assert "resumed_with_changes" not in rows[1]
     assert "workers: 3" in (out / "config.yaml").read_text()
+
+
+def test_an_interrupted_allow_change_resume_keeps_the_stored_settings(spark, tmp_path):
+    out = tmp_path / "run"
+    train(TrainConfig(rounds=1, checkpoint_every=0, out=out, **SMALL), spark=spark)
+    changed = load_train_config(
+        base=read_run_config(out), flags={"rounds": 3, "lr": 0.1}, environ={}
+    )
+
+    def interrupt(row):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # after round 2, before any checkpoint at lr 0.1
+        train(changed, resume=True, spark=spark, allow_change=True, on_round=interrupt)
+    assert read_run_config(out)["lr"] == 0.05
+    assert "lr: 0.05" in (out / "config.yaml").read_text()
+    with pytest.raises(SparknetError, match=r"would change lr 0\.05 -> 0\.1"):
+        train(changed, resume=True, spark=spark)
+
+    train(changed, resume=True, spark=spark, allow_change=True)
+    rows = read_metrics(out)
+    assert rows[1]["resumed_with_changes"] == {"lr": {"stored": 0.05, "now": 0.1}}
+    assert read_run_config(out)["lr"] == 0.1
+    assert "lr: 0.1" in (out / "checkpoints" / "round-00003" / "config.yaml").read_text()
