@@ -105,7 +105,7 @@ def train(
         datasets = load_datasets(config)
         from sparknet.training.driver import train as run_training
 
-        report = _Report(live=console.is_terminal)
+        report = _Report(live=console.is_terminal, caught=caught)
         if not debug:
             quiet_py4j()
         with interrupts(caught, note="still stopping Spark; the last complete checkpoint is kept"):
@@ -139,8 +139,9 @@ class _Report:
     """Round progress on stderr: a live bar on a terminal; otherwise (a log file, CI, a pipe)
     one plain line per event as it happens, since a bar there shows nothing until the end."""
 
-    def __init__(self, live: bool) -> None:
+    def __init__(self, live: bool, caught: Caught | None = None) -> None:
         self.live = live
+        self.caught = caught or Caught()
         self.done, self.total = 0, 0
         self.progress = Progress(
             TextColumn("[bold]round"),
@@ -158,13 +159,22 @@ class _Report:
             self.progress.start()
             self.shown = True
 
+    def _interrupted(self) -> None:
+        """Raise the interrupt a signal asked for if it was lost: a KeyboardInterrupt raised
+        inside a finalizer or a JVM callback while Spark starts is printed as "Exception
+        ignored" and dropped, and the run would go on to the end. Every event checks."""
+        if self.caught.signum is not None:
+            raise KeyboardInterrupt
+
     def start(self, done: int, total: int) -> None:
+        self._interrupted()
         self.done, self.total = done, total
         self.progress.update(self.bar, completed=done, total=total)
         self.progress.start_task(self.bar)
         self._show()
 
     def status(self, text: str) -> None:
+        self._interrupted()
         if text != "starting Spark":
             text = f"round {self.done + 1} ({text})"
         if not self.live:
@@ -174,6 +184,7 @@ class _Report:
         self._show()
 
     def round(self, row: dict[str, Any]) -> None:
+        self._interrupted()
         self.done = row["round"]
         if self.live:
             self.progress.update(self.bar, completed=row["round"], info=_fmt(row))

@@ -88,16 +88,47 @@ def start_session(master: str | None, workers: int) -> SparkSession:
     if master.startswith("local"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # everything stays on loopback
         builder = builder.config("spark.task.cpus", str(task_cpus(master, workers)))
-    try:
-        with _keep_sigint_handler():
-            session = builder.getOrCreate()
-    except PySparkException as exc:
-        raise SparknetError(
-            f"could not start Spark (master {master}): {str(exc).splitlines()[0]}; check that "
-            "Java 17+ is installed (java on PATH or JAVA_HOME) and that the master is reachable"
-        ) from exc
-    session.sparkContext.setLogLevel("FATAL")  # failures reach the user as SparknetError
+    with _gateway_killed_on_failure():
+        try:
+            with _keep_sigint_handler():
+                session = builder.getOrCreate()
+        except PySparkException as exc:
+            raise SparknetError(
+                f"could not start Spark (master {master}): {str(exc).splitlines()[0]}; check "
+                "that Java 17+ is installed (java on PATH or JAVA_HOME) and that the master is "
+                "reachable"
+            ) from exc
+        session.sparkContext.setLogLevel("FATAL")  # failures reach the user as SparknetError
     return session
+
+
+@contextlib.contextmanager
+def _gateway_killed_on_failure():
+    """Kill the JVM PySpark launches when the session does not come up (Ctrl-C or SIGTERM while
+    Spark starts): PySpark only waits for it, so it would live on as an orphan holding its
+    multi-GiB heap, and later print pages of NoSuchFileException for the connection file PySpark
+    removed. The launch is seen by wrapping the `Popen` PySpark's gateway module calls."""
+    from pyspark import java_gateway
+
+    started: list = []
+    real = java_gateway.Popen
+
+    def popen(*args, **kwargs):
+        proc = real(*args, **kwargs)
+        started.append(proc)
+        return proc
+
+    java_gateway.Popen = popen
+    try:
+        yield
+    except BaseException:
+        for proc in started:
+            with contextlib.suppress(Exception):
+                proc.kill()
+                proc.wait(timeout=10)
+        raise
+    finally:
+        java_gateway.Popen = real
 
 
 @contextlib.contextmanager

@@ -43,6 +43,15 @@ def descendants(pid: int) -> dict[int, str]:
     return found
 
 
+def _cmdline(pid: int) -> bytes:
+    """The full command line (`ps` cuts long ones such as the JVM's)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -177,3 +186,36 @@ def test_rounds_stream_without_a_tty_and_a_signal_prints_one_line(
         time.sleep(0.2)
     assert not [cmd for pid, cmd in spawned.items() if alive(pid)]
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize(
+    ("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"]
+)
+def test_a_signal_while_spark_starts_stops_with_one_line_and_no_jvm_left(tmp_path, signum, code):
+    proc = subprocess.Popen(
+        [str(SPARKNET), "train", "--rounds", "2", "--tau", "1", "--out", str(tmp_path / "r")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    err = Lines(proc.stderr)
+    try:
+        err.wait_for("starting Spark", proc, timeout=60)
+        deadline, jvm = time.monotonic() + 60, []
+        while not jvm and time.monotonic() < deadline:  # the gateway JVM is starting
+            jvm = [p for p in descendants(proc.pid) if b"SparkSubmit" in _cmdline(p)]
+            time.sleep(0.05)
+        assert jvm, err.lines
+        os.kill(proc.pid, signum)  # the CLI alone: the JVM never sees it
+        proc.wait(timeout=60)
+        err.thread.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = err.lines
+    assert proc.returncode == code, lines
+    assert lines[-1].startswith("error: interrupted") and "Exception" not in "\n".join(lines)
+    assert lines[lines.index("starting Spark") + 1 :] == [lines[-1]], lines
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and alive(jvm[0]):
+        time.sleep(0.2)
+    assert not alive(jvm[0]), "the Spark JVM outlived the CLI"

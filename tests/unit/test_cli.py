@@ -2,6 +2,7 @@
 traceback, nothing written. These fail before Spark starts, so they are quick."""
 
 import os
+import signal
 import subprocess
 
 import pytest
@@ -128,3 +129,22 @@ def test_resume_with_other_workers_is_refused_before_spark(tmp_path):
         f"error: resuming {tmp_path} would change workers 2 -> 3, so it would no longer equal an "
         "uninterrupted run; drop the change, or pass --allow-change to continue anyway"
     ]
+
+
+def test_a_signal_whose_interrupt_was_lost_stops_at_the_next_event():
+    """A KeyboardInterrupt raised inside a finalizer while Spark starts is only printed as
+    "Exception ignored"; the run must still stop at its next event, not train to the end."""
+    from sparknet.cli.common import Caught
+    from sparknet.cli.train import _Report
+
+    caught = Caught()
+    report = _Report(live=False, caught=caught)
+    report.status("starting Spark")  # nothing caught yet: goes on
+    caught.signum = signal.SIGINT
+    for event in (
+        lambda: report.status("starting Python workers"),
+        lambda: report.start(0, 3),
+        lambda: report.round({"round": 1}),
+    ):
+        with pytest.raises(KeyboardInterrupt):
+            event()
