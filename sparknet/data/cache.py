@@ -6,6 +6,10 @@ size and sha256 before it enters the cache, so a corrupt or replaced upload fail
 instead of training on wrong bytes; a cache hit is hashed again once per process, so a cached
 file damaged on disk is fetched again rather than trained on.
 
+The cache lives in a subdirectory sparknet owns (`CACHE_SUBDIR`) of the directory the user names,
+and eviction touches only names of the two forms it writes (`_CACHED`, `_TEMP`): a user's own
+files next to it, or in it, are never taken for cached shards.
+
 Several Python workers share one root: every write goes to a temp name unique to its process and
 is renamed into place (atomic) and eviction tolerates files another process removed first. Files
 whose names start with "." are in-flight temps: they count against the cap but are not evicted,
@@ -23,7 +27,7 @@ import uuid
 from pathlib import Path
 
 from sparknet.data.integrity import bad_shard, remember_hash, sha256_once
-from sparknet.data.manifest import ShardInfo, sha256_file
+from sparknet.data.manifest import SHARD_PATTERN, ShardInfo, sha256_file
 from sparknet.data.store import Store
 from sparknet.errors import SparknetError
 
@@ -33,6 +37,16 @@ def _identity(st: os.stat_result, path: Path) -> tuple:
     a cache file is only ever replaced by a rename, which gives a new inode."""
     return ("cache", str(path), st.st_dev, st.st_ino, st.st_size)
 
+
+#: the subdirectory of the user's cache dir that holds the cache (nothing else is touched)
+CACHE_SUBDIR = "sparknet-shards"
+_SHARD_NAME = SHARD_PATTERN.removeprefix("^").removesuffix("$")
+#: a cached shard: `<store key>-<sha256 prefix>-<shard name>` (`ShardCache.file_name`)
+_CACHED = re.compile(rf"^[0-9a-f]{{12}}-[0-9a-f]{{16}}-{_SHARD_NAME}$")
+#: an in-flight temp: `.<cached name>.<pid>.<8 hex>.tmp`, once more for a fetch's own temp
+_TEMP = re.compile(
+    rf"^\.\.?[0-9a-f]{{12}}-[0-9a-f]{{16}}-{_SHARD_NAME}(\.\d+\.[0-9a-f]{{8}}\.tmp){{1,2}}$"
+)
 
 #: a temp not written to for this long is abandoned, whoever holds its PID now
 TEMP_IDLE_SECONDS = 3600
@@ -44,7 +58,7 @@ def _abandoned(name: str, st: os.stat_result) -> bool:
     """Whether a dot-temp was left by a writer that is gone (`kill -9` mid-fetch) or has been
     idle past TEMP_IDLE_SECONDS (a PID can be reused)."""
     match = _TEMP_PID.search(name)
-    if match is None:
+    if match is None or not _TEMP.match(name):
         return False  # not one of ours
     if time.time() - st.st_mtime > TEMP_IDLE_SECONDS:
         return True
@@ -63,16 +77,17 @@ def store_key(store: Store) -> str:
 
 
 class ShardCache:
-    """Local copies of shards under `root`, at most `cap_bytes` in total (least recently used are
-    evicted first; a single shard larger than the cap is still kept while it is the newest).
+    """Local copies of shards under `cache_dir`/CACHE_SUBDIR (`root`), at most `cap_bytes` in
+    total (least recently used are evicted first; a single shard larger than the cap is still
+    kept while it is the newest).
 
     Picklable (a path and an int), so it can travel to executors with the task.
     """
 
-    def __init__(self, root: Path, cap_bytes: int) -> None:
+    def __init__(self, cache_dir: Path, cap_bytes: int) -> None:
         if cap_bytes <= 0:
             raise SparknetError(f"the shard cache size must be positive, not {cap_bytes} bytes")
-        self.root = Path(root)
+        self.root = Path(cache_dir) / CACHE_SUBDIR
         self.cap_bytes = cap_bytes
 
     def __repr__(self) -> str:
@@ -134,8 +149,8 @@ class ShardCache:
                 st = entry.stat()
             except FileNotFoundError:  # evicted by another process meanwhile
                 continue
-            if not entry.is_file():
-                continue
+            if not entry.is_file() or not (_CACHED.match(entry.name) or _TEMP.match(entry.name)):
+                continue  # not a name sparknet writes: the user's
             if entry.name.startswith("."):
                 if _abandoned(entry.name, st):
                     with contextlib.suppress(FileNotFoundError):
@@ -163,7 +178,7 @@ class ShardCache:
         if not self.root.is_dir():
             return 0
         for entry in os.scandir(self.root):
-            if not entry.name.startswith("."):
+            if _CACHED.match(entry.name):
                 with contextlib.suppress(FileNotFoundError):
                     total += entry.stat().st_size
         return total

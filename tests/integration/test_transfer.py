@@ -262,7 +262,7 @@ def test_shard_cache_rejects_bytes_that_do_not_match_the_manifest_sha256(
     with pytest.raises(SparknetError) as info:
         cache.path(open_store(uri, moto_endpoint), manifest.splits["train"][3])
     assert_one_line(info.value, f"{uri}/train-000003.tar", "sha256", "upload it again")
-    assert list((tmp_path / "cache").iterdir()) == []  # nothing cached, no temp left
+    assert list(cache.root.iterdir()) == []  # nothing cached, no temp left
 
 
 def test_shard_cache_keeps_two_datasets_with_equal_shard_names_apart(
@@ -408,20 +408,51 @@ def test_eviction_removes_temps_of_dead_writers_and_counts_live_ones(tmp_path: P
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     dead_pid, me = int(gone.stdout), os.getpid()
-    root = tmp_path / "cache"
-    root.mkdir()
-    dead = root / f"..k-0123-train-000000.tar.{dead_pid}.0badf00d.tmp.{dead_pid}.00c0ffee.tmp"
-    idle = root / f".k-0123-train-000001.tar.{me}.0badf00d.tmp"
-    live = root / f".k-0123-train-000002.tar.{me}.00c0ffee.tmp"
-    cached = root / "k-0123-train-000003.tar"
+    cache = ShardCache(tmp_path / "cache", cap_bytes=6000)
+    root = cache.root
+    root.mkdir(parents=True)
+    k = "0123456789ab-0123456789abcdef"
+    dead = root / f"..{k}-train-000000.tar.{dead_pid}.0badf00d.tmp.{dead_pid}.00c0ffee.tmp"
+    idle = root / f".{k}-train-000001.tar.{me}.0badf00d.tmp"
+    live = root / f".{k}-train-000002.tar.{me}.00c0ffee.tmp"
+    cached = root / f"{k}-train-000003.tar"
     for path in (dead, idle, live, cached):
         path.write_bytes(b"x" * 4000)
     old = time.time() - 2 * 3600
     os.utime(idle, (old, old))
-    cache = ShardCache(root, cap_bytes=6000)
     assert cache.evict() == 2
     assert not dead.exists() and not idle.exists() and live.exists()
     assert not cached.exists()  # 4000 live + 4000 cached > 6000: the cached file goes
+
+
+def test_the_shard_cache_never_touches_the_users_files_in_its_dir(
+    moto_endpoint: str, bucket: str, dataset: tuple[Path, Manifest], tmp_path: Path
+) -> None:
+    """--cache-dir names a directory the user may keep other files in: the cache lives in its own
+    subdirectory, and eviction and temp clean-up there touch only names sparknet writes."""
+    import time
+
+    src, manifest = dataset
+    uri = f"s3://{bucket}/ds"
+    upload_dataset(src, uri, endpoint_url=moto_endpoint)
+    userdir = tmp_path / "userdir"
+    userdir.mkdir()
+    notes = userdir / "notes.txt"
+    draft = userdir / ".draft.4000000.abcdef12.tmp"  # a dead PID in a temp-like name
+    cache = ShardCache(userdir, cap_bytes=2000)
+    cache.root.mkdir(parents=True)
+    own = cache.root / "mine.txt"
+    own_draft = cache.root / ".draft.4000000.abcdef12.tmp"
+    for path in (notes, draft, own, own_draft):
+        path.write_bytes(b"u" * 3000)
+        os.utime(path, (time.time() - 6 * 365 * 86400,) * 2)
+    store = open_store(uri, moto_endpoint)
+    for info in manifest.splits["train"][:2]:
+        assert cache.path(store, info).read_bytes() == (src / info.name).read_bytes()
+    assert cache.root == userdir / "sparknet-shards"
+    assert all(p.read_bytes() == b"u" * 3000 for p in (notes, draft, own, own_draft))
+    cached = [p.name for p in cache.root.iterdir() if p.name.endswith("train-000001.tar")]
+    assert len(cached) == 1 and not any(cache.root.glob("*train-000000.tar"))
 
 
 def test_a_rerun_aborts_the_multipart_uploads_a_killed_upload_left(
