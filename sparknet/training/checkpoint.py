@@ -26,6 +26,7 @@ from sparknet.training.state import StateLayout
 
 CHECKPOINTS = "checkpoints"
 CONFIG = "config.yaml"
+WEIGHTS = "weights.safetensors"
 _NAME = re.compile(r"^round-(\d{5,})$")
 
 
@@ -57,10 +58,18 @@ def inner_state_path(checkpoint_dir: Path, partition: int) -> Path:
 
 
 def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors file with the given keys; written to a temp name and renamed."""
+    """safetensors file with the given keys; written to a temp name and renamed. Its mode
+    follows the umask like every other file of the run (safetensors itself writes 0600)."""
     tmp = path.with_name(f".{path.name}.tmp")
     save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, tmp)
+    os.chmod(tmp, 0o666 & ~_umask())
     os.replace(tmp, path)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write(
@@ -79,7 +88,7 @@ def write(
     stage = staging_dir(run_dir, rounds)
     stage.mkdir(parents=True, exist_ok=True)
     (stage / CONFIG).write_text(config_text)
-    save_state_dict(layout.unflatten(theta, integers), stage / "weights.safetensors")
+    save_state_dict(layout.unflatten(theta, integers), stage / WEIGHTS)
     if outer_momentum is not None:
         save_state_dict(
             {"momentum_buffer": torch.from_numpy(outer_momentum)}, stage / "outer.safetensors"
@@ -90,6 +99,11 @@ def write(
         shutil.rmtree(final)
     os.replace(stage, final)
     return final
+
+
+def rounds_of(path: Path) -> int:
+    """How many rounds the complete checkpoint at `path` holds."""
+    return int(json.loads((path / "state.json").read_text())["rounds"])
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -107,7 +121,7 @@ def latest(run_dir: Path) -> Path | None:
 
 def load(path: Path, layout: StateLayout) -> Checkpoint:
     state = json.loads((path / "state.json").read_text())
-    weights = load_file(path / "weights.safetensors")
+    weights = load_file(path / WEIGHTS)
     outer_path = path / "outer.safetensors"
     momentum = load_file(outer_path)["momentum_buffer"].numpy() if outer_path.is_file() else None
     return Checkpoint(

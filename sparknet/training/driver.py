@@ -307,9 +307,25 @@ def train(
     with _locked(run_dir):
         _check_run_dir(run_dir, resume)
         changes = _resume_changes(cfg, run_dir, allow_change) if resume else {}
+        if resume and (done := _finished(cfg, run_dir)) is not None:
+            return done
         return _start(
             cfg, run_dir, resume, changes, spark, on_start, on_round, on_status, datasets, frames
         )
+
+
+def _finished(cfg: TrainConfig, run_dir: Path) -> RunResult | None:
+    """A resumed run whose last round is already checkpointed needs no Spark: (re)write what an
+    interrupt after that checkpoint may have left out (model.safetensors, curves.png)."""
+    last = checkpoint.latest(run_dir)
+    if last is None or checkpoint.rounds_of(last) != cfg.rounds:
+        return None
+    tmp = run_dir / f".{MODEL_FILE}.tmp"
+    shutil.copyfile(last / checkpoint.WEIGHTS, tmp)  # the same tensors, the model's own keys
+    os.replace(tmp, run_dir / MODEL_FILE)
+    rows = MetricsLog(run_dir, keep_rounds=cfg.rounds).rows
+    plot_curves(rows, run_dir / CURVES)
+    return RunResult(run_dir, cfg.rounds, rows)
 
 
 def _start(
@@ -333,6 +349,7 @@ def _start(
         begin = _initial_state(cfg, problem, run_dir, resume)
         if on_start is not None:
             on_start(begin.rounds, cfg.rounds)
+    result: RunResult | None = None
     try:
         if own_session:
             status("starting Spark")
@@ -345,12 +362,17 @@ def _start(
             if on_start is not None:
                 on_start(begin.rounds, cfg.rounds)
         begin.changes = changes
-        return _run(cfg, problem, begin, run_dir, spark, own_session, placed, on_round)
+        result = _run(cfg, problem, begin, run_dir, spark, own_session, placed, on_round)
+        return result
     finally:
         if placed is not None:
             placed.release()
         if own_session and spark is not None:
-            stop_quietly(spark)
+            try:
+                stop_quietly(spark)
+            except KeyboardInterrupt:
+                if result is None:
+                    raise  # once every file is written, a signal while Spark stops is no failure
 
 
 @dataclass

@@ -84,3 +84,22 @@ def test_an_interrupted_allow_change_resume_keeps_the_stored_settings(spark, tmp
     assert rows[1]["resumed_with_changes"] == {"lr": {"stored": 0.05, "now": 0.1}}
     assert read_run_config(out)["lr"] == 0.1
     assert "lr: 0.1" in (out / "checkpoints" / "round-00003" / "config.yaml").read_text()
+
+
+def test_a_signal_while_spark_stops_after_the_last_round_is_no_failure(
+    spark, tmp_path, monkeypatch
+):
+    """The run's own session is the shared one here, and stopping it is replaced by what a
+    Ctrl-C at that moment does (the handler raises KeyboardInterrupt): a mock, since the real
+    signal cannot be timed to land inside `SparkSession.stop`."""
+    from sparknet.training import driver
+
+    def interrupted_stop(session):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver, "start_session", lambda master, workers: spark)
+    monkeypatch.setattr(driver, "stop_quietly", interrupted_stop)
+    out = tmp_path / "run"
+    result = train(TrainConfig(rounds=1, out=out, **SMALL))
+    assert [r["round"] for r in result.metrics] == [1]
+    assert (out / "model.safetensors").is_file() and (out / "curves.png").is_file()

@@ -5,9 +5,11 @@ that is not a sparknet run's, an --out it cannot create. No Spark: each fails be
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 
 import pytest
+import torch
 
 from sparknet.config import TrainConfig
 from sparknet.errors import SparknetError
@@ -49,3 +51,41 @@ def test_an_out_that_cannot_be_made_fails_in_one_line_and_a_made_dir_is_removed(
     with pytest.raises(SparknetError):
         train(TrainConfig(out=out, data="no-such-dataset-name", **SMALL))
     assert not out.exists()
+
+
+def test_resume_of_a_run_cut_after_its_last_checkpoint_finishes_it_without_spark(tmp_path):
+    """An interrupt between the last checkpoint and the final files left model.safetensors and
+    curves.png out; --resume writes them from that checkpoint, with no Spark (none is given, and
+    one started here would fail the test by its time alone)."""
+    from safetensors.torch import load_file
+
+    from sparknet.training import checkpoint
+    from sparknet.training.state import StateLayout
+    from tests.helpers import initial_model
+
+    cfg = TrainConfig(out=tmp_path, rounds=2, **SMALL)
+    state = initial_model(cfg).state_dict()
+    layout = StateLayout.of(state)
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    row = {"round": 2, "loss": 1.0, "samples": 16, "seconds": {"total": 1.0}, "elapsed_s": 2.0}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({**row, "round": 1}) + "\n")
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    flat = layout.flatten(state)
+    last = checkpoint.write(
+        tmp_path, 2, layout, flat, layout.integers(state), None, 2.0, cfg.to_yaml()
+    )
+
+    result = train(cfg, resume=True)
+    assert [r["round"] for r in result.metrics] == [1, 2]
+    model = load_file(tmp_path / "model.safetensors")
+    assert model.keys() == state.keys()
+    assert all(torch.equal(model[k], v) for k, v in load_file(last / "weights.safetensors").items())
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
