@@ -147,6 +147,12 @@ def data_upload(
         f"({report.bytes_uploaded / 2**20:.1f} MiB), {len(report.skipped)} already there"
         + (f", {len(report.removed)} old removed" if report.removed else "")
     )
+    if report.left:
+        print(
+            f"left alone (named like shards, but not written by sparknet): {', '.join(report.left)}"
+        )
+    for warning in report.warnings:
+        print(warning, file=sys.stderr)
 
 
 @data_app.command("verify")

@@ -25,6 +25,7 @@ import boto3.exceptions
 import botocore.exceptions as bx
 from boto3.s3.transfer import TransferConfig
 
+from sparknet import aws
 from sparknet.data import s3
 from sparknet.data.integrity import all_shards
 from sparknet.data.manifest import (
@@ -49,12 +50,16 @@ MULTIPART_CHUNKSIZE = 16 << 20
 class UploadReport:
     """Shard names uploaded now and skipped (already there, same size and sha256), in manifest
     order; `bytes_uploaded` counts the uploaded shards' bytes (not the manifest); `removed`, the
-    shards of an earlier upload that the new manifest does not name (deleted, sorted)."""
+    shards of an earlier upload that the new manifest does not name (deleted, sorted); `left`,
+    objects under the prefix named like shards that sparknet did not write (not touched);
+    `warnings`, one line each for what could not be cleaned up (the dataset itself is good)."""
 
     uploaded: list[str]
     skipped: list[str]
     bytes_uploaded: int
     removed: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -190,10 +195,11 @@ def upload_dataset(
             todo.append(info)
 
     s3c = s3.client(endpoint_url)
-    _abort_incomplete(s3c, store, [info.name for info in shards])
+    warnings = _abort_incomplete(s3c, store, [info.name for info in shards])
     manifest_uri = store.object_uri(MANIFEST_NAME)
     try:
-        if MANIFEST_NAME in remote and (todo or store.read_bytes(MANIFEST_NAME) != manifest_bytes):
+        old_manifest = store.read_bytes(MANIFEST_NAME) if MANIFEST_NAME in remote else None
+        if old_manifest is not None and (todo or old_manifest != manifest_bytes):
             s3c.delete_object(Bucket=manifest_uri.bucket, Key=manifest_uri.key)
     except (bx.BotoCoreError, bx.ClientError) as exc:
         raise s3.describe_client_error(exc, manifest_uri) from exc
@@ -219,35 +225,78 @@ def upload_dataset(
         )
     except (bx.BotoCoreError, bx.ClientError) as exc:
         raise s3.describe_client_error(exc, manifest_uri) from exc
+    orphans, left = _orphans(store, remote, manifest, _shard_names(old_manifest))
+    removed, not_removed = _remove_orphans(s3c, store, orphans)
     return UploadReport(
         uploaded=uploaded,
         skipped=skipped,
         bytes_uploaded=sum(info.bytes for info in todo),
-        removed=_remove_orphans(s3c, store, remote, {info.name for info in shards}),
+        removed=removed,
+        left=left,
+        warnings=warnings + not_removed,
     )
 
 
-def _remove_orphans(s3c: Any, store: S3Store, remote: dict[str, int], keep: set[str]) -> list[str]:
+def _shard_names(manifest_bytes: bytes | None) -> set[str]:
+    """The shard names a remote manifest lists (none when there is none, or it does not parse:
+    then only the split rule of `_orphans` vouches for an object)."""
+    if manifest_bytes is None:
+        return set()
+    try:
+        return {info.name for info in all_shards(Manifest.loads(manifest_bytes, where="remote"))}
+    except (SparknetError, ValueError):
+        return set()
+
+
+def _orphans(
+    store: S3Store, remote: dict[str, int], manifest: Manifest, old_names: set[str]
+) -> tuple[list[str], list[str]]:
+    """Objects named like shards that the new manifest does not name, split into sparknet's
+    (to delete) and others (left alone, listed). Sparknet's carry the sha256 metadata every
+    upload sets and either belong to one of the manifest's splits or are named by the remote
+    manifest being replaced: a user's `backup-000001.tar` next to the dataset is not ours."""
+    ours: list[str] = []
+    others: list[str] = []
+    keep = {info.name for info in all_shards(manifest)}
+    for name in sorted(n for n in remote if _SHARD.match(n) and n not in keep):
+        split = name.rsplit("-", 1)[0]
+        head = store.head(name) if split in manifest.splits or name in old_names else None
+        tagged = head is not None and "sha256" in head.get("Metadata", {})
+        (ours if tagged else others).append(name)
+    return ours, others
+
+
+def _remove_orphans(s3c: Any, store: S3Store, orphans: list[str]) -> tuple[list[str], list[str]]:
     """Delete shards an earlier upload left that the manifest just written does not name (a
     re-shard into fewer shards). Runs after that manifest is in place: no reader's manifest
-    names them any more. Only names of sparknet's shard pattern are touched."""
-    orphans = sorted(n for n in remote if _SHARD.match(n) and n not in keep)
+    names them any more. Returns (deleted, warnings): a failed delete (no s3:DeleteObject) is a
+    warning naming what is left, since the dataset itself is complete."""
+    removed: list[str] = []
+    failed: list[tuple[str, str]] = []
     for name in orphans:
         where = store.object_uri(name)
         try:
             s3c.delete_object(Bucket=where.bucket, Key=where.key)
+            removed.append(name)
         except (bx.BotoCoreError, bx.ClientError) as exc:
-            raise s3.describe_client_error(exc, where) from exc
-    return orphans
+            failed.append((name, str(s3.describe_client_error(exc, where)).split(";")[0]))
+    if not failed:
+        return removed, []
+    names = ", ".join(name for name, _ in failed)
+    return removed, [
+        f"warning: {len(failed)} old shards the manifest no longer names could not be deleted "
+        f"({failed[0][1]}): {names}; the dataset is complete, delete them by hand"
+    ]
 
 
-def _abort_incomplete(s3c: Any, store: S3Store, names: list[str]) -> int:
+def _abort_incomplete(s3c: Any, store: S3Store, names: list[str]) -> list[str]:
     """Abort the unfinished multipart uploads of these shards (an upload killed mid-file leaves
-    its parts, which S3 keeps and bills until aborted); the number aborted."""
+    its parts, which S3 keeps and bills until aborted). Returns warnings: without
+    s3:ListBucketMultipartUploads none can be found, which must not stop the upload itself."""
     keys = {store.object_uri(name).key for name in names}
     bucket = store.object_uri(MANIFEST_NAME).bucket
     prefix = store.object_uri(MANIFEST_NAME).key[: -len(MANIFEST_NAME)]
-    aborted = 0
+    where = f"s3://{bucket}/{prefix}"
     try:
         for page in s3c.get_paginator("list_multipart_uploads").paginate(
             Bucket=bucket, Prefix=prefix
@@ -257,10 +306,25 @@ def _abort_incomplete(s3c: Any, store: S3Store, names: list[str]) -> int:
                     s3c.abort_multipart_upload(
                         Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
                     )
-                    aborted += 1
-    except (bx.BotoCoreError, bx.ClientError) as exc:
-        raise s3.describe_client_error(exc, store.object_uri(MANIFEST_NAME)) from exc
-    return aborted
+    except bx.ClientError as exc:
+        if not _denied(exc):
+            raise s3.describe_client_error(exc, where) from exc
+        return [
+            f"warning: listing or aborting unfinished multipart uploads under {where} was denied "
+            f"({exc.response['Error'].get('Code')}); parts a killed upload left (billed until "
+            "aborted) cannot be cleaned: allow s3:ListBucketMultipartUploads and "
+            "s3:AbortMultipartUpload"
+        ]
+    except bx.BotoCoreError as exc:
+        raise s3.describe_client_error(exc, where) from exc
+    return []
+
+
+def _denied(exc: bx.ClientError) -> bool:
+    """Whether S3 refused the call for lack of permission (not bad credentials)."""
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code not in aws.CREDENTIAL_CODES and (code in aws.DENIED_CODES or status == 403)
 
 
 def _s3_checksum(path: Path, info: ShardInfo, parts: tuple[int, int]) -> str:

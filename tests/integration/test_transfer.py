@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import boto3
@@ -488,4 +489,90 @@ def test_an_upload_of_a_reshard_into_fewer_shards_removes_the_old_extra_ones(
         f"ds/{n}" for n in ("train-000000.tar", "train-000001.tar", "val-000000.tar",
                             MANIFEST_NAME, "notes.txt")
     }  # fmt: skip
+    assert verify_dataset(uri, endpoint_url=moto_endpoint).problems == []
+
+
+def test_upload_deletes_only_old_shards_sparknet_wrote_never_the_users_objects(
+    moto_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    """Names like shards under the prefix (or at the bucket root) that carry no sha256 metadata,
+    or belong to no split of the manifest, are the user's: listed, never deleted."""
+    src = tmp_path / "ds"
+    make_dataset(src, {"train": [1000, 1000], "val": [500]})
+    s3c = boto3.client("s3", endpoint_url=moto_endpoint)
+    users = ["mix/imagenet-000000.tar", "mix/backup-000001.tar", "mix/train-000007.tar"]
+    for key in [*users, "rootlogs-000001.tar"]:
+        s3c.put_object(Bucket=bucket, Key=key, Body=b"user data")
+    tagged_stray = "mix/train-000009.tar"  # sparknet's metadata, its split: an old shard
+    s3c.put_object(Bucket=bucket, Key=tagged_stray, Body=b"x", Metadata={"sha256": "ab" * 32})
+    report = upload_dataset(src, f"s3://{bucket}/mix", endpoint_url=moto_endpoint)
+    assert report.removed == ["train-000009.tar"]
+    assert report.left == ["backup-000001.tar", "imagenet-000000.tar", "train-000007.tar"]
+    report = upload_dataset(src, f"s3://{bucket}", endpoint_url=moto_endpoint)
+    assert report.removed == [] and report.left == ["rootlogs-000001.tar"]
+    left = keys(moto_endpoint, bucket)
+    assert {*users, "rootlogs-000001.tar"} <= left and tagged_stray not in left
+    for key in users:
+        assert s3c.get_object(Bucket=bucket, Key=key)["Body"].read() == b"user data"
+
+
+def _deny(operation: str, key_part: str = "") -> Callable[[], None]:
+    """Make the shared client's `operation` (on keys containing `key_part`) answer 403
+    AccessDenied, as S3 does for a policy without that permission; the returned function undoes
+    it. moto's server enforces no IAM policy unless the whole server is switched to it, so only
+    this answer is faked, on the real client; every other call still goes to moto."""
+    from botocore.awsrequest import AWSResponse
+
+    client = s3.client(os.environ["AWS_ENDPOINT_URL"])
+
+    def answer(params: dict, **_: object) -> tuple[AWSResponse, dict] | None:
+        if key_part not in params.get("url_path", ""):
+            return None
+        error = {"Code": "AccessDenied", "Message": "Access Denied"}
+        return AWSResponse("", 403, {}, None), {
+            "Error": error,
+            "ResponseMetadata": {"HTTPStatusCode": 403},
+        }
+
+    event = f"before-call.s3.{operation}"
+    client.meta.events.register(event, answer)
+    return lambda: client.meta.events.unregister(event, answer)
+
+
+def test_an_upload_that_may_not_delete_old_shards_succeeds_and_names_them(
+    moto_endpoint: str, bucket: str, tmp_path: Path
+) -> None:
+    src = tmp_path / "ds"
+    make_dataset(src, {"train": [1000, 1000, 1000], "val": [500]})
+    uri = f"s3://{bucket}/y"
+    upload_dataset(src, uri, endpoint_url=moto_endpoint)
+    for name in ("train-000002.tar", MANIFEST_NAME):
+        (src / name).unlink()
+    make_dataset(src, {"train": [1500, 1500], "val": [900]})
+    undo = _deny("DeleteObject", "train-000002.tar")
+    try:
+        for _ in range(2):  # the upload, then a re-run of the complete dataset
+            report = upload_dataset(src, uri, endpoint_url=moto_endpoint)
+            assert report.removed == []
+            [warning] = report.warnings
+            assert "train-000002.tar" in warning and "denied" in warning and "\n" not in warning
+    finally:
+        undo()
+    assert "y/train-000002.tar" in keys(moto_endpoint, bucket)
+    assert verify_dataset(uri, endpoint_url=moto_endpoint).problems == []
+
+
+def test_an_upload_without_permission_to_list_multipart_uploads_warns_and_goes_on(
+    moto_endpoint: str, bucket: str, dataset: tuple[Path, Manifest]
+) -> None:
+    src, manifest = dataset
+    uri = f"s3://{bucket}/x"
+    undo = _deny("ListMultipartUploads")
+    try:
+        report = upload_dataset(src, uri, endpoint_url=moto_endpoint)
+    finally:
+        undo()
+    assert len(report.uploaded) == 6
+    [warning] = report.warnings
+    assert "s3:ListBucketMultipartUploads" in warning and f"s3://{bucket}/x/" in warning
     assert verify_dataset(uri, endpoint_url=moto_endpoint).problems == []
