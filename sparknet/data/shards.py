@@ -413,22 +413,49 @@ def _empty_classes(tree: ImageTree, checked: CheckedTree) -> list[str]:
     ]
 
 
-#: held by the `data shard` writing into a destination (never deleted: deleting races the lock)
+#: held by the `data shard` writing into a destination (exclusive) and by each `data upload`
+#: reading from it (shared); never deleted: deleting races the lock
 LOCK_NAME = ".sparknet-shard.lock"
 
 
 @contextlib.contextmanager
 def _dest_lock(dest: Path) -> Iterator[None]:
-    """One writer per destination: a second run would delete the first's in-flight temps. An
-    flock is released by the kernel when its holder dies, so a killed run never blocks the next."""
+    """One writer per destination: a second run would delete the first's in-flight temps, and an
+    upload would send bytes that differ from the sha256 it tags them with. An flock is released
+    by the kernel when its holder dies, so a killed run never blocks the next."""
     fd = os.open(dest / LOCK_NAME, os.O_RDWR | os.O_CREAT, FILE_MODE)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise SparknetError(
-                f"another `sparknet data shard` is writing into {dest}: wait for it to finish "
-                "(or give another destination)"
+                f"another `sparknet data shard` or `data upload` is using {dest}: wait for it "
+                "to finish (or give another destination)"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def reading_lock(src: Path) -> Iterator[None]:
+    """Held (shared) while an upload reads a dataset dir, so no `data shard` rewrites a shard
+    between its hash and its send; refused in one line while a shard run holds the dir. A
+    read-only dir without the lock file cannot be sharded into either: no lock is needed."""
+    try:
+        fd = os.open(src / LOCK_NAME, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    except OSError:
+        try:
+            fd = os.open(src / LOCK_NAME, os.O_RDONLY)
+        except OSError:
+            yield
+            return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SparknetError(
+                f"a `sparknet data shard` is writing into {src}: wait for it to finish, then upload"
             ) from None
         yield
     finally:

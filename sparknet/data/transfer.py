@@ -36,6 +36,7 @@ from sparknet.data.manifest import (
     sha256_file,
     sha256_stream,
 )
+from sparknet.data.shards import reading_lock
 from sparknet.data.store import MissingObjectError, S3Store, Store, load_manifest, open_store
 from sparknet.errors import SparknetError
 
@@ -147,6 +148,8 @@ def upload_dataset(
 ) -> UploadReport:
     """Upload a local dataset directory to an S3 prefix; the manifest goes last.
 
+    The dataset dir's shard lock is held (shared) throughout, so a concurrent `data shard` cannot
+    rewrite a shard between its hash and its send (and one running refuses the upload).
     Every local shard is hashed first: one whose bytes differ from the manifest is refused
     (re-run `data shard`), so no object is ever tagged with a sha256 its bytes do not have.
 
@@ -164,77 +167,78 @@ def upload_dataset(
         raise SparknetError(
             f"{manifest_path} not found: make the dataset with `sparknet data shard` first"
         )
-    manifest_bytes = manifest_path.read_bytes()
-    manifest = Manifest.loads(manifest_bytes, where=str(manifest_path))
-    shards = all_shards(manifest)
-    _check_local(src, shards, max_concurrency)
-    if not dest_uri.startswith("s3://"):
-        raise SparknetError(f"upload destination {dest_uri!r} must be an s3:// URI")
-    store = S3Store(dest_uri, endpoint_url)
-    s3.check_reachable(store.object_uri(MANIFEST_NAME), endpoint_url)
-    progress = _LockedProgress(on_progress)
+    with reading_lock(src):  # no `data shard` rewrites a shard while it is hashed and sent
+        manifest_bytes = manifest_path.read_bytes()
+        manifest = Manifest.loads(manifest_bytes, where=str(manifest_path))
+        shards = all_shards(manifest)
+        _check_local(src, shards, max_concurrency)
+        if not dest_uri.startswith("s3://"):
+            raise SparknetError(f"upload destination {dest_uri!r} must be an s3:// URI")
+        store = S3Store(dest_uri, endpoint_url)
+        s3.check_reachable(store.object_uri(MANIFEST_NAME), endpoint_url)
+        progress = _LockedProgress(on_progress)
 
-    remote = store.list()  # fails fast (one line) on a missing bucket or bad credentials
-    parts = (multipart_threshold, multipart_chunksize)
-    candidates = [] if force else [i for i in shards if remote.get(i.name) == i.bytes]
-    with ThreadPoolExecutor(max_workers=max(1, max_concurrency)) as pool:
-        same = dict(
-            zip(
-                [i.name for i in candidates],
-                pool.map(lambda i: _already_there(store, src / i.name, i, parts), candidates),
-                strict=True,
+        remote = store.list()  # fails fast (one line) on a missing bucket or bad credentials
+        parts = (multipart_threshold, multipart_chunksize)
+        candidates = [] if force else [i for i in shards if remote.get(i.name) == i.bytes]
+        with ThreadPoolExecutor(max_workers=max(1, max_concurrency)) as pool:
+            same = dict(
+                zip(
+                    [i.name for i in candidates],
+                    pool.map(lambda i: _already_there(store, src / i.name, i, parts), candidates),
+                    strict=True,
+                )
             )
-        )
-    todo: list[ShardInfo] = []
-    skipped: list[str] = []
-    for info in shards:
-        if same.get(info.name):
-            skipped.append(info.name)
-            progress(info.bytes)
-        else:
-            todo.append(info)
+        todo: list[ShardInfo] = []
+        skipped: list[str] = []
+        for info in shards:
+            if same.get(info.name):
+                skipped.append(info.name)
+                progress(info.bytes)
+            else:
+                todo.append(info)
 
-    s3c = s3.client(endpoint_url)
-    warnings = _abort_incomplete(s3c, store, [info.name for info in shards])
-    manifest_uri = store.object_uri(MANIFEST_NAME)
-    try:
-        old_manifest = store.read_bytes(MANIFEST_NAME) if MANIFEST_NAME in remote else None
-        if old_manifest is not None and (todo or old_manifest != manifest_bytes):
-            s3c.delete_object(Bucket=manifest_uri.bucket, Key=manifest_uri.key)
-    except (bx.BotoCoreError, bx.ClientError) as exc:
-        raise s3.describe_client_error(exc, manifest_uri) from exc
+        s3c = s3.client(endpoint_url)
+        warnings = _abort_incomplete(s3c, store, [info.name for info in shards])
+        manifest_uri = store.object_uri(MANIFEST_NAME)
+        try:
+            old_manifest = store.read_bytes(MANIFEST_NAME) if MANIFEST_NAME in remote else None
+            if old_manifest is not None and (todo or old_manifest != manifest_bytes):
+                s3c.delete_object(Bucket=manifest_uri.bucket, Key=manifest_uri.key)
+        except (bx.BotoCoreError, bx.ClientError) as exc:
+            raise s3.describe_client_error(exc, manifest_uri) from exc
 
-    uploaded = _upload_shards(
-        s3c,
-        store,
-        src,
-        todo,
-        max_concurrency=max_concurrency,
-        progress=progress,
-        config_args={
-            "multipart_threshold": multipart_threshold,
-            "multipart_chunksize": multipart_chunksize,
-        },
-    )
-    try:
-        s3c.put_object(
-            Bucket=manifest_uri.bucket,
-            Key=manifest_uri.key,
-            Body=manifest_bytes,
-            ContentType="application/json",
+        uploaded = _upload_shards(
+            s3c,
+            store,
+            src,
+            todo,
+            max_concurrency=max_concurrency,
+            progress=progress,
+            config_args={
+                "multipart_threshold": multipart_threshold,
+                "multipart_chunksize": multipart_chunksize,
+            },
         )
-    except (bx.BotoCoreError, bx.ClientError) as exc:
-        raise s3.describe_client_error(exc, manifest_uri) from exc
-    orphans, left = _orphans(store, remote, manifest, _shard_names(old_manifest))
-    removed, not_removed = _remove_orphans(s3c, store, orphans)
-    return UploadReport(
-        uploaded=uploaded,
-        skipped=skipped,
-        bytes_uploaded=sum(info.bytes for info in todo),
-        removed=removed,
-        left=left,
-        warnings=warnings + not_removed,
-    )
+        try:
+            s3c.put_object(
+                Bucket=manifest_uri.bucket,
+                Key=manifest_uri.key,
+                Body=manifest_bytes,
+                ContentType="application/json",
+            )
+        except (bx.BotoCoreError, bx.ClientError) as exc:
+            raise s3.describe_client_error(exc, manifest_uri) from exc
+        orphans, left = _orphans(store, remote, manifest, _shard_names(old_manifest))
+        removed, not_removed = _remove_orphans(s3c, store, orphans)
+        return UploadReport(
+            uploaded=uploaded,
+            skipped=skipped,
+            bytes_uploaded=sum(info.bytes for info in todo),
+            removed=removed,
+            left=left,
+            warnings=warnings + not_removed,
+        )
 
 
 def _shard_names(manifest_bytes: bytes | None) -> set[str]:

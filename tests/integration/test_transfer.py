@@ -565,7 +565,7 @@ def test_an_upload_that_may_not_delete_old_shards_succeeds_and_names_them(
 def test_an_upload_without_permission_to_list_multipart_uploads_warns_and_goes_on(
     moto_endpoint: str, bucket: str, dataset: tuple[Path, Manifest]
 ) -> None:
-    src, manifest = dataset
+    src, _ = dataset
     uri = f"s3://{bucket}/x"
     undo = _deny("ListMultipartUploads")
     try:
@@ -576,3 +576,28 @@ def test_an_upload_without_permission_to_list_multipart_uploads_warns_and_goes_o
     [warning] = report.warnings
     assert "s3:ListBucketMultipartUploads" in warning and f"s3://{bucket}/x/" in warning
     assert verify_dataset(uri, endpoint_url=moto_endpoint).problems == []
+
+
+def test_upload_and_shard_exclude_each_other_on_the_dataset_dir(
+    moto_endpoint: str, bucket: str, dataset: tuple[Path, Manifest], tmp_path: Path
+) -> None:
+    """A `data shard` rewriting a shard between upload's hash and its send would put other bytes
+    under the manifest's sha256: an upload is refused while a shard run holds the dir, and a
+    shard run is refused while an upload reads it."""
+    import fcntl
+
+    from sparknet.data.shards import LOCK_NAME, reading_lock, write_dataset
+    from tests.imagenet_tree import make_tree
+
+    src, _ = dataset
+    with open(src / LOCK_NAME, "w") as held:  # what a running `data shard` holds
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(SparknetError) as info:
+            upload_dataset(src, f"s3://{bucket}/ds", endpoint_url=moto_endpoint)
+    assert_one_line(info.value, "`sparknet data shard` is writing into", str(src))
+    assert keys(moto_endpoint, bucket) == set()
+    make_tree(tmp_path / "tree", classes=2, train_per_class=2, val_per_class=1, size=(32, 24))
+    with reading_lock(src), pytest.raises(SparknetError) as info:
+        write_dataset(tmp_path / "tree", src, shard_bytes=1 << 20, seed=0, processes=1)
+    assert_one_line(info.value, "`data upload` is using", str(src))
+    assert upload_dataset(src, f"s3://{bucket}/ds", endpoint_url=moto_endpoint).uploaded

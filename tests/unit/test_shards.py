@@ -405,7 +405,7 @@ def test_a_second_writer_into_the_same_destination_is_refused(tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(SparknetError) as info:
             write_dataset(src, dest, shard_bytes=4000, seed=0, processes=1)
-    assert "another `sparknet data shard` is writing into" in str(info.value)
+    assert "another `sparknet data shard` or `data upload` is using" in str(info.value)
     assert (dest / ".train-000000.tar.abc.tmp").exists()  # the other run's temp is untouched
     write_dataset(src, dest, shard_bytes=4000, seed=0, processes=1)  # free again: it runs
     assert (dest / MANIFEST_NAME).exists()
