@@ -114,10 +114,17 @@ def _tar_bytes(size: int, key: str) -> int:
     return 2 * per_member + -(-size // TAR_BLOCK) * TAR_BLOCK + TAR_BLOCK
 
 
+def _file_key(st: os.stat_result) -> list[int]:
+    """What says a source file is unchanged since a run: size and mtime alone miss an overwrite
+    that keeps the mtime (`cp -p`, `rsync -t`); that sets the ctime (and a copy-and-rename a new
+    inode), which no user tool can set back."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
 def _fingerprint(images: list[SourceImage], stats: list[os.stat_result]) -> str:
     digest = hashlib.sha256()
     for image, st in zip(images, stats, strict=True):
-        digest.update(f"{image.key}\t{image.label}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+        digest.update(f"{image.key}\t{image.label}\t{_file_key(st)}\n".encode())
     return digest.hexdigest()
 
 
@@ -342,7 +349,7 @@ class CheckedTree:
 
 
 def _load_checks(dest: Path, src: Path) -> dict[str, list]:
-    """An earlier run's decode checks of this source: relative path -> [size, mtime_ns, problem]."""
+    """An earlier run's decode checks of this source: relative path -> [*_file_key, problem]."""
     try:
         record = json.loads((dest / CHECKS_NAME).read_text())
         if record["src"] == str(src.resolve()):
@@ -353,7 +360,7 @@ def _load_checks(dest: Path, src: Path) -> dict[str, list]:
 
 
 def _check_image(image: SourceImage, rel: str, known: dict[str, list]) -> list:
-    """[size, mtime_ns, problem] of one image: from `known` when the file has not changed since,
+    """[*_file_key, problem] of one image: from `known` when the file has not changed since,
     else decoded now (`image_problem`)."""
     try:
         st = os.stat(image.path)
@@ -362,10 +369,11 @@ def _check_image(image: SourceImage, rel: str, known: dict[str, list]) -> list:
             f"cannot read {image.path} ({exc.strerror or exc}): replace it or remove it, "
             "then run again"
         ) from exc
+    key = _file_key(st)
     hit = known.get(rel)
-    if hit is not None and hit[:2] == [st.st_size, st.st_mtime_ns]:
+    if hit is not None and hit[:-1] == key:
         return hit
-    return [st.st_size, st.st_mtime_ns, image_problem(_read_image(image))]
+    return [*key, image_problem(_read_image(image))]
 
 
 def check_images(tree: ImageTree, src: Path, dest: Path, threads: int) -> CheckedTree:
@@ -387,7 +395,8 @@ def check_images(tree: ImageTree, src: Path, dest: Path, threads: int) -> Checke
     _atomic_write_text(dest / CHECKS_NAME, json.dumps(record) + "\n")
     good: dict[str, list[SourceImage]] = {split: [] for split in tree.splits}
     rejected: list[RejectedImage] = []
-    for (split, image), rel, (_, _, problem) in zip(images, rels, checks, strict=True):
+    for (split, image), rel, check in zip(images, rels, checks, strict=True):
+        problem = check[-1]
         if problem is None:
             good[split].append(image)
         else:

@@ -366,6 +366,24 @@ def test_images_are_checked_before_the_cut_so_no_shard_is_empty(tmp_path):
     ]
 
 
+def test_an_image_overwritten_with_its_mtime_kept_is_decode_checked_again(tmp_path):
+    """`cp -p` over an image keeps size and mtime: the ctime it sets makes the re-run decode it
+    again, so the undecodable bytes are rejected instead of packed into a shard."""
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    make_tree(src, classes=2, train_per_class=4, val_per_class=2, size=(32, 24))
+    write_dataset(src, dest, shard_bytes=4000, seed=0, processes=1)
+    image = sorted((src / "train").rglob("*.JPEG"))[2]
+    st = image.stat()
+    image.write_bytes(b"\0" * st.st_size)
+    os.utime(image, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (image.stat().st_size, image.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    report = write_dataset(src, dest, shard_bytes=4000, seed=0, processes=1)
+    rel = image.relative_to(src).as_posix()
+    assert [r.path for r in report.manifest.rejected] == [rel]
+    packed = {k for s in report.manifest.shards("train") for k in _read_shard(dest / s.name)}
+    assert image.stem not in packed and report.manifest.samples("train") == 7
+
+
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_a_split_with_no_image_that_decodes_is_refused(tmp_path, split):
     src = tmp_path / "src"
