@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,8 @@ Progress = Callable[[int], None]
 _SHARD = re.compile(SHARD_PATTERN)
 MULTIPART_THRESHOLD = 64 << 20
 MULTIPART_CHUNKSIZE = 16 << 20
+#: an unfinished multipart upload started longer ago than this is taken for a killed one
+MULTIPART_STALE_SECONDS = 3600
 
 
 @dataclass(frozen=True)
@@ -199,10 +202,16 @@ def upload_dataset(
                 todo.append(info)
 
         s3c = s3.client(endpoint_url)
-        warnings = _abort_incomplete(s3c, store, [info.name for info in shards])
         manifest_uri = store.object_uri(MANIFEST_NAME)
         try:
             old_manifest = store.read_bytes(MANIFEST_NAME) if MANIFEST_NAME in remote else None
+        except (bx.BotoCoreError, bx.ClientError) as exc:
+            raise s3.describe_client_error(exc, manifest_uri) from exc
+        old_names = _shard_names(old_manifest)
+        orphans, left = _orphans(store, remote, manifest, old_names)
+        ours = {info.name for info in shards} | old_names | set(orphans)
+        warnings = _abort_incomplete(s3c, store, ours)
+        try:
             if old_manifest is not None and (todo or old_manifest != manifest_bytes):
                 s3c.delete_object(Bucket=manifest_uri.bucket, Key=manifest_uri.key)
         except (bx.BotoCoreError, bx.ClientError) as exc:
@@ -229,7 +238,6 @@ def upload_dataset(
             )
         except (bx.BotoCoreError, bx.ClientError) as exc:
             raise s3.describe_client_error(exc, manifest_uri) from exc
-        orphans, left = _orphans(store, remote, manifest, _shard_names(old_manifest))
         removed, not_removed = _remove_orphans(s3c, store, orphans)
         return UploadReport(
             uploaded=uploaded,
@@ -293,11 +301,14 @@ def _remove_orphans(s3c: Any, store: S3Store, orphans: list[str]) -> tuple[list[
     ]
 
 
-def _abort_incomplete(s3c: Any, store: S3Store, names: list[str]) -> list[str]:
-    """Abort the unfinished multipart uploads of these shards (an upload killed mid-file leaves
-    its parts, which S3 keeps and bills until aborted). Returns warnings: without
-    s3:ListBucketMultipartUploads none can be found, which must not stop the upload itself."""
+def _abort_incomplete(s3c: Any, store: S3Store, names: set[str]) -> list[str]:
+    """Abort the unfinished multipart uploads of these shard names (an upload killed mid-file
+    leaves its parts, which S3 keeps and bills until aborted) that were initiated more than
+    MULTIPART_STALE_SECONDS ago: a younger one may be another machine's live upload, and a part
+    file never takes that long. Returns warnings: without s3:ListBucketMultipartUploads none can
+    be found, which must not stop the upload itself."""
     keys = {store.object_uri(name).key for name in names}
+    cutoff = _now() - timedelta(seconds=MULTIPART_STALE_SECONDS)
     bucket = store.object_uri(MANIFEST_NAME).bucket
     prefix = store.object_uri(MANIFEST_NAME).key[: -len(MANIFEST_NAME)]
     where = f"s3://{bucket}/{prefix}"
@@ -306,7 +317,7 @@ def _abort_incomplete(s3c: Any, store: S3Store, names: list[str]) -> list[str]:
             Bucket=bucket, Prefix=prefix
         ):
             for upload in page.get("Uploads", []):
-                if upload["Key"] in keys:
+                if upload["Key"] in keys and upload["Initiated"] < cutoff:
                     s3c.abort_multipart_upload(
                         Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
                     )
@@ -322,6 +333,10 @@ def _abort_incomplete(s3c: Any, store: S3Store, names: list[str]) -> list[str]:
     except bx.BotoCoreError as exc:
         raise s3.describe_client_error(exc, where) from exc
     return []
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
 
 
 def _denied(exc: bx.ClientError) -> bool:

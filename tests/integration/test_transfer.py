@@ -457,18 +457,46 @@ def test_the_shard_cache_never_touches_the_users_files_in_its_dir(
 
 
 def test_a_rerun_aborts_the_multipart_uploads_a_killed_upload_left(
-    moto_endpoint: str, bucket: str, dataset: tuple[Path, Manifest]
+    moto_endpoint: str, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`kill -9` mid-file leaves parts S3 bills until aborted; another prefix's are not touched."""
-    src, _ = dataset
+    """`kill -9` mid-file leaves parts S3 bills until aborted: stale ones of the new manifest's
+    shards and of the old manifest's dropped ones are aborted; another prefix's, and a young one
+    (maybe another machine's live upload), are not."""
+    from datetime import timedelta
+
+    from sparknet.data import transfer
+
+    src = tmp_path / "ds"
+    make_dataset(src, {"train": [1000, 1000, 1000], "val": [500]})
+    uri = f"s3://{bucket}/ds"
+    upload_dataset(src, uri, endpoint_url=moto_endpoint)
     s3c = boto3.client("s3", endpoint_url=moto_endpoint)
-    for key in ("ds/train-000001.tar", "other/train-000001.tar"):
-        started = s3c.create_multipart_upload(Bucket=bucket, Key=key)
-        s3c.upload_part(Bucket=bucket, Key=key, UploadId=started["UploadId"], PartNumber=1,
-                        Body=b"x" * 1000)  # fmt: skip
-    upload_dataset(src, f"s3://{bucket}/ds", endpoint_url=moto_endpoint)
-    left = s3c.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
-    assert [u["Key"] for u in left] == ["other/train-000001.tar"]
+
+    def start(*keys: str) -> None:
+        for key in keys:
+            started = s3c.create_multipart_upload(Bucket=bucket, Key=key)
+            s3c.upload_part(Bucket=bucket, Key=key, UploadId=started["UploadId"], PartNumber=1,
+                            Body=b"x" * 1000)  # fmt: skip
+
+    def unfinished() -> list[str]:
+        return sorted(
+            u["Key"] for u in s3c.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+        )
+
+    start("ds/train-000001.tar", "ds/train-000002.tar", "other/train-000001.tar")
+    # moto reports one fixed `Initiated` date for every multipart upload (2010): "now" is set
+    # a minute after it to make them young, then left real to make them hours old
+    initiated = s3c.list_multipart_uploads(Bucket=bucket)["Uploads"][0]["Initiated"]
+    with monkeypatch.context() as young:
+        young.setattr(transfer, "_now", lambda: initiated + timedelta(minutes=1))
+        upload_dataset(src, uri, endpoint_url=moto_endpoint)  # maybe another machine's: kept
+    assert unfinished() == ["ds/train-000001.tar", "ds/train-000002.tar", "other/train-000001.tar"]
+    for name in ("train-000002.tar", MANIFEST_NAME):
+        (src / name).unlink()
+    make_dataset(src, {"train": [1500, 1500], "val": [900]})  # drops train-000002.tar
+    report = upload_dataset(src, uri, endpoint_url=moto_endpoint)
+    assert report.removed == ["train-000002.tar"]
+    assert unfinished() == ["other/train-000001.tar"]
 
 
 def test_an_upload_of_a_reshard_into_fewer_shards_removes_the_old_extra_ones(
