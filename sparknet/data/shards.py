@@ -496,8 +496,10 @@ def _pool_ignoring_sigint(workers: int) -> Iterator[multiprocessing.pool.Pool]:
 def _os_error(exc: OSError, dest: Path) -> SparknetError:
     """One line for a file system error outside the source images (those are named by
     `_read_image`): the destination is not a directory, not writable, or full."""
-    where = exc.filename or dest
-    if exc.errno == errno.ENOSPC:
+    where = exc.filename2 or exc.filename or dest  # a rename's target, not its random temp
+    if exc.errno == errno.EISDIR:
+        fix = "a directory is in the way of that file: move it away"
+    elif exc.errno == errno.ENOSPC:
         fix = "free some space or give another destination"
     elif exc.errno in (errno.EEXIST, errno.ENOTDIR):
         fix = f"{dest}, or a directory above it, is a file: give a directory"

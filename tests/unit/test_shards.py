@@ -384,6 +384,20 @@ def test_an_image_overwritten_with_its_mtime_kept_is_decode_checked_again(tmp_pa
     assert image.stem not in packed and report.manifest.samples("train") == 7
 
 
+def test_a_directory_where_the_checks_file_goes_is_named_not_the_temp(tmp_path):
+    from sparknet.data.shards import CHECKS_NAME
+
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    make_tree(src, classes=2, train_per_class=2, val_per_class=1, size=(32, 24))
+    (dest / CHECKS_NAME).mkdir(parents=True)
+    with pytest.raises(SparknetError) as info:
+        write_dataset(src, dest, shard_bytes=4000, seed=0, processes=1)
+    text = str(info.value)
+    assert f"cannot write {dest / CHECKS_NAME} " in text and "directory" in text, text
+    assert ".tmp" not in text and "\n" not in text
+    assert sorted(p.name for p in dest.iterdir()) == [CHECKS_NAME, ".sparknet-shard.lock"]
+
+
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_a_split_with_no_image_that_decodes_is_refused(tmp_path, split):
     src = tmp_path / "src"
