@@ -15,6 +15,7 @@ from rich.console import Console
 
 #: progress and notes go to stderr; results (tables, summaries) to stdout
 console = Console(stderr=True)
+results = Console()
 
 ConfigOption = typer.Option(None, "--config", help="settings YAML; default ./sparknet.yaml")
 EndpointOption = typer.Option(None, help="S3-compatible endpoint (MinIO, moto)")

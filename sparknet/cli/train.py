@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sparknet.cli.common import Caught, console, fail, interrupts, quiet_py4j
+from sparknet.cli.common import Caught, console, fail, interrupts, quiet_py4j, results
 from sparknet.config import find_config_file, load_datasets, load_train_config, read_run_config
 from sparknet.errors import SparknetError
 
@@ -25,6 +26,8 @@ def _summary(result) -> Table:
     rows = result.metrics
     last_eval = next((r for r in reversed(rows) if "eval_accuracy" in r), {})
     table = Table(title="sparknet run", show_header=False)
+    table.add_column()
+    table.add_column(overflow="fold")  # a log file's 80 columns must not cut the run dir's path
     table.add_row("rounds", str(result.rounds))
     table.add_row("train loss (last round)", f"{result.final['loss']:.4f}")
     if last_eval:
@@ -116,7 +119,10 @@ def train(
                 )  # fmt: skip
             finally:
                 report.stop()
-        console.print(_summary(result))
+        try:
+            results.print(_summary(result))
+        except BrokenPipeError:
+            _to_devnull(sys.stdout)
     except (KeyboardInterrupt, Exception) as exc:
         # An interrupt can cut a JVM call short in a way that surfaces as a py4j error from the
         # clean-up that follows (a call made while unwinding): once a signal came, it is the cause.
@@ -200,4 +206,17 @@ class _Report:
 
 
 def _line(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    """One progress line; a reader that went away (`| head`) must not kill the run: from then
+    on stderr goes to /dev/null."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except BrokenPipeError:
+        _to_devnull(sys.stderr)
+
+
+def _to_devnull(stream) -> None:
+    """Point a stream whose reader is gone at /dev/null, so later writes (and the flush at exit)
+    succeed silently instead of raising BrokenPipeError (the Python docs' advice for SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, stream.fileno())
+    os.close(devnull)

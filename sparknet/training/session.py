@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -114,8 +115,11 @@ def _gateway_killed_on_failure():
     real = java_gateway.Popen
 
     def popen(*args, **kwargs):
+        kwargs.setdefault("stderr", subprocess.PIPE)
         proc = real(*args, **kwargs)
         started.append(proc)
+        if proc.stderr is not None:
+            threading.Thread(target=_forward_jvm_stderr, args=(proc.stderr,), daemon=True).start()
         return proc
 
     java_gateway.Popen = popen
@@ -129,6 +133,25 @@ def _gateway_killed_on_failure():
         raise
     finally:
         java_gateway.Popen = real
+
+
+#: what the JVM prints on every start that says nothing to a sparknet user: the module warning
+#: (Spark adds the module) and Spark's note for shells, which it prints whatever log4j says
+_JVM_NOISE = (
+    b"WARNING: Using incubator modules: ",
+    b'Setting default log level to "',
+    b"To adjust logging level use sc.setLogLevel(",
+)
+
+
+def _forward_jvm_stderr(pipe) -> None:
+    """Copy the gateway JVM's stderr to ours, less `_JVM_NOISE`. It keeps reading to the end
+    whatever happens to our stderr: a JVM blocked on a full pipe would hang the run."""
+    for line in iter(pipe.readline, b""):
+        if line.startswith(_JVM_NOISE):
+            continue
+        with contextlib.suppress(OSError):
+            os.write(2, line)
 
 
 @contextlib.contextmanager

@@ -180,6 +180,8 @@ def test_rounds_stream_without_a_tty_and_a_signal_prints_one_line(
     assert after == [f"error: {said} Spark stopped, the last complete checkpoint is kept"]
     text = "\n".join(lines)
     assert "Traceback" not in text and "py4j" not in text and "Exception" not in text
+    # only sparknet's lines: not the JVM's module warning nor Spark's shell log-level note
+    assert lines[: lines.index("round 1 (starting Python workers)")] == ["starting Spark"], lines
     # the JVM and Spark's Python workers must not outlive the CLI
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(alive(pid) for pid in spawned):
@@ -219,3 +221,22 @@ def test_a_signal_while_spark_starts_stops_with_one_line_and_no_jvm_left(tmp_pat
     while time.monotonic() < deadline and alive(jvm[0]):
         time.sleep(0.2)
     assert not alive(jvm[0]), "the Spark JVM outlived the CLI"
+
+
+def test_a_reader_that_goes_away_does_not_stop_the_run_and_results_go_to_stdout(tmp_path):
+    """`sparknet train ... 2>&1 >summary | head -1`: progress lines after the first meet a closed
+    pipe; the run still ends with rc 0 and its files, and the summary is on stdout."""
+    out, summary = tmp_path / "r", tmp_path / "summary.txt"
+    cmd = (
+        f"'{SPARKNET}' train --rounds 2 --tau 1 --eval-every 1 --out '{out}' 2>&1 >'{summary}'"
+        " | head -1; exit ${PIPESTATUS[0]}"
+    )
+    proc = subprocess.run(
+        ["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout == "starting Spark\n"
+    text = summary.read_text()
+    assert "sparknet run" in text and "test accuracy" in text
+    assert str(out) in re.sub(r"[\s│]", "", text)  # folded over lines, never cut
+    assert (out / "model.safetensors").is_file() and (out / "curves.png").is_file()
