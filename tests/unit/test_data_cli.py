@@ -74,3 +74,22 @@ def test_a_dataset_entry_endpoint_without_a_scheme_names_the_settings_file(tmp_p
     done = run("data", "ls", "foo", cwd=tmp_path)
     assert_one_error_line(done, "sparknet.yaml: datasets.foo: invalid setting endpoint_url")
     assert "http://HOST:PORT" in done.stderr and "'localhost:5066'" in done.stderr
+
+
+def test_upload_lists_the_users_shard_like_objects_and_leaves_them(
+    tmp_path: Path, moto_endpoint: str, bucket: str
+) -> None:
+    """The user's objects named like shards survive `data upload`, and the summary names them."""
+    import boto3
+
+    make_tree(tmp_path / "tree", classes=2, train_per_class=3, val_per_class=2, size=(32, 24))
+    assert run("data", "shard", "tree", "ds", "--shard-mb", "1", cwd=tmp_path).returncode == 0
+    s3c = boto3.client("s3", endpoint_url=moto_endpoint)
+    for key in ("mix/imagenet-000000.tar", "mix/train-000007.tar"):
+        s3c.put_object(Bucket=bucket, Key=key, Body=b"user data")
+    done = run("data", "upload", "ds", f"s3://{bucket}/mix", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "old removed" not in done.stdout
+    assert "not written by sparknet): imagenet-000000.tar, train-000007.tar" in done.stdout
+    for key in ("mix/imagenet-000000.tar", "mix/train-000007.tar"):
+        assert s3c.get_object(Bucket=bucket, Key=key)["Body"].read() == b"user data"
