@@ -215,6 +215,10 @@ def _read_yaml_section(path: Path, section: str) -> dict[str, Any]:
         doc = yaml.safe_load(path.read_text()) or {}
     except OSError as exc:
         raise SparknetError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise SparknetError(
+            f"config file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
+        ) from exc
     except yaml.YAMLError as exc:
         raise SparknetError(f"config file {path} is not valid YAML: {exc}".splitlines()[0]) from exc
     if not isinstance(doc, dict) or not isinstance(doc.get(section, {}), dict):

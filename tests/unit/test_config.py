@@ -77,3 +77,10 @@ def test_trajectory_changes_name_only_what_alters_the_weights():
     after = TrainConfig(workers=3, rounds=9, lr=0.1, eval_every=1, master="local[2]")
     assert after.trajectory_changes(before) == {"workers": (2, 3), "lr": (0.05, 0.1)}
     assert TrainConfig(rounds=50).trajectory_changes(before) == {}
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path: Path):
+    path = tmp_path / "sparknet.yaml"
+    path.write_bytes(b"train:\n  lr: 0.1 # \xe9t\xe9\n")  # Latin-1
+    with pytest.raises(SparknetError, match=r"is not UTF-8 text \(byte 19\); save it as UTF-8$"):
+        load_train_config(config_file=path, environ={})
