@@ -98,7 +98,7 @@ def test_an_s3_shard_whose_bytes_changed_fails_before_any_sample(
     with pytest.raises(PermanentTaskError) as exc:
         _first_batch(source)
     assert f"{uploaded}/{victim.name}" in str(exc.value) and "sha256" in str(exc.value)
-    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    assert not any(p.is_file() for p in (tmp_path / "cache").rglob("*"))  # nothing cached
 
 
 def test_an_intact_s3_shard_streams_without_a_cache(shards, uploaded, tmp_path):
