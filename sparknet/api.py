@@ -7,15 +7,18 @@ so data from SQL, a table or any query trains with no copy to another system.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
-from sparknet.config import load_train_config
+from sparknet.config import load_train_config, read_run_config
 from sparknet.errors import SparknetError
 from sparknet.training.driver import FrameInput, RunResult, train
 
 #: a CLI flag in a message, and the value that follows it (a number, a path, a placeholder)
 _FLAG = re.compile(r"--([a-z][a-z0-9-]*)(?: ([0-9/.~'][^\s;:,]*|[A-Z]+\b))?")
 _SWITCHES = {"resume", "allow-change"}
+#: a path flag and its value up to the colon that ends it (`--out runs/a b: ...`)
+_PATH_FLAG = re.compile(r"--(out) ([^:\s]+):")
 
 
 def fit(
@@ -50,7 +53,12 @@ def fit(
     """
     flags = {**settings, "label_col": label_col, "input_col": input_col, "data": "dataframe"}
     try:
-        cfg = load_train_config(flags=flags, environ={})
+        out = settings.get("out")
+        base = read_run_config(Path(out)) if resume and out is not None else None
+        cfg = load_train_config(flags=flags, environ={}, base=base)
+        _check_frame(df, "df")
+        if eval_df is not None:
+            _check_frame(eval_df, "eval_df")
         frames = FrameInput(df, eval_df, feature_shape)
         return train(
             cfg, resume=resume, spark=df.sparkSession, frames=frames, allow_change=allow_change
@@ -59,9 +67,24 @@ def fit(
         raise SparknetError(as_fit_arguments(str(exc))) from exc
 
 
+def _check_frame(frame: Any, name: str) -> None:
+    """A pandas frame (or anything else) would fail deep inside with an AttributeError."""
+    from pyspark.sql import DataFrame
+
+    if not isinstance(frame, DataFrame):
+        kind = f"{type(frame).__module__}.{type(frame).__qualname__}"
+        raise SparknetError(
+            f"fit() needs a pyspark DataFrame as {name}, got {kind}; convert it with "
+            "spark.createDataFrame(...) first"
+        )
+
+
 def as_fit_arguments(message: str) -> str:
     """The message with every CLI flag spelt as the `fit()` argument it is (`--label-col` ->
-    `label_col=`, `--workers 5` -> `workers=5`, `--resume` -> `resume=True`)."""
+    `label_col=`, `--workers 5` -> `workers=5`, `--resume` -> `resume=True`, `--out PATH:` ->
+    `out='PATH':`), and the CLI's help as `help(sparknet.fit)`."""
+    message = message.replace("`sparknet train --help`", "help(sparknet.fit)")
+    message = _PATH_FLAG.sub(lambda m: f"{m.group(1)}={m.group(2)!r}:", message)
 
     def spell(m: re.Match) -> str:
         name = m.group(1)

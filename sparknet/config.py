@@ -253,8 +253,10 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
 def describe_validation_error(exc: ValidationError) -> str:
     """The first problem of a pydantic error as one line: `field: message (got value)`."""
     err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or "config"
+    loc = ".".join(str(p) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
+    if not loc:  # a check across settings (e.g. outer and outer_lr)
+        return f"invalid settings: {msg}"
     if err["type"] == "extra_forbidden":
         return f"unknown setting '{loc}'; see `sparknet train --help` for the settings"
     got = f" (got {err['input']!r})" if err["loc"] and err["type"] != "missing" else ""

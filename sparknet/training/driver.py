@@ -350,6 +350,9 @@ def _start(
         if on_start is not None:
             on_start(begin.rounds, cfg.rounds)
     result: RunResult | None = None
+    if frames is not None and on_start is not None:  # before Spark: the bar says which round
+        last = checkpoint.latest(run_dir) if resume else None
+        on_start(checkpoint.rounds_of(last) if last is not None else 0, cfg.rounds)
     try:
         if own_session:
             status("starting Spark")
@@ -359,8 +362,6 @@ def _start(
         if frames is not None:
             problem, placed = _frame_problem(cfg, spark, frames)
             begin = _initial_state(cfg, problem, run_dir, resume)
-            if on_start is not None:
-                on_start(begin.rounds, cfg.rounds)
         begin.changes = changes
         result = _run(cfg, problem, begin, run_dir, spark, own_session, placed, on_round)
         return result

@@ -59,3 +59,24 @@ def test_bad_frames_fail_before_training_naming_fit_arguments(
     assert str(exc.value) == message
     assert not (tmp_path / "run").exists()
     assert not spark.sparkContext._jsc.getPersistentRDDs()
+
+
+def test_fit_resume_continues_from_the_stored_settings_and_says_which_round(spark, tmp_path):
+    from sparknet.config import load_train_config, read_run_config
+    from sparknet.training.driver import FrameInput, train
+
+    df, out = _frame(spark, ROWS), tmp_path / "run"
+    sparknet.fit(df, out=out, **{**SMALL, "tau": 2})
+    # tau is not passed again: the run's own tau 2 is the base, not the default 10
+    result = sparknet.fit(df, out=out, resume=True, rounds=2)
+    assert [r["round"] for r in result.metrics] == [1, 2]
+    assert "resumed_with_changes" not in result.metrics[1]
+
+    events: list = []
+    cfg = load_train_config(base=read_run_config(out), flags={"rounds": 3}, environ={})
+    train(
+        cfg, resume=True, spark=spark, frames=FrameInput(df),
+        on_start=lambda done, total: events.append(("start", done, total)),
+        on_status=lambda text: events.append(("status", text)),
+    )  # fmt: skip
+    assert events == [("start", 2, 3), ("status", "starting Python workers")]

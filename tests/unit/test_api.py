@@ -22,3 +22,26 @@ def test_fit_is_the_function_on_every_access():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+def test_fit_errors_name_fit_arguments_and_help():
+    import pytest
+
+    import sparknet
+    from sparknet.api import as_fit_arguments
+    from sparknet.errors import SparknetError
+
+    with pytest.raises(SparknetError) as exc:
+        sparknet.fit(None, wrkers=3)
+    assert str(exc.value) == "unknown setting 'wrkers'; see help(sparknet.fit) for the settings"
+    with pytest.raises(SparknetError, match=r"^invalid settings: outer 'average' has no lr"):
+        sparknet.fit(None, outer="average", outer_lr=0.5)
+    with pytest.raises(SparknetError) as exc:
+        sparknet.fit([(1.0, 0)], model="mlp")
+    assert str(exc.value) == (
+        "fit() needs a pyspark DataFrame as df, got builtins.list; convert it with "
+        "spark.createDataFrame(...) first"
+    )
+    assert as_fit_arguments("--out afile: afile is a file; choose a directory for the run") == (
+        "out='afile': afile is a file; choose a directory for the run"
+    )
