@@ -205,14 +205,35 @@ def _check_run_dir(run_dir: Path, resume: bool) -> None:
         )
 
 
-def _resume_changes(cfg: TrainConfig, run_dir: Path, allow_change: bool) -> dict[str, Any]:
-    """What differs from the stored run in settings that decide the weights: refused, or with
-    --allow-change returned to be recorded in metrics.jsonl."""
+def _resume_changes(cfg: TrainConfig, run_dir: Path) -> dict[str, tuple[Any, Any]]:
+    """{setting: (stored, now)} for the settings that decide the weights and differ from the
+    stored run's."""
     try:
         stored = TrainConfig(**read_run_config(run_dir))
     except (ValueError, TypeError) as exc:
         raise SparknetError(f"{run_dir / CONFIG_FILE} is not a config sparknet can resume") from exc
-    changes = cfg.trajectory_changes(stored)
+    return cfg.trajectory_changes(stored)
+
+
+def _effective(changes: dict[str, tuple[Any, Any]], problem: Problem) -> dict[str, tuple]:
+    """Leave out changes that change nothing for this problem: a `num_classes` that equals the
+    one the dataset gives (the stored run left it to the dataset), an `image_size` of data that
+    is not images."""
+    out = dict(changes)
+    stored, now = out.get("num_classes", (0, 0))
+    if {stored, now} == {None, problem.num_classes}:
+        del out["num_classes"]
+    source = problem.source
+    images = getattr(source, "image_size", None) is not None
+    if "image_size" in out and not (images and getattr(source, "kind", "image") == "image"):
+        del out["image_size"]
+    return out
+
+
+def _accepted(
+    changes: dict[str, tuple[Any, Any]], run_dir: Path, allow_change: bool
+) -> dict[str, Any]:
+    """Changes are refused, or with --allow-change returned to be recorded in metrics.jsonl."""
     if changes and not allow_change:
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
         raise SparknetError(
@@ -306,20 +327,23 @@ def train(
     _check_out(run_dir)
     with _locked(run_dir):
         _check_run_dir(run_dir, resume)
-        changes = _resume_changes(cfg, run_dir, allow_change) if resume else {}
-        if resume and (done := _finished(cfg, run_dir)) is not None:
-            return done
+        changes = _resume_changes(cfg, run_dir) if resume else {}
+        if resume and checkpoint.latest(run_dir) is not None:
+            last = checkpoint.rounds_of(checkpoint.latest(run_dir))
+            if last == cfg.rounds:
+                _accepted(changes, run_dir, allow_change)
+                return _finished(cfg, run_dir)
         return _start(
-            cfg, run_dir, resume, changes, spark, on_start, on_round, on_status, datasets, frames
-        )
+            cfg, run_dir, resume, (changes, allow_change), spark, on_start, on_round, on_status,
+            datasets, frames,
+        )  # fmt: skip
 
 
-def _finished(cfg: TrainConfig, run_dir: Path) -> RunResult | None:
+def _finished(cfg: TrainConfig, run_dir: Path) -> RunResult:
     """A resumed run whose last round is already checkpointed needs no Spark: (re)write what an
     interrupt after that checkpoint may have left out (model.safetensors, curves.png)."""
     last = checkpoint.latest(run_dir)
-    if last is None or checkpoint.rounds_of(last) != cfg.rounds:
-        return None
+    assert last is not None
     tmp = run_dir / f".{MODEL_FILE}.tmp"
     shutil.copyfile(last / checkpoint.WEIGHTS, tmp)  # the same tensors, the model's own keys
     os.replace(tmp, run_dir / MODEL_FILE)
@@ -332,7 +356,7 @@ def _start(
     cfg: TrainConfig,
     run_dir: Path,
     resume: bool,
-    changes: dict[str, Any],
+    changes: tuple[dict[str, tuple[Any, Any]], bool],
     spark,
     on_start: StartCallback | None,
     on_round: RoundCallback | None,
@@ -346,7 +370,9 @@ def _start(
     placed: Frames | None = None
     if frames is None:
         problem = prepare(cfg, resolve_source(cfg, datasets))
+        accepted = _accepted(_effective(changes[0], problem), run_dir, changes[1])
         begin = _initial_state(cfg, problem, run_dir, resume)
+        begin.changes = accepted
         if on_start is not None:
             on_start(begin.rounds, cfg.rounds)
     result: RunResult | None = None
@@ -361,8 +387,9 @@ def _start(
         check_python_workers(spark, cfg.workers)
         if frames is not None:
             problem, placed = _frame_problem(cfg, spark, frames)
+            accepted = _accepted(_effective(changes[0], problem), run_dir, changes[1])
             begin = _initial_state(cfg, problem, run_dir, resume)
-        begin.changes = changes
+            begin.changes = accepted
         result = _run(cfg, problem, begin, run_dir, spark, own_session, placed, on_round)
         return result
     finally:

@@ -89,3 +89,16 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_resume_changes_that_change_nothing_for_the_data_are_not_changes():
+    """digits: 10 classes from the dataset, and no images to crop: `--num-classes 10` and
+    `--image-size 32` on a resume are what ran already; `--lr` is a change."""
+    from sparknet.data.sources import resolve_source
+    from sparknet.training.driver import _effective, prepare
+
+    cfg = TrainConfig(data="digits", **SMALL)
+    problem = prepare(cfg, resolve_source(cfg, None))
+    changes = {"num_classes": (None, 10), "image_size": (64, 32), "lr": (0.05, 0.1)}
+    assert _effective(changes, problem) == {"lr": (0.05, 0.1)}
+    assert _effective({"num_classes": (None, 7)}, problem) == {"num_classes": (None, 7)}
