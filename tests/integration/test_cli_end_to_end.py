@@ -240,3 +240,29 @@ def test_a_reader_that_goes_away_does_not_stop_the_run_and_results_go_to_stdout(
     assert "sparknet run" in text and "test accuracy" in text
     assert str(out) in re.sub(r"[\s│]", "", text)  # folded over lines, never cut
     assert (out / "model.safetensors").is_file() and (out / "curves.png").is_file()
+
+
+def test_a_second_ctrl_c_does_not_cut_the_clean_up_short(tmp_path):
+    """Two Ctrl-C 0.15 s apart: the second only says what is still being cleaned up, so no
+    half-written checkpoint (`.round-N.partial`) is left behind."""
+    out = tmp_path / "r"
+    proc = subprocess.Popen(
+        [str(SPARKNET), "train", "--rounds", "500", "--tau", "2", "--eval-every", "0",
+         "--checkpoint-every", "1", "--out", str(out)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    err = Lines(proc.stderr)
+    try:
+        err.wait_for("round 2/500", proc, timeout=180)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.15)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        err.thread.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err.lines
+    assert err.lines[-1].startswith("error: interrupted;"), err.lines
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
