@@ -147,8 +147,8 @@ def _locked(run_dir: Path) -> Iterator[None]:
     """Hold the run dir for this run: a second run with the same --out refuses at once, before
     writing anything, instead of mixing its files into the first one's. The lock is `flock` on
     the dir itself (no lock file to leave behind; the kernel drops it when the process dies).
-    A dir made here and still empty at the end is removed again."""
-    made = not run_dir.exists()
+    The dirs made here (the run dir and missing parents) are removed again while empty."""
+    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -167,9 +167,9 @@ def _locked(run_dir: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-        if made:
+        for path in made:  # deepest first; rmdir refuses a dir that is not empty
             with contextlib.suppress(OSError):
-                run_dir.rmdir()  # only if empty
+                path.rmdir()
 
 
 def _is_unfinished_run(run_dir: Path) -> bool:

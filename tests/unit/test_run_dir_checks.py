@@ -47,10 +47,10 @@ def test_a_dir_that_is_not_a_run_is_never_overwritten(tmp_path):
 def test_an_out_that_cannot_be_made_fails_in_one_line_and_a_made_dir_is_removed(tmp_path):
     with pytest.raises(SparknetError, match=r"^--out /proc/sparknet-probe: cannot create it: "):
         train(TrainConfig(out="/proc/sparknet-probe", **SMALL))
-    out = tmp_path / "new"
+    out = tmp_path / "runs" / "new"
     with pytest.raises(SparknetError):
         train(TrainConfig(out=out, data="no-such-dataset-name", **SMALL))
-    assert not out.exists()
+    assert not (tmp_path / "runs").exists()
 
 
 def test_resume_of_a_run_cut_after_its_last_checkpoint_finishes_it_without_spark(tmp_path):
