@@ -13,6 +13,8 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from sparknet.interrupts import hold, holding
+
 #: progress and notes go to stderr; results (tables, summaries) to stdout
 console = Console(stderr=True)
 results = Console()
@@ -55,6 +57,9 @@ def interrupts(caught: Caught, *, stop_at: int = 1, note: str = "") -> Iterator[
         count += 1
         caught.signum = caught.signum or signum
         if count == stop_at:
+            if holding():
+                hold()  # raised as the section that records a new AWS resource ends
+                return
             raise KeyboardInterrupt
         if note:
             console.print(note)

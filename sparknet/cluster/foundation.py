@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import boto3
 import botocore.exceptions as bx
 
-from sparknet import aws
+from sparknet import aws, interrupts
 from sparknet.cluster import instances
 from sparknet.cluster.rules import (
     NO_BUCKET,
@@ -160,6 +160,17 @@ class _Boto3Foundation:
         with aws.aws_call(action, self.spec.region):
             return fn(**kwargs)
 
+    def _create(
+        self, kind: str, pick: Callable[[Any], str], action: str, fn: Callable[..., Any],
+        **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """A Create call and the record of its id in `created`, which no signal may split: an
+        interrupt in between would leave a resource the clean-up does not know."""
+        with interrupts.deferred():
+            response = self._call(action, fn, **kwargs)
+            self.created.append(f"{kind}:{pick(response)}")
+        return response
+
     def _find(
         self, action: str, fn: Callable[..., Any], denied: str | None = None, **kwargs: Any
     ) -> Any:
@@ -191,11 +202,11 @@ class _Boto3Foundation:
         ]
         if found:
             return found[0]["VpcId"]
-        vpc = self._call(
+        vpc = self._create(
+            "vpc", lambda r: r["Vpc"]["VpcId"],
             "CreateVpc", self.ec2.create_vpc, CidrBlock=network()["vpc_cidr"],
             TagSpecifications=_tag_spec(self.spec, "vpc", self.name),
         )["Vpc"]["VpcId"]  # fmt: skip
-        self.created.append(f"vpc:{vpc}")
         for attribute in ("EnableDnsSupport", "EnableDnsHostnames"):  # as infra/network.tf
             self._call(
                 "ModifyVpcAttribute", self.ec2.modify_vpc_attribute, VpcId=vpc,
@@ -224,11 +235,11 @@ class _Boto3Foundation:
         )["InternetGateways"]  # fmt: skip
         if found:
             return found[0]["InternetGatewayId"]
-        igw = self._call(
+        igw = self._create(
+            "internet-gateway", lambda r: r["InternetGateway"]["InternetGatewayId"],
             "CreateInternetGateway", self.ec2.create_internet_gateway,
             TagSpecifications=_tag_spec(self.spec, "internet-gateway", self.name),
         )["InternetGateway"]["InternetGatewayId"]  # fmt: skip
-        self.created.append(f"internet-gateway:{igw}")
         self._call(
             "AttachInternetGateway", self.ec2.attach_internet_gateway,
             InternetGatewayId=igw, VpcId=vpc,
@@ -262,12 +273,12 @@ class _Boto3Foundation:
         for k, az in enumerate(zones):
             if az in by_az:
                 continue
-            subnet = self._call(
+            subnet = self._create(  # no public IPs by default, as in infra/
+                "subnet", lambda r: r["Subnet"]["SubnetId"],
                 "CreateSubnet", self.ec2.create_subnet, VpcId=vpc, CidrBlock=subnet_cidr(k),
                 AvailabilityZone=az,
                 TagSpecifications=_tag_spec(self.spec, "subnet", f"{self.name}-{az}"),
             )["Subnet"]["SubnetId"]  # fmt: skip
-            self.created.append(f"subnet:{subnet}")  # no public IPs by default, as in infra/
             by_az[az] = subnet
         return {az: by_az[az] for az in zones}
 
@@ -280,11 +291,11 @@ class _Boto3Foundation:
             table = found[0]["RouteTableId"]
             associated = {a.get("SubnetId") for a in found[0].get("Associations", [])}
         else:
-            table = self._call(
+            table = self._create(
+                "route-table", lambda r: r["RouteTable"]["RouteTableId"],
                 "CreateRouteTable", self.ec2.create_route_table, VpcId=vpc,
                 TagSpecifications=_tag_spec(self.spec, "route-table", self.name),
             )["RouteTable"]["RouteTableId"]  # fmt: skip
-            self.created.append(f"route-table:{table}")
             self._call(
                 "CreateRoute", self.ec2.create_route, RouteTableId=table,
                 DestinationCidrBlock="0.0.0.0/0", GatewayId=igw,
@@ -315,12 +326,12 @@ class _Boto3Foundation:
                     VpcEndpointId=endpoint["VpcEndpointId"], AddRouteTableIds=[table],
                 )  # fmt: skip
             return endpoint["VpcEndpointId"]
-        endpoint_id = self._call(
+        endpoint_id = self._create(
+            "vpc-endpoint", lambda r: r["VpcEndpoint"]["VpcEndpointId"],
             "CreateVpcEndpoint", self.ec2.create_vpc_endpoint, VpcEndpointType="Gateway",
             VpcId=vpc, ServiceName=service, RouteTableIds=[table],
             TagSpecifications=_tag_spec(self.spec, "vpc-endpoint", f"{self.name}-s3"),
         )["VpcEndpoint"]["VpcEndpointId"]  # fmt: skip
-        self.created.append(f"vpc-endpoint:{endpoint_id}")
         return endpoint_id
 
     # -- security group -------------------------------------------------------------------
@@ -338,13 +349,13 @@ class _Boto3Foundation:
                 "egress": found[0].get("IpPermissionsEgress", []),
             }
         else:
-            made = self._call(
+            made = self._create(
+                "security-group", lambda r: r["GroupId"],
                 "CreateSecurityGroup", self.ec2.create_security_group, GroupName=name,
                 Description=security_group_description(self.spec), VpcId=vpc,
                 TagSpecifications=_tag_spec(self.spec, "security-group", name),
             )  # fmt: skip
             group = made["GroupId"]
-            self.created.append(f"security-group:{group}")
             described = self._call(
                 "DescribeSecurityGroups", self.ec2.describe_security_groups, GroupIds=[group]
             )["SecurityGroups"][0]
@@ -384,13 +395,13 @@ class _Boto3Foundation:
         name = node_role_name(self.spec)
         iam_tags = tags(self.spec)
         if self._find("GetRole", self.iam.get_role, RoleName=name) is None:
-            self._call(
+            self._create(
+                "iam-role", lambda _: name,
                 "CreateRole", self.iam.create_role, RoleName=name,
                 AssumeRolePolicyDocument=json.dumps(policy_document("assume-role")),
                 Description=node_role_description(self.spec), MaxSessionDuration=3600,
                 Tags=iam_tags,
             )  # fmt: skip
-            self.created.append(f"iam-role:{name}")
         policy = node_policy(self.spec, bucket, self.account)
         self._call(
             "PutRolePolicy", self.iam.put_role_policy, RoleName=name, PolicyName=NODE_POLICY,
@@ -402,11 +413,11 @@ class _Boto3Foundation:
         if found is not None:
             profile = found["InstanceProfile"]
         else:
-            profile = self._call(
+            profile = self._create(
+                "instance-profile", lambda _: name,
                 "CreateInstanceProfile", self.iam.create_instance_profile,
                 InstanceProfileName=name, Tags=iam_tags,
             )["InstanceProfile"]  # fmt: skip
-            self.created.append(f"instance-profile:{name}")
         if not any(r["RoleName"] == name for r in profile.get("Roles", [])):
             self._call(
                 "AddRoleToInstanceProfile", self.iam.add_role_to_instance_profile,
@@ -431,8 +442,10 @@ class _Boto3Foundation:
                 if self.spec.region == "us-east-1"
                 else {"CreateBucketConfiguration": {"LocationConstraint": self.spec.region}}
             )
-            self._call("CreateBucket", self.s3.create_bucket, Bucket=name, **extra)
-            self.created.append(f"bucket:{name}")
+            self._create(
+                "bucket", lambda _: name, "CreateBucket", self.s3.create_bucket, Bucket=name,
+                **extra,
+            )  # fmt: skip
             self._call(
                 "PutBucketTagging", self.s3.put_bucket_tagging, Bucket=name,
                 Tagging={"TagSet": tags(self.spec, name)},

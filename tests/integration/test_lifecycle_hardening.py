@@ -430,3 +430,40 @@ def test_up_with_a_wrong_ami_is_one_line_and_creates_nothing(spec, tmp_path, ami
     assert ami in line and says in line
     assert _left(spec) == GONE
     assert spec.name not in lifecycle.registered()
+
+
+@pytest.mark.parametrize(
+    "operation",
+    [
+        "CreateVpc", "CreateInternetGateway", "CreateSubnet", "CreateRouteTable",
+        "CreateVpcEndpoint", "CreateSecurityGroup", "CreateRole", "CreateInstanceProfile",
+    ],
+)  # fmt: skip
+def test_a_signal_right_after_a_create_call_leaves_nothing_behind(
+    spec, moto_endpoint, monkeypatch, operation
+):
+    """SIGINT lands as the Create call's answer arrives, before its id is recorded: the record
+    is made first (the CLI's handler holds the signal for that moment), so the clean-up knows
+    the resource and removes it. A real signal to this process, through the CLI's handler."""
+    import botocore.client
+
+    from sparknet.cli.common import Caught, interrupts
+
+    real = botocore.client.BaseClient._make_api_call
+    sent = []
+
+    def answer_then_signal(self, name, params):
+        response = real(self, name, params)
+        if name == operation and not sent:
+            sent.append(name)
+            os.kill(os.getpid(), signal.SIGINT)
+        return response
+
+    monkeypatch.setattr(botocore.client.BaseClient, "_make_api_call", answer_then_signal)
+    caught = Caught()
+    with pytest.raises(SparknetError, match="interrupted"), interrupts(caught):
+        _up(spec, moto_endpoint)
+    assert sent == [operation] and caught.signum == signal.SIGINT
+    assert _left(spec) == GONE
+    left = lifecycle.tagged_clusters(REGION, endpoint_url=moto_endpoint).get(spec.name)
+    assert left is None or not left.items, left
