@@ -151,7 +151,7 @@ def cluster_up(
     _print_instances(info)
     print(
         f"cluster {name} is up; estimated cost {info.cost.describe()}; "
-        f"`sparknet cluster down {name}` ends it"
+        f"`sparknet cluster down {name} --region {info.region}` ends it"
     )
 
 
@@ -305,7 +305,7 @@ def cluster_sweep(
                 report = lifecycle.down(
                     spec, endpoint_url=endpoint_url, say=console.print, any_owner=all_owners
                 )
-            except SparknetError as exc:  # the next orphan may still go: report, go on
+            except Exception as exc:  # any failure (an AWS 500 too): report it, go on to the next
                 print(f"failed {name}: {first_line(exc)}")
                 failed.append(name)
                 continue

@@ -245,6 +245,7 @@ def test_cli_up_status_down_from_a_clusters_section(spec, moto_endpoint, tmp_pat
     done = cli("up", spec.name, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert f"cluster {spec.name} is up" in done.stdout and "$" in done.stdout
+    assert f"`sparknet cluster down {spec.name} --region {REGION}` ends it" in done.stdout
     assert _left(spec)["instances"] == 2
     shown = cli("status", spec.name, cwd=tmp_path)
     assert shown.returncode == 0 and shown.stdout.count("i-") == 2
