@@ -18,6 +18,7 @@ import hashlib
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -84,12 +85,19 @@ def _head_problem(store: Store, info: ShardInfo) -> str | None:
     return None
 
 
+def shard_problems(
+    shards: list[ShardInfo], check: Callable[[ShardInfo], str | None], threads: int
+) -> list[str]:
+    """`check` of every shard on up to `threads` threads (each is one HEAD or one file read, so
+    they overlap well); the problems it found, in manifest order."""
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(shards)))) as pool:
+        return [p for p in pool.map(check, shards) if p]
+
+
 def check_present(store: Store, manifest: Manifest) -> None:
     """Every shard of `manifest` is in `store` with its size (and sha256 metadata on S3), or one
     line naming the first bad one, how many there are, and what to do."""
-    shards = all_shards(manifest)
-    with ThreadPoolExecutor(max_workers=max(1, min(HEAD_THREADS, len(shards)))) as pool:
-        problems = [p for p in pool.map(lambda i: _head_problem(store, i), shards) if p]
+    problems = shard_problems(all_shards(manifest), lambda i: _head_problem(store, i), HEAD_THREADS)
     if problems:
         more = f" (and {len(problems) - 1} more shards)" if len(problems) > 1 else ""
         raise SparknetError(

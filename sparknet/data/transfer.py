@@ -28,7 +28,7 @@ from boto3.s3.transfer import TransferConfig
 
 from sparknet import aws
 from sparknet.data import s3
-from sparknet.data.integrity import all_shards
+from sparknet.data.integrity import all_shards, shard_problems
 from sparknet.data.manifest import (
     MANIFEST_NAME,
     SHARD_PATTERN,
@@ -128,8 +128,7 @@ def _check_local(src: Path, shards: list[ShardInfo], threads: int) -> None:
     """Every listed shard is there with the manifest's size and sha256, or one line naming what
     is not: the upload tags each object with the manifest's sha256, so bytes that differ from
     it must never be sent (nor replace a good remote copy)."""
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(shards)))) as pool:
-        problems = [p for p in pool.map(lambda i: _local_problem(src, i), shards) if p]
+    problems = shard_problems(shards, lambda i: _local_problem(src, i), threads)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise SparknetError(
