@@ -84,8 +84,32 @@ class TrainConfig(BaseModel):
     seed: int = 0
     eval_every: int = Field(5, ge=0, description="0: only at the end")
     checkpoint_every: int = Field(5, ge=0, description="0: only at the end")
-    out: Path | None = Field(None, description="run dir; default runs/<model>-<data>-<time>")
+    out: str | None = Field(
+        None,
+        description="run dir, a local path or s3://bucket/prefix; default "
+        "runs/<model>-<data>-<time>",
+    )
     master: str | None = Field(None, description="Spark master; default embedded local[cores,4]")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: the GPU Spark assigned the task, else the CPU"
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="autocast precision of the inner steps; fp16 scales the loss"
+    )
+    deterministic: bool = Field(
+        False,
+        description="deterministic kernels only (slower); what a resume on GPUs is bit-exact under",
+    )
+    gpus_per_worker: int = Field(
+        0,
+        ge=0,
+        description="GPUs of each Spark worker machine (executor) on a cluster master; every "
+        "task takes one",
+    )
+    spark_conf: dict[str, str] = Field(
+        default_factory=dict,
+        description="Spark settings passed through: the settings file's spark: section, --conf",
+    )
     transport: Literal["spark"] = "spark"
     #: a test drill, not a user setting: never written to config.yaml (nor carried by --resume)
     fail_once: str | None = Field(
@@ -94,6 +118,24 @@ class TrainConfig(BaseModel):
         exclude=True,
         description="fault drill 'ROUND:PARTITION': that task's first attempt raises mid-round",
     )
+
+    @field_validator("spark_conf", mode="before")
+    @classmethod
+    def _conf_as_text(cls, conf: Any) -> Any:
+        """YAML reads `spark.task.cpus: 2` as an int; Spark takes every setting as text."""
+        if isinstance(conf, Mapping):
+            bad = [k for k in conf if not isinstance(k, str) or not k.strip()]
+            if bad:
+                raise ValueError(f"Spark setting names are text, got {bad[0]!r}")
+            return {
+                str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in conf.items()
+            }
+        return conf
+
+    @field_validator("out", mode="before")
+    @classmethod
+    def _out_as_text(cls, out: Any) -> Any:
+        return str(out) if isinstance(out, os.PathLike) else out
 
     @model_validator(mode="after")
     def _resolve_outer(self) -> TrainConfig:
@@ -139,7 +181,7 @@ class TrainConfig(BaseModel):
 TRAJECTORY_SETTINGS = (
     "model", "num_classes", "data", "label_col", "input_col", "image_size", "workers", "tau",
     "batch_size", "optimizer", "lr", "momentum", "weight_decay", "outer", "outer_lr",
-    "outer_momentum", "inner_state", "seed",
+    "outer_momentum", "inner_state", "seed", "precision",
 )  # fmt: skip
 
 
@@ -207,7 +249,7 @@ def read_section(path: Path, section: str) -> dict[str, Any]:
 
 #: the top-level sections a settings file may hold; anything else is a typo that would otherwise
 #: leave a whole section silently at its defaults
-SECTIONS = ("train", "datasets", "clusters")
+SECTIONS = ("train", "datasets", "clusters", "spark")
 
 
 def _read_yaml_section(path: Path, section: str) -> dict[str, Any]:
@@ -242,6 +284,16 @@ def _parse_sets(items: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+def _parse_conf(items: Iterable[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SparknetError(f"--conf expects a Spark setting key=value, got {item!r}")
+        out[key.strip()] = value
+    return out
+
+
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     return {
         key[len(ENV_PREFIX) :].lower(): _parse_scalar(value)
@@ -270,11 +322,20 @@ def load_train_config(
     flags: Mapping[str, Any] | None = None,
     base: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
+    conf: Iterable[str] = (),
 ) -> TrainConfig:
-    """Merge every source of settings into one validated `TrainConfig` (see module docstring)."""
+    """Merge every source of settings into one validated `TrainConfig` (see module docstring).
+
+    Spark settings (`spark_conf`) merge key by key: the resumed run's, then the settings file's
+    `spark:` section, then `--conf key=value`."""
     merged: dict[str, Any] = dict(base or {})
+    spark_conf = dict(merged.get("spark_conf") or {})
     if config_file is not None:
         merged.update(_read_yaml_section(config_file, "train"))
+        spark_conf.update(_read_yaml_section(config_file, "spark"))
+    spark_conf.update(_parse_conf(conf))
+    if spark_conf:
+        merged["spark_conf"] = spark_conf
     merged.update(_from_env(os.environ if environ is None else environ))
     merged.update(_parse_sets(sets))
     merged.update({k: v for k, v in (flags or {}).items() if v is not None})
@@ -292,12 +353,13 @@ def load_train_config(
         raise SparknetError(describe_validation_error(exc)) from exc
 
 
-def read_run_config(run_dir: Path) -> dict[str, Any]:
+def read_run_config(run_dir: str | Path) -> dict[str, Any]:
     """The `train:` section of the settings a `--resume` continues: those its newest complete
     checkpoint was made with (the run dir's `config.yaml` may already hold the changes of an
     `--allow-change` resume that was interrupted before its first checkpoint)."""
     from sparknet.training import checkpoint  # torch: only when a run dir is read
 
+    run_dir = Path(run_dir)
     last = checkpoint.latest(run_dir)
     path = run_dir / "config.yaml"
     if last is not None and (last / checkpoint.CONFIG).is_file():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -74,3 +77,83 @@ def bucket(moto_endpoint):
     s3 = boto3.client("s3", endpoint_url=moto_endpoint)
     s3.create_bucket(Bucket=name)
     yield name
+
+
+@dataclass(frozen=True)
+class Standalone:
+    """A Spark standalone cluster on 127.0.0.1: a master and two 1-core workers."""
+
+    master: str
+    log_dir: Path
+    work_dirs: tuple[Path, ...]
+
+
+#: how the cluster's daemons start; each runs in its own session so the fixture can end them all
+_DAEMON = "org.apache.spark.deploy.{}"
+
+
+@pytest.fixture(scope="session")
+def standalone(moto_endpoint, tmp_path_factory) -> Standalone:
+    """One real standalone cluster for every test that needs one (starting it costs ~15 s).
+
+    The pip pyspark has no sbin/start-*.sh: the daemons run through `spark-class` (see the field
+    notes). Workers inherit this process's environment, so their executors reach the moto server
+    through AWS_ENDPOINT_URL. Ports are free ones; the master's REST server is off (its port is
+    fixed at 6066, so two test runs on one machine would collide)."""
+    import socket
+    import subprocess
+    import time
+
+    import pyspark
+
+    home = Path(pyspark.__file__).parent
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logs = tmp_path_factory.mktemp("standalone")
+    env = dict(
+        os.environ, SPARK_HOME=str(home), SPARK_LOCAL_IP="127.0.0.1",
+        SPARK_MASTER_OPTS="-Dspark.master.rest.enabled=false",
+    )  # fmt: skip
+    master = f"spark://127.0.0.1:{port}"
+    spark_class = str(home / "bin" / "spark-class")
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str, *args: str) -> None:
+        with (logs / f"{name}.log").open("w") as out:
+            procs.append(
+                subprocess.Popen(
+                    [spark_class, *args],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
+
+    start("master", _DAEMON.format("master.Master"), "--host", "127.0.0.1", "--port", str(port),
+          "--webui-port", "0")  # fmt: skip
+    work_dirs = tuple(logs / f"work{i}" for i in range(2))
+    for i, work in enumerate(work_dirs):
+        start(f"worker{i}", _DAEMON.format("worker.Worker"), "--host", "127.0.0.1", "--cores", "1",
+              "--memory", "2g", "--webui-port", "0", "--work-dir", str(work), master)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not all(
+            "Successfully registered with master" in (logs / f"worker{i}.log").read_text()
+            for i in range(2)
+        ):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"the standalone cluster did not come up; logs in {logs}")
+            time.sleep(0.2)
+        yield Standalone(master, logs, work_dirs)
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

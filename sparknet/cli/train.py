@@ -79,7 +79,9 @@ def train(
     seed: int | None = typer.Option(None),
     eval_every: int | None = typer.Option(None, help="rounds; 0: only at the end"),
     checkpoint_every: int | None = typer.Option(None, help="rounds; 0: only at the end"),
-    out: Path | None = typer.Option(None, help="run dir; default runs/<model>-<data>-<time>"),
+    out: str | None = typer.Option(
+        None, help="run dir, a local path or s3://bucket/prefix; default runs/<model>-<data>-<time>"
+    ),
     resume: bool = typer.Option(False, help="continue the run in --out from its last checkpoint"),
     allow_change: bool = typer.Option(
         False,
@@ -87,6 +89,17 @@ def train(
         "recorded in metrics.jsonl",
     ),
     master: str | None = typer.Option(None, help="Spark master; default local[<cores>,4]"),
+    device: str | None = typer.Option(None, help="auto (a GPU when the task has one), cpu, cuda"),
+    precision: str | None = typer.Option(None, help="fp32, bf16 or fp16 (autocast)"),
+    deterministic: bool | None = typer.Option(
+        None,
+        "--deterministic/--no-deterministic",
+        help="deterministic kernels only; a resume on GPUs is bit-exact only with this",
+    ),
+    gpus_per_worker: int | None = typer.Option(
+        None, help="GPUs of each Spark worker machine (cluster master); every task takes one"
+    ),
+    conf: list[str] = typer.Option([], "--conf", help="Spark setting key=value, repeatable"),
     transport: str | None = typer.Option(None, help="spark"),
     debug: bool = typer.Option(False, help="show tracebacks"),
 ) -> None:
@@ -94,7 +107,7 @@ def train(
     flags = {
         k: v
         for k, v in locals().items()
-        if k not in ("config", "set_", "resume", "allow_change", "debug")
+        if k not in ("config", "set_", "conf", "resume", "allow_change", "debug")
     }
     caught = Caught()
     try:
@@ -104,7 +117,7 @@ def train(
                 raise SparknetError("--resume needs --out, the run dir to continue")
             base = read_run_config(out)
         config = find_config_file(config)
-        cfg = load_train_config(config_file=config, sets=set_, flags=flags, base=base)
+        cfg = load_train_config(config_file=config, sets=set_, flags=flags, base=base, conf=conf)
         datasets = load_datasets(config)
         from sparknet.training.driver import train as run_training
 

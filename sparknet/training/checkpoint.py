@@ -57,6 +57,23 @@ def inner_state_path(checkpoint_dir: Path, partition: int) -> Path:
     return inner_dir(checkpoint_dir) / f"partition-{partition:05d}.pt"
 
 
+def write_inner(checkpoint_dir: str, partition: int, state: dict) -> None:
+    """A worker's inner optimizer state into the checkpoint being assembled, written by the
+    worker itself. The driver made the dir; it is never recreated here: once gone, the
+    checkpoint was abandoned."""
+    path = inner_state_path(Path(checkpoint_dir), partition)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def read_inner(run_dir: str, rounds: int, partition: int) -> dict | None:
+    """A worker's inner optimizer state from the complete checkpoint after `rounds` rounds, or
+    None when there is none (no checkpoint at that round, or a run with inner_state reset)."""
+    path = inner_state_path(final_dir(Path(run_dir), rounds), partition)
+    return torch.load(path, weights_only=True) if path.is_file() else None
+
+
 def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
     """safetensors file with the given keys; written to a temp name and renamed. Its mode
     follows the umask like every other file of the run (safetensors itself writes 0600)."""

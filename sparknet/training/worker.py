@@ -184,11 +184,7 @@ def _restore_inner_state(task: RoundTask, store: InnerStateStore, partition: int
     """This worker's optimizer state after the previous round, or None (a miss)."""
     state = store.load(partition, task.round - 1)
     if state is None:  # a new executor, or a resumed run: try the checkpoint of this round
-        path = checkpoint.inner_state_path(
-            checkpoint.final_dir(Path(task.run_dir), task.round), partition
-        )
-        if path.is_file():
-            state = torch.load(path, weights_only=True)
+        state = checkpoint.read_inner(task.run_dir, task.round, partition)
     return state
 
 
@@ -258,10 +254,7 @@ def train_partition(
         opt_state = optimizer.state_dict()
         store.save(partition, task.round, opt_state)
         if task.checkpoint_dir is not None:
-            # the driver made the dir; never recreate it: once gone, the checkpoint was abandoned
-            save_atomically(
-                opt_state, checkpoint.inner_state_path(Path(task.checkpoint_dir), partition)
-            )
+            checkpoint.write_inner(task.checkpoint_dir, partition, opt_state)
     loss_mean = float(torch.stack(losses).mean()) if losses else float("nan")
     report = WorkerReport(partition, loss_mean, samples, t1 - t0, t2 - t1, miss, skipped)
     integers = task.layout.integers(state) if partition == 0 else None

@@ -62,7 +62,7 @@ def test_a_misspelt_section_names_the_known_ones(tmp_path: Path):
         load_train_config(config_file=cfg_file, environ={})
     assert str(exc.value) == (
         f"config file {cfg_file}: unknown section 'trian:'; the sections are "
-        "train:, datasets:, clusters:"
+        "train:, datasets:, clusters:, spark:"
     )
     with pytest.raises(SparknetError, match="unknown section 'trian:'"):
         load_datasets(cfg_file)
@@ -84,3 +84,27 @@ def test_a_config_that_is_not_utf8_is_one_line(tmp_path: Path):
     path.write_bytes(b"train:\n  lr: 0.1 # \xe9t\xe9\n")  # Latin-1
     with pytest.raises(SparknetError, match=r"is not UTF-8 text \(byte 19\); save it as UTF-8$"):
         load_train_config(config_file=path, environ={})
+
+
+def test_spark_settings_merge_file_then_conf_flags(tmp_path: Path):
+    cfg_file = tmp_path / "sparknet.yaml"
+    cfg_file.write_text(
+        "spark:\n  spark.executor.memory: 8g\n  spark.task.cpus: 2\n  spark.x.on: true\n"
+    )
+    cfg = load_train_config(
+        config_file=cfg_file, conf=["spark.task.cpus=4", "spark.y=a=b"], environ={}
+    )
+    assert cfg.spark_conf == {
+        "spark.executor.memory": "8g",
+        "spark.task.cpus": "4",
+        "spark.x.on": "true",
+        "spark.y": "a=b",
+    }
+    resumed = load_train_config(base=cfg.model_dump(mode="json"), conf=["spark.z=1"], environ={})
+    assert resumed.spark_conf["spark.executor.memory"] == "8g"
+    assert resumed.spark_conf["spark.z"] == "1"
+
+
+def test_a_conf_without_equals_is_one_line():
+    with pytest.raises(SparknetError, match="--conf expects a Spark setting key=value"):
+        load_train_config(conf=["spark.task.cpus"], environ={})
