@@ -51,27 +51,44 @@ class StateLayout:
         return self.size * 4
 
     def flatten(self, state: Mapping[str, torch.Tensor]) -> np.ndarray:
-        """The float entries of `state`, concatenated in layout order, as a new float32 array."""
-        flat = np.empty(self.size, dtype=np.float32)
-        for e in self.entries:
-            if e.offset >= 0:
-                src = state[e.name].detach().reshape(-1).to(torch.float32)
-                flat[e.offset : e.offset + e.numel] = src.numpy()
-        return flat
+        """The float entries of `state`, concatenated in layout order, as a new float32 array.
+
+        Concatenated where the state lives, so a model on a GPU crosses to the host in one copy.
+        Entries are read in their logical order whatever their memory format (channels-last)."""
+        floats = [
+            state[e.name].detach().reshape(-1).to(torch.float32)
+            for e in self.entries
+            if e.offset >= 0
+        ]
+        if not floats:
+            return np.empty(0, dtype=np.float32)
+        return torch.cat(floats).cpu().numpy()
 
     def integers(self, state: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
         """The entries that do not travel in the flat buffer (integer and bool buffers)."""
-        return {e.name: state[e.name].detach().numpy().copy() for e in self.entries if e.offset < 0}
+        return {
+            e.name: state[e.name].detach().cpu().numpy().copy()
+            for e in self.entries
+            if e.offset < 0
+        }
 
     def unflatten(
-        self, flat: np.ndarray, integers: Mapping[str, np.ndarray]
+        self,
+        flat: np.ndarray,
+        integers: Mapping[str, np.ndarray],
+        device: torch.device | str | None = None,
     ) -> dict[str, torch.Tensor]:
-        """A state_dict with the model's own keys, shapes and dtypes (views into `flat` if f32)."""
+        """A state_dict with the model's own keys, shapes and dtypes, on `device` (default: the
+        host, as views into `flat` where float32). The flat buffer goes to the device in one copy
+        and every entry is a view of that copy."""
         buf = torch.from_numpy(flat)
+        if device is not None:
+            buf = buf.to(device)
         out: dict[str, torch.Tensor] = {}
         for e in self.entries:
             if e.offset >= 0:
                 out[e.name] = buf[e.offset : e.offset + e.numel].view(e.shape).to(e.dtype)
             else:
-                out[e.name] = torch.from_numpy(np.asarray(integers[e.name])).view(e.shape)
+                ints = torch.from_numpy(np.asarray(integers[e.name])).view(e.shape)
+                out[e.name] = ints if device is None else ints.to(device)
         return out

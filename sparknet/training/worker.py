@@ -1,7 +1,9 @@
 """What one Spark task does in a round: tau local steps from the global weights, then its update.
 
-Pure PyTorch: nothing here knows about Spark, so tests can run a worker in-process. The transport
-calls `train_partition` / `evaluate_partition` inside tasks and reduces what they return.
+Pure PyTorch apart from asking `device` for the task's GPU, so tests can run a worker in-process.
+The transport calls `train_partition` / `evaluate_partition` inside tasks and reduces what they
+return. On a GPU the model, the optimizer state and the batches live on the device; the flat
+weights cross host<->device once per round each way.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from sparknet.data.loader import derived_seed
 from sparknet.data.sources import Source, TaskInput
 from sparknet.errors import SparknetError
 from sparknet.models import build_model
-from sparknet.training import checkpoint
+from sparknet.training import checkpoint, device
 from sparknet.training.outer import pseudo_gradient
 from sparknet.training.state import StateLayout
 
@@ -106,12 +108,21 @@ class EvalResult:
 _MODELS: dict[tuple, nn.Module] = {}
 
 
-def _model_for(task: RoundTask) -> nn.Module:
-    """One model object per Python worker process and architecture; weights are loaded per task."""
-    key = (task.cfg.model, task.num_classes, task.input_shape)
+def _model_for(task: RoundTask, on: torch.device) -> nn.Module:
+    """One model object per Python worker process, architecture and device; weights are loaded
+    per task. Conv nets on a GPU are kept channels-last."""
+    key = (task.cfg.model, task.num_classes, task.input_shape, str(on))
     if key not in _MODELS:
-        _MODELS[key] = build_model(task.cfg.model, task.input_shape, task.num_classes)
+        model = build_model(task.cfg.model, task.input_shape, task.num_classes).to(on)
+        if device.uses_channels_last(on, task.input_shape):
+            model = model.to(memory_format=torch.channels_last)
+        _MODELS[key] = model
     return _MODELS[key]
+
+
+def _load_weights(model: nn.Module, task: RoundTask, theta: np.ndarray, on: torch.device) -> None:
+    """The global weights into `model`: one host->device copy of the flat buffer."""
+    model.load_state_dict(task.layout.unflatten(theta, task.integers, device=on))
 
 
 class InnerStateStore:
@@ -130,7 +141,7 @@ class InnerStateStore:
 
     def load(self, partition: int, rnd: int) -> dict | None:
         path = self._path(partition, rnd)
-        return torch.load(path, weights_only=True) if path.is_file() else None
+        return torch.load(path, weights_only=True, map_location="cpu") if path.is_file() else None
 
     def save(self, partition: int, rnd: int, state: dict) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -171,6 +182,42 @@ def load_inner_state(optimizer: torch.optim.Optimizer, state: dict) -> bool:
     return True
 
 
+def _to_host(obj):
+    """`obj` with every tensor in it on the CPU: inner states are stored device-free, so any
+    executor (or a CPU-only resume) can read them."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj
+
+
+def pack_inner_state(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> dict:
+    """What a worker keeps between rounds: its optimizer state and, for fp16, its loss scale
+    (a fresh scaler would start at 2**16 again and skip steps every round to find it)."""
+    return {
+        "optimizer": _to_host(optimizer.state_dict()),
+        "scaler": scaler.state_dict() if scaler is not None else {},
+    }
+
+
+def unpack_inner_state(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, state: dict
+) -> bool:
+    """Load `pack_inner_state`'s dict, or a plain optimizer state_dict (checkpoints written before
+    the loss scale was kept). False when the optimizer state cannot be used (a miss). A state
+    without a loss scale (older, or written at another precision) leaves the scaler fresh."""
+    packed = "optimizer" in state
+    if not load_inner_state(optimizer, state["optimizer"] if packed else state):
+        return False
+    scale = state.get("scaler") if packed else None
+    if scaler is not None and scale:
+        scaler.load_state_dict(scale)
+    return True
+
+
 def task_seed(seed: int, partition: int, rnd: int) -> int:
     """The torch seed of one task (dropout, augmentation): a pure function, like the data order."""
     return derived_seed(seed, partition, rnd)
@@ -193,6 +240,61 @@ def _diverged(partition: int, what: str, load_s: float, miss: bool) -> Contribut
     return Contribution(partition, None, 1, None, [report])
 
 
+def _first_nonfinite(losses: list[torch.Tensor], steps: list[int]) -> str | None:
+    """'loss nan at step 3' for the first non-finite loss, else None. Checked once after the
+    steps, not per step: on a GPU a per-step check would make the host wait for every step."""
+    if not losses:
+        return None
+    stacked = torch.stack(losses)
+    bad = (~torch.isfinite(stacked)).nonzero()
+    if len(bad) == 0:
+        return None
+    i = int(bad[0, 0])
+    return f"loss {float(stacked[i])} at step {steps[i]}"
+
+
+def _inner_steps(
+    task: RoundTask,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    batches,
+    partition: int,
+    attempt: int,
+    on: torch.device,
+) -> tuple[list[torch.Tensor], list[int], int, int]:
+    """tau steps; returns (losses, their 1-based step numbers, samples, skipped)."""
+    cfg = task.cfg
+    channels_last = device.uses_channels_last(on, task.input_shape)
+    losses: list[torch.Tensor] = []
+    steps: list[int] = []
+    samples = skipped = 0
+    for step, batch in enumerate(batches):
+        skipped += batch.skipped
+        if len(batch.y) == 0:
+            continue  # every sample of this step was unreadable: nothing to learn from
+        x = device.to_device(batch.x, on, channels_last)
+        y = device.to_device(batch.y, on)
+        optimizer.zero_grad(set_to_none=True)
+        with device.autocast(on, cfg.precision):
+            loss = F.cross_entropy(model(x), y)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)  # skipped when the scaled gradients overflowed
+            scaler.update()
+        losses.append(loss.detach())
+        steps.append(step + 1)
+        samples += len(batch.y)
+        if cfg.fail_once_at == (task.round, partition) and attempt == 0:
+            raise InjectedFailure(
+                f"fail_once drill: partition {partition}, round {task.round}, attempt 0"
+            )
+    return losses, steps, samples, skipped
+
+
 def train_partition(
     task: RoundTask,
     theta: np.ndarray,
@@ -206,40 +308,46 @@ def train_partition(
     """Run tau inner steps of `partition` from `theta` and return its pseudo-gradient."""
     cfg = task.cfg
     torch.set_num_threads(threads)
+    on = device.task_device(cfg.device)
+    device.check_precision(on, cfg.precision)
+    with device.kernel_settings(on, cfg.deterministic):
+        return _train(task, theta, partition, attempt, threads, local_dir, rows, on)
+
+
+def _train(
+    task: RoundTask,
+    theta: np.ndarray,
+    partition: int,
+    attempt: int,
+    threads: int,
+    local_dir: str | os.PathLike[str],
+    rows: list | None,
+    on: torch.device,
+) -> Contribution:
+    cfg = task.cfg
     t0 = time.perf_counter()
-    model = _model_for(task)
-    model.load_state_dict(task.layout.unflatten(theta, task.integers))
+    model = _model_for(task, on)
+    _load_weights(model, task, theta, on)
     model.train()
     optimizer = make_inner_optimizer(cfg, model.parameters())
+    scaler = device.make_scaler(on, cfg.precision)
     store = InnerStateStore(local_dir, task.run_id)
     miss = False
     if cfg.inner_state == "keep" and task.round > 0:
         state = _restore_inner_state(task, store, partition)
-        miss = state is None or not load_inner_state(optimizer, state)
+        miss = state is None or not unpack_inner_state(optimizer, scaler, state)
     t1 = time.perf_counter()
 
     torch.manual_seed(task_seed(cfg.seed, partition, task.round))
     inp = TaskInput(partition, cfg.workers, cfg.seed, task.run_id, threads, rows)
     batches = task.source.train_batches(inp, task.round, cfg.tau, cfg.batch_size)
-    losses: list[torch.Tensor] = []
-    samples = skipped = 0
-    for step, batch in enumerate(batches):
-        skipped += batch.skipped
-        if len(batch.y) == 0:
-            continue  # every sample of this step was unreadable: nothing to learn from
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(batch.x), batch.y)
-        if not torch.isfinite(loss):
-            return _diverged(partition, f"loss {float(loss)} at step {step + 1}", t1 - t0, miss)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach())
-        samples += len(batch.y)
-        if cfg.fail_once_at == (task.round, partition) and attempt == 0:
-            raise InjectedFailure(
-                f"fail_once drill: partition {partition}, round {task.round}, attempt 0"
-            )
+    losses, steps, samples, skipped = _inner_steps(
+        task, model, optimizer, scaler, batches, partition, attempt, on
+    )
+    bad = _first_nonfinite(losses, steps)  # waits for the device's queued steps
     t2 = time.perf_counter()
+    if bad is not None:
+        return _diverged(partition, bad, t1 - t0, miss)
     if samples == 0:
         raise SparknetError(
             f"worker {partition} could not read a single sample in round {task.round + 1} "
@@ -247,15 +355,15 @@ def train_partition(
         )
 
     state = model.state_dict()
-    delta = pseudo_gradient(theta, task.layout.flatten(state))
+    delta = pseudo_gradient(theta, task.layout.flatten(state))  # the one device->host copy
     if not np.isfinite(delta).all():
         return _diverged(partition, f"weights non-finite after step {cfg.tau}", t1 - t0, miss)
     if cfg.inner_state == "keep":
-        opt_state = optimizer.state_dict()
-        store.save(partition, task.round, opt_state)
+        inner = pack_inner_state(optimizer, scaler)
+        store.save(partition, task.round, inner)
         if task.checkpoint_dir is not None:
-            checkpoint.write_inner(task.checkpoint_dir, partition, opt_state)
-    loss_mean = float(torch.stack(losses).mean()) if losses else float("nan")
+            checkpoint.write_inner(task.checkpoint_dir, partition, inner)
+    loss_mean = float(torch.stack(losses).mean())
     report = WorkerReport(partition, loss_mean, samples, t1 - t0, t2 - t1, miss, skipped)
     integers = task.layout.integers(state) if partition == 0 else None
     return Contribution(partition, delta, 1, integers, [report])
@@ -270,22 +378,33 @@ def evaluate_partition(
     threads: int = 1,
     rows: list | None = None,
 ) -> EvalResult:
-    """Loss, top-1 and top-5 of the global weights on this partition's share of the test set."""
+    """Loss, top-1 and top-5 of the global weights on this partition's share of the test set,
+    computed on the task's device at the run's precision."""
     cfg = task.cfg
     torch.set_num_threads(threads)
-    model = _model_for(task)
-    model.load_state_dict(task.layout.unflatten(theta, task.integers))
-    model.eval()
-    result = EvalResult()
-    inp = TaskInput(partition, cfg.workers, cfg.seed, task.run_id, threads, rows)
-    for batch in task.source.eval_batches(inp):
-        result.skipped += batch.skipped
-        if len(batch.y) == 0:
-            continue
-        logits = model(batch.x)
-        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        result.loss_sum += float(F.cross_entropy(logits, batch.y, reduction="sum"))
-        result.correct += int((top[:, 0] == batch.y).sum())
-        result.correct5 += int((top == batch.y[:, None]).any(1).sum())
-        result.count += len(batch.y)
-    return result
+    on = device.task_device(cfg.device)
+    device.check_precision(on, cfg.precision)
+    channels_last = device.uses_channels_last(on, task.input_shape)
+    with device.kernel_settings(on, cfg.deterministic):
+        model = _model_for(task, on)
+        _load_weights(model, task, theta, on)
+        model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=on)
+        correct = torch.zeros((), dtype=torch.int64, device=on)
+        correct5 = torch.zeros((), dtype=torch.int64, device=on)
+        count = skipped = 0
+        inp = TaskInput(partition, cfg.workers, cfg.seed, task.run_id, threads, rows)
+        for batch in task.source.eval_batches(inp):
+            skipped += batch.skipped
+            if len(batch.y) == 0:
+                continue
+            x = device.to_device(batch.x, on, channels_last)
+            y = device.to_device(batch.y, on)
+            with device.autocast(on, cfg.precision):
+                logits = model(x)
+            top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+            loss_sum += F.cross_entropy(logits.float(), y, reduction="sum").double()
+            correct += (top[:, 0] == y).sum()
+            correct5 += (top == y[:, None]).any(1).sum()
+            count += len(batch.y)
+    return EvalResult(float(loss_sum), int(correct), int(correct5), count, skipped)
