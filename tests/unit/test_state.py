@@ -28,3 +28,26 @@ def test_unflatten_loads_into_a_fresh_model():
     )
     for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert ka == kb and torch.equal(va, vb)
+
+
+def test_a_channels_last_model_flattens_in_logical_order():
+    """On a GPU conv nets are kept channels-last; the flat buffer must not see the difference."""
+    model = cnn((1, 8, 8), 10)
+    state = model.state_dict()
+    layout = StateLayout.of(state)
+    last = model.to(memory_format=torch.channels_last).state_dict()
+    assert not last["3.weight"].is_contiguous()
+    assert np.array_equal(layout.flatten(last), layout.flatten(state))
+
+
+def test_unflatten_onto_a_device_copies_the_buffer_once_and_views_it():
+    model = cnn((1, 8, 8), 10)
+    state = model.state_dict()
+    layout = StateLayout.of(state)
+    flat = layout.flatten(state)
+    back = layout.unflatten(flat, layout.integers(state), device="cpu")
+    first = back["0.weight"].untyped_storage().data_ptr()
+    assert all(
+        t.untyped_storage().data_ptr() == first for t in back.values() if t.is_floating_point()
+    )
+    assert all(torch.equal(back[k], v) for k, v in state.items())
