@@ -254,13 +254,20 @@ SECTIONS = ("train", "datasets", "clusters", "spark")
 
 def _read_yaml_section(path: Path, section: str) -> dict[str, Any]:
     try:
-        doc = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text()
     except OSError as exc:
         raise SparknetError(f"cannot read config file {path}: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:
         raise SparknetError(
             f"config file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
         ) from exc
+    return _yaml_section(text, path, section)
+
+
+def _yaml_section(text: str, path: Path | str, section: str) -> dict[str, Any]:
+    """A section of settings-file text read from `path` (named in the errors)."""
+    try:
+        doc = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise SparknetError(f"config file {path} is not valid YAML: {exc}".splitlines()[0]) from exc
     if not isinstance(doc, dict) or not isinstance(doc.get(section, {}), dict):
@@ -353,17 +360,28 @@ def load_train_config(
         raise SparknetError(describe_validation_error(exc)) from exc
 
 
-def read_run_config(run_dir: str | Path) -> dict[str, Any]:
+def read_run_config(run_dir: str | Path, endpoint_url: str | None = None) -> dict[str, Any]:
     """The `train:` section of the settings a `--resume` continues: those its newest complete
     checkpoint was made with (the run dir's `config.yaml` may already hold the changes of an
-    `--allow-change` resume that was interrupted before its first checkpoint)."""
+    `--allow-change` resume that was interrupted before its first checkpoint). `run_dir` is a
+    local dir or an s3:// URI."""
+    from sparknet.data.store import MissingObjectError, open_store
     from sparknet.training import checkpoint  # torch: only when a run dir is read
 
-    run_dir = Path(run_dir)
-    last = checkpoint.latest(run_dir)
-    path = run_dir / "config.yaml"
-    if last is not None and (last / checkpoint.CONFIG).is_file():
-        path = last / checkpoint.CONFIG
-    if not path.is_file():
-        raise SparknetError(f"{run_dir} has no config.yaml: it is not a sparknet run dir")
-    return _read_yaml_section(path, "train")
+    store = open_store(str(run_dir), endpoint_url)
+    last = checkpoint.latest(store)
+    names = [f"{checkpoint.name(last)}/{checkpoint.CONFIG}"] if last is not None else []
+    for name in [*names, "config.yaml"]:
+        try:
+            data = store.read_bytes(name)
+        except MissingObjectError:
+            continue
+        where = f"{run_dir}/{name}"
+        try:
+            text = data.decode()
+        except UnicodeDecodeError as exc:
+            raise SparknetError(
+                f"config file {where} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
+            ) from exc
+        return _yaml_section(text, where, "train")
+    raise SparknetError(f"{run_dir} has no config.yaml: it is not a sparknet run dir")

@@ -1,15 +1,19 @@
-"""One interface over a dataset directory, local or on S3, so readers need not care which.
+"""One interface over a directory, local or on S3, so readers and writers need not care which.
 
-Stores are shipped to Spark executors, so they hold only strings and make S3 clients lazily
-(per process, through `s3.client`). Every failure is a one-line SparknetError; an absent object
-is a `MissingObjectError` whose message names its full path or URI.
+Datasets are read through it and run dirs are written through it. Stores are shipped to Spark
+executors, so they hold only strings and make S3 clients lazily (per process, through
+`s3.client`). Every failure is a one-line SparknetError; an absent object is a
+`MissingObjectError` whose message names its full path or URI.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
@@ -34,6 +38,12 @@ __all__ = [
 DOWNLOAD_CONFIG = TransferConfig(
     multipart_threshold=64 << 20, multipart_chunksize=16 << 20, max_concurrency=8
 )
+#: whole-object uploads (checkpoints, models): multipart in parallel above the threshold
+UPLOAD_CONFIG = TransferConfig(
+    multipart_threshold=64 << 20, multipart_chunksize=16 << 20, max_concurrency=8
+)
+#: DeleteObjects takes at most this many keys per call (AWS's documented limit)
+_DELETE_BATCH = 1000
 
 
 @runtime_checkable
@@ -60,6 +70,31 @@ class Store(Protocol):
 
     def list(self) -> dict[str, int]:
         """Names directly under the directory / prefix and their sizes."""
+        ...
+
+    def walk(self, prefix: str = "") -> dict[str, int]:
+        """Every object under `prefix` (a name ending in "/", or "" for all), at any depth:
+        names relative to the store (with "/" between levels) and their sizes. Empty when the
+        directory / prefix is not there."""
+        ...
+
+    def entries(self, prefix: str = "") -> set[str]:
+        """Names directly under `prefix` (a name ending in "/", or ""): objects and
+        directories (S3: common prefixes) alike. Empty when it is not there."""
+        ...
+
+    def write_bytes(self, name: str, data: bytes, *, parents: bool = True) -> None:
+        """Write the whole object atomically: a reader sees the old object or the new one,
+        never part of it. `parents=False`: fail when the local directory it goes into is gone
+        (S3 has no directories, so there it changes nothing)."""
+        ...
+
+    def delete(self, names: Iterable[str]) -> None:
+        """Remove these objects; ones already gone are no error."""
+        ...
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove everything under `prefix` (a name ending in "/"), directories included."""
         ...
 
 
@@ -126,6 +161,40 @@ class LocalStore:
             if entry.is_file():
                 out[entry.name] = entry.stat().st_size
         return out
+
+    def walk(self, prefix: str = "") -> dict[str, int]:
+        root = Path(self.uri)
+        out: dict[str, int] = {}
+        for dirpath, _dirs, files in os.walk(self._path(prefix)):
+            for name in files:
+                path = Path(dirpath) / name
+                with contextlib.suppress(FileNotFoundError):
+                    out[path.relative_to(root).as_posix()] = path.stat().st_size
+        return out
+
+    def entries(self, prefix: str = "") -> set[str]:
+        try:
+            return set(os.listdir(self._path(prefix)))
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+
+    def write_bytes(self, name: str, data: bytes, *, parents: bool = True) -> None:
+        dest = self._path(name)
+        if parents:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _temp_beside(dest)
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def delete(self, names: Iterable[str]) -> None:
+        for name in names:
+            self._path(name).unlink(missing_ok=True)
+
+    def delete_prefix(self, prefix: str) -> None:
+        shutil.rmtree(self._path(prefix), ignore_errors=True)
 
 
 class S3Store:
@@ -201,6 +270,66 @@ class S3Store:
         except (bx.BotoCoreError, bx.ClientError) as exc:
             raise s3.describe_client_error(exc, self.uri) from exc
         return out
+
+    def walk(self, prefix: str = "") -> dict[str, int]:
+        base = f"{self._root.key}/" if self._root.key else ""
+        out: dict[str, int] = {}
+        try:
+            pages = (
+                self._client()
+                .get_paginator("list_objects_v2")
+                .paginate(Bucket=self._root.bucket, Prefix=base + prefix)
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    out[obj["Key"][len(base) :]] = int(obj["Size"])
+        except (bx.BotoCoreError, bx.ClientError) as exc:
+            raise s3.describe_client_error(exc, self.uri) from exc
+        return out
+
+    def entries(self, prefix: str = "") -> set[str]:
+        base = (f"{self._root.key}/" if self._root.key else "") + prefix
+        out: set[str] = set()
+        try:
+            pages = (
+                self._client()
+                .get_paginator("list_objects_v2")
+                .paginate(Bucket=self._root.bucket, Prefix=base, Delimiter="/")
+            )
+            for page in pages:
+                out.update(obj["Key"][len(base) :] for obj in page.get("Contents", []))
+                out.update(
+                    p["Prefix"][len(base) :].rstrip("/") for p in page.get("CommonPrefixes", [])
+                )
+        except (bx.BotoCoreError, bx.ClientError) as exc:
+            raise s3.describe_client_error(exc, self.uri) from exc
+        return out
+
+    def write_bytes(self, name: str, data: bytes, *, parents: bool = True) -> None:
+        """One PUT (multipart above the threshold: S3 shows the object only once it completes)."""
+        where = self.object_uri(name)
+        try:
+            self._client().upload_fileobj(
+                io.BytesIO(data), where.bucket, where.key, Config=UPLOAD_CONFIG
+            )
+        except (bx.BotoCoreError, bx.ClientError) as exc:
+            raise s3.describe_client_error(exc, where) from exc
+
+    def delete(self, names: Iterable[str]) -> None:
+        keys = [self.object_uri(n).key for n in names]
+        try:
+            for i in range(0, len(keys), _DELETE_BATCH):
+                batch = [{"Key": k} for k in keys[i : i + _DELETE_BATCH]]
+                answer = self._client().delete_objects(
+                    Bucket=self._root.bucket, Delete={"Objects": batch, "Quiet": True}
+                )
+                for err in answer.get("Errors", []):
+                    raise bx.ClientError({"Error": err}, "DeleteObjects")
+        except (bx.BotoCoreError, bx.ClientError) as exc:
+            raise s3.describe_client_error(exc, self.uri) from exc
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.delete(self.walk(prefix))
 
 
 def open_store(uri_or_path: str | Path, endpoint_url: str | None = None) -> Store:

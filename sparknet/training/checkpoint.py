@@ -1,32 +1,39 @@
-"""Run state on disk: checkpoints that a resumed run continues from bit for bit.
+"""Run state in a run dir (a local dir or an S3 prefix): checkpoints that a resumed run continues
+from bit for bit.
 
 `checkpoints/round-NNNNN/` holds the state after N completed rounds: `weights.safetensors` (global
 weights, the model's own keys), `outer.safetensors` (outer momentum, when there is one),
 `inner/partition-KKKKK.pt` (each worker's optimizer state, written by the workers themselves),
-`config.yaml` (the settings that produced it; a resume compares against these) and `state.json`.
-A checkpoint is assembled in `.round-NNNNN.partial/` and renamed when complete, so a crash never
-leaves a half checkpoint that `--resume` could pick up. The data position needs no saving: it is a
-pure function of (seed, partition, round, step).
+`config.yaml` (the settings that produced it; a resume compares against these) and `state.json`,
+the manifest. S3 has no rename, so local dirs and S3 share one rule instead of a staged dir
+renamed into place: every file is written whole (a temp name and a rename locally, one PUT on
+S3), the manifest last, and a checkpoint without its manifest does not exist for `latest`. A run
+removes the incomplete checkpoints an interrupted one left before it writes its own. The data
+position needs no saving: it is a pure function of (seed, partition, round, step).
 """
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
+from sparknet.data.store import LocalStore, MissingObjectError, Store, open_store
 from sparknet.training.state import StateLayout
 
 CHECKPOINTS = "checkpoints"
 CONFIG = "config.yaml"
 WEIGHTS = "weights.safetensors"
+OUTER = "outer.safetensors"
+#: the manifest: written last, so its presence means every other file is complete
+MANIFEST = "state.json"
 _NAME = re.compile(r"^round-(\d{5,})$")
 
 
@@ -37,60 +44,61 @@ class Checkpoint:
     integers: dict[str, np.ndarray]
     outer_momentum: np.ndarray | None
     elapsed_s: float
-    path: Path
 
 
-def final_dir(run_dir: Path, rounds: int) -> Path:
-    return run_dir / CHECKPOINTS / f"round-{rounds:05d}"
+def name(rounds: int) -> str:
+    """The checkpoint after `rounds` rounds, relative to the run dir."""
+    return f"{CHECKPOINTS}/round-{rounds:05d}"
 
 
-def staging_dir(run_dir: Path, rounds: int) -> Path:
-    return run_dir / CHECKPOINTS / f".round-{rounds:05d}.partial"
+def _inner_name(partition: int) -> str:
+    return f"inner/partition-{partition:05d}.pt"
 
 
-def inner_dir(checkpoint_dir: Path) -> Path:
-    """The workers' optimizer states in a checkpoint; each worker writes its own file."""
-    return checkpoint_dir / "inner"
+def write_inner(
+    checkpoint_dir: str, partition: int, state: dict, *, endpoint_url: str | None = None
+) -> None:
+    """A worker's inner optimizer state into the checkpoint being assembled (a local dir or an
+    s3:// URI), written by the worker itself. A local dir is never recreated here: the driver
+    made it, and once gone the checkpoint was abandoned. `endpoint_url` None: boto3's own
+    (AWS_ENDPOINT_URL, which executors inherit)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    store = open_store(checkpoint_dir, endpoint_url)
+    store.write_bytes(_inner_name(partition), buf.getvalue(), parents=False)
 
 
-def inner_state_path(checkpoint_dir: Path, partition: int) -> Path:
-    return inner_dir(checkpoint_dir) / f"partition-{partition:05d}.pt"
+def read_inner(
+    run_dir: str, rounds: int, partition: int, *, endpoint_url: str | None = None
+) -> dict | None:
+    """A worker's inner optimizer state from the checkpoint after `rounds` rounds (a local dir
+    or an s3:// URI), or None when there is none (no checkpoint at that round, or a run with
+    inner_state reset). Only complete checkpoints exist by then: the driver removed the rest."""
+    store = open_store(run_dir, endpoint_url)
+    try:
+        data = store.read_bytes(f"{name(rounds)}/{_inner_name(partition)}")
+    except MissingObjectError:
+        return None
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
-def write_inner(checkpoint_dir: str, partition: int, state: dict) -> None:
-    """A worker's inner optimizer state into the checkpoint being assembled, written by the
-    worker itself. The driver made the dir; it is never recreated here: once gone, the
-    checkpoint was abandoned."""
-    path = inner_state_path(Path(checkpoint_dir), partition)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+def state_dict_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    """A safetensors file with the given keys, as bytes (loadable by plain PyTorch)."""
+    return save_safetensors({k: v.detach().contiguous().clone() for k, v in state.items()})
 
 
-def read_inner(run_dir: str, rounds: int, partition: int) -> dict | None:
-    """A worker's inner optimizer state from the complete checkpoint after `rounds` rounds, or
-    None when there is none (no checkpoint at that round, or a run with inner_state reset)."""
-    path = inner_state_path(final_dir(Path(run_dir), rounds), partition)
-    return torch.load(path, weights_only=True) if path.is_file() else None
-
-
-def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors file with the given keys; written to a temp name and renamed. Its mode
-    follows the umask like every other file of the run (safetensors itself writes 0600)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, tmp)
-    os.chmod(tmp, 0o666 & ~_umask())
-    os.replace(tmp, path)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def begin(store: Store, rounds: int) -> str:
+    """Make the run dir ready for the checkpoint after `rounds`; returns its full location (dir
+    or URI) for the workers' inner states. Locally the inner dir is made here (workers never
+    make it); S3 has no dirs."""
+    where = name(rounds)
+    if isinstance(store, LocalStore):
+        (Path(store.uri) / where / "inner").mkdir(parents=True, exist_ok=True)
+    return f"{store.uri}/{where}"
 
 
 def write(
-    run_dir: Path,
+    store: Store,
     rounds: int,
     layout: StateLayout,
     theta: np.ndarray,
@@ -98,54 +106,66 @@ def write(
     outer_momentum: np.ndarray | None,
     elapsed_s: float,
     config_text: str,
-) -> Path:
-    """Complete the staged checkpoint for `rounds` and publish it atomically, with the settings
-    that produced it: an interrupted `--allow-change` resume then leaves no changed settings
-    behind that a later plain `--resume` would take as the run's own."""
-    stage = staging_dir(run_dir, rounds)
-    stage.mkdir(parents=True, exist_ok=True)
-    (stage / CONFIG).write_text(config_text)
-    save_state_dict(layout.unflatten(theta, integers), stage / WEIGHTS)
+) -> str:
+    """Complete the checkpoint for `rounds` (the workers wrote their inner states) and publish it
+    by writing its manifest last, with the settings that produced it: an interrupted
+    `--allow-change` resume then leaves no changed settings behind that a later plain `--resume`
+    would take as the run's own. Returns its name in the run dir."""
+    where = name(rounds)
+    store.write_bytes(f"{where}/{CONFIG}", config_text.encode())
+    store.write_bytes(f"{where}/{WEIGHTS}", state_dict_bytes(layout.unflatten(theta, integers)))
     if outer_momentum is not None:
-        save_state_dict(
-            {"momentum_buffer": torch.from_numpy(outer_momentum)}, stage / "outer.safetensors"
-        )
-    (stage / "state.json").write_text(json.dumps({"rounds": rounds, "elapsed_s": elapsed_s}))
-    final = final_dir(run_dir, rounds)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(stage, final)
-    return final
+        momentum = {"momentum_buffer": torch.from_numpy(outer_momentum)}
+        store.write_bytes(f"{where}/{OUTER}", state_dict_bytes(momentum))
+    manifest = json.dumps({"rounds": rounds, "elapsed_s": elapsed_s})
+    store.write_bytes(f"{where}/{MANIFEST}", manifest.encode())
+    return where
 
 
-def rounds_of(path: Path) -> int:
-    """How many rounds the complete checkpoint at `path` holds."""
-    return int(json.loads((path / "state.json").read_text())["rounds"])
+def discard(store: Store, rounds: int) -> None:
+    """Remove the checkpoint after `rounds`: its manifest first, so it is never half there."""
+    store.delete([f"{name(rounds)}/{MANIFEST}"])
+    store.delete_prefix(f"{name(rounds)}/")
 
 
-def latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint dir, or None."""
-    root = run_dir / CHECKPOINTS
-    if not root.is_dir():
-        return None
-    done = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _NAME.match(p.name)) and (p / "state.json").is_file()
-    ]
-    return max(done)[1] if done else None
+def discard_incomplete(store: Store) -> list[str]:
+    """Remove whatever under `checkpoints/` is not a complete checkpoint (one an interrupted run
+    was writing, or an older version's `.round-N.partial`); returns the names removed."""
+    complete = {name(r).split("/")[1] for r in _complete(store)}
+    gone = sorted(e for e in store.entries(f"{CHECKPOINTS}/") if e not in complete)
+    for entry in gone:
+        store.delete_prefix(f"{CHECKPOINTS}/{entry}/")
+        store.delete([f"{CHECKPOINTS}/{entry}"])  # a stray file rather than a dir
+    return gone
 
 
-def load(path: Path, layout: StateLayout) -> Checkpoint:
-    state = json.loads((path / "state.json").read_text())
-    weights = load_file(path / WEIGHTS)
-    outer_path = path / "outer.safetensors"
-    momentum = load_file(outer_path)["momentum_buffer"].numpy() if outer_path.is_file() else None
+def _complete(store: Store) -> list[int]:
+    """The rounds of every checkpoint whose manifest is there."""
+    out = []
+    for key in store.walk(f"{CHECKPOINTS}/"):
+        parts = key.split("/")
+        if len(parts) == 3 and parts[2] == MANIFEST and (m := _NAME.match(parts[1])):
+            out.append(int(m.group(1)))
+    return out
+
+
+def latest(store: Store) -> int | None:
+    """How many rounds the newest complete checkpoint holds, or None when there is none."""
+    return max(_complete(store), default=None)
+
+
+def load(store: Store, rounds: int, layout: StateLayout) -> Checkpoint:
+    where = name(rounds)
+    state = json.loads(store.read_bytes(f"{where}/{MANIFEST}"))
+    weights = load_safetensors(store.read_bytes(f"{where}/{WEIGHTS}"))
+    if store.size(f"{where}/{OUTER}") is None:
+        momentum = None
+    else:
+        momentum = load_safetensors(store.read_bytes(f"{where}/{OUTER}"))["momentum_buffer"]
     return Checkpoint(
         rounds=int(state["rounds"]),
         theta=layout.flatten(weights),
         integers=layout.integers(weights),
-        outer_momentum=momentum,
+        outer_momentum=None if momentum is None else momentum.numpy(),
         elapsed_s=float(state["elapsed_s"]),
-        path=path,
     )

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
-import os
 import re
-import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -24,9 +21,10 @@ from sparknet.data.frames import Frames
 from sparknet.data.sources import Source, is_frame_spec, resolve_source
 from sparknet.errors import SparknetError
 from sparknet.models import build_model, check_model_accepts
-from sparknet.training import checkpoint
+from sparknet.training import checkpoint, rundir
 from sparknet.training.outer import OuterOptimizer, mean_update
-from sparknet.training.report import CURVES, METRICS, MetricsLog, plot_curves
+from sparknet.training.report import MetricsLog, plot_curves
+from sparknet.training.rundir import CONFIG_FILE, MODEL_FILE, Lock, RunDir
 from sparknet.training.session import check_python_workers, start_session, stop_quietly
 from sparknet.training.state import StateLayout
 from sparknet.training.transport import SparkTransport
@@ -38,9 +36,6 @@ from sparknet.training.worker import (
     train_partition,
 )
 
-MODEL_FILE = "model.safetensors"
-CONFIG_FILE = "config.yaml"
-
 RoundCallback = Callable[[dict[str, Any]], None]
 #: called once the run is validated and its dir opened: (rounds already done, rounds in all)
 StartCallback = Callable[[int, int], None]
@@ -50,7 +45,8 @@ StatusCallback = Callable[[str], None]
 
 @dataclass(frozen=True)
 class RunResult:
-    run_dir: Path
+    #: a Path for a local run dir, the s3:// URI for one on S3
+    run_dir: Path | str
     rounds: int
     metrics: list[dict[str, Any]]
 
@@ -120,98 +116,19 @@ class FrameInput:
     feature_shape: tuple[int, ...] | None = None
 
 
-def _write_config(run_dir: Path, cfg: TrainConfig) -> None:
-    tmp = run_dir / f".{CONFIG_FILE}.tmp"
-    tmp.write_text(cfg.to_yaml())
-    os.replace(tmp, run_dir / CONFIG_FILE)
+def _write_config(run: RunDir, cfg: TrainConfig) -> None:
+    run.store.write_bytes(CONFIG_FILE, cfg.to_yaml().encode())
 
 
-#: what a run writes into its dir (temp names included); anything else there is not a run's
-RUN_ENTRIES = {
-    CONFIG_FILE, f".{CONFIG_FILE}.tmp", METRICS, checkpoint.CHECKPOINTS, MODEL_FILE,
-    f".{MODEL_FILE}.tmp", CURVES, f".{CURVES}.tmp.png",
-}  # fmt: skip
-
-
-def _check_out(run_dir: Path) -> None:
-    """--out must be (or become) a directory: neither it nor a parent may be a file."""
-    for path in (run_dir, *run_dir.parents):
-        if path.exists() and not path.is_dir():
-            raise SparknetError(
-                f"--out {run_dir}: {path} is a file; choose a directory for the run"
-            )
-
-
-@contextlib.contextmanager
-def _locked(run_dir: Path) -> Iterator[None]:
-    """Hold the run dir for this run: a second run with the same --out refuses at once, before
-    writing anything, instead of mixing its files into the first one's. The lock is `flock` on
-    the dir itself (no lock file to leave behind; the kernel drops it when the process dies).
-    The dirs made here (the run dir and missing parents) are removed again while empty."""
-    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as exc:
-        raise SparknetError(f"--out {run_dir}: cannot create it: {exc.strerror}") from exc
-    try:
-        if not os.access(run_dir, os.W_OK):
-            raise SparknetError(f"--out {run_dir}: not writable; choose another --out")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            raise SparknetError(
-                f"another sparknet run is using {run_dir}; wait for it to end or choose "
-                "another --out"
-            ) from exc
-        yield
-    finally:
-        os.close(fd)
-        for path in made:  # deepest first; rmdir refuses a dir that is not empty
-            with contextlib.suppress(OSError):
-                path.rmdir()
-
-
-def _is_unfinished_run(run_dir: Path) -> bool:
-    """A sparknet run dir whose run ended before its first complete checkpoint: its config
-    parses as a run's, nothing but a run's files is there, and there is nothing to resume."""
-    if any(p.name not in RUN_ENTRIES for p in run_dir.iterdir()):
-        return False
-    try:
-        TrainConfig(**read_run_config(run_dir))
-    except (SparknetError, ValueError, TypeError):
-        return False
-    return checkpoint.latest(run_dir) is None
-
-
-def _check_run_dir(run_dir: Path, resume: bool) -> None:
-    """Refuse a run dir that cannot be used as asked.
-
-    A dir whose run ended before its first complete checkpoint holds nothing to resume, so a new
-    run may start over in it (without --resume); a dir of anything else is never overwritten."""
-    if resume:
-        if not (run_dir / CONFIG_FILE).is_file():
-            raise SparknetError(f"nothing to resume: {run_dir} is not a sparknet run dir")
-    elif any(run_dir.iterdir()) and not _is_unfinished_run(run_dir):
-        if (run_dir / CONFIG_FILE).is_file() and all(
-            p.name in RUN_ENTRIES for p in run_dir.iterdir()
-        ):
-            raise SparknetError(
-                f"{run_dir} already holds a run; pass --resume to continue it or choose another "
-                "--out"
-            )
-        raise SparknetError(
-            f"--out {run_dir} is not empty and is not a sparknet run dir; choose another --out"
-        )
-
-
-def _resume_changes(cfg: TrainConfig, run_dir: Path) -> dict[str, tuple[Any, Any]]:
+def _resume_changes(cfg: TrainConfig, run: RunDir) -> dict[str, tuple[Any, Any]]:
     """{setting: (stored, now)} for the settings that decide the weights and differ from the
     stored run's."""
     try:
-        stored = TrainConfig(**read_run_config(run_dir))
+        stored = TrainConfig(**read_run_config(run.text, cfg.endpoint_url))
     except (ValueError, TypeError) as exc:
-        raise SparknetError(f"{run_dir / CONFIG_FILE} is not a config sparknet can resume") from exc
+        raise SparknetError(
+            f"{run.child(CONFIG_FILE)} is not a config sparknet can resume"
+        ) from exc
     return cfg.trajectory_changes(stored)
 
 
@@ -231,13 +148,13 @@ def _effective(changes: dict[str, tuple[Any, Any]], problem: Problem) -> dict[st
 
 
 def _accepted(
-    changes: dict[str, tuple[Any, Any]], run_dir: Path, allow_change: bool
+    changes: dict[str, tuple[Any, Any]], run: RunDir, allow_change: bool
 ) -> dict[str, Any]:
     """Changes are refused, or with --allow-change returned to be recorded in metrics.jsonl."""
     if changes and not allow_change:
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
         raise SparknetError(
-            f"resuming {run_dir} would change {listed}, so it would no longer equal an "
+            f"resuming {run} would change {listed}, so it would no longer equal an "
             "uninterrupted run; drop the change, or pass --allow-change to continue anyway"
         )
     return {k: {"stored": a, "now": b} for k, (a, b) in changes.items()}
@@ -270,11 +187,13 @@ def _round_row(
     }
 
 
-def _raise_diverged(contrib: Contribution, done: int, run_dir: Path) -> None:
+def _raise_diverged(contrib: Contribution, done: int, run: RunDir) -> None:
     bad = next(r for r in contrib.reports if r.diverged is not None)
+    last = checkpoint.latest(run.store)
     raise SparknetError(
         f"training diverged at round {done}, worker {bad.partition}: {bad.diverged}; lower "
-        f"--lr or check the data; last good checkpoint: {checkpoint.latest(run_dir) or 'none'}"
+        f"--lr or check the data; last good checkpoint: "
+        f"{'none' if last is None else run.child(checkpoint.name(last))}"
     )
 
 
@@ -320,41 +239,38 @@ def train(
     unless `allow_change`, and then recorded in the first resumed round's metrics row.
     """
     if cfg.out is None:
-        cfg = cfg.model_copy(update={"out": default_run_dir(cfg)})
+        cfg = cfg.model_copy(update={"out": str(default_run_dir(cfg))})
     if frames is None and is_frame_spec(cfg.data):
         frames = FrameInput()
-    run_dir = Path(cfg.out)
-    _check_out(run_dir)
-    with _locked(run_dir):
-        _check_run_dir(run_dir, resume)
-        changes = _resume_changes(cfg, run_dir) if resume else {}
-        if resume and checkpoint.latest(run_dir) is not None:
-            last = checkpoint.rounds_of(checkpoint.latest(run_dir))
-            if last == cfg.rounds:
-                _accepted(changes, run_dir, allow_change)
-                return _finished(cfg, run_dir)
+    run = RunDir.open(cfg.out, cfg.endpoint_url)
+    rundir.check_out(run)
+    with rundir.locked(run) as lock:
+        rundir.check(run, resume)
+        checkpoint.discard_incomplete(run.store)  # an interrupted run's; never resumed from
+        changes = _resume_changes(cfg, run) if resume else {}
+        if resume and checkpoint.latest(run.store) == cfg.rounds:
+            _accepted(changes, run, allow_change)
+            return _finished(cfg, run)
         return _start(
-            cfg, run_dir, resume, (changes, allow_change), spark, on_start, on_round, on_status,
-            datasets, frames,
+            cfg, run, lock, resume, (changes, allow_change), spark, on_start, on_round,
+            on_status, datasets, frames,
         )  # fmt: skip
 
 
-def _finished(cfg: TrainConfig, run_dir: Path) -> RunResult:
+def _finished(cfg: TrainConfig, run: RunDir) -> RunResult:
     """A resumed run whose last round is already checkpointed needs no Spark: (re)write what an
     interrupt after that checkpoint may have left out (model.safetensors, curves.png)."""
-    last = checkpoint.latest(run_dir)
-    assert last is not None
-    tmp = run_dir / f".{MODEL_FILE}.tmp"
-    shutil.copyfile(last / checkpoint.WEIGHTS, tmp)  # the same tensors, the model's own keys
-    os.replace(tmp, run_dir / MODEL_FILE)
-    rows = MetricsLog(run_dir, keep_rounds=cfg.rounds).rows
-    plot_curves(rows, run_dir / CURVES)
-    return RunResult(run_dir, cfg.rounds, rows)
+    weights = run.store.read_bytes(f"{checkpoint.name(cfg.rounds)}/{checkpoint.WEIGHTS}")
+    run.store.write_bytes(MODEL_FILE, weights)  # the same tensors, the model's own keys
+    rows = MetricsLog(run.store, keep_rounds=cfg.rounds).rows
+    plot_curves(rows, run.store)
+    return RunResult(run.result, cfg.rounds, rows)
 
 
 def _start(
     cfg: TrainConfig,
-    run_dir: Path,
+    run: RunDir,
+    lock: Lock,
     resume: bool,
     changes: tuple[dict[str, tuple[Any, Any]], bool],
     spark,
@@ -370,15 +286,15 @@ def _start(
     placed: Frames | None = None
     if frames is None:
         problem = prepare(cfg, resolve_source(cfg, datasets))
-        accepted = _accepted(_effective(changes[0], problem), run_dir, changes[1])
-        begin = _initial_state(cfg, problem, run_dir, resume)
+        accepted = _accepted(_effective(changes[0], problem), run, changes[1])
+        begin = _initial_state(cfg, problem, run, resume)
         begin.changes = accepted
         if on_start is not None:
             on_start(begin.rounds, cfg.rounds)
     result: RunResult | None = None
     if frames is not None and on_start is not None:  # before Spark: the bar says which round
-        last = checkpoint.latest(run_dir) if resume else None
-        on_start(checkpoint.rounds_of(last) if last is not None else 0, cfg.rounds)
+        last = checkpoint.latest(run.store) if resume else None
+        on_start(last or 0, cfg.rounds)
     try:
         if own_session:
             status("starting Spark")
@@ -387,10 +303,10 @@ def _start(
         check_python_workers(spark, cfg.workers)
         if frames is not None:
             problem, placed = _frame_problem(cfg, spark, frames)
-            accepted = _accepted(_effective(changes[0], problem), run_dir, changes[1])
-            begin = _initial_state(cfg, problem, run_dir, resume)
+            accepted = _accepted(_effective(changes[0], problem), run, changes[1])
+            begin = _initial_state(cfg, problem, run, resume)
             begin.changes = accepted
-        result = _run(cfg, problem, begin, run_dir, spark, own_session, placed, on_round)
+        result = _run(cfg, problem, begin, run, lock, spark, own_session, placed, on_round)
         return result
     finally:
         if placed is not None:
@@ -416,22 +332,22 @@ class _Begin:
     changes: dict[str, Any] = field(default_factory=dict)
 
 
-def _initial_state(cfg: TrainConfig, problem: Problem, run_dir: Path, resume: bool) -> _Begin:
+def _initial_state(cfg: TrainConfig, problem: Problem, run: RunDir, resume: bool) -> _Begin:
     state = problem.model.state_dict()
     layout = StateLayout.of(state)
     if not resume:
         outer = OuterOptimizer(layout.flatten(state), cfg.outer_lr, cfg.outer_momentum)
         return _Begin(layout, outer, layout.integers(state), 0, 0.0)
-    last = checkpoint.latest(run_dir)
+    last = checkpoint.latest(run.store)
     if last is None:
         raise SparknetError(
-            f"nothing to resume: {run_dir} has no complete checkpoint; run again without --resume "
+            f"nothing to resume: {run} has no complete checkpoint; run again without --resume "
             "to start it over"
         )
-    ckpt = checkpoint.load(last, layout)
+    ckpt = checkpoint.load(run.store, last, layout)
     if ckpt.rounds >= cfg.rounds:
         raise SparknetError(
-            f"{run_dir} already ran {ckpt.rounds} rounds; pass --rounds N with N > {ckpt.rounds}"
+            f"{run} already ran {ckpt.rounds} rounds; pass --rounds N with N > {ckpt.rounds}"
         )
     outer = OuterOptimizer(ckpt.theta, cfg.outer_lr, cfg.outer_momentum)
     outer.load_momentum_buffer(ckpt.outer_momentum)
@@ -442,7 +358,8 @@ def _run(
     cfg: TrainConfig,
     problem: Problem,
     begin: _Begin,
-    run_dir: Path,
+    run: RunDir,
+    lock: Lock,
     spark,
     own_session: bool,
     placed: Frames | None,
@@ -454,32 +371,29 @@ def _run(
     train_frame = placed.train if placed is not None else None
     eval_frame = placed.eval if placed is not None else None
     evaluates = placed is None or eval_frame is not None
-    stage: Path | None = None
+    pending: int | None = None  # the round of a checkpoint being written, until its manifest is
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
         if not begin.changes:  # changed settings are the run's only once a checkpoint has them
-            _write_config(run_dir, cfg)
-        metrics = MetricsLog(run_dir, keep_rounds=start)
+            _write_config(run, cfg)
+        metrics = MetricsLog(run.store, keep_rounds=start)
         transport = SparkTransport(spark.sparkContext, cfg.workers)
         base = RoundTask(
             cfg, problem.source, uuid.uuid4().hex[:12], start, layout, integers,
-            problem.num_classes, problem.source.input_shape, str(run_dir),
+            problem.num_classes, problem.source.input_shape, run.store.uri,
         )  # fmt: skip
         t_start = time.perf_counter()
         for r in range(start, cfg.rounds):
+            lock.check()
             done = r + 1
-            due = _due(cfg.checkpoint_every, done, cfg.rounds)
-            stage = checkpoint.staging_dir(run_dir, done) if due else None
-            if stage is not None:
-                shutil.rmtree(stage, ignore_errors=True)  # left by an interrupted earlier run
-                checkpoint.inner_dir(stage).mkdir(parents=True)
-            task = replace(base, round=r, integers=integers, checkpoint_dir=stage and str(stage))
+            pending = done if _due(cfg.checkpoint_every, done, cfg.rounds) else None
+            stage = checkpoint.begin(run.store, done) if pending is not None else None
+            task = replace(base, round=r, integers=integers, checkpoint_dir=stage)
             t0 = time.perf_counter()
             contrib, broadcast_s = transport.map_reduce(
                 theta, functools.partial(_train_work, task), Contribution.combine, train_frame
             )
             if contrib.delta_sum is None:
-                _raise_diverged(contrib, done, run_dir)
+                _raise_diverged(contrib, done, run)
             theta = outer.step(mean_update(contrib.delta_sum, contrib.workers))
             integers = contrib.integers
             round_s = time.perf_counter() - t0
@@ -493,22 +407,32 @@ def _run(
             row["elapsed_s"] = elapsed0 + time.perf_counter() - t_start
             if r == start and begin.changes:
                 row["resumed_with_changes"] = begin.changes
-            if stage is not None:
+            if pending is not None:
                 checkpoint.write(
-                    run_dir, done, layout, theta, integers, outer.momentum_buffer,
+                    run.store, done, layout, theta, integers, outer.momentum_buffer,
                     row["elapsed_s"], cfg.to_yaml(),
                 )  # fmt: skip
-                stage = None
-                _write_config(run_dir, cfg)
+                pending = None
+                _write_config(run, cfg)
             metrics.append(row)
             if on_round is not None:
                 on_round(row)
     finally:
-        if stage is not None:
-            if own_session:
-                stop_quietly(spark)  # first: a cancelled task may still be writing into the stage
-            shutil.rmtree(stage, ignore_errors=True)
+        if pending is not None:
+            _abandon(run, pending, spark if own_session else None)
 
-    checkpoint.save_state_dict(layout.unflatten(theta, integers), run_dir / MODEL_FILE)
-    plot_curves(metrics.rows, run_dir / CURVES)
-    return RunResult(run_dir, cfg.rounds, metrics.rows)
+    run.store.write_bytes(
+        MODEL_FILE, checkpoint.state_dict_bytes(layout.unflatten(theta, integers))
+    )
+    plot_curves(metrics.rows, run.store)
+    return RunResult(run.result, cfg.rounds, metrics.rows)
+
+
+def _abandon(run: RunDir, rounds: int, own_spark) -> None:
+    """Remove the checkpoint a failed or interrupted round left incomplete. Spark (when the run
+    owns it) stops first: a cancelled task may still be writing into it. A failure here must not
+    hide the one that ended the run; the next run removes what is left."""
+    if own_spark is not None:
+        stop_quietly(own_spark)
+    with contextlib.suppress(SparknetError):
+        checkpoint.discard(run.store, rounds)

@@ -1,38 +1,48 @@
-"""What a run reports: `metrics.jsonl` (one object per round) and `curves.png`."""
+"""What a run reports: `metrics.jsonl` (one object per round) and `curves.png`, in its run dir
+(a local dir or an S3 prefix, through its store)."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from sparknet.data.store import MissingObjectError, Store, open_store
+
 METRICS = "metrics.jsonl"
 CURVES = "curves.png"
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / METRICS
-    if not path.is_file():
+def read_metrics(run_dir: Store | str | Path) -> list[dict[str, Any]]:
+    """The rows of a run dir's metrics.jsonl ([] when it has none)."""
+    store = open_store(str(run_dir)) if isinstance(run_dir, str | Path) else run_dir
+    try:
+        text = store.read_bytes(METRICS).decode()
+    except MissingObjectError:
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 class MetricsLog:
-    """Appends one JSON line per round; on resume, drops rows past the checkpoint first."""
+    """metrics.jsonl, rewritten whole after each round (S3 has no append; a reader always sees
+    whole rows); on resume, drops rows past the checkpoint first."""
 
-    def __init__(self, run_dir: Path, keep_rounds: int) -> None:
-        self.path = run_dir / METRICS
-        self.rows = [r for r in read_metrics(run_dir) if r["round"] <= keep_rounds]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+    def __init__(self, store: Store, keep_rounds: int) -> None:
+        self.store = store
+        self.rows = [r for r in read_metrics(store) if r["round"] <= keep_rounds]
+        self._write()
 
     def append(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        self._write()
+
+    def _write(self) -> None:
+        self.store.write_bytes(METRICS, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
 
 
-def plot_curves(rows: Iterable[dict[str, Any]], path: Path) -> None:
+def plot_curves(rows: Iterable[dict[str, Any]], store: Store) -> None:
     """Loss and accuracy against round and against wall time, one PNG."""
     import matplotlib
 
@@ -55,7 +65,7 @@ def plot_curves(rows: Iterable[dict[str, Any]], path: Path) -> None:
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test accuracy")
         ax.set_ylim(0, 1)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
-    tmp.replace(path)
+    store.write_bytes(CURVES, png.getvalue())

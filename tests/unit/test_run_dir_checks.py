@@ -59,6 +59,7 @@ def test_resume_of_a_run_cut_after_its_last_checkpoint_finishes_it_without_spark
     one started here would fail the test by its time alone)."""
     from safetensors.torch import load_file
 
+    from sparknet.data.store import LocalStore
     from sparknet.training import checkpoint
     from sparknet.training.state import StateLayout
     from tests.helpers import initial_model
@@ -72,8 +73,8 @@ def test_resume_of_a_run_cut_after_its_last_checkpoint_finishes_it_without_spark
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write(json.dumps(row) + "\n")
     flat = layout.flatten(state)
-    last = checkpoint.write(
-        tmp_path, 2, layout, flat, layout.integers(state), None, 2.0, cfg.to_yaml()
+    last = tmp_path / checkpoint.write(
+        LocalStore(tmp_path), 2, layout, flat, layout.integers(state), None, 2.0, cfg.to_yaml()
     )
 
     result = train(cfg, resume=True)

@@ -1,0 +1,317 @@
+"""A run dir, local or on S3: what may be in it, what a run may do with it, and who holds it.
+
+Every file of a run goes through the same `Store` the data code reads with, so a local dir and an
+`s3://bucket/prefix/RUN` behave alike. Locking differs: locally `flock` on the dir (the kernel
+drops it with the process); S3 has no locks, so a lock object made with a conditional PUT
+(`If-None-Match: *`: only one creator wins) holds the owner, is renewed by a heartbeat, and is
+taken over once its heartbeat is older than `STALE_S` (a run that died without removing it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import fcntl
+import json
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import botocore.exceptions as bx
+
+from sparknet.config import TrainConfig, read_run_config
+from sparknet.data import s3
+from sparknet.data.s3 import S3Uri
+from sparknet.data.store import S3Store, Store, open_store
+from sparknet.errors import SparknetError
+from sparknet.training import checkpoint
+from sparknet.training.report import CURVES, METRICS
+
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.yaml"
+#: the S3 lock object (a local run dir is locked with flock and holds no such file)
+LOCK = ".sparknet-lock"
+#: a lock not renewed for this long belongs to a run that is gone and is taken over
+STALE_S = 300.0
+#: how often a held lock is renewed
+HEARTBEAT_S = 30.0
+
+#: what a run writes into its dir; anything else there is not a run's
+RUN_ENTRIES = {CONFIG_FILE, METRICS, checkpoint.CHECKPOINTS, MODEL_FILE, CURVES, LOCK}
+#: temp names of the files above (the store's `.NAME.<pid>.<hex>.tmp`, and older versions'),
+#: and TensorBoard's event files
+_RUN_EXTRAS = re.compile(
+    r"^\.(config\.yaml|metrics\.jsonl|model\.safetensors|curves\.png)(\..+)?\.tmp(\.png)?$"
+    r"|^events\.out\.tfevents\."
+)
+
+
+def is_run_entry(name: str) -> bool:
+    return name in RUN_ENTRIES or bool(_RUN_EXTRAS.match(name))
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Where a run writes: `text` as the user gave it (for messages), `store` to write through."""
+
+    text: str
+    store: Store
+
+    @classmethod
+    def open(cls, out: str, endpoint_url: str | None = None) -> RunDir:
+        """The run dir of `--out`; a local path or s3://bucket/prefix (refused: the bucket
+        itself, or any other scheme)."""
+        if out.startswith("s3://"):
+            if not S3Uri.parse(out).key.strip("/"):
+                raise SparknetError(
+                    f"--out {out}: a run needs its own prefix; write it as s3://BUCKET/PREFIX/RUN"
+                )
+        elif "://" in out:
+            raise SparknetError(f"--out {out}: write a local path or s3://BUCKET/PREFIX/RUN")
+        return cls(out, open_store(out, endpoint_url))
+
+    @property
+    def on_s3(self) -> bool:
+        return isinstance(self.store, S3Store)
+
+    @property
+    def local(self) -> Path:
+        """The local dir (only for a local run dir)."""
+        assert not self.on_s3
+        return Path(self.text)
+
+    @property
+    def result(self) -> Path | str:
+        """What `RunResult.run_dir` is: a Path for a local dir, the URI for S3."""
+        return self.store.uri if self.on_s3 else Path(self.text)
+
+    def child(self, name: str) -> str:
+        """A file of the run, for messages."""
+        return f"{self.store.uri if self.on_s3 else self.text}/{name}"
+
+    def __str__(self) -> str:
+        return self.store.uri if self.on_s3 else self.text
+
+
+# ---- checks ----------------------------------------------------------------------------------
+
+
+def check_out(run: RunDir) -> None:
+    """A local --out must be (or become) a directory: neither it nor a parent may be a file."""
+    if run.on_s3:
+        return
+    for path in (run.local, *run.local.parents):
+        if path.exists() and not path.is_dir():
+            raise SparknetError(
+                f"--out {run.local}: {path} is a file; choose a directory for the run"
+            )
+
+
+def _is_unfinished_run(run: RunDir, entries: set[str]) -> bool:
+    """A sparknet run dir whose run ended before its first complete checkpoint: its config
+    parses as a run's, nothing but a run's files is there, and there is nothing to resume."""
+    if not all(is_run_entry(e) for e in entries):
+        return False
+    try:
+        TrainConfig(**read_run_config(run.text, getattr(run.store, "endpoint_url", None)))
+    except (SparknetError, ValueError, TypeError):
+        return False
+    return checkpoint.latest(run.store) is None
+
+
+def check(run: RunDir, resume: bool) -> None:
+    """Refuse a run dir that cannot be used as asked.
+
+    A dir whose run ended before its first complete checkpoint holds nothing to resume, so a new
+    run may start over in it (without --resume); a dir of anything else is never overwritten."""
+    entries = run.store.entries() - {LOCK}
+    if resume:
+        if CONFIG_FILE not in entries:
+            raise SparknetError(f"nothing to resume: {run} is not a sparknet run dir")
+    elif entries and not _is_unfinished_run(run, entries):
+        if CONFIG_FILE in entries and all(is_run_entry(e) for e in entries):
+            raise SparknetError(
+                f"{run} already holds a run; pass --resume to continue it or choose another --out"
+            )
+        raise SparknetError(
+            f"--out {run} is not empty and is not a sparknet run dir; choose another --out"
+        )
+
+
+# ---- locks -----------------------------------------------------------------------------------
+
+
+class Lock:
+    """What a held run dir offers the round loop: `check` raises once the lock is lost."""
+
+    def check(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def locked(run: RunDir) -> Iterator[Lock]:
+    """Hold the run dir for this run: a second run with the same --out refuses at once, before
+    writing anything, instead of mixing its files into the first one's."""
+    if run.on_s3:
+        assert isinstance(run.store, S3Store)
+        lock = S3Lock(run.store)
+        lock.acquire()
+        try:
+            yield lock
+        finally:
+            lock.release()
+    else:
+        with _flocked(run.local):
+            yield Lock()
+
+
+@contextlib.contextmanager
+def _flocked(run_dir: Path) -> Iterator[None]:
+    """`flock` on the dir itself (no lock file to leave behind; the kernel drops it when the
+    process dies). The dirs made here (the run dir and missing parents) are removed again while
+    empty."""
+    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise SparknetError(f"--out {run_dir}: cannot create it: {exc.strerror}") from exc
+    try:
+        if not os.access(run_dir, os.W_OK):
+            raise SparknetError(f"--out {run_dir}: not writable; choose another --out")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise SparknetError(
+                f"another sparknet run is using {run_dir}; wait for it to end or choose "
+                "another --out"
+            ) from exc
+        yield
+    finally:
+        os.close(fd)
+        for path in made:  # deepest first; rmdir refuses a dir that is not empty
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
+def _code(exc: bx.ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+#: a conditional write that lost: the object exists (412), or another write raced it (409)
+_LOST = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+
+
+class S3Lock(Lock):
+    """`<run>/.sparknet-lock`: created only when absent (`If-None-Match: *`), renewed every
+    `HEARTBEAT_S` by a thread with `If-Match` on its own ETag (so a renewal never overwrites a
+    lock another run took over), removed at the end the same way. Its age is read against the
+    S3 server's own clock (the `Date` of the answer), so clocks of the machines do not matter."""
+
+    def __init__(self, store: S3Store) -> None:
+        self.store = store
+        self.where = store.object_uri(LOCK)
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        self.token = uuid.uuid4().hex  # the ETag is the body's MD5: each write must differ
+        self.renewals = 0
+        self.etag: str | None = None
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _put(self, **condition: str) -> str:
+        body = json.dumps(
+            {"owner": self.owner, "token": self.token, "renewal": self.renewals,
+             "renewed_every_s": HEARTBEAT_S}
+        ).encode()  # fmt: skip
+        answer = self.store._client().put_object(
+            Bucket=self.where.bucket, Key=self.where.key, Body=body, **condition
+        )
+        return answer["ETag"]
+
+    def acquire(self) -> None:
+        s3.check_reachable(self.where, self.store.endpoint_url)
+        try:
+            try:
+                self.etag = self._put(IfNoneMatch="*")
+            except bx.ClientError as exc:
+                if _code(exc) not in _LOST:
+                    raise
+                self._take_over_stale()
+        except (bx.BotoCoreError, bx.ClientError) as exc:
+            raise s3.describe_client_error(exc, self.store.uri) from exc
+        self._thread = threading.Thread(target=self._beat, name="sparknet-lock", daemon=True)
+        self._thread.start()
+
+    def _take_over_stale(self) -> None:
+        head = self.store._client().head_object(Bucket=self.where.bucket, Key=self.where.key)
+        age = _age_s(head)
+        if age < STALE_S:
+            raise self._busy(head, age)
+        try:
+            self.etag = self._put(IfMatch=head["ETag"])
+        except bx.ClientError as exc:
+            if _code(exc) in _LOST:  # another run took it over first
+                raise self._busy(head, 0.0) from exc
+            raise
+
+    def _busy(self, head: dict[str, Any], age: float) -> SparknetError:
+        owner = ""
+        with contextlib.suppress(Exception):
+            body = self.store._client().get_object(Bucket=self.where.bucket, Key=self.where.key)
+            owner = f" ({json.loads(body['Body'].read())['owner']})"
+        return SparknetError(
+            f"another sparknet run{owner} is using {self.store.uri}: its lock {self.where} was "
+            f"renewed {age:.0f} s ago; wait for it to end or choose another --out (a lock not "
+            f"renewed for {STALE_S:.0f} s is taken over)"
+        )
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            self.renew()
+
+    def renew(self) -> None:
+        """Rewrite the lock (a new Last-Modified); a failure other than losing it is retried at
+        the next beat."""
+        if self.lost or self.etag is None:
+            return
+        self.renewals += 1
+        try:
+            self.etag = self._put(IfMatch=self.etag)
+        except bx.ClientError as exc:
+            if _code(exc) in _LOST or _code(exc) in ("NoSuchKey", "404"):
+                self.lost = True
+        except bx.BotoCoreError:
+            pass
+
+    def check(self) -> None:
+        if self.lost:
+            raise SparknetError(
+                f"this run lost its lock on {self.store.uri} (another run took it over or removed "
+                f"{self.where}); it stops so the two do not mix their files"
+            )
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.etag is None or self.lost:
+            return
+        with contextlib.suppress(bx.BotoCoreError, bx.ClientError):  # a stale lock is taken over
+            self.store._client().delete_object(
+                Bucket=self.where.bucket, Key=self.where.key, IfMatch=self.etag
+            )
+
+
+def _age_s(head: dict[str, Any]) -> float:
+    """Seconds since the object was last written, by the S3 server's clock when it says."""
+    date = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    now = email.utils.parsedate_to_datetime(date).timestamp() if date else time.time()
+    return now - head["LastModified"].timestamp()

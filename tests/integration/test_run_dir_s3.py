@@ -1,0 +1,181 @@
+"""A run dir on S3 (moto's server): the same files as a local one, a resume as exact, the same
+checks and a lock. Real local Spark (local[2,2]); its executors write their inner optimizer
+states to moto themselves, through AWS_ENDPOINT_URL."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import boto3
+import pytest
+
+from sparknet.config import TrainConfig, load_train_config, read_run_config
+from sparknet.errors import SparknetError
+from sparknet.training import rundir
+from sparknet.training.driver import train
+from sparknet.training.report import read_metrics
+from tests.conftest import REPO, SPARKNET
+
+#: sgd with momentum and inner_state keep: a resume is exact only if the workers' states are too
+SMALL = {
+    "model": "mlp", "workers": 2, "tau": 2, "batch_size": 8, "eval_every": 2,
+    "momentum": 0.9, "inner_state": "keep",
+}  # fmt: skip
+
+
+def _keys(s3, bucket: str, prefix: str) -> dict[str, bytes]:
+    """Every object under the prefix, relative names -> bytes."""
+    out = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        for obj in page.get("Contents", []):
+            body = s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+            out[obj["Key"][len(prefix) + 1 :]] = body
+    return out
+
+
+def test_an_interrupted_s3_run_resumes_to_the_bytes_of_an_uninterrupted_local_one(
+    spark, tmp_path, bucket, moto_endpoint
+):
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    local = tmp_path / "local"
+    train(TrainConfig(rounds=4, checkpoint_every=1, out=local, **SMALL), spark=spark)
+
+    uri = f"s3://{bucket}/runs/a"
+    cfg = TrainConfig(rounds=4, checkpoint_every=1, out=uri, **SMALL)
+
+    def interrupt(row):
+        if row["round"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, spark=spark, on_round=interrupt)
+    stored = _keys(s3, bucket, "runs/a")
+    assert {k for k in stored if not k.startswith("checkpoints/")} == {
+        "config.yaml", "metrics.jsonl",
+    }  # fmt: skip
+    for rnd in (1, 2):  # the workers wrote their own states into each checkpoint
+        ckpt = f"checkpoints/round-{rnd:05d}/"
+        assert {k[len(ckpt) :] for k in stored if k.startswith(ckpt)} == {
+            "config.yaml", "weights.safetensors", "state.json",
+            "inner/partition-00000.pt", "inner/partition-00001.pt",
+        }  # fmt: skip
+    assert [r["round"] for r in read_metrics(uri)] == [1, 2]
+    # a run killed while writing round 3's checkpoint: files, but no manifest
+    s3.put_object(
+        Bucket=bucket, Key="runs/a/checkpoints/round-00003/weights.safetensors", Body=b"x"
+    )
+    s3.put_object(Bucket=bucket, Key="runs/a/checkpoints/round-00003/inner/partition-00000.pt",
+                  Body=b"x")  # fmt: skip
+
+    base = read_run_config(uri)
+    result = train(load_train_config(base=base, environ={}), resume=True, spark=spark)
+    assert result.run_dir == uri and [r["round"] for r in result.metrics] == [1, 2, 3, 4]
+    stored = _keys(s3, bucket, "runs/a")
+    assert stored["model.safetensors"] == (local / "model.safetensors").read_bytes()
+    assert stored["curves.png"][:8] == b"\x89PNG\r\n\x1a\n"
+    assert [json.loads(x)["round"] for x in stored["metrics.jsonl"].splitlines()] == [1, 2, 3, 4]
+    assert (
+        stored["checkpoints/round-00003/weights.safetensors"]
+        == (local / "checkpoints/round-00003/weights.safetensors").read_bytes()
+    )
+    assert rundir.LOCK not in stored  # released at the end
+
+
+def test_the_run_dir_checks_hold_on_s3_and_refuse_before_spark(bucket, moto_endpoint):
+    """No Spark here: every refusal comes before it (one started would fail on the data)."""
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    uri = f"s3://{bucket}/runs/b"
+    with pytest.raises(SparknetError, match=rf"^nothing to resume: {uri} is not a sparknet run"):
+        train(TrainConfig(out=uri, **SMALL), resume=True)
+
+    s3.put_object(Bucket=bucket, Key="runs/b/notes.txt", Body=b"mine")
+    with pytest.raises(SparknetError, match="is not empty and is not a sparknet run dir"):
+        train(TrainConfig(out=uri, **SMALL))
+
+    s3.delete_object(Bucket=bucket, Key="runs/b/notes.txt")
+    s3.put_object(Bucket=bucket, Key="runs/b/config.yaml", Body=TrainConfig(**SMALL).to_yaml())
+    s3.put_object(Bucket=bucket, Key="runs/b/metrics.jsonl", Body=b"{}\n")
+    s3.put_object(Bucket=bucket, Key="runs/b/checkpoints/round-00001/state.json", Body=b"{}")
+    with pytest.raises(SparknetError, match=f"^{uri} already holds a run; pass --resume"):
+        train(TrainConfig(out=uri, **SMALL))
+    assert set(_keys(s3, bucket, "runs/b")) == {
+        "config.yaml",
+        "metrics.jsonl",
+        "checkpoints/round-00001/state.json",
+    }  # fmt: skip: nothing added, the lock removed again
+
+    with pytest.raises(SparknetError, match=r"^--out s3://\S+: a run needs its own prefix"):
+        train(TrainConfig(out=f"s3://{bucket}", **SMALL))
+
+
+def test_a_second_run_on_the_same_s3_out_refuses_until_the_lock_is_stale(
+    spark, bucket, moto_endpoint, monkeypatch
+):
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    uri = f"s3://{bucket}/runs/c"
+    cfg = TrainConfig(rounds=1, out=uri, **SMALL)
+    held = rundir.RunDir.open(uri)
+    with rundir.locked(held):  # a first run holds it
+        with pytest.raises(
+            SparknetError, match=rf"^another sparknet run \(\S+:\d+\) is using {uri}"
+        ):
+            train(cfg)
+        assert set(_keys(s3, bucket, "runs/c")) == {rundir.LOCK}
+    assert _keys(s3, bucket, "runs/c") == {}  # released
+
+    # a run that died leaves its lock; once older than STALE_S it is taken over
+    s3.put_object(Bucket=bucket, Key=f"runs/c/{rundir.LOCK}", Body=b'{"owner": "gone:1"}')
+    with pytest.raises(SparknetError, match="gone:1"):
+        train(cfg)
+    monkeypatch.setattr(rundir, "STALE_S", 0.0)
+    result = train(cfg, spark=spark)
+    assert [r["round"] for r in result.metrics] == [1]
+    assert rundir.LOCK not in _keys(s3, bucket, "runs/c")
+
+
+def test_a_lock_taken_over_stops_the_run_that_lost_it(bucket, moto_endpoint):
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    run = rundir.RunDir.open(f"s3://{bucket}/runs/d")
+    with rundir.locked(run) as lock:
+        before = lock.etag
+        lock.renew()
+        assert lock.etag != before  # renewed: a new write
+        lock.check()
+        s3.put_object(Bucket=bucket, Key=f"runs/d/{rundir.LOCK}", Body=b'{"owner": "other:2"}')
+        lock.renew()
+        with pytest.raises(SparknetError, match="lost its lock"):
+            lock.check()
+    # the lock it lost is the other run's: left in place
+    assert s3.get_object(Bucket=bucket, Key=f"runs/d/{rundir.LOCK}")["Body"].read() == (
+        b'{"owner": "other:2"}'
+    )
+
+
+def test_s3_problems_are_one_line_before_spark_starts(moto_endpoint, tmp_path):
+    """Through the CLI: a missing bucket and missing credentials are one line, exit 2, and no
+    JVM is started (each ends within seconds)."""
+    import os
+
+    env = dict(os.environ, AWS_EC2_METADATA_DISABLED="true")
+    proc = subprocess.run(
+        [str(SPARKNET), "train", "--rounds", "1", "--out", "s3://no-such-bucket-x/runs/a"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: bucket no-such-bucket-x does not exist; create it or fix the URI "
+        "(s3://no-such-bucket-x/runs/a)"
+    ]
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        env.pop(key)
+    env.update(
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none")
+    )
+    proc = subprocess.run(
+        [str(SPARKNET), "train", "--rounds", "1", "--out", "s3://some-bucket/runs/a"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: no AWS credentials found"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
