@@ -7,7 +7,6 @@ so data from SQL, a table or any query trains with no copy to another system.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 from sparknet.config import load_train_config, read_run_config
@@ -54,7 +53,11 @@ def fit(
     flags = {**settings, "label_col": label_col, "input_col": input_col, "data": "dataframe"}
     try:
         out = settings.get("out")
-        base = read_run_config(Path(out)) if resume and out is not None else None
+        base = (
+            read_run_config(str(out), settings.get("endpoint_url"))
+            if resume and out is not None
+            else None
+        )
         cfg = load_train_config(flags=flags, environ={}, base=base)
         _check_frame(df, "df")
         if eval_df is not None:

@@ -115,7 +115,7 @@ def train(
         if resume:
             if out is None:
                 raise SparknetError("--resume needs --out, the run dir to continue")
-            base = read_run_config(out)
+            base = read_run_config(out, endpoint_url)
         config = find_config_file(config)
         cfg = load_train_config(config_file=config, sets=set_, flags=flags, base=base, conf=conf)
         datasets = load_datasets(config)
@@ -128,7 +128,8 @@ def train(
             try:
                 result = run_training(
                     cfg, resume=resume, on_start=report.start, on_round=report.round,
-                    on_status=report.status, datasets=datasets, allow_change=allow_change,
+                    on_status=report.status, on_warning=report.warning, datasets=datasets,
+                    allow_change=allow_change,
                 )  # fmt: skip
             finally:
                 report.stop()
@@ -211,6 +212,13 @@ class _Report:
             _line(
                 f"round {row['round']}/{self.total}  {_fmt(row)}  {row['seconds']['total']:.1f} s"
             )
+
+    def warning(self, text: str) -> None:
+        """A line above the bar (or among the plain lines) that the run goes on after."""
+        if self.live:
+            self.progress.console.print(f"warning: {text}", markup=False, highlight=False)
+        else:
+            _line(f"warning: {text}")
 
     def stop(self) -> None:
         """Close the bar; one never shown prints nothing (not even an empty line)."""

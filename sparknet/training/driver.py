@@ -7,6 +7,7 @@ import functools
 import re
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -41,6 +42,8 @@ RoundCallback = Callable[[dict[str, Any]], None]
 StartCallback = Callable[[int, int], None]
 #: what the run is waiting for before its first round: "starting Spark", "starting Python workers"
 StatusCallback = Callable[[str], None]
+#: something the user should know that does not stop the run (one line, without "warning: ")
+WarningCallback = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ def _round_row(
 ) -> dict[str, Any]:
     reports = contrib.reports
     samples = sum(r.samples for r in reports)
+    missed = sorted(r.partition for r in reports if r.inner_state_miss)
     load_s = broadcast_s + max(r.load_s for r in reports)
     compute_s = max(r.compute_s for r in reports)
     return {
@@ -183,6 +187,7 @@ def _round_row(
         },
         "samples_per_s": samples / round_s,
         "inner_state_misses": sum(r.inner_state_miss for r in reports),
+        **({"inner_state_missed": missed} if missed else {}),
         "skipped_samples": sum(r.skipped for r in reports),
     }
 
@@ -227,6 +232,7 @@ def train(
     on_start: StartCallback | None = None,
     on_round: RoundCallback | None = None,
     on_status: StatusCallback | None = None,
+    on_warning: WarningCallback | None = None,
     datasets: dict[str, DatasetEntry] | None = None,
     frames: FrameInput | None = None,
     allow_change: bool = False,
@@ -253,7 +259,7 @@ def train(
             return _finished(cfg, run)
         return _start(
             cfg, run, lock, resume, (changes, allow_change), spark, on_start, on_round,
-            on_status, datasets, frames,
+            on_status, on_warning, datasets, frames,
         )  # fmt: skip
 
 
@@ -277,6 +283,7 @@ def _start(
     on_start: StartCallback | None,
     on_round: RoundCallback | None,
     on_status: StatusCallback | None,
+    on_warning: WarningCallback | None,
     datasets: dict[str, DatasetEntry] | None,
     frames: FrameInput | None,
 ) -> RunResult:
@@ -306,7 +313,8 @@ def _start(
             accepted = _accepted(_effective(changes[0], problem), run, changes[1])
             begin = _initial_state(cfg, problem, run, resume)
             begin.changes = accepted
-        result = _run(cfg, problem, begin, run, lock, spark, own_session, placed, on_round)
+        on_row = _with_miss_warnings(on_round, on_warning, begin)
+        result = _run(cfg, problem, begin, run, lock, spark, own_session, placed, on_row)
         return result
     finally:
         if placed is not None:
@@ -317,6 +325,31 @@ def _start(
             except KeyboardInterrupt:
                 if result is None:
                     raise  # once every file is written, a signal while Spark stops is no failure
+
+
+def _with_miss_warnings(
+    on_round: RoundCallback | None, on_warning: WarningCallback | None, begin: _Begin
+) -> RoundCallback:
+    """`on_round`, after a warning naming the partitions that found no inner optimizer state (an
+    executor lost, or a partition moved to another): their optimizers started fresh, so the run
+    no longer equals one without the miss. Not for the first resumed round of a run that changed
+    the inner optimizer (its states cannot be used: expected). Python warnings without a
+    callback (the `fit` API)."""
+    warn = on_warning or (lambda text: warnings.warn(text, RuntimeWarning, stacklevel=2))
+
+    def on_row(row: dict[str, Any]) -> None:
+        missed = row.get("inner_state_missed")
+        if missed and not (row["round"] == begin.rounds + 1 and "optimizer" in begin.changes):
+            which = ", ".join(map(str, missed))
+            warn(
+                f"round {row['round']}: partition{'s' if len(missed) > 1 else ''} {which} found "
+                "no inner optimizer state (an executor was lost or the partition moved) and "
+                "started a fresh optimizer; counted in metrics.jsonl"
+            )
+        if on_round is not None:
+            on_round(row)
+
+    return on_row
 
 
 @dataclass
