@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import shutil
+import tempfile
 import time
 import uuid
 import warnings
@@ -405,6 +407,7 @@ def _run(
     eval_frame = placed.eval if placed is not None else None
     evaluates = placed is None or eval_frame is not None
     pending: int | None = None  # the round of a checkpoint being written, until its manifest is
+    events = _RunEvents(run, cfg, start)
     try:
         if not begin.changes:  # changed settings are the run's only once a checkpoint has them
             _write_config(run, cfg)
@@ -448,17 +451,58 @@ def _run(
                 pending = None
                 _write_config(run, cfg)
             metrics.append(row)
+            events.round(row)
             if on_round is not None:
                 on_round(row)
     finally:
         if pending is not None:
             _abandon(run, pending, spark if own_session else None)
+        events.close()
 
     run.store.write_bytes(
         MODEL_FILE, checkpoint.state_dict_bytes(layout.unflatten(theta, integers))
     )
     plot_curves(metrics.rows, run.store)
     return RunResult(run.result, cfg.rounds, metrics.rows)
+
+
+class _RunEvents:
+    """TensorBoard event files next to metrics.jsonl. The writer knows only local dirs: for an S3
+    run dir it writes into a local temp dir and its file is uploaded after every round (S3 has
+    no append: the whole file each time, as metrics.jsonl)."""
+
+    def __init__(self, run: RunDir, cfg: TrainConfig, start: int) -> None:
+        from sparknet.training.events import EventLog
+
+        self.run = run
+        self.temp: Path | None = None
+        log_dir = run.local if not run.on_s3 else self._temp_dir()
+        self.log = EventLog(log_dir, purge_step=start + 1, inner_lr=cfg.lr, outer_lr=cfg.outer_lr)
+
+    def _temp_dir(self) -> Path:
+        """A temp dir holding empty stand-ins named as the run's event files on S3: the writer
+        then names its new file after theirs (TensorBoard reads a dir's files in name order,
+        and a resume's purge must come after the events it drops)."""
+        self.temp = Path(tempfile.mkdtemp(prefix="sparknet-events-"))
+        for name in self.run.store.entries():
+            if name.startswith("events.out.tfevents."):
+                (self.temp / name).touch()
+        return self.temp
+
+    def round(self, row: dict[str, Any]) -> None:
+        self.log.round(row)
+        self._upload()
+
+    def _upload(self) -> None:
+        if self.temp is not None:
+            self.run.store.write_bytes(self.log.path.name, self.log.path.read_bytes())
+
+    def close(self) -> None:
+        self.log.close()
+        if self.temp is not None:
+            with contextlib.suppress(SparknetError):  # each round's events are there already
+                self._upload()
+            shutil.rmtree(self.temp, ignore_errors=True)
 
 
 def _abandon(run: RunDir, rounds: int, own_spark) -> None:

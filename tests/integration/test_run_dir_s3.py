@@ -51,7 +51,7 @@ def test_an_interrupted_s3_run_resumes_to_the_bytes_of_an_uninterrupted_local_on
     with pytest.raises(KeyboardInterrupt):
         train(cfg, spark=spark, on_round=interrupt)
     stored = _keys(s3, bucket, "runs/a")
-    assert {k for k in stored if not k.startswith("checkpoints/")} == {
+    assert {k for k in stored if not k.startswith(("checkpoints/", "events."))} == {
         "config.yaml", "metrics.jsonl",
     }  # fmt: skip
     for rnd in (1, 2):  # the workers wrote their own states into each checkpoint
@@ -80,6 +80,27 @@ def test_an_interrupted_s3_run_resumes_to_the_bytes_of_an_uninterrupted_local_on
         == (local / "checkpoints/round-00003/weights.safetensors").read_bytes()
     )
     assert rundir.LOCK not in stored  # released at the end
+
+    # TensorBoard: one event file per run (the interrupted one and the resume), uploaded to S3;
+    # read back, the scalars are the metrics rows'
+    events = tmp_path / "events"
+    events.mkdir()
+    for name in (k for k in stored if k.startswith("events.out.tfevents.")):
+        (events / name).write_bytes(stored[name])
+    assert len(list(events.iterdir())) == 2
+    losses = [(r["round"], pytest.approx(r["loss"])) for r in result.metrics]
+    assert _scalars(events, "train/loss") == losses
+    assert _scalars(local, "train/loss") == [
+        (r["round"], pytest.approx(r["loss"])) for r in read_metrics(local)
+    ]
+
+
+def _scalars(log_dir, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
 def test_the_run_dir_checks_hold_on_s3_and_refuse_before_spark(bucket, moto_endpoint):
