@@ -1,8 +1,9 @@
 """Train on a Spark cluster you already have: `spark-submit` this script (see the README section
 "On a Spark cluster you already have").
 
-    PYSPARK_PYTHON=./env/bin/python spark-submit --master spark://HOST:7077 \
-        --archives sparknet-env.tar.gz#env examples/fit_on_spark.py --out runs/digits
+    PYSPARK_DRIVER_PYTHON=env/bin/python PYSPARK_PYTHON=./env/bin/python \
+        spark-submit --master spark://HOST:7077 --archives sparknet-env.tar.gz#env \
+        examples/fit_on_spark.py --out runs/digits
 
 It builds a DataFrame of scikit-learn's bundled digits (8x8 images as 64-value `features` arrays
 and a `label`), trains with `sparknet.fit` on the session spark-submit made (so on its master)
