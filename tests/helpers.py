@@ -34,8 +34,8 @@ def initial_model(cfg: TrainConfig, num_classes: int = 10) -> torch.nn.Module:
     return build_model(cfg.model, (1, 8, 8), num_classes)
 
 
-def load_run_model(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "model.safetensors")
+def load_run_model(run_dir: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(Path(run_dir) / "model.safetensors")
 
 
 def sgd_step(model, opt, x, y) -> None:

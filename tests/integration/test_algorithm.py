@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+from pathlib import Path
 
 import torch
 
@@ -176,12 +177,12 @@ def test_resume_continues_bit_for_bit(spark, tmp_path):
     resumed = load_train_config(base=read_run_config(part.out), flags={"rounds": 6}, environ={})
     result = train(resumed, resume=True, spark=spark)
     assert [r["round"] for r in result.metrics] == [1, 2, 3, 4, 5, 6]
-    assert sorted(p.name for p in (part.out / "checkpoints").iterdir()) == [
+    assert sorted(p.name for p in (Path(part.out) / "checkpoints").iterdir()) == [
         "round-00003",
         "round-00006",
     ]
     assert_state_equal(load_run_model(part.out), load_run_model(full.out))
     assert filecmp.cmp(
-        full.out / "model.safetensors", part.out / "model.safetensors", shallow=False
+        Path(full.out) / "model.safetensors", Path(part.out) / "model.safetensors", shallow=False
     )
     assert all(r["inner_state_misses"] == 0 for r in result.metrics)
