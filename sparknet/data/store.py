@@ -13,7 +13,7 @@ import io
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
@@ -255,54 +255,44 @@ class S3Store:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def list(self) -> dict[str, int]:
-        prefix = f"{self._root.key}/" if self._root.key else ""
-        out: dict[str, int] = {}
+    def _pages(self, prefix: str, delimiter: bool) -> Iterator[dict[str, Any]]:
+        """ListObjectsV2 pages under `prefix` (relative to the store); with `delimiter`, one
+        level only (deeper names come as CommonPrefixes)."""
+        args = {"Bucket": self._root.bucket, "Prefix": self._key_prefix + prefix}
         try:
             pages = (
                 self._client()
                 .get_paginator("list_objects_v2")
-                .paginate(Bucket=self._root.bucket, Prefix=prefix, Delimiter="/")
+                .paginate(**args, **({"Delimiter": "/"} if delimiter else {}))
             )
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    out[obj["Key"][len(prefix) :]] = int(obj["Size"])
+            yield from pages
         except (bx.BotoCoreError, bx.ClientError) as exc:
             raise s3.describe_client_error(exc, self.uri) from exc
-        return out
+
+    @property
+    def _key_prefix(self) -> str:
+        return f"{self._root.key}/" if self._root.key else ""
+
+    def _objects(self, prefix: str, delimiter: bool) -> dict[str, int]:
+        cut = len(self._key_prefix)
+        return {
+            obj["Key"][cut:]: int(obj["Size"])
+            for page in self._pages(prefix, delimiter)
+            for obj in page.get("Contents", [])
+        }
+
+    def list(self) -> dict[str, int]:
+        return self._objects("", delimiter=True)
 
     def walk(self, prefix: str = "") -> dict[str, int]:
-        base = f"{self._root.key}/" if self._root.key else ""
-        out: dict[str, int] = {}
-        try:
-            pages = (
-                self._client()
-                .get_paginator("list_objects_v2")
-                .paginate(Bucket=self._root.bucket, Prefix=base + prefix)
-            )
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    out[obj["Key"][len(base) :]] = int(obj["Size"])
-        except (bx.BotoCoreError, bx.ClientError) as exc:
-            raise s3.describe_client_error(exc, self.uri) from exc
-        return out
+        return self._objects(prefix, delimiter=False)
 
     def entries(self, prefix: str = "") -> set[str]:
-        base = (f"{self._root.key}/" if self._root.key else "") + prefix
+        cut = len(self._key_prefix + prefix)
         out: set[str] = set()
-        try:
-            pages = (
-                self._client()
-                .get_paginator("list_objects_v2")
-                .paginate(Bucket=self._root.bucket, Prefix=base, Delimiter="/")
-            )
-            for page in pages:
-                out.update(obj["Key"][len(base) :] for obj in page.get("Contents", []))
-                out.update(
-                    p["Prefix"][len(base) :].rstrip("/") for p in page.get("CommonPrefixes", [])
-                )
-        except (bx.BotoCoreError, bx.ClientError) as exc:
-            raise s3.describe_client_error(exc, self.uri) from exc
+        for page in self._pages(prefix, delimiter=True):
+            out.update(obj["Key"][cut:] for obj in page.get("Contents", []))
+            out.update(p["Prefix"][cut:].rstrip("/") for p in page.get("CommonPrefixes", []))
         return out
 
     def write_bytes(self, name: str, data: bytes, *, parents: bool = True) -> None:
