@@ -307,7 +307,7 @@ def _start(
     try:
         if own_session:
             status("starting Spark")
-            spark = start_session(cfg.master, cfg.workers)
+            spark = start_session(cfg.master, cfg.workers, cfg.spark_conf, cfg.gpus_per_worker)
         status("starting Python workers")
         check_python_workers(spark, cfg.workers)
         if frames is not None:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 from py4j.protocol import Py4JError
@@ -29,6 +30,11 @@ MALLOC_THRESHOLD = 1 << 30
 
 def embedded_master(cores: int | None = None) -> str:
     return f"local[{cores or os.cpu_count() or 1},{LOCAL_MAX_TASK_FAILURES}]"
+
+
+def is_local_master(master: str) -> bool:
+    """`local` or `local[...]`: one JVM runs every task (`local-cluster[...]` is a cluster)."""
+    return master == "local" or master.startswith("local[")
 
 
 def task_cpus(master: str, workers: int) -> int:
@@ -65,30 +71,95 @@ def find_java() -> str:
     return java
 
 
-def start_session(master: str | None, workers: int) -> SparkSession:
-    """A new SparkSession whose Python workers use this interpreter (and so see torch)."""
+#: How long a task waits for the executor holding its partition's cached block (and so its
+#: inner optimizer state) while another executor is free. Spark's default (spark.locality.wait,
+#: 3 s) runs it elsewhere after 3 s without a launch at that level, in the middle of a round; an
+#: executor that is lost drops out of the preferences at once, so this never waits for a dead one.
+STICKY_LOCALITY_WAIT = "24h"
+
+#: Spark's Python worker daemon with torch and sparknet imported before it forks the workers
+DAEMON_MODULE = "sparknet.training.daemon"
+
+#: GPU settings `--gpus-per-worker` makes (executor: N GPUs; task: one of them)
+GPU_KEYS = ("spark.executor.resource.gpu.amount", "spark.task.resource.gpu.amount")
+
+
+def spark_settings(
+    master: str, workers: int, conf: Mapping[str, str] | None = None, gpus_per_worker: int = 0
+) -> dict[str, str]:
+    """Every setting sparknet gives its session: its own defaults, then the user's `conf`
+    (`--conf`, the settings file's `spark:` section), which wins. A user setting that would
+    break a run is refused with one line (SparknetError)."""
+    conf = dict(conf or {})
+    _check_user_conf(master, conf, gpus_per_worker)
+    memory_gb = driver_memory_gb()
+    log4j = Path(__file__).with_name("log4j2.properties")
+    settings = {
+        "spark.app.name": "sparknet",
+        "spark.pyspark.python": sys.executable,
+        "spark.pyspark.driver.python": sys.executable,
+        "spark.ui.showConsoleProgress": "false",
+        "spark.broadcast.compress": "false",  # float weights do not compress
+        "spark.driver.memory": f"{memory_gb}g",
+        "spark.executorEnv.MALLOC_MMAP_THRESHOLD_": str(MALLOC_THRESHOLD),
+        "spark.executorEnv.MALLOC_TRIM_THRESHOLD_": str(MALLOC_THRESHOLD),
+        "spark.driver.maxResultSize": f"{memory_gb // 2}g",
+        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={log4j.as_uri()}",
+        # a Python worker lives for the whole run and was forked with torch already imported
+        "spark.python.worker.reuse": "true",
+        "spark.python.daemon.module": DAEMON_MODULE,
+        "spark.locality.wait.process": STICKY_LOCALITY_WAIT,
+    }
+    if is_local_master(master):
+        settings["spark.task.cpus"] = str(task_cpus(master, workers))
+    elif gpus_per_worker:
+        settings.update(dict(zip(GPU_KEYS, (str(gpus_per_worker), "1"), strict=True)))
+    settings.update(conf)
+    return settings
+
+
+def _check_user_conf(master: str, conf: Mapping[str, str], gpus_per_worker: int) -> None:
+    """Refuse the few Spark settings that contradict a sparknet setting or break a run."""
+    if "spark.master" in conf:
+        raise SparknetError(
+            f"Spark setting spark.master={conf['spark.master']}: choose the master with --master"
+        )
+    if conf.get("spark.speculation", "false").strip().lower() == "true":
+        raise SparknetError(
+            "Spark setting spark.speculation=true: a speculative copy of a task would train on "
+            "another executor without its partition's optimizer state; drop it"
+        )
+    if gpus_per_worker and is_local_master(master):
+        raise SparknetError(
+            f"--gpus-per-worker needs a cluster master (--master spark://..., yarn, k8s://...); "
+            f"{master} runs every task in one process, where a task trains on cuda:0 when "
+            "there is a GPU"
+        )
+    if gpus_per_worker and (given := [k for k in GPU_KEYS if k in conf]):
+        raise SparknetError(
+            f"--gpus-per-worker sets {given[0]}; drop one of the two (the Spark setting or "
+            "--gpus-per-worker)"
+        )
+
+
+def start_session(
+    master: str | None,
+    workers: int,
+    conf: Mapping[str, str] | None = None,
+    gpus_per_worker: int = 0,
+) -> SparkSession:
+    """A new SparkSession whose Python workers use this interpreter (and so see torch), with
+    `spark_settings`: sparknet's defaults and the user's `conf` on top."""
     master = master or embedded_master()
+    settings = spark_settings(master, workers, conf, gpus_per_worker)
     find_java()
     # PySpark's driver picks the executors' Python from this variable, not from the conf.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    log4j = Path(__file__).with_name("log4j2.properties")
-    memory_gb = driver_memory_gb()
-    builder = (
-        SparkSession.builder.master(master)
-        .appName("sparknet")
-        .config("spark.pyspark.python", sys.executable)
-        .config("spark.pyspark.driver.python", sys.executable)
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.broadcast.compress", "false")  # float weights do not compress
-        .config("spark.driver.memory", f"{memory_gb}g")
-        .config("spark.executorEnv.MALLOC_MMAP_THRESHOLD_", str(MALLOC_THRESHOLD))
-        .config("spark.executorEnv.MALLOC_TRIM_THRESHOLD_", str(MALLOC_THRESHOLD))
-        .config("spark.driver.maxResultSize", f"{memory_gb // 2}g")
-        .config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={log4j.as_uri()}")
-    )
-    if master.startswith("local"):
+    os.environ.setdefault("PYSPARK_PYTHON", settings["spark.pyspark.python"])
+    builder = SparkSession.builder.master(master)
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    if is_local_master(master) or master.startswith("local-cluster"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # everything stays on loopback
-        builder = builder.config("spark.task.cpus", str(task_cpus(master, workers)))
     with _gateway_killed_on_failure():
         try:
             with _keep_sigint_handler():

@@ -6,25 +6,37 @@ executors in a tree whose fan-in bounds what any one task, and the driver, recei
 `treeReduce` merges in arrival order; float addition is not associative, so that would make the
 weights depend on task timing. Here every merge is in partition order: the same run gives the same
 bits, with or without retried tasks.
+
+Sticky partitions: a worker keeps its inner optimizer state on its executor between rounds, so
+partition k's task must run where partition k's task ran before. A plain `parallelize` job's
+tasks have no preference and land on whichever executor is free. Every job here maps over one
+cached K-partition "anchor" RDD made once per run: block k sits on one executor, the scheduler
+prefers that executor for task k (PROCESS_LOCAL), and the session waits for it rather than
+giving up after 3 s (`session.STICKY_LOCALITY_WAIT`). A lost executor takes its blocks with it:
+the task runs elsewhere (a counted inner-state miss), recomputes block k there, and stays there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import pickle
 import re
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
-from py4j.protocol import Py4JJavaError
-from pyspark import SparkContext, SparkFiles, TaskContext
+from py4j.protocol import Py4JError, Py4JJavaError
+from pyspark import SparkContext, SparkFiles, StorageLevel, TaskContext
 from pyspark.errors import PySparkException
 
 from sparknet.errors import PermanentTaskError, SparknetError
+from sparknet.training.session import is_local_master
 
 R = TypeVar("R")
 
@@ -130,6 +142,114 @@ def describe_task_failure(exc: Exception) -> str:
     return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
+def threads_per_task(cores: int, tasks_there: int, task_cpus: int = 1, gpus: int = 0) -> int:
+    """Torch threads of each task on an executor of `cores` cores that holds `tasks_there` of the
+    job's tasks: its cores split over the tasks it runs at once (at most cores // task_cpus, and
+    one per GPU when it has `gpus`), at least 1."""
+    at_once = min(tasks_there, max(1, cores // max(1, task_cpus)))
+    if gpus:
+        at_once = min(at_once, gpus)
+    return max(1, cores // max(1, at_once))
+
+
+def partition_threads(
+    partitions: int,
+    placement: Mapping[int, str],
+    cores: Mapping[str, int],
+    task_cpus: int = 1,
+    gpus: int = 0,
+) -> dict[int, int]:
+    """{partition: torch threads} from where each partition's block is (`placement`: partition
+    -> executor id) and each executor's cores. A partition whose place is unknown (not cached
+    yet, its executor lost) gets what it would get with the partitions spread evenly over the
+    executors, the smallest executor's share; none known at all: no entry (Spark's task cpus)."""
+    per_executor = Counter(placement.values())
+    out: dict[int, int] = {}
+    if cores:
+        even = math.ceil(partitions / len(cores))
+        fallback = min(threads_per_task(c, even, task_cpus, gpus) for c in cores.values())
+    for k in range(partitions):
+        where = placement.get(k)
+        if where in cores:
+            out[k] = threads_per_task(cores[where], per_executor[where], task_cpus, gpus)
+        elif cores:
+            out[k] = fallback
+    return out
+
+
+def _scala_list(seq) -> list:
+    return [seq.apply(i) for i in range(seq.size())]
+
+
+def executor_cores(sc: SparkContext) -> dict[str, int]:
+    """{executor id: cores} of the live executors that run tasks (in local mode: "driver")."""
+    listed = _scala_list(sc._jsc.sc().statusStore().executorList(True))
+    return {e.id(): int(e.totalCores()) for e in listed if e.totalCores() > 0}
+
+
+def block_placement(sc: SparkContext, rdd) -> dict[int, str]:
+    """{partition: executor id} of a cached RDD's blocks, as Spark's status store has them
+    (updated asynchronously: a block cached a moment ago may be missing)."""
+    try:
+        info = sc._jsc.sc().statusStore().rdd(rdd.id())
+    except Py4JError:  # not cached (yet)
+        return {}
+    parts = info.partitions()
+    out: dict[int, str] = {}
+    for part in _scala_list(parts.get()) if parts.isDefined() else []:
+        executors = _scala_list(part.executors())
+        if executors:
+            out[int(part.blockName().rsplit("_", 1)[1])] = executors[0]
+    return out
+
+
+def _conf_int(sc: SparkContext, key: str, default: int) -> int:
+    try:
+        return int(float(sc.getConf().get(key, str(default))))
+    except ValueError:
+        return default
+
+
+def _seconds(sc: SparkContext, key: str, default: str) -> float:
+    """A Spark time setting ("30s", "2min", "500ms") in seconds, parsed as Spark parses it."""
+    return sc._jsc.sc().conf().getTimeAsMs(key, default) / 1000
+
+
+def _dynamic_allocation(sc: SparkContext) -> bool:
+    return sc.getConf().get("spark.dynamicAllocation.enabled", "false").strip().lower() == "true"
+
+
+def wait_for_executors(sc: SparkContext, tasks: int) -> dict[str, int]:
+    """Executors' cores once they hold `tasks` task slots, or when Spark's own wait for
+    executors (spark.scheduler.maxRegisteredResourcesWaitingTime, 30 s) is over: the anchor's
+    blocks go where its tasks run, so caching it before the cluster's executors have registered
+    would pile every partition onto the first ones for the whole run."""
+    task_cpus = _conf_int(sc, "spark.task.cpus", 1)
+    wait_s = _seconds(sc, "spark.scheduler.maxRegisteredResourcesWaitingTime", "30s")
+    deadline = time.monotonic() + wait_s
+    gpus = _conf_int(sc, "spark.executor.resource.gpu.amount", 0)
+    while True:
+        cores = executor_cores(sc)
+        slots = sum(min(c // task_cpus, gpus) if gpus else c // task_cpus for c in cores.values())
+        if slots >= tasks or time.monotonic() > deadline:
+            return cores
+        time.sleep(0.2)
+
+
+def _wait_until_listed(sc: SparkContext, rdd, partitions: int, limit_s: float = 5.0) -> None:
+    """Give the status store (fed asynchronously) a moment to list every block just cached, so
+    the first round's threads come from the real placement."""
+    deadline = time.monotonic() + limit_s
+    while len(block_placement(sc, rdd)) < partitions and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _release(rdd) -> None:
+    """Unpersist, quietly: the session may be gone already (and its blocks with it)."""
+    with contextlib.suppress(Exception):
+        rdd.unpersist()
+
+
 class SparkTransport:
     """Map a function over K partitions with the weights broadcast once, reduce in a tree."""
 
@@ -139,6 +259,45 @@ class SparkTransport:
         self.sc = sc
         self.partitions = partitions
         self.fan_in = fan_in or default_fan_in(partitions)
+        self.local = is_local_master(sc.master)
+        self._anchor = None
+        self._release = None
+
+    def anchor(self):
+        """The run's cached K-partition anchor RDD, made and cached on first use: every job
+        without a DataFrame maps over it, so task k runs where block k (and partition k's inner
+        state) is. Unpersisted by `close`, or when the transport is dropped."""
+        if self._anchor is None:
+            # with dynamic allocation, executors come when tasks wait for them, not before
+            if not self.local and not _dynamic_allocation(self.sc):
+                wait_for_executors(self.sc, self.partitions)
+            anchor = self.sc.parallelize(range(self.partitions), self.partitions)
+            anchor.setName("sparknet-partitions").persist(StorageLevel.MEMORY_ONLY)
+            anchor.count()
+            if not self.local:
+                _wait_until_listed(self.sc, anchor, self.partitions)
+            self._anchor = anchor
+            self._release = weakref.finalize(self, _release, anchor)
+            self._release.atexit = False
+        return self._anchor
+
+    def close(self) -> None:
+        """Drop the anchor's cached blocks (a no-op once done, or when the session is gone)."""
+        if self._release is not None:
+            self._release()
+        self._anchor = None
+
+    def task_threads(self, rdd=None) -> dict[int, int]:
+        """{partition: torch threads} on a cluster master (its executor's cores over the tasks
+        it runs at once); empty on a local master, where Spark's task cpus say it already."""
+        if self.local:
+            return {}
+        placement = block_placement(self.sc, rdd) if rdd is not None else {}
+        return partition_threads(
+            self.partitions, placement, executor_cores(self.sc),
+            _conf_int(self.sc, "spark.task.cpus", 1),
+            _conf_int(self.sc, "spark.executor.resource.gpu.amount", 0),
+        )  # fmt: skip
 
     def map_reduce(
         self,
@@ -149,10 +308,12 @@ class SparkTransport:
     ) -> tuple[R, float]:
         """Run `work` on every partition against `theta`; returns (reduced result, broadcast s).
 
-        Without `frame` the job has K empty partitions and the workers read their own data. With
-        a DataFrame of K partitions, the job maps over it (`mapInArrow`) and task k gets
-        partition k's rows as Arrow record batches.
+        Without `frame` the job maps over the anchor RDD and the workers read their own data.
+        With a DataFrame of K partitions, the job maps over it (`mapInArrow`) and task k gets
+        partition k's rows as Arrow record batches; its persisted blocks keep task k in place.
         """
+        anchor = self.anchor() if frame is None else None
+        threads_of = self.task_threads(anchor)
         t0 = time.perf_counter()
         bc = self.sc.broadcast(theta)
         broadcast_s = time.perf_counter() - t0
@@ -160,7 +321,7 @@ class SparkTransport:
 
             def call(index: int, rows: list | None) -> R:
                 ctx = TaskContext.get()
-                threads = max(1, ctx.cpus()) if ctx else 1
+                threads = threads_of.get(index) or (max(1, ctx.cpus()) if ctx else 1)
                 attempt = ctx.attemptNumber() if ctx else 0
                 local_dir = SparkFiles.getRootDirectory()
                 try:
@@ -173,8 +334,7 @@ class SparkTransport:
                 def run(index: int, _rows: Iterator) -> Iterator[tuple[int, R]]:
                     yield index, call(index, None)
 
-                rdd = self.sc.parallelize(range(self.partitions), self.partitions)
-                results = rdd.mapPartitionsWithIndex(run)
+                results = anchor.mapPartitionsWithIndex(run)
             else:
                 results = _map_frame(frame, call)
             result = tree_reduce(results, _fault_first(combine), self.fan_in)

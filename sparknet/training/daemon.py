@@ -1,0 +1,28 @@
+"""Spark's Python worker daemon (`spark.python.daemon.module`) with torch and sparknet imported
+once, before it forks the workers.
+
+pyspark.daemon forks one Python worker per task slot from a single daemon process per executor;
+every worker then imports what its first task unpickles: torch and sparknet, seconds each on a
+busy machine, per worker. Imported here, in the daemon, the workers start with them already in
+memory (shared copy-on-write). Importing is fork-safe: it starts no thread and no CUDA context
+(those begin at the first parallel op or CUDA call, in the worker); numpy's OpenBLAS starts its
+thread pool at import but shuts it down around fork() itself (pthread_atfork). pyspark's own
+daemon refuses to import anything before forking for modules that do start threads (pandas,
+pyarrow): this module imports neither.
+"""
+
+from __future__ import annotations
+
+
+def preimport() -> None:
+    """What every sparknet task unpickles first: torch and the worker side of sparknet."""
+    import torch  # noqa: F401
+
+    import sparknet.training.worker  # noqa: F401
+
+
+if __name__ == "__main__":
+    from pyspark.daemon import manager
+
+    preimport()
+    manager()

@@ -1,0 +1,84 @@
+"""`sparknet train --master spark://...` on the shared standalone cluster (two 1-core workers on
+127.0.0.1): inner optimizer state stays with its partition, Spark settings reach the session, and
+every task's torch threads come from its executor's cores. Runs go through the CLI in a
+subprocess: the test process already holds a local SparkContext, and there is one per process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from pyspark import TaskContext
+from torch import nn
+
+from sparknet.models import mlp
+from tests.conftest import REPO, SPARKNET
+
+pytestmark = pytest.mark.slow
+
+#: small and fast, but 20 rounds of momentum SGD whose state a lost partition would reset
+RUN = (
+    "train", "--data", "digits", "--model", "mlp", "--workers", "2", "--rounds", "20",
+    "--tau", "2", "--batch-size", "16", "--lr", "0.05", "--momentum", "0.9",
+    "--inner-state", "keep", "--seed", "7", "--eval-every", "0", "--checkpoint-every", "0",
+)  # fmt: skip
+
+
+def sparknet(*args: str, timeout: float = 400) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(SPARKNET), *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, timeout: float = 400) -> None:
+    _out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_kept_inner_state_stays_with_its_partition_and_runs_are_bit_identical(standalone, tmp_path):
+    local = sparknet(*RUN, "--master", "local[2]", "--out", str(tmp_path / "local"))
+    for name in ("a", "b"):  # one app at a time: the first takes every core of the cluster
+        finish(sparknet(*RUN, "--master", standalone.master, "--out", str(tmp_path / name)))
+    finish(local)
+
+    for name in ("a", "b", "local"):
+        misses = [r["inner_state_misses"] for r in rows(tmp_path / name)]
+        assert misses == [0] * 20, f"{name}: {misses}"
+    model = (tmp_path / "a" / "model.safetensors").read_bytes()
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == model
+    assert (tmp_path / "local" / "model.safetensors").read_bytes() == model
+
+
+def threads_mlp(num_classes: int) -> nn.Module:
+    """The built-in mlp for digits, checking inside Spark tasks that torch runs on the threads
+    the test expects (SPARKNET_TEST_THREADS, set through `--conf spark.executorEnv.*`)."""
+    model = mlp((1, 8, 8), num_classes)
+
+    def check(_module, _inputs) -> None:
+        want = os.environ.get("SPARKNET_TEST_THREADS")
+        if TaskContext.get() is not None and want is not None:
+            assert torch.get_num_threads() == int(want), (torch.get_num_threads(), want)
+
+    model.register_forward_pre_hook(check)
+    return model
+
+
+def test_conf_reaches_the_executors_and_tasks_get_their_executors_cores(standalone, tmp_path):
+    out = tmp_path / "threads"
+    proc = sparknet(
+        "train", "--data", "digits", "--model", f"{__name__}:threads_mlp", "--workers", "2",
+        "--rounds", "2", "--tau", "1", "--eval-every", "1", "--master", standalone.master,
+        "--conf", f"spark.executorEnv.PYTHONPATH={REPO}",
+        "--conf", "spark.executorEnv.SPARKNET_TEST_THREADS=1", "--out", str(out),
+    )  # fmt: skip
+    finish(proc)
+    assert [r["round"] for r in rows(out)] == [1, 2]
