@@ -200,3 +200,28 @@ def test_s3_problems_are_one_line_before_spark_starts(moto_endpoint, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: no AWS credentials found"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_the_cli_trains_into_s3_and_resumes_from_it(bucket, moto_endpoint):
+    """As a user runs it: `--out s3://...`, then `--resume --out s3://...` with more rounds (the
+    settings come back from S3)."""
+    uri = f"s3://{bucket}/runs/cli"
+
+    def sparknet(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(SPARKNET), "train", "--out", uri, *args],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    first = sparknet("--rounds", "1", "--workers", "2", "--tau", "1", "--eval-every", "0")
+    assert first.returncode == 0, first.stderr
+    second = sparknet("--resume", "--rounds", "2")
+    assert second.returncode == 0, second.stderr
+    assert uri in second.stdout.replace("\n", "").replace("│", "").replace(" ", "")
+    assert [r["round"] for r in read_metrics(uri)] == [1, 2]
+    assert read_run_config(uri)["tau"] == 1  # the first run's settings, kept by the resume
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    assert {"model.safetensors", "curves.png", "checkpoints/round-00002/state.json"} <= set(
+        _keys(s3, bucket, "runs/cli")
+    )
