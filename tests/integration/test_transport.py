@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from sparknet.errors import PermanentTaskError, SparknetError
-from sparknet.training.transport import SparkTransport, TaskFault, tree_reduce
+from sparknet.training.transport import (
+    SparkTransport,
+    TaskFault,
+    block_placement,
+    executor_cores,
+    partition_threads,
+    tree_reduce,
+)
 from tests.helpers import failed_tasks
 
 
@@ -102,3 +109,42 @@ def test_a_fault_re_raised_by_a_dataloader_keeps_its_cause_line():
         'recent call last):\n  File "x.py", line 1\nsparknet.errors.PermanentTaskError: bad shard'
     )
     assert TaskFault.of(0, wrapped).message == "bad shard"
+
+
+def _persisted(sc) -> set[int]:
+    return {int(k) for k in sc._jsc.getPersistentRDDs()}
+
+
+def test_every_job_maps_over_one_cached_anchor_that_close_releases(sc):
+    transport = SparkTransport(sc, 3)
+    before = _persisted(sc)
+    total, _ = transport.map_reduce(np.ones(2, np.float32), _echo, lambda a, b: a + b)
+    anchor = transport.anchor()
+    np.testing.assert_array_equal(total, [6, 6])
+    transport.map_reduce(np.ones(2, np.float32), _echo, lambda a, b: a + b)
+    assert transport.anchor() is anchor  # made once per run
+    assert _persisted(sc) - before == {anchor.id()}
+    deadline = time.monotonic() + 5  # the status store hears of blocks asynchronously
+    while len(block_placement(sc, anchor)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert block_placement(sc, anchor) == {0: "driver", 1: "driver", 2: "driver"}
+    transport.close()
+    assert _persisted(sc) == before
+    transport.close()  # twice is fine
+
+
+def test_a_dropped_transport_releases_its_anchor(sc):
+    before = _persisted(sc)
+    transport = SparkTransport(sc, 2)
+    transport.map_reduce(np.ones(1, np.float32), _echo, lambda a, b: a + b)
+    assert len(_persisted(sc) - before) == 1
+    del transport
+    assert _persisted(sc) == before
+
+
+def test_threads_come_from_the_executors_cores_the_jvm_reports(sc):
+    cores = executor_cores(sc)
+    assert cores == {"driver": 2}  # local[2,2]: one executor, two cores
+    assert partition_threads(2, {0: "driver", 1: "driver"}, cores) == {0: 1, 1: 1}
+    assert partition_threads(1, {0: "driver"}, cores) == {0: 2}
+    assert SparkTransport(sc, 2).task_threads() == {}  # local master: Spark's task cpus
