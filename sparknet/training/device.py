@@ -148,11 +148,11 @@ def kernel_settings(device: torch.device, deterministic: bool) -> Iterator[None]
 
     `deterministic`: only deterministic kernels (what a resume on GPUs is bit-exact under).
     Otherwise on CUDA, cuDNN picks the fastest convolution algorithm per input shape."""
-    saved = (
+    algorithms = (
         torch.are_deterministic_algorithms_enabled(),
-        torch.backends.cudnn.benchmark,
-        torch.backends.cudnn.deterministic,
+        torch.is_deterministic_algorithms_warn_only_enabled(),
     )
+    cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     torch.use_deterministic_algorithms(deterministic)
@@ -161,8 +161,8 @@ def kernel_settings(device: torch.device, deterministic: bool) -> Iterator[None]
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(saved[0])
-        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[1:]
+        torch.use_deterministic_algorithms(algorithms[0], warn_only=algorithms[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
 
 
 def uses_channels_last(device: torch.device, input_shape: tuple[int, ...]) -> bool:
