@@ -1,0 +1,135 @@
+"""Where a run's first round goes, and round 1 against the steady state.
+
+`sparknet train --data digits --workers 2 --rounds 5` as a user runs it (a subprocess, output to
+a file, not a terminal), timed from the lines it prints on stderr and its metrics.jsonl:
+
+- driver: process start to "starting Spark" (CLI and torch imports, data and model checks);
+- spark: "starting Spark" to "starting Python workers" (the JVM and the SparkContext);
+- python workers: from there to round 1's start (the probe job: Spark starts each executor's
+  Python daemon, which forks the workers);
+- round 1, and the steady state (median of the later rounds' seconds); their ratio.
+
+Two variants, alternated so both see the same machine: `sparknet` as it runs (its Python daemon
+`sparknet.training.daemon` imports torch and sparknet once, before it forks the workers) and
+`plain daemon` (`--conf spark.python.daemon.module=pyspark.daemon`: each worker imports torch
+and sparknet itself when it unpickles its first task, as before the change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import machine_note, median, steal_note, write_results
+
+NAME = "startup"
+SPARKNET = Path(sys.executable).with_name("sparknet")
+PLAIN_DAEMON = ("--conf", "spark.python.daemon.module=pyspark.daemon")
+VARIANTS = {"sparknet": (), "plain daemon": PLAIN_DAEMON}
+
+
+def _timed_lines(cmd: list[str]) -> tuple[list[tuple[float, str]], int]:
+    """(seconds since start, line) for every stderr line of `cmd`, and its exit code."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=Path.cwd()
+    )
+    assert proc.stderr is not None
+    lines = [(time.monotonic() - t0, line.rstrip()) for line in proc.stderr]
+    lines.append((time.monotonic() - t0, "exit"))
+    return lines, proc.wait()
+
+
+def _at(lines: list[tuple[float, str]], text: str) -> float:
+    return next(t for t, line in lines if text in line)
+
+
+def one_run(rounds: int, extra: tuple[str, ...]) -> dict[str, float]:
+    """The phases of one `sparknet train` run, in seconds."""
+    with tempfile.TemporaryDirectory(prefix="sparknet-startup-") as tmp:
+        out = Path(tmp) / "run"
+        cmd = [
+            str(SPARKNET), "train", "--data", "digits", "--workers", "2", "--rounds",
+            str(rounds), "--eval-every", "0", "--out", str(out), *extra,
+        ]  # fmt: skip
+        lines, rc = _timed_lines(cmd)
+        if rc != 0:
+            raise SystemExit(f"{' '.join(cmd)} exited {rc}: {lines[-5:]}")
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    round1 = rows[0]["seconds"]
+    round1_end = _at(lines, f"round 1/{rounds}")
+    workers_start = _at(lines, "starting Python workers")
+    spark_start = _at(lines, "starting Spark")
+    return {
+        "driver_s": spark_start,
+        "spark_s": workers_start - spark_start,
+        "python_workers_s": round1_end - round1["total"] - workers_start,
+        "round1_s": round1["total"],
+        "round1_load_s": round1["broadcast"],
+        "round1_compute_s": round1["compute"],
+        "round1_rest_s": round1["aggregate"],
+        "steady_round_s": median([r["seconds"]["total"] for r in rows[1:]]),
+        "to_round1_end_s": round1_end,
+        "wall_s": lines[-1][0],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.startup", description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each variant")
+    args = parser.parse_args(argv)
+    machine = machine_note()
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+    for _ in range(args.repeats):
+        for name, extra in VARIANTS.items():
+            runs[name].append(one_run(args.rounds, extra))
+    steal_note(machine)
+    figures = {
+        name: {key: median([r[key] for r in found]) for key in found[0]}
+        for name, found in runs.items()
+    }
+    header = f"seconds (median of {args.repeats})"
+    print(f"{header:<26}" + "".join(f"{name:>14}" for name in VARIANTS))
+    for key in figures["sparknet"]:
+        print(f"{key:<26}" + "".join(f"{figures[name][key]:>14.2f}" for name in VARIANTS))
+    ours, plain = figures["sparknet"], figures["plain daemon"]
+    ratio = ours["round1_s"] / ours["steady_round_s"]
+    plain_ratio = plain["round1_s"] / plain["steady_round_s"]
+    print(f"round 1 / steady round: {ratio:.1f} (plain daemon {plain_ratio:.1f})")
+    results = {
+        "machine": machine,
+        "settings": {"rounds": args.rounds, "repeats": args.repeats, "data": "digits"},
+        "figures": figures,
+        "runs": runs,
+        "headline": [
+            {
+                "metric": "round 1 / steady-state round",
+                "sparknet": ours["round1_s"],
+                "reference": ours["steady_round_s"],
+                "reference_name": "steady round s",
+                "ratio": ratio,
+                "goal": "",
+            },
+            {
+                "metric": "  start to end of round 1, s",
+                "sparknet": ours["to_round1_end_s"],
+                "reference": plain["to_round1_end_s"],
+                "reference_name": "plain daemon",
+                "ratio": ours["to_round1_end_s"] / plain["to_round1_end_s"],
+                "goal": "< 1",
+            },
+        ],
+    }
+    print(f"\nwrote {write_results(NAME, results)}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
