@@ -1,6 +1,7 @@
 """`sparknet train --master spark://...` on the shared standalone cluster (two 1-core workers on
 127.0.0.1): inner optimizer state stays with its partition, Spark settings reach the session, and
-every task's torch threads come from its executor's cores. Runs go through the CLI in a
+every task's torch threads come from its executor's cores; Spark settings that would break a run
+stop it before Spark starts. Runs go through the CLI in a
 subprocess: the test process already holds a local SparkContext, and there is one per process."""
 
 from __future__ import annotations
@@ -82,3 +83,21 @@ def test_conf_reaches_the_executors_and_tasks_get_their_executors_cores(standalo
     )  # fmt: skip
     finish(proc)
     assert [r["round"] for r in rows(out)] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--gpus-per-worker", "2"), "error: --gpus-per-worker needs a cluster master"),
+        (("--conf", "spark.master=local[1]"), "error: Spark setting spark.master=local[1]: choose"),
+        (("--conf", "spark.speculation=true"), "error: Spark setting spark.speculation=true: a"),
+    ],
+)
+def test_spark_settings_that_would_break_a_run_stop_it_in_one_line(tmp_path, args, message):
+    out = tmp_path / "refused"
+    proc = sparknet("train", "--rounds", "1", "--tau", "1", "--out", str(out), *args)
+    _out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    assert err.strip().splitlines()[-1].startswith(message), err
+    assert "Traceback" not in err
+    assert not out.exists()
