@@ -27,8 +27,9 @@ def test_an_unhealable_fault_fails_at_once_and_the_dir_can_start_over(spark, tmp
     finally:
         sc.setJobGroup("after", "")
     tracker = sc.statusTracker()
-    # the Python workers check, then round 1; nothing after (no eval, no round 2)
-    assert len(tracker.getJobIdsForGroup("unhealable")) == 2
+    # the Python workers check, caching the partitions' anchor RDD, then round 1; nothing after
+    # (no eval, no round 2)
+    assert len(tracker.getJobIdsForGroup("unhealable")) == 3
     assert failed_tasks(sc, "unhealable") == 0  # handed back in band: Spark retried nothing
     assert (out / "config.yaml").is_file() and read_metrics(out) == []
 
@@ -97,7 +98,7 @@ def test_a_signal_while_spark_stops_after_the_last_round_is_no_failure(
     def interrupted_stop(session):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(driver, "start_session", lambda master, workers: spark)
+    monkeypatch.setattr(driver, "start_session", lambda *args: spark)
     monkeypatch.setattr(driver, "stop_quietly", interrupted_stop)
     out = tmp_path / "run"
     result = train(TrainConfig(rounds=1, out=out, **SMALL))
