@@ -225,3 +225,29 @@ def test_the_cli_trains_into_s3_and_resumes_from_it(bucket, moto_endpoint):
     assert {"model.safetensors", "curves.png", "checkpoints/round-00002/state.json"} <= set(
         _keys(s3, bucket, "runs/cli")
     )
+
+
+@pytest.mark.slow
+def test_on_a_standalone_cluster_the_executors_write_and_read_the_inner_states_on_s3(
+    standalone, bucket, moto_endpoint
+):
+    """The shared standalone cluster (two workers on 127.0.0.1), through the CLI: the executors
+    put their optimizer states into the S3 checkpoint, and after `--resume` (a new run id, so no
+    executor-local state) they read them back from S3: no round misses one."""
+    uri = f"s3://{bucket}/runs/cluster"
+    run = (
+        "train", "--master", standalone.master, "--out", uri, "--workers", "2", "--tau", "1",
+        "--momentum", "0.9", "--inner-state", "keep", "--eval-every", "0",
+        "--checkpoint-every", "1",
+    )  # fmt: skip
+    for extra in (("--rounds", "2"), ("--resume", "--rounds", "3")):
+        proc = subprocess.run(
+            [str(SPARKNET), *run, *extra], cwd=REPO, capture_output=True, text=True, timeout=400
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["inner_state_misses"] for r in read_metrics(uri)] == [0, 0, 0]
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    stored = _keys(s3, bucket, "runs/cluster")
+    for rnd in (1, 2, 3):
+        for k in (0, 1):
+            assert f"checkpoints/round-{rnd:05d}/inner/partition-{k:05d}.pt" in stored
