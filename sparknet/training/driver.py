@@ -335,13 +335,14 @@ def _with_miss_warnings(
     """`on_round`, after a warning naming the partitions that found no inner optimizer state (an
     executor lost, or a partition moved to another): their optimizers started fresh, so the run
     no longer equals one without the miss. Not for the first resumed round of a run that changed
-    the inner optimizer (its states cannot be used: expected). Python warnings without a
-    callback (the `fit` API)."""
+    the inner optimizer or `inner_state` (no usable states are stored: expected). Python warnings
+    without a callback (the `fit` API)."""
     warn = on_warning or (lambda text: warnings.warn(text, RuntimeWarning, stacklevel=2))
+    expected = {"optimizer", "inner_state"} & set(begin.changes)
 
     def on_row(row: dict[str, Any]) -> None:
         missed = row.get("inner_state_missed")
-        if missed and not (row["round"] == begin.rounds + 1 and "optimizer" in begin.changes):
+        if missed and not (row["round"] == begin.rounds + 1 and expected):
             which = ", ".join(map(str, missed))
             warn(
                 f"round {row['round']}: partition{'s' if len(missed) > 1 else ''} {which} found "
