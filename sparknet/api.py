@@ -16,8 +16,9 @@ from sparknet.training.driver import FrameInput, RunResult, train
 #: a CLI flag in a message, and the value that follows it (a number, a path, a placeholder)
 _FLAG = re.compile(r"--([a-z][a-z0-9-]*)(?: ([0-9/.~'][^\s;:,]*|[A-Z]+\b))?")
 _SWITCHES = {"resume", "allow-change"}
-#: a path flag and its value up to the colon that ends it (`--out runs/a b: ...`)
-_PATH_FLAG = re.compile(r"--(out) ([^:\s]+):")
+#: a path flag and its value up to the colon that ends it (`--out runs/a: ...`); an s3:// URI's
+#: own colon is not followed by a space
+_PATH_FLAG = re.compile(r"--(out) (\S+?):(?=\s|$)")
 
 
 def fit(

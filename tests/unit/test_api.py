@@ -45,3 +45,6 @@ def test_fit_errors_name_fit_arguments_and_help():
     assert as_fit_arguments("--out afile: afile is a file; choose a directory for the run") == (
         "out='afile': afile is a file; choose a directory for the run"
     )
+    assert as_fit_arguments("--out s3://b: a run needs its own prefix") == (
+        "out='s3://b': a run needs its own prefix"
+    )
