@@ -73,9 +73,11 @@ class RunDir:
                 raise SparknetError(
                     f"--out {out}: a run needs its own prefix; write it as s3://BUCKET/PREFIX/RUN"
                 )
-        elif "://" in out:
+            return cls(out, open_store(out, endpoint_url))
+        if "://" in out:
             raise SparknetError(f"--out {out}: write a local path or s3://BUCKET/PREFIX/RUN")
-        return cls(out, open_store(out, endpoint_url))
+        path = str(Path(out).expanduser())  # as the store reads it, so the lock is on that dir
+        return cls(path, open_store(path))
 
     @property
     def on_s3(self) -> bool:
@@ -94,7 +96,7 @@ class RunDir:
 
     def child(self, name: str) -> str:
         """A file of the run, for messages."""
-        return f"{self.store.uri if self.on_s3 else self.text}/{name}"
+        return f"{self}/{name}"
 
     def __str__(self) -> str:
         return self.store.uri if self.on_s3 else self.text
