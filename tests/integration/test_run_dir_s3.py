@@ -251,3 +251,19 @@ def test_on_a_standalone_cluster_the_executors_write_and_read_the_inner_states_o
     for rnd in (1, 2, 3):
         for k in (0, 1):
             assert f"checkpoints/round-{rnd:05d}/inner/partition-{k:05d}.pt" in stored
+
+
+def test_denied_access_to_the_run_dir_is_one_line_before_spark(moto_endpoint):
+    """moto enforces a bucket policy that denies everything: the answer is AWS's 403."""
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    s3.create_bucket(Bucket="denied-runs")
+    statement = {
+        "Effect": "Deny", "Principal": "*", "Action": "s3:*",
+        "Resource": ["arn:aws:s3:::denied-runs", "arn:aws:s3:::denied-runs/*"],
+    }  # fmt: skip
+    policy = {"Version": "2012-10-17", "Statement": [statement]}
+    s3.put_bucket_policy(Bucket="denied-runs", Policy=json.dumps(policy))
+    with pytest.raises(SparknetError) as exc:
+        train(TrainConfig(out="s3://denied-runs/runs/a", **SMALL))
+    assert str(exc.value).startswith("access to s3://denied-runs/runs/a was denied (403); ")
+    assert "\n" not in str(exc.value)
