@@ -268,6 +268,11 @@ def check_python_workers(spark: SparkSession, tasks: int) -> None:
         "set PYSPARK_PYTHON (spark-submit: spark.pyspark.python) to a Python that has sparknet, "
         f"e.g. {sys.executable}, before the SparkSession starts"
     )
+    from sparknet.training.transport import wait_for_executors
+
+    # on a cluster: once its executors are there, so the probe starts every one's Python workers
+    # (and their daemon's torch import) before round 1, rather than during it
+    wait_for_executors(sc, tasks)
     try:
         found = sc.parallelize(range(tasks), tasks).map(probe).collect()
     except (Py4JError, PySparkException) as exc:

@@ -223,7 +223,10 @@ def wait_for_executors(sc: SparkContext, tasks: int) -> dict[str, int]:
     """Executors' cores once they hold `tasks` task slots, or when Spark's own wait for
     executors (spark.scheduler.maxRegisteredResourcesWaitingTime, 30 s) is over: the anchor's
     blocks go where its tasks run, so caching it before the cluster's executors have registered
-    would pile every partition onto the first ones for the whole run."""
+    would pile every partition onto the first ones for the whole run. No wait on a local master,
+    nor with dynamic allocation (executors come when tasks wait for them, not before)."""
+    if is_local_master(sc.master) or _dynamic_allocation(sc):
+        return executor_cores(sc)
     task_cpus = _conf_int(sc, "spark.task.cpus", 1)
     wait_s = _seconds(sc, "spark.scheduler.maxRegisteredResourcesWaitingTime", "30s")
     deadline = time.monotonic() + wait_s
@@ -268,9 +271,7 @@ class SparkTransport:
         without a DataFrame maps over it, so task k runs where block k (and partition k's inner
         state) is. Unpersisted by `close`, or when the transport is dropped."""
         if self._anchor is None:
-            # with dynamic allocation, executors come when tasks wait for them, not before
-            if not self.local and not _dynamic_allocation(self.sc):
-                wait_for_executors(self.sc, self.partitions)
+            wait_for_executors(self.sc, self.partitions)
             anchor = self.sc.parallelize(range(self.partitions), self.partitions)
             anchor.setName("sparknet-partitions").persist(StorageLevel.MEMORY_ONLY)
             anchor.count()
@@ -331,7 +332,11 @@ class SparkTransport:
 
             if frame is None:
 
-                def run(index: int, _rows: Iterator) -> Iterator[tuple[int, R]]:
+                def run(index: int, anchor_rows: Iterator) -> Iterator[tuple[int, R]]:
+                    # read the anchor's one row: a Python worker that leaves a cached input
+                    # unread is not reused (Spark forks a new one for every later task)
+                    for _ in anchor_rows:
+                        pass
                     yield index, call(index, None)
 
                 results = anchor.mapPartitionsWithIndex(run)

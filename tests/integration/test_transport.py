@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -148,3 +149,18 @@ def test_threads_come_from_the_executors_cores_the_jvm_reports(sc):
     assert partition_threads(2, {0: "driver", 1: "driver"}, cores) == {0: 1, 1: 1}
     assert partition_threads(1, {0: "driver"}, cores) == {0: 2}
     assert SparkTransport(sc, 2).task_threads() == {}  # local master: Spark's task cpus
+
+
+def _pid(theta, partition, attempt, threads, local_dir, rows):
+    return [os.getpid()]
+
+
+def test_python_workers_are_reused_round_after_round(sc):
+    """A worker keeps its imports, model and data between rounds only if Spark reuses it."""
+    transport = SparkTransport(sc, 2)
+    seen = set()
+    for _ in range(5):
+        pids, _ = transport.map_reduce(np.zeros(1, np.float32), _pid, list.__add__)
+        seen.update(pids)
+    transport.close()
+    assert len(seen) <= 2, f"{len(seen)} Python workers over 5 rounds of 2 tasks"
