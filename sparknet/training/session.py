@@ -110,6 +110,8 @@ def spark_settings(
         "spark.python.daemon.module": DAEMON_MODULE,
         "spark.locality.wait.process": STICKY_LOCALITY_WAIT,
     }
+    if "spark.locality.wait" in conf:  # the user's wait for every level, this one included
+        del settings["spark.locality.wait.process"]
     if is_local_master(master):
         settings["spark.task.cpus"] = str(task_cpus(master, workers))
     elif gpus_per_worker:

@@ -71,6 +71,9 @@ def test_user_settings_win_over_sparknets_defaults():
     assert settings["spark.python.worker.reuse"] == "true"
     assert settings["spark.locality.wait.process"] == STICKY_LOCALITY_WAIT
     assert "spark.executor.resource.gpu.amount" not in settings
+    # a user's spark.locality.wait covers the process level too, as it does in Spark
+    settings = spark_settings("yarn", 2, {"spark.locality.wait": "1s"})
+    assert "spark.locality.wait.process" not in settings
 
 
 def test_gpus_per_worker_sets_one_gpu_per_task_on_a_cluster_master():
