@@ -83,6 +83,12 @@ def prepare(cfg: TrainConfig, source: Source) -> Problem:
     num_classes = cfg.num_classes or source.num_classes
     if num_classes is None:
         raise SparknetError(f"cannot tell how many classes {cfg.data!r} has; pass --num-classes")
+    local = (cfg.master or "local").startswith("local")  # its tasks use this machine's GPUs
+    if cfg.device == "cuda" and local and not torch.cuda.is_available():
+        raise SparknetError(
+            f"--device cuda, but torch {torch.__version__} sees no GPU on this machine: "
+            "pass --device auto or cpu, or install a CUDA build of torch"
+        )
     if cfg.fail_once_at and cfg.fail_once_at[1] >= cfg.workers:
         raise SparknetError(f"fail_once partition {cfg.fail_once_at[1]} >= --workers {cfg.workers}")
     torch.manual_seed(cfg.seed)

@@ -231,7 +231,9 @@ def _restore_inner_state(task: RoundTask, store: InnerStateStore, partition: int
     """This worker's optimizer state after the previous round, or None (a miss)."""
     state = store.load(partition, task.round - 1)
     if state is None:  # a new executor, or a resumed run: try the checkpoint of this round
-        state = checkpoint.read_inner(task.run_dir, task.round, partition)
+        state = checkpoint.read_inner(
+            task.run_dir, task.round, partition, endpoint_url=task.cfg.endpoint_url
+        )
     return state
 
 
@@ -362,7 +364,9 @@ def _train(
         inner = pack_inner_state(optimizer, scaler)
         store.save(partition, task.round, inner)
         if task.checkpoint_dir is not None:
-            checkpoint.write_inner(task.checkpoint_dir, partition, inner)
+            checkpoint.write_inner(
+                task.checkpoint_dir, partition, inner, endpoint_url=task.cfg.endpoint_url
+            )
     loss_mean = float(torch.stack(losses).mean())
     report = WorkerReport(partition, loss_mean, samples, t1 - t0, t2 - t1, miss, skipped)
     integers = task.layout.integers(state) if partition == 0 else None
