@@ -101,3 +101,28 @@ def test_spark_settings_that_would_break_a_run_stop_it_in_one_line(tmp_path, arg
     assert err.strip().splitlines()[-1].startswith(message), err
     assert "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_dataframe_run_keeps_its_partitions_in_place(standalone, tmp_path):
+    """The DataFrame path maps over the frame's persisted partitions: their blocks, not the
+    anchor's, keep each task on the executor holding its inner state."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sparknet.data.sources import digits
+
+    train, _ = digits()
+    x, y = train.tensors
+    table = pa.table(
+        {"features": [row.tolist() for row in x.reshape(len(x), -1)], "label": y.tolist()}
+    )
+    pq.write_table(table, tmp_path / "digits.parquet")
+    out = tmp_path / "frame"
+    proc = sparknet(
+        "train", "--data", f"parquet:{tmp_path / 'digits.parquet'}", "--model", "mlp",
+        "--workers", "2", "--rounds", "8", "--tau", "2", "--batch-size", "16",
+        "--inner-state", "keep", "--eval-every", "0", "--master", standalone.master,
+        "--out", str(out),
+    )  # fmt: skip
+    finish(proc)
+    assert [r["inner_state_misses"] for r in rows(out)] == [0] * 8
