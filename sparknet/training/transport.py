@@ -258,11 +258,20 @@ class SparkTransport:
 
     name = "spark"
 
-    def __init__(self, sc: SparkContext, partitions: int, fan_in: int | None = None) -> None:
+    def __init__(
+        self,
+        sc: SparkContext,
+        partitions: int,
+        fan_in: int | None = None,
+        sticky: bool | None = None,
+    ) -> None:
+        """`sticky`: map over the cached anchor RDD; default: on a cluster master only (a local
+        master has one executor, where every task finds its state, and skips its cost)."""
         self.sc = sc
         self.partitions = partitions
         self.fan_in = fan_in or default_fan_in(partitions)
         self.local = is_local_master(sc.master)
+        self.sticky = not self.local if sticky is None else sticky
         self._anchor = None
         self._release = None
 
@@ -309,11 +318,12 @@ class SparkTransport:
     ) -> tuple[R, float]:
         """Run `work` on every partition against `theta`; returns (reduced result, broadcast s).
 
-        Without `frame` the job maps over the anchor RDD and the workers read their own data.
+        Without `frame` the job maps over the anchor RDD (on a local master: K plain
+        partitions) and the workers read their own data.
         With a DataFrame of K partitions, the job maps over it (`mapInArrow`) and task k gets
         partition k's rows as Arrow record batches; its persisted blocks keep task k in place.
         """
-        anchor = self.anchor() if frame is None else None
+        anchor = self.anchor() if frame is None and self.sticky else None
         threads_of = self.task_threads(anchor)
         t0 = time.perf_counter()
         bc = self.sc.broadcast(theta)
@@ -339,6 +349,8 @@ class SparkTransport:
                         pass
                     yield index, call(index, None)
 
+                if anchor is None:
+                    anchor = self.sc.parallelize(range(self.partitions), self.partitions)
                 results = anchor.mapPartitionsWithIndex(run)
             else:
                 results = _map_frame(frame, call)

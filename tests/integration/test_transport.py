@@ -117,7 +117,7 @@ def _persisted(sc) -> set[int]:
 
 
 def test_every_job_maps_over_one_cached_anchor_that_close_releases(sc):
-    transport = SparkTransport(sc, 3)
+    transport = SparkTransport(sc, 3, sticky=True)  # the default on a cluster master
     before = _persisted(sc)
     total, _ = transport.map_reduce(np.ones(2, np.float32), _echo, lambda a, b: a + b)
     anchor = transport.anchor()
@@ -136,7 +136,7 @@ def test_every_job_maps_over_one_cached_anchor_that_close_releases(sc):
 
 def test_a_dropped_transport_releases_its_anchor(sc):
     before = _persisted(sc)
-    transport = SparkTransport(sc, 2)
+    transport = SparkTransport(sc, 2, sticky=True)
     transport.map_reduce(np.ones(1, np.float32), _echo, lambda a, b: a + b)
     assert len(_persisted(sc) - before) == 1
     del transport
@@ -157,10 +157,18 @@ def _pid(theta, partition, attempt, threads, local_dir, rows):
 
 def test_python_workers_are_reused_round_after_round(sc):
     """A worker keeps its imports, model and data between rounds only if Spark reuses it."""
-    transport = SparkTransport(sc, 2)
+    transport = SparkTransport(sc, 2, sticky=True)
     seen = set()
     for _ in range(5):
         pids, _ = transport.map_reduce(np.zeros(1, np.float32), _pid, list.__add__)
         seen.update(pids)
     transport.close()
     assert len(seen) <= 2, f"{len(seen)} Python workers over 5 rounds of 2 tasks"
+
+
+def test_a_local_master_caches_nothing(sc):
+    """One executor: every task finds its state there, so no anchor (and no job to cache it)."""
+    before = _persisted(sc)
+    transport = SparkTransport(sc, 2)
+    transport.map_reduce(np.ones(1, np.float32), _echo, lambda a, b: a + b)
+    assert not transport.sticky and _persisted(sc) == before
