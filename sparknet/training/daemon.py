@@ -1,5 +1,5 @@
-"""Spark's Python worker daemon (`spark.python.daemon.module`) with torch and sparknet imported
-once, before it forks the workers.
+"""Spark's Python worker daemon with torch and sparknet imported once, before it forks the
+workers: opt in with `--conf spark.python.daemon.module=sparknet.training.daemon`.
 
 pyspark.daemon forks one Python worker per task slot from a single daemon process per executor;
 every worker then imports what its first task unpickles: torch and sparknet, seconds each on a
@@ -9,6 +9,12 @@ memory (shared copy-on-write). Importing is fork-safe: it starts no thread and n
 thread pool at import but shuts it down around fork() itself (pthread_atfork). pyspark's own
 daemon refuses to import anything before forking for modules that do start threads (pandas,
 pyarrow): this module imports neither.
+
+Not sparknet's default: the import then happens once, serially, when Spark starts the executor's
+first Python worker, instead of in every worker in parallel during round 1. With 2 workers on 2
+cores that made the time to the end of round 1 1.6 s longer (benchmarks/startup.py); it pays
+where workers outnumber free cores, or are forked again later (Spark stops a Python worker idle
+for a minute), and it lets the workers share torch's memory.
 """
 
 from __future__ import annotations

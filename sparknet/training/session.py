@@ -77,9 +77,6 @@ def find_java() -> str:
 #: executor that is lost drops out of the preferences at once, so this never waits for a dead one.
 STICKY_LOCALITY_WAIT = "24h"
 
-#: Spark's Python worker daemon with torch and sparknet imported before it forks the workers
-DAEMON_MODULE = "sparknet.training.daemon"
-
 #: GPU settings `--gpus-per-worker` makes (executor: N GPUs; task: one of them)
 GPU_KEYS = ("spark.executor.resource.gpu.amount", "spark.task.resource.gpu.amount")
 
@@ -105,9 +102,10 @@ def spark_settings(
         "spark.executorEnv.MALLOC_TRIM_THRESHOLD_": str(MALLOC_THRESHOLD),
         "spark.driver.maxResultSize": f"{memory_gb // 2}g",
         "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={log4j.as_uri()}",
-        # a Python worker lives for the whole run and was forked with torch already imported
+        # a Python worker lives for the whole run: it imports torch and sparknet once (the
+        # opt-in daemon, `sparknet.training.daemon`, does so once per executor; not the default:
+        # see benchmarks/startup.py for why)
         "spark.python.worker.reuse": "true",
-        "spark.python.daemon.module": DAEMON_MODULE,
         "spark.locality.wait.process": STICKY_LOCALITY_WAIT,
     }
     if "spark.locality.wait" in conf:  # the user's wait for every level, this one included
@@ -273,7 +271,7 @@ def check_python_workers(spark: SparkSession, tasks: int) -> None:
     from sparknet.training.transport import wait_for_executors
 
     # on a cluster: once its executors are there, so the probe starts every one's Python workers
-    # (and their daemon's torch import) before round 1, rather than during it
+    # before round 1, rather than during it
     wait_for_executors(sc, tasks)
     try:
         found = sc.parallelize(range(tasks), tasks).map(probe).collect()

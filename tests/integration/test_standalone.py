@@ -74,12 +74,14 @@ def threads_mlp(num_classes: int) -> nn.Module:
 
 
 def test_conf_reaches_the_executors_and_tasks_get_their_executors_cores(standalone, tmp_path):
+    """Also runs the opt-in worker daemon that imports torch before it forks."""
     out = tmp_path / "threads"
     proc = sparknet(
         "train", "--data", "digits", "--model", f"{__name__}:threads_mlp", "--workers", "2",
         "--rounds", "2", "--tau", "1", "--eval-every", "1", "--master", standalone.master,
         "--conf", f"spark.executorEnv.PYTHONPATH={REPO}",
-        "--conf", "spark.executorEnv.SPARKNET_TEST_THREADS=1", "--out", str(out),
+        "--conf", "spark.executorEnv.SPARKNET_TEST_THREADS=1",
+        "--conf", "spark.python.daemon.module=sparknet.training.daemon", "--out", str(out),
     )  # fmt: skip
     finish(proc)
     assert [r["round"] for r in rows(out)] == [1, 2]
