@@ -9,8 +9,8 @@ bits, with or without retried tasks.
 
 Sticky partitions: a worker keeps its inner optimizer state on its executor between rounds, so
 partition k's task must run where partition k's task ran before. A plain `parallelize` job's
-tasks have no preference and land on whichever executor is free. Every job here maps over one
-cached K-partition "anchor" RDD made once per run: block k sits on one executor, the scheduler
+tasks have no preference and land on whichever executor is free. On a cluster master every job
+here maps over one cached K-partition "anchor" RDD made once per run: block k sits on one executor, the scheduler
 prefers that executor for task k (PROCESS_LOCAL), and the session waits for it rather than
 giving up after 3 s (`session.STICKY_LOCALITY_WAIT`). A lost executor takes its blocks with it:
 the task runs elsewhere (a counted inner-state miss), recomputes block k there, and stays there.
