@@ -450,6 +450,10 @@ def _run(
             row["elapsed_s"] = elapsed0 + time.perf_counter() - t_start
             if r == start and begin.changes:
                 row["resumed_with_changes"] = begin.changes
+            # the row before the checkpoint: a published checkpoint always has its row (a
+            # resume drops the rows past its checkpoint, so a row without one is harmless)
+            metrics.append(row)
+            events.round(row)
             if pending is not None:
                 checkpoint.write(
                     run.store, done, layout, theta, integers, outer.momentum_buffer,
@@ -457,8 +461,6 @@ def _run(
                 )  # fmt: skip
                 pending = None
                 _write_config(run, cfg)
-            metrics.append(row)
-            events.round(row)
             if on_round is not None:
                 on_round(row)
     finally:

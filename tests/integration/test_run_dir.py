@@ -141,3 +141,21 @@ def test_a_resume_that_changes_the_inner_optimizer_misses_without_a_warning(spar
     warned: list[str] = []
     result = train(changed, resume=True, spark=spark, allow_change=True, on_warning=warned.append)
     assert result.metrics[1]["inner_state_missed"] == [0, 1] and warned == []
+
+
+def test_a_published_checkpoint_already_has_its_metrics_row(spark, tmp_path, monkeypatch):
+    """A kill right after a checkpoint's manifest must not lose that round's row (a resume keeps
+    rows up to its checkpoint): at each publication the row is in metrics.jsonl already."""
+    from sparknet.training import checkpoint
+
+    real_write = checkpoint.write
+    rows_when_published: dict[int, list[int]] = {}
+
+    def write(store, rounds, *args, **kwargs):
+        rows_when_published[rounds] = [r["round"] for r in read_metrics(store)]
+        return real_write(store, rounds, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write", write)
+    out = tmp_path / "run"
+    train(TrainConfig(rounds=2, checkpoint_every=1, out=out, **SMALL), spark=spark)
+    assert rows_when_published == {1: [1], 2: [1, 2]}
