@@ -13,7 +13,7 @@ import io
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
@@ -104,7 +104,18 @@ def _temp_beside(dest: Path) -> Path:
     return dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
 
 
-class LocalStore:
+class _Guarded:
+    """`guard`, when set, runs before every write or delete and raises to stop it: a run dir's
+    store is guarded by its lock's check, so a run that lost its lock writes nothing more."""
+
+    guard: Callable[[], None] | None = None
+
+    def _check_guard(self) -> None:
+        if self.guard is not None:
+            self.guard()
+
+
+class LocalStore(_Guarded):
     """A dataset directory on a local (or network-mounted) filesystem."""
 
     def __init__(self, path: str | Path) -> None:
@@ -179,6 +190,7 @@ class LocalStore:
             return set()
 
     def write_bytes(self, name: str, data: bytes, *, parents: bool = True) -> None:
+        self._check_guard()
         dest = self._path(name)
         if parents:
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -190,14 +202,16 @@ class LocalStore:
             tmp.unlink(missing_ok=True)
 
     def delete(self, names: Iterable[str]) -> None:
+        self._check_guard()
         for name in names:
             self._path(name).unlink(missing_ok=True)
 
     def delete_prefix(self, prefix: str) -> None:
+        self._check_guard()
         shutil.rmtree(self._path(prefix), ignore_errors=True)
 
 
-class S3Store:
+class S3Store(_Guarded):
     """A dataset under an S3 prefix (any S3-compatible store, through `endpoint_url`)."""
 
     def __init__(self, uri: str, endpoint_url: str | None = None) -> None:
@@ -297,6 +311,7 @@ class S3Store:
 
     def write_bytes(self, name: str, data: bytes, *, parents: bool = True) -> None:
         """One PUT (multipart above the threshold: S3 shows the object only once it completes)."""
+        self._check_guard()
         where = self.object_uri(name)
         try:
             self._client().upload_fileobj(
@@ -306,6 +321,7 @@ class S3Store:
             raise s3.describe_client_error(exc, where) from exc
 
     def delete(self, names: Iterable[str]) -> None:
+        self._check_guard()
         keys = [self.object_uri(n).key for n in names]
         try:
             for i in range(0, len(keys), _DELETE_BATCH):

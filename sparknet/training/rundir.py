@@ -42,6 +42,9 @@ LOCK = ".sparknet-lock"
 STALE_S = 300.0
 #: how often a held lock is renewed
 HEARTBEAT_S = 30.0
+#: a run whose renewals have all failed for this long counts its lock as lost (well before
+#: another run may take it over as stale)
+LOST_AFTER_S = STALE_S / 2
 
 #: what a run writes into its dir; anything else there is not a run's
 RUN_ENTRIES = {CONFIG_FILE, METRICS, checkpoint.CHECKPOINTS, MODEL_FILE, CURVES, LOCK}
@@ -166,12 +169,24 @@ def locked(run: RunDir) -> Iterator[Lock]:
         lock = S3Lock(run.store)
         lock.acquire()
         try:
-            yield lock
+            with _guarded(run, lock):
+                yield lock
         finally:
             lock.release()
     else:
         with _flocked(run.local):
             yield Lock()
+
+
+@contextlib.contextmanager
+def _guarded(run: RunDir, lock: Lock) -> Iterator[None]:
+    """Every write and delete through the run's store checks the lock first: a run that lost
+    it stops before its next file instead of mixing it into the run that took the dir over."""
+    run.store.guard = lock.check  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        run.store.guard = None  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager
@@ -225,10 +240,13 @@ class S3Lock(Lock):
         self.renewals = 0
         self.etag: str | None = None
         self.lost = False
+        #: when the last write of the lock that S3 accepted was sent (time.monotonic)
+        self.written_at = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _put(self, **condition: str) -> str:
+        sent = time.monotonic()
         body = json.dumps(
             {"owner": self.owner, "token": self.token, "renewal": self.renewals,
              "renewed_every_s": HEARTBEAT_S}
@@ -236,6 +254,7 @@ class S3Lock(Lock):
         answer = self.store._client().put_object(
             Bucket=self.where.bucket, Key=self.where.key, Body=body, **condition
         )
+        self.written_at = sent
         return answer["ETag"]
 
     def acquire(self) -> None:
@@ -294,6 +313,14 @@ class S3Lock(Lock):
             pass
 
     def check(self) -> None:
+        silent = time.monotonic() - self.written_at
+        if not self.lost and silent > LOST_AFTER_S:
+            self.lost = True
+            raise SparknetError(
+                f"this run could not renew its lock on {self.store.uri} for {silent:.0f} s, so "
+                f"another run may take the dir over; it stops so the two do not mix their files "
+                "(check the connection to S3, then resume it with --resume)"
+            )
         if self.lost:
             raise SparknetError(
                 f"this run lost its lock on {self.store.uri} (another run took it over or removed "

@@ -167,10 +167,31 @@ def test_a_lock_taken_over_stops_the_run_that_lost_it(bucket, moto_endpoint):
         lock.renew()
         with pytest.raises(SparknetError, match="lost its lock"):
             lock.check()
+        # every write or delete through the run dir's store checks the lock first
+        with pytest.raises(SparknetError, match="lost its lock"):
+            run.store.write_bytes("metrics.jsonl", b"{}\n")
+        with pytest.raises(SparknetError, match="lost its lock"):
+            run.store.delete([rundir.LOCK])
+    assert set(_keys(s3, bucket, "runs/d")) == {rundir.LOCK}
     # the lock it lost is the other run's: left in place
     assert s3.get_object(Bucket=bucket, Key=f"runs/d/{rundir.LOCK}")["Body"].read() == (
         b'{"owner": "other:2"}'
     )
+
+
+def test_a_run_whose_renewals_fail_for_long_counts_its_lock_as_lost(bucket, moto_endpoint):
+    """Renewals that fail (S3 unreachable) for LOST_AFTER_S stop the run's writes before another
+    run may take the lock over as stale (the clock is moved, not waited for)."""
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    run = rundir.RunDir.open(f"s3://{bucket}/runs/f")
+    with rundir.locked(run) as lock:
+        run.store.write_bytes("metrics.jsonl", b"")
+        lock.written_at -= rundir.LOST_AFTER_S + 1
+        with pytest.raises(SparknetError, match=r"could not renew its lock .* for \d+ s"):
+            run.store.write_bytes("curves.png", b"x")
+        with pytest.raises(SparknetError, match="lost its lock"):
+            lock.check()
+    assert set(_keys(s3, bucket, "runs/f")) == {rundir.LOCK, "metrics.jsonl"}
 
 
 def test_s3_problems_are_one_line_before_spark_starts(moto_endpoint, tmp_path):
