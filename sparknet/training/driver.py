@@ -274,7 +274,7 @@ def train(
 def _finished(cfg: TrainConfig, run: RunDir) -> RunResult:
     """A resumed run whose last round is already checkpointed needs no Spark: (re)write what an
     interrupt after that checkpoint may have left out (model.safetensors, curves.png)."""
-    weights = run.store.read_bytes(f"{checkpoint.name(cfg.rounds)}/{checkpoint.WEIGHTS}")
+    weights = checkpoint.read_weights(run.store, cfg.rounds)
     run.store.write_bytes(MODEL_FILE, weights)  # the same tensors, the model's own keys
     rows = MetricsLog(run.store, keep_rounds=cfg.rounds).rows
     plot_curves(rows, run.store)
@@ -376,9 +376,10 @@ class _Begin:
 
 def _initial_state(cfg: TrainConfig, problem: Problem, run: RunDir, resume: bool) -> _Begin:
     state = problem.model.state_dict()
-    layout = StateLayout.of(state)
+    layout = StateLayout.of_model(problem.model)
+    buffers = layout.buffer_mask()
     if not resume:
-        outer = OuterOptimizer(layout.flatten(state), cfg.outer_lr, cfg.outer_momentum)
+        outer = OuterOptimizer(layout.flatten(state), cfg.outer_lr, cfg.outer_momentum, buffers)
         return _Begin(layout, outer, layout.integers(state), 0, 0.0)
     last = checkpoint.latest(run.store)
     if last is None:
@@ -391,7 +392,7 @@ def _initial_state(cfg: TrainConfig, problem: Problem, run: RunDir, resume: bool
         raise SparknetError(
             f"{run} already ran {ckpt.rounds} rounds; pass --rounds N with N > {ckpt.rounds}"
         )
-    outer = OuterOptimizer(ckpt.theta, cfg.outer_lr, cfg.outer_momentum)
+    outer = OuterOptimizer(ckpt.theta, cfg.outer_lr, cfg.outer_momentum, buffers)
     outer.load_momentum_buffer(ckpt.outer_momentum)
     return _Begin(layout, outer, ckpt.integers, ckpt.rounds, ckpt.elapsed_s)
 

@@ -7,6 +7,10 @@ as if it were a gradient:
 - `average` (SparkNet): SGD with lr 1 and no momentum, so theta_{r+1} = mean_k theta_k.
 - `nesterov` (DiLoCo): SGD with Nesterov momentum, exactly `torch.optim.SGD(nesterov=True)`:
   b <- mu * b + delta;  theta <- theta - lr * (delta + mu * b).
+
+Either way only parameters are stepped: float buffers (BatchNorm running statistics, marked by
+`StateLayout.buffer_mask`) take the workers' plain mean, theta - delta. An extrapolated running
+variance can go below zero and make every evaluation NaN.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class OuterOptimizer:
         theta: initial global weights (float32, copied).
         lr: outer learning rate; 1.0 with momentum 0 is plain SparkNet averaging.
         momentum: Nesterov momentum; 0 turns Nesterov off.
+        buffers: True at the positions of float buffers, which are averaged, never stepped.
 
     Example:
         >>> opt = OuterOptimizer(np.zeros(3, np.float32), lr=1.0, momentum=0.0)
@@ -41,20 +46,30 @@ class OuterOptimizer:
         [-1.0, -1.0, -1.0]
     """
 
-    def __init__(self, theta: np.ndarray, lr: float, momentum: float) -> None:
+    def __init__(
+        self, theta: np.ndarray, lr: float, momentum: float, buffers: np.ndarray | None = None
+    ) -> None:
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         self.theta = torch.tensor(theta, dtype=torch.float32)
         self._opt = torch.optim.SGD([self.theta], lr=lr, momentum=momentum, nesterov=momentum > 0)
+        self._buffers = None if buffers is None else torch.from_numpy(np.asarray(buffers, bool))
 
     @torch.no_grad()
     def step(self, delta: np.ndarray) -> np.ndarray:
-        """Apply one outer step; returns the new global weights (a view, do not modify)."""
-        self.theta.grad = torch.from_numpy(delta)
+        """Apply one outer step; returns the new global weights (a view, do not modify).
+        Buffers get theta - delta, the workers' mean; their momentum stays zero."""
+        grad = torch.from_numpy(delta)
+        if self._buffers is not None:
+            mean = self.theta[self._buffers] - grad[self._buffers]
+            grad = grad.masked_fill(self._buffers, 0.0)
+        self.theta.grad = grad
         self._opt.step()
         self.theta.grad = None
+        if self._buffers is not None:
+            self.theta[self._buffers] = mean
         return self.theta.numpy()
 
     @property

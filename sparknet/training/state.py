@@ -2,6 +2,9 @@
 
 Every floating-point entry of the state_dict travels, parameters and buffers alike, so BatchNorm
 running statistics are averaged with the weights (PyTorch's own model averagers skip buffers).
+The layout knows which float entries are buffers: the outer optimizer steps only parameters and
+gives buffers the workers' plain mean (Nesterov momentum would extrapolate a running variance
+below zero).
 Integer and bool buffers (e.g. `num_batches_tracked`) are not averaged: they travel beside the
 flat buffer and the driver keeps worker 0's. Float64 entries travel as float32.
 """
@@ -9,7 +12,7 @@ flat buffer and the driver keeps worker 0's. Float64 entries travel as float32.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +25,8 @@ class Entry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     offset: int  # into the flat buffer; -1 for entries that travel beside it
+    #: a float buffer (BatchNorm running statistics) rather than a parameter: averaged, not stepped
+    buffer: bool = False
 
     @property
     def numel(self) -> int:
@@ -36,15 +41,36 @@ class StateLayout:
     size: int
 
     @classmethod
-    def of(cls, state: Mapping[str, torch.Tensor]) -> StateLayout:
+    def of(
+        cls, state: Mapping[str, torch.Tensor], parameters: Collection[str] | None = None
+    ) -> StateLayout:
+        """The layout of `state`; `parameters` names its parameters (None: every float entry is
+        one), so that the other float entries are known as buffers."""
         entries, offset = [], 0
         for name, t in state.items():
             if t.is_floating_point():
-                entries.append(Entry(name, tuple(t.shape), t.dtype, offset))
+                buffer = parameters is not None and name not in parameters
+                entries.append(Entry(name, tuple(t.shape), t.dtype, offset, buffer))
                 offset += t.numel()
             else:
                 entries.append(Entry(name, tuple(t.shape), t.dtype, -1))
         return cls(tuple(entries), offset)
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module) -> StateLayout:
+        """The layout of `model.state_dict()`, its parameters told from its buffers."""
+        names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        return cls.of(model.state_dict(), names)
+
+    def buffer_mask(self) -> np.ndarray | None:
+        """True where the flat buffer holds a float buffer's values; None when there are none."""
+        spans = [e for e in self.entries if e.offset >= 0 and e.buffer]
+        if not spans:
+            return None
+        mask = np.zeros(self.size, dtype=bool)
+        for e in spans:
+            mask[e.offset : e.offset + e.numel] = True
+        return mask
 
     @property
     def nbytes(self) -> int:

@@ -54,3 +54,26 @@ def test_bad_hyperparameters_are_rejected(lr, momentum):
 def test_mean_update_rejects_zero_workers():
     with pytest.raises(ValueError, match="workers"):
         mean_update(torch.zeros(1).numpy(), 0)
+
+
+def test_nesterov_steps_parameters_and_averages_buffers():
+    """Nesterov would extrapolate this running variance to 0.05 - 0.056 < 0; buffers take the
+    workers' plain mean each round (0.05 - 3 * 0.01), parameters the Nesterov step."""
+    theta = np.array([1.0, 0.05, 2.0], np.float32)  # parameter, running_var, parameter
+    opt = OuterOptimizer(theta, lr=0.7, momentum=0.9, buffers=np.array([False, True, False]))
+    plain = OuterOptimizer(theta, lr=0.7, momentum=0.9)
+    delta = np.array([0.5, 0.01, -1.0], np.float32)
+    for _ in range(3):
+        got, want = opt.step(delta.copy()), plain.step(delta.copy())
+    assert want[1] < 0
+    np.testing.assert_allclose(got[1], 0.02, rtol=1e-5)
+    np.testing.assert_array_equal(got[[0, 2]], want[[0, 2]])
+    assert opt.momentum_buffer[1] == 0
+
+
+def test_buffers_get_exactly_the_mean_in_one_step():
+    theta = np.array([1.0, 0.5], np.float32)
+    opt = OuterOptimizer(theta, lr=0.7, momentum=0.9, buffers=np.array([False, True]))
+    got = opt.step(np.array([0.25, 0.125], np.float32))
+    assert got[1] == np.float32(0.5) - np.float32(0.125)
+    assert got[0] == pytest.approx(1.0 - 0.7 * (0.25 + 0.9 * 0.25))

@@ -51,3 +51,17 @@ def test_unflatten_onto_a_device_copies_the_buffer_once_and_views_it():
         t.untyped_storage().data_ptr() == first for t in back.values() if t.is_floating_point()
     )
     assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+def test_of_model_marks_batchnorm_statistics_as_buffers():
+    model = cnn((1, 8, 8), 10)
+    layout = StateLayout.of_model(model)
+    buffers = {e.name for e in layout.entries if e.offset >= 0 and e.buffer}
+    assert buffers == {"1.running_mean", "1.running_var", "4.running_mean", "4.running_var"}
+    mask = layout.buffer_mask()
+    state = model.state_dict()
+    flat = layout.flatten(state)
+    want = np.concatenate([state[n].reshape(-1).numpy() for n in sorted(buffers)])
+    assert mask.sum() == want.size
+    np.testing.assert_array_equal(np.sort(flat[mask]), np.sort(want))
+    assert StateLayout.of(state).buffer_mask() is None
