@@ -22,10 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from sparknet.data.store import LocalStore, MissingObjectError, Store, open_store
+from sparknet.errors import SparknetError
 from sparknet.training.state import StateLayout
 
 CHECKPOINTS = "checkpoints"
@@ -154,18 +156,50 @@ def latest(store: Store) -> int | None:
     return max(_complete(store), default=None)
 
 
+#: what a damaged checkpoint file raises when parsed
+_DAMAGE = (ValueError, KeyError, TypeError, RuntimeError, SafetensorError)
+
+
+def _damaged(store: Store, rounds: int, file: str, exc: Exception) -> SparknetError:
+    detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return SparknetError(
+        f"checkpoint {store.uri}/{name(rounds)} is damaged ({file}: {detail}); delete that "
+        "checkpoint dir to resume from the one before it"
+    )
+
+
+def read_weights(store: Store, rounds: int) -> bytes:
+    """The checkpoint's weights file, checked to parse as safetensors (never handed on unread:
+    a damaged file would become a damaged model.safetensors)."""
+    data = store.read_bytes(f"{name(rounds)}/{WEIGHTS}")
+    try:
+        load_safetensors(data)
+    except _DAMAGE as exc:
+        raise _damaged(store, rounds, WEIGHTS, exc) from exc
+    return data
+
+
 def load(store: Store, rounds: int, layout: StateLayout) -> Checkpoint:
+    """The checkpoint after `rounds`; a file that does not parse is one error naming it."""
     where = name(rounds)
-    state = json.loads(store.read_bytes(f"{where}/{MANIFEST}"))
-    weights = load_safetensors(store.read_bytes(f"{where}/{WEIGHTS}"))
-    if store.size(f"{where}/{OUTER}") is None:
-        momentum = None
-    else:
-        momentum = load_safetensors(store.read_bytes(f"{where}/{OUTER}"))["momentum_buffer"]
+    file = MANIFEST
+    try:
+        state = json.loads(store.read_bytes(f"{where}/{MANIFEST}"))
+        stored_rounds, elapsed_s = int(state["rounds"]), float(state["elapsed_s"])
+        file = WEIGHTS
+        weights = load_safetensors(store.read_bytes(f"{where}/{WEIGHTS}"))
+        theta, integers = layout.flatten(weights), layout.integers(weights)
+        file = OUTER
+        if store.size(f"{where}/{OUTER}") is None:
+            momentum = None
+        else:
+            momentum = load_safetensors(store.read_bytes(f"{where}/{OUTER}"))["momentum_buffer"]
+    except _DAMAGE as exc:
+        raise _damaged(store, rounds, file, exc) from exc
     return Checkpoint(
-        rounds=int(state["rounds"]),
-        theta=layout.flatten(weights),
-        integers=layout.integers(weights),
+        rounds=stored_rounds,
+        theta=theta,
+        integers=integers,
         outer_momentum=None if momentum is None else momentum.numpy(),
-        elapsed_s=float(state["elapsed_s"]),
+        elapsed_s=elapsed_s,
     )

@@ -103,3 +103,36 @@ def test_resume_changes_that_change_nothing_for_the_data_are_not_changes():
     changes = {"num_classes": (None, 10), "image_size": (64, 32), "lr": (0.05, 0.1)}
     assert _effective(changes, problem) == {"lr": (0.05, 0.1)}
     assert _effective({"num_classes": (None, 7)}, problem) == {"num_classes": (None, 7)}
+
+
+@pytest.mark.parametrize(
+    ("rounds", "damage"),
+    [(2, {"weights.safetensors": b"not safetensors"}), (3, {"state.json": b""})],
+)
+def test_a_damaged_checkpoint_is_one_error_naming_it_and_nothing_is_copied(
+    tmp_path, rounds, damage
+):
+    """A resume from a checkpoint whose files do not parse names it and says what to do (before
+    Spark: none is given here); garbage weights never become model.safetensors."""
+    from sparknet.data.store import LocalStore
+    from sparknet.training import checkpoint
+    from sparknet.training.state import StateLayout
+    from tests.helpers import initial_model
+
+    cfg = TrainConfig(out=tmp_path, rounds=rounds, **SMALL)
+    state = initial_model(cfg).state_dict()
+    layout = StateLayout.of(state)
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    flat = layout.flatten(state)
+    last = tmp_path / checkpoint.write(
+        LocalStore(tmp_path), 2, layout, flat, layout.integers(state), None, 2.0, cfg.to_yaml()
+    )
+    for file, data in damage.items():
+        (last / file).write_bytes(data)
+    with pytest.raises(SparknetError) as exc:
+        train(cfg, resume=True)
+    (file,) = damage
+    assert str(exc.value).startswith(f"checkpoint {last} is damaged ({file}: ")
+    assert str(exc.value).endswith("delete that checkpoint dir to resume from the one before it")
+    assert "\n" not in str(exc.value)
+    assert not (tmp_path / "model.safetensors").exists()
