@@ -90,8 +90,8 @@ def _wait_past_newest(log_dir: Path) -> None:
     the run it continues could sort first and its purge marker would be read before the events
     it drops."""
     stamps = [int(_STAMP.match(p.name)[1]) for p in _event_files(log_dir)]
-    if stamps:
-        time.sleep(max(0.0, max(stamps) + 1 - time.time()))
+    if stamps:  # a file stamped further ahead (clock skew, a stray file) is not waited for
+        time.sleep(min(1.0, max(0.0, max(stamps) + 1 - time.time())))
 
 
 def _event_files(log_dir: Path) -> list[Path]:

@@ -88,3 +88,13 @@ def test_a_resume_drops_the_rolled_back_rounds(tmp_path):
     assert s["train/loss"] == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 24.0), (5, 25.0), (6, 26.0),
                                (7, 27.0)]  # fmt: skip
     assert s["eval/loss"] == [(2, 6.0), (4, 12.0), (6, 13.0)]
+
+
+def test_a_future_stamped_event_file_delays_a_new_log_at_most_a_second(tmp_path):
+    """A stray file stamped an hour ahead (clock skew) must not stall the run for that hour."""
+    import time
+
+    (tmp_path / f"events.out.tfevents.{int(time.time()) + 3600}.host.1.0").touch()
+    t0 = time.monotonic()
+    EventLog(tmp_path).close()
+    assert time.monotonic() - t0 < 3.0
