@@ -94,6 +94,8 @@ def test_a_future_stamped_event_file_delays_a_new_log_at_most_a_second(tmp_path)
     """A stray file stamped an hour ahead (clock skew) must not stall the run for that hour."""
     import time
 
+    import torch.utils.tensorboard  # noqa: F401  (imported before the clock starts)
+
     (tmp_path / f"events.out.tfevents.{int(time.time()) + 3600}.host.1.0").touch()
     t0 = time.monotonic()
     EventLog(tmp_path).close()
