@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from py4j.protocol import Py4JError
@@ -135,11 +135,31 @@ def _check_user_conf(master: str, conf: Mapping[str, str], gpus_per_worker: int)
             f"{master} runs every task in one process, where a task trains on cuda:0 when "
             "there is a GPU"
         )
+    if "spark.task.cpus" in conf and not _positive_int(conf["spark.task.cpus"]):
+        raise SparknetError(
+            f"Spark setting spark.task.cpus={conf['spark.task.cpus']}: the cores each task "
+            "takes must be a whole number, at least 1"
+        )
     if gpus_per_worker and (given := [k for k in GPU_KEYS if k in conf]):
         raise SparknetError(
             f"--gpus-per-worker sets {given[0]}; drop one of the two (the Spark setting or "
             "--gpus-per-worker)"
         )
+
+
+def _positive_int(value: str) -> bool:
+    return value.strip().isdigit() and int(value) >= 1
+
+
+def spark_warnings(conf: Mapping[str, str]) -> list[str]:
+    """What a user setting costs that sparknet lets through: one line each."""
+    out = []
+    if conf.get("spark.python.worker.reuse", "true").strip().lower() == "false":
+        out.append(
+            "Spark setting spark.python.worker.reuse=false: every task starts a new Python "
+            "worker that imports torch again (seconds per task, every round); drop it"
+        )
+    return out
 
 
 def start_session(
@@ -153,6 +173,8 @@ def start_session(
     master = master or embedded_master()
     settings = spark_settings(master, workers, conf, gpus_per_worker)
     find_java()
+    for line in spark_warnings(conf or {}):
+        print(f"warning: {line}", file=sys.stderr, flush=True)
     # PySpark's driver picks the executors' Python from this variable, not from the conf.
     os.environ.setdefault("PYSPARK_PYTHON", settings["spark.pyspark.python"])
     builder = SparkSession.builder.master(master)
@@ -160,22 +182,108 @@ def start_session(
         builder = builder.config(key, value)
     if is_local_master(master) or master.startswith("local-cluster"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # everything stays on loopback
-    with _gateway_killed_on_failure():
+    jvm_stderr = _HeldStderr()
+    with _gateway_killed_on_failure(jvm_stderr):
         try:
             with _keep_sigint_handler():
                 session = builder.getOrCreate()
-        except PySparkException as exc:
-            raise SparknetError(
-                f"could not start Spark (master {master}): {str(exc).splitlines()[0]}; check "
-                "that Java 17+ is installed (java on PATH or JAVA_HOME) and that the master is "
-                "reachable"
-            ) from exc
+        except (PySparkException, Py4JError) as exc:
+            raise SparknetError(_start_failure(master, conf or {}, exc, jvm_stderr)) from exc
         session.sparkContext.setLogLevel("FATAL")  # failures reach the user as SparknetError
+    jvm_stderr.release(show=True)
     return session
 
 
+def _start_failure(
+    master: str, conf: Mapping[str, str], exc: Exception, jvm_stderr: _HeldStderr
+) -> str:
+    """One line for a session that did not start: the JVM's own exception message where it gave
+    one (a bad setting: Spark's launcher refuses it and exits), with the user's settings named;
+    otherwise PySpark's, with the usual causes, and the JVM's held stderr shown after all."""
+    java = jvm_stderr.exception_message() or _java_message(exc)
+    if java is not None and "stopped SparkContext" in java:
+        java = None  # the master dropped the application: see below
+    yours = ", ".join(f"{k}={v}" for k, v in conf.items())
+    jvm_stderr.release(show=java is None)
+    if java is not None:
+        settings = f" (your Spark settings: {yours})" if yours else ""
+        return f"could not start Spark (master {master}): {java}{settings}"
+    if isinstance(exc, Py4JError):  # the JVM started, then gave up (stopped, or gone)
+        return (
+            f"could not start Spark (master {master}): the session stopped while starting; "
+            "check that the master is reachable from here and has a worker with free cores"
+        )
+    return (
+        f"could not start Spark (master {master}): {_first_line(exc)}; check "
+        "that Java 17+ is installed (java on PATH or JAVA_HOME) and that the master is "
+        "reachable"
+    )
+
+
+def _first_line(exc: Exception) -> str:
+    """str(exc)'s first line; a Py4J error's str asks the JVM, which may be gone."""
+    try:
+        text = str(exc).strip()
+    except Exception:
+        return type(exc).__name__
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _java_message(exc: Exception) -> str | None:
+    """The message of the Java exception behind a Py4J error (e.g. SparkContext's own checks)."""
+    java = getattr(exc, "java_exception", None)
+    text = _first_line(java) if java is not None else ""
+    first = text if text != type(java).__name__ else ""
+    _, sep, message = first.partition(": ")
+    return message.strip() or None if sep else None
+
+
+class _HeldStderr:
+    """The gateway JVM's stderr, held while the session starts: a setting Spark refuses prints a
+    Java stack trace there that the one-line error says already. Shown once the session is up,
+    or when a failure is not explained by it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[bytes] | None = []
+        self._show = True
+        self.closed = threading.Event()  # the JVM closed its stderr (it exited)
+
+    def write(self, line: bytes) -> None:
+        with self._lock:
+            if self._held is not None:
+                self._held.append(line)
+                return
+        if self._show:
+            with contextlib.suppress(OSError):
+                os.write(2, line)
+
+    def exception_message(self) -> str | None:
+        """`message` of an `Exception in thread "main" x.y.SomeException: message` line (a
+        JVM that exited has a moment to have its last lines read)."""
+        self.closed.wait(1.0)
+        with self._lock:
+            lines = list(self._held or [])
+        for raw in lines:
+            line = raw.decode(errors="replace").strip()
+            if line.startswith("Exception in thread"):
+                _, sep, message = line.partition("Exception: ")
+                if sep and message.strip():
+                    return message.strip()
+        return None
+
+    def release(self, show: bool) -> None:
+        """Write what is held (if `show`), and from now on pass lines through (or drop them)."""
+        with self._lock:
+            held, self._held, self._show = self._held or [], None, show
+        if show:
+            for line in held:
+                with contextlib.suppress(OSError):
+                    os.write(2, line)
+
+
 @contextlib.contextmanager
-def _gateway_killed_on_failure():
+def _gateway_killed_on_failure(jvm_stderr: _HeldStderr):
     """Kill the JVM PySpark launches when the session does not come up (Ctrl-C or SIGTERM while
     Spark starts): PySpark only waits for it, so it would live on as an orphan holding its
     multi-GiB heap, and later print pages of NoSuchFileException for the connection file PySpark
@@ -190,7 +298,9 @@ def _gateway_killed_on_failure():
         proc = real(*args, **kwargs)
         started.append(proc)
         if proc.stderr is not None:
-            threading.Thread(target=_forward_jvm_stderr, args=(proc.stderr,), daemon=True).start()
+            threading.Thread(
+                target=_forward_jvm_stderr, args=(proc.stderr, jvm_stderr), daemon=True
+            ).start()
         return proc
 
     java_gateway.Popen = popen
@@ -215,14 +325,13 @@ _JVM_NOISE = (
 )
 
 
-def _forward_jvm_stderr(pipe) -> None:
-    """Copy the gateway JVM's stderr to ours, less `_JVM_NOISE`. It keeps reading to the end
+def _forward_jvm_stderr(pipe, out: _HeldStderr) -> None:
+    """Copy the gateway JVM's stderr to `out`, less `_JVM_NOISE`. It keeps reading to the end
     whatever happens to our stderr: a JVM blocked on a full pipe would hang the run."""
     for line in iter(pipe.readline, b""):
-        if line.startswith(_JVM_NOISE):
-            continue
-        with contextlib.suppress(OSError):
-            os.write(2, line)
+        if not line.startswith(_JVM_NOISE):
+            out.write(line)
+    out.closed.set()
 
 
 @contextlib.contextmanager
@@ -254,16 +363,38 @@ def stop_quietly(session: SparkSession) -> None:
         session.stop()
 
 
-def check_python_workers(spark: SparkSession, tasks: int) -> None:
+#: how long the probe job may take: it starts every executor's Python workers, which import
+#: torch first under the opt-in daemon (seconds); a job no executor can run would wait forever
+PROBE_LIMIT_S = 120.0
+
+
+def user_modules(*specs: str | None) -> tuple[str, ...]:
+    """The modules of `package.module:factory` specs (`--model`, `--data`), which the Python
+    workers import too; names without `:` are sparknet's own."""
+    return tuple(spec.partition(":")[0] for spec in specs if spec and ":" in spec)
+
+
+def check_python_workers(spark: SparkSession, tasks: int, modules: Sequence[str] = ()) -> None:
     """Fail before the first training job when Spark's Python workers cannot import sparknet
-    (a user's session started without PYSPARK_PYTHON runs them on `python3` from PATH), instead
-    of after every task's retries."""
+    (a user's session started without PYSPARK_PYTHON runs them on `python3` from PATH), or the
+    user's `modules` (`user_modules`: on a cluster they resolve against the executor's
+    directory, not the driver's), instead of after every task's retries."""
     sc = spark.sparkContext
-    # a lambda is pickled by value: unpickling it on the executors needs no sparknet
-    probe = lambda _: (  # noqa: E731
-        __import__("sys").executable,
-        __import__("importlib.util").util.find_spec("sparknet") is not None,
-    )
+    names = ("sparknet", *modules)
+
+    def probe(_):
+        # defined here, so pickled by value: unpickling it on the executors needs no sparknet
+        import importlib.util
+        import sys as worker_sys
+
+        def lost(name: str) -> bool:
+            try:
+                return importlib.util.find_spec(name) is None
+            except (ImportError, ValueError):
+                return True
+
+        return worker_sys.executable, [name for name in names if lost(name)]
+
     fix = (
         "set PYSPARK_PYTHON (spark-submit: spark.pyspark.python) to a Python that has sparknet, "
         f"e.g. {sys.executable}, before the SparkSession starts"
@@ -274,15 +405,51 @@ def check_python_workers(spark: SparkSession, tasks: int) -> None:
     # before round 1, rather than during it
     wait_for_executors(sc, tasks)
     try:
-        found = sc.parallelize(range(tasks), tasks).map(probe).collect()
+        found = _collect_within(sc, sc.parallelize(range(tasks), tasks).map(probe), PROBE_LIMIT_S)
     except (Py4JError, PySparkException) as exc:
         cause = _worker_failure(exc)
         raise SparknetError(f"Spark's Python workers did not start ({cause}); {fix}") from exc
-    missing = sorted({exe for exe, ok in found if not ok})
-    if missing:
+    if missing := sorted({exe for exe, lost in found if "sparknet" in lost}):
         raise SparknetError(
             f"Spark's Python workers ({', '.join(missing)}) cannot import sparknet: {fix}"
         )
+    if lost := sorted({name for _, names_lost in found for name in names_lost}):
+        raise SparknetError(
+            f"Spark's Python workers cannot import {', '.join(lost)} (your --model/--data "
+            "module): ship it to every executor (--conf spark.submit.pyFiles=FILE.py or a .zip, "
+            "--conf spark.executorEnv.PYTHONPATH=DIR on every worker, or install it in their "
+            "Python)"
+        )
+
+
+def _collect_within(sc, rdd, limit_s: float) -> list:
+    """`rdd.collect()`, cancelled after `limit_s` seconds with a SparknetError: a job whose
+    tasks no executor can take (no GPU, too few cores) waits in Spark forever."""
+    group = f"sparknet-probe-{id(rdd)}"
+    out: dict = {}
+
+    def run() -> None:
+        sc.setJobGroup(group, "sparknet: Python workers", interruptOnCancel=True)
+        try:
+            out["rows"] = rdd.collect()
+        except BaseException as exc:  # handed to the caller's thread
+            out["error"] = exc
+
+    from pyspark import InheritableThread
+
+    thread = InheritableThread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    if thread.is_alive():
+        sc.cancelJobGroup(group)
+        thread.join(10)
+        raise SparknetError(
+            f"Spark's Python workers did not start in {limit_s:.0f} s: no executor took the "
+            "probe's tasks (check the executors' cores, GPUs and memory against the tasks')"
+        )
+    if "error" in out:
+        raise out["error"]
+    return out["rows"]
 
 
 def _worker_failure(exc: Exception) -> str:

@@ -10,10 +10,11 @@ bits, with or without retried tasks.
 Sticky partitions: a worker keeps its inner optimizer state on its executor between rounds, so
 partition k's task must run where partition k's task ran before. A plain `parallelize` job's
 tasks have no preference and land on whichever executor is free. On a cluster master every job
-here maps over one cached K-partition "anchor" RDD made once per run: block k sits on one executor, the scheduler
-prefers that executor for task k (PROCESS_LOCAL), and the session waits for it rather than
-giving up after 3 s (`session.STICKY_LOCALITY_WAIT`). A lost executor takes its blocks with it:
-the task runs elsewhere (a counted inner-state miss), recomputes block k there, and stays there.
+here maps over one cached K-partition "anchor" RDD made once per run: block k sits on one
+executor, the scheduler prefers that executor for task k (PROCESS_LOCAL), and the session waits
+for it rather than giving up after 3 s (`session.STICKY_LOCALITY_WAIT`). A lost executor takes
+its blocks with it: the task runs elsewhere (a counted inner-state miss), recomputes block k
+there, and stays there for the rest of the run (README: "Sticky partitions").
 """
 
 from __future__ import annotations
@@ -219,24 +220,71 @@ def _dynamic_allocation(sc: SparkContext) -> bool:
     return sc.getConf().get("spark.dynamicAllocation.enabled", "false").strip().lower() == "true"
 
 
+#: the registered executors unchanged this long (with a slot among them): no more are coming
+SETTLED_S = 2.0
+
+#: the SparkContexts whose executors were waited for already (once per session is enough)
+_WAITED: weakref.WeakSet = weakref.WeakSet()
+
+
+def task_slots(cores: Mapping[str, int], task_cpus: int, gpus: int) -> int:
+    """Tasks the executors of `cores` run at once: cores // spark.task.cpus each, at most one
+    per GPU when the executors have `gpus` each."""
+    return sum(min(c // task_cpus, gpus) if gpus else c // task_cpus for c in cores.values())
+
+
 def wait_for_executors(sc: SparkContext, tasks: int) -> dict[str, int]:
-    """Executors' cores once they hold `tasks` task slots, or when Spark's own wait for
-    executors (spark.scheduler.maxRegisteredResourcesWaitingTime, 30 s) is over: the anchor's
-    blocks go where its tasks run, so caching it before the cluster's executors have registered
-    would pile every partition onto the first ones for the whole run. No wait on a local master,
-    nor with dynamic allocation (executors come when tasks wait for them, not before)."""
-    if is_local_master(sc.master) or _dynamic_allocation(sc):
+    """Executors' cores once they hold `tasks` task slots, or once the registered executors
+    stop changing (`SETTLED_S`), or when Spark's own wait for executors
+    (spark.scheduler.maxRegisteredResourcesWaitingTime, 30 s) is over: the anchor's blocks go
+    where its tasks run, so caching it before the cluster's executors have registered would pile
+    every partition onto the first ones for the whole run. Once per session. No slot at all
+    after the wait is a SparknetError naming why: a job would wait forever. No wait on a local
+    master, nor with dynamic allocation (executors come when tasks wait for them, not before)."""
+    if is_local_master(sc.master) or _dynamic_allocation(sc) or sc in _WAITED:
         return executor_cores(sc)
     task_cpus = _conf_int(sc, "spark.task.cpus", 1)
+    gpus = _conf_int(sc, "spark.executor.resource.gpu.amount", 0)
     wait_s = _seconds(sc, "spark.scheduler.maxRegisteredResourcesWaitingTime", "30s")
     deadline = time.monotonic() + wait_s
-    gpus = _conf_int(sc, "spark.executor.resource.gpu.amount", 0)
+    seen: dict[str, int] | None = None
+    since = time.monotonic()
     while True:
         cores = executor_cores(sc)
-        slots = sum(min(c // task_cpus, gpus) if gpus else c // task_cpus for c in cores.values())
-        if slots >= tasks or time.monotonic() > deadline:
-            return cores
+        slots = task_slots(cores, task_cpus, gpus)
+        now = time.monotonic()
+        if cores != seen:
+            seen, since = cores, now
+        if slots >= tasks or now > deadline or (slots and now - since >= SETTLED_S):
+            break
         time.sleep(0.2)
+    _WAITED.add(sc)
+    if not slots:
+        raise SparknetError(_no_slot(cores, task_cpus, gpus, wait_s))
+    return cores
+
+
+def _no_slot(cores: Mapping[str, int], task_cpus: int, gpus: int, wait_s: float) -> str:
+    """Why no task can run after `wait_s` seconds of waiting for executors, in one line."""
+    if gpus and not cores:
+        return (
+            f"no executor with a GPU registered in {wait_s:.0f} s; the workers need "
+            "spark.worker.resource.gpu.amount and a discovery script "
+            "(spark.worker.resource.gpu.discoveryScript)"
+        )
+    if cores:
+        return (
+            f"no executor can run a task: the executors have at most {max(cores.values())} "
+            f"core(s) and spark.task.cpus={task_cpus}; lower spark.task.cpus or give the "
+            "executors more cores (spark.executor.cores)"
+        )
+    need = (
+        f" with at least {task_cpus} cores (spark.task.cpus={task_cpus})" if task_cpus > 1 else ""
+    )
+    return (
+        f"no executor registered in {wait_s:.0f} s: the cluster needs a worker{need} with free "
+        "cores and memory (another application may hold them)"
+    )
 
 
 def _wait_until_listed(sc: SparkContext, rdd, partitions: int, limit_s: float = 5.0) -> None:

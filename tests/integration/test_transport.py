@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from sparknet.errors import PermanentTaskError, SparknetError
+from sparknet.training.session import _collect_within, check_python_workers, user_modules
 from sparknet.training.transport import (
     SparkTransport,
     TaskFault,
@@ -172,3 +173,20 @@ def test_a_local_master_caches_nothing(sc):
     transport = SparkTransport(sc, 2)
     transport.map_reduce(np.ones(1, np.float32), _echo, lambda a, b: a + b)
     assert not transport.sticky and _persisted(sc) == before
+
+
+def test_the_workers_check_imports_the_users_modules_too(spark):
+    check_python_workers(spark, 2, user_modules("json:loads"))
+    lost = r"cannot import no_such_mod_x \(your --model/--data"
+    with pytest.raises(SparknetError, match=lost) as exc:
+        check_python_workers(spark, 2, user_modules("no_such_mod_x:net", "mlp"))
+    assert "\n" not in str(exc.value)
+
+
+def test_a_probe_no_executor_can_finish_is_cancelled_in_one_line(sc):
+    t0 = time.monotonic()
+    with pytest.raises(SparknetError, match="did not start in 1 s") as exc:
+        _collect_within(sc, sc.parallelize(range(2), 2).map(lambda x: time.sleep(60)), 1.0)
+    assert time.monotonic() - t0 < 20
+    assert "\n" not in str(exc.value)
+    assert sc.parallelize(range(3), 3).map(lambda x: x + 1).collect() == [1, 2, 3]

@@ -1,12 +1,17 @@
+import re
+
 import pytest
 
 from sparknet.errors import SparknetError
+from sparknet.training import transport
 from sparknet.training.session import (
     STICKY_LOCALITY_WAIT,
     driver_memory_gb,
     embedded_master,
     spark_settings,
+    spark_warnings,
     task_cpus,
+    user_modules,
 )
 from sparknet.training.transport import partition_threads, threads_per_task
 
@@ -96,3 +101,92 @@ def test_settings_that_would_break_a_run_are_refused_in_one_line(master, conf, g
     with pytest.raises(SparknetError, match=message) as exc:
         spark_settings(master, 2, conf, gpus)
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "1.5", ""])
+def test_task_cpus_that_is_not_a_whole_number_of_cores_is_refused(value):
+    with pytest.raises(SparknetError, match=f"spark.task.cpus={value}: the cores each task"):
+        spark_settings("spark://10.0.0.1:7077", 2, {"spark.task.cpus": value})
+    assert spark_settings("yarn", 2, {"spark.task.cpus": " 2"})["spark.task.cpus"] == " 2"
+
+
+def test_python_workers_not_reused_is_a_warning():
+    (line,) = spark_warnings({"spark.python.worker.reuse": "False"})
+    assert "imports torch again" in line
+    assert spark_warnings({"spark.python.worker.reuse": "true"}) == []
+    assert spark_warnings({}) == []
+
+
+def test_the_workers_check_the_users_modules_not_sparknets_names():
+    assert user_modules("mlp", "digits", None) == ()
+    assert user_modules("pkg.nets:small", "my_data:load") == ("pkg.nets", "my_data")
+
+
+class _FakeConf(dict):
+    def get(self, key, default=None):
+        return super().get(key, default)
+
+
+class _FakeContext:
+    """Just what wait_for_executors reads of a SparkContext; the executors' cores come from a
+    monkeypatched `executor_cores` (a real cluster that never gets a slot takes 30 s a run)."""
+
+    master = "spark://10.0.0.1:7077"
+
+    def __init__(self, **conf: str) -> None:
+        self.conf = _FakeConf(conf)
+
+    def getConf(self):
+        return self.conf
+
+
+@pytest.fixture
+def executors(monkeypatch):
+    """A cluster whose executors register as the test says, against a fast clock."""
+    registered: list[dict[str, int]] = []
+    calls = {"n": 0}
+
+    def cores(_sc):
+        calls["n"] += 1
+        return dict(registered[min(calls["n"], len(registered)) - 1]) if registered else {}
+
+    monkeypatch.setattr(transport, "executor_cores", cores)
+    monkeypatch.setattr(transport, "_seconds", lambda sc, key, default: 6.0)
+    monkeypatch.setattr(transport.time, "sleep", lambda s: None)
+    clock = {"t": 0.0}
+
+    def monotonic():
+        clock["t"] += 0.2
+        return clock["t"]
+
+    monkeypatch.setattr(transport.time, "monotonic", monotonic)
+    return registered, calls, clock
+
+
+def test_the_wait_ends_when_the_executors_stop_changing_and_happens_once(executors):
+    registered, calls, clock = executors
+    registered.extend([{}, {"1": 1}, {"1": 1, "2": 1}])  # then unchanged: 2 slots for 4 tasks
+    sc = _FakeContext()
+    assert transport.wait_for_executors(sc, 4) == {"1": 1, "2": 1}
+    assert clock["t"] < transport.SETTLED_S + 2  # not the 6 s deadline
+    before = calls["n"]
+    assert transport.wait_for_executors(sc, 4) == {"1": 1, "2": 1}
+    assert calls["n"] == before + 1  # the second caller (the anchor) does not wait again
+
+
+@pytest.mark.parametrize(
+    ("conf", "cores", "message"),
+    [
+        ({"spark.task.cpus": "2"}, {"1": 1, "2": 1}, "at most 1 core(s) and spark.task.cpus=2"),
+        ({"spark.task.cpus": "2"}, {}, "needs a worker with at least 2 cores"),
+        ({"spark.executor.resource.gpu.amount": "1"}, {}, "no executor with a GPU registered"),
+        ({}, {}, "no executor registered in 6 s"),
+    ],
+)
+def test_no_task_slot_after_the_wait_is_one_line_not_a_hang(executors, conf, cores, message):
+    registered, _, clock = executors
+    registered.append(cores)
+    with pytest.raises(SparknetError, match=re.escape(message)) as exc:
+        transport.wait_for_executors(_FakeContext(**conf), 2)
+    assert "\n" not in str(exc.value)
+    assert 6.0 < clock["t"] < 8.0  # the whole wait, once
