@@ -57,6 +57,8 @@ class WorkerReport:
     skipped: int = 0
     #: what went non-finite, e.g. "loss nan at step 3"; the round's update is then discarded
     diverged: str | None = None
+    #: fp16 steps the GradScaler skipped (their scaled gradients overflowed): nothing learnt
+    skipped_steps: int = 0
 
 
 @dataclass
@@ -218,6 +220,19 @@ def unpack_inner_state(
     return True
 
 
+def _inner_to_keep(
+    cfg: TrainConfig, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+) -> dict | None:
+    """What this worker keeps for its next round (locally and in a checkpoint): the inner state
+    under `keep`; under `reset` still the fp16 loss scale. It is not optimizer state, and a
+    scaler made fresh at 2**16 every round could skip every step of a round and learn nothing."""
+    if cfg.inner_state == "keep":
+        return pack_inner_state(optimizer, scaler)
+    if scaler is not None:
+        return {"scaler": scaler.state_dict()}
+    return None
+
+
 def task_seed(seed: int, partition: int, rnd: int) -> int:
     """The torch seed of one task (dropout, augmentation): a pure function, like the data order."""
     return derived_seed(seed, partition, rnd)
@@ -255,6 +270,30 @@ def _first_nonfinite(losses: list[torch.Tensor], steps: list[int]) -> str | None
     return f"loss {float(stacked[i])} at step {steps[i]}"
 
 
+@dataclass
+class _Steps:
+    """What a worker's tau steps did."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # the 1-based step number of each loss
+    samples: int = 0
+    skipped: int = 0  # unreadable samples
+    skipped_steps: int = 0  # steps the fp16 GradScaler skipped
+
+
+def _scaled_step(
+    loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+) -> bool:
+    """One fp16 step through the scaler; False when it was skipped (overflowed gradients).
+    The scale drops exactly on a skipped step. `scaler.step` already waits for the device to
+    check for infs, so reading the scale twice costs no extra pipeline stall."""
+    scaler.scale(loss).backward()
+    before = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    return scaler.get_scale() >= before
+
+
 def _inner_steps(
     task: RoundTask,
     model: nn.Module,
@@ -264,15 +303,14 @@ def _inner_steps(
     partition: int,
     attempt: int,
     on: torch.device,
-) -> tuple[list[torch.Tensor], list[int], int, int]:
-    """tau steps; returns (losses, their 1-based step numbers, samples, skipped)."""
+) -> _Steps:
+    """tau steps."""
     cfg = task.cfg
     channels_last = device.uses_channels_last(on, task.input_shape)
-    losses: list[torch.Tensor] = []
-    steps: list[int] = []
-    samples = skipped = 0
+    done = _Steps()
+    losses, steps = done.losses, done.steps
     for step, batch in enumerate(batches):
-        skipped += batch.skipped
+        done.skipped += batch.skipped
         if len(batch.y) == 0:
             continue  # every sample of this step was unreadable: nothing to learn from
         x = device.to_device(batch.x, on, channels_last)
@@ -283,18 +321,16 @@ def _inner_steps(
         if scaler is None:
             loss.backward()
             optimizer.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)  # skipped when the scaled gradients overflowed
-            scaler.update()
+        elif not _scaled_step(loss, optimizer, scaler):
+            done.skipped_steps += 1
         losses.append(loss.detach())
         steps.append(step + 1)
-        samples += len(batch.y)
+        done.samples += len(batch.y)
         if cfg.fail_once_at == (task.round, partition) and attempt == 0:
             raise InjectedFailure(
                 f"fail_once drill: partition {partition}, round {task.round}, attempt 0"
             )
-    return losses, steps, samples, skipped
+    return done
 
 
 def train_partition(
@@ -335,40 +371,44 @@ def _train(
     scaler = device.make_scaler(on, cfg.precision)
     store = InnerStateStore(local_dir, task.run_id)
     miss = False
-    if cfg.inner_state == "keep" and task.round > 0:
+    if task.round > 0 and (cfg.inner_state == "keep" or scaler is not None):
         state = _restore_inner_state(task, store, partition)
-        miss = state is None or not unpack_inner_state(optimizer, scaler, state)
+        if cfg.inner_state == "keep":
+            miss = state is None or not unpack_inner_state(optimizer, scaler, state)
+        elif state is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])  # reset: only the loss scale is kept
     t1 = time.perf_counter()
 
     torch.manual_seed(task_seed(cfg.seed, partition, task.round))
     inp = TaskInput(partition, cfg.workers, cfg.seed, task.run_id, threads, rows)
     batches = task.source.train_batches(inp, task.round, cfg.tau, cfg.batch_size)
-    losses, steps, samples, skipped = _inner_steps(
-        task, model, optimizer, scaler, batches, partition, attempt, on
-    )
-    bad = _first_nonfinite(losses, steps)  # waits for the device's queued steps
+    done = _inner_steps(task, model, optimizer, scaler, batches, partition, attempt, on)
+    bad = _first_nonfinite(done.losses, done.steps)  # waits for the device's queued steps
     t2 = time.perf_counter()
     if bad is not None:
         return _diverged(partition, bad, t1 - t0, miss)
-    if samples == 0:
+    if done.samples == 0:
         raise SparknetError(
             f"worker {partition} could not read a single sample in round {task.round + 1} "
-            f"({skipped} skipped as corrupt): check the data with `sparknet data verify`"
+            f"({done.skipped} skipped as corrupt): check the data with `sparknet data verify`"
         )
 
     state = model.state_dict()
     delta = pseudo_gradient(theta, task.layout.flatten(state))  # the one device->host copy
     if not np.isfinite(delta).all():
         return _diverged(partition, f"weights non-finite after step {cfg.tau}", t1 - t0, miss)
-    if cfg.inner_state == "keep":
-        inner = pack_inner_state(optimizer, scaler)
+    inner = _inner_to_keep(cfg, optimizer, scaler)
+    if inner is not None:
         store.save(partition, task.round, inner)
         if task.checkpoint_dir is not None:
             checkpoint.write_inner(
                 task.checkpoint_dir, partition, inner, endpoint_url=task.cfg.endpoint_url
             )
-    loss_mean = float(torch.stack(losses).mean())
-    report = WorkerReport(partition, loss_mean, samples, t1 - t0, t2 - t1, miss, skipped)
+    loss_mean = float(torch.stack(done.losses).mean())
+    report = WorkerReport(
+        partition, loss_mean, done.samples, t1 - t0, t2 - t1, miss, done.skipped,
+        skipped_steps=done.skipped_steps,
+    )  # fmt: skip
     integers = task.layout.integers(state) if partition == 0 else None
     return Contribution(partition, delta, 1, integers, [report])
 

@@ -7,6 +7,7 @@ CPU with a probe model that records what the settings were while it ran.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 
@@ -22,7 +23,12 @@ from sparknet.models import build_model
 from sparknet.training import device
 from sparknet.training.device import select_device
 from sparknet.training.state import StateLayout
-from sparknet.training.worker import RoundTask, evaluate_partition, train_partition
+from sparknet.training.worker import (
+    InnerStateStore,
+    RoundTask,
+    evaluate_partition,
+    train_partition,
+)
 
 
 def test_auto_without_gpus_is_the_cpu():
@@ -147,8 +153,19 @@ def probe(num_classes: int = 10) -> nn.Module:
     return Probe(num_classes)
 
 
-def _task(tmp_path, **settings) -> tuple[RoundTask, np.ndarray]:
-    cfg = TrainConfig(model="tests.unit.test_device:probe", workers=2, tau=2, **settings)
+class Loud(Probe):
+    """The probe with logits 1e4 times larger: fp16 gradients scaled by 2**16 overflow."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 1e4
+
+
+def loud(num_classes: int = 10) -> nn.Module:
+    return Loud(num_classes)
+
+
+def _task(tmp_path, model: str = "probe", **settings) -> tuple[RoundTask, np.ndarray]:
+    cfg = TrainConfig(model=f"tests.unit.test_device:{model}", workers=2, tau=2, **settings)
     torch.manual_seed(0)
     state = probe().state_dict()
     layout = StateLayout.of(state)
@@ -178,3 +195,18 @@ def test_cuda_requested_on_this_machine_fails_the_task_permanently(tmp_path):
     task, theta = _task(tmp_path, device="cuda")
     with pytest.raises(PermanentTaskError, match=r"^--device cuda, but this task has no GPU"):
         train_partition(task, theta, 0, local_dir=tmp_path)
+
+
+@pytest.mark.parametrize("inner_state", ["keep", "reset"])
+def test_fp16_skipped_steps_are_counted_and_the_loss_scale_is_kept(tmp_path, inner_state):
+    """Every step overflows: each is counted, and the next round starts from the lowered scale
+    even under reset (a scaler fresh at 2**16 every round would skip every step forever)."""
+    task, theta = _task(tmp_path, "loud", precision="fp16", inner_state=inner_state)
+    scales = []
+    for rnd in range(2):
+        at = dataclasses.replace(task, round=rnd)
+        report = train_partition(at, theta, 0, local_dir=tmp_path).reports[0]
+        assert report.skipped_steps == task.cfg.tau
+        kept = InnerStateStore(tmp_path, task.run_id).load(0, rnd)
+        scales.append(kept["scaler"]["scale"])
+    assert scales == [2.0**14, 2.0**12]
