@@ -20,6 +20,7 @@ import re
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch import nn
 
 from sparknet.errors import PermanentTaskError
 
@@ -165,9 +166,11 @@ def kernel_settings(device: torch.device, deterministic: bool) -> Iterator[None]
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
 
 
-def uses_channels_last(device: torch.device, input_shape: tuple[int, ...]) -> bool:
-    """Conv nets (image inputs: batches are 4-D) run faster channels-last on GPUs' tensor cores."""
-    return device.type == "cuda" and len(input_shape) == 3
+def uses_channels_last(device: torch.device, model: nn.Module) -> bool:
+    """Conv nets (models with `nn.Conv2d` layers) run faster channels-last on GPUs' tensor cores.
+    Told by the layers, not by 4-D image batches: a model without convolutions that flattens
+    its images with `.view` fails on a channels-last batch."""
+    return device.type == "cuda" and any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
 def to_device(x: torch.Tensor, device: torch.device, channels_last: bool = False) -> torch.Tensor:

@@ -116,7 +116,7 @@ def _model_for(task: RoundTask, on: torch.device) -> nn.Module:
     key = (task.cfg.model, task.num_classes, task.input_shape, str(on))
     if key not in _MODELS:
         model = build_model(task.cfg.model, task.input_shape, task.num_classes).to(on)
-        if device.uses_channels_last(on, task.input_shape):
+        if device.uses_channels_last(on, model):
             model = model.to(memory_format=torch.channels_last)
         _MODELS[key] = model
     return _MODELS[key]
@@ -306,7 +306,7 @@ def _inner_steps(
 ) -> _Steps:
     """tau steps."""
     cfg = task.cfg
-    channels_last = device.uses_channels_last(on, task.input_shape)
+    channels_last = device.uses_channels_last(on, model)
     done = _Steps()
     losses, steps = done.losses, done.steps
     for step, batch in enumerate(batches):
@@ -428,9 +428,9 @@ def evaluate_partition(
     torch.set_num_threads(threads)
     on = device.task_device(cfg.device)
     device.check_precision(on, cfg.precision)
-    channels_last = device.uses_channels_last(on, task.input_shape)
     with device.kernel_settings(on, cfg.deterministic):
         model = _model_for(task, on)
+        channels_last = device.uses_channels_last(on, model)
         _load_weights(model, task, theta, on)
         model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=on)

@@ -102,11 +102,26 @@ def test_cpu_autocasts_to_both_half_precisions(precision):
     assert (device.make_scaler(cpu, precision) is not None) == (precision == "fp16")
 
 
-def test_channels_last_only_for_image_batches_on_cuda():
+class ViewFlattens(nn.Module):
+    """A user's image model without convolutions: `.view` fails on a channels-last batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.view(len(x), -1))
+
+
+def test_channels_last_only_for_conv_nets_on_cuda():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert device.uses_channels_last(cuda, (3, 32, 32))
-    assert not device.uses_channels_last(cuda, (64,))
-    assert not device.uses_channels_last(cpu, (3, 32, 32))
+    conv = build_model("cnn", (3, 8, 8), 10)
+    assert device.uses_channels_last(cuda, conv)
+    assert not device.uses_channels_last(cuda, ViewFlattens())
+    assert not device.uses_channels_last(cuda, build_model("mlp", (64,), 10))
+    assert not device.uses_channels_last(cpu, conv)
+    with pytest.raises(RuntimeError, match="view"):  # what channels-last would do to it
+        ViewFlattens()(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last))
     x = torch.randn(2, 1, 8, 8)
     assert device.to_device(x, cpu, channels_last=True) is x
 
