@@ -107,19 +107,31 @@ class EvalResult:
 
 # ---- executor-local state -------------------------------------------------------------------
 
+#: the model of the architecture this Python worker trained last: a reused worker serving runs of
+#: several architectures keeps only one on its device
 _MODELS: dict[tuple, nn.Module] = {}
 
 
 def _model_for(task: RoundTask, on: torch.device) -> nn.Module:
     """One model object per Python worker process, architecture and device; weights are loaded
-    per task. Conv nets on a GPU are kept channels-last."""
+    per task. Conv nets on a GPU are kept channels-last. Another architecture's model is dropped
+    first, and on CUDA its cached memory is handed back."""
     key = (task.cfg.model, task.num_classes, task.input_shape, str(on))
     if key not in _MODELS:
+        _drop_models()
         model = build_model(task.cfg.model, task.input_shape, task.num_classes).to(on)
         if device.uses_channels_last(on, model):
             model = model.to(memory_format=torch.channels_last)
         _MODELS[key] = model
     return _MODELS[key]
+
+
+def _drop_models() -> None:
+    """Forget every kept model; empty the CUDA cache when one of them lived on a GPU."""
+    on_cuda = any(key[-1].startswith("cuda") for key in _MODELS)
+    _MODELS.clear()
+    if on_cuda:
+        torch.cuda.empty_cache()
 
 
 def _load_weights(model: nn.Module, task: RoundTask, theta: np.ndarray, on: torch.device) -> None:

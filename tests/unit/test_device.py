@@ -20,7 +20,7 @@ from sparknet.config import TrainConfig
 from sparknet.data.sources import TensorSource
 from sparknet.errors import PermanentTaskError
 from sparknet.models import build_model
-from sparknet.training import device
+from sparknet.training import device, worker
 from sparknet.training.device import select_device
 from sparknet.training.state import StateLayout
 from sparknet.training.worker import (
@@ -225,3 +225,21 @@ def test_fp16_skipped_steps_are_counted_and_the_loss_scale_is_kept(tmp_path, inn
         kept = InnerStateStore(tmp_path, task.run_id).load(0, rnd)
         scales.append(kept["scaler"]["scale"])
     assert scales == [2.0**14, 2.0**12]
+
+
+def test_a_reused_worker_keeps_only_the_last_architecture(tmp_path, monkeypatch):
+    emptied = []  # no GPU here: the cache emptying is recorded, not run
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    monkeypatch.setattr(worker, "_MODELS", {})
+    cpu = torch.device("cpu")
+    probe_task, _ = _task(tmp_path)
+    loud_task, _ = _task(tmp_path, "loud")
+    first = worker._model_for(probe_task, cpu)
+    assert worker._model_for(probe_task, cpu) is first
+    worker._model_for(loud_task, cpu)
+    assert [key[0] for key in worker._MODELS] == ["tests.unit.test_device:loud"]
+    assert emptied == []
+    worker._MODELS[("gone", 10, (1, 8, 8), "cuda:0")] = first  # as if a GPU model were kept
+    assert worker._model_for(probe_task, cpu) is not first
+    assert [key[0] for key in worker._MODELS] == ["tests.unit.test_device:probe"]
+    assert emptied == [True]
