@@ -265,33 +265,46 @@ class S3Lock(Lock):
             except bx.ClientError as exc:
                 if _code(exc) not in _LOST:
                     raise
-                self._take_over_stale()
+                held = self._read()
+                if _token(held) == self.token:  # ours: an answer lost and the PUT retried
+                    self.etag = held["ETag"]
+                else:
+                    self._take_over(held)
         except (bx.BotoCoreError, bx.ClientError) as exc:
             raise s3.describe_client_error(exc, self.store.uri) from exc
         self._thread = threading.Thread(target=self._beat, name="sparknet-lock", daemon=True)
         self._thread.start()
 
-    def _take_over_stale(self) -> None:
-        head = self.store._client().head_object(Bucket=self.where.bucket, Key=self.where.key)
-        age = _age_s(head)
-        if age < STALE_S:
-            raise self._busy(head, age)
+    def _read(self) -> dict[str, Any]:
+        """The lock object as it is now: its GetObject answer, the body parsed into `body`."""
+        got = self.store._client().get_object(Bucket=self.where.bucket, Key=self.where.key)
         try:
-            self.etag = self._put(IfMatch=head["ETag"])
+            body = json.loads(got["Body"].read())
+        except ValueError:
+            body = {}
+        return {**got, "body": body if isinstance(body, dict) else {}}
+
+    def _take_over(self, held: dict[str, Any]) -> None:
+        """Take over a lock whose run is gone: not renewed for `STALE_S`, or held by a process
+        of this host that no longer exists (a kill -9)."""
+        age = _age_s(held)
+        owner = str(held["body"].get("owner", ""))
+        if age < STALE_S and not _dead_here(owner):
+            raise self._busy(owner, age)
+        try:
+            self.etag = self._put(IfMatch=held["ETag"])
         except bx.ClientError as exc:
             if _code(exc) in _LOST:  # another run took it over first
-                raise self._busy(head, 0.0) from exc
+                raise self._busy(owner, 0.0) from exc
             raise
 
-    def _busy(self, head: dict[str, Any], age: float) -> SparknetError:
-        owner = ""
-        with contextlib.suppress(Exception):
-            body = self.store._client().get_object(Bucket=self.where.bucket, Key=self.where.key)
-            owner = f" ({json.loads(body['Body'].read())['owner']})"
+    def _busy(self, owner: str, age: float) -> SparknetError:
+        who = f" ({owner})" if owner else ""
         return SparknetError(
-            f"another sparknet run{owner} is using {self.store.uri}: its lock {self.where} was "
-            f"renewed {age:.0f} s ago; wait for it to end or choose another --out (a lock not "
-            f"renewed for {STALE_S:.0f} s is taken over)"
+            f"another sparknet run{who} is using {self.store.uri}: its lock {self.where} was "
+            f"renewed {age:.0f} s ago; wait for it to end or choose another --out (the lock "
+            f"expires {max(0.0, STALE_S - age):.0f} s after its last renewal; if that run is "
+            f"surely gone, delete {self.where} to take the dir now)"
         )
 
     def _beat(self) -> None:
@@ -304,13 +317,32 @@ class S3Lock(Lock):
         if self.lost or self.etag is None:
             return
         self.renewals += 1
+        sent = time.monotonic()
         try:
             self.etag = self._put(IfMatch=self.etag)
         except bx.ClientError as exc:
-            if _code(exc) in _LOST or _code(exc) in ("NoSuchKey", "404"):
+            if _code(exc) in ("NoSuchKey", "404"):
                 self.lost = True
+            elif _code(exc) in _LOST:
+                self._recheck(sent)
         except bx.BotoCoreError:
             pass
+
+    def _recheck(self, sent: float) -> None:
+        """A conditional renewal lost: still ours when the object holds our token (an answer
+        lost and the PUT retried by the client, so our ETag is an old one); else lost."""
+        try:
+            held = self._read()
+        except bx.ClientError as exc:
+            self.lost = _code(exc) in ("NoSuchKey", "404")
+            return
+        except bx.BotoCoreError:
+            return
+        if _token(held) == self.token:
+            self.etag = held["ETag"]
+            self.written_at = sent
+        else:
+            self.lost = True
 
     def check(self) -> None:
         silent = time.monotonic() - self.written_at
@@ -337,6 +369,24 @@ class S3Lock(Lock):
             self.store._client().delete_object(
                 Bucket=self.where.bucket, Key=self.where.key, IfMatch=self.etag
             )
+
+
+def _token(held: dict[str, Any]) -> str | None:
+    return held["body"].get("token")
+
+
+def _dead_here(owner: str) -> bool:
+    """Whether `owner` ("host:pid") is a process of this host that no longer exists."""
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    return False
 
 
 def _age_s(head: dict[str, Any]) -> float:

@@ -5,6 +5,7 @@ states to moto themselves, through AWS_ENDPOINT_URL."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import boto3
@@ -288,3 +289,44 @@ def test_denied_access_to_the_run_dir_is_one_line_before_spark(moto_endpoint):
         train(TrainConfig(out="s3://denied-runs/runs/a", **SMALL))
     assert str(exc.value).startswith("access to s3://denied-runs/runs/a was denied (403); ")
     assert "\n" not in str(exc.value)
+
+
+def test_a_lock_write_whose_answer_was_lost_is_still_the_runs_own(bucket, moto_endpoint):
+    """A PUT that S3 applied but whose answer was lost is retried by the client and gets 412:
+    the lock object holds this run's token, so the lock is kept (renewal and acquire alike)."""
+    run = rundir.RunDir.open(f"s3://{bucket}/runs/g")
+    with rundir.locked(run) as lock:
+        lock.renewals += 1  # a renewal's first try: applied, but the run never saw the answer
+        applied = lock._put(IfMatch=lock.etag)
+        lock.renew()
+        lock.check()
+        assert lock.etag == applied and not lock.lost
+    again = rundir.S3Lock(run.store)
+    again._put(IfNoneMatch="*")  # the first try of acquire's PUT, its answer lost
+    again.acquire()
+    try:
+        again.check()
+        assert again.etag is not None
+    finally:
+        again.release()
+
+
+def test_a_lock_left_by_a_dead_process_of_this_host_is_taken_over_at_once(bucket, moto_endpoint):
+    import socket
+
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    key = f"runs/h/{rundir.LOCK}"
+    owner = f"{socket.gethostname()}:{dead.pid}"
+    s3.put_object(Bucket=bucket, Key=key, Body=json.dumps({"owner": owner}).encode())
+    run = rundir.RunDir.open(f"s3://{bucket}/runs/h")
+    with rundir.locked(run) as lock:
+        lock.check()
+    assert rundir.LOCK not in _keys(s3, bucket, "runs/h")
+
+    alive = f"{socket.gethostname()}:{os.getpid()}"
+    s3.put_object(Bucket=bucket, Key=key, Body=json.dumps({"owner": alive}).encode())
+    with pytest.raises(SparknetError) as exc, rundir.locked(run):
+        pass
+    assert f"delete s3://{bucket}/{key} to take the dir now" in str(exc.value)
