@@ -154,8 +154,9 @@ def kernel_settings(device: torch.device, deterministic: bool) -> Iterator[None]
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
     cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if deterministic and workspace is None:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
     torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
     torch.backends.cudnn.deterministic = deterministic
@@ -164,6 +165,21 @@ def kernel_settings(device: torch.device, deterministic: bool) -> Iterator[None]
     finally:
         torch.use_deterministic_algorithms(algorithms[0], warn_only=algorithms[1])
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
+        _restore_env("CUBLAS_WORKSPACE_CONFIG", workspace)
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    """Put an environment variable back as it was (unset when it was unset).
+
+    Caveat for CUBLAS_WORKSPACE_CONFIG: PyTorch reads it once per process, when cuBLAS first
+    needs a workspace, and restoring it resizes nothing. A Python worker whose first cuBLAS call
+    came in a --deterministic task keeps the small workspace (slightly slower, never wrong); one
+    that used cuBLAS before its first --deterministic task keeps the default size, so for
+    bit-exact GPU runs set it for the executors (spark.executorEnv.CUBLAS_WORKSPACE_CONFIG)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def uses_channels_last(device: torch.device, model: nn.Module) -> bool:

@@ -135,6 +135,11 @@ def test_kernel_settings_apply_for_the_task_and_are_restored(monkeypatch):
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert not torch.are_deterministic_algorithms_enabled()
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # unset again after the task
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # a user's own value is left alone
+    with device.kernel_settings(cpu, deterministic=True):
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     assert not torch.backends.cudnn.deterministic
     with device.kernel_settings(torch.device("cuda", 0), deterministic=False):
         assert torch.backends.cudnn.benchmark  # only the flag: nothing runs on CUDA here
