@@ -109,14 +109,31 @@ class RunDir:
 
 
 def check_out(run: RunDir) -> None:
-    """A local --out must be (or become) a directory: neither it nor a parent may be a file."""
+    """A local --out must be (or become) a directory: neither it nor a parent may be a file; an
+    S3 --out must not be an object's key (a file there)."""
     if run.on_s3:
+        assert isinstance(run.store, S3Store)
+        if _is_object(run.store):
+            raise SparknetError(
+                f"--out {run}: that is an object (a file) in S3; choose a prefix for the run"
+            )
         return
     for path in (run.local, *run.local.parents):
         if path.exists() and not path.is_dir():
             raise SparknetError(
                 f"--out {run.local}: {path} is a file; choose a directory for the run"
             )
+
+
+def _is_object(store: S3Store) -> bool:
+    """Whether an object exists at the store's own key. Any failure reads as no: the lock's
+    first request then says what is wrong in its own words."""
+    where = S3Uri.parse(store.uri)
+    s3.check_reachable(where, store.endpoint_url)
+    with contextlib.suppress(bx.BotoCoreError, bx.ClientError):
+        store._client().head_object(Bucket=where.bucket, Key=where.key)
+        return True
+    return False
 
 
 def _is_unfinished_run(run: RunDir, entries: set[str]) -> bool:

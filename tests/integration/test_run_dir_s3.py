@@ -130,6 +130,11 @@ def test_the_run_dir_checks_hold_on_s3_and_refuse_before_spark(bucket, moto_endp
     with pytest.raises(SparknetError, match=r"^--out s3://\S+: a run needs its own prefix"):
         train(TrainConfig(out=f"s3://{bucket}", **SMALL))
 
+    # an object's key is a file, as a local --out that is a file: refused, nothing written
+    with pytest.raises(SparknetError, match=r"^--out \S+/metrics.jsonl: that is an object"):
+        train(TrainConfig(out=f"{uri}/metrics.jsonl", **SMALL), resume=True)
+    assert len(_keys(s3, bucket, "runs/b")) == 3
+
 
 def test_a_second_run_on_the_same_s3_out_refuses_until_the_lock_is_stale(
     spark, bucket, moto_endpoint, monkeypatch
