@@ -93,6 +93,12 @@ def test_conf_reaches_the_executors_and_tasks_get_their_executors_cores(standalo
         (("--gpus-per-worker", "2"), "error: --gpus-per-worker needs a cluster master"),
         (("--conf", "spark.master=local[1]"), "error: Spark setting spark.master=local[1]: choose"),
         (("--conf", "spark.speculation=true"), "error: Spark setting spark.speculation=true: a"),
+        (("--conf", "spark.task.cpus=abc"), "error: Spark setting spark.task.cpus=abc: the cores"),
+        # refused by Spark's launcher, which prints a Java stack trace that the line says already
+        (
+            ("--conf", "spark.executor.memory=lots"),
+            "error: could not start Spark (master local[",
+        ),
     ],
 )
 def test_spark_settings_that_would_break_a_run_stop_it_in_one_line(tmp_path, args, message):
@@ -102,7 +108,32 @@ def test_spark_settings_that_would_break_a_run_stop_it_in_one_line(tmp_path, arg
     assert proc.returncode == 2, err
     assert err.strip().splitlines()[-1].startswith(message), err
     assert "Traceback" not in err
+    assert "\tat org.apache" not in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--conf", "spark.task.cpus=2"), "spark.task.cpus"),  # the workers have 1 core each
+        (("--gpus-per-worker", "1"), "no executor with a GPU registered in 2 s; the workers need"),
+    ],
+)
+def test_a_cluster_that_can_never_run_a_task_stops_the_run_in_one_line(
+    standalone, tmp_path, args, message
+):
+    """One bounded wait for executors (here 2 s), then one line: not a hang at the first job."""
+    out = tmp_path / "no-slot"
+    proc = sparknet(
+        "train", "--rounds", "1", "--tau", "1", "--workers", "2", "--master", standalone.master,
+        "--conf", "spark.scheduler.maxRegisteredResourcesWaitingTime=2s", "--out", str(out),
+        *args,
+    )  # fmt: skip
+    _out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: no executor") and message in last, err
+    assert "Traceback" not in err
 
 
 def test_a_dataframe_run_keeps_its_partitions_in_place(standalone, tmp_path):
