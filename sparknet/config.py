@@ -270,7 +270,7 @@ def _yaml_section(text: str, path: Path | str, section: str) -> dict[str, Any]:
         doc = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise SparknetError(f"config file {path} is not valid YAML: {exc}".splitlines()[0]) from exc
-    if not isinstance(doc, dict) or not isinstance(doc.get(section, {}), dict):
+    if not isinstance(doc, dict) or not isinstance(doc.get(section) or {}, dict):
         raise SparknetError(f"config file {path}: expected a mapping with a '{section}:' section")
     unknown = [str(key) for key in doc if key not in SECTIONS]
     if unknown:
@@ -279,6 +279,20 @@ def _yaml_section(text: str, path: Path | str, section: str) -> dict[str, Any]:
             f"{', '.join(s + ':' for s in SECTIONS)}"
         )
     return dict(doc.get(section) or {})
+
+
+def _spark_section(path: Path) -> dict[str, Any]:
+    """The settings file's `spark:` section: every Spark setting is one value (text, a number,
+    true/false); a list or mapping would reach Spark as its Python text."""
+    section = _read_yaml_section(path, "spark")
+    for key, value in section.items():
+        if isinstance(value, dict | list):
+            raise SparknetError(
+                f"config file {path}: spark setting '{key}' is a "
+                f"{'mapping' if isinstance(value, dict) else 'list'}; give it one value "
+                "(text, a number, true/false), as Spark takes it"
+            )
+    return section
 
 
 def _parse_sets(items: Iterable[str]) -> dict[str, Any]:
@@ -339,7 +353,7 @@ def load_train_config(
     spark_conf = dict(merged.get("spark_conf") or {})
     if config_file is not None:
         merged.update(_read_yaml_section(config_file, "train"))
-        spark_conf.update(_read_yaml_section(config_file, "spark"))
+        spark_conf.update(_spark_section(config_file))
     spark_conf.update(_parse_conf(conf))
     if spark_conf:
         merged["spark_conf"] = spark_conf

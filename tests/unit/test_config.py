@@ -108,3 +108,16 @@ def test_spark_settings_merge_file_then_conf_flags(tmp_path: Path):
 def test_a_conf_without_equals_is_one_line():
     with pytest.raises(SparknetError, match="--conf expects a Spark setting key=value"):
         load_train_config(conf=["spark.task.cpus"], environ={})
+
+
+def test_an_empty_spark_section_is_none_and_a_nested_value_is_refused(tmp_path: Path):
+    cfg_file = tmp_path / "sparknet.yaml"
+    cfg_file.write_text("train:\n  rounds: 3\nspark:\n")
+    assert load_train_config(config_file=cfg_file, environ={}).spark_conf == {}
+    cfg_file.write_text("spark:\n  spark.jars.packages:\n    - a:b:1\n")
+    with pytest.raises(SparknetError) as exc:
+        load_train_config(config_file=cfg_file, environ={})
+    assert str(exc.value) == (
+        f"config file {cfg_file}: spark setting 'spark.jars.packages' is a list; give it one "
+        "value (text, a number, true/false), as Spark takes it"
+    )
