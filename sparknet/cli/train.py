@@ -39,7 +39,8 @@ def _summary(result) -> Table:
         table.add_row("skipped bad samples", str(skipped))
     total = sum(r["seconds"]["total"] for r in rows)
     table.add_row("samples/s (mean)", f"{sum(r['samples'] for r in rows) / total:.0f}")
-    table.add_row("wall time", f"{result.final['elapsed_s']:.1f} s")
+    # the rounds only (resumed runs add up theirs): Spark's start-up is not in it
+    table.add_row("training time", f"{result.final['elapsed_s']:.1f} s")
     table.add_row("run dir", str(result.run_dir))
     return table
 

@@ -136,3 +136,18 @@ def test_a_damaged_checkpoint_is_one_error_naming_it_and_nothing_is_copied(
     assert str(exc.value).endswith("delete that checkpoint dir to resume from the one before it")
     assert "\n" not in str(exc.value)
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_the_summary_names_the_rounds_time_training_time():
+    """elapsed_s counts the rounds only (not Spark's start-up): the summary must not call it
+    wall time."""
+    from rich.console import Console
+
+    from sparknet.cli.train import _summary
+    from sparknet.training.driver import RunResult
+
+    row = {"round": 1, "loss": 1.0, "samples": 16, "seconds": {"total": 2.0}, "elapsed_s": 2.5}
+    console = Console(width=100, record=True)
+    console.print(_summary(RunResult("runs/x", 1, [row])))
+    text = console.export_text()
+    assert "training time" in text and "2.5 s" in text and "wall time" not in text
