@@ -223,7 +223,7 @@ def _dynamic_allocation(sc: SparkContext) -> bool:
 #: the registered executors unchanged this long (with a slot among them): no more are coming
 SETTLED_S = 2.0
 
-#: the SparkContexts whose executors were waited for already (once per session is enough)
+#: the SparkContexts whose executors were waited for already and gave a slot (once is enough)
 _WAITED: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -258,9 +258,9 @@ def wait_for_executors(sc: SparkContext, tasks: int) -> dict[str, int]:
         if slots >= tasks or now > deadline or (slots and now - since >= SETTLED_S):
             break
         time.sleep(0.2)
-    _WAITED.add(sc)
     if not slots:
         raise SparknetError(_no_slot(cores, task_cpus, gpus, wait_s))
+    _WAITED.add(sc)
     return cores
 
 

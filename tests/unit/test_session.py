@@ -186,7 +186,10 @@ def test_the_wait_ends_when_the_executors_stop_changing_and_happens_once(executo
 def test_no_task_slot_after_the_wait_is_one_line_not_a_hang(executors, conf, cores, message):
     registered, _, clock = executors
     registered.append(cores)
+    sc = _FakeContext(**conf)
     with pytest.raises(SparknetError, match=re.escape(message)) as exc:
-        transport.wait_for_executors(_FakeContext(**conf), 2)
+        transport.wait_for_executors(sc, 2)
     assert "\n" not in str(exc.value)
     assert 6.0 < clock["t"] < 8.0  # the whole wait, once
+    with pytest.raises(SparknetError, match=re.escape(message)):  # a later run: not a hang
+        transport.wait_for_executors(sc, 2)
