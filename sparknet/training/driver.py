@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import os
 import re
 import shutil
 import tempfile
@@ -493,7 +495,9 @@ class _RunEvents:
         """A temp dir holding empty stand-ins named as the run's event files on S3: the writer
         then names its new file after theirs (TensorBoard reads a dir's files in name order,
         and a resume's purge must come after the events it drops)."""
-        self.temp = Path(tempfile.mkdtemp(prefix="sparknet-events-"))
+        self.temp = _events_temp_dir(self.run)
+        shutil.rmtree(self.temp, ignore_errors=True)  # what a killed run on it left
+        self.temp.mkdir(mode=0o700, parents=True)
         for name in self.run.store.entries():
             if name.startswith("events.out.tfevents."):
                 (self.temp / name).touch()
@@ -513,6 +517,14 @@ class _RunEvents:
             with contextlib.suppress(SparknetError):  # each round's events are there already
                 self._upload()
             shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def _events_temp_dir(run: RunDir) -> Path:
+    """The local dir for an S3 run dir's event file: one per run dir and user, so a run killed
+    before removing its own leaves it to the next run on that dir to clean (the run's lock
+    keeps two runs of this host from sharing it)."""
+    digest = hashlib.sha256(run.store.uri.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"sparknet-events-{os.getuid()}-{digest}"
 
 
 def _abandon(run: RunDir, rounds: int, own_spark) -> None:

@@ -335,3 +335,21 @@ def test_a_lock_left_by_a_dead_process_of_this_host_is_taken_over_at_once(bucket
     with pytest.raises(SparknetError) as exc, rundir.locked(run):
         pass
     assert f"delete s3://{bucket}/{key} to take the dir now" in str(exc.value)
+
+
+def test_a_killed_runs_event_temp_dir_is_reused_and_removed_by_the_next(bucket, moto_endpoint):
+    """An S3 run dir's local event dir is one per run dir: a run killed before removing it
+    (its writer left open, the dir left) leaves it to the next run, which cleans it."""
+    from sparknet.training.driver import _RunEvents
+
+    run = rundir.RunDir.open(f"s3://{bucket}/runs/k")
+    cfg = TrainConfig(**SMALL)
+    killed = _RunEvents(run, cfg, 0)
+    killed.round({"round": 1, "loss": 1.0})
+    left = killed.temp
+    assert left is not None and left.is_dir()
+    nxt = _RunEvents(run, cfg, 1)
+    assert nxt.temp == left
+    nxt.close()
+    killed.log.close()
+    assert not left.exists()
