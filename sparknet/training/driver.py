@@ -199,6 +199,7 @@ def _round_row(
         "inner_state_misses": sum(r.inner_state_miss for r in reports),
         **({"inner_state_missed": missed} if missed else {}),
         "skipped_samples": sum(r.skipped for r in reports),
+        "skipped_steps": sum(r.skipped_steps for r in reports),
     }
 
 
@@ -323,7 +324,7 @@ def _start(
             accepted = _accepted(_effective(changes[0], problem), run, changes[1])
             begin = _initial_state(cfg, problem, run, resume)
             begin.changes = accepted
-        on_row = _with_miss_warnings(on_round, on_warning, begin)
+        on_row = _with_warnings(on_round, on_warning, begin, cfg.workers * cfg.tau)
         result = _run(cfg, problem, begin, run, lock, spark, own_session, placed, on_row)
         return result
     finally:
@@ -337,14 +338,19 @@ def _start(
                     raise  # once every file is written, a signal while Spark stops is no failure
 
 
-def _with_miss_warnings(
-    on_round: RoundCallback | None, on_warning: WarningCallback | None, begin: _Begin
+def _with_warnings(
+    on_round: RoundCallback | None,
+    on_warning: WarningCallback | None,
+    begin: _Begin,
+    steps: int,
 ) -> RoundCallback:
-    """`on_round`, after a warning naming the partitions that found no inner optimizer state (an
-    executor lost, or a partition moved to another): their optimizers started fresh, so the run
-    no longer equals one without the miss. Not for the first resumed round of a run that changed
-    the inner optimizer or `inner_state` (no usable states are stored: expected). Python warnings
-    without a callback (the `fit` API)."""
+    """`on_round`, after the round's warnings (Python warnings without a callback: the `fit` API):
+    - the partitions that found no inner optimizer state (an executor lost, or a partition
+      moved): their optimizers started fresh, so the run no longer equals one without the miss.
+      Not for the first resumed round of a run that changed the inner optimizer or `inner_state`
+      (no usable states are stored: expected).
+    - an fp16 round whose loss scaler skipped at least half of its `steps` (gradients overflowed):
+      the round learnt little or nothing, and only metrics.jsonl would say so."""
     warn = on_warning or (lambda text: warnings.warn(text, RuntimeWarning, stacklevel=2))
     expected = {"optimizer", "inner_state"} & set(begin.changes)
 
@@ -356,6 +362,12 @@ def _with_miss_warnings(
                 f"round {row['round']}: partition{'s' if len(missed) > 1 else ''} {which} found "
                 "no inner optimizer state (an executor was lost or the partition moved) and "
                 "started a fresh optimizer; counted in metrics.jsonl"
+            )
+        skipped = row.get("skipped_steps", 0)
+        if skipped and 2 * skipped >= steps:
+            warn(
+                f"round {row['round']}: the fp16 loss scaler skipped {skipped} of {steps} steps "
+                "(gradients overflowed); if this goes on, lower --lr or use --precision bf16"
             )
         if on_round is not None:
             on_round(row)

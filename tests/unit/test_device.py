@@ -248,3 +248,20 @@ def test_a_reused_worker_keeps_only_the_last_architecture(tmp_path, monkeypatch)
     assert worker._model_for(probe_task, cpu) is not first
     assert [key[0] for key in worker._MODELS] == ["tests.unit.test_device:probe"]
     assert emptied == [True]
+
+
+def test_a_round_whose_fp16_scaler_skipped_most_steps_is_warned_about():
+    """The driver's round callback: half the round's steps skipped or more is one warning naming
+    the count; fewer is none (a loss scaler skips a step now and then by design)."""
+    from sparknet.training import driver
+
+    begin = driver._Begin(None, None, {}, 0, 0.0)
+    warned, rows = [], []
+    on_row = driver._with_warnings(rows.append, warned.append, begin, steps=8)
+    on_row({"round": 1, "skipped_steps": 3})
+    on_row({"round": 2, "skipped_steps": 4})
+    assert [r["round"] for r in rows] == [1, 2]
+    assert warned == [
+        "round 2: the fp16 loss scaler skipped 4 of 8 steps (gradients overflowed); if this "
+        "goes on, lower --lr or use --precision bf16"
+    ]
