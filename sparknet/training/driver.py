@@ -30,7 +30,12 @@ from sparknet.training import checkpoint, rundir
 from sparknet.training.outer import OuterOptimizer, mean_update
 from sparknet.training.report import MetricsLog, plot_curves
 from sparknet.training.rundir import CONFIG_FILE, MODEL_FILE, Lock, RunDir
-from sparknet.training.session import check_python_workers, start_session, stop_quietly
+from sparknet.training.session import (
+    check_python_workers,
+    start_session,
+    stop_quietly,
+    user_modules,
+)
 from sparknet.training.state import StateLayout
 from sparknet.training.transport import SparkTransport
 from sparknet.training.worker import (
@@ -318,7 +323,8 @@ def _start(
             status("starting Spark")
             spark = start_session(cfg.master, cfg.workers, cfg.spark_conf, cfg.gpus_per_worker)
         status("starting Python workers")
-        check_python_workers(spark, cfg.workers)
+        data = None if frames is not None or cfg.data in (datasets or {}) else cfg.data
+        check_python_workers(spark, cfg.workers, user_modules(cfg.model, data))
         if frames is not None:
             problem, placed = _frame_problem(cfg, spark, frames)
             accepted = _accepted(_effective(changes[0], problem), run, changes[1])

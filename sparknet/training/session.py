@@ -370,8 +370,11 @@ PROBE_LIMIT_S = 120.0
 
 def user_modules(*specs: str | None) -> tuple[str, ...]:
     """The modules of `package.module:factory` specs (`--model`, `--data`), which the Python
-    workers import too; names without `:` are sparknet's own."""
-    return tuple(spec.partition(":")[0] for spec in specs if spec and ":" in spec)
+    workers import too; other names are sparknet's own. The caller leaves out a `--data` that
+    names a DataFrame (`parquet:PATH`, `table:NAME`) or a `datasets:` entry."""
+    from sparknet.imports import is_reference
+
+    return tuple(spec.partition(":")[0] for spec in specs if spec and is_reference(spec))
 
 
 def check_python_workers(spark: SparkSession, tasks: int, modules: Sequence[str] = ()) -> None:

@@ -193,3 +193,8 @@ def test_no_task_slot_after_the_wait_is_one_line_not_a_hang(executors, conf, cor
     assert 6.0 < clock["t"] < 8.0  # the whole wait, once
     with pytest.raises(SparknetError, match=re.escape(message)):  # a later run: not a hang
         transport.wait_for_executors(sc, 2)
+
+
+def test_user_modules_leave_out_what_is_not_a_reference():
+    assert user_modules("mlp", "s3://bucket/imagenet") == ()
+    assert user_modules("resnet18", "/data/shards") == ()
