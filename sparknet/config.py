@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -295,24 +295,24 @@ def _spark_section(path: Path) -> dict[str, Any]:
     return section
 
 
-def _parse_sets(items: Iterable[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _key_values(items: Iterable[str], flag: str, what: str) -> Iterator[tuple[str, str]]:
+    """(key, value) of each `key=value` given to `flag`; a missing `=` or key is one line."""
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise SparknetError(f"--set expects key=value, got {item!r}")
-        out[key.strip().removeprefix("train.")] = _parse_scalar(value)
-    return out
+            raise SparknetError(f"{flag} expects {what}, got {item!r}")
+        yield key.strip(), value
+
+
+def _parse_sets(items: Iterable[str]) -> dict[str, Any]:
+    return {
+        key.removeprefix("train."): _parse_scalar(value)
+        for key, value in _key_values(items, "--set", "key=value")
+    }
 
 
 def _parse_conf(items: Iterable[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise SparknetError(f"--conf expects a Spark setting key=value, got {item!r}")
-        out[key.strip()] = value
-    return out
+    return dict(_key_values(items, "--conf", "a Spark setting key=value"))
 
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
