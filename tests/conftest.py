@@ -157,3 +157,54 @@ def standalone(moto_endpoint, tmp_path_factory) -> Standalone:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+#: the modules whose tests use the standalone cluster: under `make test` (two test processes,
+#: pytest-xdist) they form one unit of work, so one process runs them all and the cluster starts
+#: once; every other module is a unit of its own, so a module-scoped fixture (a Terraform apply,
+#: a built wheel) is made once
+STANDALONE_MODULES = frozenset(
+    f"tests/integration/test_{name}.py" for name in ("standalone", "spark_submit", "run_dir_s3")
+)
+
+
+def _unit(nodeid: str) -> str:
+    """The unit of work a test belongs to, from its id alone (the scheduler sees nothing else)."""
+    path = nodeid.split("::", 1)[0]
+    return "standalone" if path in STANDALONE_MODULES else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Units by module, the standalone modules together (xdist's own `loadgroup` marks do not
+    reach the scheduler under pytest 9: it rewrites a private attribute that no longer sets the
+    test id)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # collection order (see below), not test counts
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ByModule(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test that uses the standalone cluster outside STANDALONE_MODULES would start a second
+    cluster in the other test process: refused. In each test process the units run longest first
+    (the scheduler hands them out in collection order): the standalone unit, the integration
+    modules, then the unit tests, which fill the gaps at the end."""
+    strays = sorted(
+        {i.nodeid.split("::")[0] for i in items if "standalone" in i.fixturenames}
+        - STANDALONE_MODULES
+    )
+    if strays:
+        raise pytest.UsageError(f"add {', '.join(strays)} to STANDALONE_MODULES in conftest.py")
+    if hasattr(config, "workerinput"):
+
+        def rank(item) -> int:
+            if _unit(item.nodeid) == "standalone":
+                return 0
+            return 1 if item.nodeid.startswith("tests/integration/") else 2
+
+        items.sort(key=rank)

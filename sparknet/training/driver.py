@@ -353,12 +353,12 @@ def _with_warnings(
     """`on_round`, after the round's warnings (Python warnings without a callback: the `fit` API):
     - the partitions that found no inner optimizer state (an executor lost, or a partition
       moved): their optimizers started fresh, so the run no longer equals one without the miss.
-      Not for the first resumed round of a run that changed the inner optimizer or `inner_state`
-      (no usable states are stored: expected).
+      Not for the first resumed round of a run that changed the inner optimizer, `inner_state`
+      or the number of workers (no usable states are stored for them: expected).
     - an fp16 round whose loss scaler skipped at least half of its `steps` (gradients overflowed):
       the round learnt little or nothing, and only metrics.jsonl would say so."""
     warn = on_warning or (lambda text: warnings.warn(text, RuntimeWarning, stacklevel=2))
-    expected = {"optimizer", "inner_state"} & set(begin.changes)
+    expected = {"optimizer", "inner_state", "workers"} & set(begin.changes)
 
     def on_row(row: dict[str, Any]) -> None:
         missed = row.get("inner_state_missed")
