@@ -208,3 +208,23 @@ def pytest_collection_modifyitems(config, items) -> None:
             return 1 if item.nodeid.startswith("tests/integration/") else 2
 
         items.sort(key=rank)
+
+
+@pytest.fixture
+def sshd_nodes(tmp_path):
+    """A factory of loopback SSH nodes: `sshd_nodes(3)` starts three real sshd processes on
+    127.0.0.1 (own ports, config dirs and host keys, one client key; host keys pinned unless
+    `pin=False`) and returns a `tests.sshd.SshNodes`; every sshd it started is stopped by PID at
+    the end of the test."""
+    from tests.sshd import start_nodes
+
+    started = []
+
+    def make(count: int = 1, *, pin: bool = True):
+        group = start_nodes(tmp_path / f"nodes{len(started)}", count, pin=pin)
+        started.append(group)
+        return group
+
+    yield make
+    for group in started:
+        group.stop()

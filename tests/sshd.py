@@ -1,0 +1,189 @@
+"""A real OpenSSH server on 127.0.0.1 for the tests: one per "node", each with its own port,
+config dir, host key and authorized keys.
+
+The node tests connect over real SSH (paramiko through Fabric, and the `ssh` client), so what
+they check (host-key pinning, refusals, exit codes) is what happens against a real machine. The
+sshd runs in the foreground (`-D -e`) as a child of the test process and is stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sparknet.cluster import nodes
+from sparknet.cluster.nodes import Access, Endpoint
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+#: sshd refuses to start as root without its privilege separation dir (made by the Debian
+#: package's service unit on a real system, absent in a container)
+PRIVSEP_DIR = Path("/run/sshd")
+
+
+@dataclass
+class Sshd:
+    """One running sshd: where to reach it, its files, and its process."""
+
+    host: str
+    port: int
+    dir: Path
+    proc: subprocess.Popen
+    #: the host private key it serves (OpenSSH PEM)
+    host_key: Path
+    authorized_keys: Path
+    user: str = field(default_factory=lambda: os.environ.get("USER") or "root")
+
+    @property
+    def log(self) -> Path:
+        return self.dir / "sshd.log"
+
+    def stop(self) -> None:
+        """Stop it by its PID (and the sessions it forked, which share its process group)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _config(workdir: Path, port: int, host_key: Path, authorized_keys: Path) -> str:
+    return "\n".join(
+        [
+            "ListenAddress 127.0.0.1",
+            f"Port {port}",
+            f"HostKey {host_key}",
+            f"AuthorizedKeysFile {authorized_keys}",
+            f"PidFile {workdir / 'sshd.pid'}",
+            "StrictModes no",
+            "UsePAM no",
+            "PermitRootLogin prohibit-password",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "PubkeyAuthentication yes",
+            "AllowTcpForwarding yes",
+            "X11Forwarding no",
+            "PrintMotd no",
+            "LogLevel VERBOSE",
+            # the tests' PATH (the venv's bin) for the commands run over SSH
+            f"SetEnv PATH={os.environ.get('PATH', '/usr/bin:/bin')}",
+            "",
+        ]
+    )
+
+
+def start_sshd(
+    workdir: Path,
+    host_key_private: str,
+    authorized_keys: str,
+    *,
+    port: int | None = None,
+    timeout: float = 20.0,
+) -> Sshd:
+    """Start an sshd on 127.0.0.1:`port` (a free one when None) serving `host_key_private` (an
+    OpenSSH private key) and letting in the public keys in `authorized_keys` (file text); its
+    config, keys, pid file and log in `workdir`. Returns once it accepts TCP connections."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
+    host_key = workdir / "ssh_host_ed25519_key"
+    host_key.write_text(host_key_private)
+    host_key.chmod(0o600)
+    auth = workdir / "authorized_keys"
+    auth.write_text(authorized_keys)
+    port = port or free_port()
+    config = workdir / "sshd_config"
+    config.write_text(_config(workdir, port, host_key, auth))
+    with (workdir / "sshd.log").open("w") as log:
+        proc = subprocess.Popen(
+            [SSHD, "-D", "-e", "-f", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    node = Sshd("127.0.0.1", port, workdir, proc, host_key, auth)
+    try:
+        _wait_listening(node, timeout)
+    except BaseException:
+        node.stop()
+        raise
+    return node
+
+
+def _wait_listening(node: Sshd, timeout: float) -> None:
+    """Until a TCP connect to the node succeeds; a RuntimeError with its log if sshd exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if node.proc.poll() is not None:
+            raise RuntimeError(f"sshd exited ({node.proc.returncode}): {node.log.read_text()}")
+        with contextlib.suppress(OSError), socket.create_connection((node.host, node.port), 1):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"sshd on port {node.port} did not listen within {timeout} s")
+        time.sleep(0.05)
+
+
+@dataclass
+class SshNodes:
+    """Several sshd "nodes" that one client key logs in to, with their host keys pinned in one
+    known_hosts: what a cluster looks like to `nodes.py`."""
+
+    servers: list[Sshd]
+    access: Access
+    #: each node's host key pair (private, public line), in node order
+    host_keys: list[tuple[str, str]]
+    client_public: str
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        names = ["master"] + [f"worker-{i}" for i in range(1, len(self.servers))]
+        return [
+            Endpoint(n, s.host, s.port, s.user) for n, s in zip(names, self.servers, strict=True)
+        ]
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+def start_nodes(workdir: Path, count: int, *, pin: bool = True) -> SshNodes:
+    """`count` sshd nodes under `workdir`, each with a fresh host key, all letting in one fresh
+    client key (`access.key_file`); with `pin`, their host keys are in `access.known_hosts`."""
+    client_private, client_public = nodes.new_ed25519()
+    access = Access(workdir / "id_ed25519", workdir / "known_hosts")
+    nodes.write_private_key(access.key_file, client_private)
+    servers: list[Sshd] = []
+    host_keys = [nodes.new_ed25519() for _ in range(count)]
+    try:
+        for i, (private, _public) in enumerate(host_keys):
+            servers.append(start_sshd(workdir / f"node{i}", private, client_public + "\n"))
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    group = SshNodes(servers, access, host_keys, client_public)
+    if pin:
+        nodes.pin(
+            access.known_hosts,
+            {
+                ep.address: public
+                for ep, (_, public) in zip(group.endpoints, host_keys, strict=True)
+            },
+        )
+    return group
