@@ -228,3 +228,27 @@ def sshd_nodes(tmp_path):
     yield make
     for group in started:
         group.stop()
+
+
+@pytest.fixture
+def moto_nodes(tmp_path, monkeypatch):
+    """A factory of `tests.sshd.MotoNodes`: `moto_nodes("c1", 2)` maps cluster c1's master and
+    2 workers on moto to loopback sshd nodes through `SPARKNET_NODE_ENDPOINTS` (set for this
+    test and the CLI subprocesses it starts); every sshd is stopped by PID at the end of the
+    test."""
+    from sparknet.cluster.nodes import ENDPOINTS_ENV
+    from tests.sshd import MotoNodes
+
+    made: list[MotoNodes] = []
+    root = tmp_path / "moto-nodes"
+    root.mkdir()
+    monkeypatch.setenv(ENDPOINTS_ENV, str(root / "endpoints.json"))
+
+    def make(cluster: str, workers: int = 0) -> MotoNodes:
+        group = MotoNodes(root / cluster, cluster, workers, root / "endpoints.json")
+        made.append(group)
+        return group
+
+    yield make
+    for group in made:
+        group.stop()

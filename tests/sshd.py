@@ -9,11 +9,13 @@ sshd runs in the foreground (`-D -e`) as a child of the test process and is stop
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,3 +189,107 @@ def start_nodes(workdir: Path, count: int, *, pin: bool = True) -> SshNodes:
             },
         )
     return group
+
+
+class MotoNodes:
+    """Loopback sshd nodes standing in for the instances of cluster `cluster` on moto, through
+    the seam of `nodes.py` (the `nodes.ENDPOINTS_ENV` file, which CLI subprocesses see too).
+
+    Each node's port is fixed before anything launches (the master's and `workers` workers';
+    `reserve` adds more), so `up` pins and finds each node's address at once. `serve` then
+    starts, for each live instance, an sshd with the host key that sparknet put in that
+    instance's user data and the public key of the instance's EC2 key pair, both read back from
+    moto: what cloud-init does on a real node. `watch` keeps serving in a thread while a
+    command launches instances and connects to them in one go.
+    """
+
+    def __init__(
+        self, workdir: Path, cluster: str, workers: int = 0, file: Path | None = None
+    ) -> None:
+        self.workdir = workdir
+        self.cluster = cluster
+        #: the endpoints file (shared by several clusters' MotoNodes in one test)
+        self.file = file or workdir / "endpoints.json"
+        self.ports: dict[str, int] = {}
+        self.servers: dict[str, Sshd] = {}
+        #: node name -> the instance id its sshd stands in for
+        self.serving: dict[str, str] = {}
+        self.user = os.environ.get("USER") or "root"
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.reserve(["master"] + [f"worker-{k}" for k in range(1, workers + 1)])
+
+    def reserve(self, names: list[str]) -> None:
+        """Give each node name a port and write them into the endpoints file."""
+        for name in names:
+            self.ports.setdefault(name, free_port())
+        mapping = json.loads(self.file.read_text()) if self.file.is_file() else {}
+        for name, port in self.ports.items():
+            mapping[f"{self.cluster}/{name}"] = f"{self.user}@127.0.0.1:{port}"
+        tmp = self.file.with_name(f".{self.cluster}.endpoints.tmp")
+        tmp.write_text(json.dumps(mapping))
+        tmp.replace(self.file)
+
+    def serve(self, ec2) -> dict[str, Sshd]:
+        """An sshd for each live instance of the cluster (a new one where the instance behind a
+        node name changed); the servers by node name."""
+        from sparknet.cluster import instances
+
+        with self._lock:
+            named = nodes.node_names(instances.find(ec2, self.cluster))
+            self.reserve([name for name, _ in named])
+            for name, inst in named:
+                if self.serving.get(name) == inst.id and name in self.servers:
+                    continue
+                private, authorized = _what_cloud_init_installs(ec2, inst.id)
+                if name in self.servers:
+                    self.servers.pop(name).stop()
+                self.servers[name] = start_sshd(
+                    self.workdir / name, private, authorized, port=self.ports[name]
+                )
+                self.serving[name] = inst.id
+            return dict(self.servers)
+
+    @contextlib.contextmanager
+    def watch(self, ec2, every_s: float = 0.2):
+        """`serve` every `every_s` in a thread for the block (errors of one round are retried in
+        the next: an instance may not have its user data or key yet)."""
+
+        def loop() -> None:
+            while not self._stop.wait(every_s):
+                with contextlib.suppress(Exception):
+                    self.serve(ec2)
+
+        self._stop.clear()
+        thread = threading.Thread(target=loop, name="moto-nodes", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            thread.join(timeout=10)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            for server in self.servers.values():
+                server.stop()
+            self.servers.clear()
+
+
+def _what_cloud_init_installs(ec2, instance_id: str) -> tuple[str, str]:
+    """(host private key from the user data, authorized_keys text from the EC2 key pair) of an
+    instance, read back from moto."""
+    import yaml
+
+    user_data = nodes.user_data_of(ec2, instance_id)
+    config = yaml.safe_load(user_data) if user_data.startswith("#cloud-config") else None
+    if not config or "ssh_keys" not in config:
+        raise RuntimeError(f"{instance_id} has no host key in its user data")
+    raw = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"][0]["Instances"][0]
+    authorized = ""
+    if raw.get("KeyName"):
+        pairs = ec2.describe_key_pairs(KeyNames=[raw["KeyName"]], IncludePublicKey=True)
+        authorized = pairs["KeyPairs"][0]["PublicKey"].strip() + "\n"
+    return config["ssh_keys"]["ed25519_private"], authorized

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -68,16 +72,20 @@ def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_
     return spec.model_copy(update={"name": name})
 
 
-_COLUMNS = ("role", "id", "state", "type", "az", "public ip", "spot")
+_COLUMNS = ("node", "role", "id", "state", "type", "az", "public ip", "spot")
 
 
 def _print_instances(info) -> None:
     """The cluster's instances: a table on a terminal; tab-separated lines when stdout is a
     file or a pipe, which has no width (rich would assume 80 columns and cut the ids)."""
+    from sparknet.cluster import nodes
+
+    names = {inst.id: name for name, inst in nodes.node_names(info.instances)}
     rows = [
-        (i.role, i.id, i.state, i.type, i.az, i.public_ip or "-", "yes" if i.spot else "")
+        (names.get(i.id, "-"), i.role, i.id, i.state, i.type, i.az, i.public_ip or "-",
+         "yes" if i.spot else "")
         for i in info.instances
-    ]
+    ]  # fmt: skip
     out = Console()
     if not out.is_terminal:
         print(f"cluster {info.name} ({info.region})")
@@ -93,6 +101,22 @@ def _print_instances(info) -> None:
     for row in rows:
         table.add_row(*row)
     out.print(table)
+
+
+def _print_ssh(spec, info) -> None:
+    """Each node's SSH address and the `ssh` command that reaches it (the cluster's key and
+    pinned host keys), one tab-separated line per node."""
+    from sparknet.cluster import nodes
+
+    access = nodes.access_for(spec)
+    for name, inst in nodes.node_names(info.instances):
+        try:
+            endpoint = nodes.endpoint_of(spec.name, name, inst)
+        except SparknetError:
+            print(f"ssh {name}	-	(no public address while {inst.state})")
+            continue
+        command = shlex.join(nodes.ssh_command(endpoint, access))
+        print(f"ssh {name}	{endpoint.user}@{endpoint.host}:{endpoint.port}	{command}")
 
 
 def _fail(exc: SparknetError, debug: bool, caught: Caught | None = None) -> None:
@@ -229,6 +253,7 @@ def cluster_status(
         print(f"cluster {name} has no live instances in {info.region}")
         raise typer.Exit(1)
     _print_instances(info)
+    _print_ssh(_on_cluster(lambda spec: spec, name, region, config, debug), info)
     print(f"estimated cost {info.cost.describe()}")
 
 
@@ -332,3 +357,104 @@ def _wanted(region: str, config: Path | None) -> set[str]:
             if (entry or {}).get("region", "us-east-1") == region:
                 wanted.add(name)
     return wanted
+
+
+def _reach(
+    name: str, node: str, region: str | None, endpoint_url: str | None, config: Path | None,
+    debug: bool,
+):  # fmt: skip
+    """The endpoint of `node` of cluster `name` and the cluster's access, its host keys pinned
+    afresh from EC2 (the instances' user data: right even after a lost registry or a new public
+    address); a one-line error (exit 2) for an unknown node, exit 1 for a cluster not there."""
+    from sparknet.cluster import instances, lifecycle, nodes
+
+    spec = _on_cluster(lambda spec: spec, name, region, config, debug)
+    try:
+        if shutil.which("ssh") is None:
+            raise SparknetError("the OpenSSH client `ssh` is not on PATH; install openssh-client")
+        ec2 = instances.ec2_client(spec.region, endpoint_url)
+        found = [i for i in instances.find(ec2, spec.name) if i.state in ("pending", "running")]
+        if not found:
+            raise lifecycle.ClusterNotFound(
+                f"cluster {name} has no running instances in {spec.region}; "
+                f"`sparknet cluster up {name}` starts it"
+            )
+        access = nodes.access_for(spec)
+        nodes.check_key_file(access)
+        nodes.pin_cluster(ec2, spec.name, found, access.known_hosts)
+        endpoint = nodes.pick(nodes.endpoints(spec.name, found), node)
+    except SparknetError as exc:
+        _fail(exc, debug)
+    return endpoint, access
+
+
+def _split_command(words: list[str]) -> tuple[str, list[str]]:
+    """(node, command) of `cluster ssh NAME [NODE] [-- CMD...]`: the command is what follows
+    the first `--` (the command takes no interspersed options, so click keeps the `--`)."""
+    cut = words.index("--") if "--" in words else len(words)
+    before, command = words[:cut], words[cut + 1 :]
+    if len(before) > 1:
+        raise SparknetError(
+            f"put the command after `--`: sparknet cluster ssh NAME {before[0]} -- "
+            f"{shlex.join(before[1:])}"
+        )
+    return (before[0] if before else "master"), command
+
+
+@cluster_app.command(
+    "ssh", context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True}
+)
+def cluster_ssh(
+    name: str = typer.Argument(...),
+    words: list[str] = typer.Argument(
+        None, metavar="[NODE] [-- CMD...]", help="master (default) or worker-N; then a command"
+    ),
+    region: str | None = RegionOption,
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """A shell on a node, or with `-- CMD` a command there (the exit code is the command's);
+    through `ssh` with the cluster's key and pinned host keys (an unknown or changed host key
+    is refused)."""
+    from sparknet.cluster import nodes
+
+    try:
+        node, command = _split_command(list(words or []))
+    except SparknetError as exc:
+        _fail(exc, debug)
+    endpoint, access = _reach(name, node, region, endpoint_url, config, debug)
+    argv = nodes.ssh_command(endpoint, access, *([] if command else ["-t"]))
+    sys.stdout.flush()
+    os.execvp(argv[0], [*argv, *(["--", *command] if command else [])])
+
+
+@cluster_app.command("tunnel")
+def cluster_tunnel(
+    name: str = typer.Argument(...),
+    master_ui_port: int = typer.Option(8080, help="local port of the Spark master's UI"),
+    app_ui_port: int = typer.Option(4040, help="local port of the running application's UI"),
+    region: str | None = RegionOption,
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Forward the master's Spark UIs (master 8080, application 4040: reachable only on the
+    node itself) to localhost until Ctrl-C."""
+    from sparknet.cluster import nodes
+
+    for port in (master_ui_port, app_ui_port):
+        if not 0 < port < 65536:
+            _fail(SparknetError(f"local port {port} is not 1-65535"), debug)
+    endpoint, access = _reach(name, "master", region, endpoint_url, config, debug)
+    forwards = [
+        "-N", "-o", "ExitOnForwardFailure=yes",
+        "-L", f"127.0.0.1:{master_ui_port}:localhost:8080",
+        "-L", f"127.0.0.1:{app_ui_port}:localhost:4040",
+    ]  # fmt: skip
+    console.print(
+        f"Spark master UI: http://localhost:{master_ui_port}  application UI: "
+        f"http://localhost:{app_ui_port}  (tunnel to {endpoint}; Ctrl-C ends it)"
+    )
+    argv = nodes.ssh_command(endpoint, access, *forwards)
+    os.execvp(argv[0], argv)

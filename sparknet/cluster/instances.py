@@ -319,6 +319,8 @@ def _run_request(
     root_device: str,
     spot: bool,
     token: str,
+    key_name: str | None = None,
+    user_data: str | None = None,
 ) -> dict[str, Any]:
     """The RunInstances arguments of one attempt: the security defaults of design section 5.
 
@@ -375,8 +377,10 @@ def _run_request(
                 "InstanceInterruptionBehavior": "terminate",
             },
         }
-    if spec.key_name:
-        request["KeyName"] = spec.key_name
+    if key_name or spec.key_name:
+        request["KeyName"] = key_name or spec.key_name
+    if user_data:
+        request["UserData"] = user_data  # boto3 base64-encodes it
     return request
 
 
@@ -412,6 +416,8 @@ def launch(
     spot: bool,
     instance_types: Sequence[str],
     client_token_prefix: str,
+    key_name: str | None = None,
+    user_data: str | None = None,
 ) -> list[Instance]:
     """Launch `count` instances of `role`, all of one type in one AZ, and return them.
 
@@ -425,7 +431,9 @@ def launch(
     retried `up` and use a new one for a new cluster generation (after `down`).
 
     The instances may still be pending; `wait_ready` waits for them. Instances of an earlier
-    role are the caller's to clean up if this one fails.
+    role are the caller's to clean up if this one fails. `key_name` (else the spec's) is the
+    EC2 key pair let in; `user_data` goes to every instance of the request (cloud-init's: the
+    host key of `nodes.host_key_user_data`).
     """
     if count < 1:
         return []
@@ -455,6 +463,8 @@ def launch(
                 ami=ami,
                 root_device=root_device,
                 spot=spot,
+                key_name=key_name,
+                user_data=user_data,
                 token=client_token(
                     client_token_prefix,
                     role=role,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from sparknet import aws
-from sparknet.cluster import foundation, instances
+from sparknet.cluster import foundation, instances, nodes
 from sparknet.cluster.instances import Hourly, Instance
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec, tag_value
 from sparknet.errors import SparknetError
@@ -341,6 +341,8 @@ class _Made:
     launched: list[str] = field(default_factory=list)
     #: "kind:id" of the foundation resources the boto3 foundation made, as it makes them
     created: list[str] = field(default_factory=list)
+    #: the EC2 key pair this `up` imported (None: it existed, or the user's own)
+    key_pair: str | None = None
 
 
 def up(
@@ -370,6 +372,8 @@ def up(
         ec2, [spec.master_type, *spec.instance_types], spec.availability_zones or None
     )
     instances.check_key_pair(ec2, spec.key_name)
+    if spec.key_name:
+        nodes.check_key_file(nodes.access_for(spec))
     ami = instances.resolve_ami(spec, ssm)
     instances.check_ami(ec2, ami, spec.root_volume_gb)
     cidr = spec.allowed_cidr or instances.caller_cidr()
@@ -406,29 +410,36 @@ def _build(
         started = instances.start_stopped(ec2, running, delay_s=wait_delay_s)
         if started:
             say(f"starting {len(started)} stopped instances: {', '.join(started)}")
+        made.key_pair = nodes.ensure_key_pair(ec2, spec, say)
         common = dict(
             subnet_by_az=base.subnet_by_az, security_group_id=base.security_group_id,
             instance_profile_arn=base.instance_profile_arn, ami=ami,
             client_token_prefix=made.prefix,
+            key_name=spec.key_name or nodes.key_pair_name(spec.name),
         )  # fmt: skip
         if not _by_role(running, "master"):
             say(f"launching the master ({spec.master_type})")
             master = instances.launch(
                 ec2, spec, role="master", count=1, spot=False,
-                instance_types=[spec.master_type], **common,
+                instance_types=[spec.master_type], user_data=nodes.host_key_user_data()[0],
+                **common,
             )  # fmt: skip
             made.launched += [i.id for i in master]
         missing = spec.workers - len(_by_role(running, "worker"))
         if missing > 0:
             market = "spot" if spec.spot else "on-demand"
             say(f"launching {missing} {market} workers ({', '.join(spec.instance_types)})")
+            # one host key for the workers of one launch request: RunInstances gives all of them
+            # the same user data, and a launch stays all-or-nothing (see `instances.launch`)
             workers = instances.launch(
                 ec2, spec, role="worker", count=missing, spot=spec.spot,
-                instance_types=list(spec.instance_types), **common,
+                instance_types=list(spec.instance_types),
+                user_data=nodes.host_key_user_data()[0], **common,
             )  # fmt: skip
             made.launched += [i.id for i in workers]
         ids = [i.id for i in instances.find(ec2, spec.name) if i.state != "shutting-down"]
         ready = instances.wait_ready(ec2, ids, wait_timeout_s, delay_s=wait_delay_s)
+        _pin(spec, ec2, ready, say)
     except BaseException as exc:
         try:
             _undo(spec, ec2, made, endpoint_url, say)
@@ -450,6 +461,18 @@ def _build(
         spec.name, spec.region, masters[0] if masters else None, _by_role(ready, "worker"),
         instances.hourly_cost(ec2, ready),
     )  # fmt: skip
+
+
+def _pin(spec: ClusterSpec, ec2: Any, ready: list[Instance], say: Say) -> None:
+    """Pin the nodes' host keys (from their user data) in the cluster's known_hosts, before
+    anything connects to them; say which nodes have none (they will be refused)."""
+    known_hosts = nodes.access_for(spec).known_hosts
+    unpinned = nodes.pin_cluster(ec2, spec.name, ready, known_hosts)
+    if unpinned:
+        say(
+            f"no host key to pin for {', '.join(unpinned)} (launched without sparknet's host "
+            "key): SSH to them is refused; terminate them and run `up` again to replace them"
+        )
 
 
 def _shrink(
@@ -482,6 +505,9 @@ def _undo(spec: ClusterSpec, ec2: Any, made: _Made, endpoint_url: str | None, sa
     if ours:
         say(f"removing the {len(ours)} instances this run launched")
         instances.terminate(ec2, sorted(ours), wait=True, delay_s=1.0)
+    if made.key_pair:
+        with aws.aws_call("DeleteKeyPair", spec.region):
+            ec2.delete_key_pair(KeyName=made.key_pair)
     if spec.foundation == "terraform":
         if not made.had_foundation:
             # the lock keeps other `up`s on this machine out of the state this run applied
@@ -490,6 +516,7 @@ def _undo(spec: ClusterSpec, ec2: Any, made: _Made, endpoint_url: str | None, sa
         foundation.destroy_boto3(spec, endpoint_url=endpoint_url, only=made.created)
     if not made.had_entry:
         _forget(spec.name, spec.region)
+        nodes.forget_local(spec.name)
         _remove_lock(spec.name)
 
 
@@ -549,7 +576,10 @@ def down(
         cost = lifetime_cost(ec2, found, datetime.now(timezone.utc))
         say(f"terminating {len(found)} instances")
         terminated = instances.terminate_cluster(ec2, spec.name, wait=True, delay_s=1.0)
-        deleted = _destroy_foundation(spec, endpoint_url)
+        deleted = nodes.delete_key_pairs(ec2, spec.name)
+        deleted += _destroy_foundation(spec, endpoint_url)
+        if spec.name not in registered() or _registered_in(spec.name, spec.region):
+            nodes.forget_local(spec.name)  # not the key of the name's cluster in another region
         _forget(spec.name, spec.region)
         _remove_lock(spec.name)
     return DownReport(spec.name, spec.region, terminated, deleted, cost)
@@ -634,6 +664,8 @@ def tagged_clusters(region: str, *, endpoint_url: str | None = None) -> dict[str
             for reservation in page["Reservations"]:
                 for raw in reservation["Instances"]:
                     add(raw.get("Tags", []), f"instance:{raw['InstanceId']}")
+    for pair in nodes.tagged_key_pairs(ec2):
+        add(pair.get("Tags", []), f"key-pair:{pair['KeyName']}")
     for call, key, id_key, kind in _TAGGED_EC2:
         with aws.aws_call(call, region):
             for page in ec2.get_paginator(call).paginate(Filters=[tag_key]):

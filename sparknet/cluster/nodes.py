@@ -11,18 +11,28 @@ its own key and its own known_hosts only, so two clusters, or a user's other mac
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import json
+import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import fabric
 import paramiko
 from invoke.exceptions import UnexpectedExit
 
+from sparknet import aws
 from sparknet.errors import SparknetError
+
+if TYPE_CHECKING:
+    from sparknet.cluster.instances import Instance
+    from sparknet.cluster.spec import ClusterSpec
 
 T = TypeVar("T")
 
@@ -241,8 +251,6 @@ def new_ed25519() -> tuple[str, str]:
 def write_private_key(path: Path, private: str) -> None:
     """Write a private key readable by its owner only (0600 from the start: never a moment in
     which another user could read it), replacing any file there."""
-    import os
-
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.unlink(missing_ok=True)
@@ -252,12 +260,13 @@ def write_private_key(path: Path, private: str) -> None:
     os.replace(tmp, path)
 
 
-def pin(known_hosts: Path, pins: dict[str, str]) -> None:
+def pin(known_hosts: Path, pins: dict[str, str], *, only: bool = False) -> None:
     """Pin host keys: `pins` maps an address (`Endpoint.address`) to its public key line
     (``ssh-ed25519 AAAA...``). An address pinned before gets the new key instead of its old one
-    (a replaced node at a reused address); every other line stays."""
+    (a replaced node at a reused address); every other line stays, unless `only` (the file then
+    holds exactly `pins`: a cluster's current nodes)."""
     keep = []
-    if known_hosts.is_file():
+    if known_hosts.is_file() and not only:
         for line in known_hosts.read_text().splitlines():
             hosts = line.split(" ", 1)[0].split(",")
             if line.strip() and not set(hosts) & set(pins):
@@ -267,3 +276,329 @@ def pin(known_hosts: Path, pins: dict[str, str]) -> None:
     tmp = known_hosts.with_name(f".{known_hosts.name}.tmp")
     tmp.write_text("".join(f"{line}\n" for line in lines))
     tmp.replace(known_hosts)
+
+
+# --- the seam: instance -> endpoint ----------------------------------------------------------
+
+#: a JSON file mapping an instance id, or ``<cluster>/<node name>``, to ``user@host:port``; the
+#: nodes found there are reached at that address instead of their public IP (tests map moto's
+#: instances to sshd processes on 127.0.0.1 this way; CLI subprocesses inherit it)
+ENDPOINTS_ENV = "SPARKNET_NODE_ENDPOINTS"
+#: the login user of the AWS Deep Learning AMIs (Ubuntu)
+DEFAULT_USER = "ubuntu"
+_ADDRESS = re.compile(
+    r"^(?:(?P<user>[A-Za-z_][A-Za-z0-9_.-]*)@)?(?P<host>[^@:\s]+)(?::(?P<port>\d+))?$"
+)
+_NODE_NAME = re.compile(r"^(?:master|worker-[1-9][0-9]*)$")
+
+
+def parse_address(name: str, text: str, default_user: str = DEFAULT_USER) -> Endpoint:
+    """``[user@]host[:port]`` as the Endpoint of node `name`; a one-line error otherwise."""
+    match = _ADDRESS.fullmatch(text.strip())
+    port = int(match["port"]) if match and match["port"] else 22
+    if not match or not 0 < port < 65536:
+        raise SparknetError(f"{name}: {text!r} is not an SSH address (user@host:port)")
+    return Endpoint(name, match["host"], port, match["user"] or default_user)
+
+
+def _overrides() -> dict[str, str]:
+    """The `ENDPOINTS_ENV` file's mapping; empty when the variable is unset."""
+    path = os.environ.get(ENDPOINTS_ENV)
+    if not path:
+        return {}
+    try:
+        found = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SparknetError(f"{ENDPOINTS_ENV}={path}: {describe(exc)}") from exc
+    if not isinstance(found, dict):
+        raise SparknetError(f"{ENDPOINTS_ENV}={path}: not a JSON object of name -> address")
+    return {str(k): str(v) for k, v in found.items()}
+
+
+def node_names(found: Sequence[Instance]) -> list[tuple[str, Instance]]:
+    """Each instance with its node name: ``master``, then ``worker-1``, ``worker-2``, ... by
+    launch time (then id), so a worker keeps its name while it lives and new ones come last."""
+    masters = [i for i in found if i.role == "master"]
+    workers = sorted((i for i in found if i.role == "worker"), key=lambda i: (i.launched_at, i.id))
+    named = [("master", m) for m in masters[:1]]
+    return named + [(f"worker-{k}", w) for k, w in enumerate(workers, start=1)]
+
+
+def endpoint_of(cluster: str, name: str, instance: Instance) -> Endpoint:
+    """Where sparknet reaches `instance` (node `name` of `cluster`): its public IP, port 22,
+    user ubuntu. The one seam between instances and SSH: an entry in the `ENDPOINTS_ENV` file
+    (by instance id, else ``<cluster>/<name>``) replaces the address."""
+    override = _overrides()
+    text = override.get(instance.id) or override.get(f"{cluster}/{name}")
+    if text:
+        return parse_address(name, text)
+    if not instance.public_ip:
+        raise SparknetError(
+            f"{name} ({instance.id}, {instance.state}) has no public IP address; SSH needs one "
+            "(start it, or run `sparknet cluster up` again)"
+        )
+    return Endpoint(name, instance.public_ip)
+
+
+def endpoints(cluster: str, found: Sequence[Instance]) -> list[Endpoint]:
+    """The endpoints of a cluster's instances, master first (`node_names` order)."""
+    return [endpoint_of(cluster, name, inst) for name, inst in node_names(found)]
+
+
+def pick(found: Sequence[Endpoint], node: str) -> Endpoint:
+    """The endpoint of node `node` (``master`` or ``worker-N``); a one-line error naming the
+    nodes there are otherwise."""
+    for endpoint in found:
+        if endpoint.name == node:
+            return endpoint
+    names = ", ".join(e.name for e in found) or "none"
+    hint = "" if _NODE_NAME.fullmatch(node) else " (master or worker-N)"
+    raise SparknetError(f"no node {node!r}{hint}; the cluster's nodes: {names}")
+
+
+# --- host keys through cloud-init --------------------------------------------------------------
+
+
+def host_key_user_data() -> tuple[str, str]:
+    """A fresh ed25519 host key as cloud-init user data: (user data, public key line).
+
+    cloud-init installs `ssh_keys` as the instance's host key before sshd starts, deletes the
+    AMI's own keys (`ssh_deletekeys`) and makes no others (`ssh_genkeytypes: []`), so the key
+    sparknet pins is the only one the node can present. The user data is readable on the node
+    through IMDS (see the README's "Logging in to the nodes")."""
+    import yaml
+
+    private, public = new_ed25519()
+    config = {
+        "ssh_deletekeys": True,
+        "ssh_genkeytypes": [],
+        "ssh_keys": {"ed25519_private": private, "ed25519_public": public},
+    }
+    return "#cloud-config\n" + yaml.safe_dump(config, sort_keys=False), public
+
+
+def host_public_key(user_data: str) -> str | None:
+    """The ed25519 public host key in cloud-init user data; None when it has none (an instance
+    launched by an older sparknet, or by hand)."""
+    import yaml
+
+    if not user_data.startswith("#cloud-config"):
+        return None
+    try:
+        config = yaml.safe_load(user_data)
+    except yaml.YAMLError:
+        return None
+    keys = config.get("ssh_keys") if isinstance(config, dict) else None
+    public = keys.get("ed25519_public") if isinstance(keys, dict) else None
+    return str(public) if public else None
+
+
+def user_data_of(ec2: Any, instance_id: str) -> str:
+    """The instance's user data as text ('' when it has none), read back from EC2: the copy
+    there is the one the instance got, so it is what its host key is pinned from."""
+    region = aws.region_of(ec2)
+    with aws.aws_call("DescribeInstanceAttribute", region):
+        answer = ec2.describe_instance_attribute(InstanceId=instance_id, Attribute="userData")
+    value = answer.get("UserData", {}).get("Value")
+    return base64.b64decode(value).decode("utf-8", "replace") if value else ""
+
+
+def pin_cluster(ec2: Any, cluster: str, found: Sequence[Instance], known_hosts: Path) -> list[str]:
+    """Pin each node's host key (from its user data in EC2) under its address in the cluster's
+    `known_hosts`, which then holds exactly the cluster's current nodes; the names of nodes
+    with no key to pin (launched without one: they will be refused). EC2's API is an
+    authenticated channel, so a key read there is the node's, not whatever answers at its
+    address."""
+    pins: dict[str, str] = {}
+    unpinned = []
+    for endpoint, (_name, inst) in zip(endpoints(cluster, found), node_names(found), strict=True):
+        public = host_public_key(user_data_of(ec2, inst.id))
+        if public:
+            pins[endpoint.address] = public
+        else:
+            unpinned.append(endpoint.name)
+    pin(known_hosts, pins, only=True)
+    return unpinned
+
+
+# --- the cluster's client key pair ---------------------------------------------------------------
+
+#: EC2 key pair names: at most 255 ASCII characters (AWS's limit; moto checks none)
+KEY_NAME_MAX = 255
+
+
+def key_pair_name(cluster: str) -> str:
+    """The EC2 key pair sparknet imports for `cluster`: one per cluster and region, found again
+    by name on a later `up` (and by its tags on `down` and `sweep`)."""
+    name = f"sparknet-{cluster}"
+    check_key_name(name)
+    return name
+
+
+def check_key_name(name: str) -> str:
+    """`name`, if EC2 accepts it as a key pair name (1-255 ASCII characters); else a one-line
+    error."""
+    if not name or len(name) > KEY_NAME_MAX or not name.isascii():
+        raise SparknetError(f"key pair name {name!r} is not 1-{KEY_NAME_MAX} ASCII characters")
+    return name
+
+
+def cluster_dir(cluster: str) -> Path:
+    """The cluster's registry dir (``<registry>/<name>/``): its key, its known_hosts."""
+    from sparknet.cluster.lifecycle import _file_stem, registry_dir
+
+    return registry_dir() / _file_stem(cluster)
+
+
+def access_for(spec: ClusterSpec) -> Access:
+    """How sparknet logs in to the cluster's nodes: the user's `key_file` when the spec names
+    its own `key_name`, else the key pair sparknet made (``<registry>/<name>/id_ed25519``); the
+    cluster's own known_hosts either way."""
+    base = cluster_dir(spec.name)
+    key = Path(spec.key_file).expanduser() if spec.key_file else base / "id_ed25519"
+    return Access(key, base / "known_hosts")
+
+
+def check_key_file(access: Access) -> None:
+    """The private key exists and only its owner can read it (OpenSSH refuses a key others can
+    read, and so does this, before any node is asked)."""
+    try:
+        mode = access.key_file.stat().st_mode & 0o777
+    except OSError as exc:
+        raise SparknetError(
+            f"key file {access.key_file} cannot be read ({describe(exc)}); set key_file to the "
+            "private key of key_name"
+        ) from exc
+    if mode & 0o077:
+        raise SparknetError(
+            f"key file {access.key_file} is readable by others (mode {mode:o}); "
+            f"chmod 600 {access.key_file}"
+        )
+
+
+def ensure_key_pair(ec2: Any, spec: ClusterSpec, say: Callable[[str], None]) -> str | None:
+    """The EC2 key pair the cluster's instances launch with, and its private key here.
+
+    With the spec's own `key_name` (and `key_file`) nothing is made: the name is checked to
+    exist. Else sparknet's: an ed25519 key made here (0600 in the cluster's registry dir) and
+    imported as ``sparknet-<name>``, tagged like every other resource so `down` and `sweep` find
+    it. A key pair of that name whose public key is not the local one (the registry was lost,
+    or another machine made it) is replaced: its private key is not here, so it could let
+    nobody from here in. Returns the name when this call imported it, else None."""
+    from sparknet.cluster import instances
+
+    if spec.key_name:
+        instances.check_key_pair(ec2, spec.key_name)
+        check_key_file(access_for(spec))
+        return None
+    access = access_for(spec)
+    public_file = access.key_file.with_name(access.key_file.name + ".pub")
+    if not (access.key_file.is_file() and public_file.is_file()):
+        private, public = new_ed25519()
+        write_private_key(access.key_file, private)
+        public_file.write_text(public + "\n")
+    public = public_file.read_text().strip()
+    name = key_pair_name(spec.name)
+    found = _key_pair(ec2, name)
+    if found is not None and _same_key(found.get("PublicKey", ""), public):
+        return None
+    region = aws.region_of(ec2)
+    if found is not None:
+        say(f"replacing key pair {name}: its private key is not in {access.key_file.parent}")
+        with aws.aws_call("DeleteKeyPair", region):
+            ec2.delete_key_pair(KeyName=name)
+    tags = [t for t in instances._tags(spec, "foundation") if t["Key"] != "Name"]
+    with aws.aws_call("ImportKeyPair", region):
+        ec2.import_key_pair(
+            KeyName=name,
+            PublicKeyMaterial=public.encode("ascii"),
+            TagSpecifications=[{"ResourceType": "key-pair", "Tags": tags}],
+        )
+    return name
+
+
+def _same_key(a: str, b: str) -> bool:
+    """Two public key lines hold the same key (type and base64; comments may differ)."""
+    return a.split()[:2] == b.split()[:2]
+
+
+def _key_pair(ec2: Any, name: str) -> dict[str, Any] | None:
+    """The key pair `name` with its public key; None when there is none."""
+    import botocore.exceptions as bx
+
+    region = aws.region_of(ec2)
+    try:
+        found = ec2.describe_key_pairs(KeyNames=[name], IncludePublicKey=True)["KeyPairs"]
+    except bx.ClientError as exc:
+        if aws.error_code(exc) == "InvalidKeyPair.NotFound":
+            return None
+        raise aws.describe_error(exc, f"DescribeKeyPairs in {region}") from exc
+    except bx.BotoCoreError as exc:
+        raise aws.describe_error(exc, f"DescribeKeyPairs in {region}") from exc
+    return dict(found[0]) if found else None
+
+
+def tagged_key_pairs(ec2: Any, cluster: str | None = None) -> list[dict[str, Any]]:
+    """The key pairs carrying the `sparknet:cluster` tag (of `cluster`, when given): by tag, so
+    `down` and `sweep` find them with the local registry lost. DescribeKeyPairs has no pages."""
+    from sparknet.cluster.spec import TAG_CLUSTER
+
+    filters = [
+        {"Name": f"tag:{TAG_CLUSTER}", "Values": [cluster]}
+        if cluster is not None
+        else {"Name": "tag-key", "Values": [TAG_CLUSTER]}
+    ]
+    with aws.aws_call("DescribeKeyPairs", aws.region_of(ec2)):
+        return list(ec2.describe_key_pairs(Filters=filters)["KeyPairs"])
+
+
+def delete_key_pairs(ec2: Any, cluster: str) -> list[str]:
+    """Delete the cluster's tagged key pairs (never a user's own: sparknet tags only what it
+    imported); "key-pair:<name>" of each."""
+    deleted = []
+    for pair in tagged_key_pairs(ec2, cluster):
+        with aws.aws_call("DeleteKeyPair", aws.region_of(ec2)):
+            ec2.delete_key_pair(KeyName=pair["KeyName"])  # moto ignores KeyPairId
+        deleted.append(f"key-pair:{pair['KeyName']}")
+    return deleted
+
+
+def forget_local(cluster: str) -> None:
+    """Remove the cluster's key and known_hosts from its registry dir (after `down`: the nodes
+    they reached are gone), and the dir when nothing else is left in it."""
+    base = cluster_dir(cluster)
+    for name in ("id_ed25519", "id_ed25519.pub", "known_hosts"):
+        (base / name).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # Terraform state or other files stay
+        base.rmdir()
+
+
+# --- the OpenSSH client ------------------------------------------------------------------------
+
+
+def ssh_command(endpoint: Endpoint, access: Access, *extra: str) -> list[str]:
+    """The `ssh` command line that reaches `endpoint` as sparknet does: the cluster's key only
+    (`IdentitiesOnly`, no agent), its known_hosts only, and a host whose key is not pinned
+    there refused (`StrictHostKeyChecking=yes`). `-F none`: no ssh_config of the user's can
+    rename the node or add a proxy. `extra` goes before the destination (`-N`, `-L ...`)."""
+    return [
+        "ssh",
+        "-F",
+        "none",
+        "-i",
+        str(access.key_file),
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        "IdentityAgent=none",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        f"UserKnownHostsFile={access.known_hosts}",
+        "-o",
+        "GlobalKnownHostsFile=/dev/null",
+        "-p",
+        str(endpoint.port),
+        *extra,
+        f"{endpoint.user}@{endpoint.host}",
+    ]

@@ -69,7 +69,10 @@ class ClusterSpec(BaseModel):
     ami: str | None = Field(None, description="an AMI id; default: from ami_parameter")
     ami_parameter: str = DEFAULT_AMI_PARAMETER
     root_volume_gb: int = Field(100, ge=8, le=16384)
-    key_name: str | None = None
+    key_name: str | None = Field(
+        None, description="your own EC2 key pair (with key_file); default: one sparknet makes"
+    )
+    key_file: str | None = Field(None, description="the private key of key_name (mode 0600)")
     allowed_cidr: str | None = Field(None, description="SSH source; default: the caller's /32")
     vpc_id: str | None = Field(None, description="an existing VPC to use (with subnet_ids)")
     subnet_ids: list[str] = Field(default_factory=list, description="its subnets, one per AZ")
@@ -121,6 +124,19 @@ class ClusterSpec(BaseModel):
     def _existing_network(self) -> ClusterSpec:
         if bool(self.vpc_id) != bool(self.subnet_ids):
             raise ValueError("vpc_id and subnet_ids go together: give both or neither")
+        return self
+
+    @model_validator(mode="after")
+    def _own_key(self) -> ClusterSpec:
+        """sparknet logs in to the nodes too (bootstrap, `cluster ssh`): a key pair of the
+        user's is no use to it without the private key's file."""
+        if bool(self.key_name) != bool(self.key_file):
+            raise ValueError(
+                "key_name and key_file go together: your EC2 key pair and the file of its "
+                "private key (or neither: sparknet then makes a key pair for the cluster)"
+            )
+        if self.key_name and (len(self.key_name) > 255 or not self.key_name.isascii()):
+            raise ValueError(f"key_name {self.key_name!r} is not 1-255 ASCII characters")
         return self
 
 

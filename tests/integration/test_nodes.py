@@ -10,6 +10,7 @@ import pytest
 from sparknet.cluster import nodes
 from sparknet.cluster.nodes import Access, Endpoint
 from sparknet.errors import SparknetError
+from tests.sshd import start_sshd
 
 
 def test_a_pinned_node_runs_a_command(sshd_nodes):
@@ -113,3 +114,251 @@ def test_run_all_times_out_naming_the_busy_node(sshd_nodes):
     with pytest.raises(nodes.NodesFailed, match=r"^1 of 2 nodes failed: worker-1: still running"):
         nodes.run_all(group.endpoints, group.access, step, timeout=3)
     assert time.monotonic() - start < 10
+
+
+# --- a moto cluster's nodes through the seam ----------------------------------------------------
+
+REGION = "us-east-1"
+AMI_PARAMETER = "/test/sparknet/nodes-ami"
+
+
+@pytest.fixture
+def spec(moto_endpoint, tmp_path, monkeypatch):
+    """A cluster spec on moto with its registry under tmp_path; taken down at the end."""
+    import contextlib
+    import uuid
+
+    import boto3
+
+    from sparknet.cluster import lifecycle
+    from sparknet.cluster.spec import ClusterSpec
+
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    ec2 = boto3.client("ec2", region_name=REGION)
+    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    boto3.client("ssm", region_name=REGION).put_parameter(
+        Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True
+    )
+    spec = ClusterSpec(
+        name=f"n{uuid.uuid4().hex[:8]}", region=REGION, workers=2, master_type="g5.xlarge",
+        instance_types=["g4dn.xlarge"], ami_parameter=AMI_PARAMETER,
+        allowed_cidr="203.0.113.9/32", root_volume_gb=120,
+    )  # fmt: skip
+    yield spec
+    with contextlib.suppress(lifecycle.ClusterNotFound):
+        lifecycle.down(spec, endpoint_url=moto_endpoint)
+
+
+def _up(spec, endpoint):
+    from sparknet.cluster import lifecycle
+
+    return lifecycle.up(spec, endpoint_url=endpoint, wait_timeout_s=60, wait_delay_s=0.2)
+
+
+def _ec2():
+    import boto3
+
+    return boto3.client("ec2", region_name=REGION)
+
+
+def test_up_imports_a_tagged_key_pair_and_pins_each_nodes_host_key(spec, moto_endpoint, moto_nodes):
+    import yaml
+
+    from sparknet.cluster import lifecycle
+    from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE
+
+    group = moto_nodes(spec.name, spec.workers)
+    info = _up(spec, moto_endpoint)
+    ec2 = _ec2()
+    # the key pair: sparknet's, tagged like the foundation, the private key 0600 here
+    pairs = ec2.describe_key_pairs(KeyNames=[f"sparknet-{spec.name}"], IncludePublicKey=True)
+    pair = pairs["KeyPairs"][0]
+    tags = {t["Key"]: t["Value"] for t in pair["Tags"]}
+    assert tags[TAG_CLUSTER] == spec.name and tags[TAG_ROLE] == "foundation"
+    assert tags[TAG_OWNER] == "arn:aws:sts::123456789012:user/moto"
+    access = nodes.access_for(spec)
+    assert access.key_file == lifecycle.registry_dir() / spec.name / "id_ed25519"
+    assert access.key_file.stat().st_mode & 0o777 == 0o600
+    public = access.key_file.with_name("id_ed25519.pub").read_text().split()[:2]
+    assert pair["PublicKey"].split()[:2] == public
+    # every instance launched with the key pair and a host key of its own launch request
+    found = instances_of(ec2, spec.name)
+    assert {i["KeyName"] for i in found} == {f"sparknet-{spec.name}"}
+    user_data = {i["InstanceId"]: nodes.user_data_of(ec2, i["InstanceId"]) for i in found}
+    configs = {iid: yaml.safe_load(text) for iid, text in user_data.items()}
+    for text, config in zip(user_data.values(), configs.values(), strict=True):
+        assert text.startswith("#cloud-config\n")
+        assert config["ssh_deletekeys"] is True and config["ssh_genkeytypes"] == []
+    master_key = configs[info.master.id]["ssh_keys"]["ed25519_public"]
+    worker_keys = {configs[w.id]["ssh_keys"]["ed25519_public"] for w in info.workers}
+    assert len(worker_keys) == 1 and master_key not in worker_keys  # one per launch request
+    # pinned under each node's address (the seam's), before anything connected
+    pinned = access.known_hosts.read_text().splitlines()
+    master_port = group.ports["master"]
+    assert f"[127.0.0.1]:{master_port} {master_key}" in pinned
+    assert len(pinned) == 3
+    # and the pins are the ones the nodes present: every node answers over SSH
+    group.serve(ec2)
+    endpoints = nodes.endpoints(
+        spec.name, lifecycle.status(spec, endpoint_url=moto_endpoint).instances
+    )
+    names = nodes.run_all(
+        endpoints, access, lambda ep, c: c.run("echo $SSH_CONNECTION", hide=True).stdout, 30
+    )
+    assert sorted(names) == ["master", "worker-1", "worker-2"]
+
+    report = lifecycle.down(spec, endpoint_url=moto_endpoint)
+    assert f"key-pair:sparknet-{spec.name}" in report.deleted
+    assert not ec2.describe_key_pairs(
+        Filters=[{"Name": f"tag:{TAG_CLUSTER}", "Values": [spec.name]}]
+    )["KeyPairs"]
+    assert not access.key_file.exists() and not access.known_hosts.exists()
+
+
+def instances_of(ec2, cluster: str) -> list[dict]:
+    from sparknet.cluster.instances import LIVE_STATES
+    from sparknet.cluster.spec import TAG_CLUSTER
+
+    filters = [
+        {"Name": f"tag:{TAG_CLUSTER}", "Values": [cluster]},
+        {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
+    ]
+    return [
+        i for r in ec2.describe_instances(Filters=filters)["Reservations"] for i in r["Instances"]
+    ]
+
+
+def test_a_second_up_keeps_the_key_pair_and_the_pins(spec, moto_endpoint, moto_nodes):
+    moto_nodes(spec.name, spec.workers)
+    _up(spec, moto_endpoint)
+    access = nodes.access_for(spec)
+    key, pins = access.key_file.read_text(), access.known_hosts.read_text()
+    pair_id = _ec2().describe_key_pairs(KeyNames=[f"sparknet-{spec.name}"])["KeyPairs"][0]
+    _up(spec, moto_endpoint)
+    assert access.key_file.read_text() == key and access.known_hosts.read_text() == pins
+    again = _ec2().describe_key_pairs(KeyNames=[f"sparknet-{spec.name}"])["KeyPairs"][0]
+    assert again["KeyPairId"] == pair_id["KeyPairId"]
+
+
+def test_a_node_replaced_with_another_host_key_is_refused(spec, moto_endpoint, moto_nodes):
+    """The instance behind "master" presents a key other than its user data's (an attacker at
+    its address): refused in one line, though sshd there lets the cluster's key in."""
+    group = moto_nodes(spec.name, spec.workers)
+    spec = spec.model_copy(update={"workers": 0})
+    _up(spec, moto_endpoint)
+    ec2 = _ec2()
+    found = instances_of(ec2, spec.name)
+    authorized = nodes.access_for(spec).key_file.with_name("id_ed25519.pub").read_text()
+    impostor = start_sshd(group.workdir / "impostor", nodes.new_ed25519()[0], authorized,
+                          port=group.ports["master"])  # fmt: skip
+    try:
+        from sparknet.cluster import instances
+
+        endpoint = nodes.endpoints(spec.name, [instances.Instance.from_ec2(found[0])])[0]
+        with pytest.raises(SparknetError) as caught:
+            nodes.connect(endpoint, nodes.access_for(spec), timeout=10)
+        assert "\n" not in str(caught.value) and "host key changed" in str(caught.value)
+    finally:
+        impostor.stop()
+
+
+def test_down_and_sweep_delete_the_key_pair_by_its_tag_with_the_registry_lost(
+    spec, moto_endpoint, tmp_path
+):
+    import shutil
+
+    from sparknet.cluster import instances, lifecycle
+
+    _up(spec, moto_endpoint)
+    ec2 = instances.ec2_client(REGION, moto_endpoint)
+    instances.terminate_cluster(ec2, spec.name, delay_s=0.2)
+    shutil.rmtree(lifecycle.registry_dir())
+    found = lifecycle.orphans(REGION, set(), endpoint_url=moto_endpoint)
+    assert f"key-pair:sparknet-{spec.name}" in found[spec.name].items
+    swept = cli("sweep", "--region", REGION, "--yes", cwd=tmp_path)
+    assert swept.returncode == 0, swept.stderr
+    assert f"deleted key-pair:sparknet-{spec.name}" in swept.stdout
+    assert not ec2.describe_key_pairs(
+        Filters=[{"Name": "key-name", "Values": [f"sparknet-{spec.name}"]}]
+    )["KeyPairs"]
+
+
+def cli(*args: str, cwd):
+    import os
+    import subprocess
+
+    from tests.conftest import SPARKNET
+
+    return subprocess.run(
+        [str(SPARKNET), "cluster", *args], cwd=cwd, env=os.environ.copy(),
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+
+
+def test_cli_ssh_runs_a_command_on_a_node_over_the_pinned_key(
+    spec, moto_endpoint, moto_nodes, tmp_path
+):
+    group = moto_nodes(spec.name, spec.workers)
+    _up(spec, moto_endpoint)
+    group.serve(_ec2())
+
+    done = cli("ssh", spec.name, "--", "echo", "hi", cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (0, "hi\n"), done.stderr
+    on_worker = cli("ssh", spec.name, "worker-2", "--", "echo $SSH_CONNECTION", cwd=tmp_path)
+    assert on_worker.returncode == 0, on_worker.stderr
+    assert on_worker.stdout.split()[-1] == str(group.ports["worker-2"])
+    # the command's exit code is the exit code
+    failed = cli("ssh", spec.name, "worker-1", "--", "exit 7", cwd=tmp_path)
+    assert failed.returncode == 7
+
+
+def test_cli_ssh_to_an_unknown_node_is_one_line_exit_2(spec, moto_endpoint, moto_nodes, tmp_path):
+    moto_nodes(spec.name, spec.workers)
+    _up(spec, moto_endpoint)
+    for node in ("worker-9", "mastr"):
+        done = cli("ssh", spec.name, node, "--", "true", cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith(f"error: no node '{node}'")
+        assert done.stderr.count("\n") == 1 and "master, worker-1, worker-2" in done.stderr
+
+
+def test_cli_ssh_refuses_a_changed_host_key(spec, moto_endpoint, moto_nodes, tmp_path):
+    group = moto_nodes(spec.name, spec.workers)
+    spec = spec.model_copy(update={"workers": 0})
+    _up(spec, moto_endpoint)
+    authorized = nodes.access_for(spec).key_file.with_name("id_ed25519.pub").read_text()
+    impostor = start_sshd(group.workdir / "impostor", nodes.new_ed25519()[0], authorized,
+                          port=group.ports["master"])  # fmt: skip
+    try:
+        done = cli("ssh", spec.name, "--", "echo", "hi", cwd=tmp_path)
+    finally:
+        impostor.stop()
+    assert done.returncode == 255 and "hi" not in done.stdout
+    assert "REMOTE HOST IDENTIFICATION HAS CHANGED" in done.stderr
+
+
+def test_cli_status_shows_each_nodes_address_and_ssh_command(
+    spec, moto_endpoint, moto_nodes, tmp_path
+):
+    import shlex
+
+    group = moto_nodes(spec.name, spec.workers)
+    _up(spec, moto_endpoint)
+    group.serve(_ec2())
+    shown = cli("status", spec.name, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    lines = {
+        ln.split("\t")[0]: ln.split("\t")
+        for ln in shown.stdout.splitlines()
+        if ln.startswith("ssh ")
+    }
+    assert sorted(lines) == ["ssh master", "ssh worker-1", "ssh worker-2"]
+    _, address, command = lines["ssh worker-1"]
+    assert address.endswith(f"@127.0.0.1:{group.ports['worker-1']}")
+    # the printed command works as it is
+    import subprocess
+
+    ran = subprocess.run(
+        [*shlex.split(command), "echo", "ok"], capture_output=True, text=True, timeout=30
+    )
+    assert (ran.returncode, ran.stdout) == (0, "ok\n"), ran.stderr
