@@ -1,0 +1,173 @@
+"""nodes.py without a network: addresses, node names, the seam's override file, the cloud-init
+host key, known_hosts pinning, key rules, and the `ssh` command line."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from sparknet.cli.cluster import _split_command
+from sparknet.cluster import nodes
+from sparknet.cluster.instances import Instance
+from sparknet.cluster.nodes import Access, Endpoint
+from sparknet.cluster.spec import ClusterSpec
+from sparknet.errors import SparknetError
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def inst(iid: str, role: str, ip: str | None = "198.51.100.1", minutes: int = 0) -> Instance:
+    return Instance(iid, role, "g5.xlarge", "us-east-1a", "10.0.0.1", ip, False,
+                    T0 + timedelta(minutes=minutes))  # fmt: skip
+
+
+def test_parse_address_takes_user_host_and_port():
+    assert nodes.parse_address("worker-1", "root@10.1.2.3:2222") == Endpoint(
+        "worker-1", "10.1.2.3", 2222, "root"
+    )
+    assert nodes.parse_address("master", "box.example.com") == Endpoint(
+        "master", "box.example.com", 22, "ubuntu"
+    )
+    for bad in ("root@", "a@b@c", "host:0", "host:70000", "host:port", "two words"):
+        with pytest.raises(SparknetError, match="is not an SSH address"):
+            nodes.parse_address("master", bad)
+
+
+def test_endpoint_address_is_known_hosts_form():
+    assert Endpoint("m", "10.0.0.1").address == "10.0.0.1"
+    assert Endpoint("m", "127.0.0.1", 2222).address == "[127.0.0.1]:2222"
+
+
+def test_workers_are_named_by_launch_time_then_id():
+    found = [inst("i-c", "worker", minutes=1), inst("i-b", "worker"), inst("i-a", "worker"),
+             inst("i-m", "master", minutes=5)]  # fmt: skip
+    named = [(name, i.id) for name, i in nodes.node_names(found)]
+    assert named == [("master", "i-m"), ("worker-1", "i-a"), ("worker-2", "i-b"),
+                     ("worker-3", "i-c")]  # fmt: skip
+
+
+def test_the_seam_is_the_public_ip_unless_the_override_file_names_the_node(tmp_path, monkeypatch):
+    found = [inst("i-m", "master", "198.51.100.7"), inst("i-w", "worker", "198.51.100.8")]
+    monkeypatch.delenv(nodes.ENDPOINTS_ENV, raising=False)
+    assert nodes.endpoints("c1", found) == [
+        Endpoint("master", "198.51.100.7"),
+        Endpoint("worker-1", "198.51.100.8"),
+    ]
+    override = tmp_path / "endpoints.json"
+    override.write_text(json.dumps({"c1/worker-1": "root@127.0.0.1:2201", "i-m": "127.0.0.1:2200"}))
+    monkeypatch.setenv(nodes.ENDPOINTS_ENV, str(override))
+    assert nodes.endpoints("c1", found) == [
+        Endpoint("master", "127.0.0.1", 2200, "ubuntu"),
+        Endpoint("worker-1", "127.0.0.1", 2201, "root"),
+    ]
+    # another cluster's entries do not apply
+    assert nodes.endpoints("c2", found)[1] == Endpoint("worker-1", "198.51.100.8")
+
+
+def test_a_node_without_a_public_ip_is_one_line(monkeypatch):
+    monkeypatch.delenv(nodes.ENDPOINTS_ENV, raising=False)
+    with pytest.raises(SparknetError, match=r"^master \(i-m, running\) has no public IP address"):
+        nodes.endpoints("c1", [inst("i-m", "master", None)])
+
+
+def test_pick_names_the_nodes_there_are():
+    found = [Endpoint("master", "h"), Endpoint("worker-1", "h")]
+    assert nodes.pick(found, "worker-1") is found[1]
+    with pytest.raises(SparknetError, match=r"^no node 'worker-2'; the cluster's nodes: master"):
+        nodes.pick(found, "worker-2")
+    with pytest.raises(SparknetError, match=r"^no node 'mastr' \(master or worker-N\)"):
+        nodes.pick(found, "mastr")
+
+
+def test_host_key_user_data_is_cloud_config_with_only_that_key():
+    text, public = nodes.host_key_user_data()
+    assert text.startswith("#cloud-config\n")
+    config = yaml.safe_load(text)
+    assert config["ssh_deletekeys"] is True and config["ssh_genkeytypes"] == []
+    assert config["ssh_keys"]["ed25519_public"] == public and public.startswith("ssh-ed25519 ")
+    assert config["ssh_keys"]["ed25519_private"].startswith("-----BEGIN OPENSSH PRIVATE KEY")
+    assert nodes.host_public_key(text) == public
+    assert len(text.encode()) < 16 * 1024  # EC2's user data limit
+    # two calls, two keys
+    assert nodes.host_key_user_data()[1] != public
+
+
+def test_user_data_without_a_host_key_has_none():
+    assert nodes.host_public_key("") is None
+    assert nodes.host_public_key("#!/bin/sh\necho hi\n") is None
+    assert nodes.host_public_key("#cloud-config\npackages: [git]\n") is None
+    assert nodes.host_public_key("#cloud-config\n: [\n") is None
+
+
+def test_pin_replaces_an_address_and_keeps_the_others(tmp_path):
+    known = tmp_path / "known_hosts"
+    a, b, c = (nodes.new_ed25519()[1] for _ in range(3))
+    nodes.pin(known, {"10.0.0.1": a, "[127.0.0.1]:2222": b})
+    nodes.pin(known, {"10.0.0.1": c})
+    lines = known.read_text().splitlines()
+    assert lines == [f"[127.0.0.1]:2222 {b}", f"10.0.0.1 {c}"]
+    nodes.pin(known, {"10.0.0.9": a}, only=True)
+    assert known.read_text().splitlines() == [f"10.0.0.9 {a}"]
+
+
+def test_a_private_key_is_0600_from_the_start(tmp_path):
+    path = tmp_path / "d" / "id_ed25519"
+    nodes.write_private_key(path, nodes.new_ed25519()[0])
+    assert path.stat().st_mode & 0o777 == 0o600
+    nodes.check_key_file(Access(path, tmp_path / "kh"))
+    path.chmod(0o644)
+    with pytest.raises(SparknetError, match=r"readable by others \(mode 644\); chmod 600"):
+        nodes.check_key_file(Access(path, tmp_path / "kh"))
+    with pytest.raises(SparknetError, match="cannot be read"):
+        nodes.check_key_file(Access(tmp_path / "missing", tmp_path / "kh"))
+
+
+def test_key_pair_names_follow_ec2s_rule():
+    assert nodes.key_pair_name("c1") == "sparknet-c1"
+    assert nodes.check_key_name("k" * 255) == "k" * 255
+    for bad in ("", "k" * 256, "schlüssel"):
+        with pytest.raises(SparknetError, match="1-255 ASCII"):
+            nodes.check_key_name(bad)
+
+
+def test_key_name_and_key_file_go_together():
+    ClusterSpec(name="c1", key_name="mine", key_file="~/.ssh/mine")
+    for half in ({"key_name": "mine"}, {"key_file": "~/.ssh/mine"}):
+        with pytest.raises(ValidationError, match="key_name and key_file go together"):
+            ClusterSpec(name="c1", **half)
+    with pytest.raises(ValidationError, match="1-255 ASCII"):
+        ClusterSpec(name="c1", key_name="k" * 256, key_file="f")
+
+
+def test_access_is_the_users_key_file_or_sparknets(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARKNET_HOME", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path / "me"))
+    own = nodes.access_for(ClusterSpec(name="c1", key_name="mine", key_file="~/.ssh/mine"))
+    assert own.key_file == tmp_path / "me" / ".ssh" / "mine"
+    made = nodes.access_for(ClusterSpec(name="c1"))
+    assert made.key_file == tmp_path / "clusters" / "c1" / "id_ed25519"
+    assert made.known_hosts == own.known_hosts == tmp_path / "clusters" / "c1" / "known_hosts"
+
+
+def test_the_ssh_command_trusts_only_the_clusters_key_and_pins(tmp_path):
+    access = Access(tmp_path / "id", tmp_path / "known_hosts")
+    argv = nodes.ssh_command(Endpoint("worker-1", "10.0.0.5", 2222, "root"), access, "-N")
+    text = " ".join(argv)
+    assert argv[0] == "ssh" and argv[-1] == "root@10.0.0.5"
+    for option in ("-F none", f"-i {tmp_path / 'id'}", "-o StrictHostKeyChecking=yes",
+                   f"-o UserKnownHostsFile={tmp_path / 'known_hosts'}", "-o IdentitiesOnly=yes",
+                   "-o GlobalKnownHostsFile=/dev/null", "-p 2222 -N"):  # fmt: skip
+        assert option in text
+
+
+def test_cluster_ssh_splits_node_and_command():
+    assert _split_command([]) == ("master", [])
+    assert _split_command(["worker-2"]) == ("worker-2", [])
+    assert _split_command(["--", "echo", "hi"]) == ("master", ["echo", "hi"])
+    assert _split_command(["worker-1", "--", "ls", "--", "-l"]) == ("worker-1", ["ls", "--", "-l"])
+    with pytest.raises(SparknetError, match=r"put the command after `--`"):
+        _split_command(["master", "uptime"])
