@@ -245,15 +245,20 @@ def cluster_status(
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
-    """The cluster's instances, found by tag; exit 1 when it has none."""
+    """The cluster's instances, found by tag, and each node's SSH address and command; exit 1
+    when it has none."""
     from sparknet.cluster import lifecycle
 
-    info = _on_cluster(lifecycle.status, name, region, config, debug, endpoint_url=endpoint_url)
+    spec = _on_cluster(lambda spec: spec, name, region, config, debug)
+    try:
+        info = lifecycle.status(spec, endpoint_url=endpoint_url)
+    except SparknetError as exc:
+        _fail(exc, debug)
     if not info.instances:
         print(f"cluster {name} has no live instances in {info.region}")
         raise typer.Exit(1)
     _print_instances(info)
-    _print_ssh(_on_cluster(lambda spec: spec, name, region, config, debug), info)
+    _print_ssh(spec, info)
     print(f"estimated cost {info.cost.describe()}")
 
 
@@ -434,23 +439,27 @@ def cluster_tunnel(
     name: str = typer.Argument(...),
     master_ui_port: int = typer.Option(8080, help="local port of the Spark master's UI"),
     app_ui_port: int = typer.Option(4040, help="local port of the running application's UI"),
+    remote_master_ui_port: int = typer.Option(8080, help="the master UI's port on the master"),
+    remote_app_ui_port: int = typer.Option(
+        4040, help="the application UI's port on the master (4041, ... for a second application)"
+    ),
     region: str | None = RegionOption,
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
     """Forward the master's Spark UIs (master 8080, application 4040: reachable only on the
-    node itself) to localhost until Ctrl-C."""
+    node itself) to ports on localhost until Ctrl-C."""
     from sparknet.cluster import nodes
 
-    for port in (master_ui_port, app_ui_port):
+    for port in (master_ui_port, app_ui_port, remote_master_ui_port, remote_app_ui_port):
         if not 0 < port < 65536:
             _fail(SparknetError(f"local port {port} is not 1-65535"), debug)
     endpoint, access = _reach(name, "master", region, endpoint_url, config, debug)
     forwards = [
         "-N", "-o", "ExitOnForwardFailure=yes",
-        "-L", f"127.0.0.1:{master_ui_port}:localhost:8080",
-        "-L", f"127.0.0.1:{app_ui_port}:localhost:4040",
+        "-L", f"127.0.0.1:{master_ui_port}:localhost:{remote_master_ui_port}",
+        "-L", f"127.0.0.1:{app_ui_port}:localhost:{remote_app_ui_port}",
     ]  # fmt: skip
     console.print(
         f"Spark master UI: http://localhost:{master_ui_port}  application UI: "

@@ -362,3 +362,113 @@ def test_cli_status_shows_each_nodes_address_and_ssh_command(
         [*shlex.split(command), "echo", "ok"], capture_output=True, text=True, timeout=30
     )
     assert (ran.returncode, ran.stdout) == (0, "ok\n"), ran.stderr
+
+
+def test_the_users_own_key_pair_is_used_and_never_deleted(
+    spec, moto_endpoint, moto_nodes, tmp_path
+):
+    from sparknet.cluster import lifecycle
+
+    group = moto_nodes(spec.name, 0)
+    ec2 = _ec2()
+    private, public = nodes.new_ed25519()
+    key_file = tmp_path / "mine"
+    nodes.write_private_key(key_file, private)
+    name = f"mine-{spec.name}"
+    ec2.import_key_pair(KeyName=name, PublicKeyMaterial=public.encode())
+    spec = spec.model_copy(update={"workers": 0, "key_name": name, "key_file": str(key_file)})
+
+    key_file.chmod(0o644)
+    with pytest.raises(SparknetError, match="readable by others"):
+        _up(spec, moto_endpoint)
+    assert not instances_of(ec2, spec.name)  # refused before anything was made
+    key_file.chmod(0o600)
+
+    _up(spec, moto_endpoint)
+    assert {i["KeyName"] for i in instances_of(ec2, spec.name)} == {name}
+    assert not ec2.describe_key_pairs(
+        Filters=[{"Name": "key-name", "Values": [f"sparknet-{spec.name}"]}]
+    )["KeyPairs"]
+    group.serve(ec2)
+    conn = nodes.connect(group_endpoint(spec, moto_endpoint), nodes.access_for(spec), 10)
+    try:
+        assert conn.run("echo mine", hide=True).stdout == "mine\n"
+    finally:
+        conn.close()
+    lifecycle.down(spec, endpoint_url=moto_endpoint)
+    assert ec2.describe_key_pairs(KeyNames=[name])["KeyPairs"]  # the user's: kept
+    assert key_file.is_file()
+
+
+def group_endpoint(spec, moto_endpoint) -> Endpoint:
+    from sparknet.cluster import lifecycle
+
+    return nodes.endpoints(spec.name, lifecycle.status(spec, endpoint_url=moto_endpoint).instances)[
+        0
+    ]
+
+
+def test_cli_tunnel_forwards_the_master_uis_to_local_ports(
+    spec, moto_endpoint, moto_nodes, tmp_path
+):
+    """The loopback node is this machine: the UIs are two HTTP servers here, on free ports (a
+    test run may hold 8080 and 4040) named by --remote-*-port."""
+    import http.server
+    import os
+    import signal
+    import subprocess
+    import threading
+    import urllib.request
+
+    from tests.conftest import SPARKNET
+    from tests.sshd import free_port
+
+    servers = []
+    remote_master, remote_app = free_port(), free_port()
+    for port, body in ((remote_master, b"master ui"), (remote_app, b"app ui")):
+
+        class Answer(http.server.BaseHTTPRequestHandler):
+            text = body
+
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(self.text)
+
+            def log_message(self, *args):
+                pass
+
+        servers.append(http.server.HTTPServer(("127.0.0.1", port), Answer))
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    group = moto_nodes(spec.name, 0)
+    spec = spec.model_copy(update={"workers": 0})
+    _up(spec, moto_endpoint)
+    group.serve(_ec2())
+    local_master, local_app = free_port(), free_port()
+    proc = subprocess.Popen(
+        [str(SPARKNET), "cluster", "tunnel", spec.name, "--master-ui-port", str(local_master),
+         "--app-ui-port", str(local_app), "--remote-master-ui-port", str(remote_master),
+         "--remote-app-ui-port", str(remote_app)],
+        cwd=tmp_path, env=os.environ.copy(), stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        got = {}
+        for _ in range(100):
+            try:
+                for port in (local_master, local_app):
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as r:
+                        got[port] = r.read()
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+        assert got == {local_master: b"master ui", local_app: b"app ui"}, proc.poll()
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    assert f"http://localhost:{local_master}" in err and f"http://localhost:{local_app}" in err
