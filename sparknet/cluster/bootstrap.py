@@ -97,7 +97,9 @@ def _tail(*texts: str) -> list[str]:
 def run(conn: Conn, command: str, timeout: float = 60) -> str:
     """Run `command` on the node; its stdout. Non-zero exit or a timeout is CommandFailed."""
     try:
-        result = conn.run(command, hide=True, warn=True, timeout=timeout, pty=False)
+        result = conn.run(
+            command, hide=True, warn=True, timeout=timeout, pty=False, in_stream=False
+        )
     except CommandTimedOut as exc:
         raise CommandFailed(
             f"timed out after {timeout:g} s", _tail(exc.result.stdout, exc.result.stderr)
@@ -417,7 +419,11 @@ class PythonEnv(Step):
     name = "python-env"
     timeout = 1800
 
-    def _torch_fits(self) -> str:
+    def _torch_fits(self, quick: bool = False) -> str:
+        """Python code that fails unless torch fits the node. `quick` on a node without GPUs
+        only finds torch (importing it takes seconds on every check; `apply` imports it)."""
+        if quick and not self.ctx.node.gpus:
+            return "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)"
         cuda = "assert torch.cuda.is_available(), 'no GPU'; " if self.ctx.node.gpus else ""
         return f"import torch; {cuda}print(torch.__version__)"
 
@@ -427,7 +433,7 @@ class PythonEnv(Step):
         if base:
             site = self._site(self.ctx.node.python)
             linked = f"grep -qF {q(self._base_line(conn))} {site}/{BASE_PTH} && "
-        return succeeds(conn, f"{linked}{py} -c {q(self._torch_fits())}", timeout=120)
+        return succeeds(conn, f"{linked}{py} -c {q(self._torch_fits(quick=True))}", timeout=120)
 
     @staticmethod
     def _site(python: str) -> str:
@@ -455,7 +461,8 @@ class PythonEnv(Step):
         self.run(
             conn,
             f"rm -rf {q(n.venv)} && python3 -m venv {q(n.venv)}"
-            f" && {self.ctx.pip} install torch --index-url {q(index)}",
+            f" && {self.ctx.pip} install torch --index-url {q(index)}"
+            f" && {q(n.python)} -c {q(self._torch_fits())}",
         )
 
     def _driver_cuda(self, conn: Conn) -> str | None:
@@ -487,6 +494,23 @@ class Pyspark(Step):
 WHEEL_MARK = "sparknet-wheel.sha256"
 
 
+#: Python code that fails unless every package sparknet requires is installed (by name: the
+#: versions are the env's; importing them all would take seconds on every bootstrap)
+DEPENDENCIES_THERE = """
+import importlib.metadata as m, re, sys
+missing = []
+for req in m.requires("sparknet") or []:
+    if "extra ==" in req:
+        continue
+    name = re.split(r"[ ;<>=!~\\[(]", req, maxsplit=1)[0]
+    try:
+        m.distribution(name)
+    except m.PackageNotFoundError:
+        missing.append(name)
+sys.exit(f"missing: {' '.join(missing)}" if missing else 0)
+"""
+
+
 class SparknetWheel(Step):
     """The sparknet wheel built from the submitter's checkout, so the nodes run exactly the
     submitter's code. Done when the venv's sparknet has the wheel's version and the recorded
@@ -516,8 +540,7 @@ class SparknetWheel(Step):
         self.run(conn, f"{pip} install --no-deps --force-reinstall {q(remote)}")
         # sparknet's dependencies: already there over the AMI's env or the test venv; a node
         # that lacks some gets them from the index (pip leaves satisfied ones alone)
-        needs = "import sparknet.cli, sparknet.training.worker"
-        if not succeeds(conn, f"{q(n.python)} -c {q(needs)}", timeout=300):
+        if not succeeds(conn, f"{q(n.python)} -c {q(DEPENDENCIES_THERE)}", timeout=120):
             self.run(conn, f"{pip} install {q(remote)}")
         self.run(conn, f"echo {q(wheel.digest)} > {q(n.path('venv', WHEEL_MARK))}")
 

@@ -1,0 +1,242 @@
+"""The bootstrap over real SSH: two loopback "nodes" (two real sshd on 127.0.0.1, each with its
+own install prefix and its own private address, 127.0.0.2 for the master and 127.0.0.3 for the
+worker node) become a Spark standalone cluster with authentication and encryption on.
+
+Nothing is installed: the nodes' venvs sit over the repo's .venv (`Plan.python_env`, the same
+path a node takes over the Deep Learning AMI's PyTorch env), so only the sparknet wheel built
+from this checkout goes into them. Java 17 is on this machine, so the Java step is skipped, and
+the nodes have no GPU, so the driver step is too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sparknet.cluster import bootstrap as b
+from sparknet.cluster.nodes import Access
+from sparknet.cluster.spark_conf import Ports, load_or_create_secret
+from tests.sshd import SshNodes, free_port, start_nodes
+
+REPO = Path(__file__).resolve().parents[2]
+#: the private addresses the daemons' RPC binds (loopback has all of 127/8 on Linux)
+ADDRESSES = ("127.0.0.2", "127.0.0.3")
+
+
+@dataclass
+class Cluster:
+    plan: b.Plan
+    access: Access
+    first: b.BootstrapReport
+    secret_file: Path
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> b.Wheel:
+    return b.build_wheel(REPO, tmp_path_factory.mktemp("wheel"))
+
+
+def plan_for(group: SshNodes, root: Path, wheel: b.Wheel, secret: str, **kw) -> b.Plan:
+    nodes = tuple(
+        b.Node(ep, address=addr, prefix=str(root / f"prefix-{ep.name}"))
+        for ep, addr in zip(group.endpoints, ADDRESSES, strict=True)
+    )
+    return b.Plan(
+        nodes, wheel, secret, Ports(master=free_port(), master_ui=free_port(), worker_ui=0),
+        python_env=str(REPO / ".venv"), worker_cores=1, worker_memory_mb=1024, **kw,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, wheel) -> Cluster:
+    root = tmp_path_factory.mktemp("bootstrap")
+    group = start_nodes(root / "ssh", 2)
+    secret_file = root / "registry" / "spark-secret"
+    plan = plan_for(group, root, wheel, load_or_create_secret(secret_file))
+    try:
+        first = b.bootstrap(plan, group.access, health_wait_s=90)
+        yield Cluster(plan, group.access, first, secret_file)
+    finally:
+        try:
+            b.stop_daemons(plan, group.access)
+        finally:
+            group.stop()
+
+
+def daemon_pids(plan: b.Plan) -> dict[str, int]:
+    out = {}
+    for node in plan.nodes:
+        for role in ("master", "worker"):
+            pid = Path(node.path("run", f"{role}.pid"))
+            if pid.exists():
+                out[f"{node.name}/{role}"] = int(pid.read_text())
+    return out
+
+
+def master_json(plan: b.Plan) -> dict:
+    url = f"http://127.0.0.1:{plan.ports.master_ui}/json/"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read())
+
+
+def test_bootstrap_starts_a_master_and_a_worker_per_node_with_auth_on(cluster) -> None:
+    plan, first = cluster.plan, cluster.first
+    assert first.nodes["master"].applied == (
+        "dirs", "python-env", "sparknet", "spark-conf", "spark-master", "spark-worker",
+    )  # fmt: skip
+    assert first.nodes["worker-1"].applied == (
+        "dirs", "python-env", "sparknet", "spark-conf", "spark-worker",
+    )  # fmt: skip
+    # Java 17 is here and the nodes have no GPU; the venv's pyspark is the submitter's
+    assert set(first.nodes["worker-1"].skipped) == {"java", "nvidia-driver", "pyspark"}
+    assert first.health.ok
+    assert [(w.node, w.address, w.state, w.cores) for w in first.health.workers] == [
+        ("master", "127.0.0.2", "ALIVE", 1),
+        ("worker-1", "127.0.0.3", "ALIVE", 1),
+    ]
+    assert sorted(daemon_pids(plan)) == ["master/master", "master/worker", "worker-1/worker"]
+
+
+def test_the_secret_is_in_0600_files_only(cluster) -> None:
+    plan, secret = cluster.plan, cluster.plan.secret
+    assert cluster.secret_file.stat().st_mode & 0o777 == 0o600
+    for node in plan.nodes:
+        conf = Path(node.path("conf", "spark-defaults.conf"))
+        assert conf.stat().st_mode & 0o777 == 0o600
+        assert Path(node.path("conf")).stat().st_mode & 0o777 == 0o700
+        settings = dict(line.split(" ", 1) for line in conf.read_text().splitlines()[1:])
+        assert settings["spark.authenticate.secret"] == secret
+        for key in ("spark.authenticate", "spark.network.crypto.enabled",
+                    "spark.io.encryption.enabled"):  # fmt: skip
+            assert settings[key] == "true"
+        assert settings["spark.master.rest.enabled"] == "false"
+        for log in Path(node.path("logs")).iterdir():
+            assert secret not in log.read_text()
+    for pid in daemon_pids(plan).values():
+        assert secret not in Path(f"/proc/{pid}/cmdline").read_text()
+        assert secret not in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+
+
+def test_the_master_ui_listens_on_loopback_only_and_rpc_on_the_private_address(cluster) -> None:
+    ports = cluster.plan.ports
+    assert master_json(cluster.plan)["status"] == "ALIVE"
+    with pytest.raises(OSError):
+        socket.create_connection((ADDRESSES[0], ports.master_ui), 2).close()
+    socket.create_connection((ADDRESSES[0], ports.master), 2).close()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", ports.master), 2).close()
+
+
+#: a tiny job: the count of 100 numbers over 4 tasks, on the cluster's executors
+JOB = """
+import sys
+from pyspark.sql import SparkSession
+spark = SparkSession.builder.master(sys.argv[1]).appName(sys.argv[2]).getOrCreate()
+print("COUNT", spark.sparkContext.parallelize(range(100), 4).map(lambda x: x * 2).count())
+spark.stop()
+"""
+
+
+def job_env(conf_dir: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARK_", "PYSPARK_"))}
+    env["SPARK_LOCAL_IP"] = "127.0.0.1"
+    if conf_dir:
+        env["SPARK_CONF_DIR"] = conf_dir  # as a driver on the master node reads it
+    return env
+
+
+def test_a_job_with_the_clusters_secret_runs(cluster, tmp_path) -> None:
+    plan = cluster.plan
+    done = subprocess.run(
+        [sys.executable, "-c", JOB, plan.master_url, "with-secret"],
+        env=job_env(plan.master.path("conf")), cwd=tmp_path, capture_output=True, text=True,
+        timeout=180,
+    )  # fmt: skip
+    assert "COUNT 100" in done.stdout, done.stderr[-3000:]
+    apps = master_json(plan)["completedapps"]
+    assert [a["name"] for a in apps if a["name"] == "with-secret"] == ["with-secret"]
+
+
+def test_a_job_without_the_secret_is_refused(cluster, tmp_path) -> None:
+    """A driver without the secret never registers: the master drops its connection at once
+    (Spark's client would retry for a minute; the test stops it at the first refusal)."""
+    plan = cluster.plan
+    proc = subprocess.Popen(
+        [sys.executable, "-c", JOB, plan.master_url, "no-secret"],
+        env=job_env(None), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 90
+        for line in proc.stdout:
+            seen.append(line)
+            if "Failed to connect to master" in line or time.monotonic() > deadline:
+                break
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert any("Failed to connect to master" in line for line in seen), "".join(seen[-20:])
+    assert not any("COUNT" in line for line in seen)
+    state = master_json(plan)
+    names = [a["name"] for a in state["activeapps"] + state["completedapps"]]
+    assert "no-secret" not in names
+
+
+def test_a_second_bootstrap_applies_nothing_and_says_so(cluster) -> None:
+    before = daemon_pids(cluster.plan)
+    again = b.bootstrap(cluster.plan, cluster.access, health_wait_s=30)
+    assert again.nothing_to_do
+    assert again.lines() == ["nothing to do: every step was already done on all 2 nodes"]
+    assert all(not r.applied and len(r.skipped) >= 8 for r in again.nodes.values())
+    assert daemon_pids(cluster.plan) == before  # nothing restarted
+    assert again.health.ok
+
+
+def test_the_health_check_names_a_missing_worker(cluster) -> None:
+    plan = cluster.plan
+    expected = [b.Expected(n.name, n.rpc_host, 1) for n in plan.nodes]
+    expected.append(b.Expected("worker-2", "127.0.0.9", 1))
+    with pytest.raises(b.SparknetError) as caught:
+        b.require_healthy(plan.master, plan.ports, expected, cluster.access)
+    assert str(caught.value) == (
+        "the Spark cluster is not healthy: worker-2's worker (127.0.0.9) is not registered "
+        "with the master"
+    )
+
+
+def test_a_failing_step_names_node_and_step(tmp_path, wheel) -> None:
+    """Each node's prefix lies under a plain file: its first step (the prefix's directories)
+    fails, and the one error names both nodes, the step and mkdir's own words."""
+    group = start_nodes(tmp_path / "ssh", 2)
+    try:
+        plan = plan_for(group, tmp_path, wheel, "ab" * 32)
+        for node in plan.nodes:
+            Path(node.prefix).write_text("not a directory")
+        bad = b.Plan(
+            tuple(b.Node(n.endpoint, n.address, f"{n.prefix}/sub") for n in plan.nodes),
+            wheel, plan.secret, plan.ports, python_env=plan.python_env,
+        )  # fmt: skip
+        with pytest.raises(b.BootstrapFailed) as caught:
+            b.bootstrap(bad, group.access)
+    finally:
+        group.stop()
+    first, *rest = str(caught.value).splitlines()
+    assert first.startswith("bootstrap failed: master: step dirs failed (exited 1): mkdir: ")
+    assert "; worker-1: step dirs failed (exited 1): mkdir: " in first
+    assert "Not a directory" in first
+    assert rest[0] == "--- master, step dirs, last output:"
+    assert [f.node for f in caught.value.failures] == ["master", "worker-1"]
+    assert "ab" * 32 not in str(caught.value)

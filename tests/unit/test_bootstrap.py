@@ -1,0 +1,336 @@
+"""The bootstrap's pure parts (spark-defaults, the secret file, the GPU discovery script, worker
+sizes, local dirs, the systemd unit, the health verdict) and its step runner, run locally
+through `invoke.Context` (the same `run` as a Fabric Connection)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+from invoke import Context
+
+from sparknet.cluster import bootstrap as b
+from sparknet.cluster import spark_conf as sc
+from sparknet.cluster.nodes import Endpoint
+from sparknet.errors import SparknetError
+
+# --- the GPU discovery script ---------------------------------------------------------------
+
+
+def fake_nvidia_smi(bin_dir: Path, output: str, code: int = 0) -> None:
+    """An `nvidia-smi` that answers only the query the script makes. There is no GPU on this
+    machine: the real one cannot run here, so this stands in for it on PATH."""
+    bin_dir.mkdir(exist_ok=True)
+    tool = bin_dir / "nvidia-smi"
+    tool.write_text(
+        "#!/bin/sh\n"
+        '[ "$*" = "--query-gpu=index --format=csv,noheader" ] || { echo "bad args: $*" >&2; '
+        "exit 64; }\n"
+        f"printf '{output}'\nexit {code}\n"
+    )
+    tool.chmod(0o755)
+
+
+def discover(tmp_path: Path) -> subprocess.CompletedProcess:
+    script = tmp_path / "gpus.sh"
+    script.write_text(sc.GPU_DISCOVERY_SCRIPT)
+    script.chmod(0o700)
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    return subprocess.run([str(script)], env=env, capture_output=True, text=True, timeout=10)
+
+
+def test_gpu_discovery_prints_sparks_resource_json_from_nvidia_smi(tmp_path) -> None:
+    fake_nvidia_smi(tmp_path / "bin", "0\\n1\\n2\\n3\\n")
+    done = discover(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"name": "gpu", "addresses": ["0", "1", "2", "3"]}
+
+
+def test_gpu_discovery_of_one_gpu(tmp_path) -> None:
+    fake_nvidia_smi(tmp_path / "bin", "0\\n")
+    assert json.loads(discover(tmp_path).stdout) == {"name": "gpu", "addresses": ["0"]}
+
+
+def test_gpu_discovery_fails_when_nvidia_smi_fails(tmp_path) -> None:
+    """A worker whose script fails refuses to start, rather than offering no GPUs."""
+    fake_nvidia_smi(tmp_path / "bin", "NVIDIA-SMI has failed\\n", code=9)
+    done = discover(tmp_path)
+    assert done.returncode != 0
+    assert "addresses" not in done.stdout
+
+
+# --- spark-defaults and the secret -----------------------------------------------------------
+
+
+def settings(text: str) -> dict[str, str]:
+    return dict(line.split(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+
+
+def test_spark_defaults_turn_on_auth_and_encryption_and_turn_off_rest() -> None:
+    got = settings(sc.spark_defaults("s3cret", "/opt/sparknet/venv/bin/python"))
+    assert got == {
+        "spark.authenticate": "true",
+        "spark.network.crypto.enabled": "true",
+        "spark.io.encryption.enabled": "true",
+        "spark.master.rest.enabled": "false",
+        "spark.authenticate.secret": "s3cret",
+        "spark.pyspark.python": "/opt/sparknet/venv/bin/python",
+        "spark.pyspark.driver.python": "/opt/sparknet/venv/bin/python",
+    }
+
+
+def test_spark_defaults_of_a_gpu_node_offer_its_gpus_through_the_script() -> None:
+    got = settings(sc.spark_defaults("s", "/p", gpus=4, discovery_script="/opt/c/gpus.sh"))
+    assert got["spark.worker.resource.gpu.amount"] == "4"
+    assert got["spark.worker.resource.gpu.discoveryScript"] == "/opt/c/gpus.sh"
+    assert "spark.worker.resource.gpu.amount" not in settings(sc.spark_defaults("s", "/p"))
+
+
+def test_the_secret_file_is_made_0600_once_and_kept(tmp_path) -> None:
+    path = tmp_path / "reg" / "spark-secret"
+    first = sc.load_or_create_secret(path)
+    assert len(first) == 2 * sc.SECRET_BYTES and int(first, 16) >= 0
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert sc.load_or_create_secret(path) == first
+    assert sc.load_or_create_secret(tmp_path / "other") != first
+
+
+def test_a_secret_file_others_can_read_is_refused(tmp_path) -> None:
+    path = tmp_path / "spark-secret"
+    path.write_text("ab" * 32)
+    path.chmod(0o644)
+    with pytest.raises(SparknetError, match=r"readable by others: chmod 600 "):
+        sc.load_or_create_secret(path)
+
+
+def test_the_plan_never_shows_the_secret() -> None:
+    plan = b.Plan((b.Node(Endpoint("master", "h")),), b.Wheel(Path("w"), "1", "d"), "s3cret-x")
+    assert "s3cret-x" not in repr(plan)
+
+
+# --- sizes, dirs, versions -------------------------------------------------------------------
+
+
+def test_worker_memory_leaves_headroom_and_the_drivers_share_on_the_master() -> None:
+    kb = 16 * 1024 * 1024  # 16 GiB
+    assert sc.worker_memory_mb(kb, runs_driver=False) == 16384 - 2048 - 1638
+    assert sc.worker_memory_mb(kb, runs_driver=True) == 16384 - 2048 - 1638 - 4096
+    assert sc.worker_memory_mb(2 * 1024 * 1024, runs_driver=True) == 1024  # floor
+
+
+def test_mem_total_from_meminfo() -> None:
+    assert sc.mem_total_kb("MemTotal:       32594124 kB\nMemFree: 1 kB\n") == 32594124
+    with pytest.raises(SparknetError):
+        sc.mem_total_kb("nothing")
+
+
+MOUNTS = """\
+/dev/nvme0n1p1 / ext4 rw 0 0
+/dev/nvme0n1p15 /boot/efi vfat rw 0 0
+/dev/nvme1n1 /opt/dlami/nvme ext4 rw 0 0
+/dev/nvme2n1 /data ext4 rw 0 0
+tmpfs /run tmpfs rw 0 0
+"""
+MODELS = """\
+/sys/block/nvme0n1/device/model:Amazon Elastic Block Store
+/sys/block/nvme1n1/device/model:Amazon EC2 NVMe Instance Storage
+/sys/block/nvme2n1/device/model:Amazon Elastic Block Store
+"""
+
+
+def test_local_dirs_go_on_instance_store_not_on_ebs() -> None:
+    models = sc.parse_nvme_models(MODELS)
+    assert models["nvme1n1"] == "Amazon EC2 NVMe Instance Storage"
+    assert sc.instance_store_dirs(MOUNTS, models, "/opt/sparknet") == ["/opt/dlami/nvme/sparknet"]
+    assert sc.instance_store_dirs("/dev/xvdb /mnt ext4 rw 0 0\n", {}, "/opt/sparknet") == [
+        "/mnt/sparknet"
+    ]
+    assert sc.instance_store_dirs(MOUNTS, {}, "/opt/sparknet") == []  # no instance store
+
+
+@pytest.mark.parametrize(
+    ("text", "major"),
+    [
+        ('openjdk version "17.0.15" 2025-04-15', 17),
+        ('openjdk version "21" 2023-09-19', 21),
+        ('java version "1.8.0_402"', 8),
+        ("bash: java: command not found", None),
+    ],
+)
+def test_java_major(text, major) -> None:
+    assert sc.java_major(text) == major
+
+
+def test_torch_index_follows_the_drivers_cuda() -> None:
+    assert sc.torch_index_url(None).endswith("/whl/cpu")
+    assert sc.torch_index_url("12.4").endswith("/whl/cu124")
+    assert sc.torch_index_url("12.5").endswith("/whl/cu124")
+    assert sc.torch_index_url("13.1").endswith("/whl/cu130")
+    with pytest.raises(SparknetError, match=r"CUDA 11\.2"):
+        sc.torch_index_url("11.2")
+
+
+def test_systemd_unit_runs_the_daemon_with_its_env_and_stamp() -> None:
+    unit = sc.systemd_unit(
+        "sparknet Spark master", "ubuntu", {"SPARK_HOME": "/v/pyspark"},
+        ["/v/pyspark/bin/spark-class", b.MASTER_CLASS, "--host", "10.0.0.5"], "abc123",
+    )  # fmt: skip
+    lines = unit.splitlines()
+    assert lines[0] == "# written by sparknet bootstrap; stamp abc123"
+    assert "User=ubuntu" in lines
+    assert 'Environment="SPARK_HOME=/v/pyspark"' in lines
+    assert f"ExecStart=/v/pyspark/bin/spark-class {b.MASTER_CLASS} --host 10.0.0.5" in lines
+    assert "Restart=on-failure" in lines
+
+
+FACTS = """@user
+ubuntu
+@uid
+1000
+@nproc
+8
+@meminfo
+MemTotal:       32594124 kB
+@systemd
+yes
+@mounts
+{mounts}@nvme
+{models}"""
+
+
+def test_facts_from_one_command() -> None:
+    facts = b.parse_facts(FACTS.format(mounts=MOUNTS, models=MODELS), "/opt/sparknet")
+    assert facts == b.Facts("ubuntu", 1000, 8, 32594124, True, ("/opt/dlami/nvme/sparknet",))
+
+
+# --- the runner, locally ----------------------------------------------------------------------
+
+
+class Touch(b.Step):
+    """Done when its file exists; applying makes it."""
+
+    def __init__(self, name: str, path: Path) -> None:
+        self.name, self.path = name, path
+
+    def check(self, conn) -> bool:
+        return b.succeeds(conn, f"test -e {b.q(str(self.path))}")
+
+    def apply(self, conn) -> None:
+        self.run(conn, f"touch {b.q(str(self.path))}")
+
+
+class Noisy(b.Step):
+    """Never done; applying prints 20 lines and exits 3."""
+
+    name = "noisy"
+
+    def __init__(self) -> None:
+        pass
+
+    def check(self, conn) -> bool:
+        return False
+
+    def apply(self, conn) -> None:
+        self.run(conn, "for i in $(seq 20); do echo line$i; done; echo oops >&2; exit 3")
+
+
+class Liar(Touch):
+    """Its apply does nothing, so its check still fails after it."""
+
+    def apply(self, conn) -> None:
+        pass
+
+
+def test_steps_apply_once_then_skip(tmp_path) -> None:
+    steps = [Touch("a", tmp_path / "a"), Touch("b", tmp_path / "b")]
+    (tmp_path / "a").touch()
+    said: list[str] = []
+    first = b.run_steps("node", steps, Context(), said.append)
+    assert first == b.NodeReport("node", applied=("b",), skipped=("a",))
+    assert said == ["node: b ...", "node: b done"]
+    assert b.run_steps("node", steps, Context()) == b.NodeReport("node", (), ("a", "b"))
+
+
+def test_a_failing_step_names_node_step_and_its_last_lines(tmp_path) -> None:
+    later = Touch("later", tmp_path / "later")
+    with pytest.raises(b.StepFailed) as caught:
+        b.run_steps("worker-3", [Touch("a", tmp_path / "a"), Noisy(), later], Context())
+    exc = caught.value
+    assert str(exc) == "worker-3: step noisy failed (exited 3): oops"
+    assert (exc.node, exc.step) == ("worker-3", "noisy")
+    assert exc.tail == [f"line{i}" for i in range(12, 21)] + ["oops"]
+    assert not (tmp_path / "later").exists()  # a node stops at its first failed step
+    whole = b.BootstrapFailed([exc])
+    assert (
+        str(whole).splitlines()[0]
+        == "bootstrap failed: worker-3: step noisy failed (exited 3): oops"
+    )
+    assert str(whole).splitlines()[1:3] == ["--- worker-3, step noisy, last output:", "  line12"]
+
+
+def test_a_step_whose_check_fails_after_apply_is_a_failure(tmp_path) -> None:
+    with pytest.raises(b.StepFailed, match=r"^n: step liar failed \(applied, but its check"):
+        b.run_steps("n", [Liar("liar", tmp_path / "x")], Context())
+
+
+def test_upload_makes_the_file_with_its_mode_in_one_piece(tmp_path) -> None:
+    target = tmp_path / "conf" / "spark-defaults.conf"
+    target.parent.mkdir()
+    b.upload(Context(), b"secret stuff\n", str(target), 0o600)
+    assert target.read_bytes() == b"secret stuff\n"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert sorted(p.name for p in target.parent.iterdir()) == ["spark-defaults.conf"]
+
+
+def test_report_says_nothing_to_do() -> None:
+    health = b.ClusterHealth("spark://m:7077", (), ())
+    idle = b.BootstrapReport({"m": b.NodeReport("m", (), ("a", "b"))}, health)
+    assert idle.nothing_to_do
+    assert idle.lines() == ["nothing to do: every step was already done on all 1 nodes"]
+    busy = b.BootstrapReport({"m": b.NodeReport("m", ("b",), ("a",))}, health)
+    assert busy.lines() == ["m: applied b (1 steps already done)"]
+
+
+# --- health -----------------------------------------------------------------------------------
+
+MASTER_JSON = {
+    "status": "ALIVE",
+    "workers": [
+        {"host": "10.0.0.5", "state": "ALIVE", "cores": 4, "memory": 12000,
+         "resources": {"gpu": {"name": "gpu", "addresses": ["0"]}}},
+        {"host": "10.0.0.6", "state": "DEAD", "cores": 4, "memory": 12000, "resources": {}},
+        {"host": "10.0.0.7", "state": "ALIVE", "cores": 2, "memory": 6000, "resources": {}},
+    ],
+}  # fmt: skip
+
+
+def test_health_names_the_missing_worker_and_wrong_cores_and_gpus() -> None:
+    expected = [
+        b.Expected("master", "10.0.0.5", 4, gpus=1),
+        b.Expected("worker-1", "10.0.0.6", 4, gpus=1),
+        b.Expected("worker-2", "10.0.0.7", 4, gpus=1),
+    ]
+    health = b.judge(MASTER_JSON, "spark://10.0.0.5:7077", expected)
+    assert not health.ok
+    assert health.problems == (
+        "worker-1's worker (10.0.0.6) is not registered with the master",
+        "worker-2's worker offers 2 cores, not 4",
+        "worker-2's worker offers 0 GPUs, not 1",
+    )
+    assert health.workers[0] == b.WorkerState("master", "10.0.0.5", "ALIVE", 4, 12000, 1)
+    assert health.lines()[0] == "Spark master spark://10.0.0.5:7077: UNHEALTHY"
+
+
+def test_health_of_a_good_cluster() -> None:
+    expected = [b.Expected("master", "10.0.0.5", 4, gpus=1), b.Expected("w", "10.0.0.7", None)]
+    health = b.judge(MASTER_JSON, "spark://10.0.0.5:7077", expected)
+    assert health.ok
+    assert health.lines() == [
+        "Spark master spark://10.0.0.5:7077: healthy",
+        "  master (10.0.0.5): ALIVE, 4 cores, 12000 MiB, 1 GPUs",
+        "  w (10.0.0.7): ALIVE, 2 cores, 6000 MiB, 0 GPUs",
+    ]
