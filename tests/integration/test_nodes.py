@@ -472,3 +472,51 @@ def test_cli_tunnel_forwards_the_master_uis_to_local_ports(
             server.shutdown()
             server.server_close()
     assert f"http://localhost:{local_master}" in err and f"http://localhost:{local_app}" in err
+
+
+def test_a_failed_up_removes_the_key_pair_and_key_it_made(spec, moto_endpoint, monkeypatch):
+    """The workers' launch fails (a stub on the real client: moto never fails a launch): the
+    key pair this `up` imported goes with everything else it made, and so does the local key."""
+    from botocore.exceptions import ClientError
+
+    from sparknet.cluster import instances
+    from sparknet.cluster.spec import TAG_CLUSTER
+
+    real = instances.ec2_client
+    calls = []
+
+    def failing_client(*args, **kwargs):
+        ec2 = real(*args, **kwargs)
+        run = ec2.run_instances
+
+        def run_instances(**params):
+            calls.append(params)
+            if len(calls) > 1:
+                error = {"Code": "InternalError", "Message": "injected"}
+                raise ClientError({"Error": error}, "RunInstances")
+            return run(**params)
+
+        ec2.run_instances = run_instances
+        return ec2
+
+    monkeypatch.setattr(instances, "ec2_client", failing_client)
+    with pytest.raises(SparknetError, match="injected"):
+        _up(spec, moto_endpoint)
+    assert calls[0]["KeyName"] == f"sparknet-{spec.name}"
+    assert calls[0]["UserData"] != calls[1]["UserData"]  # the master's host key is its own
+    tagged = [{"Name": f"tag:{TAG_CLUSTER}", "Values": [spec.name]}]
+    assert not _ec2().describe_key_pairs(Filters=tagged)["KeyPairs"]
+    assert not nodes.access_for(spec).key_file.exists()
+
+
+def test_nodes_served_while_up_runs_answer_at_once(spec, moto_endpoint, moto_nodes):
+    """`MotoNodes.watch` starts each node's sshd as its instance appears on moto, so a command
+    that launches and connects in one go (`up` with its bootstrap) finds the nodes there."""
+    group = moto_nodes(spec.name, spec.workers)
+    with group.watch(_ec2()):
+        info = _up(spec, moto_endpoint)
+        out = nodes.run_all(
+            nodes.endpoints(spec.name, info.instances), nodes.access_for(spec),
+            lambda ep, c: c.run("true", hide=True).exited, timeout=30,
+        )  # fmt: skip
+    assert out == {"master": 0, "worker-1": 0, "worker-2": 0}
