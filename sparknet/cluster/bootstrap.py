@@ -564,31 +564,48 @@ def conf_files(ctx: Context) -> dict[str, tuple[str, int]]:
     return files
 
 
+#: the .pth file in the node's venv that points Spark at the node's conf dir
+CONF_PTH = "_sparknet_spark_conf.pth"
+
+
+def conf_pth(node: Node) -> str:
+    """A .pth line that gives every Python of the node's venv SPARK_CONF_DIR (unless set), so a
+    driver started there (`sparknet train --master spark://...` on the master) reads the
+    cluster's spark-defaults.conf, and with it the secret, with nothing on its command line."""
+    conf = node.path("conf")
+    return f"import os; os.environ.setdefault('SPARK_CONF_DIR', {conf!r})\n"
+
+
 class SparkConf(Step):
     """spark-defaults.conf (the secret, security settings, GPUs; mode 0600) and the GPU discovery
-    script, uploaded as files (`put`) into conf/ (0700): the secret is never on a command line."""
+    script, streamed as files into conf/ (0700): the secret is never on a command line. And the
+    venv's .pth that points its Pythons at conf/."""
 
     name = "spark-conf"
 
+    def files(self, conn: Conn) -> dict[str, tuple[str, int]]:
+        """Remote path -> (text, mode) of every file this step writes."""
+        n = self.ctx.node
+        out = {n.path("conf", name): v for name, v in conf_files(self.ctx).items()}
+        site = self.run(conn, f"echo {PythonEnv._site(n.python)}").strip()
+        out[f"{site}/{CONF_PTH}"] = (conf_pth(n), 0o644)
+        return out
+
     def check(self, conn: Conn) -> bool:
-        want = [
-            f"{_sha(text)}  {self.ctx.node.path('conf', name)} {mode:o}"
-            for name, (text, mode) in sorted(conf_files(self.ctx).items())
-        ]
-        cmd = "; ".join(
-            f"echo $(sha256sum {q(self.ctx.node.path('conf', name))}) $(stat -c %a "
-            f"{q(self.ctx.node.path('conf', name))})"
-            for name in sorted(conf_files(self.ctx))
-        )
         try:
-            have = self.run(conn, cmd).splitlines()
+            files = self.files(conn)
+            have = self.run(
+                conn,
+                "; ".join(f"echo $(sha256sum {q(p)}) $(stat -c %a {q(p)})" for p in sorted(files)),
+            )
         except CommandFailed:
             return False
-        return [" ".join(line.split()) for line in have] == [" ".join(w.split()) for w in want]
+        want = [f"{_sha(text)} {p} {mode:o}" for p, (text, mode) in sorted(files.items())]
+        return [" ".join(line.split()) for line in have.splitlines()] == want
 
     def apply(self, conn: Conn) -> None:
-        for name, (text, mode) in conf_files(self.ctx).items():
-            upload(conn, text.encode(), self.ctx.node.path("conf", name), mode)
+        for path, (text, mode) in self.files(conn).items():
+            upload(conn, text.encode(), path, mode)
 
 
 # --- the Spark daemons ---------------------------------------------------------------------------

@@ -148,20 +148,19 @@ spark.stop()
 """
 
 
-def job_env(conf_dir: str | None) -> dict[str, str]:
+def job_env() -> dict[str, str]:
+    """This environment less any Spark setting (the driver binds loopback)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARK_", "PYSPARK_"))}
-    env["SPARK_LOCAL_IP"] = "127.0.0.1"
-    if conf_dir:
-        env["SPARK_CONF_DIR"] = conf_dir  # as a driver on the master node reads it
-    return env
+    return dict(env, SPARK_LOCAL_IP="127.0.0.1")
 
 
-def test_a_job_with_the_clusters_secret_runs(cluster, tmp_path) -> None:
+def test_a_job_on_the_master_nodes_venv_runs_with_the_clusters_secret(cluster, tmp_path) -> None:
+    """As a user on the master node runs it: the node venv's Python, no Spark setting given;
+    the venv points Spark at the node's conf dir, which holds the secret."""
     plan = cluster.plan
     done = subprocess.run(
-        [sys.executable, "-c", JOB, plan.master_url, "with-secret"],
-        env=job_env(plan.master.path("conf")), cwd=tmp_path, capture_output=True, text=True,
-        timeout=180,
+        [plan.master.python, "-c", JOB, plan.master_url, "with-secret"],
+        env=job_env(), cwd=tmp_path, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert "COUNT 100" in done.stdout, done.stderr[-3000:]
     apps = master_json(plan)["completedapps"]
@@ -174,7 +173,7 @@ def test_a_job_without_the_secret_is_refused(cluster, tmp_path) -> None:
     plan = cluster.plan
     proc = subprocess.Popen(
         [sys.executable, "-c", JOB, plan.master_url, "no-secret"],
-        env=job_env(None), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=job_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
     )  # fmt: skip
     seen: list[str] = []

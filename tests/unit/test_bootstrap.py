@@ -334,3 +334,71 @@ def test_health_of_a_good_cluster() -> None:
         "  master (10.0.0.5): ALIVE, 4 cores, 12000 MiB, 1 GPUs",
         "  w (10.0.0.7): ALIVE, 2 cores, 6000 MiB, 0 GPUs",
     ]
+
+
+# --- a systemd node, recorded ------------------------------------------------------------------
+
+
+class Recorder:
+    """Stands in for a Fabric Connection to a real node with systemd (none here: this machine's
+    init is not systemd): records each command and each file streamed to the node, and answers
+    the one query the daemon step makes (where pyspark is)."""
+
+    def __init__(self) -> None:
+        self.commands: list[str] = []
+        self.files: dict[str, bytes] = {}
+        self.client = self
+
+    def run(self, command: str, **kwargs):
+        from invoke.runners import Result
+
+        self.commands.append(command)
+        out = (
+            "/v/lib/python3.11/site-packages/pyspark\n"
+            if "submodule_search_locations" in command
+            else ""
+        )
+        return Result(stdout=out, exited=0, command=command)
+
+    def exec_command(self, command: str, timeout=None):
+        from types import SimpleNamespace
+
+        self.commands.append(command)
+        target = command.split("cat > ", 1)[1].split(" ", 1)[0].strip("'").removesuffix(".new")
+        channel = SimpleNamespace(shutdown_write=lambda: None, recv_exit_status=lambda: 0)
+        stdin = SimpleNamespace(
+            write=lambda data: self.files.__setitem__(target, data), channel=channel
+        )
+        return stdin, SimpleNamespace(channel=channel), SimpleNamespace(read=lambda: b"")
+
+
+def test_on_a_systemd_node_the_worker_is_a_unit_restarted_with_sudo() -> None:
+    node = b.Node(Endpoint("worker-1", "203.0.113.9"), address="10.0.0.6", gpus=2)
+    master = b.Node(Endpoint("master", "203.0.113.8"), address="10.0.0.5")
+    plan = b.Plan((master, node), b.Wheel(Path("w.whl"), "1", "d"), "topsecret" * 4)
+    facts = b.Facts("ubuntu", 1000, 8, 32 * 1024 * 1024, True, ("/opt/dlami/nvme/sparknet",))
+    conn = Recorder()
+    b.Worker(b.Context(plan, node, facts)).apply(conn)
+    unit = conn.files["/opt/sparknet/run/sparknet-worker.service"].decode()
+    lines = unit.splitlines()
+    assert "User=ubuntu" in lines
+    assert "StandardOutput=append:/opt/sparknet/logs/worker.out" in lines
+    (start,) = [ln for ln in lines if ln.startswith("ExecStart=")]
+    assert start == (
+        "ExecStart=/v/lib/python3.11/site-packages/pyspark/bin/spark-class "
+        f"{b.WORKER_CLASS} --host 10.0.0.6 --port 0 --webui-port 8081 --cores 8 "
+        f"--memory {sc.worker_memory_mb(32 * 1024 * 1024, False)}m "
+        "--work-dir /opt/sparknet/work spark://10.0.0.5:7077"
+    )
+    (env,) = [ln for ln in lines if ln.startswith("Environment=")]
+    assert '"SPARK_LOCAL_IP=127.0.0.1"' in env  # the UIs: loopback only
+    assert '"SPARK_LOCAL_DIRS=/opt/dlami/nvme/sparknet"' in env
+    assert '"SPARK_CONF_DIR=/opt/sparknet/conf"' in env
+    assert conn.commands[-1] == (
+        "sudo -n install -m 0644 /opt/sparknet/run/sparknet-worker.service "
+        "/etc/systemd/system/sparknet-worker.service && sudo -n systemctl daemon-reload && "
+        "sudo -n systemctl enable -q sparknet-worker.service && "
+        "sudo -n systemctl restart sparknet-worker.service"
+    )
+    assert all(plan.secret not in c for c in conn.commands)
+    assert plan.secret not in unit
