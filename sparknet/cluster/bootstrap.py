@@ -47,6 +47,7 @@ from sparknet.cluster.spark_conf import (
     Ports,
     instance_store_dirs,
     java_major,
+    load_or_create_secret,
     mem_total_kb,
     parse_nvme_models,
     spark_defaults,
@@ -375,7 +376,7 @@ class OsPackages(Step):
 
     def apply(self, conn: Conn) -> None:
         s = self.ctx.sudo
-        apt = f"{s}env DEBIAN_FRONTEND=noninteractive apt-get"
+        apt = f"{s}env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300"
         self.run(conn, f"{apt} update -qq && {apt} install -y -qq {q(*self.PACKAGES)}")
 
 
@@ -391,7 +392,7 @@ class NvidiaDriver(Step):
 
     def apply(self, conn: Conn) -> None:
         s = self.ctx.sudo
-        apt = f"{s}env DEBIAN_FRONTEND=noninteractive apt-get"
+        apt = f"{s}env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300"
         self.run(
             conn,
             f"{apt} update -qq && {apt} install -y -qq ubuntu-drivers-common"
@@ -941,8 +942,43 @@ def bootstrap(
         Expected(n.name, n.rpc_host, Context(plan, n, second[n.name][1]).cores, n.gpus)
         for n in plan.nodes
     ]
-    health = require_healthy(plan.master, plan.ports, expected, access, wait_s=health_wait_s)
+    health = cluster_health(plan.master, plan.ports, expected, access, wait_s=health_wait_s)
+    if not health.ok:
+        registered = {w.node for w in health.workers}
+        missing = [n for n in plan.nodes if n.name not in registered]
+        raise SparknetError(
+            f"the Spark cluster is not healthy: {'; '.join(health.problems)}"
+            + "".join(
+                f"\n--- {name}, worker log:\n" + "\n".join(f"  {ln}" for ln in lines)
+                for name, lines in _worker_logs(plan, access, missing).items()
+            )
+        )
     return BootstrapReport(reports, health)
+
+
+def _worker_logs(plan: Plan, access: Access, missing: Sequence[Node]) -> dict[str, list[str]]:
+    """The last lines of the workers' logs on `missing` nodes (what a worker that did not
+    register says about why); nothing for a node that cannot be asked."""
+
+    def tail(endpoint: Endpoint, conn: Conn) -> list[str]:
+        node = next(n for n in missing if n.name == endpoint.name)
+        log = q(node.path("logs", "worker.out"))
+        return _tail(run(conn, f"tail -n {TAIL_LINES} {log} 2>/dev/null; true"))
+
+    try:
+        return nodes.run_all([n.endpoint for n in missing], access, tail, timeout=60)
+    except SparknetError:
+        return {}
+
+
+def prepare_plan(
+    nodes_: Sequence[Node], secret_file: Path, wheel_dir: Path, **settings: Any
+) -> Plan:
+    """A Plan for `nodes_` (the master first): the cluster's secret from `secret_file` (made
+    0600 on first use), the sparknet wheel built from this checkout into `wheel_dir`, and the
+    other Plan fields from `settings` (ports, python_env, ...)."""
+    wheel = build_wheel(source_checkout(), wheel_dir)
+    return Plan(tuple(nodes_), wheel, load_or_create_secret(secret_file), **settings)
 
 
 def stop_daemons(plan: Plan, access: Access, timeout: float = 120) -> None:

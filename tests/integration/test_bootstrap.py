@@ -26,7 +26,7 @@ import pytest
 
 from sparknet.cluster import bootstrap as b
 from sparknet.cluster.nodes import Access
-from sparknet.cluster.spark_conf import Ports, load_or_create_secret
+from sparknet.cluster.spark_conf import Ports
 from tests.sshd import SshNodes, free_port, start_nodes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,34 +42,35 @@ class Cluster:
     secret_file: Path
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> b.Wheel:
-    return b.build_wheel(REPO, tmp_path_factory.mktemp("wheel"))
-
-
-def plan_for(group: SshNodes, root: Path, wheel: b.Wheel, secret: str, **kw) -> b.Plan:
-    nodes = tuple(
+def nodes_of(group: SshNodes, root: Path) -> list[b.Node]:
+    """The sshd nodes as the bootstrap sees them: each its own prefix and private address."""
+    return [
         b.Node(ep, address=addr, prefix=str(root / f"prefix-{ep.name}"))
         for ep, addr in zip(group.endpoints, ADDRESSES, strict=True)
-    )
-    return b.Plan(
-        nodes, wheel, secret, Ports(master=free_port(), master_ui=free_port(), worker_ui=0),
-        python_env=str(REPO / ".venv"), worker_cores=1, worker_memory_mb=1024, **kw,
-    )  # fmt: skip
+    ]
+
+
+def settings() -> dict:
+    """Free ports (several clusters on one host), the nodes' venvs over the repo's .venv, and
+    1 core and 1 GiB per worker (two workers share this machine)."""
+    ports = Ports(master=free_port(), master_ui=free_port(), worker_ui=0)
+    return {"ports": ports, "python_env": str(REPO / ".venv"), "worker_cores": 1,
+            "worker_memory_mb": 1024}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, wheel) -> Cluster:
+def cluster(tmp_path_factory) -> Cluster:
     root = tmp_path_factory.mktemp("bootstrap")
     group = start_nodes(root / "ssh", 2)
     secret_file = root / "registry" / "spark-secret"
-    plan = plan_for(group, root, wheel, load_or_create_secret(secret_file))
     try:
+        plan = b.prepare_plan(nodes_of(group, root), secret_file, root / "wheel", **settings())
         first = b.bootstrap(plan, group.access, health_wait_s=90)
         yield Cluster(plan, group.access, first, secret_file)
     finally:
         try:
-            b.stop_daemons(plan, group.access)
+            if "plan" in locals():
+                b.stop_daemons(plan, group.access)
         finally:
             group.stop()
 
@@ -106,6 +107,12 @@ def test_bootstrap_starts_a_master_and_a_worker_per_node_with_auth_on(cluster) -
         ("worker-1", "127.0.0.3", "ALIVE", 1),
     ]
     assert sorted(daemon_pids(plan)) == ["master/master", "master/worker", "worker-1/worker"]
+    for node in plan.nodes:  # the wheel of this checkout, in the node's venv, not the repo's
+        where = subprocess.run(
+            [node.python, "-c", "import sparknet; print(sparknet.__file__)"],
+            capture_output=True, text=True, check=True, cwd="/",
+        ).stdout  # fmt: skip
+        assert where.startswith(node.venv + "/lib/")
 
 
 def test_the_secret_is_in_0600_files_only(cluster) -> None:
@@ -216,20 +223,18 @@ def test_the_health_check_names_a_missing_worker(cluster) -> None:
     )
 
 
-def test_a_failing_step_names_node_and_step(tmp_path, wheel) -> None:
+def test_a_failing_step_names_node_and_step(tmp_path) -> None:
     """Each node's prefix lies under a plain file: its first step (the prefix's directories)
     fails, and the one error names both nodes, the step and mkdir's own words."""
     group = start_nodes(tmp_path / "ssh", 2)
     try:
-        plan = plan_for(group, tmp_path, wheel, "ab" * 32)
-        for node in plan.nodes:
+        nodes = nodes_of(group, tmp_path)
+        for node in nodes:
             Path(node.prefix).write_text("not a directory")
-        bad = b.Plan(
-            tuple(b.Node(n.endpoint, n.address, f"{n.prefix}/sub") for n in plan.nodes),
-            wheel, plan.secret, plan.ports, python_env=plan.python_env,
-        )  # fmt: skip
+        bad = [b.Node(n.endpoint, n.address, f"{n.prefix}/sub") for n in nodes]
+        wheel = b.Wheel(tmp_path / "unused.whl", "0", "0")
         with pytest.raises(b.BootstrapFailed) as caught:
-            b.bootstrap(bad, group.access)
+            b.bootstrap(b.Plan(tuple(bad), wheel, "ab" * 32, **settings()), group.access)
     finally:
         group.stop()
     first, *rest = str(caught.value).splitlines()
