@@ -85,6 +85,23 @@ def daemon_pids(plan: b.Plan) -> dict[str, int]:
     return out
 
 
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on (its socket inodes in /proc/net/tcp{,6})."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def master_json(plan: b.Plan) -> dict:
     url = f"http://127.0.0.1:{plan.ports.master_ui}/json/"
     with urllib.request.urlopen(url, timeout=5) as response:
@@ -138,6 +155,11 @@ def test_the_secret_is_in_0600_files_only(cluster) -> None:
 def test_the_master_ui_listens_on_loopback_only_and_rpc_on_the_private_address(cluster) -> None:
     ports = cluster.plan.ports
     assert master_json(cluster.plan)["status"] == "ALIVE"
+    # the master's RPC and UI only: no REST submission server (it takes jobs unauthenticated)
+    assert listening_ports(daemon_pids(cluster.plan)["master/master"]) == {
+        ports.master,
+        ports.master_ui,
+    }
     with pytest.raises(OSError):
         socket.create_connection((ADDRESSES[0], ports.master_ui), 2).close()
     socket.create_connection((ADDRESSES[0], ports.master), 2).close()
@@ -221,6 +243,17 @@ def test_the_health_check_names_a_missing_worker(cluster) -> None:
         "the Spark cluster is not healthy: worker-2's worker (127.0.0.9) is not registered "
         "with the master"
     )
+
+
+def test_stopping_ends_every_daemon_by_its_pid(cluster) -> None:
+    """Last of the cluster's tests: what `down` of a static cluster does (and the teardown)."""
+    pids = daemon_pids(cluster.plan)
+    assert len(pids) == 3
+    b.stop_daemons(cluster.plan, cluster.access)
+    assert daemon_pids(cluster.plan) == {}  # pid files gone
+    for pid in pids.values():
+        assert not Path(f"/proc/{pid}").exists()
+    b.stop_daemons(cluster.plan, cluster.access)  # nothing left to stop: no error
 
 
 def test_a_failing_step_names_node_and_step(tmp_path) -> None:
