@@ -15,7 +15,7 @@ standalone daemons from that venv's pyspark (`spark-class`: the pip pyspark has 
 systemd runs, else as background processes with pid files under the prefix.
 
 Nothing here puts the secret on a command line or in an error: it travels to the node in a file
-(`put`), into a directory only the node's user can open.
+(streamed over the SSH channel, `upload`), into a directory only the node's user can open.
 """
 
 from __future__ import annotations
@@ -462,7 +462,7 @@ class PythonEnv(Step):
         self.run(
             conn,
             f"rm -rf {q(n.venv)} && python3 -m venv {q(n.venv)}"
-            f" && {self.ctx.pip} install torch --index-url {q(index)}"
+            f" && {self.ctx.pip} install torch torchvision --index-url {q(index)}"
             f" && {q(n.python)} -c {q(self._torch_fits())}",
         )
 
