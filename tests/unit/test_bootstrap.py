@@ -402,3 +402,12 @@ def test_on_a_systemd_node_the_worker_is_a_unit_restarted_with_sudo() -> None:
     )
     assert all(plan.secret not in c for c in conn.commands)
     assert plan.secret not in unit
+
+
+def test_a_plan_needs_nodes_with_distinct_names() -> None:
+    wheel = b.Wheel(Path("w.whl"), "1", "d")
+    with pytest.raises(SparknetError, match="at least one node"):
+        b.Plan((), wheel, "s")
+    twice = (b.Node(Endpoint("master", "a")), b.Node(Endpoint("master", "b")))
+    with pytest.raises(SparknetError, match="node names repeat: master, master"):
+        b.Plan(twice, wheel, "s")
