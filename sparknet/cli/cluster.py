@@ -72,7 +72,8 @@ def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_
     return spec.model_copy(update={"name": name})
 
 
-_COLUMNS = ("node", "role", "id", "state", "type", "az", "public ip", "spot")
+#: "node" is last: scripts that read the tab-separated lines by position keep working
+_COLUMNS = ("role", "id", "state", "type", "az", "public ip", "spot", "node")
 
 
 def _print_instances(info) -> None:
@@ -82,8 +83,8 @@ def _print_instances(info) -> None:
 
     names = {inst.id: name for name, inst in nodes.node_names(info.instances)}
     rows = [
-        (names.get(i.id, "-"), i.role, i.id, i.state, i.type, i.az, i.public_ip or "-",
-         "yes" if i.spot else "")
+        (i.role, i.id, i.state, i.type, i.az, i.public_ip or "-", "yes" if i.spot else "",
+         names.get(i.id, "-"))
         for i in info.instances
     ]  # fmt: skip
     out = Console()

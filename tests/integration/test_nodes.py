@@ -353,6 +353,12 @@ def test_cli_status_shows_each_nodes_address_and_ssh_command(
         if ln.startswith("ssh ")
     }
     assert sorted(lines) == ["ssh master", "ssh worker-1", "ssh worker-2"]
+    rows = [ln.split("\t") for ln in shown.stdout.splitlines() if "\ti-" in ln]
+    assert sorted((row[0], row[-1]) for row in rows) == [
+        ("master", "master"),
+        ("worker", "worker-1"),
+        ("worker", "worker-2"),
+    ]
     _, address, command = lines["ssh worker-1"]
     assert address.endswith(f"@127.0.0.1:{group.ports['worker-1']}")
     # the printed command works as it is
