@@ -201,7 +201,8 @@ class Plan:
     #: the cluster's `spark.authenticate` secret (`spark_conf.load_or_create_secret`)
     secret: str = field(repr=False)
     ports: Ports = field(default_factory=Ports)
-    #: an existing venv on the nodes whose torch fits (the AMI's); None: install torch
+    #: an existing env on the nodes whose torch fits; None: the first of AMI_TORCH_ENVS a node
+    #: has whose torch fits, else a fresh venv with torch installed
     python_env: str | None = None
     #: the pyspark the nodes run: the submitter's, so driver and executors agree
     pyspark_version: str = field(default_factory=lambda: importlib.metadata.version("pyspark"))
@@ -225,6 +226,10 @@ class Plan:
         return f"spark://{self.master.rpc_host}:{self.ports.master}"
 
 
+#: where the Deep Learning AMIs with PyTorch keep it (a venv on newer ones, conda on older)
+AMI_TORCH_ENVS = ("/opt/pytorch", "/opt/conda/envs/pytorch")
+
+
 @dataclass(frozen=True)
 class Facts:
     """What one command tells about a node before any step runs."""
@@ -236,13 +241,17 @@ class Facts:
     systemd: bool
     #: instance store mounts for Spark's local dirs (empty: none)
     local_dirs: tuple[str, ...]
+    #: which of AMI_TORCH_ENVS the node has (a python there)
+    envs: tuple[str, ...] = ()
 
 
 _FACTS = (
     "echo @user; id -un; echo @uid; id -u; echo @nproc; nproc; echo @meminfo; cat /proc/meminfo;"
     " echo @systemd; if [ -d /run/systemd/system ]; then echo yes; else echo no; fi;"
     " echo @mounts; cat /proc/mounts;"
-    " echo @nvme; grep -H . /sys/block/nvme*/device/model 2>/dev/null; true"
+    " echo @nvme; grep -H . /sys/block/nvme*/device/model 2>/dev/null;"
+    f" echo @envs; for d in {' '.join(AMI_TORCH_ENVS)}; do [ -x $d/bin/python ] && echo $d; done;"
+    " true"
 )
 
 
@@ -265,6 +274,7 @@ def parse_facts(text: str, prefix: str) -> Facts:
         local_dirs=tuple(
             instance_store_dirs(part["mounts"], parse_nvme_models(part.get("nvme", "")), prefix)
         ),
+        envs=tuple(line.strip() for line in part.get("envs", "").splitlines() if line.strip()),
     )
 
 
@@ -300,13 +310,21 @@ class Context:
         return self.facts.local_dirs or (self.node.path("work", "local"),)
 
     @property
-    def pip(self) -> str:
-        """pip for the node's venv: the base env's pip aimed at it (a venv over a base env has
-        none of its own), else the venv's own."""
-        if self.plan.python_env:
-            base = f"{self.plan.python_env.rstrip('/')}/bin/python"
-            return f"{q(base)} -m pip -q --disable-pip-version-check --python {q(self.node.python)}"
-        return f"{q(self.node.python)} -m pip -q --disable-pip-version-check"
+    def base_env(self) -> str | None:
+        """The existing env the node's venv is laid over: the plan's, else the AMI's."""
+        env = self.plan.python_env or (self.facts.envs[0] if self.facts.envs else None)
+        return env.rstrip("/") if env else None
+
+    def pip(self, conn: Conn) -> str:
+        """pip for the node's venv: its own where it has one, else the base env's pip aimed at
+        it (a venv laid over a base env has none of its own)."""
+        own = f"{q(self.node.python)} -m pip -q --disable-pip-version-check"
+        if self.base_env is None or succeeds(
+            conn, f"[ -x {q(self.node.path('venv', 'bin', 'pip'))} ]"
+        ):
+            return own
+        base = q(f"{self.base_env}/bin/python")
+        return f"{base} -m pip -q --disable-pip-version-check --python {q(self.node.python)}"
 
 
 # --- steps ---------------------------------------------------------------------------------------
@@ -372,7 +390,7 @@ class OsPackages(Step):
         major = java_major(text)
         if major is None or major < 17:
             return False
-        return bool(self.ctx.plan.python_env) or succeeds(conn, "python3 -c 'import ensurepip'")
+        return bool(self.ctx.base_env) or succeeds(conn, "python3 -c 'import ensurepip'")
 
     def apply(self, conn: Conn) -> None:
         s = self.ctx.sudo
@@ -412,10 +430,10 @@ BASE_PTH = "_sparknet_base.pth"
 
 class PythonEnv(Step):
     """The node's venv (`prefix`/venv) with a torch that imports (and sees the GPUs on a GPU
-    node). Over an existing env (`Plan.python_env`, e.g. the AMI's PyTorch venv): a venv without
-    packages of its own that sees that env's through a .pth file, so sparknet and its pyspark
-    never change the AMI's env. Else a plain venv with torch from PyTorch's index for the
-    driver's CUDA version."""
+    node). Over an existing env whose torch fits (`Plan.python_env`, else the AMI's PyTorch env):
+    a venv without packages of its own that sees that env's through a .pth file, so sparknet and
+    its pyspark never change the AMI's env. Else (or when the AMI's torch does not fit) a venv of
+    its own with torch from PyTorch's index for the driver's CUDA version."""
 
     name = "python-env"
     timeout = 1800
@@ -429,40 +447,44 @@ class PythonEnv(Step):
         return f"import torch; {cuda}print(torch.__version__)"
 
     def check(self, conn: Conn) -> bool:
-        py, base = q(self.ctx.node.python), self.ctx.plan.python_env
-        linked = ""
+        """A venv of its own, or one laid over today's base env, whose torch fits."""
+        n, base = self.ctx.node, self.ctx.base_env
+        made = f"[ -x {q(n.path('venv', 'bin', 'pip'))} ]"
         if base:
-            site = self._site(self.ctx.node.python)
-            linked = f"grep -qF {q(self._base_line(conn))} {site}/{BASE_PTH} && "
-        return succeeds(conn, f"{linked}{py} -c {q(self._torch_fits(quick=True))}", timeout=120)
+            line = q(self._base_line(conn, base))
+            made = f"{{ {made} || grep -qxF {line} {self._site(n.python)}/{BASE_PTH}; }}"
+        fits = f"{q(n.python)} -c {q(self._torch_fits(quick=True))}"
+        return succeeds(conn, f"{made} && {fits}", timeout=120)
 
     @staticmethod
     def _site(python: str) -> str:
         return f"$({q(python)} -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')"
 
-    def _base_line(self, conn: Conn) -> str:
-        base = f"{self.ctx.plan.python_env.rstrip('/')}/bin/python"
-        site = self.run(conn, f"echo {self._site(base)}").strip()
+    def _base_line(self, conn: Conn, base: str) -> str:
+        """The .pth line that adds `base`'s site-packages (and runs its .pth files)."""
+        site = self.run(conn, f"echo {self._site(base + '/bin/python')}").strip()
         return f"import site; site.addsitedir({site!r})"
 
     def apply(self, conn: Conn) -> None:
-        n, base = self.ctx.node, self.ctx.plan.python_env
+        n, base = self.ctx.node, self.ctx.base_env
         if base:
-            python = f"{base.rstrip('/')}/bin/python"
-            if not succeeds(conn, f"{q(python)} -c {q(self._torch_fits())}", timeout=120):
+            python = f"{base}/bin/python"
+            if succeeds(conn, f"{q(python)} -c {q(self._torch_fits())}", timeout=120):
+                line = self._base_line(conn, base)
+                self.run(
+                    conn,
+                    f"rm -rf {q(n.venv)} && {q(python)} -m venv --without-pip {q(n.venv)}"
+                    f" && echo {q(line)} > {self._site(n.python)}/{BASE_PTH}",
+                )
+                return
+            if self.ctx.plan.python_env:  # asked for, so not silently replaced
                 raise CommandFailed(f"{base} has no torch that fits this node", [])
-            line = self._base_line(conn)
-            self.run(
-                conn,
-                f"rm -rf {q(n.venv)} && {q(python)} -m venv --without-pip {q(n.venv)}"
-                f" && echo {q(line)} > {self._site(n.python)}/{BASE_PTH}",
-            )
-            return
         index = torch_index_url(self._driver_cuda(conn) if n.gpus else None)
+        own = f"{q(n.python)} -m pip -q --disable-pip-version-check"
         self.run(
             conn,
             f"rm -rf {q(n.venv)} && python3 -m venv {q(n.venv)}"
-            f" && {self.ctx.pip} install torch torchvision --index-url {q(index)}"
+            f" && {own} install torch torchvision --index-url {q(index)}"
             f" && {q(n.python)} -c {q(self._torch_fits())}",
         )
 
@@ -488,7 +510,8 @@ class Pyspark(Step):
         return have == self.ctx.plan.pyspark_version
 
     def apply(self, conn: Conn) -> None:
-        self.run(conn, f"{self.ctx.pip} install {q('pyspark==' + self.ctx.plan.pyspark_version)}")
+        version = self.ctx.plan.pyspark_version
+        self.run(conn, f"{self.ctx.pip(conn)} install {q('pyspark==' + version)}")
 
 
 #: the file in the node's venv that records the digest of the sparknet wheel installed there
@@ -537,7 +560,7 @@ class SparknetWheel(Step):
         n, wheel = self.ctx.node, self.ctx.plan.wheel
         remote = n.path("dist", wheel.path.name)
         upload(conn, wheel.path.read_bytes(), remote, 0o644)
-        pip = self.ctx.pip
+        pip = self.ctx.pip(conn)
         self.run(conn, f"{pip} install --no-deps --force-reinstall {q(remote)}")
         # sparknet's dependencies: already there over the AMI's env or the test venv; a node
         # that lacks some gets them from the index (pip leaves satisfied ones alone)

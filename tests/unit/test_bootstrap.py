@@ -199,12 +199,27 @@ MemTotal:       32594124 kB
 yes
 @mounts
 {mounts}@nvme
-{models}"""
+{models}@envs
+/opt/pytorch
+"""
 
 
 def test_facts_from_one_command() -> None:
     facts = b.parse_facts(FACTS.format(mounts=MOUNTS, models=MODELS), "/opt/sparknet")
-    assert facts == b.Facts("ubuntu", 1000, 8, 32594124, True, ("/opt/dlami/nvme/sparknet",))
+    assert facts == b.Facts(
+        "ubuntu", 1000, 8, 32594124, True, ("/opt/dlami/nvme/sparknet",), ("/opt/pytorch",)
+    )
+
+
+def test_the_venv_is_laid_over_the_plans_env_else_the_amis() -> None:
+    node = b.Node(Endpoint("master", "h"))
+    wheel = b.Wheel(Path("w.whl"), "1", "d")
+    ami = b.Facts("ubuntu", 1000, 8, 1 << 24, True, (), ("/opt/pytorch",))
+    bare = b.Facts("ubuntu", 1000, 8, 1 << 24, True, ())
+    assert b.Context(b.Plan((node,), wheel, "s"), node, ami).base_env == "/opt/pytorch"
+    assert b.Context(b.Plan((node,), wheel, "s"), node, bare).base_env is None
+    given = b.Plan((node,), wheel, "s", python_env="/srv/env/")
+    assert b.Context(given, node, ami).base_env == "/srv/env"
 
 
 # --- the runner, locally ----------------------------------------------------------------------
