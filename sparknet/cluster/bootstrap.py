@@ -1004,9 +1004,12 @@ def prepare_plan(
     return Plan(tuple(nodes_), wheel, load_or_create_secret(secret_file), **settings)
 
 
-def stop_daemons(plan: Plan, access: Access, timeout: float = 120) -> None:
-    """Stop every node's worker, then the master (by pid or systemd unit): what `down` of a
-    static cluster and the tests' teardown do. Nothing else on the node changes."""
+def stop_daemons(nodes_: Sequence[Node], access: Access, timeout: float = 120) -> None:
+    """Stop every node's worker, and the master on the first node (by pid file or systemd
+    unit): what `down` of a static cluster and the tests' teardown do. Nothing else on the
+    nodes changes, and a daemon that is not running is no error."""
+    # stopping reads only the nodes' paths and facts from a plan: no wheel, no secret
+    plan = Plan(tuple(nodes_), Wheel(Path("unused.whl"), "", ""), "")
 
     def stop(endpoint: Endpoint, conn: Conn) -> None:
         node = next(n for n in plan.nodes if n.name == endpoint.name)

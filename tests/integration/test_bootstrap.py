@@ -70,7 +70,7 @@ def cluster(tmp_path_factory) -> Cluster:
     finally:
         try:
             if "plan" in locals():
-                b.stop_daemons(plan, group.access)
+                b.stop_daemons(plan.nodes, group.access)
         finally:
             group.stop()
 
@@ -249,11 +249,11 @@ def test_stopping_ends_every_daemon_by_its_pid(cluster) -> None:
     """Last of the cluster's tests: what `down` of a static cluster does (and the teardown)."""
     pids = daemon_pids(cluster.plan)
     assert len(pids) == 3
-    b.stop_daemons(cluster.plan, cluster.access)
+    b.stop_daemons(cluster.plan.nodes, cluster.access)
     assert daemon_pids(cluster.plan) == {}  # pid files gone
     for pid in pids.values():
         assert not Path(f"/proc/{pid}").exists()
-    b.stop_daemons(cluster.plan, cluster.access)  # nothing left to stop: no error
+    b.stop_daemons(cluster.plan.nodes, cluster.access)  # nothing left to stop: no error
 
 
 def test_a_failing_step_names_node_and_step(tmp_path) -> None:
