@@ -10,6 +10,7 @@ import sys
 import typer
 
 from sparknet.cli import train as train_command
+from sparknet.cli.ami import ami_app
 from sparknet.cli.cluster import cluster_app
 from sparknet.cli.data import data_app
 from sparknet.cli.submit import submit_app
@@ -26,6 +27,7 @@ def _root() -> None:
 app.command(name="train")(train_command.train)
 app.add_typer(data_app, name="data")
 app.add_typer(cluster_app, name="cluster")
+app.add_typer(ami_app, name="ami")
 
 
 def main() -> None:

@@ -1,0 +1,83 @@
+"""`sparknet ami bake`: a node image (AMI) with the bootstrap's install steps done, so a cluster
+launched from it skips them."""
+
+from __future__ import annotations
+
+import typer
+
+from sparknet.cli.common import Caught, DebugOption, EndpointOption, console, fail, interrupts
+from sparknet.errors import SparknetError
+
+ami_app = typer.Typer(no_args_is_help=True, help="Node images (AMIs): bake.")
+
+
+@ami_app.command("bake")
+def ami_bake(
+    region: str = typer.Option("us-east-1", help="AWS region of the builder and the image"),
+    base_ami: str | None = typer.Option(None, help="base AMI id; default: --ami-parameter's"),
+    ami_parameter: str | None = typer.Option(
+        None, help="SSM parameter holding the base AMI id; default: the Deep Learning AMI's"
+    ),
+    instance_type: str = typer.Option(
+        "g5.xlarge", help="the builder's type (a GPU one checks CUDA)"
+    ),
+    root_volume_gb: int = typer.Option(100, min=8, max=16384, help="the image's root volume"),
+    allowed_cidr: str | None = typer.Option(None, help="SSH source; default: your /32"),
+    python_env: str | None = typer.Option(
+        None, help="an env on the base AMI whose torch to use; default: its PyTorch env if it fits"
+    ),
+    record_parameter: str | None = typer.Option(
+        None, help="SSM parameter the new AMI id is recorded in (`cluster up` reads it)"
+    ),
+    prefix: str | None = typer.Option(None, hidden=True, help="install dir on the builder"),
+    endpoint_url: str | None = EndpointOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Launch a builder from the base AMI, run the install steps of ami/image.toml, clean it,
+    image it, tag and record the image; the builder is terminated in every case (and the image
+    removed again on failure or Ctrl-C)."""
+    from sparknet.cluster import ami
+
+    caught = Caught()
+    note = "still removing the builder; `sparknet cluster sweep` finds anything left"
+    try:
+        with interrupts(caught, stop_at=1, note=note):
+            try:
+                settings = _settings(
+                    region=region, base_ami=base_ami, ami_parameter=ami_parameter,
+                    instance_type=instance_type, root_volume_gb=root_volume_gb,
+                    allowed_cidr=allowed_cidr, python_env=python_env,
+                    record_parameter=record_parameter, prefix=prefix, endpoint_url=endpoint_url,
+                )  # fmt: skip
+                baked = ami.bake(settings, say=console.print)
+            except KeyboardInterrupt as exc:
+                raise SparknetError("interrupted; the builder and the image were removed") from exc
+    except SparknetError as exc:
+        fail(exc, debug, 128 + caught.signum if caught.signum else 2)
+    for key, value in baked.tags.items():
+        print(f"{key}\t{value}")
+    print(
+        f"baked {baked.image_id} ({baked.name}); recorded in SSM parameter {baked.parameter}: "
+        "`sparknet cluster up` launches it"
+    )
+
+
+def _settings(**given):
+    """BakeSettings from the options given (None: the default); a one-line error for a value
+    AWS would refuse."""
+    from sparknet import aws
+    from sparknet.cluster import ami
+    from sparknet.cluster.spec import check_ssh_cidr
+
+    values = {k: v for k, v in given.items() if v is not None}
+    aws.check_region(values["region"])
+    if values.get("base_ami") and values.get("ami_parameter"):
+        raise SparknetError("give --base-ami or --ami-parameter, not both")
+    if "allowed_cidr" in values:
+        try:
+            values["allowed_cidr"] = check_ssh_cidr(values["allowed_cidr"])
+        except ValueError as exc:
+            raise SparknetError(f"--allowed-cidr: {exc}") from exc
+    if "endpoint_url" in values:
+        aws.check_endpoint_url(values["endpoint_url"], "--endpoint-url")
+    return ami.BakeSettings(**values)

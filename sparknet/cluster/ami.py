@@ -1,0 +1,545 @@
+"""Bake a node image (AMI): a builder instance gets the bootstrap's install steps, is cleaned of
+keys, secrets, logs and history, stopped and imaged; the image is tagged and its id recorded in
+an SSM parameter, where `ami_for` finds it for `cluster up`.
+
+The builder is a one-node throw-away cluster (`bake-<time>-<hex>`, role master): its network,
+key pair, pinned host key and tags are made exactly as `cluster up` makes a cluster's, and
+whatever the bake leaves after a crash is found by `sparknet cluster sweep` like any cluster's.
+What the image holds is defined in the checkout's ``ami/image.toml`` (`load_image`), whose steps
+are bootstrap.py's own classes, by name: there is no second copy of an install step.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import shlex
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import botocore.exceptions as bx
+import tomllib
+
+from sparknet import aws, interrupts
+from sparknet.cluster import bootstrap, foundation, instances, nodes
+from sparknet.cluster.spark_conf import DEFAULT_PREFIX
+from sparknet.cluster.spec import DEFAULT_AMI_PARAMETER, TAG_ROLE, ClusterSpec, tag_value
+from sparknet.errors import SparknetError
+
+Say = Callable[[str], None]
+
+#: the image's definition, in the checkout (beside pyproject.toml)
+IMAGE_FILE = Path("ami") / "image.toml"
+#: the SSM parameter that holds the id of the newest baked AMI of a region
+RECORD_PARAMETER = "/sparknet/ami/latest"
+#: the `sparknet:role` of a baked image
+ROLE_AMI = "ami"
+#: steps that must not run on a builder: the secret and the daemons belong to one cluster
+NOT_BAKED = frozenset({"spark-conf", "spark-master", "spark-worker"})
+#: what a `remove` / `empty` entry may hold: absolute globs, or ones under {prefix}
+_PATH = re.compile(r"^(/|\{prefix\}/)[A-Za-z0-9_./*-]*$")
+#: AWS's rule for an image name: 3-128 of letters, digits and ( ) [ ] space . / - ' @ _
+_IMAGE_NAME = re.compile(r"^[A-Za-z0-9()\[\] ./'@_-]{3,128}$")
+
+
+def _quiet(_line: str) -> None:
+    pass
+
+
+# --- what the image is ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Image:
+    """ami/image.toml: the bootstrap steps the builder runs, and what is cleaned off it."""
+
+    steps: tuple[type[bootstrap.Step], ...]
+    remove: tuple[str, ...]
+    empty: tuple[str, ...]
+
+
+def load_image(path: Path | None = None) -> Image:
+    """The image definition at `path` (default: the checkout's ami/image.toml); a one-line error
+    naming a step bootstrap.py does not have, one that must not be baked, or a bad path."""
+    path = path or bootstrap.source_checkout() / IMAGE_FILE
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SparknetError(f"{path}: {nodes.describe(exc)}") from exc
+    by_name = {cls.name: cls for cls in bootstrap.PREPARE}
+    steps = []
+    for name in data.get("steps", []):
+        if name in NOT_BAKED:
+            raise SparknetError(f"{path}: step {name!r} belongs to a cluster, not to an image")
+        if name not in by_name:
+            raise SparknetError(
+                f"{path}: no bootstrap step {name!r}; bootstrap.py has {', '.join(by_name)}"
+            )
+        steps.append(by_name[name])
+    paths = {key: tuple(data.get(key, [])) for key in ("remove", "empty")}
+    for entry in paths["remove"] + paths["empty"]:
+        if not isinstance(entry, str) or not _PATH.fullmatch(entry) or ".." in entry:
+            raise SparknetError(
+                f"{path}: {entry!r} is not an absolute path or glob (or one under {{prefix}}/)"
+            )
+    return Image(tuple(steps), paths["remove"], paths["empty"])
+
+
+def cleanup_command(image: Image, prefix: str, root: str = "/") -> str:
+    """The shell command that removes `image.remove` and empties `image.empty` on the builder.
+    `root` is where the entries' "/" is (tests clean a directory, not the machine they run on);
+    a glob that matches nothing removes nothing."""
+    base = shlex.quote(root.rstrip("/"))
+
+    def where(entry: str) -> str:
+        if entry.startswith("{prefix}/"):
+            return shlex.quote(prefix.rstrip("/")) + "/" + entry.removeprefix("{prefix}/")
+        return base + entry  # the glob part stays unquoted: the shell expands it
+
+    removes = " ".join(where(e) for e in image.remove)
+    parts = [f"rm -rf -- {removes}"] if removes else []
+    parts += [f"find {where(e)} -xdev -type f -delete 2>/dev/null" for e in image.empty]
+    return "; ".join([*parts, "true"])
+
+
+# --- where the baked AMI is found --------------------------------------------------------------
+
+
+def record(ssm: Any, image_id: str, parameter: str = RECORD_PARAMETER) -> None:
+    """Record `image_id` as the region's newest baked AMI."""
+    check_parameter_name(parameter)
+    with aws.aws_call("PutParameter", aws.region_of(ssm)):
+        ssm.put_parameter(
+            Name=parameter,
+            Value=image_id,
+            Type="String",
+            Overwrite=True,
+            Description="the newest AMI `sparknet ami bake` made",
+        )
+
+
+def check_parameter_name(name: str) -> str:
+    """`name`, if SSM accepts it (1-2048 of a-zA-Z0-9_.-/, not beginning with aws or ssm, which
+    AWS reserves; moto refuses only aws); a one-line error otherwise."""
+    bare = name.lstrip("/").lower()
+    if (
+        not re.fullmatch(r"[A-Za-z0-9_./-]{1,2048}", name)
+        or bare.startswith(("aws", "ssm"))
+        or ("/" in name and not name.startswith("/"))
+    ):
+        raise SparknetError(
+            f"SSM parameter name {name!r}: use a-z A-Z 0-9 _ . - /, a leading / for a path, "
+            "and no aws or ssm at its start"
+        )
+    return name
+
+
+def baked_ami(ec2: Any, ssm: Any, parameter: str = RECORD_PARAMETER) -> str | None:
+    """The region's newest baked AMI that is still available: the recorded one, else (no
+    record, or its image deregistered) the newest of the caller's images tagged
+    `sparknet:role=ami`; None when there is none."""
+    region = aws.region_of(ssm)
+    recorded = None
+    try:
+        recorded = str(ssm.get_parameter(Name=parameter)["Parameter"]["Value"])
+    except bx.ClientError as exc:
+        if aws.error_code(exc) != "ParameterNotFound":
+            raise aws.describe_error(exc, f"reading SSM parameter {parameter} in {region}") from exc
+    except bx.BotoCoreError as exc:
+        raise aws.describe_error(exc, f"reading SSM parameter {parameter} in {region}") from exc
+    with aws.aws_call("DescribeImages", region):
+        if recorded and instances.AMI_ID.fullmatch(recorded):
+            found = ec2.describe_images(Filters=[{"Name": "image-id", "Values": [recorded]}])[
+                "Images"
+            ]
+            if any(i.get("State") == "available" for i in found):
+                return recorded
+        found = ec2.describe_images(
+            Owners=["self"],
+            Filters=[
+                {"Name": f"tag:{TAG_ROLE}", "Values": [ROLE_AMI]},
+                {"Name": "state", "Values": ["available"]},
+            ],
+        )["Images"]
+    newest = max(found, key=lambda i: i.get("CreationDate", ""), default=None)
+    return str(newest["ImageId"]) if newest else None
+
+
+def ami_for(spec: ClusterSpec, ec2: Any, ssm: Any) -> str:
+    """The AMI `cluster up` launches: the spec's `ami`, else its own `ami_parameter` when the
+    user set one, else the region's baked AMI (`baked_ami`), else the default parameter's Deep
+    Learning AMI. A cluster from a baked AMI finds the install steps done."""
+    if spec.ami or spec.ami_parameter != DEFAULT_AMI_PARAMETER:
+        return instances.resolve_ami(spec, ssm)
+    return baked_ami(ec2, ssm) or instances.resolve_ami(spec, ssm)
+
+
+# --- the bake ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BakeSettings:
+    """What `sparknet ami bake` takes."""
+
+    region: str = "us-east-1"
+    #: the base AMI id; None: the value of `ami_parameter`
+    base_ami: str | None = None
+    ami_parameter: str = DEFAULT_AMI_PARAMETER
+    instance_type: str = "g5.xlarge"
+    root_volume_gb: int = 100
+    #: SSH source of the builder; None: the caller's /32
+    allowed_cidr: str | None = None
+    #: an env on the base AMI whose torch the image uses; None: the AMI's PyTorch env if it fits
+    python_env: str | None = None
+    #: where sparknet installs on the builder (the clusters' nodes look there)
+    prefix: str = DEFAULT_PREFIX
+    #: the SSM parameter the new AMI id is recorded in
+    record_parameter: str = RECORD_PARAMETER
+    endpoint_url: str | None = None
+
+
+@dataclass(frozen=True)
+class Baked:
+    """A finished bake: the image, its tags, and where its id is recorded."""
+
+    image_id: str
+    name: str
+    tags: dict[str, str]
+    parameter: str
+
+
+@dataclass
+class _Made:
+    """What one bake made so far: everything its clean-up removes (the image only on failure)."""
+
+    name: str
+    created: list[str] = field(default_factory=list)
+    builder: str | None = None
+    key_pair: str | None = None
+    image: str | None = None
+
+
+def bake_name() -> str:
+    """The builder's throw-away cluster name: unique per bake, a valid cluster name."""
+    return f"bake-{int(time.time())}-{secrets.token_hex(3)}"
+
+
+def bake(
+    settings: BakeSettings,
+    *,
+    say: Say = _quiet,
+    image: Image | None = None,
+    wheel: bootstrap.Wheel | None = None,
+    root: str = "/",
+    timeout_s: float = 3600,
+    delay_s: float = 15.0,
+) -> Baked:
+    """Bake an AMI (see the module's doc); whatever the bake made but the image is removed
+    again at its end, and the image too on any failure or Ctrl-C. `wheel`: a sparknet wheel
+    already built from this checkout; `root`: see `cleanup_command`."""
+    image = image or load_image()
+    spec, base = _builder_spec(settings)
+    ec2 = instances.ec2_client(spec.region, settings.endpoint_url)
+    instances.check_offered(ec2, [settings.instance_type])
+    instances.check_ami(ec2, base, spec.root_volume_gb)
+    check_parameter_name(settings.record_parameter)
+    gpus = gpu_count(ec2, settings.instance_type)
+    with tempfile.TemporaryDirectory(prefix="sparknet-bake-") as tmp:
+        wheel = wheel or bootstrap.build_wheel(bootstrap.source_checkout(), Path(tmp))
+        made = _Made(spec.name)
+        try:
+            baked = _bake(spec, base, settings, image, wheel, gpus, ec2, made, say, root,
+                          timeout_s, delay_s)  # fmt: skip
+        except BaseException as exc:
+            try:
+                _clean_up(spec, ec2, made, settings.endpoint_url, say, keep_image=False,
+                          delay_s=delay_s)  # fmt: skip
+            except SparknetError as undo:
+                why = "interrupted" if isinstance(exc, KeyboardInterrupt) else nodes.describe(exc)
+                raise SparknetError(f"{why}; {undo}") from exc
+            raise
+        _clean_up(spec, ec2, made, settings.endpoint_url, say, keep_image=True, delay_s=delay_s)
+        return baked
+
+
+def _builder_spec(settings: BakeSettings) -> tuple[ClusterSpec, str]:
+    """The builder's one-node cluster spec, and the base AMI id (resolved from the parameter)."""
+    from sparknet.cluster import lifecycle
+
+    ssm = instances.ssm_client(settings.region, settings.endpoint_url)
+    spec = ClusterSpec(
+        name=bake_name(), region=settings.region, workers=0,
+        master_type=settings.instance_type, instance_types=[settings.instance_type],
+        ami=settings.base_ami, ami_parameter=settings.ami_parameter,
+        root_volume_gb=settings.root_volume_gb, allowed_cidr=settings.allowed_cidr,
+    )  # fmt: skip
+    base = instances.resolve_ami(spec, ssm)
+    owner = lifecycle.caller_owner(settings.region, settings.endpoint_url)
+    return spec.model_copy(update={"ami": base, "owner": owner}), base
+
+
+def gpu_count(ec2: Any, instance_type: str) -> int:
+    """The GPUs of `instance_type` (DescribeInstanceTypes' GpuInfo; 0 when it has none)."""
+    with aws.aws_call("DescribeInstanceTypes", aws.region_of(ec2)):
+        found = ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"]
+    gpus = (found[0].get("GpuInfo") or {}).get("Gpus", []) if found else []
+    return sum(int(g.get("Count", 0)) for g in gpus)
+
+
+def _bake(
+    spec: ClusterSpec,
+    base: str,
+    settings: BakeSettings,
+    image: Image,
+    wheel: bootstrap.Wheel,
+    gpus: int,
+    ec2: Any,
+    made: _Made,
+    say: Say,
+    root: str,
+    timeout_s: float,
+    delay_s: float,
+) -> Baked:
+    """Launch the builder, install, clean, stop, image, tag and record."""
+    cidr = spec.allowed_cidr or instances.caller_cidr()
+    say(f"builder {spec.name}: network and key pair")
+    net = foundation.ensure_boto3(
+        spec, allowed_cidr=cidr, endpoint_url=settings.endpoint_url, created=made.created
+    )
+    made.key_pair = nodes.ensure_key_pair(ec2, spec, say)
+    say(f"launching the builder ({settings.instance_type}) from {base}")
+    user_data = nodes.host_key_user_data()[0]
+    launched = instances.launch(
+        ec2, spec, role="master", count=1, spot=False, instance_types=[settings.instance_type],
+        subnet_by_az=net.subnet_by_az, security_group_id=net.security_group_id,
+        instance_profile_arn=net.instance_profile_arn, ami=base,
+        client_token_prefix=spec.name, key_name=nodes.key_pair_name(spec.name),
+        user_data=user_data,
+    )  # fmt: skip
+    made.builder = launched[0].id
+    ready = instances.wait_ready(ec2, [made.builder], timeout_s, delay_s=delay_s)
+    access = nodes.access_for(spec)
+    nodes.pin_cluster(ec2, spec.name, ready, access.known_hosts)
+    (endpoint,) = nodes.endpoints(spec.name, ready)
+    node = bootstrap.Node(endpoint, prefix=settings.prefix, gpus=gpus)
+    plan = bootstrap.Plan((node,), wheel, "", python_env=settings.python_env)
+    _install(plan, access, image, made.builder, say, timeout_s)
+    versions = _versions_and_clean(plan, access, image, root)
+    say(f"stopping the builder {made.builder}")
+    with aws.aws_call("StopInstances", spec.region):
+        ec2.stop_instances(InstanceIds=[made.builder])
+    instances._wait(ec2, "instance_stopped", [made.builder], time.monotonic() + timeout_s, delay_s)
+    tags = image_tags(spec, base, wheel.version, plan.pyspark_version, *versions)
+    name = image_name(wheel.version, spec.name)
+    made.image = _create_image(ec2, made.builder, name, tags)
+    say(f"creating image {made.image} ({name})")
+    _wait_available(ec2, made.image, timeout_s, delay_s)
+    tag_snapshots(ec2, made.image, tags)
+    ssm = instances.ssm_client(spec.region, settings.endpoint_url)
+    record(ssm, made.image, settings.record_parameter)
+    return Baked(made.image, name, tags, settings.record_parameter)
+
+
+def _install(
+    plan: bootstrap.Plan,
+    access: nodes.Access,
+    image: Image,
+    builder: str,
+    say: Say,
+    timeout_s: float,
+) -> None:
+    """The image's bootstrap steps on the builder; a failure is one line naming the step."""
+    try:
+        bootstrap._on_nodes(
+            plan, access, plan.nodes, lambda ctx: [cls(ctx) for cls in image.steps], say,
+            timeout_s,
+        )  # fmt: skip
+    except bootstrap.BootstrapFailed as exc:
+        f = exc.failures[0]
+        last = f": {f.tail[-1].strip()}" if f.tail else ""
+        raise SparknetError(
+            f"bake failed on the builder {builder}: step {f.step} failed ({f.what}){last}"
+        ) from exc
+
+
+#: prints torch's version and the CUDA version it was built for ("none" for a CPU build), from
+#: its metadata and torch/version.py: importing torch takes seconds, and needs no GPU to say this
+_TORCH_VERSIONS = """
+import importlib.metadata as m
+d = m.distribution("torch")
+lines = d.locate_file("torch/version.py").read_text().splitlines()
+found = [ln.split("=", 1)[1] for ln in lines if ln.startswith("cuda") and "=" in ln]
+cuda = found[0].strip().strip(chr(34) + chr(39)) if found else ""
+print(d.version, cuda if cuda not in ("", "None") else "none")
+"""
+
+
+def _versions_and_clean(
+    plan: bootstrap.Plan, access: nodes.Access, image: Image, root: str
+) -> tuple[str, str]:
+    """(torch version, CUDA version) of the builder's venv, read before its keys, secrets, logs
+    and history are removed (over the same connection: the login key goes in that command)."""
+    node = plan.master
+
+    def one(_endpoint: nodes.Endpoint, conn: Any) -> tuple[str, str]:
+        out = bootstrap.run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(_TORCH_VERSIONS)}")
+        torch, cuda = [*out.split(), "none", "none"][:2]
+        command = shlex.quote(cleanup_command(image, node.prefix, root))
+        as_root = f'if [ "$(id -u)" = 0 ]; then sh -c {command}; else sudo -n sh -c {command}; fi'
+        bootstrap.run(conn, as_root, timeout=300)
+        return torch, cuda
+
+    try:
+        return nodes.run_all([node.endpoint], access, one, timeout=600)[node.name]
+    except nodes.NodesFailed as exc:
+        raise SparknetError(f"bake failed cleaning the builder: {exc}") from exc
+
+
+def image_tags(
+    spec: ClusterSpec, base: str, version: str, spark: str, torch: str, cuda: str
+) -> dict[str, str]:
+    """The image's tags: what it holds (sparknet, Spark, torch, CUDA), what it was made from,
+    and the role and owner tags every sparknet resource carries."""
+    tags = {
+        "Name": f"sparknet-{version}",
+        TAG_ROLE: ROLE_AMI,
+        "sparknet:version": version,
+        "sparknet:spark": spark,
+        "sparknet:torch": torch,
+        "sparknet:cuda": cuda,
+        "sparknet:source-ami": base,
+        "sparknet:builder": spec.name,
+    }
+    if spec.owner:
+        tags["sparknet:owner"] = spec.owner
+    return {k: tag_value(v) for k, v in tags.items()}
+
+
+def image_name(version: str, bake: str) -> str:
+    """A unique image name (AWS: 3-128 characters of a restricted set, unique per account and
+    region): sparknet's version and the bake's name (time and random bits)."""
+    name = f"sparknet-{version}-{bake}"
+    if not _IMAGE_NAME.fullmatch(name):
+        name = re.sub(r"[^A-Za-z0-9()\[\] ./'@_-]", "_", name)[:128]
+    return name
+
+
+def _create_image(ec2: Any, builder: str, name: str, tags: dict[str, str]) -> str:
+    """CreateImage of the stopped builder, the image tagged at birth (its snapshots once it is
+    available: `tag_snapshots`; moto tags no snapshot at birth); the id is returned inside a
+    deferred section, so a Ctrl-C cannot lose it before the clean-up knows."""
+    pairs = [{"Key": k, "Value": v} for k, v in tags.items()]
+    with interrupts.deferred(), aws.aws_call("CreateImage", aws.region_of(ec2)):
+        return str(
+            ec2.create_image(
+                InstanceId=builder,
+                Name=name,
+                Description=f"sparknet node image ({tags['sparknet:version']})",
+                TagSpecifications=[{"ResourceType": "image", "Tags": pairs}],
+            )["ImageId"]
+        )
+
+
+def snapshots_of(ec2: Any, image_id: str) -> list[str]:
+    """The EBS snapshots behind an image (none while it is pending, or once it is gone)."""
+    with aws.aws_call("DescribeImages", aws.region_of(ec2)):
+        found = ec2.describe_images(Filters=[{"Name": "image-id", "Values": [image_id]}])
+    return [
+        m["Ebs"]["SnapshotId"]
+        for i in found["Images"]
+        for m in i.get("BlockDeviceMappings", [])
+        if m.get("Ebs", {}).get("SnapshotId")
+    ]
+
+
+def tag_snapshots(ec2: Any, image_id: str, tags: dict[str, str]) -> None:
+    """Give the image's snapshots its tags (what they belong to, when seen on their own)."""
+    snapshots = snapshots_of(ec2, image_id)
+    if snapshots:
+        with aws.aws_call("CreateTags", aws.region_of(ec2)):
+            ec2.create_tags(
+                Resources=snapshots, Tags=[{"Key": k, "Value": v} for k, v in tags.items()]
+            )
+
+
+def _wait_available(ec2: Any, image_id: str, timeout_s: float, delay_s: float) -> None:
+    """Until the image is available (snapshots of a GPU image take minutes to tens of them)."""
+    config = {"Delay": delay_s, "MaxAttempts": max(1, int(timeout_s / delay_s))}
+    try:
+        ec2.get_waiter("image_available").wait(ImageIds=[image_id], WaiterConfig=config)
+    except bx.WaiterError as exc:
+        raise SparknetError(
+            f"image {image_id} did not become available "
+            f"({aws.one_line(exc.kwargs.get('reason', exc))})"
+        ) from exc
+    except (bx.BotoCoreError, bx.ClientError) as exc:
+        raise aws.describe_error(exc, f"waiting for image {image_id}") from exc
+
+
+def _clean_up(
+    spec: ClusterSpec,
+    ec2: Any,
+    made: _Made,
+    endpoint_url: str | None,
+    say: Say,
+    *,
+    keep_image: bool,
+    delay_s: float,
+) -> None:
+    """Remove the builder and everything made for it, and the image too unless `keep_image`:
+    each part whatever became of the others; one error at the end naming what is left."""
+    undo: list[tuple[str, partial[Any]]] = []
+    if made.image and not keep_image:
+        what = f"deregistering the unfinished image {made.image}"
+        undo.append((what, partial(deregister, ec2, made.image)))
+    undo.append(("", partial(_terminate_builder, ec2, spec.name, made.builder, say, delay_s)))
+    if made.key_pair:
+        what = f"deleting key pair {made.key_pair}"
+        undo.append((what, partial(ec2.delete_key_pair, KeyName=made.key_pair)))
+    if made.created:
+        what = f"removing the builder's network ({len(made.created)} resources)"
+        destroy = partial(
+            foundation.destroy_boto3, spec, endpoint_url=endpoint_url, only=made.created
+        )
+        undo.append((what, destroy))
+    undo.append(("", partial(nodes.forget_local, spec.name)))
+    failed = []
+    for what, step in undo:  # each one whatever the others did: leave as little as possible
+        if what:
+            say(what)
+        try:
+            step()
+        except Exception as exc:
+            failed.append(f"{what or step.func.__name__}: {nodes.describe(exc)}")
+    if failed:
+        raise SparknetError(
+            f"the bake could not remove everything it made ({'; '.join(failed)}); run "
+            f"`sparknet cluster down {spec.name} --region {spec.region}` to remove the rest"
+        )
+
+
+def _terminate_builder(ec2: Any, bake: str, builder: str | None, say: Say, delay_s: float) -> None:
+    """Terminate the builder, and any instance launched under the bake's ClientToken (a launch
+    whose answer a Ctrl-C cut off), and wait until they are gone."""
+    ids = {i.id for i in instances.launched_with(ec2, bake, bake)}
+    ids |= {builder} if builder else set()
+    if ids:
+        say(f"terminating the builder {', '.join(sorted(ids))}")
+        instances.terminate(ec2, sorted(ids), wait=True, delay_s=delay_s)
+
+
+def deregister(ec2: Any, image_id: str) -> None:
+    """Deregister the image and delete its snapshots (a deregistered image's snapshots stay,
+    and bill, otherwise)."""
+    region = aws.region_of(ec2)
+    snapshots = snapshots_of(ec2, image_id)
+    with aws.aws_call("DeregisterImage", region):
+        ec2.deregister_image(ImageId=image_id)
+    for snapshot in snapshots:
+        with aws.aws_call("DeleteSnapshot", region):
+            ec2.delete_snapshot(SnapshotId=snapshot)

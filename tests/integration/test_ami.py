@@ -1,0 +1,224 @@
+"""The AMI bake on moto: the builder instance is mapped to a loopback sshd node through the seam
+of nodes.py (`moto_nodes`, host key read back from the builder's user data), so the key pair,
+the pinned host key and the install steps run over real SSH; moto's CreateImage is available
+at once.
+
+The node installs over the repo's .venv (`--python-env`, as a node over the Deep Learning AMI's
+PyTorch env), into its own prefix. The clean-up runs against a fake root directory (`root=`),
+not against the machine the tests run on: removing this machine's host keys and logs is not a
+test. The failing bake goes through the CLI (in this process: the builder's name is fixed by
+monkeypatch so `moto_nodes` can serve it before it launches).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from typer.testing import CliRunner
+
+from sparknet.cluster import ami, bootstrap, lifecycle
+from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE
+
+REPO = Path(__file__).resolve().parents[2]
+REGION = "us-east-1"
+
+
+@dataclass(frozen=True)
+class Bake:
+    ec2: Any
+    base: str
+    #: the builder's cluster name
+    name: str
+
+    @property
+    def parameter(self) -> str:
+        """Where this test's bake records its AMI id."""
+        return f"/test/sparknet/{self.name}"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> bootstrap.Wheel:
+    """The sparknet wheel of this checkout, built once for the module."""
+    return bootstrap.build_wheel(REPO, tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture
+def moto_bake(moto_endpoint, moto_nodes, tmp_path, monkeypatch):
+    """The bake's registry under tmp_path, its builder's name fixed and served by a loopback
+    sshd while the block runs."""
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    name = f"bake-test-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setattr(ami, "bake_name", lambda: name)
+    ec2 = boto3.client("ec2", region_name=REGION)
+    base = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    with moto_nodes(name).watch(ec2):
+        yield Bake(ec2, base, name)
+
+
+def settings(bake: Bake, prefix: Path, endpoint: str) -> ami.BakeSettings:
+    return ami.BakeSettings(
+        region=REGION, base_ami=bake.base, instance_type="m5.large", root_volume_gb=120,
+        allowed_cidr="203.0.113.9/32", python_env=str(REPO / ".venv"), prefix=str(prefix),
+        record_parameter=bake.parameter, endpoint_url=endpoint,
+    )  # fmt: skip
+
+
+def fake_root(root: Path) -> dict[str, Path]:
+    """A directory laid out like the builder's /, with what the clean-up must remove or keep."""
+    files = {
+        "host key": "etc/ssh/ssh_host_ed25519_key",
+        "login key": "home/ubuntu/.ssh/authorized_keys",
+        "history": "root/.bash_history",
+        "log": "var/log/syslog",
+        "apt log": "var/log/apt/history.log",
+        "cloud-init state": "var/lib/cloud/instances/i-0123/sem/config_ssh",
+        "cloud-init seed": "var/lib/cloud/seed/nocloud/user-data",
+        "ssh config": "etc/ssh/sshd_config",
+    }
+    out = {}
+    for what, rel in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(what)
+        out[what] = path
+    return out
+
+
+def torch_cuda() -> str | None:
+    """`torch.version.cuda` of the repo's torch, read without importing torch (seconds)."""
+    import importlib.util
+
+    path = importlib.metadata.distribution("torch").locate_file("torch/version.py")
+    spec = importlib.util.spec_from_file_location("torch_version_only", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cuda
+
+
+def builder_states(ec2, name: str) -> list[str]:
+    found = ec2.describe_instances(Filters=[{"Name": f"tag:{TAG_CLUSTER}", "Values": [name]}])
+    return [i["State"]["Name"] for r in found["Reservations"] for i in r["Instances"]]
+
+
+def assert_builder_gone(bake: Bake) -> None:
+    """The builder is terminated, and its key pair, network and local key removed."""
+    ec2, name = bake.ec2, bake.name
+    assert builder_states(ec2, name) == ["terminated"]
+    by_tag = [{"Name": f"tag:{TAG_CLUSTER}", "Values": [name]}]
+    assert ec2.describe_key_pairs(Filters=by_tag)["KeyPairs"] == []
+    assert ec2.describe_security_groups(Filters=by_tag)["SecurityGroups"] == []
+    assert ec2.describe_vpcs(Filters=by_tag)["Vpcs"] == []
+    assert not (lifecycle.registry_dir() / name / "id_ed25519").exists()
+
+
+def test_bake_makes_a_tagged_image_with_the_steps_done_and_removes_the_builder(
+    moto_bake, moto_endpoint, wheel, tmp_path
+):
+    ec2, base = moto_bake.ec2, moto_bake.base
+    prefix = tmp_path / "prefix"
+    root = fake_root(tmp_path / "root")
+    baked = ami.bake(
+        settings(moto_bake, prefix, moto_endpoint), wheel=wheel, root=str(tmp_path / "root"),
+        delay_s=0.2,
+    )  # fmt: skip
+
+    image = ec2.describe_images(ImageIds=[baked.image_id])["Images"][0]
+    assert image["State"] == "available"
+    tags = {t["Key"]: t["Value"] for t in image["Tags"]}
+    assert tags[TAG_ROLE] == "ami"
+    assert tags["sparknet:source-ami"] == base
+    assert tags["sparknet:spark"] == importlib.metadata.version("pyspark")
+    assert tags["sparknet:torch"] == importlib.metadata.version("torch")
+    assert tags["sparknet:cuda"] == (torch_cuda() or "none")
+    assert tags["sparknet:version"] == wheel.version
+    # recorded: what `cluster up` launches (ami_for) is the baked image
+    ssm = boto3.client("ssm", region_name=REGION)
+    assert ssm.get_parameter(Name=moto_bake.parameter)["Parameter"]["Value"] == baked.image_id
+    assert ami.baked_ami(ec2, ssm, moto_bake.parameter) == baked.image_id
+    assert_builder_gone(moto_bake)
+
+    # the clean-up: keys, history, logs and cloud-init state gone; dirs and the rest kept
+    for what in ("host key", "login key", "history", "log", "apt log", "cloud-init state"):
+        assert not root[what].exists(), what
+    assert root["apt log"].parent.is_dir()
+    assert root["cloud-init seed"].exists() and root["ssh config"].exists()
+    assert list((prefix / "dist").iterdir()) == []
+
+    # a node from the image finds every step of the image done: `cluster up` skips them
+    import invoke
+
+    node = bootstrap.Node(bootstrap.nodes.Endpoint("master", "127.0.0.1"), prefix=str(prefix))
+    conn = invoke.Context()  # in tmp_path: python -c finds no sparknet in the cwd there
+    facts = bootstrap.parse_facts(bootstrap.run(conn, bootstrap._FACTS), node.prefix)
+    plan = bootstrap.Plan((node,), wheel, "", python_env=str(REPO / ".venv"))
+    ctx = bootstrap.Context(plan, node, facts)
+    steps = [cls(ctx) for cls in ami.load_image().steps]
+    with conn.cd(str(tmp_path)):
+        report = bootstrap.run_steps("master", steps, conn)
+    assert report.applied == () and len(report.skipped) == len(steps)
+
+
+def test_a_failing_step_leaves_no_builder_and_no_image(
+    moto_bake, moto_endpoint, wheel, tmp_path, monkeypatch
+):
+    from sparknet.cli import app
+
+    ec2, base = moto_bake.ec2, moto_bake.base
+    # the module's wheel, not a second build of the same checkout (the one stand-in here)
+    monkeypatch.setattr(bootstrap, "build_wheel", lambda _checkout, _out: wheel)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("the prefix cannot be made under a file")
+    args = [
+        "ami", "bake", "--region", REGION, "--base-ami", base, "--instance-type", "m5.large",
+        "--root-volume-gb", "120", "--allowed-cidr", "203.0.113.9/32",
+        "--python-env", str(REPO / ".venv"), "--prefix", str(blocker / "prefix"),
+        "--record-parameter", moto_bake.parameter, "--endpoint-url", moto_endpoint,
+    ]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: bake failed on the builder i-")
+    assert "step dirs failed (exited 1)" in lines[-1]
+    assert_builder_gone(moto_bake)
+    ours = ec2.describe_images(
+        Owners=["self"], Filters=[{"Name": "tag:sparknet:builder", "Values": [moto_bake.name]}]
+    )["Images"]
+    assert ours == []
+    ssm = boto3.client("ssm", region_name=REGION)
+    with pytest.raises(ssm.exceptions.ParameterNotFound):
+        ssm.get_parameter(Name=moto_bake.parameter)
+
+
+def test_ctrl_c_after_the_image_was_made_removes_it_and_the_builder(
+    moto_bake, moto_endpoint, tmp_path
+):
+    ec2 = moto_bake.ec2
+    made: list[str] = []
+
+    def say(line: str) -> None:
+        if line.startswith("creating image "):
+            made.append(line.split()[2])
+            raise KeyboardInterrupt  # as the CLI's handler raises on Ctrl-C
+
+    # no steps: a venv whose python runs the repo's stands for one the steps made (quick)
+    python = tmp_path / "prefix" / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec {REPO / ".venv" / "bin" / "python"} "$@"\n')
+    python.chmod(0o755)
+    image = ami.Image((), (), ())
+    wheel = bootstrap.Wheel(tmp_path / "unused.whl", "0.0.0", "unused")
+    with pytest.raises(KeyboardInterrupt):
+        ami.bake(
+            settings(moto_bake, tmp_path / "prefix", moto_endpoint), say=say, image=image,
+            wheel=wheel, root=str(tmp_path / "root"), delay_s=0.2,
+        )  # fmt: skip
+
+    assert made and ec2.describe_images(ImageIds=made)["Images"] == []
+    assert_builder_gone(moto_bake)
