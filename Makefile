@@ -9,7 +9,7 @@ CHECKOV_VENV  := .venv-checkov
 CHECKOV       := $(CHECKOV_VENV)/bin/checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
 
-.PHONY: install demo test lint bench clean checkov infra-check cluster-up cluster-down
+.PHONY: install demo test lint bench clean checkov infra-check cluster-up cluster-down ami
 
 install: $(STAMP)
 
@@ -57,6 +57,14 @@ cluster-up: install
 
 cluster-down: install
 	$(VENV)/bin/sparknet cluster down $(NAME) $(if $(REGION),--region $(REGION))
+
+# a node image with the install steps done (needs AWS credentials; ami/README.md):
+# make ami REGION=us-west-2 BASE_AMI=ami-... BUILDER_TYPE=g5.xlarge; `cluster up` then launches it
+BASE_AMI      ?=
+BUILDER_TYPE  ?=
+ami: install
+	$(VENV)/bin/sparknet ami bake $(if $(REGION),--region $(REGION)) \
+		$(if $(BASE_AMI),--base-ami $(BASE_AMI)) $(if $(BUILDER_TYPE),--instance-type $(BUILDER_TYPE))
 
 lint: install
 	$(VENV)/bin/ruff check sparknet tests benchmarks
