@@ -170,13 +170,13 @@ def baked_ami(ec2: Any, ssm: Any, parameter: str = RECORD_PARAMETER) -> str | No
     return str(newest["ImageId"]) if newest else None
 
 
-def ami_for(spec: ClusterSpec, ec2: Any, ssm: Any) -> str:
+def ami_for(spec: ClusterSpec, ec2: Any, ssm: Any, parameter: str = RECORD_PARAMETER) -> str:
     """The AMI `cluster up` launches: the spec's `ami`, else its own `ami_parameter` when the
     user set one, else the region's baked AMI (`baked_ami`), else the default parameter's Deep
     Learning AMI. A cluster from a baked AMI finds the install steps done."""
     if spec.ami or spec.ami_parameter != DEFAULT_AMI_PARAMETER:
         return instances.resolve_ami(spec, ssm)
-    return baked_ami(ec2, ssm) or instances.resolve_ami(spec, ssm)
+    return baked_ami(ec2, ssm, parameter) or instances.resolve_ami(spec, ssm)
 
 
 # --- the bake ------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sparknet.cluster import ami, bootstrap, lifecycle
-from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE
+from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
 
 REPO = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"
@@ -141,6 +141,9 @@ def test_bake_makes_a_tagged_image_with_the_steps_done_and_removes_the_builder(
     ssm = boto3.client("ssm", region_name=REGION)
     assert ssm.get_parameter(Name=moto_bake.parameter)["Parameter"]["Value"] == baked.image_id
     assert ami.baked_ami(ec2, ssm, moto_bake.parameter) == baked.image_id
+    assert ami.ami_for(ClusterSpec(name="c1"), ec2, ssm, moto_bake.parameter) == baked.image_id
+    own = ClusterSpec(name="c1", ami=moto_bake.base)  # the spec's own AMI comes first
+    assert ami.ami_for(own, ec2, ssm, moto_bake.parameter) == moto_bake.base
     assert_builder_gone(moto_bake)
 
     # the clean-up: keys, history, logs and cloud-init state gone; dirs and the rest kept
