@@ -311,7 +311,8 @@ def _bake(
     net = foundation.ensure_boto3(
         spec, allowed_cidr=cidr, endpoint_url=settings.endpoint_url, created=made.created
     )
-    made.key_pair = nodes.ensure_key_pair(ec2, spec, say)
+    with interrupts.deferred():  # an imported key pair is known to the clean-up at once
+        made.key_pair = nodes.ensure_key_pair(ec2, spec, say)
     say(f"launching the builder ({settings.instance_type}) from {base}")
     user_data = nodes.host_key_user_data()[0]
     launched = instances.launch(
