@@ -33,6 +33,12 @@ AnyOwnerOption = typer.Option(
 )
 
 
+def _say(line: str) -> None:
+    """A progress line on stderr as it is: no markup, no wrapping (ids and the bootstrap's
+    per-node lines are read and copied whole)."""
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
 #: a valid name that stands in while a spec named by a tag is validated (`_cluster_spec`)
 _STAND_IN = "removal"
 
@@ -128,10 +134,15 @@ def _fail(exc: SparknetError, debug: bool, caught: Caught | None = None) -> None
 
     state = (
         lifecycle.ClusterBusy, lifecycle.ClusterNotFound, lifecycle.NotYours,
-        lifecycle.OtherRegion,
+        lifecycle.OtherRegion, lifecycle.BootstrapIncomplete,
     )  # fmt: skip
     if isinstance(exc, lifecycle.Interrupted) and caught is not None and caught.signum:
         fail(exc, debug, 128 + caught.signum)
+    if isinstance(exc, lifecycle.BootstrapIncomplete) and not debug:
+        # the error line, then each failed node's last output lines
+        first, *rest = str(exc).splitlines()
+        print("\n".join([f"error: {first}", *rest]), file=sys.stderr)
+        raise typer.Exit(1)
     fail(exc, debug, 1 if isinstance(exc, state) else 2)
 
 
@@ -148,11 +159,16 @@ def cluster_up(
         None, help="AMI id of the nodes (e.g. one `make ami` baked); default: ami_parameter"
     ),
     any_owner: bool = AnyOwnerOption,
+    no_bootstrap: bool = typer.Option(
+        False, "--no-bootstrap", help="only launch the instances; `cluster bootstrap` later"
+    ),
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
-    """Bring a cluster up (idempotent); on error or Ctrl-C, remove what was created. Refuses
+    """Bring a cluster up (idempotent) and bootstrap Spark on it, ending with its health check.
+    On error or Ctrl-C before the bootstrap, remove what was created; a failed or interrupted
+    bootstrap leaves the instances up (exit 1: `cluster bootstrap` finishes it). Refuses
     (exit 1) a cluster of that name tagged with another owner unless --any-owner."""
     from sparknet.cluster import lifecycle
 
@@ -167,8 +183,9 @@ def cluster_up(
             try:
                 spec = _cluster_spec(name, config, flags)
                 info = lifecycle.up(
-                    spec, endpoint_url=endpoint_url, say=console.print, any_owner=any_owner
-                )
+                    spec, endpoint_url=endpoint_url, say=_say, any_owner=any_owner,
+                    bootstrap=not no_bootstrap,
+                )  # fmt: skip
             except KeyboardInterrupt as exc:  # before `up` made anything
                 raise lifecycle.Interrupted("interrupted; nothing was made") from exc
     except SparknetError as exc:
@@ -261,6 +278,43 @@ def cluster_status(
     _print_instances(info)
     _print_ssh(spec, info)
     print(f"estimated cost {info.cost.describe()}")
+    _print_health(spec, info, endpoint_url)
+
+
+def _print_health(spec, info, endpoint_url: str | None) -> None:
+    """The Spark cluster's health (workers registered, cores, GPUs) as its master tells it; one
+    line when the nodes cannot be asked."""
+    from sparknet.cluster import lifecycle
+
+    try:
+        health = lifecycle.spark_health(spec, info.instances, endpoint_url=endpoint_url)
+    except SparknetError as exc:
+        print(f"Spark: the nodes cannot be reached ({first_line(exc)})")
+        return
+    for line in health.lines():
+        print(line)
+
+
+@cluster_app.command("bootstrap")
+def cluster_bootstrap(
+    name: str = typer.Argument(...),
+    region: str | None = RegionOption,
+    endpoint_url: str | None = EndpointOption,
+    config: Path | None = ConfigOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Bootstrap Spark on the cluster's running instances again (idempotent: a done step is
+    skipped, and a cluster with nothing to do says so), ending with its health check; exit 1
+    when a step fails (the line names node and step) or the cluster is not healthy."""
+    from sparknet.cluster import lifecycle
+
+    spec = _on_cluster(lambda spec: spec, name, region, config, debug)
+    try:
+        lifecycle.bootstrap_nodes(spec, endpoint_url=endpoint_url, say=_say)
+    except KeyboardInterrupt:
+        _fail(lifecycle.Interrupted("interrupted; run it again to finish"), debug)
+    except SparknetError as exc:
+        _fail(exc, debug)
 
 
 @cluster_app.command("list")

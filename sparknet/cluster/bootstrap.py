@@ -1109,13 +1109,15 @@ def cluster_health(
     access: Access,
     *,
     wait_s: float = 0,
+    connect_timeout: float = 20,
 ) -> ClusterHealth:
     """The cluster's health, asked of the master until it is healthy or `wait_s` has passed
     (workers register within seconds of starting). A master that does not answer is a
-    problem, not an exception: `cluster status` prints it."""
+    problem, not an exception: `cluster status` prints it; a master node that takes no SSH
+    connection within `connect_timeout` is a SparknetError."""
     url = f"spark://{master.rpc_host}:{ports.master}"
     deadline = time.monotonic() + wait_s
-    conn = nodes.connect(master.endpoint, access)
+    conn = nodes.connect(master.endpoint, access, connect_timeout)
     try:
         while True:
             try:

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import secrets
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from sparknet import aws
+from sparknet.cluster import bootstrap as boot
 from sparknet.cluster import foundation, instances, nodes
 from sparknet.cluster.instances import Hourly, Instance
+from sparknet.cluster.spark_conf import DEFAULT_PREFIX, Ports
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec, tag_value
 from sparknet.errors import SparknetError
 
@@ -50,6 +53,11 @@ class Interrupted(SparknetError):
 class OtherRegion(SparknetError):
     """`up` of a name this machine has registered (or holds Terraform state of) in another
     region."""
+
+
+class BootstrapIncomplete(SparknetError):
+    """The instances run but their bootstrap failed or was interrupted: they stay (billed)
+    and registered, for `cluster bootstrap` to finish or `cluster down` to end."""
 
 
 class NotYours(SparknetError):
@@ -353,14 +361,18 @@ def up(
     wait_timeout_s: float = 900.0,
     wait_delay_s: float = 15.0,
     any_owner: bool = False,
+    bootstrap: bool = False,
 ) -> ClusterInfo:
-    """Bring the cluster to its spec: foundation, master, workers, all running and checked.
+    """Bring the cluster to its spec: foundation, master, workers, all running and checked;
+    with `bootstrap`, then Spark on them (`bootstrap_nodes`, its lines through `say`).
 
     Idempotent: what already runs (found by tag) is kept and only what is missing is launched.
-    On any error, or Ctrl-C, what this call created (and only that) is removed again before it
-    re-raises. Holds the cluster's lock throughout; every resource it makes is tagged with the
-    caller's identity (`sparknet:owner`), and it refuses (`NotYours`) a cluster of that name
-    tagged with another owner unless `any_owner`.
+    On any error, or Ctrl-C, before the bootstrap, what this call created (and only that) is
+    removed again before it re-raises. A failed or interrupted bootstrap removes nothing: the
+    instances run, and the error (`BootstrapIncomplete`) says they are billed and how to go on.
+    Holds the cluster's lock throughout; every resource it makes is tagged with the caller's
+    identity (`sparknet:owner`), and it refuses (`NotYours`) a cluster of that name tagged with
+    another owner unless `any_owner`.
     """
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     ssm = instances.ssm_client(spec.region, endpoint_url)
@@ -381,7 +393,31 @@ def up(
     if not any_owner:
         check_owner(spec, str(spec.owner), endpoint_url)
     with cluster_lock(spec.name):
-        return _build(spec, ec2, ami, cidr, endpoint_url, say, wait_timeout_s, wait_delay_s)
+        info = _build(spec, ec2, ami, cidr, endpoint_url, say, wait_timeout_s, wait_delay_s)
+        if bootstrap:
+            _bootstrap_after_up(spec, ec2, info, say)
+        return info
+
+
+def _bootstrap_after_up(spec: ClusterSpec, ec2: Any, info: ClusterInfo, say: Say) -> None:
+    """The bootstrap as the last part of `up`. Its failure or Ctrl-C leaves the instances as
+    they are (a step fails far more often for a reason the user fixes, such as a package
+    mirror, than for one a fresh instance cures, and relaunching costs minutes each time): the
+    one-line error says they run and are billed, and what finishes or ends them."""
+    where = f"{spec.name} --region {spec.region}"
+    stay = (
+        f"the cluster's {len(info.instances)} instances stay up and registered (and are "
+        f"billed): `sparknet cluster bootstrap {where}` finishes it, `sparknet cluster down "
+        f"{where}` ends them"
+    )
+    try:
+        report = _bootstrap_locked(spec, ec2, info.instances, say)
+    except KeyboardInterrupt as exc:
+        raise Interrupted(f"interrupted during the bootstrap; {stay}") from exc
+    except SparknetError as exc:
+        first, *rest = str(exc).splitlines() or [type(exc).__name__]
+        raise BootstrapIncomplete("\n".join([f"{first}; {stay}", *rest])) from exc
+    say_report(report, say)
 
 
 def _build(
@@ -574,6 +610,7 @@ def down(
     with cluster_lock(spec.name):
         found = instances.find(ec2, spec.name)
         cost = lifetime_cost(ec2, found, datetime.now(timezone.utc))
+        _stop_spark(spec, ec2, found, say)
         say(f"terminating {len(found)} instances")
         terminated = instances.terminate_cluster(ec2, spec.name, wait=True, delay_s=1.0)
         deleted = nodes.delete_key_pairs(ec2, spec.name)
@@ -712,3 +749,150 @@ def orphans(
         for name, cluster in tagged_clusters(region, endpoint_url=endpoint_url).items()
         if name not in wanted
     }
+
+
+# --- Spark on the nodes ------------------------------------------------------------------------
+
+
+def secret_file(name: str) -> Path:
+    """The cluster's Spark secret: 0600 in its registry dir (removed by `down`), never in user
+    data or logs."""
+    return nodes.cluster_dir(name) / nodes.SPARK_SECRET
+
+
+def instance_gpus(ec2: Any, types: list[str]) -> dict[str, int]:
+    """GPUs per instance type (DescribeInstanceTypes' GpuInfo; 0 for a type without)."""
+    wanted = sorted(set(types))
+    if not wanted:
+        return {}
+    with aws.aws_call("DescribeInstanceTypes", aws.region_of(ec2)):
+        found = ec2.describe_instance_types(InstanceTypes=wanted)["InstanceTypes"]
+    gpus = {t: 0 for t in wanted}
+    for info in found:
+        gpus[info["InstanceType"]] = sum(
+            int(g.get("Count", 0)) for g in (info.get("GpuInfo") or {}).get("Gpus", [])
+        )
+    return gpus
+
+
+def plan_nodes(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> list[boot.Node]:
+    """The cluster's instances as the bootstrap's nodes, master first: each reached at its
+    seam endpoint, its daemons bound to its private address, its GPUs those of its instance
+    type unless `bootstrap.gpus_per_node` says otherwise."""
+    named = nodes.node_names(found)
+    if not named or named[0][0] != "master":
+        raise SparknetError(
+            f"cluster {spec.name} has no running master; `sparknet cluster up {spec.name}` "
+            "launches one"
+        )
+    override = spec.bootstrap.gpus_per_node
+    gpus = {} if override is not None else instance_gpus(ec2, [i.type for _, i in named])
+    out = []
+    for name, inst in named:
+        layout = nodes.node_layout(spec.name, name)
+        out.append(
+            boot.Node(
+                nodes.endpoint_of(spec.name, name, inst),
+                address=layout.get("address") or inst.private_ip,
+                prefix=layout.get("prefix") or DEFAULT_PREFIX,
+                gpus=override if override is not None else gpus[inst.type],
+            )
+        )
+    return out
+
+
+def _ports(spec: ClusterSpec) -> Ports:
+    s = spec.bootstrap
+    return Ports(master=s.master_port, master_ui=s.master_ui_port, worker_ui=s.worker_ui_port)
+
+
+def _live(ec2: Any, spec: ClusterSpec) -> list[Instance]:
+    """The cluster's running instances; `ClusterNotFound` when it has none."""
+    found = [i for i in instances.find(ec2, spec.name) if i.state == "running"]
+    if not found:
+        raise ClusterNotFound(
+            f"cluster {spec.name} has no running instances in {spec.region}; "
+            f"`sparknet cluster up {spec.name}` starts it"
+        )
+    return found
+
+
+def _reach(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> nodes.Access:
+    """The cluster's access with its nodes' host keys pinned afresh from their user data."""
+    access = nodes.access_for(spec)
+    nodes.check_key_file(access)
+    nodes.pin_cluster(ec2, spec.name, found, access.known_hosts)
+    return access
+
+
+def _bootstrap_locked(
+    spec: ClusterSpec, ec2: Any, found: list[Instance], say: Say
+) -> boot.BootstrapReport:
+    """The bootstrap of the cluster's `found` instances, under its lock: the wheel of this
+    checkout, the cluster's secret (made on first use), the spec's settings."""
+    access = _reach(spec, ec2, found)
+    settings = spec.bootstrap
+    with tempfile.TemporaryDirectory(prefix="sparknet-wheel-") as wheel_dir:
+        plan = boot.prepare_plan(
+            plan_nodes(spec, ec2, found), secret_file(spec.name), Path(wheel_dir),
+            ports=_ports(spec), python_env=settings.python_env,
+            worker_cores=settings.worker_cores, worker_memory_mb=settings.worker_memory_mb,
+        )  # fmt: skip
+        say(f"bootstrapping {len(plan.nodes)} nodes (sparknet {plan.wheel.version})")
+        try:
+            return boot.bootstrap(plan, access, say=say)
+        except SparknetError as exc:  # a step failed, a node is unreachable, or not healthy
+            raise BootstrapIncomplete(str(exc)) from exc
+
+
+def bootstrap_nodes(
+    spec: ClusterSpec, *, endpoint_url: str | None = None, say: Say = lambda _: None
+) -> boot.BootstrapReport:
+    """`sparknet cluster bootstrap`: the bootstrap again on the cluster's running instances
+    (idempotent: what is done is skipped), under the cluster's lock."""
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    found = _live(ec2, spec)
+    with cluster_lock(spec.name):
+        report = _bootstrap_locked(spec, ec2, found, say)
+    say_report(report, say)
+    return report
+
+
+def say_report(report: boot.BootstrapReport, say: Say) -> None:
+    """Per node what the bootstrap applied (or that there was nothing to do), then the
+    cluster's health."""
+    for line in report.lines() + report.health.lines():
+        say(line)
+
+
+def spark_health(
+    spec: ClusterSpec, found: list[Instance], *, endpoint_url: str | None = None
+) -> boot.ClusterHealth:
+    """The Spark cluster's health as its master tells it (workers registered, cores, GPUs);
+    a SparknetError when the master node takes no SSH connection within 5 s."""
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    running = [i for i in found if i.state == "running"]
+    access = _reach(spec, ec2, running)
+    plan = plan_nodes(spec, ec2, running)
+    expected = [
+        boot.Expected(n.name, n.rpc_host, spec.bootstrap.worker_cores, n.gpus) for n in plan
+    ]
+    return boot.cluster_health(plan[0], _ports(spec), expected, access, connect_timeout=5)
+
+
+def _stop_spark(spec: ClusterSpec, ec2: Any, found: list[Instance], say: Say) -> None:
+    """Stop the Spark daemons before the instances go, where this machine bootstrapped them
+    (the cluster's secret is here): a daemon outlives nothing on EC2, but on a node that is not
+    terminated (the seam's, a test's) it would. Best effort: nodes that cannot be reached are
+    said and skipped, as terminating ends their daemons anyway."""
+    running = [i for i in found if i.state == "running"]
+    if not running or not secret_file(spec.name).is_file():
+        return
+    try:
+        access = _reach(spec, ec2, running)
+        boot.stop_daemons(plan_nodes(spec, ec2, running), access, timeout=60)
+    except SparknetError as exc:
+        first = next(iter(str(exc).splitlines()), "")
+        say(f"could not stop the Spark daemons first ({first}); terminating ends them")
+    else:
+        say(f"stopped the Spark daemons on {len(running)} nodes")

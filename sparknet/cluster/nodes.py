@@ -301,8 +301,8 @@ def parse_address(name: str, text: str, default_user: str = DEFAULT_USER) -> End
     return Endpoint(name, match["host"], port, match["user"] or default_user)
 
 
-def _overrides() -> dict[str, str]:
-    """The `ENDPOINTS_ENV` file's mapping; empty when the variable is unset."""
+def _seam() -> dict[str, Any]:
+    """The `ENDPOINTS_ENV` file's mapping as it is; empty when the variable is unset."""
     path = os.environ.get(ENDPOINTS_ENV)
     if not path:
         return {}
@@ -312,7 +312,23 @@ def _overrides() -> dict[str, str]:
         raise SparknetError(f"{ENDPOINTS_ENV}={path}: {describe(exc)}") from exc
     if not isinstance(found, dict):
         raise SparknetError(f"{ENDPOINTS_ENV}={path}: not a JSON object of name -> address")
-    return {str(k): str(v) for k, v in found.items()}
+    return {str(k): v for k, v in found.items()}
+
+
+def _overrides() -> dict[str, str]:
+    """The seam's addresses: its entries whose value is a ``user@host:port`` string."""
+    return {k: v for k, v in _seam().items() if isinstance(v, str)}
+
+
+def node_layout(cluster: str, name: str) -> dict[str, str]:
+    """Where node `name` of `cluster` sits on its machine, from the seam's
+    ``<cluster>/<name>/node`` entry (an object): ``address``, the private address its Spark
+    daemons bind (default: the instance's private IP) and ``prefix``, where the bootstrap
+    installs (default: /opt/sparknet). Tests run several nodes on one host this way."""
+    entry = _seam().get(f"{cluster}/{name}/node") or {}
+    if not isinstance(entry, dict):
+        raise SparknetError(f"{ENDPOINTS_ENV}: {cluster}/{name}/node is not a JSON object")
+    return {str(k): str(v) for k, v in entry.items() if k in ("address", "prefix")}
 
 
 def node_names(found: Sequence[Instance]) -> list[tuple[str, Instance]]:
@@ -563,11 +579,15 @@ def delete_key_pairs(ec2: Any, cluster: str) -> list[str]:
     return deleted
 
 
+#: the cluster's Spark secret in its registry dir (mode 0600; `spark_conf.load_or_create_secret`)
+SPARK_SECRET = "spark-secret"
+
+
 def forget_local(cluster: str) -> None:
-    """Remove the cluster's key and known_hosts from its registry dir (after `down`: the nodes
-    they reached are gone), and the dir when nothing else is left in it."""
+    """Remove the cluster's key, known_hosts and Spark secret from its registry dir (after
+    `down`: the nodes they reached are gone), and the dir when nothing else is left in it."""
     base = cluster_dir(cluster)
-    for name in ("id_ed25519", "id_ed25519.pub", "known_hosts"):
+    for name in ("id_ed25519", "id_ed25519.pub", "known_hosts", SPARK_SECRET):
         (base / name).unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # Terraform state or other files stay
         base.rmdir()

@@ -40,6 +40,35 @@ DEFAULT_AMI_PARAMETER = (
 INFRA_DIR = Path(__file__).resolve().parent / "infra"
 
 
+class BootstrapSettings(BaseModel):
+    """How `up` and `cluster bootstrap` set the nodes' Spark up (`bootstrap:` of a cluster).
+
+    Every field has a default that fits the Deep Learning AMIs; they exist for nodes that are
+    not such (a static host, a node shared with other work) and for tests, which run several
+    nodes on one host."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    python_env: str | None = Field(
+        None,
+        description="an existing Python env on the nodes whose torch fits; default: the "
+        "AMI's PyTorch env when its torch fits, else a fresh venv with torch",
+    )
+    worker_cores: int | None = Field(None, ge=1, description="default: the node's cores")
+    worker_memory_mb: int | None = Field(
+        None, ge=512, description="default: the node's memory less headroom"
+    )
+    gpus_per_node: int | None = Field(
+        None,
+        ge=0,
+        description="GPUs each worker offers to Spark; default: its instance type's "
+        "(DescribeInstanceTypes), 0 for a type without GPUs",
+    )
+    master_port: int = Field(7077, ge=1, le=65535)
+    master_ui_port: int = Field(8080, ge=1, le=65535)
+    worker_ui_port: int = Field(8081, ge=0, le=65535, description="0: any free port")
+
+
 class ClusterSpec(BaseModel):
     """One cluster: its name, where, what machines, and how the foundation is made."""
 
@@ -85,6 +114,7 @@ class ClusterSpec(BaseModel):
     bucket: str | None = Field(None, description="data and runs bucket")
     data_prefix: str = "datasets/"
     runs_prefix: str = "runs/"
+    bootstrap: BootstrapSettings = Field(default_factory=BootstrapSettings)
     owner: str | None = Field(
         None,
         description="set by `up` from STS GetCallerIdentity (the caller's ARN) and tagged on "

@@ -301,6 +301,22 @@ def _release(rdd) -> None:
         rdd.unpersist()
 
 
+def _in_band(array: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
+    """`array` as builtins to broadcast (`_array_of` turns it back into the array).
+
+    With `spark.io.encryption.enabled` (every bootstrapped cluster) pyspark streams a broadcast
+    through its `ChunkedStream`, whose `write` takes only objects with a length; at pickle
+    protocol 5 a numpy array hands it a `PickleBuffer`, and the broadcast fails. Bytes pickle
+    in band."""
+    return array.dtype.str, array.shape, array.tobytes()
+
+
+def _array_of(value: tuple[str, tuple[int, ...], bytes]) -> np.ndarray:
+    """The array `_in_band` made builtins of; writable, as an unpickled array is."""
+    dtype, shape, data = value
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+
+
 class SparkTransport:
     """Map a function over K partitions with the weights broadcast once, reduce in a tree."""
 
@@ -374,7 +390,7 @@ class SparkTransport:
         anchor = self.anchor() if frame is None and self.sticky else None
         threads_of = self.task_threads(anchor)
         t0 = time.perf_counter()
-        bc = self.sc.broadcast(theta)
+        bc = self.sc.broadcast(_in_band(theta))
         broadcast_s = time.perf_counter() - t0
         try:
 
@@ -384,7 +400,7 @@ class SparkTransport:
                 attempt = ctx.attemptNumber() if ctx else 0
                 local_dir = SparkFiles.getRootDirectory()
                 try:
-                    return work(bc.value, index, attempt, threads, local_dir, rows)
+                    return work(_array_of(bc.value), index, attempt, threads, local_dir, rows)
                 except PermanentTaskError as exc:
                     return TaskFault.of(index, exc)
 

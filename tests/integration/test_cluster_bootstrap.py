@@ -1,0 +1,209 @@
+"""`sparknet cluster up` end to end: moto's instances are loopback sshd nodes (the seam of
+`nodes.py`, each sshd serving the host key sparknet put in its instance's user data), and `up`
+ends with a real Spark standalone cluster on them, started over SSH, that a `sparknet train`
+on the master node runs on. The CLI runs as a subprocess, as a user runs it.
+
+What the bootstrap itself does (each step, the secret's files, the ports the daemons listen on,
+a refused job without the secret) is proved in test_bootstrap.py; here: that `up`, `status`,
+`cluster bootstrap` and `down` drive it. The nodes run over the repo's .venv
+(`bootstrap.python_env`) with 1 core and 1 GiB per worker, and offer no GPU
+(`bootstrap.gpus_per_node: 0`: their g5.xlarge type has one on EC2, which `plan_nodes` is
+checked to find). Each node's own private address and install prefix come from the seam's
+`<cluster>/<node>/node` entries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import SPARKNET
+from tests.sshd import free_port
+
+REGION = "us-east-1"
+AMI_PARAMETER = "/test/sparknet/bootstrap-ami"
+REPO = Path(__file__).resolve().parents[2]
+#: the private addresses the nodes' daemons bind (all of 127/8 is loopback on Linux)
+ADDRESSES = {"master": "127.0.0.2", "worker-1": "127.0.0.3"}
+
+
+def _ec2():
+    import boto3
+
+    return boto3.client("ec2", region_name=REGION)
+
+
+@pytest.fixture
+def cluster(moto_endpoint, moto_nodes, tmp_path, monkeypatch):
+    """A cluster name with a `clusters:` entry in ./sparknet.yaml (cwd tmp_path), its registry
+    under tmp_path, and its two nodes mapped to loopback sshd nodes with their own addresses
+    and prefixes; whatever is left is taken down at the end."""
+    from sparknet.cluster import lifecycle
+
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    ami = _ec2().describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    import boto3
+
+    boto3.client("ssm", region_name=REGION).put_parameter(
+        Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True
+    )
+    name = f"b{uuid.uuid4().hex[:8]}"
+    entry = {
+        "region": REGION, "workers": 1, "master_type": "g5.xlarge",
+        "instance_types": ["g5.xlarge"], "ami_parameter": AMI_PARAMETER,
+        "allowed_cidr": "203.0.113.9/32",
+        "bootstrap": {
+            "python_env": str(REPO / ".venv"), "worker_cores": 1, "worker_memory_mb": 1024,
+            "gpus_per_node": 0, "master_port": free_port(), "master_ui_port": free_port(),
+            "worker_ui_port": 0,
+        },
+    }  # fmt: skip
+    (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump({"clusters": {name: entry}}))
+    group = moto_nodes(name, 1)
+    layout = json.loads(group.file.read_text())
+    for node, address in ADDRESSES.items():
+        layout[f"{name}/{node}/node"] = {"address": address, "prefix": str(tmp_path / node)}
+    group.file.write_text(json.dumps(layout))
+    yield name, group, entry
+    if lifecycle.registered().get(name) is not None:
+        cli("down", name, cwd=tmp_path)
+
+
+def cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(SPARKNET), "cluster", *args], cwd=cwd, env=os.environ.copy(),
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def daemon_pids(root: Path) -> dict[str, int]:
+    """The daemons' pids by `<node>/<role>`, from the pid files under each node's prefix."""
+    out = {}
+    for node in ADDRESSES:
+        for role in ("master", "worker"):
+            pid = root / node / "run" / f"{role}.pid"
+            if pid.exists():
+                out[f"{node}/{role}"] = int(pid.read_text())
+    return out
+
+
+def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, tmp_path) -> None:
+    from sparknet.cluster import instances, lifecycle, nodes
+    from sparknet.cluster.spec import ClusterSpec
+
+    name, group, entry = cluster
+    master_url = f"spark://{ADDRESSES['master']}:{entry['bootstrap']['master_port']}"
+    with group.watch(_ec2()):
+        up = cli("up", name, cwd=tmp_path)
+    assert up.returncode == 0, up.stderr[-3000:]
+    out = up.stderr  # progress and the bootstrap's lines; stdout has the instances
+    assert (
+        "master: applied dirs, python-env, sparknet, spark-conf, spark-master, spark-worker" in out
+    )
+    assert "worker-1: applied dirs, python-env, sparknet, spark-conf, spark-worker" in out
+    assert f"Spark master {master_url}: healthy" in out
+    assert "master (127.0.0.2): ALIVE, 1 cores, 1024 MiB, 0 GPUs" in out
+    assert "worker-1 (127.0.0.3): ALIVE, 1 cores, 1024 MiB, 0 GPUs" in out
+    pids = daemon_pids(tmp_path)
+    assert sorted(pids) == ["master/master", "master/worker", "worker-1/worker"]
+    # the cluster's secret: 0600 in the registry dir, the one the nodes' Spark runs with
+    secret_file = lifecycle.secret_file(name)
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    conf = (tmp_path / "master" / "conf" / "spark-defaults.conf").read_text()
+    assert f"spark.authenticate.secret {secret_file.read_text().strip()}\n" in conf
+    assert secret_file.read_text().strip() not in up.stdout + up.stderr
+
+    # GPUs from the instance type where the spec does not say (g5.xlarge: one A10G)
+    spec = ClusterSpec.model_validate({**entry, "name": name, "bootstrap": {}})
+    ec2 = _ec2()
+    assert [n.gpus for n in lifecycle.plan_nodes(spec, ec2, instances.find(ec2, name))] == [1, 1]
+
+    # a job as the README tells users: on the master node, its venv's sparknet, no secret given
+    out_dir = tmp_path / "run"
+    train = cli(
+        "ssh", name, "--", "env", f"SPARK_LOCAL_IP={ADDRESSES['master']}",
+        str(tmp_path / "master" / "venv" / "bin" / "sparknet"), "train", "--master", master_url,
+        "--workers", "2", "--rounds", "2", "--tau", "1", "--eval-every", "0",
+        "--out", str(out_dir),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert train.returncode == 0, (train.stdout + train.stderr)[-3000:]
+    rows = (out_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["round"] for r in rows] == [1, 2]
+
+    # a second `up` launches nothing and applies nothing, and says so
+    again = cli("up", name, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing to do: every step was already done on all 2 nodes" in again.stderr
+    assert "launching" not in again.stderr
+    assert daemon_pids(tmp_path) == pids
+    assert len(instances.find(ec2, name)) == 2
+
+    # status: the instances, then the health as the master tells it
+    shown = cli("status", name, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert f"Spark master {master_url}: healthy" in shown.stdout
+    assert "worker-1 (127.0.0.3): ALIVE, 1 cores, 1024 MiB, 0 GPUs" in shown.stdout
+
+    down = cli("down", name, cwd=tmp_path)
+    assert down.returncode == 0, down.stderr
+    assert "stopped the Spark daemons on 2 nodes" in down.stderr
+    for pid in pids.values():
+        assert not Path(f"/proc/{pid}").exists()
+    assert not ec2.describe_key_pairs(
+        Filters=[{"Name": "key-name", "Values": [nodes.key_pair_name(name)]}]
+    )["KeyPairs"]
+    assert not secret_file.exists()
+
+
+def test_a_failed_bootstrap_keeps_the_instances_and_says_how_to_go_on(cluster, tmp_path) -> None:
+    """The master's prefix lies under a plain file: its first step fails. The instances stay
+    (and the registry entry), the error says so in its first line; a `cluster bootstrap` after
+    the fix finishes the cluster."""
+    from sparknet.cluster import instances, lifecycle
+
+    name, group, _entry = cluster
+    (tmp_path / "master").write_text("not a directory")
+    layout = json.loads(group.file.read_text())
+    layout[f"{name}/master/node"]["prefix"] = str(tmp_path / "master" / "sub")
+    group.file.write_text(json.dumps(layout))
+    with group.watch(_ec2()):
+        up = cli("up", name, cwd=tmp_path)
+    assert up.returncode == 1, up.stderr
+    first = up.stderr.splitlines()[0]
+    assert first.startswith("error: bootstrap failed: master: step dirs failed (exited 1): mkdir")
+    assert (
+        "the cluster's 2 instances stay up and registered (and are billed): `sparknet cluster "
+        f"bootstrap {name} --region {REGION}` finishes it" in first
+    )
+    assert "Traceback" not in up.stderr
+    assert len(instances.find(_ec2(), name)) == 2
+    assert name in lifecycle.registered()
+    # fixed: the bootstrap alone finishes the cluster
+    (tmp_path / "master").unlink()
+    group.serve(_ec2())
+    done = cli("bootstrap", name, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "master: applied dirs, python-env" in done.stderr
+    # the worker node's first round had passed: only its worker was left to start
+    assert "worker-1: applied spark-worker" in done.stderr
+    assert ": healthy" in done.stderr
+
+
+def test_up_without_bootstrap_and_status_of_unreachable_nodes(cluster, tmp_path) -> None:
+    """`--no-bootstrap` launches only (no node is served here, so any SSH would fail); `status`
+    then says in one line that the nodes cannot be reached."""
+    name, _group, _entry = cluster
+    up = cli("up", name, "--no-bootstrap", cwd=tmp_path)
+    assert up.returncode == 0, up.stderr
+    assert "bootstrapping" not in up.stderr
+    shown = cli("status", name, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    spark = [ln for ln in shown.stdout.splitlines() if ln.startswith("Spark")]
+    assert len(spark) == 1 and spark[0].startswith("Spark: the nodes cannot be reached (")
