@@ -45,6 +45,9 @@ def _retag_owner(spec: ClusterSpec, owner: str, endpoint: str) -> None:
             iam.tag_role(RoleName=ident, Tags=[tag])
         elif kind == "instance-profile":
             iam.tag_instance_profile(InstanceProfileName=ident, Tags=[tag])
+        elif kind == "key-pair":  # tagged by its id, listed by its name
+            (pair,) = ec2.describe_key_pairs(KeyNames=[ident])["KeyPairs"]
+            ec2.create_tags(Resources=[pair["KeyPairId"]], Tags=[tag])
         else:
             ec2.create_tags(Resources=[ident], Tags=[tag])
 
@@ -369,7 +372,10 @@ def test_down_in_an_unpriced_region_says_why_the_cost_is_unknown(spec, moto_endp
     [
         ({"availability_zones": ["us-east-1zz"]}, "us-east-1zz is not an AZ of us-east-1"),
         ({"availability_zones": ["eu-west-1a"]}, "eu-west-1a is not an AZ of us-east-1"),
-        ({"key_name": "no-such-key"}, "key pair 'no-such-key' does not exist in us-east-1"),
+        (
+            {"key_name": "no-such-key", "key_file": "~/.ssh/no-such-key.pem"},
+            "key pair 'no-such-key' does not exist in us-east-1",
+        ),
     ],
 )
 def test_wrong_zones_or_key_pair_are_one_short_line_before_anything_is_made(
@@ -394,7 +400,7 @@ def test_up_with_fewer_workers_terminates_the_newest_surplus(spec, moto_endpoint
     assert len(grown.workers) == 3
     _settings_file(spec, tmp_path, instance_types=["g4dn.xlarge"], allowed_cidr="203.0.113.9/32")
 
-    done = cli("up", spec.name, "--workers", "1", cwd=tmp_path)
+    done = cli("up", spec.name, "--workers", "1", "--no-bootstrap", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "terminating 2 surplus workers (newest first)" in done.stderr
     now = lifecycle.status(spec, endpoint_url=moto_endpoint)

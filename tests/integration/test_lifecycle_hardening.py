@@ -38,7 +38,7 @@ def _up_cli(spec: ClusterSpec, *more: str) -> list[str]:
     """`sparknet cluster up` of the test cluster: 2 on-demand g4dn workers, fixed SSH source."""
     return [
         str(SPARKNET), "cluster", "up", spec.name, "--allowed-cidr", "203.0.113.9/32",
-        "--instance-type", "g4dn.xlarge", "--workers", "2", *more,
+        "--instance-type", "g4dn.xlarge", "--workers", "2", "--no-bootstrap", *more,
     ]  # fmt: skip
 
 
