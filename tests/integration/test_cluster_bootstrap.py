@@ -176,7 +176,7 @@ def test_a_failed_bootstrap_keeps_the_instances_and_says_how_to_go_on(cluster, t
     with group.watch(_ec2()):
         up = cli("up", name, cwd=tmp_path)
     assert up.returncode == 1, up.stderr
-    first = up.stderr.splitlines()[0]
+    first = next(ln for ln in up.stderr.splitlines() if ln.startswith("error: "))
     assert first.startswith("error: bootstrap failed: master: step dirs failed (exited 1): mkdir")
     assert (
         "the cluster's 2 instances stay up and registered (and are billed): `sparknet cluster "
