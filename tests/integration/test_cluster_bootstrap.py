@@ -207,3 +207,33 @@ def test_up_without_bootstrap_and_status_of_unreachable_nodes(cluster, tmp_path)
     assert shown.returncode == 0, shown.stderr
     spark = [ln for ln in shown.stdout.splitlines() if ln.startswith("Spark")]
     assert len(spark) == 1 and spark[0].startswith("Spark: the nodes cannot be reached (")
+
+
+def test_ctrl_c_during_the_bootstrap_keeps_the_cluster_registered(cluster, tmp_path) -> None:
+    """Ctrl-C once the bootstrap runs: `up` removes nothing, exits 130 with a line saying the
+    instances stay (billed) and how to go on, and `status` shows them."""
+    import signal
+
+    from sparknet.cluster import lifecycle
+
+    name, group, _entry = cluster
+    with group.watch(_ec2()):
+        proc = subprocess.Popen(
+            [str(SPARKNET), "cluster", "up", name], cwd=tmp_path, env=os.environ.copy(),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("bootstrapping "):
+                proc.send_signal(signal.SIGINT)
+                break
+        _out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, "".join(seen) + err
+    assert (
+        "error: interrupted during the bootstrap; the cluster's 2 instances stay up and "
+        "registered (and are billed)" in err
+    )
+    assert name in lifecycle.registered()
+    shown = cli("status", name, cwd=tmp_path)
+    assert shown.returncode == 0 and shown.stdout.count("\ti-") == 2, shown.stderr
