@@ -49,11 +49,13 @@ INSTANCE_TYPE ?=
 SPOT          ?=
 REGION        ?=
 AMI           ?=
+BOOTSTRAP     ?= 1
 cluster-up: install
 	$(VENV)/bin/sparknet cluster up $(NAME) $(if $(WORKERS),--workers $(WORKERS)) \
 		$(foreach t,$(INSTANCE_TYPE),--instance-type $(t)) \
 		$(if $(filter 1 yes true,$(SPOT)),--spot) $(if $(filter 0 no false,$(SPOT)),--on-demand) \
-		$(if $(REGION),--region $(REGION)) $(if $(AMI),--ami $(AMI))
+		$(if $(REGION),--region $(REGION)) $(if $(AMI),--ami $(AMI)) \
+		$(if $(filter 0 no false,$(BOOTSTRAP)),--no-bootstrap)
 
 cluster-down: install
 	$(VENV)/bin/sparknet cluster down $(NAME) $(if $(REGION),--region $(REGION))
