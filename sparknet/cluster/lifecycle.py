@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from sparknet import aws
+from sparknet.cluster import ami as images
 from sparknet.cluster import bootstrap as boot
 from sparknet.cluster import foundation, instances, nodes
 from sparknet.cluster.instances import Hourly, Instance
@@ -370,9 +371,10 @@ def up(
     On any error, or Ctrl-C, before the bootstrap, what this call created (and only that) is
     removed again before it re-raises. A failed or interrupted bootstrap removes nothing: the
     instances run, and the error (`BootstrapIncomplete`) says they are billed and how to go on.
-    Holds the cluster's lock throughout; every resource it makes is tagged with the caller's
-    identity (`sparknet:owner`), and it refuses (`NotYours`) a cluster of that name tagged with
-    another owner unless `any_owner`.
+    The AMI is `ami.ami_for`'s: the spec's, else its own parameter's, else the region's baked
+    image, else the default Deep Learning AMI. Holds the cluster's lock throughout; every
+    resource it makes is tagged with the caller's identity (`sparknet:owner`), and it refuses
+    (`NotYours`) a cluster of that name tagged with another owner unless `any_owner`.
     """
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     ssm = instances.ssm_client(spec.region, endpoint_url)
@@ -386,7 +388,7 @@ def up(
     instances.check_key_pair(ec2, spec.key_name)
     if spec.key_name:
         nodes.check_key_file(nodes.access_for(spec))
-    ami = instances.resolve_ami(spec, ssm)
+    ami = images.ami_for(spec, ec2, ssm)
     instances.check_ami(ec2, ami, spec.root_volume_gb)
     cidr = spec.allowed_cidr or instances.caller_cidr()
     spec = spec.model_copy(update={"owner": caller_owner(spec.region, endpoint_url)})

@@ -225,3 +225,26 @@ def test_ctrl_c_after_the_image_was_made_removes_it_and_the_builder(
 
     assert made and ec2.describe_images(ImageIds=made)["Images"] == []
     assert_builder_gone(moto_bake)
+
+
+def test_cluster_up_launches_the_recorded_baked_ami(moto_endpoint, tmp_path, monkeypatch):
+    """`up` with the default ami_parameter launches the AMI the bake recorded (no bake here:
+    its SSM record is written by hand), in a region no other test uses, so the record is this
+    test's alone."""
+    region = "ca-central-1"
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    ec2 = boto3.client("ec2", region_name=region)
+    baked = ec2.describe_images(Owners=["amazon"])["Images"][1]["ImageId"]
+    ami.record(boto3.client("ssm", region_name=region), baked)
+    spec = ClusterSpec(
+        name=f"b{uuid.uuid4().hex[:8]}", region=region, workers=0, master_type="m5.large",
+        instance_types=["m5.large"], allowed_cidr="203.0.113.9/32", root_volume_gb=120,
+    )  # fmt: skip
+    try:
+        lifecycle.up(spec, endpoint_url=moto_endpoint, wait_timeout_s=60, wait_delay_s=0.2)
+        found = ec2.describe_instances(
+            Filters=[{"Name": f"tag:{TAG_CLUSTER}", "Values": [spec.name]}]
+        )["Reservations"]
+        assert [i["ImageId"] for r in found for i in r["Instances"]] == [baked]
+    finally:
+        lifecycle.down(spec, endpoint_url=moto_endpoint)
