@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -181,15 +182,20 @@ def run_all(
     ThreadingGroup joins its threads with no timeout: one hung node would hang sparknet).
     Any failure, or a node still busy at the timeout, is one `NodesFailed` naming each failed
     node and its error; the connections of nodes still busy are closed, which ends their work.
+    A Ctrl-C (any BaseException) while waiting closes every connection too before it goes on,
+    so no thread keeps a remote command running behind sparknet's back.
     """
     if not endpoints:
         return {}
     conns: dict[str, fabric.Connection] = {}
+    stop = threading.Event()
 
     def one(endpoint: Endpoint) -> T:
         conn = connect(endpoint, access, connect_timeout)
         conns[endpoint.name] = conn
         try:
+            if stop.is_set():  # interrupted while this node was connecting
+                raise SparknetError(f"{endpoint}: interrupted")
             return fn(endpoint, conn)
         finally:
             conn.close()
@@ -200,6 +206,11 @@ def run_all(
         # every node runs to its end even when another failed: a half-run step is worse than
         # a whole one, and the error then names every node that failed, not just the first
         _done, busy = wait(futures, timeout=timeout)
+    except BaseException:
+        stop.set()
+        for conn in list(conns.values()):
+            conn.close()
+        raise
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     failures: dict[str, BaseException] = {}

@@ -116,6 +116,44 @@ def test_run_all_times_out_naming_the_busy_node(sshd_nodes):
     assert time.monotonic() - start < 10
 
 
+def test_ctrl_c_in_run_all_closes_the_connections_and_ends_the_threads(sshd_nodes):
+    """A Ctrl-C while run_all waits (a real SIGINT to this process from a timer thread:
+    `_thread.interrupt_main` would not wake the main thread's blocked wait) ends the remote
+    commands' threads at once, not when `sleep 30` ends."""
+    import os
+    import signal
+    import threading
+
+    group = sshd_nodes(2)
+    started = threading.Barrier(3)
+
+    def step(endpoint: Endpoint, conn) -> None:
+        started.wait(timeout=10)
+        conn.run("sleep 30", hide=True)
+
+    def interrupt() -> None:
+        started.wait(timeout=10)
+        time.sleep(0.5)  # both `sleep 30` under way
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        nodes.run_all(group.endpoints, group.access, step, timeout=60)
+    assert time.monotonic() - start < 5  # connect (~1 s) + 0.5 s + the interrupt, not 30 s
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and ssh_threads():
+        time.sleep(0.05)
+    assert ssh_threads() == []
+
+
+def ssh_threads() -> list[str]:
+    """The names of run_all's worker threads still alive."""
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("sparknet-ssh")]
+
+
 # --- a moto cluster's nodes through the seam ----------------------------------------------------
 
 REGION = "us-east-1"
