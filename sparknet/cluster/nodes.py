@@ -91,11 +91,21 @@ def describe(exc: BaseException) -> str:
 
 
 def _fabric_config() -> fabric.Config:
-    """Fabric's settings without the user's ~/.ssh/config and /etc/ssh/ssh_config (a Host entry
-    there could rename the node, add identities or a proxy: the cluster's nodes are reached the
-    same way from every machine), and with no stdin forwarded to remote commands (they run
-    unattended, in threads; a terminal's input belongs to sparknet)."""
-    return fabric.Config(overrides={"load_ssh_configs": False, "run": {"in_stream": False}})
+    """Fabric's defaults only: not the user's ~/.fabric.yaml nor /etc/fabric.yaml (`lazy`:
+    they could forward the user's agent to the nodes or route through a gateway), nor
+    ~/.ssh/config and /etc/ssh/ssh_config (a Host entry there could rename the node, add
+    identities or a proxy: the cluster's nodes are reached the same way from every machine).
+    No agent forwarding and no gateway, said outright; no stdin forwarded to remote commands
+    (they run unattended, in threads; a terminal's input belongs to sparknet)."""
+    return fabric.Config(
+        lazy=True,
+        overrides={
+            "load_ssh_configs": False,
+            "forward_agent": False,
+            "gateway": None,
+            "run": {"in_stream": False},
+        },
+    )
 
 
 def connection(endpoint: Endpoint, access: Access, timeout: float = 20) -> fabric.Connection:

@@ -171,3 +171,19 @@ def test_cluster_ssh_splits_node_and_command():
     assert _split_command(["worker-1", "--", "ls", "--", "-l"]) == ("worker-1", ["ls", "--", "-l"])
     with pytest.raises(SparknetError, match=r"put the command after `--`"):
         _split_command(["master", "uptime"])
+
+
+def test_the_users_fabric_yaml_is_not_read(tmp_path, monkeypatch):
+    """A ~/.fabric.yaml asking for agent forwarding and a gateway changes no connection: the
+    cluster's nodes are reached directly, with the user's agent nowhere near them."""
+    (tmp_path / ".fabric.yaml").write_text(
+        "forward_agent: true\ngateway: evil@203.0.113.66\nuser: mallory\n"
+        "connect_kwargs:\n  allow_agent: true\n"
+    )
+    monkeypatch.setenv("HOME", str(tmp_path))
+    access = Access(tmp_path / "id_ed25519", tmp_path / "known_hosts")
+    conn = nodes.connection(Endpoint("master", "127.0.0.1", 2222), access)
+    assert conn.forward_agent is False
+    assert conn.gateway is None
+    assert conn.user == "ubuntu"
+    assert conn.connect_kwargs["allow_agent"] is False
