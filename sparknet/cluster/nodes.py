@@ -635,7 +635,8 @@ def ssh_command(endpoint: Endpoint, access: Access, *extra: str) -> list[str]:
         "-o",
         "StrictHostKeyChecking=yes",
         "-o",
-        f"UserKnownHostsFile={access.known_hosts}",
+        # quoted: OpenSSH splits an option's value on whitespace (a registry under "My Files")
+        f'UserKnownHostsFile="{access.known_hosts}"',
         "-o",
         "GlobalKnownHostsFile=/dev/null",
         "-p",

@@ -154,6 +154,23 @@ def ssh_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("sparknet-ssh")]
 
 
+def test_the_ssh_command_reaches_a_node_from_a_registry_path_with_a_space(sshd_nodes, tmp_path):
+    """OpenSSH splits an -o value on whitespace: the known_hosts path is quoted, so a registry
+    under a path with a space still pins (real ssh, real sshd)."""
+    import shutil
+    import subprocess
+
+    group = sshd_nodes(1)
+    spaced = tmp_path / "my registry"
+    spaced.mkdir()
+    shutil.copy(group.access.known_hosts, spaced / "known_hosts")
+    shutil.copy(group.access.key_file, spaced / "id_ed25519")
+    access = Access(spaced / "id_ed25519", spaced / "known_hosts")
+    argv = nodes.ssh_command(group.endpoints[0], access, "-o", "BatchMode=yes")
+    done = subprocess.run([*argv, "echo", "pinned"], capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout) == (0, "pinned\n"), done.stderr
+
+
 # --- a moto cluster's nodes through the seam ----------------------------------------------------
 
 REGION = "us-east-1"

@@ -154,12 +154,13 @@ def test_access_is_the_users_key_file_or_sparknets(tmp_path, monkeypatch):
 
 
 def test_the_ssh_command_trusts_only_the_clusters_key_and_pins(tmp_path):
-    access = Access(tmp_path / "id", tmp_path / "known_hosts")
+    known_hosts = tmp_path / "my registry" / "known_hosts"  # a space: quoted for OpenSSH
+    access = Access(tmp_path / "id", known_hosts)
     argv = nodes.ssh_command(Endpoint("worker-1", "10.0.0.5", 2222, "root"), access, "-N")
     text = " ".join(argv)
     assert argv[0] == "ssh" and argv[-1] == "root@10.0.0.5"
     for option in ("-F none", f"-i {tmp_path / 'id'}", "-o StrictHostKeyChecking=yes",
-                   f"-o UserKnownHostsFile={tmp_path / 'known_hosts'}", "-o IdentitiesOnly=yes",
+                   f'-o UserKnownHostsFile="{known_hosts}"', "-o IdentitiesOnly=yes",
                    "-o GlobalKnownHostsFile=/dev/null", "-p 2222 -N"):  # fmt: skip
         assert option in text
 
