@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -272,13 +273,22 @@ def new_ed25519() -> tuple[str, str]:
 def write_private_key(path: Path, private: str) -> None:
     """Write a private key readable by its owner only (0600 from the start: never a moment in
     which another user could read it), replacing any file there."""
+    _replace_file(path, private)
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Replace `path` with `text` at once: written to a temporary file of its own beside it
+    (mkstemp: mode 0600, a unique name, so concurrent writers never share one), then renamed
+    over `path`; a reader sees the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(private)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def pin(known_hosts: Path, pins: dict[str, str], *, only: bool = False) -> None:
@@ -293,10 +303,7 @@ def pin(known_hosts: Path, pins: dict[str, str], *, only: bool = False) -> None:
             if line.strip() and not set(hosts) & set(pins):
                 keep.append(line)
     lines = keep + [f"{address} {' '.join(key.split()[:2])}" for address, key in pins.items()]
-    known_hosts.parent.mkdir(parents=True, exist_ok=True)
-    tmp = known_hosts.with_name(f".{known_hosts.name}.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in lines))
-    tmp.replace(known_hosts)
+    _replace_file(known_hosts, "".join(f"{line}\n" for line in lines))
 
 
 # --- the seam: instance -> endpoint ----------------------------------------------------------

@@ -188,3 +188,40 @@ def test_the_users_fabric_yaml_is_not_read(tmp_path, monkeypatch):
     assert conn.gateway is None
     assert conn.user == "ubuntu"
     assert conn.connect_kwargs["allow_agent"] is False
+
+
+def test_concurrent_pins_and_key_writes_do_not_collide(tmp_path):
+    """Two threads pinning (and writing a key) at once, 50 times each: no crash on a shared
+    temporary file, and the files end whole (one address per line, the key 0600)."""
+    import sys
+    import threading
+
+    known_hosts, key = tmp_path / "known_hosts", tmp_path / "id_ed25519"
+    _, public = nodes.new_ed25519()
+    private = nodes.new_ed25519()[0]
+    errors: list[BaseException] = []
+
+    def writer(k: int) -> None:
+        try:
+            for i in range(50):
+                nodes.pin(known_hosts, {f"[127.0.0.1]:{1000 * k + i}": public})
+                nodes.write_private_key(key, private)
+        except BaseException as exc:  # any error is the failure reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in (1, 2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: the race shows in 50 rounds
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    lines = known_hosts.read_text().splitlines()
+    assert lines and all(line.endswith(" ".join(public.split()[:2])) for line in lines)
+    assert len({line.split()[0] for line in lines}) == len(lines)
+    assert key.read_text() == private and key.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["id_ed25519", "known_hosts"]
