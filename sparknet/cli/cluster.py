@@ -448,17 +448,49 @@ def _reach(
     return endpoint, access
 
 
-def _split_command(words: list[str]) -> tuple[str, list[str]]:
-    """(node, command) of `cluster ssh NAME [NODE] [-- CMD...]`: the command is what follows
-    the first `--` (the command takes no interspersed options, so click keeps the `--`)."""
+#: the options of `cluster ssh` that may also follow NAME (click reads none there: the command
+#: takes no interspersed options, so the remote command's own stay its own), and whether each
+#: takes a value
+_SSH_OPTIONS = {"--region": True, "--endpoint-url": True, "--config": True, "--debug": False}
+
+
+def _split_command(words: list[str]) -> tuple[str, list[str], dict[str, str]]:
+    """(node, command, options) of `cluster ssh NAME [NODE] [OPTIONS] [-- CMD...]`: the command
+    is what follows the first `--` (click keeps the `--`, as the command takes no interspersed
+    options); `_SSH_OPTIONS` before it are taken out (``--debug`` maps to "")."""
     cut = words.index("--") if "--" in words else len(words)
-    before, command = words[:cut], words[cut + 1 :]
+    before, options = _late_options(words[:cut])
+    command = words[cut + 1 :]
     if len(before) > 1:
         raise SparknetError(
             f"put the command after `--`: sparknet cluster ssh NAME {before[0]} -- "
             f"{shlex.join(before[1:])}"
         )
-    return (before[0] if before else "master"), command
+    return (before[0] if before else "master"), command, options
+
+
+def _late_options(words: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`words` without the `_SSH_OPTIONS` in them (``--opt VALUE`` or ``--opt=VALUE``), and
+    those options; a one-line error for any other word beginning with ``-``."""
+    rest: list[str] = []
+    options: dict[str, str] = {}
+    items = iter(words)
+    for word in items:
+        if not word.startswith("-"):
+            rest.append(word)
+            continue
+        flag, eq, value = word.partition("=")
+        if flag not in _SSH_OPTIONS:
+            raise SparknetError(
+                f"no option {flag} of `cluster ssh` (its options: {', '.join(_SSH_OPTIONS)}); "
+                "put a command and its options after `--`"
+            )
+        if _SSH_OPTIONS[flag] and not eq:
+            value = next(items, "")
+        if _SSH_OPTIONS[flag] and not value:
+            raise SparknetError(f"{flag} needs a value")
+        options[flag] = value
+    return rest, options
 
 
 @cluster_app.command(
@@ -480,9 +512,13 @@ def cluster_ssh(
     from sparknet.cluster import nodes
 
     try:
-        node, command = _split_command(list(words or []))
+        node, command, late = _split_command(list(words or []))
     except SparknetError as exc:
         _fail(exc, debug)
+    region = late.get("--region", region)
+    endpoint_url = late.get("--endpoint-url", endpoint_url)
+    config = Path(late["--config"]) if "--config" in late else config
+    debug = debug or "--debug" in late
     endpoint, access = _reach(name, node, region, endpoint_url, config, debug)
     argv = nodes.ssh_command(endpoint, access, *([] if command else ["-t"]))
     sys.stdout.flush()

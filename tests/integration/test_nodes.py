@@ -377,6 +377,26 @@ def test_cli_ssh_to_an_unknown_node_is_one_line_exit_2(spec, moto_endpoint, moto
         assert done.stderr.count("\n") == 1 and "master, worker-1, worker-2" in done.stderr
 
 
+def test_cli_ssh_takes_its_options_after_the_name(moto_endpoint, tmp_path, monkeypatch):
+    """`cluster ssh NAME --region R` (options after NAME, before `--`) is read as the option:
+    the cluster is looked for in R (and --debug shows the traceback); an unknown option there
+    is one line naming the options."""
+    from sparknet.cluster import lifecycle
+
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    config = tmp_path / "sparknet.yaml"
+    config.write_text("clusters: {}\n")
+    done = cli("ssh", "nosuch", "--region", "eu-west-3", f"--config={config}", "--debug",
+               "--endpoint-url", moto_endpoint, "--", "true", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "cluster nosuch has no running instances in eu-west-3;" in done.stderr
+    assert "Traceback" in done.stderr  # --debug was read too
+    bad = cli("ssh", "nosuch", "worker-1", "--regoin", "eu-west-3", cwd=tmp_path)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("error: no option --regoin of `cluster ssh` (")
+    assert bad.stderr.count("\n") == 1 and "--region" in bad.stderr
+
+
 def test_cli_ssh_refuses_a_changed_host_key(spec, moto_endpoint, moto_nodes, tmp_path):
     group = moto_nodes(spec.name, spec.workers)
     spec = spec.model_copy(update={"workers": 0})

@@ -166,10 +166,17 @@ def test_the_ssh_command_trusts_only_the_clusters_key_and_pins(tmp_path):
 
 
 def test_cluster_ssh_splits_node_and_command():
-    assert _split_command([]) == ("master", [])
-    assert _split_command(["worker-2"]) == ("worker-2", [])
-    assert _split_command(["--", "echo", "hi"]) == ("master", ["echo", "hi"])
-    assert _split_command(["worker-1", "--", "ls", "--", "-l"]) == ("worker-1", ["ls", "--", "-l"])
+    assert _split_command([]) == ("master", [], {})
+    assert _split_command(["worker-2"]) == ("worker-2", [], {})
+    assert _split_command(["--", "echo", "hi"]) == ("master", ["echo", "hi"], {})
+    assert _split_command(["worker-1", "--", "ls", "--", "-l"]) == (
+        "worker-1", ["ls", "--", "-l"], {}
+    )  # fmt: skip
+    assert _split_command(["--region", "eu-west-1", "worker-1", "--debug", "--", "ls", "-l"]) == (
+        "worker-1", ["ls", "-l"], {"--region": "eu-west-1", "--debug": ""}
+    )  # fmt: skip
+    with pytest.raises(SparknetError, match=r"^--region needs a value$"):
+        _split_command(["--region", "--", "ls"])
     with pytest.raises(SparknetError, match=r"put the command after `--`"):
         _split_command(["master", "uptime"])
 
