@@ -29,7 +29,7 @@ from sparknet.cluster import ami as images
 from sparknet.cluster import bootstrap as boot
 from sparknet.cluster import foundation, instances, nodes
 from sparknet.cluster.instances import Hourly, Instance
-from sparknet.cluster.spark_conf import DEFAULT_PREFIX, Ports
+from sparknet.cluster.spark_conf import DEFAULT_PREFIX, Ports, load_or_create_secret
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec, tag_value
 from sparknet.errors import SparknetError
 
@@ -394,14 +394,19 @@ def up(
     spec = spec.model_copy(update={"owner": caller_owner(spec.region, endpoint_url)})
     if not any_owner:
         check_owner(spec, str(spec.owner), endpoint_url)
-    with cluster_lock(spec.name):
+    with cluster_lock(spec.name), tempfile.TemporaryDirectory(prefix="sparknet-wheel-") as tmp:
+        # what the bootstrap brings from here is ready before anything is launched: a broken
+        # checkout or a secret others can read fails before any money is spent
+        carried = _carried_or_unlock(spec, Path(tmp)) if bootstrap else None
         info = _build(spec, ec2, ami, cidr, endpoint_url, say, wait_timeout_s, wait_delay_s)
-        if bootstrap:
-            _bootstrap_after_up(spec, ec2, info, say)
+        if carried is not None:
+            _bootstrap_after_up(spec, ec2, info, say, carried)
         return info
 
 
-def _bootstrap_after_up(spec: ClusterSpec, ec2: Any, info: ClusterInfo, say: Say) -> None:
+def _bootstrap_after_up(
+    spec: ClusterSpec, ec2: Any, info: ClusterInfo, say: Say, carried: Carried
+) -> None:
     """The bootstrap as the last part of `up`. Its failure or Ctrl-C leaves the instances as
     they are (a step fails far more often for a reason the user fixes, such as a package
     mirror, than for one a fresh instance cures, and relaunching costs minutes each time): the
@@ -413,7 +418,7 @@ def _bootstrap_after_up(spec: ClusterSpec, ec2: Any, info: ClusterInfo, say: Say
         f"{where}` ends them"
     )
     try:
-        report = _bootstrap_locked(spec, ec2, info.instances, say)
+        report = _bootstrap_locked(spec, ec2, info.instances, say, carried)
     except KeyboardInterrupt as exc:
         raise Interrupted(f"interrupted during the bootstrap; {stay}") from exc
     except SparknetError as exc:
@@ -827,16 +832,48 @@ def _reach(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> nodes.Access:
     return access
 
 
+@dataclass(frozen=True)
+class Carried:
+    """What the bootstrap brings to the nodes from this machine."""
+
+    #: the sparknet wheel of this checkout (in a directory that lives as long as the bootstrap)
+    wheel: boot.Wheel
+    #: the cluster's Spark secret (`secret_file`)
+    secret: str = field(repr=False)
+
+
+def _carried(spec: ClusterSpec, wheel_dir: Path) -> Carried:
+    """The wheel of this checkout, built into `wheel_dir`, then the cluster's secret (made
+    0600 on first use; one others can read is refused): the wheel first, so a checkout that
+    does not build leaves no secret behind."""
+    wheel = boot.build_wheel(boot.source_checkout(), wheel_dir)
+    return Carried(wheel, load_or_create_secret(secret_file(spec.name)))
+
+
+def _carried_or_unlock(spec: ClusterSpec, wheel_dir: Path) -> Carried:
+    """`_carried` as `up`'s first step under the lock; when it fails, a cluster this machine
+    has no entry for is left without the lock file just made (nothing else was written)."""
+    had_entry = _entry(spec.name).exists()
+    try:
+        return _carried(spec, wheel_dir)
+    except BaseException:
+        if not had_entry:
+            _remove_lock(spec.name)
+        raise
+
+
 def _bootstrap_locked(
-    spec: ClusterSpec, ec2: Any, found: list[Instance], say: Say
+    spec: ClusterSpec, ec2: Any, found: list[Instance], say: Say, carried: Carried | None = None
 ) -> boot.BootstrapReport:
-    """The bootstrap of the cluster's `found` instances, under its lock: the wheel of this
-    checkout, the cluster's secret (made on first use), the spec's settings."""
+    """The bootstrap of the cluster's `found` instances, under its lock: `carried` (else the
+    wheel of this checkout and the cluster's secret, made on first use), the spec's
+    settings."""
     access = _reach(spec, ec2, found)
     settings = spec.bootstrap
     with tempfile.TemporaryDirectory(prefix="sparknet-wheel-") as wheel_dir:
-        plan = boot.prepare_plan(
-            plan_nodes(spec, ec2, found), secret_file(spec.name), Path(wheel_dir),
+        carried = carried or _carried(spec, Path(wheel_dir))
+        plan = boot.Plan(
+            tuple(plan_nodes(spec, ec2, found)), carried.wheel, carried.secret,
             ports=_ports(spec), python_env=settings.python_env,
             worker_cores=settings.worker_cores, worker_memory_mb=settings.worker_memory_mb,
         )  # fmt: skip

@@ -397,6 +397,36 @@ def test_cli_ssh_takes_its_options_after_the_name(moto_endpoint, tmp_path, monke
     assert bad.stderr.count("\n") == 1 and "--region" in bad.stderr
 
 
+def test_cli_up_refuses_a_secret_others_can_read_before_launching(spec, tmp_path):
+    """The bootstrap's secret (and wheel) are ready before `up` launches anything: a Spark
+    secret others can read is one line and no instance was ever launched (nor billed)."""
+    import yaml
+
+    from sparknet.cluster import lifecycle
+    from sparknet.cluster.spec import TAG_CLUSTER
+
+    secret = lifecycle.secret_file(spec.name)
+    secret.parent.mkdir(parents=True, exist_ok=True)
+    secret.write_text("ab" * 32 + "\n")
+    secret.chmod(0o644)
+    entry = {"region": REGION, "ami_parameter": AMI_PARAMETER, "workers": 0,
+             "master_type": "g5.xlarge", "allowed_cidr": "203.0.113.9/32"}  # fmt: skip
+    (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump({"clusters": {spec.name: entry}}))
+    done = cli("up", spec.name, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr  # bad input: the user's file to fix
+    assert done.stderr == (
+        f"error: {secret} (the cluster's Spark secret) is readable by others: chmod 600 {secret}\n"
+    )
+    found = _ec2().describe_instances(
+        Filters=[{"Name": f"tag:{TAG_CLUSTER}", "Values": [spec.name]}]
+    )["Reservations"]
+    assert found == []
+    # nothing else was written: the registry dir holds the user's secret only, no lock file
+    assert sorted(p.name for p in lifecycle.registry_dir().rglob("*") if p.is_file()) == [
+        "spark-secret"
+    ]
+
+
 def test_cli_ssh_refuses_a_changed_host_key(spec, moto_endpoint, moto_nodes, tmp_path):
     group = moto_nodes(spec.name, spec.workers)
     spec = spec.model_copy(update={"workers": 0})
