@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -31,6 +32,10 @@ from invoke.exceptions import UnexpectedExit
 
 from sparknet import aws
 from sparknet.errors import SparknetError
+
+# paramiko logs a failed handshake (a node still booting) with its traceback from the transport
+# thread; with no handler Python prints that to stderr. The error reaches the user as one line.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from sparknet.cluster.instances import Instance
