@@ -761,7 +761,29 @@ class Daemon(Step):
         )
 
     def wait(self, conn: Conn) -> None:
-        """Until the daemon is up (the master: its port accepts connections)."""
+        """Until the pid file names the daemon's JVM. `spark-class` is a shell script that runs a
+        launcher JVM before it execs the daemon's; until then the check cannot tell it from
+        another prefix's daemon, and on a loaded machine that takes seconds."""
+        if self.ctx.facts.systemd:
+            return
+        pid = f"$(cat {q(self.pid_file)} 2>/dev/null)"
+        try:
+            self.run(
+                conn,
+                f"end=$(( $(date +%s) + {DAEMON_START_S} )); while [ $(date +%s) -lt $end ]; do"
+                f" if {self._alive()}; then exit 0; fi; p={pid};"
+                ' [ -n "$p" ] && [ -d /proc/$p ] || exit 1; sleep 0.2; done; exit 1',
+                DAEMON_START_S + 30,
+            )
+        except CommandFailed as exc:
+            log = self.run(conn, f"tail -n {TAIL_LINES} {q(self.log_file)}; true")
+            raise CommandFailed(
+                f"the {self.role} did not start within {DAEMON_START_S} s", _tail(log)
+            ) from exc
+
+
+#: how long a started daemon's launcher may take to exec its JVM (about 1 s on an idle machine)
+DAEMON_START_S = 90
 
 
 #: how long a started master may take to listen (it is up in ~3 s on a small machine)
@@ -780,6 +802,7 @@ class Master(Daemon):
 
     def wait(self, conn: Conn) -> None:
         """Workers started before the master listens wait 5-15 s to retry: wait for its port."""
+        super().wait(conn)
         host, port = self.ctx.node.rpc_host, self.ctx.plan.ports.master
         code = (
             "import socket, time, sys\n"
