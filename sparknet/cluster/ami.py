@@ -356,7 +356,7 @@ def _install(
 ) -> None:
     """The image's bootstrap steps on the builder; a failure is one line naming the step."""
     try:
-        bootstrap._on_nodes(
+        bootstrap.run_on_nodes(
             plan, access, plan.nodes, lambda ctx: [cls(ctx) for cls in image.steps], say,
             timeout_s,
         )  # fmt: skip

@@ -920,7 +920,7 @@ class BootstrapReport:
         return out
 
 
-def _on_nodes(
+def run_on_nodes(
     plan: Plan,
     access: Access,
     nodes_: Sequence[Node],
@@ -981,8 +981,8 @@ def bootstrap(
         steps: list[Step] = [cls(ctx) for cls in PREPARE]
         return steps + ([Master(ctx)] if ctx.is_master else [])
 
-    first = _on_nodes(plan, access, plan.nodes, prepare, say, timeout)
-    second = _on_nodes(plan, access, plan.nodes, lambda ctx: [Worker(ctx)], say, timeout)
+    first = run_on_nodes(plan, access, plan.nodes, prepare, say, timeout)
+    second = run_on_nodes(plan, access, plan.nodes, lambda ctx: [Worker(ctx)], say, timeout)
     reports = {n.name: first[n.name][0] + second[n.name][0] for n in plan.nodes}
     expected = [
         Expected(n.name, n.rpc_host, Context(plan, n, second[n.name][1]).cores, n.gpus)
