@@ -340,7 +340,6 @@ def _bake(
     made.image = _create_image(ec2, made.builder, name, tags)
     say(f"creating image {made.image} ({name})")
     _wait_available(ec2, made.image, timeout_s, delay_s)
-    tag_snapshots(ec2, made.image, tags)
     ssm = instances.ssm_client(spec.region, settings.endpoint_url)
     record(ssm, made.image, settings.record_parameter)
     return Baked(made.image, name, tags, settings.record_parameter)
@@ -431,9 +430,10 @@ def image_name(version: str, bake: str) -> str:
 
 
 def _create_image(ec2: Any, builder: str, name: str, tags: dict[str, str]) -> str:
-    """CreateImage of the stopped builder, the image tagged at birth (its snapshots once it is
-    available: `tag_snapshots`; moto tags no snapshot at birth); the id is returned inside a
-    deferred section, so a Ctrl-C cannot lose it before the clean-up knows."""
+    """CreateImage of the stopped builder, the image and its snapshots tagged at birth (a bake
+    cut off before its end leaves nothing untagged: the clean-up, `baked_ami` and a person find
+    both by their tags); the id is returned inside a deferred section, so a Ctrl-C cannot lose
+    it before the clean-up knows."""
     pairs = [{"Key": k, "Value": v} for k, v in tags.items()]
     with interrupts.deferred(), aws.aws_call("CreateImage", aws.region_of(ec2)):
         return str(
@@ -441,31 +441,34 @@ def _create_image(ec2: Any, builder: str, name: str, tags: dict[str, str]) -> st
                 InstanceId=builder,
                 Name=name,
                 Description=f"sparknet node image ({tags['sparknet:version']})",
-                TagSpecifications=[{"ResourceType": "image", "Tags": pairs}],
+                TagSpecifications=[
+                    {"ResourceType": "image", "Tags": pairs},
+                    {"ResourceType": "snapshot", "Tags": pairs},
+                ],
             )["ImageId"]
         )
 
 
-def snapshots_of(ec2: Any, image_id: str) -> list[str]:
-    """The EBS snapshots behind an image (none while it is pending, or once it is gone)."""
-    with aws.aws_call("DescribeImages", aws.region_of(ec2)):
+def snapshots_of(ec2: Any, image_id: str, builder: str | None = None) -> list[str]:
+    """The EBS snapshots behind an image: those its block device mappings name, and with
+    `builder` those tagged `sparknet:builder=<builder>` (a pending image may list none yet)."""
+    region = aws.region_of(ec2)
+    with aws.aws_call("DescribeImages", region):
         found = ec2.describe_images(Filters=[{"Name": "image-id", "Values": [image_id]}])
-    return [
+    ids = {
         m["Ebs"]["SnapshotId"]
         for i in found["Images"]
         for m in i.get("BlockDeviceMappings", [])
         if m.get("Ebs", {}).get("SnapshotId")
-    ]
-
-
-def tag_snapshots(ec2: Any, image_id: str, tags: dict[str, str]) -> None:
-    """Give the image's snapshots its tags (what they belong to, when seen on their own)."""
-    snapshots = snapshots_of(ec2, image_id)
-    if snapshots:
-        with aws.aws_call("CreateTags", aws.region_of(ec2)):
-            ec2.create_tags(
-                Resources=snapshots, Tags=[{"Key": k, "Value": v} for k, v in tags.items()]
+    }
+    if builder:
+        by_tag = [{"Name": "tag:sparknet:builder", "Values": [builder]}]
+        with aws.aws_call("DescribeSnapshots", region):
+            pages = ec2.get_paginator("describe_snapshots").paginate(
+                OwnerIds=["self"], Filters=by_tag
             )
+            ids |= {snap["SnapshotId"] for page in pages for snap in page["Snapshots"]}
+    return sorted(ids)
 
 
 def _wait_available(ec2: Any, image_id: str, timeout_s: float, delay_s: float) -> None:
@@ -497,7 +500,7 @@ def _clean_up(
     undo: list[tuple[str, partial[Any]]] = []
     if made.image and not keep_image:
         what = f"deregistering the unfinished image {made.image}"
-        undo.append((what, partial(deregister, ec2, made.image)))
+        undo.append((what, partial(deregister, ec2, made.image, spec.name)))
     undo.append(("", partial(_terminate_builder, ec2, spec.name, made.builder, say, delay_s)))
     if made.key_pair:
         what = f"deleting key pair {made.key_pair}"
@@ -534,11 +537,11 @@ def _terminate_builder(ec2: Any, bake: str, builder: str | None, say: Say, delay
         instances.terminate(ec2, sorted(ids), wait=True, delay_s=delay_s)
 
 
-def deregister(ec2: Any, image_id: str) -> None:
-    """Deregister the image and delete its snapshots (a deregistered image's snapshots stay,
-    and bill, otherwise)."""
+def deregister(ec2: Any, image_id: str, builder: str | None = None) -> None:
+    """Deregister the image and delete its snapshots (`snapshots_of`: a deregistered image's
+    snapshots stay, and bill, otherwise)."""
     region = aws.region_of(ec2)
-    snapshots = snapshots_of(ec2, image_id)
+    snapshots = snapshots_of(ec2, image_id, builder)
     with aws.aws_call("DeregisterImage", region):
         ec2.deregister_image(ImageId=image_id)
     for snapshot in snapshots:

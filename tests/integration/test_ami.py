@@ -49,7 +49,28 @@ def wheel(tmp_path_factory) -> bootstrap.Wheel:
 
 
 @pytest.fixture
-def moto_bake(moto_endpoint, moto_nodes, tmp_path, monkeypatch):
+def moto_tags_snapshots(moto_endpoint, monkeypatch):
+    """moto 5.2 answers CreateImage's `snapshot` TagSpecifications with NotImplementedError (a
+    500), where AWS tags the image's new snapshots with them: taught to the moto server (it runs
+    in this process) for the test, the snapshot tagged as AWS does. Everything else is moto's."""
+    from moto.ec2.models import amis
+
+    original = amis.AmiBackend.create_image
+
+    def create_image(self, instance_id, name, description, tag_specifications):
+        def of(kind: str) -> list[dict]:
+            return [s for s in tag_specifications if s["ResourceType"] == kind]
+
+        image = original(self, instance_id, name, description, of("image"))
+        for tag in (t for s in of("snapshot") for t in s["Tags"]):
+            image.ebs_snapshot.add_tag(tag["Key"], tag["Value"])
+        return image
+
+    monkeypatch.setattr(amis.AmiBackend, "create_image", create_image)
+
+
+@pytest.fixture
+def moto_bake(moto_endpoint, moto_nodes, moto_tags_snapshots, tmp_path, monkeypatch):
     """The bake's registry under tmp_path, its builder's name fixed and served by a loopback
     sshd while the block runs."""
     monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
@@ -137,6 +158,8 @@ def test_bake_makes_a_tagged_image_with_the_steps_done_and_removes_the_builder(
     assert tags["sparknet:torch"] == importlib.metadata.version("torch")
     assert tags["sparknet:cuda"] == (torch_cuda() or "none")
     assert tags["sparknet:version"] == wheel.version
+    (snapshot,) = [m["Ebs"]["SnapshotId"] for m in image["BlockDeviceMappings"]]
+    assert tags_of(ec2.describe_snapshots(SnapshotIds=[snapshot])["Snapshots"][0]) == tags
     # recorded: what `cluster up` launches (ami_for) is the baked image
     ssm = boto3.client("ssm", region_name=REGION)
     assert ssm.get_parameter(Name=moto_bake.parameter)["Parameter"]["Value"] == baked.image_id
@@ -199,15 +222,26 @@ def test_a_failing_step_leaves_no_builder_and_no_image(
         ssm.get_parameter(Name=moto_bake.parameter)
 
 
-def test_ctrl_c_after_the_image_was_made_removes_it_and_the_builder(
+def tags_of(resource: dict) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in resource.get("Tags", [])}
+
+
+def test_ctrl_c_after_create_image_leaves_image_and_snapshots_tagged_and_removes_both(
     moto_bake, moto_endpoint, tmp_path
 ):
     ec2 = moto_bake.ec2
     made: list[str] = []
+    left: dict[str, dict[str, str]] = {}  # what a crash at this moment would leave: its tags
 
     def say(line: str) -> None:
         if line.startswith("creating image "):
             made.append(line.split()[2])
+            image = ec2.describe_images(ImageIds=made)["Images"][0]
+            left[made[0]] = tags_of(image)
+            for m in image["BlockDeviceMappings"]:
+                snapshot = m["Ebs"]["SnapshotId"]
+                found = ec2.describe_snapshots(SnapshotIds=[snapshot])["Snapshots"][0]
+                left[snapshot] = tags_of(found)
             raise KeyboardInterrupt  # as the CLI's handler raises on Ctrl-C
 
     # no steps: a venv whose python runs the repo's stands for one the steps made (quick)
@@ -223,7 +257,16 @@ def test_ctrl_c_after_the_image_was_made_removes_it_and_the_builder(
             wheel=wheel, root=str(tmp_path / "root"), delay_s=0.2,
         )  # fmt: skip
 
-    assert made and ec2.describe_images(ImageIds=made)["Images"] == []
+    # the image and its snapshot carried the bake's tags from CreateImage on
+    assert len(left) == 2, left
+    image_tags = left[made[0]]
+    assert image_tags[TAG_ROLE] == "ami" and image_tags["sparknet:builder"] == moto_bake.name
+    assert all(tags == image_tags for tags in left.values())
+    # the clean-up removed both: the image deregistered, its snapshot deleted
+    assert ec2.describe_images(ImageIds=made)["Images"] == []
+    snapshots = [r for r in left if r.startswith("snap-")]
+    by_id = ec2.describe_snapshots(Filters=[{"Name": "snapshot-id", "Values": snapshots}])
+    assert by_id["Snapshots"] == []
     assert_builder_gone(moto_bake)
 
 
