@@ -60,6 +60,8 @@ def ami_bake(
         f"baked {baked.image_id} ({baked.name}); recorded in SSM parameter {baked.parameter}: "
         "`sparknet cluster up` launches it"
     )
+    if baked.left:  # the image is good; what the builder left still costs
+        fail(SparknetError(baked.left), debug, 1)
 
 
 def _settings(**given):

@@ -17,7 +17,7 @@ import shlex
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -205,12 +205,15 @@ class BakeSettings:
 
 @dataclass(frozen=True)
 class Baked:
-    """A finished bake: the image, its tags, and where its id is recorded."""
+    """A finished bake: the image, its tags, and where its id is recorded; `left`: what its
+    final clean-up could not remove and the command that does ('' when it removed everything).
+    The image is good either way."""
 
     image_id: str
     name: str
     tags: dict[str, str]
     parameter: str
+    left: str = ""
 
 
 @dataclass
@@ -263,7 +266,11 @@ def bake(
                 why = "interrupted" if isinstance(exc, KeyboardInterrupt) else nodes.describe(exc)
                 raise SparknetError(f"{why}; {undo}") from exc
             raise
-        _clean_up(spec, ec2, made, settings.endpoint_url, say, keep_image=True, delay_s=delay_s)
+        try:
+            _clean_up(spec, ec2, made, settings.endpoint_url, say, keep_image=True,
+                      delay_s=delay_s)  # fmt: skip
+        except SparknetError as undo:  # the image is made and recorded: it stays good
+            return replace(baked, left=str(undo))
         return baked
 
 
@@ -496,35 +503,48 @@ def _clean_up(
     delay_s: float,
 ) -> None:
     """Remove the builder and everything made for it, and the image too unless `keep_image`:
-    each part whatever became of the others; one error at the end naming what is left."""
-    undo: list[tuple[str, partial[Any]]] = []
+    each part whatever became of the others; one error at the end naming what is left and the
+    command that removes it."""
+    region = spec.region
+    # (what is said as it starts, what stays if it fails, the step)
+    undo: list[tuple[str, str, partial[Any]]] = []
     if made.image and not keep_image:
-        what = f"deregistering the unfinished image {made.image}"
-        undo.append((what, partial(deregister, ec2, made.image, spec.name)))
-    undo.append(("", partial(_terminate_builder, ec2, spec.name, made.builder, say, delay_s)))
+        what = f"image {made.image} and its snapshots"
+        step = partial(deregister, ec2, made.image, spec.name)
+        undo.append((f"deregistering the unfinished {what}", what, step))
+    builder = f"the builder {made.builder}" if made.builder else "the builder"
+    step = partial(_terminate_builder, ec2, spec.name, made.builder, say, delay_s)
+    undo.append(("", builder, step))
     if made.key_pair:
-        what = f"deleting key pair {made.key_pair}"
-        undo.append((what, partial(ec2.delete_key_pair, KeyName=made.key_pair)))
+        what = f"key pair {made.key_pair}"
+        step = partial(ec2.delete_key_pair, KeyName=made.key_pair)
+        undo.append((f"deleting {what}", what, step))
     if made.created:
-        what = f"removing the builder's network ({len(made.created)} resources)"
+        what = f"the builder's network ({len(made.created)} resources)"
         destroy = partial(
             foundation.destroy_boto3, spec, endpoint_url=endpoint_url, only=made.created
         )
-        undo.append((what, destroy))
-    undo.append(("", partial(nodes.forget_local, spec.name)))
+        undo.append((f"removing {what}", what, destroy))
+    what = f"the builder's key files in {nodes.cluster_dir(spec.name)}"
+    undo.append(("", what, partial(nodes.forget_local, spec.name)))
     failed = []
-    for what, step in undo:  # each one whatever the others did: leave as little as possible
-        if what:
-            say(what)
+    for line, what, step in undo:  # each one whatever the others did: leave as little as possible
+        if line:
+            say(line)
         try:
             step()
         except Exception as exc:
-            failed.append(f"{what or step.func.__name__}: {nodes.describe(exc)}")
+            failed.append((what, nodes.describe(exc)))
     if failed:
-        raise SparknetError(
-            f"the bake could not remove everything it made ({'; '.join(failed)}); run "
-            f"`sparknet cluster down {spec.name} --region {spec.region}` to remove the rest"
-        )
+        left = "; ".join(f"{what} ({why})" for what, why in failed)
+        ends = [f"`sparknet cluster down {spec.name} --region {region}` removes the rest"]
+        if made.image and not keep_image and failed[0][0].startswith("image "):
+            deregister_it = (
+                f"`aws ec2 deregister-image --region {region} --image-id {made.image} "
+                "--delete-associated-snapshots` removes the image"
+            )
+            ends.insert(0, deregister_it)
+        raise SparknetError(f"the bake left {left}; {'; '.join(ends)}")
 
 
 def _terminate_builder(ec2: Any, bake: str, builder: str | None, say: Say, delay_s: float) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.metadata
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from typer.testing import CliRunner
 
 from sparknet.cluster import ami, bootstrap, lifecycle
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
+from sparknet.errors import SparknetError
 
 REPO = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"
@@ -195,17 +197,12 @@ def test_a_failing_step_leaves_no_builder_and_no_image(
 ):
     from sparknet.cli import app
 
-    ec2, base = moto_bake.ec2, moto_bake.base
+    ec2 = moto_bake.ec2
     # the module's wheel, not a second build of the same checkout (the one stand-in here)
     monkeypatch.setattr(bootstrap, "build_wheel", lambda _checkout, _out: wheel)
     blocker = tmp_path / "a-file"
     blocker.write_text("the prefix cannot be made under a file")
-    args = [
-        "ami", "bake", "--region", REGION, "--base-ami", base, "--instance-type", "m5.large",
-        "--root-volume-gb", "120", "--allowed-cidr", "203.0.113.9/32",
-        "--python-env", str(REPO / ".venv"), "--prefix", str(blocker / "prefix"),
-        "--record-parameter", moto_bake.parameter, "--endpoint-url", moto_endpoint,
-    ]  # fmt: skip
+    args = cli_args(moto_bake, blocker / "prefix", moto_endpoint)
     result = CliRunner().invoke(app, args)
 
     assert result.exit_code == 2, result.output
@@ -220,6 +217,76 @@ def test_a_failing_step_leaves_no_builder_and_no_image(
     ssm = boto3.client("ssm", region_name=REGION)
     with pytest.raises(ssm.exceptions.ParameterNotFound):
         ssm.get_parameter(Name=moto_bake.parameter)
+
+
+def no_steps(tmp_path: Path) -> dict[str, Any]:
+    """`bake`'s arguments for a quick bake with no install steps: a venv whose python runs the
+    repo's stands in ``tmp_path/prefix`` for one the steps made; nothing to clean; the clean-up
+    under ``tmp_path/root``."""
+    python = tmp_path / "prefix" / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec {REPO / ".venv" / "bin" / "python"} "$@"\n')
+    python.chmod(0o755)
+    return {
+        "image": ami.Image((), (), ()),
+        "wheel": bootstrap.Wheel(tmp_path / "unused.whl", "0.0.0", "unused"),
+        "root": str(tmp_path / "root"),
+        "delay_s": 0.2,
+    }
+
+
+def cli_args(bake: Bake, prefix: Path, endpoint: str) -> list[str]:
+    """`sparknet ami bake`'s arguments for `bake` (as `settings` gives them to `ami.bake`)."""
+    return [
+        "ami", "bake", "--region", REGION, "--base-ami", bake.base, "--instance-type", "m5.large",
+        "--root-volume-gb", "120", "--allowed-cidr", "203.0.113.9/32",
+        "--python-env", str(REPO / ".venv"), "--prefix", str(prefix),
+        "--record-parameter", bake.parameter, "--endpoint-url", endpoint,
+    ]  # fmt: skip
+
+
+def test_a_bake_whose_final_clean_up_fails_prints_its_image_and_what_is_left(
+    moto_bake, moto_endpoint, tmp_path, monkeypatch
+):
+    from sparknet.cli import app
+    from sparknet.cluster import instances
+
+    ec2 = moto_bake.ec2
+    real_terminate = instances.terminate
+    calls = []
+
+    def terminate_fails_once(*args, **kwargs):
+        """A mock at this one call: moto cannot be made to refuse a TerminateInstances."""
+        calls.append(args)
+        if len(calls) == 1:
+            raise SparknetError("TerminateInstances in us-east-1 failed: RequestLimitExceeded")
+        return real_terminate(*args, **kwargs)
+
+    monkeypatch.setattr(instances, "terminate", terminate_fails_once)
+    monkeypatch.setattr(ami, "bake", partial(ami.bake, **no_steps(tmp_path)))
+    result = CliRunner().invoke(app, cli_args(moto_bake, tmp_path / "prefix", moto_endpoint))
+
+    assert result.exit_code == 1, result.output
+    # the image is made, recorded and printed
+    (baked,) = [ln.split()[1] for ln in result.stdout.splitlines() if ln.startswith("baked ")]
+    assert ec2.describe_images(ImageIds=[baked])["Images"][0]["State"] == "available"
+    ssm = boto3.client("ssm", region_name=REGION)
+    assert ssm.get_parameter(Name=moto_bake.parameter)["Parameter"]["Value"] == baked
+    # one line: what is left (the builder, and what could not go while it runs) and what ends it
+    last = result.stderr.strip().splitlines()[-1]
+    found = ec2.describe_instances(
+        Filters=[{"Name": f"tag:{TAG_CLUSTER}", "Values": [moto_bake.name]}]
+    )
+    (builder,) = [i["InstanceId"] for r in found["Reservations"] for i in r["Instances"]]
+    assert last.startswith(f"error: the bake left the builder {builder} (TerminateInstances ")
+    finish = f"sparknet cluster down {moto_bake.name} --region {REGION}"
+    assert last.endswith(f"`{finish}` removes the rest")
+    assert builder_states(ec2, moto_bake.name) != ["terminated"]
+    # and that command ends it, the image kept
+    down = CliRunner().invoke(app, [*finish.split()[1:], "--endpoint-url", moto_endpoint])
+    assert down.exit_code == 0, down.output
+    assert_builder_gone(moto_bake)
+    assert ec2.describe_images(ImageIds=[baked])["Images"][0]["State"] == "available"
 
 
 def tags_of(resource: dict) -> dict[str, str]:
@@ -244,17 +311,10 @@ def test_ctrl_c_after_create_image_leaves_image_and_snapshots_tagged_and_removes
                 left[snapshot] = tags_of(found)
             raise KeyboardInterrupt  # as the CLI's handler raises on Ctrl-C
 
-    # no steps: a venv whose python runs the repo's stands for one the steps made (quick)
-    python = tmp_path / "prefix" / "venv" / "bin" / "python"
-    python.parent.mkdir(parents=True)
-    python.write_text(f'#!/bin/sh\nexec {REPO / ".venv" / "bin" / "python"} "$@"\n')
-    python.chmod(0o755)
-    image = ami.Image((), (), ())
-    wheel = bootstrap.Wheel(tmp_path / "unused.whl", "0.0.0", "unused")
     with pytest.raises(KeyboardInterrupt):
         ami.bake(
-            settings(moto_bake, tmp_path / "prefix", moto_endpoint), say=say, image=image,
-            wheel=wheel, root=str(tmp_path / "root"), delay_s=0.2,
+            settings(moto_bake, tmp_path / "prefix", moto_endpoint), say=say,
+            **no_steps(tmp_path),
         )  # fmt: skip
 
     # the image and its snapshot carried the bake's tags from CreateImage on
