@@ -142,46 +142,61 @@ def connection(endpoint: Endpoint, access: Access, timeout: float = 20) -> fabri
 def connect(endpoint: Endpoint, access: Access, timeout: float = 20) -> fabric.Connection:
     """An open Connection to `endpoint`, whose host key must be the one pinned for its address.
 
-    A node that does not accept TCP connections yet (sshd still starting) is tried again until
-    `timeout`; an unknown host, a changed host key or a refused login is a one-line
-    SparknetError at once, naming the node and what to do."""
+    A node whose sshd does not serve yet (`_still_starting`) is tried again until `timeout`; an
+    unknown host, a changed host key or a refused login is a one-line SparknetError at once,
+    naming the node and what to do."""
     deadline = time.monotonic() + timeout
     while True:
         conn = connection(endpoint, access, timeout=max(1.0, deadline - time.monotonic()))
         try:
             conn.open()
             return conn
-        except OSError as exc:  # refused, unreachable, timed out (NoValidConnectionsError too)
+        except (OSError, EOFError, paramiko.SSHException) as exc:
             conn.close()
+            if not _still_starting(exc):
+                raise _refused(endpoint, access, exc) from exc
             if time.monotonic() + RETRY_S >= deadline:
                 raise SparknetError(
                     f"{endpoint}: no SSH connection within {timeout:g} s ({describe(exc)}); "
                     "check that the node runs and that its security group lets your address in"
                 ) from exc
-        except paramiko.BadHostKeyException as exc:
-            conn.close()
-            raise SparknetError(
-                f"{endpoint}: its host key changed ({exc.key.get_name()} "
-                f"{exc.key.get_fingerprint().hex()}) and does not match the key pinned in "
-                f"{access.known_hosts}; refusing to connect (someone may be intercepting); if "
-                "the node was replaced, run `sparknet cluster up` again to pin its new key"
-            ) from exc
-        except paramiko.AuthenticationException as exc:
-            conn.close()
-            raise SparknetError(
-                f"{endpoint}: login refused for key {access.key_file} ({describe(exc)}); check "
-                "the cluster's key_name and key_file"
-            ) from exc
-        except paramiko.SSHException as exc:
-            conn.close()
-            if "not found in known_hosts" in str(exc):
-                raise SparknetError(
-                    f"{endpoint}: no host key pinned for {endpoint.address} in "
-                    f"{access.known_hosts}; refusing an unknown host; run `sparknet cluster up` "
-                    "again to pin the nodes' keys"
-                ) from exc
-            raise SparknetError(f"{endpoint}: SSH failed ({describe(exc)})") from exc
         time.sleep(RETRY_S)
+
+
+def _still_starting(exc: BaseException) -> bool:
+    """The node's sshd does not serve yet: the TCP connection is refused, unreachable or timed
+    out (OSError, NoValidConnectionsError too), or it is accepted and closed before the SSH
+    banner (paramiko: "Error reading SSH protocol banner") or during the handshake (EOFError),
+    as while a fresh node's sshd starts, or cloud-init restarts it with the pinned key. Never
+    a refusal: a bad host key, an unknown host or a refused login is the node's answer."""
+    if isinstance(exc, paramiko.BadHostKeyException | paramiko.AuthenticationException):
+        return False
+    if isinstance(exc, OSError | EOFError):
+        return True
+    return str(exc).startswith("Error reading SSH protocol banner")
+
+
+def _refused(endpoint: Endpoint, access: Access, exc: BaseException) -> SparknetError:
+    """The one line for an SSH connection the node refused, naming it and what to do."""
+    if isinstance(exc, paramiko.BadHostKeyException):
+        return SparknetError(
+            f"{endpoint}: its host key changed ({exc.key.get_name()} "
+            f"{exc.key.get_fingerprint().hex()}) and does not match the key pinned in "
+            f"{access.known_hosts}; refusing to connect (someone may be intercepting); if "
+            "the node was replaced, run `sparknet cluster up` again to pin its new key"
+        )
+    if isinstance(exc, paramiko.AuthenticationException):
+        return SparknetError(
+            f"{endpoint}: login refused for key {access.key_file} ({describe(exc)}); check "
+            "the cluster's key_name and key_file"
+        )
+    if "not found in known_hosts" in str(exc):
+        return SparknetError(
+            f"{endpoint}: no host key pinned for {endpoint.address} in "
+            f"{access.known_hosts}; refusing an unknown host; run `sparknet cluster up` "
+            "again to pin the nodes' keys"
+        )
+    return SparknetError(f"{endpoint}: SSH failed ({describe(exc)})")
 
 
 def run_all(

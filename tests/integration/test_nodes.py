@@ -3,6 +3,8 @@ unknown or changed host key, and one function on all nodes at once."""
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 
 import pytest
@@ -69,6 +71,54 @@ def test_a_node_that_does_not_listen_fails_after_the_timeout(sshd_nodes):
     with pytest.raises(SparknetError, match=r"^worker-3 \(.*no SSH connection within 2 s"):
         nodes.connect(endpoint, group.access, timeout=2)
     assert 1.5 < time.monotonic() - start < 10
+
+
+def test_connect_waits_through_a_starting_sshd_that_closes_connections(sshd_nodes):
+    """While a fresh node boots, its port may accept and close at once (paramiko: "Error reading
+    SSH protocol banner") or close after the banner (an EOFError in the handshake), as when
+    cloud-init restarts sshd with the pinned key: both are retried like a refused TCP connection,
+    until the real sshd (with the pinned key) answers on that port."""
+    group = sshd_nodes(1)
+    first = group.servers[0]
+    first.stop()
+    private, authorized = first.host_key.read_text(), first.authorized_keys.read_text()
+    closer = socket.socket()
+    closer.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    closer.bind(("127.0.0.1", first.port))
+    closer.listen(8)
+    closer.settimeout(0.1)
+    kinds: list[str] = []
+
+    def booting() -> None:
+        """1.5 s of a port that closes every connection, one at once, the next after the
+        banner, and so on; then the node's real sshd on that port."""
+        deadline = time.monotonic() + 1.5
+        with closer:
+            while time.monotonic() < deadline:
+                try:
+                    client, _ = closer.accept()
+                except TimeoutError:
+                    continue
+                with client:
+                    if len(kinds) % 2:
+                        client.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+                        client.recv(4096)
+                        kinds.append("eof in the handshake")
+                    else:
+                        kinds.append("no banner")
+        group.servers[0] = start_sshd(first.dir, private, authorized, port=first.port)
+
+    thread = threading.Thread(target=booting)
+    thread.start()
+    try:
+        conn = nodes.connect(group.endpoints[0], group.access, timeout=20)
+    finally:
+        thread.join()
+    try:
+        assert conn.run("echo hi", hide=True).stdout == "hi\n"
+    finally:
+        conn.close()
+    assert {"no banner", "eof in the handshake"} <= set(kinds), kinds
 
 
 def test_run_all_runs_on_every_node_at_once(sshd_nodes):
