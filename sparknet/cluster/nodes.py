@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -176,14 +177,25 @@ def _still_starting(exc: BaseException) -> bool:
     return str(exc).startswith("Error reading SSH protocol banner")
 
 
+def fingerprint(key: paramiko.PKey) -> str:
+    """The key's fingerprint as OpenSSH prints it (ssh-keygen -l, the "host key changed"
+    warning): ``SHA256:`` and the unpadded base64 of the SHA-256 of the key blob, so a user can
+    compare it with what ssh and the console output show (paramiko's is MD5 hex)."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode("ascii").rstrip("=")
+
+
 def _refused(endpoint: Endpoint, access: Access, exc: BaseException) -> SparknetError:
     """The one line for an SSH connection the node refused, naming it and what to do."""
     if isinstance(exc, paramiko.BadHostKeyException):
+        # the pin is the node's own key, read from EC2 (or given) on every pinning: a key other
+        # than it means another machine answers at the node's address
         return SparknetError(
-            f"{endpoint}: its host key changed ({exc.key.get_name()} "
-            f"{exc.key.get_fingerprint().hex()}) and does not match the key pinned in "
-            f"{access.known_hosts}; refusing to connect (someone may be intercepting); if "
-            "the node was replaced, run `sparknet cluster up` again to pin its new key"
+            f"{endpoint}: its host key changed: it presents {exc.key.get_name()} "
+            f"{fingerprint(exc.key)}, not the key pinned for {endpoint.address} in "
+            f"{access.known_hosts}, so the machine at that address is not the node (the address "
+            "now another machine's, or someone intercepting); refusing to connect; check the "
+            "node's address; `sparknet cluster down` and `up` replace the node"
         )
     if isinstance(exc, paramiko.AuthenticationException):
         return SparknetError(

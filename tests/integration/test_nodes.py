@@ -4,6 +4,7 @@ unknown or changed host key, and one function on all nodes at once."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 
@@ -37,7 +38,7 @@ def test_an_unknown_host_is_refused_in_one_line(sshd_nodes):
     assert not group.access.known_hosts.exists()
 
 
-def test_a_changed_host_key_is_refused_in_one_line(sshd_nodes):
+def test_a_changed_host_key_is_refused_in_one_line(sshd_nodes, tmp_path):
     group = sshd_nodes(1)
     endpoint = group.endpoints[0]
     # the pin is another key than the one the node serves: a replaced or impersonated node
@@ -47,8 +48,21 @@ def test_a_changed_host_key_is_refused_in_one_line(sshd_nodes):
         nodes.connect(endpoint, group.access, timeout=10)
     message = str(caught.value)
     assert "\n" not in message
-    assert "master (" in message and "host key changed" in message
-    assert str(group.access.known_hosts) in message
+    assert message.startswith(f"{endpoint}: its host key changed: it presents ssh-ed25519 ")
+    # the key it presents, by its fingerprint as OpenSSH prints it (ssh-keygen -l)
+    served = tmp_path / "served.pub"
+    served.write_text(group.host_keys[0][1] + "\n")
+    keygen = subprocess.run(["ssh-keygen", "-l", "-f", str(served)], capture_output=True,
+                            text=True, check=True).stdout.split()[1]  # fmt: skip
+    assert keygen.startswith("SHA256:") and not keygen.endswith("=")
+    assert f"it presents ssh-ed25519 {keygen}, " in message
+    assert f"not the key pinned for {endpoint.address} in {group.access.known_hosts}" in message
+    # what it means and what to do; not "pin its new key": the pin comes from the user data
+    assert "the machine at that address is not the node" in message
+    assert message.endswith(
+        "check the node's address; `sparknet cluster down` and `up` replace the node"
+    )
+    assert "pin its new key" not in message
     # the pin stays what it was
     assert other_public.split()[1] in group.access.known_hosts.read_text()
 
