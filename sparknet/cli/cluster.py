@@ -22,6 +22,7 @@ from sparknet.cli.common import (
     fail,
     first_line,
     interrupts,
+    signal_exit,
 )
 from sparknet.config import find_config_file
 from sparknet.errors import SparknetError
@@ -60,6 +61,8 @@ def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_
     known = registered().get(name)
     if known is not None:
         base = known.model_dump()
+        if known.provider == "static":
+            del base["workers"]  # counted from hosts, which the settings file may change
     path = find_config_file(config)
     if path is not None:
         entry = read_section(path, "clusters").get(name) or {}
@@ -115,29 +118,34 @@ def _print_ssh(spec, info) -> None:
     pinned host keys), one tab-separated line per node."""
     from sparknet.cluster import nodes
 
-    access = nodes.access_for(spec)
     for name, inst in nodes.node_names(info.instances):
         try:
             endpoint = nodes.endpoint_of(spec.name, name, inst)
         except SparknetError:
             print(f"ssh {name}	-	(no public address while {inst.state})")
             continue
-        command = shlex.join(nodes.ssh_command(endpoint, access))
-        print(f"ssh {name}	{endpoint.user}@{endpoint.host}:{endpoint.port}	{command}")
+        _print_ssh_line(spec, endpoint)
+
+
+def _print_ssh_line(spec, endpoint) -> None:
+    from sparknet.cluster import nodes
+
+    command = shlex.join(nodes.ssh_command(endpoint, nodes.access_for(spec)))
+    print(f"ssh {endpoint.name}	{endpoint.user}@{endpoint.host}:{endpoint.port}	{command}")
 
 
 def _fail(exc: SparknetError, debug: bool, caught: Caught | None = None) -> None:
     """`fail` with exit 1 where the command was right but the cluster's state says no (busy,
     not there, another's, in another region), 128 + the signal's number where a signal stopped
     it (130 Ctrl-C, 143 SIGTERM), and 2 for everything a user fixes in the command or settings."""
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import lifecycle, static
 
     state = (
         lifecycle.ClusterBusy, lifecycle.ClusterNotFound, lifecycle.NotYours,
-        lifecycle.OtherRegion, lifecycle.BootstrapIncomplete,
+        lifecycle.OtherRegion, lifecycle.BootstrapIncomplete, static.StopIncomplete,
     )  # fmt: skip
-    if isinstance(exc, lifecycle.Interrupted) and caught is not None and caught.signum:
-        fail(exc, debug, 128 + caught.signum)
+    if isinstance(exc, lifecycle.Interrupted) and (code := signal_exit(caught)):
+        fail(exc, debug, code)
     if isinstance(exc, lifecycle.BootstrapIncomplete) and not debug:
         # the error line, then each failed node's last output lines
         first, *rest = str(exc).splitlines()
@@ -182,6 +190,9 @@ def cluster_up(
         with interrupts(caught, stop_at=1, note=note):
             try:
                 spec = _cluster_spec(name, config, flags)
+                if spec.provider == "static":
+                    _static_up(spec, bootstrap=not no_bootstrap)
+                    return
                 info = lifecycle.up(
                     spec, endpoint_url=endpoint_url, say=_say, any_owner=any_owner,
                     bootstrap=not no_bootstrap,
@@ -194,6 +205,22 @@ def cluster_up(
     print(
         f"cluster {name} is up; estimated cost {info.cost.describe()}; "
         f"`sparknet cluster down {name} --region {info.region}` ends it"
+    )
+
+
+def _static_up(spec, *, bootstrap: bool) -> None:
+    """`up` (and `cluster bootstrap`) of a static cluster: its hosts bootstrapped, each node's
+    SSH line."""
+    from sparknet.cluster import static
+
+    found = static.up(spec, say=_say, bootstrap=bootstrap)
+    print(f"cluster {spec.name} (static, {len(found)} hosts)")
+    for endpoint in found:
+        _print_ssh_line(spec, endpoint)
+    done = "is up" if bootstrap else "is registered (not bootstrapped)"
+    print(
+        f"cluster {spec.name} {done}; `sparknet cluster down {spec.name}` stops its Spark "
+        "(the machines stay)"
     )
 
 
@@ -228,6 +255,9 @@ def cluster_down(
     note = f"taking {name} down to the end so nothing is left half-deleted; again to stop it"
     try:
         with interrupts(caught, stop_at=2, note=note):
+            if spec.provider == "static":
+                _static_down(spec)
+                return
             report = lifecycle.down(
                 spec, endpoint_url=endpoint_url, say=console.print, any_owner=any_owner
             )
@@ -237,6 +267,14 @@ def cluster_down(
         _fail(exc, debug, caught)
     _print_down(report)
     print(f"cluster {name} is down")
+
+
+def _static_down(spec) -> None:
+    from sparknet.cluster import static
+
+    stopped = static.down(spec, say=_say)
+    print(f"stopped Spark on {', '.join(stopped)}")
+    print(f"cluster {spec.name} is down (static: its {len(stopped)} hosts keep running)")
 
 
 def _print_down(report) -> None:
@@ -268,6 +306,9 @@ def cluster_status(
     from sparknet.cluster import lifecycle
 
     spec = _on_cluster(lambda spec: spec, name, region, config, debug)
+    if spec.provider == "static":
+        _static_status(spec, debug)
+        return
     try:
         info = lifecycle.status(spec, endpoint_url=endpoint_url)
     except SparknetError as exc:
@@ -284,15 +325,33 @@ def cluster_status(
 def _print_health(spec, info, endpoint_url: str | None) -> None:
     """The Spark cluster's health (workers registered, cores, GPUs) as its master tells it; one
     line when the nodes cannot be asked."""
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import lifecycle, static
 
     try:
-        health = lifecycle.spark_health(spec, info.instances, endpoint_url=endpoint_url)
+        if spec.provider == "static":
+            health = static.health(spec)
+        else:
+            health = lifecycle.spark_health(spec, info.instances, endpoint_url=endpoint_url)
     except SparknetError as exc:
         print(f"Spark: the nodes cannot be reached ({first_line(exc)})")
         return
     for line in health.lines():
         print(line)
+
+
+def _static_status(spec, debug: bool) -> None:
+    """A static cluster's hosts (each node's SSH line) and its Spark health; exit 1 when it is
+    not registered here or not healthy."""
+    from sparknet.cluster import static
+
+    try:
+        found = static.status(spec)
+    except SparknetError as exc:
+        _fail(exc, debug)
+    print(f"cluster {spec.name} (static, {len(found)} hosts)")
+    for endpoint in found:
+        _print_ssh_line(spec, endpoint)
+    _print_health(spec, None, None)
 
 
 @cluster_app.command("bootstrap")
@@ -310,6 +369,9 @@ def cluster_bootstrap(
 
     spec = _on_cluster(lambda spec: spec, name, region, config, debug)
     try:
+        if spec.provider == "static":
+            _static_up(spec, bootstrap=True)
+            return
         lifecycle.bootstrap_nodes(spec, endpoint_url=endpoint_url, say=_say)
     except KeyboardInterrupt:
         _fail(lifecycle.Interrupted("interrupted; run it again to finish"), debug)
@@ -332,11 +394,16 @@ def cluster_list(
         found = lifecycle.tagged_clusters(aws.check_region(region), endpoint_url=endpoint_url)
     except SparknetError as exc:
         fail(exc, debug)
-    known = {name for name, spec in lifecycle.registered().items() if spec.region == region}
+    specs = lifecycle.registered()
+    known = {name for name, spec in specs.items() if spec.region == region}
     for name in sorted(set(found) | known):
         cluster = found.get(name, lifecycle.TaggedCluster(name))
         live = sum(item.startswith("instance:") for item in cluster.items)
         where = "registered" if name in known else "not registered"
+        spec = specs.get(name)
+        if spec is not None and spec.provider == "static":
+            print(f"{name}\tstatic, {len(spec.hosts)} hosts\t-\tregistered\towner -")
+            continue
         owners = ", ".join(sorted(owner or "-" for owner in cluster.owners)) or "-"
         print(
             f"{name}\t{live} instances\t{len(cluster.items) - live} other resources\t{where}"
@@ -432,6 +499,10 @@ def _reach(
     try:
         if shutil.which("ssh") is None:
             raise SparknetError("the OpenSSH client `ssh` is not on PATH; install openssh-client")
+        if spec.provider == "static":
+            from sparknet.cluster import static
+
+            return nodes.pick(static.endpoints(spec), node), static.access(spec)
         ec2 = instances.ec2_client(spec.region, endpoint_url)
         found = [i for i in instances.find(ec2, spec.name) if i.state in ("pending", "running")]
         if not found:

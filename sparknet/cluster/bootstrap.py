@@ -745,10 +745,18 @@ class Daemon(Step):
             f" daemon-reload && {s}systemctl enable -q {unit} && {s}systemctl restart {unit}",
         )
 
-    def stop(self, conn: Conn) -> None:
-        """Stop the daemon if it runs (by its pid file's process group, TERM then KILL)."""
+    def stop(self, conn: Conn, *, remove: bool = False) -> None:
+        """Stop the daemon if it runs (by its pid file's process group, TERM then KILL); with
+        `remove`, its systemd unit goes too, so a reboot does not start it again."""
         if self.ctx.facts.systemd:
-            self.run(conn, f"{self.ctx.sudo}systemctl stop {q(self.unit)} 2>/dev/null; true")
+            s, unit = self.ctx.sudo, q(self.unit)
+            gone = (
+                f"; {s}systemctl disable -q {unit} 2>/dev/null; {s}rm -f "
+                f"/etc/systemd/system/{unit}; {s}systemctl daemon-reload"
+                if remove
+                else ""
+            )
+            self.run(conn, f"{s}systemctl stop {unit} 2>/dev/null{gone}; true")
             return
         pid = f"$(cat {q(self.pid_file)})"
         self.run(
@@ -1029,17 +1037,21 @@ def prepare_plan(
 
 def stop_daemons(nodes_: Sequence[Node], access: Access, timeout: float = 120) -> None:
     """Stop every node's worker, and the master on the first node (by pid file or systemd
-    unit): what `down` of a static cluster and the tests' teardown do. Nothing else on the
-    nodes changes, and a daemon that is not running is no error."""
+    unit), and remove what would start them again or let a client in: their systemd units and
+    the conf file with the cluster's secret. What `down` does before it terminates instances,
+    and all it does to a static cluster's machines: the install (venv, wheel) stays for the
+    next `up`, which writes the conf and units again. A daemon that is not running is no
+    error."""
     # stopping reads only the nodes' paths and facts from a plan: no wheel, no secret
     plan = Plan(tuple(nodes_), Wheel(Path("unused.whl"), "", ""), "")
 
     def stop(endpoint: Endpoint, conn: Conn) -> None:
         node = next(n for n in plan.nodes if n.name == endpoint.name)
         ctx = Context(plan, node, parse_facts(run(conn, _FACTS), node.prefix))
-        Worker(ctx).stop(conn)
+        Worker(ctx).stop(conn, remove=True)
         if ctx.is_master:
-            Master(ctx).stop(conn)
+            Master(ctx).stop(conn, remove=True)
+        run(conn, f"rm -f {q(node.path('conf', 'spark-defaults.conf'))}")
 
     nodes.run_all([n.endpoint for n in plan.nodes], access, stop, timeout)
 

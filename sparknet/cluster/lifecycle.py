@@ -122,7 +122,7 @@ def cluster_lock(name: str) -> Iterator[None]:
     mistake learns so in a second, not after the first ends. `flock` is released by the kernel
     when the holder exits however it exits (kill -9 too), so no stale lock is ever left. The
     file holds the holder's PID for the refusal's message. A holder may remove the file as it
-    finishes (`_remove_lock`): whoever locked the removed file meanwhile sees that it is no
+    finishes (`remove_lock`): whoever locked the removed file meanwhile sees that it is no
     longer the one at the path and locks the new one instead.
     """
     path = _lock_path(name)
@@ -159,7 +159,7 @@ def _is_at(fd: int, path: Path) -> bool:
     return (at.st_dev, at.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-def _remove_lock(name: str) -> None:
+def remove_lock(name: str) -> None:
     """Remove the lock file of a cluster that is gone; only while holding its lock."""
     _lock_path(name).unlink(missing_ok=True)
 
@@ -171,7 +171,7 @@ def _entry(name: str) -> Path:
     return registry_dir() / f"{_file_stem(name)}.json"
 
 
-def _save(spec: ClusterSpec, endpoint_url: str | None) -> None:
+def save_entry(spec: ClusterSpec, endpoint_url: str | None) -> None:
     path = _entry(spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {
@@ -202,7 +202,7 @@ def _registered_in(name: str, region: str) -> bool:
     return known is not None and known.region == region
 
 
-def _forget(name: str, region: str) -> None:
+def forget_entry(name: str, region: str) -> None:
     """Drop the registry entry of `name` in `region`; an entry of another region stays."""
     if _registered_in(name, region):
         _entry(name).unlink(missing_ok=True)
@@ -397,7 +397,7 @@ def up(
     with cluster_lock(spec.name), tempfile.TemporaryDirectory(prefix="sparknet-wheel-") as tmp:
         # what the bootstrap brings from here is ready before anything is launched: a broken
         # checkout or a secret others can read fails before any money is spent
-        carried = _carried_or_unlock(spec, Path(tmp)) if bootstrap else None
+        carried = carry_or_unlock(spec, Path(tmp)) if bootstrap else None
         info = _build(spec, ec2, ami, cidr, endpoint_url, say, wait_timeout_s, wait_delay_s)
         if carried is not None:
             _bootstrap_after_up(spec, ec2, info, say, carried)
@@ -445,7 +445,7 @@ def _build(
     )
     try:
         base = _ensure_foundation(spec, cidr, endpoint_url, made.created)
-        _save(spec, endpoint_url)
+        save_entry(spec, endpoint_url)
         say(f"foundation ready: {base.vpc_id}, security group {base.security_group_id}")
         # a shutting-down instance is going away: it is no member, and one is launched for it
         running = [i for i in instances.find(ec2, spec.name) if i.state != "shutting-down"]
@@ -558,9 +558,9 @@ def _undo(spec: ClusterSpec, ec2: Any, made: _Made, endpoint_url: str | None, sa
     elif made.created:
         foundation.destroy_boto3(spec, endpoint_url=endpoint_url, only=made.created)
     if not made.had_entry:
-        _forget(spec.name, spec.region)
+        forget_entry(spec.name, spec.region)
         nodes.forget_local(spec.name)
-        _remove_lock(spec.name)
+        remove_lock(spec.name)
 
 
 # --- down and status ---------------------------------------------------------------------------
@@ -624,8 +624,8 @@ def down(
         deleted += _destroy_foundation(spec, endpoint_url)
         if spec.name not in registered() or _registered_in(spec.name, spec.region):
             nodes.forget_local(spec.name)  # not the key of the name's cluster in another region
-        _forget(spec.name, spec.region)
-        _remove_lock(spec.name)
+        forget_entry(spec.name, spec.region)
+        remove_lock(spec.name)
     return DownReport(spec.name, spec.region, terminated, deleted, cost)
 
 
@@ -808,7 +808,7 @@ def plan_nodes(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> list[boot.
     return out
 
 
-def _ports(spec: ClusterSpec) -> Ports:
+def ports_of(spec: ClusterSpec) -> Ports:
     s = spec.bootstrap
     return Ports(master=s.master_port, master_ui=s.master_ui_port, worker_ui=s.worker_ui_port)
 
@@ -842,7 +842,7 @@ class Carried:
     secret: str = field(repr=False)
 
 
-def _carried(spec: ClusterSpec, wheel_dir: Path) -> Carried:
+def carry(spec: ClusterSpec, wheel_dir: Path) -> Carried:
     """The wheel of this checkout, built into `wheel_dir`, then the cluster's secret (made
     0600 on first use; one others can read is refused): the wheel first, so a checkout that
     does not build leaves no secret behind."""
@@ -850,31 +850,42 @@ def _carried(spec: ClusterSpec, wheel_dir: Path) -> Carried:
     return Carried(wheel, load_or_create_secret(secret_file(spec.name)))
 
 
-def _carried_or_unlock(spec: ClusterSpec, wheel_dir: Path) -> Carried:
-    """`_carried` as `up`'s first step under the lock; when it fails, a cluster this machine
+def carry_or_unlock(spec: ClusterSpec, wheel_dir: Path) -> Carried:
+    """`carry` as `up`'s first step under the lock; when it fails, a cluster this machine
     has no entry for is left without the lock file just made (nothing else was written)."""
     had_entry = _entry(spec.name).exists()
     try:
-        return _carried(spec, wheel_dir)
+        return carry(spec, wheel_dir)
     except BaseException:
         if not had_entry:
-            _remove_lock(spec.name)
+            remove_lock(spec.name)
         raise
 
 
 def _bootstrap_locked(
     spec: ClusterSpec, ec2: Any, found: list[Instance], say: Say, carried: Carried | None = None
 ) -> boot.BootstrapReport:
-    """The bootstrap of the cluster's `found` instances, under its lock: `carried` (else the
-    wheel of this checkout and the cluster's secret, made on first use), the spec's
-    settings."""
+    """The bootstrap of the cluster's `found` instances, under its lock."""
     access = _reach(spec, ec2, found)
+    return bootstrap_locked(spec, plan_nodes(spec, ec2, found), access, say, carried)
+
+
+def bootstrap_locked(
+    spec: ClusterSpec,
+    planned: list[boot.Node],
+    access: nodes.Access,
+    say: Say,
+    carried: Carried | None = None,
+) -> boot.BootstrapReport:
+    """The bootstrap of the cluster's `planned` nodes (any provider's), under its lock:
+    `carried` (else the wheel of this checkout and the cluster's secret, made on first use),
+    the spec's settings; `BootstrapIncomplete` when it fails."""
     settings = spec.bootstrap
     with tempfile.TemporaryDirectory(prefix="sparknet-wheel-") as wheel_dir:
-        carried = carried or _carried(spec, Path(wheel_dir))
+        carried = carried or carry(spec, Path(wheel_dir))
         plan = boot.Plan(
-            tuple(plan_nodes(spec, ec2, found)), carried.wheel, carried.secret,
-            ports=_ports(spec), python_env=settings.python_env,
+            tuple(planned), carried.wheel, carried.secret,
+            ports=ports_of(spec), python_env=settings.python_env,
             worker_cores=settings.worker_cores, worker_memory_mb=settings.worker_memory_mb,
         )  # fmt: skip
         say(f"bootstrapping {len(plan.nodes)} nodes (sparknet {plan.wheel.version})")
@@ -916,7 +927,7 @@ def spark_health(
     expected = [
         boot.Expected(n.name, n.rpc_host, spec.bootstrap.worker_cores, n.gpus) for n in plan
     ]
-    return boot.cluster_health(plan[0], _ports(spec), expected, access, connect_timeout=5)
+    return boot.cluster_health(plan[0], ports_of(spec), expected, access, connect_timeout=5)
 
 
 def _stop_spark(spec: ClusterSpec, ec2: Any, found: list[Instance], say: Say) -> None:

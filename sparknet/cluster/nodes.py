@@ -21,7 +21,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -323,18 +323,23 @@ def _replace_file(path: Path, text: str) -> None:
         raise
 
 
-def pin(known_hosts: Path, pins: dict[str, str], *, only: bool = False) -> None:
+def pin(known_hosts: Path, pins: Mapping[str, str | Sequence[str]], *, only: bool = False) -> None:
     """Pin host keys: `pins` maps an address (`Endpoint.address`) to its public key line
-    (``ssh-ed25519 AAAA...``). An address pinned before gets the new key instead of its old one
-    (a replaced node at a reused address); every other line stays, unless `only` (the file then
-    holds exactly `pins`: a cluster's current nodes)."""
+    (``ssh-ed25519 AAAA...``), or several (a host with keys of several types). An address pinned
+    before gets the new keys instead of its old ones (a replaced node at a reused address); every
+    other line stays, unless `only` (the file then holds exactly `pins`: a cluster's current
+    nodes)."""
     keep = []
     if known_hosts.is_file() and not only:
         for line in known_hosts.read_text().splitlines():
             hosts = line.split(" ", 1)[0].split(",")
             if line.strip() and not set(hosts) & set(pins):
                 keep.append(line)
-    lines = keep + [f"{address} {' '.join(key.split()[:2])}" for address, key in pins.items()]
+    lines = keep + [
+        f"{address} {' '.join(key.split()[:2])}"
+        for address, keys in pins.items()
+        for key in ([keys] if isinstance(keys, str) else keys)
+    ]
     _replace_file(known_hosts, "".join(f"{line}\n" for line in lines))
 
 

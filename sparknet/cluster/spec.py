@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -69,8 +69,21 @@ class BootstrapSettings(BaseModel):
     worker_ui_port: int = Field(8081, ge=0, le=65535, description="0: any free port")
 
 
+#: the settings that say how EC2 instances are made: a `static` cluster, made of machines the
+#: user already has, refuses them rather than ignore them
+AWS_ONLY = (
+    "availability_zones", "master_type", "instance_types", "spot", "ami", "ami_parameter",
+    "root_volume_gb", "key_name", "allowed_cidr", "vpc_id", "subnet_ids", "foundation",
+    "terraform_backend",
+)  # fmt: skip
+
+
 class ClusterSpec(BaseModel):
-    """One cluster: its name, where, what machines, and how the foundation is made."""
+    """One cluster: its name, where, what machines, and how the foundation is made.
+
+    `provider: aws` (the default) launches EC2 instances; `provider: static` is a cluster of
+    machines the user already has (`hosts`), which sparknet bootstraps and stops but never
+    launches or deletes."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -82,6 +95,19 @@ class ClusterSpec(BaseModel):
         max_length=31,
         pattern=r"^[a-z](?:-?[a-z0-9])+$",
         description="unique per account+region",
+    )
+    provider: Literal["aws", "static"] = Field(
+        "aws", description="aws: EC2 instances sparknet launches; static: your own `hosts`"
+    )
+    hosts: list[str] = Field(
+        default_factory=list,
+        description="static: the machines as [user@]host[:port], the master first; every host "
+        "runs a Spark worker",
+    )
+    known_hosts: str | None = Field(
+        None,
+        description="static: an OpenSSH known_hosts file with the hosts' keys; default: "
+        "~/.ssh/known_hosts",
     )
     region: str = "us-east-1"
     availability_zones: list[str] = Field(
@@ -156,10 +182,56 @@ class ClusterSpec(BaseModel):
             raise ValueError("vpc_id and subnet_ids go together: give both or neither")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _static_workers(cls, data: Any) -> Any:
+        """A static cluster's workers are its hosts after the master: counted, not set."""
+        if isinstance(data, dict) and data.get("provider") == "static":
+            hosts = data.get("hosts")
+            if isinstance(hosts, list) and hosts and data.get("workers") is None:
+                data = {**data, "workers": len(hosts) - 1}
+        return data
+
+    @model_validator(mode="after")
+    def _provider_settings(self) -> ClusterSpec:
+        """Settings of the other provider are refused, not ignored: a static cluster with
+        `spot: true` would otherwise run on what the user did not ask for."""
+        if self.provider == "aws":
+            if self.hosts or self.known_hosts:
+                raise ValueError(
+                    "hosts and known_hosts are for `provider: static` (machines you have); "
+                    "remove them, or set provider: static"
+                )
+            return self
+        defaults = {
+            name: ClusterSpec.model_fields[name].get_default(call_default_factory=True)
+            for name in AWS_ONLY
+        }
+        given = [name for name, default in defaults.items() if getattr(self, name) != default]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: EC2 settings, not for `provider: static`; remove them"
+            )
+        if not self.hosts:
+            raise ValueError("provider: static needs hosts: [user@host:port, ...], master first")
+        if not self.key_file:
+            raise ValueError(
+                "provider: static needs key_file: the private key that logs in to the hosts"
+            )
+        if self.workers != len(self.hosts) - 1:
+            raise ValueError(
+                f"a static cluster's workers are its hosts after the master ({len(self.hosts)} "
+                f"hosts: workers {len(self.hosts) - 1}), not {self.workers}; change hosts"
+            )
+        _check_hosts(self.hosts)
+        return self
+
     @model_validator(mode="after")
     def _own_key(self) -> ClusterSpec:
         """sparknet logs in to the nodes too (bootstrap, `cluster ssh`): a key pair of the
         user's is no use to it without the private key's file."""
+        if self.provider == "static":
+            return self
         if bool(self.key_name) != bool(self.key_file):
             raise ValueError(
                 "key_name and key_file go together: your EC2 key pair and the file of its "
@@ -168,6 +240,23 @@ class ClusterSpec(BaseModel):
         if self.key_name and (len(self.key_name) > 255 or not self.key_name.isascii()):
             raise ValueError(f"key_name {self.key_name!r} is not 1-255 ASCII characters")
         return self
+
+
+def _check_hosts(hosts: list[str]) -> None:
+    """Each host an SSH address (``[user@]host[:port]``), none twice."""
+    from sparknet.cluster.nodes import parse_address
+
+    seen: dict[tuple[str, int], str] = {}
+    for k, text in enumerate(hosts):
+        name = "master" if k == 0 else f"worker-{k}"
+        try:
+            endpoint = parse_address(name, text)
+        except SparknetError as exc:
+            raise ValueError(str(exc)) from exc
+        where = (endpoint.host, endpoint.port)
+        if where in seen:
+            raise ValueError(f"hosts: {text!r} is {seen[where]!r} again; give each machine once")
+        seen[where] = text
 
 
 def check_ssh_cidr(cidr: str) -> str:

@@ -338,7 +338,7 @@ def test_list_and_down_find_a_cluster_left_with_only_an_endpoint_or_a_profile(
 def test_list_shows_only_the_regions_clusters(spec, moto_endpoint, tmp_path):
     """A cluster registered here in us-west-2 is not one of us-east-1's ("0 instances ...
     registered")."""
-    lifecycle._save(spec.model_copy(update={"region": "us-west-2"}), moto_endpoint)
+    lifecycle.save_entry(spec.model_copy(update={"region": "us-west-2"}), moto_endpoint)
     listed = cli("list", "--region", REGION, cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr
     assert spec.name not in listed.stdout

@@ -426,3 +426,21 @@ def test_a_plan_needs_nodes_with_distinct_names() -> None:
     twice = (b.Node(Endpoint("master", "a")), b.Node(Endpoint("master", "b")))
     with pytest.raises(SparknetError, match="node names repeat: master, master"):
         b.Plan(twice, wheel, "s")
+
+
+def test_stopping_a_systemd_daemon_for_good_disables_and_removes_its_unit() -> None:
+    """`down` of a static cluster leaves the machines running: a unit still enabled would
+    start Spark again at the next boot."""
+    node = b.Node(Endpoint("master", "203.0.113.8"), address="10.0.0.5")
+    plan = b.Plan((node,), b.Wheel(Path("w.whl"), "1", "d"), "topsecret" * 4)
+    facts = b.Facts("ubuntu", 1000, 8, 32 * 1024 * 1024, True, ())
+    conn = Recorder()
+    b.Master(b.Context(plan, node, facts)).stop(conn, remove=True)
+    assert conn.commands == [
+        "sudo -n systemctl stop sparknet-master.service 2>/dev/null; sudo -n systemctl disable -q "
+        "sparknet-master.service 2>/dev/null; sudo -n rm -f "
+        "/etc/systemd/system/sparknet-master.service; sudo -n systemctl daemon-reload; true"
+    ]
+    conn = Recorder()
+    b.Master(b.Context(plan, node, facts)).stop(conn)
+    assert conn.commands == ["sudo -n systemctl stop sparknet-master.service 2>/dev/null; true"]

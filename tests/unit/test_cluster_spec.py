@@ -7,6 +7,7 @@ import os
 import subprocess
 
 import pytest
+from pydantic import ValidationError
 
 from sparknet.cluster.spec import MIN_SSH_PREFIX, ClusterSpec
 from tests.conftest import SPARKNET
@@ -66,3 +67,48 @@ def test_names_with_a_trailing_or_double_hyphen_or_outside_the_pattern_are_refus
 @pytest.mark.parametrize("name", ["c2", "a-b-c", "gpu-1", "a" * 31])
 def test_names_of_letters_digits_and_single_inner_hyphens_are_accepted(name):
     assert ClusterSpec(name=name).name == name
+
+
+# --- provider: static ----------------------------------------------------------------------------
+
+
+def _static(**kw):
+    return ClusterSpec(name="onprem", provider="static", key_file="/keys/id", **kw)
+
+
+def test_a_static_clusters_workers_are_its_hosts_after_the_master() -> None:
+    spec = _static(hosts=["alice@10.0.0.5:2222", "10.0.0.6", "gpu-box"])
+    assert spec.workers == 2
+    # what the registry stores reads back the same
+    assert ClusterSpec.model_validate(spec.model_dump()).workers == 2
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"hosts": []}, "needs hosts"),
+        ({"hosts": ["10.0.0.5"], "spot": True}, "spot: EC2 settings, not for `provider: static`"),
+        (
+            {"hosts": ["10.0.0.5"], "instance_types": ["p4d.24xlarge"], "allowed_cidr": "1.2.3.4"},
+            "instance_types, allowed_cidr: EC2 settings",
+        ),
+        ({"hosts": ["10.0.0.5", "10.0.0.5:22"]}, "'10.0.0.5:22' is '10.0.0.5' again"),
+        ({"hosts": ["a@@b"]}, "master: 'a@@b' is not an SSH address"),
+        ({"hosts": ["10.0.0.5", "h:99999"]}, "worker-1: 'h:99999' is not an SSH address"),
+        ({"hosts": ["10.0.0.5", "10.0.0.6"], "workers": 3}, "(2 hosts: workers 1), not 3"),
+    ],
+)
+def test_a_static_cluster_refuses_what_it_cannot_honour(settings, message) -> None:
+    with pytest.raises(ValidationError) as err:
+        _static(**settings)
+    assert message in str(err.value)
+
+
+def test_a_static_cluster_needs_the_key_that_logs_in() -> None:
+    with pytest.raises(ValidationError, match="needs key_file"):
+        ClusterSpec(name="onprem", provider="static", hosts=["10.0.0.5"])
+
+
+def test_hosts_are_refused_on_an_ec2_cluster() -> None:
+    with pytest.raises(ValidationError, match="hosts and known_hosts are for `provider: static`"):
+        ClusterSpec(name="demo", hosts=["10.0.0.5"])

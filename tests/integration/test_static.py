@@ -1,0 +1,176 @@
+"""The `static` provider end to end: two machines given by address (two real sshd on
+127.0.0.1, their keys in a known_hosts of the user's), `cluster up` bootstraps a healthy Spark
+standalone cluster on them, `status` checks it, `cluster ssh` reaches a node, `down` stops Spark
+and leaves the machines (and their install) as they were. The CLI runs as a subprocess, as a
+user runs it; no AWS is involved (no moto server is started).
+
+As in test_cluster_bootstrap.py, the nodes run over the repo's .venv with 1 core and 1 GiB per
+worker, and each node's private address and install prefix come from the seam's
+`<cluster>/<node>/node` entries (two nodes on one host need their own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparknet.cluster.nodes import ENDPOINTS_ENV
+from tests.conftest import SPARKNET
+from tests.sshd import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+ADDRESSES = {"master": "127.0.0.2", "worker-1": "127.0.0.3"}
+
+
+@pytest.fixture
+def cluster(sshd_nodes, tmp_path, monkeypatch):
+    """A static cluster's name in ./sparknet.yaml (cwd tmp_path) over two loopback sshd nodes,
+    its registry under tmp_path; taken down at the end if a test left it up."""
+    from sparknet.cluster import lifecycle
+
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    group = sshd_nodes(2)
+    name = f"s{uuid.uuid4().hex[:8]}"
+    layout = {
+        f"{name}/{node}/node": {"address": address, "prefix": str(tmp_path / node)}
+        for node, address in ADDRESSES.items()
+    }
+    (tmp_path / "endpoints.json").write_text(json.dumps(layout))
+    monkeypatch.setenv(ENDPOINTS_ENV, str(tmp_path / "endpoints.json"))
+    entry = {
+        "provider": "static",
+        "hosts": [f"{s.user}@{s.host}:{s.port}" for s in group.servers],
+        "key_file": str(group.access.key_file),
+        "known_hosts": str(group.access.known_hosts),
+        "bootstrap": {
+            "python_env": str(REPO / ".venv"), "worker_cores": 1, "worker_memory_mb": 1024,
+            "master_port": free_port(), "master_ui_port": free_port(), "worker_ui_port": 0,
+        },
+    }  # fmt: skip
+    (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump({"clusters": {name: entry}}))
+    yield name, group, entry
+    if lifecycle.registered().get(name) is not None:
+        cli("down", name, cwd=tmp_path)
+
+
+def cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env["AWS_ENDPOINT_URL"] = "http://127.0.0.1:9"  # nothing listens: any AWS call would fail
+    return subprocess.run(
+        [str(SPARKNET), "cluster", *args], cwd=cwd, env=env,
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def daemon_pids(root: Path) -> dict[str, int]:
+    out = {}
+    for node in ADDRESSES:
+        for role in ("master", "worker"):
+            pid = root / node / "run" / f"{role}.pid"
+            if pid.exists():
+                out[f"{node}/{role}"] = int(pid.read_text())
+    return out
+
+
+def test_up_status_and_down_of_a_static_cluster(cluster, tmp_path) -> None:
+    from sparknet.cluster import lifecycle
+
+    name, group, entry = cluster
+    master_url = f"spark://{ADDRESSES['master']}:{entry['bootstrap']['master_port']}"
+    up = cli("up", name, cwd=tmp_path)
+    assert up.returncode == 0, up.stderr[-3000:]
+    assert (
+        "master: applied dirs, python-env, sparknet, spark-conf, spark-master, spark-worker"
+        in up.stderr
+    )
+    assert f"Spark master {master_url}: healthy" in up.stderr
+    # no GPU count in the settings: nvidia-smi on each host counted none
+    assert "worker-1 (127.0.0.3): ALIVE, 1 cores, 1024 MiB, 0 GPUs" in up.stderr
+    first = group.servers[0]
+    assert f"ssh master\t{first.user}@127.0.0.1:{first.port}\tssh -F none" in up.stdout
+    assert f"cluster {name} is up;" in up.stdout
+    pids = daemon_pids(tmp_path)
+    assert sorted(pids) == ["master/master", "master/worker", "worker-1/worker"]
+    assert lifecycle.registered()[name].provider == "static"
+
+    shown = cli("status", name, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert f"cluster {name} (static, 2 hosts)" in shown.stdout
+    assert f"Spark master {master_url}: healthy" in shown.stdout
+    assert "master (127.0.0.2): ALIVE, 1 cores, 1024 MiB, 0 GPUs" in shown.stdout
+
+    # `cluster ssh` reaches a node with the cluster's pinned keys
+    ran = cli("ssh", name, "worker-1", "--", "echo", "on-worker", cwd=tmp_path)
+    assert ran.returncode == 0 and ran.stdout.strip() == "on-worker", ran.stderr
+
+    # a second up applies nothing
+    again = cli("up", name, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing to do: every step was already done on all 2 nodes" in again.stderr
+    assert daemon_pids(tmp_path) == pids
+
+    down = cli("down", name, cwd=tmp_path)
+    assert down.returncode == 0, down.stderr
+    assert "stopped Spark on master, worker-1" in down.stdout
+    assert f"cluster {name} is down (static: its 2 hosts keep running)" in down.stdout
+    for pid in pids.values():
+        assert not Path(f"/proc/{pid}").exists()
+    # the machines stay: sshd runs, the install is there; the secret is gone from them and here
+    assert all(s.proc.poll() is None for s in group.servers)
+    assert (tmp_path / "master" / "venv" / "bin" / "python").exists()
+    assert not (tmp_path / "master" / "conf" / "spark-defaults.conf").exists()
+    assert not lifecycle.secret_file(name).exists()
+    assert name not in lifecycle.registered()
+    gone = cli("status", name, cwd=tmp_path)
+    assert gone.returncode == 1
+    assert f"error: static cluster {name} is not up here (not registered)" in gone.stderr
+
+
+def test_an_unknown_host_is_refused_before_anything(cluster, tmp_path) -> None:
+    """A host whose key the user's known_hosts lacks: one line naming it, exit 2, nothing
+    registered, no connection made (the sshd logged none but the fixture's own)."""
+    from sparknet.cluster import lifecycle
+
+    name, group, _entry = cluster
+    lines = group.access.known_hosts.read_text().splitlines()
+    group.access.known_hosts.write_text(lines[0] + "\n")  # the master's key only
+    up = cli("up", name, cwd=tmp_path)
+    assert up.returncode == 2, up.stderr
+    worker = group.servers[1]
+    assert up.stderr.startswith(
+        f"error: no host key for worker-1 ({worker.user}@127.0.0.1:{worker.port}) in "
+    )
+    assert len(up.stderr.strip().splitlines()) == 1
+    assert name not in lifecycle.registered()
+    log = group.servers[0].log.read_text()
+    assert log.count("Connection from") == 1  # the fixture's own check that sshd listens
+
+
+def test_down_with_a_dead_host_names_it_and_keeps_the_cluster(cluster, tmp_path) -> None:
+    """`up --no-bootstrap` registers only; a host that then stops answering makes `down` fail
+    (exit 1) naming it, and the cluster stays registered for a later `down`."""
+    from sparknet.cluster import lifecycle
+
+    name, group, entry = cluster
+    up = cli("up", name, "--no-bootstrap", cwd=tmp_path)
+    assert up.returncode == 0, up.stderr
+    assert f"cluster {name} is registered (not bootstrapped)" in up.stdout
+    group.servers[1].stop()
+    down = cli("down", name, cwd=tmp_path)
+    assert down.returncode == 1, down.stderr
+    assert "could not stop Spark on every host (1 of 2 nodes failed: worker-1" in down.stderr
+    assert name in lifecycle.registered()
+    # the host is gone for good: without it in `hosts`, `down` ends the cluster
+    settings = yaml.safe_load((tmp_path / "sparknet.yaml").read_text())
+    settings["clusters"][name]["hosts"] = entry["hosts"][:1]
+    (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump(settings))
+    down = cli("down", name, cwd=tmp_path)
+    assert down.returncode == 0, down.stderr
+    assert "stopped Spark on master\n" in down.stdout
+    assert name not in lifecycle.registered()
