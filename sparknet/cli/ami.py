@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import typer
 
-from sparknet.cli.common import Caught, DebugOption, EndpointOption, console, fail, interrupts
-from sparknet.errors import SparknetError
+from sparknet.cli.common import (
+    Caught,
+    DebugOption,
+    EndpointOption,
+    console,
+    fail,
+    interrupts,
+    signal_exit,
+)
+from sparknet.errors import InputError, SparknetError
 
 ami_app = typer.Typer(no_args_is_help=True, help="Node images (AMIs): bake.")
 
@@ -38,22 +46,25 @@ def ami_bake(
     removed again on failure or Ctrl-C)."""
     from sparknet.cluster import ami
 
+    try:
+        settings = _settings(
+            region=region, base_ami=base_ami, ami_parameter=ami_parameter,
+            instance_type=instance_type, root_volume_gb=root_volume_gb,
+            allowed_cidr=allowed_cidr, python_env=python_env,
+            record_parameter=record_parameter, prefix=prefix, endpoint_url=endpoint_url,
+        )  # fmt: skip
+    except SparknetError as exc:
+        fail(exc, debug, 2)
     caught = Caught()
     note = "still removing the builder; `sparknet cluster sweep` finds anything left"
     try:
         with interrupts(caught, stop_at=1, note=note):
             try:
-                settings = _settings(
-                    region=region, base_ami=base_ami, ami_parameter=ami_parameter,
-                    instance_type=instance_type, root_volume_gb=root_volume_gb,
-                    allowed_cidr=allowed_cidr, python_env=python_env,
-                    record_parameter=record_parameter, prefix=prefix, endpoint_url=endpoint_url,
-                )  # fmt: skip
                 baked = ami.bake(settings, say=console.print)
             except KeyboardInterrupt as exc:
                 raise SparknetError("interrupted; the builder and the image were removed") from exc
     except SparknetError as exc:
-        fail(exc, debug, 128 + caught.signum if caught.signum else 2)
+        fail(exc, debug, _exit_code(exc, caught))
     for key, value in baked.tags.items():
         print(f"{key}\t{value}")
     print(
@@ -62,6 +73,13 @@ def ami_bake(
     )
     if baked.left:  # the image is good; what the builder left still costs
         fail(SparknetError(baked.left), debug, 1)
+
+
+def _exit_code(exc: SparknetError, caught: Caught) -> int:
+    """128 + the signal's number when one stopped the bake (130 Ctrl-C, 143 SIGTERM), 2 for bad
+    input (an option, ami/image.toml, a base AMI or type the region lacks), 1 for a failure on
+    the way (AWS, a failed step on the builder)."""
+    return signal_exit(caught) or (2 if isinstance(exc, InputError) else 1)
 
 
 def _settings(**given):

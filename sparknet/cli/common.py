@@ -44,6 +44,12 @@ class Caught:
     signum: int | None = None
 
 
+def signal_exit(caught: Caught | None) -> int | None:
+    """The exit code of a command a signal stopped, as a shell reports one: 128 + the signal's
+    number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP); None when no signal came."""
+    return 128 + caught.signum if caught is not None and caught.signum else None
+
+
 @contextlib.contextmanager
 def interrupts(caught: Caught, *, stop_at: int = 1, note: str = "") -> Iterator[Caught]:
     """Ctrl-C, SIGTERM and SIGHUP (`kill`, a CI timeout, a closed terminal) unwind alike: the

@@ -29,7 +29,7 @@ from sparknet import aws, interrupts
 from sparknet.cluster import bootstrap, foundation, instances, nodes
 from sparknet.cluster.spark_conf import DEFAULT_PREFIX
 from sparknet.cluster.spec import DEFAULT_AMI_PARAMETER, TAG_ROLE, ClusterSpec, tag_value
-from sparknet.errors import SparknetError
+from sparknet.errors import InputError, SparknetError
 
 Say = Callable[[str], None]
 
@@ -70,21 +70,21 @@ def load_image(path: Path | None = None) -> Image:
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SparknetError(f"{path}: {nodes.describe(exc)}") from exc
+        raise InputError(f"{path}: {nodes.describe(exc)}") from exc
     by_name = {cls.name: cls for cls in bootstrap.PREPARE}
     steps = []
     for name in data.get("steps", []):
         if name in NOT_BAKED:
-            raise SparknetError(f"{path}: step {name!r} belongs to a cluster, not to an image")
+            raise InputError(f"{path}: step {name!r} belongs to a cluster, not to an image")
         if name not in by_name:
-            raise SparknetError(
+            raise InputError(
                 f"{path}: no bootstrap step {name!r}; bootstrap.py has {', '.join(by_name)}"
             )
         steps.append(by_name[name])
     paths = {key: tuple(data.get(key, [])) for key in ("remove", "empty")}
     for entry in paths["remove"] + paths["empty"]:
         if not isinstance(entry, str) or not _PATH.fullmatch(entry) or ".." in entry:
-            raise SparknetError(
+            raise InputError(
                 f"{path}: {entry!r} is not an absolute path or glob (or one under {{prefix}}/)"
             )
     return Image(tuple(steps), paths["remove"], paths["empty"])
@@ -132,7 +132,7 @@ def check_parameter_name(name: str) -> str:
         or bare.startswith(("aws", "ssm"))
         or ("/" in name and not name.startswith("/"))
     ):
-        raise SparknetError(
+        raise InputError(
             f"SSM parameter name {name!r}: use a-z A-Z 0-9 _ . - /, a leading / for a path, "
             "and no aws or ssm at its start"
         )

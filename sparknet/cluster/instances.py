@@ -27,7 +27,7 @@ import botocore.exceptions as bx
 
 from sparknet import aws
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec
-from sparknet.errors import SparknetError
+from sparknet.errors import InputError, SparknetError
 
 #: AWS's own "what is my IP" endpoint; `SPARKNET_CHECKIP_URL` overrides it (tests, proxies)
 CHECKIP_URL = "https://checkip.amazonaws.com"
@@ -129,7 +129,7 @@ def resolve_ami(spec: ClusterSpec, ssm: Any) -> str:
     used without hard-coding ids that differ per region and change every release)."""
     if spec.ami:
         if not AMI_ID.fullmatch(spec.ami):
-            raise SparknetError(
+            raise InputError(
                 f"ami {spec.ami!r} is not an AMI id (ami- and 8 or 17 hex digits, as "
                 "`aws ec2 describe-images` shows them)"
             )
@@ -139,7 +139,7 @@ def resolve_ami(spec: ClusterSpec, ssm: Any) -> str:
         return str(ssm.get_parameter(Name=spec.ami_parameter)["Parameter"]["Value"])
     except bx.ClientError as exc:
         if aws.error_code(exc) == "ParameterNotFound":
-            raise SparknetError(
+            raise InputError(
                 f"SSM parameter {spec.ami_parameter} does not exist in {region}; pass --ami "
                 "AMI_ID to `cluster up` (e.g. one `make ami` baked), or set ami or "
                 "ami_parameter in the cluster's `clusters:` entry"
@@ -177,12 +177,12 @@ def check_offered(
         region_azs = found[itype]
         usable = [az for az in azs if az in region_azs] if azs else sorted(region_azs)
         if not region_azs:
-            raise SparknetError(
+            raise InputError(
                 f"instance type {itype} is not offered in {region}; choose another "
                 f"(aws ec2 describe-instance-type-offerings --region {region})"
             )
         if not usable:
-            raise SparknetError(
+            raise InputError(
                 f"instance type {itype} is offered in {region} only in "
                 f"{', '.join(sorted(region_azs))}, none of the cluster's AZs "
                 f"({', '.join(azs or [])}); add one of those AZs or choose another type"
@@ -204,7 +204,7 @@ def check_zones(ec2: Any, zones: Sequence[str]) -> None:
     names = sorted(z["ZoneName"] for z in found if z.get("RegionName", region) == region)
     unknown = [z for z in zones if z not in names]
     if unknown:
-        raise SparknetError(
+        raise InputError(
             f"availability_zones: {', '.join(unknown)} is not an AZ of {region}; its AZs are "
             f"{', '.join(names)}"
         )
@@ -220,7 +220,7 @@ def check_key_pair(ec2: Any, key_name: str | None) -> None:
         ec2.describe_key_pairs(KeyNames=[key_name])
     except bx.ClientError as exc:
         if aws.error_code(exc) == "InvalidKeyPair.NotFound":
-            raise SparknetError(
+            raise InputError(
                 f"key pair {key_name!r} does not exist in {region}; import your public key "
                 f"(aws ec2 import-key-pair --region {region} --key-name {key_name} ...) or "
                 "remove key_name"
@@ -244,7 +244,7 @@ def _root_device(ec2: Any, ami: str) -> tuple[str, int]:
     except bx.BotoCoreError as exc:
         raise aws.describe_error(exc, f"DescribeImages in {region}") from exc
     if not images:
-        raise SparknetError(f"AMI {ami} does not exist in {region} (or is not shared with you)")
+        raise InputError(f"AMI {ami} does not exist in {region} (or is not shared with you)")
     image = images[0]
     name = image["RootDeviceName"]
     size = next(
@@ -264,7 +264,7 @@ def check_ami(ec2: Any, ami: str, root_volume_gb: int) -> str:
     is made, so a wrong `--ami` costs nothing."""
     root_device, snapshot_gb = _root_device(ec2, ami)
     if root_volume_gb < snapshot_gb:
-        raise SparknetError(
+        raise InputError(
             f"root_volume_gb {root_volume_gb} is smaller than AMI {ami}'s {snapshot_gb} GiB "
             f"snapshot; set root_volume_gb to at least {snapshot_gb}"
         )
@@ -814,7 +814,7 @@ def caller_cidr(timeout: float = 3.0) -> str:
     which is what the security group sees."""
     url = os.environ.get(CHECKIP_ENV) or CHECKIP_URL
     if not url.startswith(("https://", "http://")):
-        raise SparknetError(f"{CHECKIP_ENV}={url!r} is not an http(s) URL")
+        raise InputError(f"{CHECKIP_ENV}={url!r} is not an http(s) URL")
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             text = response.read(64).decode("ascii", "replace").strip()

@@ -13,6 +13,9 @@ monkeypatch so `moto_nodes` can serve it before it launches).
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import signal
+import subprocess
 import uuid
 from dataclasses import dataclass
 from functools import partial
@@ -205,7 +208,7 @@ def test_a_failing_step_leaves_no_builder_and_no_image(
     args = cli_args(moto_bake, blocker / "prefix", moto_endpoint)
     result = CliRunner().invoke(app, args)
 
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 1, result.output  # a failed step: not bad input
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: bake failed on the builder i-")
     assert "step dirs failed (exited 1)" in lines[-1]
@@ -328,6 +331,71 @@ def test_ctrl_c_after_create_image_leaves_image_and_snapshots_tagged_and_removes
     by_id = ec2.describe_snapshots(Filters=[{"Name": "snapshot-id", "Values": snapshots}])
     assert by_id["Snapshots"] == []
     assert_builder_gone(moto_bake)
+
+
+def bake_cli(*args: str, env: dict[str, str]) -> subprocess.Popen:
+    """`sparknet ami bake ARGS` as a user runs it: its own process, stderr piped."""
+    from tests.conftest import SPARKNET
+
+    return subprocess.Popen(
+        [str(SPARKNET), "ami", "bake", "--region", REGION, "--instance-type", "m5.large",
+         "--root-volume-gb", "120", "--allowed-cidr", "203.0.113.9/32", *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_cli_bake_exits_2_for_bad_input_and_1_for_an_aws_failure(moto_endpoint, tmp_path):
+    from tests.sshd import free_port
+
+    env = {**os.environ, lifecycle.HOME_ENV: str(tmp_path / "home")}
+    missing = bake_cli("--base-ami", "ami-0123456789abcdef0", "--endpoint-url", moto_endpoint,
+                       env=env)  # fmt: skip
+    _, err = missing.communicate(timeout=120)
+    assert missing.returncode == 2, err
+    assert err.strip().splitlines() == [
+        "error: AMI ami-0123456789abcdef0 does not exist in us-east-1 (or is not shared with you)"
+    ]
+    # nothing listens there: AWS cannot be reached, which no option of the bake's fixes
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    unreachable = bake_cli("--base-ami", "ami-0123456789abcdef0", "--endpoint-url", nowhere,
+                           env=env)  # fmt: skip
+    _, err = unreachable.communicate(timeout=120)
+    assert unreachable.returncode == 1, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"error: cannot reach AWS at {nowhere} ")
+
+
+def test_cli_bake_stopped_by_sigterm_exits_143_and_removes_what_it_made(
+    moto_endpoint, moto_nodes, tmp_path
+):
+    """SIGTERM once the builder's network is being made; its node is mapped to a port where
+    nothing listens, so a bake that got further would still reach nothing off this machine."""
+    home = tmp_path / "home"
+    ec2 = boto3.client("ec2", region_name=REGION)
+    base = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    env = {**os.environ, lifecycle.HOME_ENV: str(home)}
+    proc = bake_cli("--base-ami", base, "--endpoint-url", moto_endpoint, env=env)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("builder bake-"):  # "builder NAME: network and key pair"
+                name = line.split()[1].rstrip(":")
+                moto_nodes(name)  # the seam: NAME's master at a loopback port, no sshd there
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest = proc.stderr.read()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, "".join(lines) + rest
+    assert rest.strip().splitlines()[-1].startswith("error: interrupted")
+    by_tag = [{"Name": f"tag:{TAG_CLUSTER}", "Values": [name]}]
+    assert builder_states(ec2, name) in ([], ["terminated"])
+    assert ec2.describe_vpcs(Filters=by_tag)["Vpcs"] == []
+    assert ec2.describe_key_pairs(Filters=by_tag)["KeyPairs"] == []
 
 
 def test_cluster_up_launches_the_recorded_baked_ami(moto_endpoint, tmp_path, monkeypatch):
