@@ -41,7 +41,9 @@ RECORD_PARAMETER = "/sparknet/ami/latest"
 ROLE_AMI = "ami"
 #: steps that must not run on a builder: the secret and the daemons belong to one cluster
 NOT_BAKED = frozenset({"spark-conf", "spark-master", "spark-worker"})
-#: what a `remove` / `empty` entry may hold: absolute globs, or ones under {prefix}
+#: image.toml's lists of paths (Image's fields of the same names)
+_PATH_KEYS = ("remove", "empty", "remove_files", "truncate")
+#: what an entry of those may hold: absolute globs, or ones under {prefix}
 _PATH = re.compile(r"^(/|\{prefix\}/)[A-Za-z0-9_./*-]*$")
 #: AWS's rule for an image name: 3-128 of letters, digits and ( ) [ ] space . / - ' @ _
 _IMAGE_NAME = re.compile(r"^[A-Za-z0-9()\[\] ./'@_-]{3,128}$")
@@ -59,8 +61,14 @@ class Image:
     """ami/image.toml: the bootstrap steps the builder runs, and what is cleaned off it."""
 
     steps: tuple[type[bootstrap.Step], ...]
+    #: removed, whatever they are
     remove: tuple[str, ...]
+    #: directories whose files are deleted, the directories kept
     empty: tuple[str, ...]
+    #: removed where a regular file; a symlink stays (Ubuntu links D-Bus's machine id to systemd's)
+    remove_files: tuple[str, ...] = ()
+    #: files emptied, kept (systemd writes a new machine id into an empty /etc/machine-id)
+    truncate: tuple[str, ...] = ()
 
 
 def load_image(path: Path | None = None) -> Image:
@@ -81,29 +89,39 @@ def load_image(path: Path | None = None) -> Image:
                 f"{path}: no bootstrap step {name!r}; bootstrap.py has {', '.join(by_name)}"
             )
         steps.append(by_name[name])
-    paths = {key: tuple(data.get(key, [])) for key in ("remove", "empty")}
-    for entry in paths["remove"] + paths["empty"]:
+    paths = {key: tuple(data.get(key, [])) for key in _PATH_KEYS}
+    for entry in (e for key in _PATH_KEYS for e in paths[key]):
         if not isinstance(entry, str) or not _PATH.fullmatch(entry) or ".." in entry:
             raise InputError(
                 f"{path}: {entry!r} is not an absolute path or glob (or one under {{prefix}}/)"
             )
-    return Image(tuple(steps), paths["remove"], paths["empty"])
+    return Image(tuple(steps), **paths)
 
 
 def cleanup_command(image: Image, prefix: str, root: str = "/") -> str:
-    """The shell command that removes `image.remove` and empties `image.empty` on the builder.
-    `root` is where the entries' "/" is (tests clean a directory, not the machine they run on);
-    a glob that matches nothing removes nothing."""
-    base = shlex.quote(root.rstrip("/"))
+    """The shell command that cleans the builder as `image` says; a glob that matches nothing
+    removes nothing. `root` is where the entries' "/" is (tests clean a directory, not the
+    machine they run on); on the builder's own root, cloud-init's clean-up runs first where
+    cloud-init is installed (its state and logs: the image's first boot is a first boot)."""
+    top = root.rstrip("/")
+    base = shlex.quote(top) if top else ""
 
     def where(entry: str) -> str:
         if entry.startswith("{prefix}/"):
             return shlex.quote(prefix.rstrip("/")) + "/" + entry.removeprefix("{prefix}/")
         return base + entry  # the glob part stays unquoted: the shell expands it
 
+    def each(entries: tuple[str, ...], test: str, action: str) -> list[str]:
+        return [f"for f in {where(e)}; do if {test}; then {action}; fi; done" for e in entries]
+
+    parts = []
+    if not top:
+        parts.append("if command -v cloud-init >/dev/null 2>&1; then cloud-init clean --logs; fi")
     removes = " ".join(where(e) for e in image.remove)
-    parts = [f"rm -rf -- {removes}"] if removes else []
+    parts += [f"rm -rf -- {removes}"] if removes else []
     parts += [f"find {where(e)} -xdev -type f -delete 2>/dev/null" for e in image.empty]
+    parts += each(image.remove_files, '[ -f "$f" ] && [ ! -L "$f" ]', 'rm -f -- "$f"')
+    parts += each(image.truncate, '[ -f "$f" ]', ': > "$f"')
     return "; ".join([*parts, "true"])
 
 

@@ -58,6 +58,61 @@ def test_the_cleanup_removes_what_is_listed_under_its_root_and_keeps_the_rest(tm
     assert (prefix / "conf").is_dir() and not any((prefix / "conf").iterdir())
 
 
+def hygiene_root(root: Path, *, dbus_link: bool) -> dict[str, Path]:
+    """A fake builder root with the identity, caches and lists the image must not carry; the
+    D-Bus machine id a symlink to /etc/machine-id (as on Ubuntu) or a file of its own."""
+    files = {
+        "machine id": "etc/machine-id",
+        "apt list": "var/lib/apt/lists/archive.ubuntu.com_ubuntu_dists_jammy_InRelease",
+        "apt cache": "var/cache/apt/pkgcache.bin",
+        "apt archive": "var/cache/apt/archives/openjdk-17.deb",
+        "root pip cache": "root/.cache/pip/http-v2/a/b",
+        "user pip cache": "home/ubuntu/.cache/pip/wheels/c",
+        "user cache": "home/ubuntu/.cache/other/kept",
+    }
+    out = {}
+    for what, rel in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(f"{what}\n")
+        out[what] = root / rel
+    dbus = root / "var/lib/dbus/machine-id"
+    dbus.parent.mkdir(parents=True)
+    if dbus_link:
+        dbus.symlink_to(root / "etc/machine-id")
+    else:
+        dbus.write_text("0123456789abcdef\n")
+    out["dbus machine id"] = dbus
+    return out
+
+
+@pytest.mark.parametrize("dbus_link", [False, True])
+def test_the_image_cleanup_leaves_no_machine_identity_nor_caches(tmp_path: Path, dbus_link: bool):
+    root = tmp_path / "root"
+    made = hygiene_root(root, dbus_link=dbus_link)
+    command = ami.cleanup_command(ami.load_image(), str(tmp_path / "prefix"), str(root))
+    subprocess.run(["sh", "-c", command], check=True)
+    # truncated, not deleted: systemd makes a new id on the first boot of each instance
+    assert made["machine id"].is_file() and made["machine id"].read_text() == ""
+    # a D-Bus id of its own goes; a symlink to /etc/machine-id (Ubuntu's) stays
+    assert made["dbus machine id"].is_symlink() == dbus_link
+    assert made["dbus machine id"].exists() == dbus_link
+    for what in ("apt list", "apt cache", "apt archive", "root pip cache", "user pip cache"):
+        assert not made[what].exists(), what
+    assert (root / "var/lib/apt/lists").is_dir() and (root / "var/cache/apt/archives").is_dir()
+    assert made["user cache"].exists()
+    # cloud-init's own clean-up runs on the builder itself only (here it would clean this host)
+    assert "cloud-init" not in command
+
+
+def test_the_builders_cleanup_runs_cloud_inits_where_present():
+    command = ami.cleanup_command(ami.load_image(), "/opt/sparknet")
+    assert command.startswith(
+        "if command -v cloud-init >/dev/null 2>&1; then cloud-init clean --logs; fi; "
+    )
+    truncated = 'for f in /etc/machine-id; do if [ -f "$f" ]; then : > "$f"; fi; done'
+    assert truncated in command and "rm -rf -- /etc/ssh/ssh_host_* " in command
+
+
 @pytest.mark.parametrize("name", ["/aws/x", "awsx", "/ssm/x", "SSM-x", "a/b", "/x y", ""])
 def test_ssm_parameter_names_aws_refuses_are_refused(name: str):
     with pytest.raises(SparknetError, match="SSM parameter name"):
