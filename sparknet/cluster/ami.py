@@ -359,12 +359,16 @@ def _bake(
     say(f"stopping the builder {made.builder}")
     with aws.aws_call("StopInstances", spec.region):
         ec2.stop_instances(InstanceIds=[made.builder])
-    instances._wait(ec2, "instance_stopped", [made.builder], time.monotonic() + timeout_s, delay_s)
+    deadline = time.monotonic() + timeout_s
+    instances.wait_instances(ec2, "instance_stopped", [made.builder], deadline, delay_s)
     tags = image_tags(spec, base, wheel.version, plan.pyspark_version, *versions)
     name = image_name(wheel.version, spec.name)
     made.image = _create_image(ec2, made.builder, name, tags)
     say(f"creating image {made.image} ({name})")
-    _wait_available(ec2, made.image, timeout_s, delay_s)
+    # snapshots of a GPU image take minutes to tens of them
+    deadline = time.monotonic() + timeout_s
+    what = f"image {made.image}"
+    instances.wait_for(ec2, "image_available", deadline, delay_s, what=what, ImageIds=[made.image])
     ssm = instances.ssm_client(spec.region, settings.endpoint_url)
     record(ssm, made.image, settings.record_parameter)
     return Baked(made.image, name, tags, settings.record_parameter)
@@ -494,20 +498,6 @@ def snapshots_of(ec2: Any, image_id: str, builder: str | None = None) -> list[st
             )
             ids |= {snap["SnapshotId"] for page in pages for snap in page["Snapshots"]}
     return sorted(ids)
-
-
-def _wait_available(ec2: Any, image_id: str, timeout_s: float, delay_s: float) -> None:
-    """Until the image is available (snapshots of a GPU image take minutes to tens of them)."""
-    config = {"Delay": delay_s, "MaxAttempts": max(1, int(timeout_s / delay_s))}
-    try:
-        ec2.get_waiter("image_available").wait(ImageIds=[image_id], WaiterConfig=config)
-    except bx.WaiterError as exc:
-        raise SparknetError(
-            f"image {image_id} did not become available "
-            f"({aws.one_line(exc.kwargs.get('reason', exc))})"
-        ) from exc
-    except (bx.BotoCoreError, bx.ClientError) as exc:
-        raise aws.describe_error(exc, f"waiting for image {image_id}") from exc
 
 
 def _clean_up(

@@ -555,20 +555,33 @@ def _describe(
     return found
 
 
-def _wait(ec2: Any, waiter: str, ids: Sequence[str], deadline: float, delay_s: float) -> None:
-    """Run a boto3 waiter until `deadline` (time.monotonic()), polling every `delay_s`."""
+def wait_for(
+    ec2: Any, waiter: str, deadline: float, delay_s: float, *, what: str, **params: Any
+) -> None:
+    """Run the EC2 waiter `waiter` with `params` (``InstanceIds=...``, ``ImageIds=...``) until
+    `deadline` (time.monotonic()), polling every `delay_s`: the one wrapper of boto3's waiters,
+    so every wait is bounded the same way and fails in one line naming `what` (e.g. "instances
+    i-1, i-2") and the state it did not reach."""
     remaining = max(deadline - time.monotonic(), delay_s)
     config = {"Delay": delay_s, "MaxAttempts": max(1, math.ceil(remaining / delay_s))}
     try:
-        ec2.get_waiter(waiter).wait(InstanceIds=list(ids), WaiterConfig=config)
+        ec2.get_waiter(waiter).wait(**params, WaiterConfig=config)
     except bx.WaiterError as exc:
         reason = aws.one_line(exc.kwargs.get("reason", exc))
+        state = waiter.split("_", 1)[-1]
         raise SparknetError(
-            f"instances {', '.join(ids)} did not reach {waiter.removeprefix('instance_')} "
-            f"({reason}); see the EC2 console for their state"
+            f"{what} did not reach {state} ({reason}); see the EC2 console for their state"
         ) from exc
     except (bx.BotoCoreError, bx.ClientError) as exc:
         raise aws.describe_error(exc, f"waiting for {waiter} in {aws.region_of(ec2)}") from exc
+
+
+def wait_instances(
+    ec2: Any, waiter: str, ids: Sequence[str], deadline: float, delay_s: float
+) -> None:
+    """`wait_for` an instance waiter ("instance_running", "instance_stopped", ...) on `ids`."""
+    what = f"instances {', '.join(ids)}"
+    wait_for(ec2, waiter, deadline, delay_s, what=what, InstanceIds=list(ids))
 
 
 def wait_ready(
@@ -583,8 +596,8 @@ def wait_ready(
     if not ids:
         return []
     deadline = time.monotonic() + timeout_s
-    _wait(ec2, "instance_running", ids, deadline, delay_s)
-    _wait(ec2, "instance_status_ok", ids, deadline, delay_s)
+    wait_instances(ec2, "instance_running", ids, deadline, delay_s)
+    wait_instances(ec2, "instance_status_ok", ids, deadline, delay_s)
     return sorted((Instance.from_ec2(r) for r in _describe(ec2, ids=ids)), key=lambda i: i.id)
 
 
@@ -611,7 +624,7 @@ def start_stopped(
     was installed on it, are kept) rather than waiting for it until the timeout."""
     stopping = [i.id for i in found if i.state == "stopping"]
     if stopping:
-        _wait(ec2, "instance_stopped", stopping, time.monotonic() + timeout_s, delay_s)
+        wait_instances(ec2, "instance_stopped", stopping, time.monotonic() + timeout_s, delay_s)
     ids = [i.id for i in found if i.stopped]
     if ids:
         with aws.aws_call("StartInstances", aws.region_of(ec2)):
@@ -634,7 +647,7 @@ def terminate(
     with aws.aws_call("TerminateInstances", aws.region_of(ec2)):
         ec2.terminate_instances(InstanceIds=list(ids))
     if wait:
-        _wait(ec2, "instance_terminated", ids, time.monotonic() + timeout_s, delay_s)
+        wait_instances(ec2, "instance_terminated", ids, time.monotonic() + timeout_s, delay_s)
 
 
 def terminate_cluster(
