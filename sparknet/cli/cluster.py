@@ -513,7 +513,7 @@ def _reach(
         access = nodes.access_for(spec)
         nodes.check_key_file(access)
         nodes.pin_cluster(ec2, spec.name, found, access.known_hosts)
-        endpoint = nodes.pick(nodes.endpoints(spec.name, found), node)
+        endpoint = nodes.endpoint_named(spec.name, found, node)
     except SparknetError as exc:
         _fail(exc, debug)
     return endpoint, access

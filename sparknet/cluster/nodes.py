@@ -432,9 +432,24 @@ def pick(found: Sequence[Endpoint], node: str) -> Endpoint:
     for endpoint in found:
         if endpoint.name == node:
             return endpoint
-    names = ", ".join(e.name for e in found) or "none"
+    raise _no_node(node, [e.name for e in found])
+
+
+def endpoint_named(cluster: str, found: Sequence[Instance], node: str) -> Endpoint:
+    """The endpoint of node `node` of the cluster's instances `found`; only that node needs an
+    address (a worker still pending has none yet, and must not keep `cluster ssh` from the
+    master). A one-line error naming the nodes there are otherwise."""
+    named = node_names(found)
+    for name, inst in named:
+        if name == node:
+            return endpoint_of(cluster, name, inst)
+    raise _no_node(node, [name for name, _ in named])
+
+
+def _no_node(node: str, names: list[str]) -> SparknetError:
     hint = "" if _NODE_NAME.fullmatch(node) else " (master or worker-N)"
-    raise SparknetError(f"no node {node!r}{hint}; the cluster's nodes: {names}")
+    listed = ", ".join(names) or "none"
+    return SparknetError(f"no node {node!r}{hint}; the cluster's nodes: {listed}")
 
 
 # --- host keys through cloud-init --------------------------------------------------------------
@@ -492,7 +507,11 @@ def pin_cluster(ec2: Any, cluster: str, found: Sequence[Instance], known_hosts: 
     address."""
     pins: dict[str, str] = {}
     unpinned = []
-    for endpoint, (_name, inst) in zip(endpoints(cluster, found), node_names(found), strict=True):
+    for name, inst in node_names(found):
+        try:
+            endpoint = endpoint_of(cluster, name, inst)
+        except SparknetError:
+            continue  # no address yet (pending): nothing can connect to it to be refused
         public = host_public_key(user_data_of(ec2, inst.id))
         if public:
             pins[endpoint.address] = public

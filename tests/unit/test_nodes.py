@@ -83,6 +83,36 @@ def test_pick_names_the_nodes_there_are():
         nodes.pick(found, "mastr")
 
 
+def test_a_pending_worker_keeps_no_one_from_the_master(monkeypatch):
+    """`cluster ssh` picks its node before it asks for an address: a worker still pending (no
+    public IP yet) is an error only for a user who asks for that worker."""
+    monkeypatch.delenv(nodes.ENDPOINTS_ENV, raising=False)
+    found = [inst("i-m", "master"), inst("i-w", "worker", None, minutes=1)]
+    assert nodes.endpoint_named("c1", found, "master") == Endpoint("master", "198.51.100.1")
+    with pytest.raises(SparknetError, match=r"^worker-1 \(i-w, running\) has no public IP"):
+        nodes.endpoint_named("c1", found, "worker-1")
+    with pytest.raises(SparknetError, match=r"^no node 'worker-2'; the cluster's nodes: master, "):
+        nodes.endpoint_named("c1", found, "worker-2")
+
+
+def test_pinning_skips_a_node_with_no_address_yet(monkeypatch, tmp_path):
+    """A stand-in for EC2's DescribeInstanceAttribute (the user data of each instance): what
+    is checked here is which nodes get pinned, not EC2."""
+    import base64
+    from types import SimpleNamespace
+
+    monkeypatch.delenv(nodes.ENDPOINTS_ENV, raising=False)
+    text, public = nodes.host_key_user_data()
+    data = {"Value": base64.b64encode(text.encode()).decode()}
+    ec2 = SimpleNamespace(
+        meta=SimpleNamespace(region_name="us-east-1"),
+        describe_instance_attribute=lambda **kw: {"UserData": data},
+    )
+    found = [inst("i-m", "master"), inst("i-w", "worker", None, minutes=1)]
+    assert nodes.pin_cluster(ec2, "c1", found, tmp_path / "known_hosts") == []
+    assert (tmp_path / "known_hosts").read_text() == f"198.51.100.1 {public}\n"
+
+
 def test_host_key_user_data_is_cloud_config_with_only_that_key():
     text, public = nodes.host_key_user_data()
     assert text.startswith("#cloud-config\n")
