@@ -185,7 +185,12 @@ def cluster_up(
         region=region, allowed_cidr=allowed_cidr, ami=ami,
     )  # fmt: skip
     caught = Caught()
-    note = f"still removing what `up` made; `sparknet cluster down {name}` after"
+    # a second signal arrives while the first one's clean-up runs: before the bootstrap that
+    # removes what this `up` launched, during it nothing is removed (the instances stay)
+    note = (
+        f"finishing the clean-up of the interrupt; `sparknet cluster status {name}` shows what "
+        "is left after"
+    )
     try:
         with interrupts(caught, stop_at=1, note=note):
             try:
