@@ -6,7 +6,7 @@ The builder is a one-node throw-away cluster (`bake-<time>-<hex>`, role master):
 key pair, pinned host key and tags are made exactly as `cluster up` makes a cluster's, and
 whatever the bake leaves after a crash is found by `sparknet cluster sweep` like any cluster's.
 What the image holds is defined in the checkout's ``ami/image.toml`` (`load_image`), whose steps
-are bootstrap.py's own classes, by name: there is no second copy of an install step.
+are steps.py's own classes, by name: there is no second copy of an install step.
 """
 
 from __future__ import annotations
@@ -27,8 +27,12 @@ import tomllib
 
 from sparknet import aws, interrupts
 from sparknet.cluster import bootstrap, foundation, instances, nodes
+from sparknet.cluster.plan import Node, Plan
+from sparknet.cluster.remote import run
 from sparknet.cluster.spark_conf import DEFAULT_PREFIX
 from sparknet.cluster.spec import DEFAULT_AMI_PARAMETER, TAG_ROLE, ClusterSpec, tag_value
+from sparknet.cluster.steps import PREPARE, Step
+from sparknet.cluster.wheel import Wheel, build_wheel, source_checkout
 from sparknet.errors import InputError, SparknetError
 
 Say = Callable[[str], None]
@@ -60,7 +64,7 @@ def _quiet(_line: str) -> None:
 class Image:
     """ami/image.toml: the bootstrap steps the builder runs, and what is cleaned off it."""
 
-    steps: tuple[type[bootstrap.Step], ...]
+    steps: tuple[type[Step], ...]
     #: removed, whatever they are
     remove: tuple[str, ...]
     #: directories whose files are deleted, the directories kept
@@ -73,20 +77,20 @@ class Image:
 
 def load_image(path: Path | None = None) -> Image:
     """The image definition at `path` (default: the checkout's ami/image.toml); a one-line error
-    naming a step bootstrap.py does not have, one that must not be baked, or a bad path."""
-    path = path or bootstrap.source_checkout() / IMAGE_FILE
+    naming a step steps.py does not have, one that must not be baked, or a bad path."""
+    path = path or source_checkout() / IMAGE_FILE
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise InputError(f"{path}: {nodes.describe(exc)}") from exc
-    by_name = {cls.name: cls for cls in bootstrap.PREPARE}
+    by_name = {cls.name: cls for cls in PREPARE}
     steps = []
     for name in data.get("steps", []):
         if name in NOT_BAKED:
             raise InputError(f"{path}: step {name!r} belongs to a cluster, not to an image")
         if name not in by_name:
             raise InputError(
-                f"{path}: no bootstrap step {name!r}; bootstrap.py has {', '.join(by_name)}"
+                f"{path}: no bootstrap step {name!r}; steps.py has {', '.join(by_name)}"
             )
         steps.append(by_name[name])
     paths = {key: tuple(data.get(key, [])) for key in _PATH_KEYS}
@@ -255,7 +259,7 @@ def bake(
     *,
     say: Say = _quiet,
     image: Image | None = None,
-    wheel: bootstrap.Wheel | None = None,
+    wheel: Wheel | None = None,
     root: str = "/",
     timeout_s: float = 3600,
     delay_s: float = 15.0,
@@ -271,7 +275,7 @@ def bake(
     check_parameter_name(settings.record_parameter)
     gpus = gpu_count(ec2, settings.instance_type)
     with tempfile.TemporaryDirectory(prefix="sparknet-bake-") as tmp:
-        wheel = wheel or bootstrap.build_wheel(bootstrap.source_checkout(), Path(tmp))
+        wheel = wheel or build_wheel(source_checkout(), Path(tmp))
         made = _Made(spec.name)
         try:
             baked = _bake(spec, base, settings, image, wheel, gpus, ec2, made, say, root,
@@ -321,7 +325,7 @@ def _bake(
     base: str,
     settings: BakeSettings,
     image: Image,
-    wheel: bootstrap.Wheel,
+    wheel: Wheel,
     gpus: int,
     ec2: Any,
     made: _Made,
@@ -352,8 +356,8 @@ def _bake(
     access = nodes.access_for(spec)
     nodes.pin_cluster(ec2, spec.name, ready, access.known_hosts)
     (endpoint,) = nodes.endpoints(spec.name, ready)
-    node = bootstrap.Node(endpoint, prefix=settings.prefix, gpus=gpus)
-    plan = bootstrap.Plan((node,), wheel, "", python_env=settings.python_env)
+    node = Node(endpoint, prefix=settings.prefix, gpus=gpus)
+    plan = Plan((node,), wheel, "", python_env=settings.python_env)
     _install(plan, access, image, made.builder, say, timeout_s)
     versions = _versions_and_clean(plan, access, image, root)
     say(f"stopping the builder {made.builder}")
@@ -375,7 +379,7 @@ def _bake(
 
 
 def _install(
-    plan: bootstrap.Plan,
+    plan: Plan,
     access: nodes.Access,
     image: Image,
     builder: str,
@@ -409,18 +413,18 @@ print(d.version, cuda if cuda not in ("", "None") else "none")
 
 
 def _versions_and_clean(
-    plan: bootstrap.Plan, access: nodes.Access, image: Image, root: str
+    plan: Plan, access: nodes.Access, image: Image, root: str
 ) -> tuple[str, str]:
     """(torch version, CUDA version) of the builder's venv, read before its keys, secrets, logs
     and history are removed (over the same connection: the login key goes in that command)."""
     node = plan.master
 
     def one(_endpoint: nodes.Endpoint, conn: Any) -> tuple[str, str]:
-        out = bootstrap.run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(_TORCH_VERSIONS)}")
+        out = run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(_TORCH_VERSIONS)}")
         torch, cuda = [*out.split(), "none", "none"][:2]
         command = shlex.quote(cleanup_command(image, node.prefix, root))
         as_root = f'if [ "$(id -u)" = 0 ]; then sh -c {command}; else sudo -n sh -c {command}; fi'
-        bootstrap.run(conn, as_root, timeout=300)
+        run(conn, as_root, timeout=300)
         return torch, cuda
 
     try:

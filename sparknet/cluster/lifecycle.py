@@ -28,9 +28,12 @@ from sparknet import aws
 from sparknet.cluster import ami as images
 from sparknet.cluster import bootstrap as boot
 from sparknet.cluster import foundation, instances, nodes
+from sparknet.cluster.health import ClusterHealth, Expected, cluster_health
 from sparknet.cluster.instances import Hourly, Instance
+from sparknet.cluster.plan import Node, Plan
 from sparknet.cluster.spark_conf import DEFAULT_PREFIX, Ports, load_or_create_secret
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec, tag_value
+from sparknet.cluster.wheel import Wheel, build_wheel, source_checkout
 from sparknet.errors import SparknetError
 
 #: where the registry lives; SPARKNET_HOME moves it (tests, several accounts)
@@ -782,7 +785,7 @@ def instance_gpus(ec2: Any, types: list[str]) -> dict[str, int]:
     return gpus
 
 
-def plan_nodes(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> list[boot.Node]:
+def plan_nodes(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> list[Node]:
     """The cluster's instances as the bootstrap's nodes, master first: each reached at its
     seam endpoint, its daemons bound to its private address, its GPUs those of its instance
     type unless `bootstrap.gpus_per_node` says otherwise."""
@@ -798,7 +801,7 @@ def plan_nodes(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> list[boot.
     for name, inst in named:
         layout = nodes.node_layout(spec.name, name)
         out.append(
-            boot.Node(
+            Node(
                 nodes.endpoint_of(spec.name, name, inst),
                 address=layout.get("address") or inst.private_ip,
                 prefix=layout.get("prefix") or DEFAULT_PREFIX,
@@ -837,7 +840,7 @@ class Carried:
     """What the bootstrap brings to the nodes from this machine."""
 
     #: the sparknet wheel of this checkout (in a directory that lives as long as the bootstrap)
-    wheel: boot.Wheel
+    wheel: Wheel
     #: the cluster's Spark secret (`secret_file`)
     secret: str = field(repr=False)
 
@@ -846,7 +849,7 @@ def carry(spec: ClusterSpec, wheel_dir: Path) -> Carried:
     """The wheel of this checkout, built into `wheel_dir`, then the cluster's secret (made
     0600 on first use; one others can read is refused): the wheel first, so a checkout that
     does not build leaves no secret behind."""
-    wheel = boot.build_wheel(boot.source_checkout(), wheel_dir)
+    wheel = build_wheel(source_checkout(), wheel_dir)
     return Carried(wheel, load_or_create_secret(secret_file(spec.name)))
 
 
@@ -872,7 +875,7 @@ def _bootstrap_locked(
 
 def bootstrap_locked(
     spec: ClusterSpec,
-    planned: list[boot.Node],
+    planned: list[Node],
     access: nodes.Access,
     say: Say,
     carried: Carried | None = None,
@@ -883,7 +886,7 @@ def bootstrap_locked(
     settings = spec.bootstrap
     with tempfile.TemporaryDirectory(prefix="sparknet-wheel-") as wheel_dir:
         carried = carried or carry(spec, Path(wheel_dir))
-        plan = boot.Plan(
+        plan = Plan(
             tuple(planned), carried.wheel, carried.secret,
             ports=ports_of(spec), python_env=settings.python_env,
             worker_cores=settings.worker_cores, worker_memory_mb=settings.worker_memory_mb,
@@ -917,17 +920,15 @@ def say_report(report: boot.BootstrapReport, say: Say) -> None:
 
 def spark_health(
     spec: ClusterSpec, found: list[Instance], *, endpoint_url: str | None = None
-) -> boot.ClusterHealth:
+) -> ClusterHealth:
     """The Spark cluster's health as its master tells it (workers registered, cores, GPUs);
     a SparknetError when the master node takes no SSH connection within 5 s."""
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     running = [i for i in found if i.state == "running"]
     access = _reach(spec, ec2, running)
     plan = plan_nodes(spec, ec2, running)
-    expected = [
-        boot.Expected(n.name, n.rpc_host, spec.bootstrap.worker_cores, n.gpus) for n in plan
-    ]
-    return boot.cluster_health(plan[0], ports_of(spec), expected, access, connect_timeout=5)
+    expected = [Expected(n.name, n.rpc_host, spec.bootstrap.worker_cores, n.gpus) for n in plan]
+    return cluster_health(plan[0], ports_of(spec), expected, access, connect_timeout=5)
 
 
 def _stop_spark(spec: ClusterSpec, ec2: Any, found: list[Instance], say: Say) -> None:

@@ -1,6 +1,7 @@
 """What a node's Spark daemons run with, as plain text and numbers: the per-cluster secret, the
 `spark-defaults.conf`, the GPU discovery script, the worker's cores, memory and local dirs, and
-the systemd unit. Pure functions, so they are tested without a node; `bootstrap.py` ships them.
+the systemd unit. Pure functions, so they are tested without a node; `steps.py` and
+`daemons.py` ship them.
 """
 
 from __future__ import annotations

@@ -22,7 +22,10 @@ import paramiko
 
 from sparknet.cluster import bootstrap as boot
 from sparknet.cluster import lifecycle, nodes
+from sparknet.cluster.health import ClusterHealth, Expected, cluster_health
 from sparknet.cluster.nodes import Access, Endpoint
+from sparknet.cluster.plan import Node
+from sparknet.cluster.remote import run
 from sparknet.cluster.spark_conf import DEFAULT_PREFIX
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
@@ -87,7 +90,7 @@ def access(spec: ClusterSpec) -> Access:
     return found
 
 
-def plan_nodes(spec: ClusterSpec, reach: Access) -> list[boot.Node]:
+def plan_nodes(spec: ClusterSpec, reach: Access) -> list[Node]:
     """The hosts as the bootstrap's nodes: the daemons bind the host's address (the seam's
     ``<cluster>/<node>/node`` entry may give another, and an install prefix: the tests run
     several nodes on one machine); GPUs `bootstrap.gpus_per_node`, else as many as
@@ -95,18 +98,18 @@ def plan_nodes(spec: ClusterSpec, reach: Access) -> list[boot.Node]:
     fixed = spec.bootstrap.gpus_per_node
     if fixed is not None:
         return _nodes(spec, {e.name: fixed for e in endpoints(spec)})
-    answers = nodes.run_all(endpoints(spec), reach, lambda _e, c: boot.run(c, _COUNT_GPUS), 120)
+    answers = nodes.run_all(endpoints(spec), reach, lambda _e, c: run(c, _COUNT_GPUS), 120)
     return _nodes(spec, {name: int(text.strip() or 0) for name, text in answers.items()})
 
 
-def _nodes(spec: ClusterSpec, gpus: dict[str, int] | None = None) -> list[boot.Node]:
+def _nodes(spec: ClusterSpec, gpus: dict[str, int] | None = None) -> list[Node]:
     """The hosts as nodes with their addresses and prefixes, and `gpus` by node name (none
     given: 0, as stopping the daemons needs no count)."""
     out = []
     for endpoint in endpoints(spec):
         layout = nodes.node_layout(spec.name, endpoint.name)
         out.append(
-            boot.Node(
+            Node(
                 endpoint,
                 address=layout.get("address") or endpoint.host,
                 prefix=layout.get("prefix") or DEFAULT_PREFIX,
@@ -174,15 +177,13 @@ def _registered(spec: ClusterSpec) -> None:
         )
 
 
-def health(spec: ClusterSpec) -> boot.ClusterHealth:
+def health(spec: ClusterSpec) -> ClusterHealth:
     """The Spark cluster's health as its master tells it; a SparknetError when a host takes no
     SSH connection within `STATUS_CONNECT_S`."""
     reach = access(spec)
     planned = plan_nodes(spec, reach)
-    expected = [
-        boot.Expected(n.name, n.rpc_host, spec.bootstrap.worker_cores, n.gpus) for n in planned
-    ]
-    return boot.cluster_health(
+    expected = [Expected(n.name, n.rpc_host, spec.bootstrap.worker_cores, n.gpus) for n in planned]
+    return cluster_health(
         planned[0], lifecycle.ports_of(spec), expected, reach, connect_timeout=STATUS_CONNECT_S
     )
 

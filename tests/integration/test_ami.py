@@ -27,7 +27,11 @@ import pytest
 from typer.testing import CliRunner
 
 from sparknet.cluster import ami, bootstrap, lifecycle
+from sparknet.cluster.nodes import Endpoint
+from sparknet.cluster.plan import FACTS, Context, Node, Plan, parse_facts
+from sparknet.cluster.remote import run
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
+from sparknet.cluster.wheel import Wheel, build_wheel
 from sparknet.errors import SparknetError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,9 +52,9 @@ class Bake:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> bootstrap.Wheel:
+def wheel(tmp_path_factory) -> Wheel:
     """The sparknet wheel of this checkout, built once for the module."""
-    return bootstrap.build_wheel(REPO, tmp_path_factory.mktemp("wheel"))
+    return build_wheel(REPO, tmp_path_factory.mktemp("wheel"))
 
 
 @pytest.fixture
@@ -184,11 +188,11 @@ def test_bake_makes_a_tagged_image_with_the_steps_done_and_removes_the_builder(
     # a node from the image finds every step of the image done: `cluster up` skips them
     import invoke
 
-    node = bootstrap.Node(bootstrap.nodes.Endpoint("master", "127.0.0.1"), prefix=str(prefix))
+    node = Node(Endpoint("master", "127.0.0.1"), prefix=str(prefix))
     conn = invoke.Context()  # in tmp_path: python -c finds no sparknet in the cwd there
-    facts = bootstrap.parse_facts(bootstrap.run(conn, bootstrap._FACTS), node.prefix)
-    plan = bootstrap.Plan((node,), wheel, "", python_env=str(REPO / ".venv"))
-    ctx = bootstrap.Context(plan, node, facts)
+    facts = parse_facts(run(conn, FACTS), node.prefix)
+    plan = Plan((node,), wheel, "", python_env=str(REPO / ".venv"))
+    ctx = Context(plan, node, facts)
     steps = [cls(ctx) for cls in ami.load_image().steps]
     with conn.cd(str(tmp_path)):
         report = bootstrap.run_steps("master", steps, conn)
@@ -202,7 +206,7 @@ def test_a_failing_step_leaves_no_builder_and_no_image(
 
     ec2 = moto_bake.ec2
     # the module's wheel, not a second build of the same checkout (the one stand-in here)
-    monkeypatch.setattr(bootstrap, "build_wheel", lambda _checkout, _out: wheel)
+    monkeypatch.setattr(ami, "build_wheel", lambda _checkout, _out: wheel)
     blocker = tmp_path / "a-file"
     blocker.write_text("the prefix cannot be made under a file")
     args = cli_args(moto_bake, blocker / "prefix", moto_endpoint)
@@ -232,7 +236,7 @@ def no_steps(tmp_path: Path) -> dict[str, Any]:
     python.chmod(0o755)
     return {
         "image": ami.Image((), (), ()),
-        "wheel": bootstrap.Wheel(tmp_path / "unused.whl", "0.0.0", "unused"),
+        "wheel": Wheel(tmp_path / "unused.whl", "0.0.0", "unused"),
         "root": str(tmp_path / "root"),
         "delay_s": 0.2,
     }

@@ -25,8 +25,12 @@ from pathlib import Path
 import pytest
 
 from sparknet.cluster import bootstrap as b
+from sparknet.cluster.health import Expected, require_healthy
 from sparknet.cluster.nodes import Access
+from sparknet.cluster.plan import Node, Plan
 from sparknet.cluster.spark_conf import Ports
+from sparknet.cluster.wheel import Wheel
+from sparknet.errors import SparknetError
 from tests.sshd import SshNodes, free_port, start_nodes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,16 +40,16 @@ ADDRESSES = ("127.0.0.2", "127.0.0.3")
 
 @dataclass
 class Cluster:
-    plan: b.Plan
+    plan: Plan
     access: Access
     first: b.BootstrapReport
     secret_file: Path
 
 
-def nodes_of(group: SshNodes, root: Path) -> list[b.Node]:
+def nodes_of(group: SshNodes, root: Path) -> list[Node]:
     """The sshd nodes as the bootstrap sees them: each its own prefix and private address."""
     return [
-        b.Node(ep, address=addr, prefix=str(root / f"prefix-{ep.name}"))
+        Node(ep, address=addr, prefix=str(root / f"prefix-{ep.name}"))
         for ep, addr in zip(group.endpoints, ADDRESSES, strict=True)
     ]
 
@@ -75,7 +79,7 @@ def cluster(tmp_path_factory) -> Cluster:
             group.stop()
 
 
-def daemon_pids(plan: b.Plan) -> dict[str, int]:
+def daemon_pids(plan: Plan) -> dict[str, int]:
     out = {}
     for node in plan.nodes:
         for role in ("master", "worker"):
@@ -102,7 +106,7 @@ def listening_ports(pid: int) -> set[int]:
     return ports
 
 
-def master_json(plan: b.Plan) -> dict:
+def master_json(plan: Plan) -> dict:
     url = f"http://127.0.0.1:{plan.ports.master_ui}/json/"
     with urllib.request.urlopen(url, timeout=5) as response:
         return json.loads(response.read())
@@ -235,10 +239,10 @@ def test_a_second_bootstrap_applies_nothing_and_says_so(cluster) -> None:
 
 def test_the_health_check_names_a_missing_worker(cluster) -> None:
     plan = cluster.plan
-    expected = [b.Expected(n.name, n.rpc_host, 1) for n in plan.nodes]
-    expected.append(b.Expected("worker-2", "127.0.0.9", 1))
-    with pytest.raises(b.SparknetError) as caught:
-        b.require_healthy(plan.master, plan.ports, expected, cluster.access)
+    expected = [Expected(n.name, n.rpc_host, 1) for n in plan.nodes]
+    expected.append(Expected("worker-2", "127.0.0.9", 1))
+    with pytest.raises(SparknetError) as caught:
+        require_healthy(plan.master, plan.ports, expected, cluster.access)
     assert str(caught.value) == (
         "the Spark cluster is not healthy: worker-2's worker (127.0.0.9) is not registered "
         "with the master"
@@ -264,10 +268,10 @@ def test_a_failing_step_names_node_and_step(tmp_path) -> None:
         nodes = nodes_of(group, tmp_path)
         for node in nodes:
             Path(node.prefix).write_text("not a directory")
-        bad = [b.Node(n.endpoint, n.address, f"{n.prefix}/sub") for n in nodes]
-        wheel = b.Wheel(tmp_path / "unused.whl", "0", "0")
+        bad = [Node(n.endpoint, n.address, f"{n.prefix}/sub") for n in nodes]
+        wheel = Wheel(tmp_path / "unused.whl", "0", "0")
         with pytest.raises(b.BootstrapFailed) as caught:
-            b.bootstrap(b.Plan(tuple(bad), wheel, "ab" * 32, **settings()), group.access)
+            b.bootstrap(Plan(tuple(bad), wheel, "ab" * 32, **settings()), group.access)
     finally:
         group.stop()
     first, *rest = str(caught.value).splitlines()

@@ -5,12 +5,13 @@ the repository nowhere on the path."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from sparknet.cluster.wheel import build_wheel
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,29 +36,14 @@ print(ingress, rules.network()["az_count"], rules.bucket_settings()["versioning"
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
-    """The wheel built from a copy of the repo's sources (no build/ or egg-info in the
-    checkout), installed with --target into an empty directory."""
+    """The wheel the nodes get (`build_wheel`: from a copy of the repo's sources, no build/ or
+    egg-info in the checkout), installed with --target into an empty directory."""
     root = tmp_path_factory.mktemp("wheel")
-    src = root / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md", "sparknet", "infra"):
-        source = REPO / name
-        if source.is_dir():
-            shutil.copytree(
-                source, src / name, symlinks=True,
-                ignore=shutil.ignore_patterns("__pycache__", ".terraform", "*.tfstate*"),
-            )  # fmt: skip
-        else:
-            shutil.copy(source, src / name)
+    wheel = build_wheel(REPO, root / "dist")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run(
-        [*pip, "wheel", "--no-deps", "--no-build-isolation", str(src), "-w", str(root / "dist")],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
-    (wheel,) = (root / "dist").glob("sparknet-*.whl")
     target = root / "site"
     subprocess.run(
-        [*pip, "install", "--no-deps", "--target", str(target), str(wheel)],
+        [*pip, "install", "--no-deps", "--target", str(target), str(wheel.path)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     return target

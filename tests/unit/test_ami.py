@@ -26,7 +26,7 @@ def test_the_image_runs_bootstraps_install_steps_in_order_and_no_cluster_step():
     ("text", "message"),
     [
         ('steps = ["dirs", "spark-conf"]', "step 'spark-conf' belongs to a cluster"),
-        ('steps = ["dirs", "docker"]', "no bootstrap step 'docker'; bootstrap.py has dirs, java"),
+        ('steps = ["dirs", "docker"]', "no bootstrap step 'docker'; steps.py has dirs, java"),
         ('remove = ["etc/ssh/*"]', "'etc/ssh/*' is not an absolute path"),
         ('remove = ["/var/../etc"]', "'/var/../etc' is not an absolute path"),
         ('remove = ["/tmp/$(reboot)"]', "is not an absolute path"),

@@ -10,12 +10,18 @@ import stat
 import subprocess
 from pathlib import Path
 
+import invoke
 import pytest
-from invoke import Context
 
 from sparknet.cluster import bootstrap as b
 from sparknet.cluster import spark_conf as sc
+from sparknet.cluster.daemons import MASTER_CLASS, WORKER_CLASS, Master, Worker
+from sparknet.cluster.health import ClusterHealth, Expected, WorkerState, judge
 from sparknet.cluster.nodes import Endpoint
+from sparknet.cluster.plan import Context, Facts, Node, Plan, parse_facts
+from sparknet.cluster.remote import q, succeeds, upload
+from sparknet.cluster.steps import Step
+from sparknet.cluster.wheel import Wheel
 from sparknet.errors import SparknetError
 
 # --- the GPU discovery script ---------------------------------------------------------------
@@ -108,7 +114,7 @@ def test_a_secret_file_others_can_read_is_refused(tmp_path) -> None:
 
 
 def test_the_plan_never_shows_the_secret() -> None:
-    plan = b.Plan((b.Node(Endpoint("master", "h")),), b.Wheel(Path("w"), "1", "d"), "s3cret-x")
+    plan = Plan((Node(Endpoint("master", "h")),), Wheel(Path("w"), "1", "d"), "s3cret-x")
     assert "s3cret-x" not in repr(plan)
 
 
@@ -177,13 +183,13 @@ def test_torch_index_follows_the_drivers_cuda() -> None:
 def test_systemd_unit_runs_the_daemon_with_its_env_and_stamp() -> None:
     unit = sc.systemd_unit(
         "sparknet Spark master", "ubuntu", {"SPARK_HOME": "/v/pyspark"},
-        ["/v/pyspark/bin/spark-class", b.MASTER_CLASS, "--host", "10.0.0.5"], "abc123",
+        ["/v/pyspark/bin/spark-class", MASTER_CLASS, "--host", "10.0.0.5"], "abc123",
     )  # fmt: skip
     lines = unit.splitlines()
     assert lines[0] == "# written by sparknet bootstrap; stamp abc123"
     assert "User=ubuntu" in lines
     assert 'Environment="SPARK_HOME=/v/pyspark"' in lines
-    assert f"ExecStart=/v/pyspark/bin/spark-class {b.MASTER_CLASS} --host 10.0.0.5" in lines
+    assert f"ExecStart=/v/pyspark/bin/spark-class {MASTER_CLASS} --host 10.0.0.5" in lines
     assert "Restart=on-failure" in lines
 
 
@@ -205,40 +211,40 @@ yes
 
 
 def test_facts_from_one_command() -> None:
-    facts = b.parse_facts(FACTS.format(mounts=MOUNTS, models=MODELS), "/opt/sparknet")
-    assert facts == b.Facts(
+    facts = parse_facts(FACTS.format(mounts=MOUNTS, models=MODELS), "/opt/sparknet")
+    assert facts == Facts(
         "ubuntu", 1000, 8, 32594124, True, ("/opt/dlami/nvme/sparknet",), ("/opt/pytorch",)
     )
 
 
 def test_the_venv_is_laid_over_the_plans_env_else_the_amis() -> None:
-    node = b.Node(Endpoint("master", "h"))
-    wheel = b.Wheel(Path("w.whl"), "1", "d")
-    ami = b.Facts("ubuntu", 1000, 8, 1 << 24, True, (), ("/opt/pytorch",))
-    bare = b.Facts("ubuntu", 1000, 8, 1 << 24, True, ())
-    assert b.Context(b.Plan((node,), wheel, "s"), node, ami).base_env == "/opt/pytorch"
-    assert b.Context(b.Plan((node,), wheel, "s"), node, bare).base_env is None
-    given = b.Plan((node,), wheel, "s", python_env="/srv/env/")
-    assert b.Context(given, node, ami).base_env == "/srv/env"
+    node = Node(Endpoint("master", "h"))
+    wheel = Wheel(Path("w.whl"), "1", "d")
+    ami = Facts("ubuntu", 1000, 8, 1 << 24, True, (), ("/opt/pytorch",))
+    bare = Facts("ubuntu", 1000, 8, 1 << 24, True, ())
+    assert Context(Plan((node,), wheel, "s"), node, ami).base_env == "/opt/pytorch"
+    assert Context(Plan((node,), wheel, "s"), node, bare).base_env is None
+    given = Plan((node,), wheel, "s", python_env="/srv/env/")
+    assert Context(given, node, ami).base_env == "/srv/env"
 
 
 # --- the runner, locally ----------------------------------------------------------------------
 
 
-class Touch(b.Step):
+class Touch(Step):
     """Done when its file exists; applying makes it."""
 
     def __init__(self, name: str, path: Path) -> None:
         self.name, self.path = name, path
 
     def check(self, conn) -> bool:
-        return b.succeeds(conn, f"test -e {b.q(str(self.path))}")
+        return succeeds(conn, f"test -e {q(str(self.path))}")
 
     def apply(self, conn) -> None:
-        self.run(conn, f"touch {b.q(str(self.path))}")
+        self.run(conn, f"touch {q(str(self.path))}")
 
 
-class Noisy(b.Step):
+class Noisy(Step):
     """Never done; applying prints 20 lines and exits 3."""
 
     name = "noisy"
@@ -264,16 +270,16 @@ def test_steps_apply_once_then_skip(tmp_path) -> None:
     steps = [Touch("a", tmp_path / "a"), Touch("b", tmp_path / "b")]
     (tmp_path / "a").touch()
     said: list[str] = []
-    first = b.run_steps("node", steps, Context(), said.append)
+    first = b.run_steps("node", steps, invoke.Context(), said.append)
     assert first == b.NodeReport("node", applied=("b",), skipped=("a",))
     assert said == ["node: b ...", "node: b done"]
-    assert b.run_steps("node", steps, Context()) == b.NodeReport("node", (), ("a", "b"))
+    assert b.run_steps("node", steps, invoke.Context()) == b.NodeReport("node", (), ("a", "b"))
 
 
 def test_a_failing_step_names_node_step_and_its_last_lines(tmp_path) -> None:
     later = Touch("later", tmp_path / "later")
     with pytest.raises(b.StepFailed) as caught:
-        b.run_steps("worker-3", [Touch("a", tmp_path / "a"), Noisy(), later], Context())
+        b.run_steps("worker-3", [Touch("a", tmp_path / "a"), Noisy(), later], invoke.Context())
     exc = caught.value
     assert str(exc) == "worker-3: step noisy failed (exited 3): oops"
     assert (exc.node, exc.step) == ("worker-3", "noisy")
@@ -289,20 +295,20 @@ def test_a_failing_step_names_node_step_and_its_last_lines(tmp_path) -> None:
 
 def test_a_step_whose_check_fails_after_apply_is_a_failure(tmp_path) -> None:
     with pytest.raises(b.StepFailed, match=r"^n: step liar failed \(applied, but its check"):
-        b.run_steps("n", [Liar("liar", tmp_path / "x")], Context())
+        b.run_steps("n", [Liar("liar", tmp_path / "x")], invoke.Context())
 
 
 def test_upload_makes_the_file_with_its_mode_in_one_piece(tmp_path) -> None:
     target = tmp_path / "conf" / "spark-defaults.conf"
     target.parent.mkdir()
-    b.upload(Context(), b"secret stuff\n", str(target), 0o600)
+    upload(invoke.Context(), b"secret stuff\n", str(target), 0o600)
     assert target.read_bytes() == b"secret stuff\n"
     assert stat.S_IMODE(target.stat().st_mode) == 0o600
     assert sorted(p.name for p in target.parent.iterdir()) == ["spark-defaults.conf"]
 
 
 def test_report_says_nothing_to_do() -> None:
-    health = b.ClusterHealth("spark://m:7077", (), ())
+    health = ClusterHealth("spark://m:7077", (), ())
     idle = b.BootstrapReport({"m": b.NodeReport("m", (), ("a", "b"))}, health)
     assert idle.nothing_to_do
     assert idle.lines() == ["nothing to do: every step was already done on all 1 nodes"]
@@ -325,24 +331,24 @@ MASTER_JSON = {
 
 def test_health_names_the_missing_worker_and_wrong_cores_and_gpus() -> None:
     expected = [
-        b.Expected("master", "10.0.0.5", 4, gpus=1),
-        b.Expected("worker-1", "10.0.0.6", 4, gpus=1),
-        b.Expected("worker-2", "10.0.0.7", 4, gpus=1),
+        Expected("master", "10.0.0.5", 4, gpus=1),
+        Expected("worker-1", "10.0.0.6", 4, gpus=1),
+        Expected("worker-2", "10.0.0.7", 4, gpus=1),
     ]
-    health = b.judge(MASTER_JSON, "spark://10.0.0.5:7077", expected)
+    health = judge(MASTER_JSON, "spark://10.0.0.5:7077", expected)
     assert not health.ok
     assert health.problems == (
         "worker-1's worker (10.0.0.6) is not registered with the master",
         "worker-2's worker offers 2 cores, not 4",
         "worker-2's worker offers 0 GPUs, not 1",
     )
-    assert health.workers[0] == b.WorkerState("master", "10.0.0.5", "ALIVE", 4, 12000, 1)
+    assert health.workers[0] == WorkerState("master", "10.0.0.5", "ALIVE", 4, 12000, 1)
     assert health.lines()[0] == "Spark master spark://10.0.0.5:7077: UNHEALTHY"
 
 
 def test_health_of_a_good_cluster() -> None:
-    expected = [b.Expected("master", "10.0.0.5", 4, gpus=1), b.Expected("w", "10.0.0.7", None)]
-    health = b.judge(MASTER_JSON, "spark://10.0.0.5:7077", expected)
+    expected = [Expected("master", "10.0.0.5", 4, gpus=1), Expected("w", "10.0.0.7", None)]
+    health = judge(MASTER_JSON, "spark://10.0.0.5:7077", expected)
     assert health.ok
     assert health.lines() == [
         "Spark master spark://10.0.0.5:7077: healthy",
@@ -388,12 +394,12 @@ class Recorder:
 
 
 def test_on_a_systemd_node_the_worker_is_a_unit_restarted_with_sudo() -> None:
-    node = b.Node(Endpoint("worker-1", "203.0.113.9"), address="10.0.0.6", gpus=2)
-    master = b.Node(Endpoint("master", "203.0.113.8"), address="10.0.0.5")
-    plan = b.Plan((master, node), b.Wheel(Path("w.whl"), "1", "d"), "topsecret" * 4)
-    facts = b.Facts("ubuntu", 1000, 8, 32 * 1024 * 1024, True, ("/opt/dlami/nvme/sparknet",))
+    node = Node(Endpoint("worker-1", "203.0.113.9"), address="10.0.0.6", gpus=2)
+    master = Node(Endpoint("master", "203.0.113.8"), address="10.0.0.5")
+    plan = Plan((master, node), Wheel(Path("w.whl"), "1", "d"), "topsecret" * 4)
+    facts = Facts("ubuntu", 1000, 8, 32 * 1024 * 1024, True, ("/opt/dlami/nvme/sparknet",))
     conn = Recorder()
-    b.Worker(b.Context(plan, node, facts)).apply(conn)
+    Worker(Context(plan, node, facts)).apply(conn)
     unit = conn.files["/opt/sparknet/run/sparknet-worker.service"].decode()
     lines = unit.splitlines()
     assert "User=ubuntu" in lines
@@ -401,7 +407,7 @@ def test_on_a_systemd_node_the_worker_is_a_unit_restarted_with_sudo() -> None:
     (start,) = [ln for ln in lines if ln.startswith("ExecStart=")]
     assert start == (
         "ExecStart=/v/lib/python3.11/site-packages/pyspark/bin/spark-class "
-        f"{b.WORKER_CLASS} --host 10.0.0.6 --port 0 --webui-port 8081 --cores 8 "
+        f"{WORKER_CLASS} --host 10.0.0.6 --port 0 --webui-port 8081 --cores 8 "
         f"--memory {sc.worker_memory_mb(32 * 1024 * 1024, False)}m "
         "--work-dir /opt/sparknet/work spark://10.0.0.5:7077"
     )
@@ -420,27 +426,27 @@ def test_on_a_systemd_node_the_worker_is_a_unit_restarted_with_sudo() -> None:
 
 
 def test_a_plan_needs_nodes_with_distinct_names() -> None:
-    wheel = b.Wheel(Path("w.whl"), "1", "d")
+    wheel = Wheel(Path("w.whl"), "1", "d")
     with pytest.raises(SparknetError, match="at least one node"):
-        b.Plan((), wheel, "s")
-    twice = (b.Node(Endpoint("master", "a")), b.Node(Endpoint("master", "b")))
+        Plan((), wheel, "s")
+    twice = (Node(Endpoint("master", "a")), Node(Endpoint("master", "b")))
     with pytest.raises(SparknetError, match="node names repeat: master, master"):
-        b.Plan(twice, wheel, "s")
+        Plan(twice, wheel, "s")
 
 
 def test_stopping_a_systemd_daemon_for_good_disables_and_removes_its_unit() -> None:
     """`down` of a static cluster leaves the machines running: a unit still enabled would
     start Spark again at the next boot."""
-    node = b.Node(Endpoint("master", "203.0.113.8"), address="10.0.0.5")
-    plan = b.Plan((node,), b.Wheel(Path("w.whl"), "1", "d"), "topsecret" * 4)
-    facts = b.Facts("ubuntu", 1000, 8, 32 * 1024 * 1024, True, ())
+    node = Node(Endpoint("master", "203.0.113.8"), address="10.0.0.5")
+    plan = Plan((node,), Wheel(Path("w.whl"), "1", "d"), "topsecret" * 4)
+    facts = Facts("ubuntu", 1000, 8, 32 * 1024 * 1024, True, ())
     conn = Recorder()
-    b.Master(b.Context(plan, node, facts)).stop(conn, remove=True)
+    Master(Context(plan, node, facts)).stop(conn, remove=True)
     assert conn.commands == [
         "sudo -n systemctl stop sparknet-master.service 2>/dev/null; sudo -n systemctl disable -q "
         "sparknet-master.service 2>/dev/null; sudo -n rm -f "
         "/etc/systemd/system/sparknet-master.service; sudo -n systemctl daemon-reload; true"
     ]
     conn = Recorder()
-    b.Master(b.Context(plan, node, facts)).stop(conn)
+    Master(Context(plan, node, facts)).stop(conn)
     assert conn.commands == ["sudo -n systemctl stop sparknet-master.service 2>/dev/null; true"]

@@ -1,0 +1,229 @@
+"""The Spark standalone daemons as steps: the master and the workers from the venv's pyspark
+(`spark-class`: the pip pyspark has no `sbin/start-*.sh`), as systemd units where systemd runs,
+else as background processes in their own session with pid files under the prefix."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from sparknet.cluster.remote import TAIL_LINES, CommandFailed, Conn, q, succeeds, tail_lines, upload
+from sparknet.cluster.spark_conf import UI_HOST, systemd_unit
+from sparknet.cluster.steps import Step, conf_files, sha256_hex
+
+#: Spark's daemon classes, run through spark-class
+MASTER_CLASS = "org.apache.spark.deploy.master.Master"
+WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
+
+
+# --- the Spark daemons ---------------------------------------------------------------------------
+
+
+class Daemon(Step):
+    """A Spark daemon (master or worker) from the venv's pyspark. Done when it runs with exactly
+    today's command line, environment and conf (their hash, the stamp): a changed setting
+    restarts it. A systemd unit where systemd runs, else a background process in its own session
+    whose pid file is under the prefix (stopped through its process group)."""
+
+    role = "daemon"
+    klass = ""
+
+    def argv(self, spark_home: str) -> list[str]:
+        raise NotImplementedError
+
+    def env(self, spark_home: str) -> dict[str, str]:
+        n = self.ctx.node
+        return {
+            "SPARK_HOME": spark_home,
+            "SPARK_CONF_DIR": n.path("conf"),
+            "SPARK_LOG_DIR": n.path("logs"),
+            # the web UIs bind this address: only the SSH tunnel reaches them (RPC binds --host)
+            "SPARK_LOCAL_IP": UI_HOST,
+            "SPARK_LOCAL_DIRS": ",".join(self.ctx.local_dirs),
+            "PYSPARK_PYTHON": n.python,
+        }
+
+    def spark_home(self, conn: Conn) -> str:
+        code = (
+            "import importlib.util as u; "
+            "print(u.find_spec('pyspark').submodule_search_locations[0])"
+        )
+        return self.run(conn, f"{q(self.ctx.node.python)} -c {q(code)}").strip()
+
+    def stamp(self, spark_home: str) -> str:
+        what = [self.argv(spark_home), self.env(spark_home), sorted(conf_files(self.ctx).items())]
+        return sha256_hex(json.dumps(what, sort_keys=True))[:16]
+
+    @property
+    def pid_file(self) -> str:
+        return self.ctx.node.path("run", f"{self.role}.pid")
+
+    @property
+    def stamp_file(self) -> str:
+        return self.ctx.node.path("run", f"{self.role}.stamp")
+
+    @property
+    def log_file(self) -> str:
+        return self.ctx.node.path("logs", f"{self.role}.out")
+
+    @property
+    def unit(self) -> str:
+        return f"sparknet-{self.role}.service"
+
+    def check(self, conn: Conn) -> bool:
+        try:
+            stamp = self.stamp(self.spark_home(conn))
+        except CommandFailed:
+            return False
+        if self.ctx.facts.systemd:
+            unit = q(f"/etc/systemd/system/{self.unit}")
+            return succeeds(
+                conn, f"systemctl is-active -q {q(self.unit)} && grep -qF {q(stamp)} {unit}"
+            )
+        return succeeds(conn, f'{self._alive()} && [ "$(cat {q(self.stamp_file)})" = {stamp} ]')
+
+    def _alive(self) -> str:
+        """A shell test: the pid file names a live process running this daemon of this prefix."""
+        cmdline = '"/proc/$(cat ' + q(self.pid_file) + ')/cmdline"'
+        return (
+            f"[ -s {q(self.pid_file)} ] && [ -r {cmdline} ]"
+            f" && tr '\\0' '\\n' < {cmdline} | grep -qxF {q(self.klass)}"
+            f" && tr '\\0' '\\n' < {cmdline} | grep -qF {q(self.ctx.node.path('conf'))}"
+        )
+
+    def apply(self, conn: Conn) -> None:
+        home = self.spark_home(conn)
+        if self.ctx.facts.systemd:
+            self._apply_unit(conn, home)
+        else:
+            self.stop(conn)
+            self._start(conn, home)
+        self.wait(conn)
+
+    def _start(self, conn: Conn, home: str) -> None:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env(home).items())
+        self.run(
+            conn,
+            f"cd {q(self.ctx.node.prefix)} || exit 1; env {env} nohup setsid {q(*self.argv(home))}"
+            f" > {q(self.log_file)} 2>&1 < /dev/null & echo $! > {q(self.pid_file)}"
+            f" && echo {self.stamp(home)} > {q(self.stamp_file)}",
+        )
+
+    def _apply_unit(self, conn: Conn, home: str) -> None:
+        text = systemd_unit(
+            f"sparknet Spark {self.role}",
+            self.ctx.facts.user,
+            self.env(home),
+            [q(a) for a in self.argv(home)],
+            self.stamp(home),
+        ).replace(
+            "[Service]\n",
+            f"[Service]\nStandardOutput=append:{self.log_file}\nStandardError=inherit\n",
+        )
+        staged = self.ctx.node.path("run", self.unit)
+        upload(conn, text.encode(), staged, 0o644)
+        s, unit = self.ctx.sudo, q(self.unit)
+        self.run(
+            conn,
+            f"{s}install -m 0644 {q(staged)} /etc/systemd/system/{unit} && {s}systemctl"
+            f" daemon-reload && {s}systemctl enable -q {unit} && {s}systemctl restart {unit}",
+        )
+
+    def stop(self, conn: Conn, *, remove: bool = False) -> None:
+        """Stop the daemon if it runs (by its pid file's process group, TERM then KILL); with
+        `remove`, its systemd unit goes too, so a reboot does not start it again."""
+        if self.ctx.facts.systemd:
+            s, unit = self.ctx.sudo, q(self.unit)
+            gone = (
+                f"; {s}systemctl disable -q {unit} 2>/dev/null; {s}rm -f "
+                f"/etc/systemd/system/{unit}; {s}systemctl daemon-reload"
+                if remove
+                else ""
+            )
+            self.run(conn, f"{s}systemctl stop {unit} 2>/dev/null{gone}; true")
+            return
+        pid = f"$(cat {q(self.pid_file)})"
+        self.run(
+            conn,
+            f"if {self._alive()}; then p={pid}; kill -TERM -- -$p 2>/dev/null || kill -TERM $p;"
+            " for i in $(seq 150); do [ -d /proc/$p ] || break; sleep 0.2; done;"
+            " [ -d /proc/$p ] && kill -KILL -- -$p 2>/dev/null; true; fi;"
+            f" rm -f {q(self.pid_file)} {q(self.stamp_file)}",
+            timeout=60,
+        )
+
+    def wait(self, conn: Conn) -> None:
+        """Until the pid file names the daemon's JVM. `spark-class` is a shell script that runs a
+        launcher JVM before it execs the daemon's; until then the check cannot tell it from
+        another prefix's daemon, and on a loaded machine that takes seconds."""
+        if self.ctx.facts.systemd:
+            return
+        pid = f"$(cat {q(self.pid_file)} 2>/dev/null)"
+        self._until(
+            conn,
+            f"end=$(( $(date +%s) + {DAEMON_START_S} )); while [ $(date +%s) -lt $end ]; do"
+            f" if {self._alive()}; then exit 0; fi; p={pid};"
+            ' [ -n "$p" ] && [ -d /proc/$p ] || exit 1; sleep 0.2; done; exit 1',
+            DAEMON_START_S,
+            f"the {self.role} did not start within {DAEMON_START_S} s",
+        )
+
+    def _until(self, conn: Conn, command: str, within_s: float, failed: str) -> None:
+        """Run `command`, a wait of up to `within_s` on the node; when it fails, `failed` with
+        the end of the daemon's log (why it did not come up)."""
+        try:
+            self.run(conn, command, within_s + 30)
+        except CommandFailed as exc:
+            log = self.run(conn, f"tail -n {TAIL_LINES} {q(self.log_file)}; true")
+            raise CommandFailed(failed, tail_lines(log)) from exc
+
+
+#: how long a started daemon's launcher may take to exec its JVM (about 1 s on an idle machine)
+DAEMON_START_S = 90
+
+
+#: how long a started master may take to listen (it is up in ~3 s on a small machine)
+MASTER_START_S = 90
+
+
+class Master(Daemon):
+    name = "spark-master"
+    role = "master"
+    klass = MASTER_CLASS
+
+    def argv(self, spark_home: str) -> list[str]:
+        p, n = self.ctx.plan.ports, self.ctx.node
+        return [f"{spark_home}/bin/spark-class", MASTER_CLASS, "--host", n.rpc_host,
+                "--port", str(p.master), "--webui-port", str(p.master_ui)]  # fmt: skip
+
+    def wait(self, conn: Conn) -> None:
+        """Workers started before the master listens wait 5-15 s to retry: wait for its port."""
+        super().wait(conn)
+        host, port = self.ctx.node.rpc_host, self.ctx.plan.ports.master
+        code = (
+            "import socket, time, sys\n"
+            f"end = time.monotonic() + {MASTER_START_S}\n"
+            "while time.monotonic() < end:\n"
+            f"    try: socket.create_connection(({host!r}, {port}), 1).close(); sys.exit(0)\n"
+            "    except OSError: time.sleep(0.2)\n"
+            "sys.exit(1)\n"
+        )
+        self._until(
+            conn,
+            f"{q(self.ctx.node.python)} -c {q(code)}",
+            MASTER_START_S,
+            f"the master did not listen on {host}:{port} within {MASTER_START_S} s",
+        )
+
+
+class Worker(Daemon):
+    name = "spark-worker"
+    role = "worker"
+    klass = WORKER_CLASS
+
+    def argv(self, spark_home: str) -> list[str]:
+        p, n = self.ctx.plan.ports, self.ctx.node
+        return [f"{spark_home}/bin/spark-class", WORKER_CLASS, "--host", n.rpc_host,
+                "--port", str(p.worker), "--webui-port", str(p.worker_ui),
+                "--cores", str(self.ctx.cores), "--memory", f"{self.ctx.memory_mb}m",
+                "--work-dir", n.path("work"), self.ctx.plan.master_url]  # fmt: skip

@@ -1,0 +1,90 @@
+"""Commands on a node over its SSH connection: run one (its output, or `CommandFailed` with the
+last lines of its output), test one, quote words for its shell, and stream a file to it (never
+through a command line: the secret travels this way)."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from typing import Any, Protocol
+
+from invoke.exceptions import CommandTimedOut
+
+from sparknet.errors import SparknetError
+
+#: how many of a failed command's last output lines an error carries
+TAIL_LINES = 10
+
+
+class Conn(Protocol):
+    """What the steps use of a Fabric Connection (an `invoke.Context` will do for `run`)."""
+
+    def run(self, command: str, **kwargs: Any) -> Any: ...
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+
+class CommandFailed(SparknetError):
+    """A command on a node exited non-zero (or ran past its timeout); `tail` holds the last lines
+    of its output."""
+
+    def __init__(self, what: str, tail: list[str]) -> None:
+        super().__init__(what)
+        self.what = what
+        self.tail = tail
+
+
+def tail_lines(*texts: str) -> list[str]:
+    lines = [ln.rstrip() for text in texts for ln in (text or "").splitlines() if ln.strip()]
+    return lines[-TAIL_LINES:]
+
+
+def run(conn: Conn, command: str, timeout: float = 60) -> str:
+    """Run `command` on the node; its stdout. Non-zero exit or a timeout is CommandFailed."""
+    try:
+        result = conn.run(
+            command, hide=True, warn=True, timeout=timeout, pty=False, in_stream=False
+        )
+    except CommandTimedOut as exc:
+        raise CommandFailed(
+            f"timed out after {timeout:g} s", tail_lines(exc.result.stdout, exc.result.stderr)
+        ) from None
+    if result.exited != 0:
+        raise CommandFailed(f"exited {result.exited}", tail_lines(result.stdout, result.stderr))
+    return result.stdout
+
+
+def succeeds(conn: Conn, command: str, timeout: float = 60) -> bool:
+    """Whether `command` exits 0 on the node (what most checks ask)."""
+    try:
+        run(conn, command, timeout)
+    except CommandFailed:
+        return False
+    return True
+
+
+def q(*words: str) -> str:
+    """Words quoted for the node's shell."""
+    return " ".join(shlex.quote(str(w)) for w in words)
+
+
+def upload(conn: Conn, data: bytes, remote: str, mode: int, timeout: float = 300) -> None:
+    """Write `data` to the file `remote` on the node with `mode`, streamed over the SSH channel
+    into `cat` (no SFTP subsystem needed, nothing on a command line). The file is made under
+    umask 077, so it is never readable by others, not even before its chmod; it replaces the
+    old one at once (`mv`), so a reader never sees half a file."""
+    new = q(f"{remote}.new")
+    command = f"umask 077 && cat > {new} && chmod {mode:o} {new} && mv -f {new} {q(remote)}"
+    client = getattr(conn, "client", None)
+    if client is None:  # a local invoke.Context (unit tests): the same command, locally
+        subprocess.run(["sh", "-c", command], input=data, check=True, timeout=timeout)
+        return
+    stdin, stdout, stderr = client.exec_command(command, timeout=timeout)
+    stdin.write(data)
+    stdin.channel.shutdown_write()
+    status = stdout.channel.recv_exit_status()
+    if status != 0:
+        raise CommandFailed(
+            f"writing {remote} exited {status}", tail_lines(stderr.read().decode(errors="replace"))
+        )
