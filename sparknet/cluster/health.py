@@ -21,12 +21,13 @@ from sparknet.errors import SparknetError
 
 @dataclass(frozen=True)
 class Expected:
-    """A worker the master should have: the node, its address, its cores (None: any) and GPUs."""
+    """A worker the master should have: the node, its address, its cores and GPUs (None: any
+    count; `status` of a static cluster does not ask each host how many it has)."""
 
     node: str
     address: str
     cores: int | None
-    gpus: int = 0
+    gpus: int | None = 0
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def judge(master_json: dict, master_url: str, expected: Sequence[Expected]) -> C
         states.append(state)
         if want.cores is not None and state.cores != want.cores:
             problems.append(f"{want.node}'s worker offers {state.cores} cores, not {want.cores}")
-        if state.gpus != want.gpus:
+        if want.gpus is not None and state.gpus != want.gpus:
             problems.append(f"{want.node}'s worker offers {state.gpus} GPUs, not {want.gpus}")
     return ClusterHealth(master_url, tuple(states), tuple(problems))
 
