@@ -217,21 +217,26 @@ def prepare_plan(
 
 
 def stop_daemons(nodes_: Sequence[Node], access: Access, timeout: float = 120) -> None:
-    """Stop every node's worker, and the master on the first node (by pid file or systemd
-    unit), and remove what would start them again or let a client in: their systemd units and
-    the conf file with the cluster's secret. What `down` does before it terminates instances,
-    and all it does to a static cluster's machines: the install (venv, wheel) stays for the
-    next `up`, which writes the conf and units again. A daemon that is not running is no
-    error."""
+    """`stop_node` on every node at once: what `down` does before it terminates instances, and
+    all it does to a static cluster's machines (the install, venv and wheel, stays for the next
+    `up`, which writes the conf and units again). A node whose daemons would not stop is a
+    NodesFailed naming it."""
     # stopping reads only the nodes' paths and facts from a plan: no wheel, no secret
     plan = Plan(tuple(nodes_), Wheel(Path("unused.whl"), "", ""), "")
 
     def stop(endpoint: Endpoint, conn: Conn) -> None:
         node = next(n for n in plan.nodes if n.name == endpoint.name)
-        ctx = Context(plan, node, parse_facts(run(conn, FACTS), node.prefix))
-        Worker(ctx).stop(conn, remove=True)
-        if ctx.is_master:
-            Master(ctx).stop(conn, remove=True)
-        run(conn, f"rm -f {q(node.path('conf', 'spark-defaults.conf'))}")
+        stop_node(Context(plan, node, parse_facts(run(conn, FACTS), node.prefix)), conn)
 
     nodes.run_all([n.endpoint for n in plan.nodes], access, stop, timeout)
+
+
+def stop_node(ctx: Context, conn: Conn) -> None:
+    """Stop the node's worker and its master (by pid file or systemd unit) and remove what
+    would start them again or let a client in: their systemd units, then the conf file with
+    the cluster's secret, only once both stopped (CommandFailed else). Both on every node, not
+    only the plan's master: a static cluster whose hosts were reordered has its master
+    elsewhere, and stopping a daemon that does not run is no error."""
+    Worker(ctx).stop(conn, remove=True)
+    Master(ctx).stop(conn, remove=True)
+    run(conn, f"rm -f {q(ctx.node.path('conf', 'spark-defaults.conf'))}")

@@ -76,7 +76,7 @@ class Daemon(Step):
         except CommandFailed:
             return False
         if self.ctx.facts.systemd:
-            unit = q(f"/etc/systemd/system/{self.unit}")
+            unit = q(self.unit_file)
             return succeeds(
                 conn, f"systemctl is-active -q {q(self.unit)} && grep -qF {q(stamp)} {unit}"
             )
@@ -125,22 +125,20 @@ class Daemon(Step):
         s, unit = self.ctx.sudo, q(self.unit)
         self.run(
             conn,
-            f"{s}install -m 0644 {q(staged)} /etc/systemd/system/{unit} && {s}systemctl"
+            f"{s}install -m 0644 {q(staged)} {q(self.unit_file)} && {s}systemctl"
             f" daemon-reload && {s}systemctl enable -q {unit} && {s}systemctl restart {unit}",
         )
 
     def stop(self, conn: Conn, *, remove: bool = False) -> None:
         """Stop the daemon if it runs (by its pid file's process group, TERM then KILL); with
-        `remove`, its systemd unit goes too, so a reboot does not start it again."""
+        `remove`, its systemd unit goes too, so a reboot does not start it again.
+
+        On systemd a unit never installed is no error, but one still running (or installed,
+        with `remove`) afterwards is CommandFailed: `sudo -n` refused (sudoers changed) must
+        not pass silently, or `down` would delete the conf with the secret while the unit
+        stays enabled, and the next boot would start the daemon with no authentication."""
         if self.ctx.facts.systemd:
-            s, unit = self.ctx.sudo, q(self.unit)
-            gone = (
-                f"; {s}systemctl disable -q {unit} 2>/dev/null; {s}rm -f "
-                f"/etc/systemd/system/{unit}; {s}systemctl daemon-reload"
-                if remove
-                else ""
-            )
-            self.run(conn, f"{s}systemctl stop {unit} 2>/dev/null{gone}; true")
+            self._stop_unit(conn, remove)
             return
         pid = f"$(cat {q(self.pid_file)})"
         self.run(
@@ -151,6 +149,47 @@ class Daemon(Step):
             f" rm -f {q(self.pid_file)} {q(self.stamp_file)}",
             timeout=60,
         )
+
+    @property
+    def unit_file(self) -> str:
+        return f"/etc/systemd/system/{self.unit}"
+
+    def _stop_unit(self, conn: Conn, remove: bool) -> None:
+        """`systemctl stop` (and with `remove`: disable, delete the unit file, reload), each
+        step's complaint about a unit that is not there muted, then `stopped` as the verdict."""
+        s, unit = self.ctx.sudo, q(self.unit)
+        gone = (
+            f"; {s}systemctl disable -q {unit} 2>/dev/null; {s}rm -f {q(self.unit_file)}; "
+            f"{s}systemctl daemon-reload"
+            if remove
+            else ""
+        )
+        command = f"{s}systemctl stop {unit} 2>/dev/null{gone}; " + self.stopped(
+            self.unit_file if remove else None
+        )
+        try:
+            self.run(conn, command)
+        except CommandFailed as exc:
+            why = f" ({exc.tail[-1]})" if exc.tail else ""
+            raise CommandFailed(
+                f"could not stop{' and remove' if remove else ''} {self.unit}{why}; the login "
+                "user needs sudo without a password (sudo -n) for systemctl",
+                exc.tail,
+            ) from None
+
+    def stopped(self, unit_file: str | None = None) -> str:
+        """A shell test: the unit neither runs nor starts (systemd's states other than
+        inactive, failed, unknown: active, activating as in a restart loop, deactivating,
+        reloading), and `unit_file`, when given, is gone; else it says which on stderr."""
+        unit = q(self.unit)
+        test = (
+            f"st=$(systemctl is-active {unit}); case $st in inactive|failed|unknown) ;; "
+            f'*) echo "{self.unit} is still $st" >&2; exit 1;; esac'
+        )
+        if unit_file is not None:
+            there = q(f"{unit_file} is still there")
+            test += f"; [ ! -e {q(unit_file)} ] || {{ echo {there} >&2; exit 1; }}"
+        return test
 
     def wait(self, conn: Conn) -> None:
         """Until the pid file names the daemon's JVM. `spark-class` is a shell script that runs a

@@ -365,15 +365,19 @@ class Recorder:
     init is not systemd): records each command and each file streamed to the node, and answers
     the one query the daemon step makes (where pyspark is)."""
 
-    def __init__(self) -> None:
+    def __init__(self, failing: str = "", stderr: str = "") -> None:
         self.commands: list[str] = []
         self.files: dict[str, bytes] = {}
         self.client = self
+        #: a command holding `failing` exits 1 printing `stderr` (a check that fails on the node)
+        self.failing, self.stderr = failing, stderr
 
     def run(self, command: str, **kwargs):
         from invoke.runners import Result
 
         self.commands.append(command)
+        if self.failing and self.failing in command:
+            return Result(stderr=self.stderr, exited=1, command=command)
         out = (
             "/v/lib/python3.11/site-packages/pyspark\n"
             if "submodule_search_locations" in command
@@ -434,19 +438,98 @@ def test_a_plan_needs_nodes_with_distinct_names() -> None:
         Plan(twice, wheel, "s")
 
 
+def systemd_master(name: str = "master") -> Context:
+    """A Context of node `name` on a systemd node of a two-node plan whose master is `master`."""
+    nodes = (Node(Endpoint("master", "203.0.113.8"), address="10.0.0.5"),
+             Node(Endpoint("worker-1", "203.0.113.9"), address="10.0.0.6"))  # fmt: skip
+    plan = Plan(nodes, Wheel(Path("w.whl"), "1", "d"), "topsecret" * 4)
+    node = next(n for n in nodes if n.name == name)
+    return Context(plan, node, Facts("ubuntu", 1000, 8, 32 * 1024 * 1024, True, ()))
+
+
+UNIT = "/etc/systemd/system/sparknet-master.service"
+
+
 def test_stopping_a_systemd_daemon_for_good_disables_and_removes_its_unit() -> None:
     """`down` of a static cluster leaves the machines running: a unit still enabled would
-    start Spark again at the next boot."""
-    node = Node(Endpoint("master", "203.0.113.8"), address="10.0.0.5")
-    plan = Plan((node,), Wheel(Path("w.whl"), "1", "d"), "topsecret" * 4)
-    facts = Facts("ubuntu", 1000, 8, 32 * 1024 * 1024, True, ())
+    start Spark again at the next boot. A unit never installed is no error (systemctl's own
+    complaints are muted); the command ends by checking that the unit is down and gone."""
     conn = Recorder()
-    Master(Context(plan, node, facts)).stop(conn, remove=True)
-    assert conn.commands == [
-        "sudo -n systemctl stop sparknet-master.service 2>/dev/null; sudo -n systemctl disable -q "
-        "sparknet-master.service 2>/dev/null; sudo -n rm -f "
-        "/etc/systemd/system/sparknet-master.service; sudo -n systemctl daemon-reload; true"
+    Master(systemd_master()).stop(conn, remove=True)
+    (command,) = conn.commands
+    assert command.startswith(
+        "sudo -n systemctl stop sparknet-master.service 2>/dev/null; sudo -n systemctl disable "
+        f"-q sparknet-master.service 2>/dev/null; sudo -n rm -f {UNIT}; "
+        "sudo -n systemctl daemon-reload; "
+    )
+    check = command.split("daemon-reload; ", 1)[1]
+    assert "true" not in check.split(";")
+    assert check.startswith("st=$(systemctl is-active sparknet-master.service); case $st in ")
+    assert f"[ ! -e {UNIT} ]" in check
+    conn = Recorder()
+    Master(systemd_master()).stop(conn)
+    (command,) = conn.commands
+    assert command.startswith("sudo -n systemctl stop sparknet-master.service 2>/dev/null; ")
+    assert "disable" not in command and UNIT not in command
+
+
+def test_the_unit_checks_fail_when_a_unit_stays_active_or_installed(tmp_path) -> None:
+    """The check itself, run by a shell with a `systemctl` stand-in (this machine's init is not
+    systemd) that says what state the unit is in, and with the unit file there or not."""
+    unit = tmp_path / "sparknet-master.service"
+    tool = tmp_path / "bin" / "systemctl"
+    tool.parent.mkdir()
+    master = Master(systemd_master())
+    env = dict(os.environ, PATH=f"{tool.parent}:{os.environ['PATH']}")
+
+    def check(state: str, installed: bool, unit_file: str | None = str(unit)):
+        tool.write_text(f"#!/bin/sh\necho {state}\n[ {state} = active ]\n")
+        tool.chmod(0o755)
+        unit.unlink(missing_ok=True)
+        if installed:
+            unit.touch()
+        command = master.stopped(unit_file)
+        return subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True)
+
+    assert check("inactive", False).returncode == 0
+    assert check("unknown", False).returncode == 0
+    assert check("failed", False).returncode == 0
+    for state in ("active", "activating", "deactivating"):
+        done = check(state, False)
+        assert done.returncode == 1
+        assert done.stderr.strip() == f"sparknet-master.service is still {state}"
+    done = check("inactive", True)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"{unit} is still there"
+    assert check("inactive", True, None).returncode == 0  # a plain stop leaves the unit
+
+
+def test_a_unit_that_will_not_stop_fails_the_node_and_keeps_the_conf() -> None:
+    """sudoers changed: `sudo -n systemctl stop` fails and the master stays up. Stopping the
+    node fails, naming the unit, and the conf with the secret is not deleted: a unit still
+    enabled would start the master at the next boot, and without its conf it would start
+    with no authentication."""
+    stderr = "sudo: a password is required\nsparknet-worker.service is still active\n"
+    conn = Recorder("is-active sparknet-worker", stderr)
+    with pytest.raises(b.CommandFailed) as caught:
+        b.stop_node(systemd_master(), conn)
+    assert str(caught.value) == (
+        "could not stop and remove sparknet-worker.service (sparknet-worker.service is still "
+        "active); the login user needs sudo without a password (sudo -n) for systemctl"
+    )
+    assert caught.value.tail == ["sudo: a password is required",
+                                 "sparknet-worker.service is still active"]  # fmt: skip
+    assert not any("spark-defaults.conf" in c for c in conn.commands)
+
+
+def test_stopping_a_node_stops_both_daemons_even_off_the_first_node() -> None:
+    """A static cluster whose hosts were reordered has its master on another node than the
+    first: every node stops its master and its worker, then deletes its conf."""
+    conn = Recorder()
+    b.stop_node(systemd_master("worker-1"), conn)
+    stops = [c.split(" 2>", 1)[0] for c in conn.commands if "systemctl stop" in c]
+    assert stops == [
+        "sudo -n systemctl stop sparknet-worker.service",
+        "sudo -n systemctl stop sparknet-master.service",
     ]
-    conn = Recorder()
-    Master(Context(plan, node, facts)).stop(conn)
-    assert conn.commands == ["sudo -n systemctl stop sparknet-master.service 2>/dev/null; true"]
+    assert conn.commands[-1] == "rm -f /opt/sparknet/conf/spark-defaults.conf"
