@@ -1,6 +1,6 @@
 """Whether a Spark standalone cluster is healthy: every expected worker registered with the
-master and ALIVE, with the cores and GPUs expected, as the master's JSON (`:8080/json/`, read on
-the master node over SSH) tells it."""
+master and ALIVE, with the cores and GPUs expected, and no other worker ALIVE, as the master's
+JSON (`:8080/json/`, read on the master node over SSH) tells it."""
 
 from __future__ import annotations
 
@@ -86,7 +86,18 @@ def judge(master_json: dict, master_url: str, expected: Sequence[Expected]) -> C
             problems.append(f"{want.node}'s worker offers {state.cores} cores, not {want.cores}")
         if want.gpus is not None and state.gpus != want.gpus:
             problems.append(f"{want.node}'s worker offers {state.gpus} GPUs, not {want.gpus}")
+    problems += _unexpected(master_json, {want.address for want in expected})
     return ClusterHealth(master_url, tuple(states), tuple(problems))
+
+
+def _unexpected(master_json: dict, addresses: set[str]) -> list[str]:
+    """A problem per ALIVE worker at an address no expected node has: a host dropped from a
+    cluster whose worker still runs (with the cluster's secret) and still takes tasks."""
+    return [
+        f"a worker nobody expects is registered at {w.get('host')} ({w.get('cores', 0)} cores)"
+        for w in master_json.get("workers", [])
+        if w.get("state") == "ALIVE" and w.get("host") not in addresses
+    ]
 
 
 def master_json(conn: Conn, ui_port: int) -> dict:

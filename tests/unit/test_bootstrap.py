@@ -357,6 +357,16 @@ def test_health_of_a_good_cluster() -> None:
     ]
 
 
+def test_a_worker_nobody_expects_is_a_problem() -> None:
+    """A host dropped from a static cluster whose worker still runs (and still holds the secret)
+    shows: its ALIVE worker at an address no expected node has. A DEAD one is history."""
+    expected = [Expected("master", "10.0.0.5", 4, gpus=1)]
+    health = judge(MASTER_JSON, "spark://10.0.0.5:7077", expected)
+    assert health.problems == ("a worker nobody expects is registered at 10.0.0.7 (2 cores)",)
+    assert not health.ok
+    assert [w.node for w in health.workers] == ["master"]
+
+
 # --- a systemd node, recorded ------------------------------------------------------------------
 
 
