@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv6Address, ip_address
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -355,15 +356,55 @@ _ADDRESS = re.compile(
     r"^(?:(?P<user>[A-Za-z_][A-Za-z0-9_.-]*)@)?(?P<host>[^@:\s]+)(?::(?P<port>\d+))?$"
 )
 _NODE_NAME = re.compile(r"^(?:master|worker-[1-9][0-9]*)$")
+#: a host name as RFC 1123 has it: dot-separated labels of 1-63 letters, digits and hyphens,
+#: neither first nor last a hyphen (so never an `ssh` option), 253 characters at most
+_HOST_NAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
+#: an IPv6 literal where a host goes, bare or in brackets (with a port after them)
+_IPV6 = re.compile(
+    r"^(?:[^@]*@)?(?:\[(?P<bracketed>[^\]]*)\](?::\d*)?|(?P<bare>[^@\[\]]*:[^@]*:[^@]*))$"
+)
 
 
 def parse_address(name: str, text: str, default_user: str = DEFAULT_USER) -> Endpoint:
-    """``[user@]host[:port]`` as the Endpoint of node `name`; a one-line error otherwise."""
+    """``[user@]host[:port]`` as the Endpoint of node `name`: the host an IPv4 address or an
+    RFC 1123 host name, nothing else (the host reaches `ssh`'s command line and known_hosts:
+    `-oProxyCommand=...` or shell words must never pass); an IPv6 address is refused as such
+    (the cluster's network is IPv4 only). A one-line error otherwise."""
+    if _is_ipv6(text.strip()):
+        raise SparknetError(
+            f"{name}: {text!r}: IPv6 addresses are not supported (give an IPv4 address or a "
+            "host name)"
+        )
     match = _ADDRESS.fullmatch(text.strip())
     port = int(match["port"]) if match and match["port"] else 22
-    if not match or not 0 < port < 65536:
+    if not match or not 0 < port < 65536 or not _is_host(match["host"]):
         raise SparknetError(f"{name}: {text!r} is not an SSH address (user@host:port)")
     return Endpoint(name, match["host"], port, match["user"] or default_user)
+
+
+def _is_ipv6(text: str) -> bool:
+    """`text` is an SSH address whose host is an IPv6 literal (``::1``, ``[::1]:22``)."""
+    match = _IPV6.fullmatch(text)
+    if not match:
+        return False
+    try:
+        return isinstance(ip_address(match["bracketed"] or match["bare"]), IPv6Address)
+    except ValueError:
+        return False
+
+
+def _is_host(host: str) -> bool:
+    """An IPv4 address (dotted decimal, as ssh and known_hosts write it) or an RFC 1123 host
+    name; digits and dots alone must be an IPv4 address (``256.1.1.1`` is neither)."""
+    if re.fullmatch(r"[0-9.]+", host):
+        try:
+            return str(IPv4Address(host)) == host
+        except ValueError:
+            return False
+    return bool(_HOST_NAME.fullmatch(host))
 
 
 def _seam() -> dict[str, Any]:

@@ -32,9 +32,53 @@ def test_parse_address_takes_user_host_and_port():
     assert nodes.parse_address("master", "box.example.com") == Endpoint(
         "master", "box.example.com", 22, "ubuntu"
     )
+    assert nodes.parse_address("m", "ubuntu@ip-10-0-0-5.ec2.internal").host == (
+        "ip-10-0-0-5.ec2.internal"
+    )
+    assert nodes.parse_address("m", "node7:2201").host == "node7"
     for bad in ("root@", "a@b@c", "host:0", "host:70000", "host:port", "two words"):
         with pytest.raises(SparknetError, match="is not an SSH address"):
             nodes.parse_address("master", bad)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "-oProxyCommand=x",  # an ssh option where the host goes
+        "root@-oProxyCommand=x:22",
+        "a;b",
+        "$(id)",
+        "`id`",
+        "h\x00",
+        "h\nx",
+        "host_1",
+        "-host",
+        "host-",
+        "a..b",
+        ".host",
+        "host.",
+        "a" * 64 + ".com",  # a label of 64
+        ".".join(["a" * 63] * 4) + "x",  # 256 characters
+        "256.1.1.1",  # all digits and dots: an IPv4 address or nothing
+        "10.0.0",
+        "01.2.3.4",
+        "[host]:22",
+    ],
+)
+def test_parse_address_takes_only_an_ipv4_address_or_a_host_name(bad):
+    with pytest.raises(SparknetError) as caught:
+        nodes.parse_address("worker-2", bad)
+    assert str(caught.value) == f"worker-2: {bad!r} is not an SSH address (user@host:port)"
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("text", ["::1", "[::1]:22", "root@[fe80::1]", "2001:db8::7", "[::1]"])
+def test_an_ipv6_address_is_refused_as_such(text):
+    with pytest.raises(SparknetError) as caught:
+        nodes.parse_address("master", text)
+    assert str(caught.value) == (
+        f"master: {text!r}: IPv6 addresses are not supported (give an IPv4 address or a host name)"
+    )
 
 
 def test_endpoint_address_is_known_hosts_form():
