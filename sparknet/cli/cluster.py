@@ -71,14 +71,37 @@ def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_
                 f"cluster {name}: `owner` is set by `up` from your AWS identity (STS); remove it "
                 f"from `clusters: {name}:` in {path}"
             )
-        base.update(entry)
+        base.update(_resolved_paths(entry, path))
     base.update({k: v for k, v in flags.items() if v not in (None, [])})
+    if known is not None and base.get("provider", "aws") != known.provider:
+        raise SparknetError(
+            f"cluster {name} is registered here as {_PROVIDERS[known.provider]}, but "
+            f"{path} says provider: {base.get('provider')}; `sparknet cluster down {name}` "
+            "first, or give the other one another name"
+        )
     base["name"] = _STAND_IN if any_name else name
     try:
         spec = ClusterSpec.model_validate(base)
     except ValidationError as exc:
         raise SparknetError(f"cluster {name}: {describe_validation_error(exc)}") from exc
     return spec.model_copy(update={"name": name})
+
+
+_PROVIDERS = {
+    "aws": "an EC2 cluster (provider: aws)",
+    "static": "a static cluster (provider: static)",
+}
+
+
+def _resolved_paths(entry: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`entry` with its key_file and known_hosts absolute: a relative path is relative to the
+    settings file's folder (as the registry stores it, for commands run from anywhere)."""
+    out = dict(entry)
+    for key in ("key_file", "known_hosts"):
+        value = out.get(key)
+        if isinstance(value, str) and value:
+            out[key] = str((path.parent / Path(value).expanduser()).resolve())
+    return out
 
 
 #: "node" is last: scripts that read the tab-separated lines by position keep working
@@ -143,6 +166,7 @@ def _fail(exc: SparknetError, debug: bool, caught: Caught | None = None) -> None
     state = (
         lifecycle.ClusterBusy, lifecycle.ClusterNotFound, lifecycle.NotYours,
         lifecycle.OtherRegion, lifecycle.BootstrapIncomplete, static.StopIncomplete,
+        static.HostsChanged,
     )  # fmt: skip
     if isinstance(exc, lifecycle.Interrupted) and (code := signal_exit(caught)):
         fail(exc, debug, code)
@@ -245,23 +269,31 @@ def cluster_down(
     name: str = typer.Argument(...),
     region: str | None = RegionOption,
     any_owner: bool = AnyOwnerOption,
+    forget_unreachable: bool = typer.Option(
+        False,
+        "--forget-unreachable",
+        help="static cluster: forget hosts that do not answer instead of failing (stop "
+        "Spark there yourself)",
+    ),
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
     """Terminate the cluster's instances, delete its resources, and list what was deleted; exit
     1 when the region has nothing of that name (the line names the clusters it has), or when
-    its owner tag names another principal (unless --any-owner)."""
+    its owner tag names another principal (unless --any-owner). A static cluster: stop Spark on
+    its hosts and forget it (exit 1 naming a host that does not answer)."""
     from sparknet.cluster import lifecycle
 
     caught = Caught()
     spec = _on_cluster(lambda spec: spec, name, region, config, debug)
-    finish = f"`sparknet cluster down {name} --region {spec.region}`"
+    static = spec.provider == "static"
+    finish = f"`sparknet cluster down {name}" + ("`" if static else f" --region {spec.region}`")
     note = f"taking {name} down to the end so nothing is left half-deleted; again to stop it"
     try:
         with interrupts(caught, stop_at=2, note=note):
-            if spec.provider == "static":
-                _static_down(spec)
+            if static:
+                _static_down(spec, forget_unreachable)
                 return
             report = lifecycle.down(
                 spec, endpoint_url=endpoint_url, say=console.print, any_owner=any_owner
@@ -274,12 +306,12 @@ def cluster_down(
     print(f"cluster {name} is down")
 
 
-def _static_down(spec) -> None:
+def _static_down(spec, forget_unreachable: bool) -> None:
     from sparknet.cluster import static
 
-    stopped = static.down(spec, say=_say)
-    print(f"stopped Spark on {', '.join(stopped)}")
-    print(f"cluster {spec.name} is down (static: its {len(stopped)} hosts keep running)")
+    stopped = static.down(spec, say=_say, forget_unreachable=forget_unreachable)
+    print(f"stopped Spark on {', '.join(stopped) or 'no host'}")
+    print(f"cluster {spec.name} is down (static: its hosts keep running)")
 
 
 def _print_down(report) -> None:
@@ -327,9 +359,9 @@ def cluster_status(
     _print_health(spec, info, endpoint_url)
 
 
-def _print_health(spec, info, endpoint_url: str | None) -> None:
+def _print_health(spec, info, endpoint_url: str | None) -> bool:
     """The Spark cluster's health (workers registered, cores, GPUs) as its master tells it; one
-    line when the nodes cannot be asked."""
+    line when the nodes cannot be asked. Whether it is healthy."""
     from sparknet.cluster import lifecycle, static
 
     try:
@@ -339,24 +371,27 @@ def _print_health(spec, info, endpoint_url: str | None) -> None:
             health = lifecycle.spark_health(spec, info.instances, endpoint_url=endpoint_url)
     except SparknetError as exc:
         print(f"Spark: the nodes cannot be reached ({first_line(exc)})")
-        return
+        return False
     for line in health.lines():
         print(line)
+    return health.ok
 
 
 def _static_status(spec, debug: bool) -> None:
     """A static cluster's hosts (each node's SSH line) and its Spark health; exit 1 when it is
-    not registered here or not healthy."""
+    not registered here, not healthy, or its master cannot be asked."""
     from sparknet.cluster import static
 
     try:
         found = static.status(spec)
+        spec = static.current(spec)
     except SparknetError as exc:
         _fail(exc, debug)
     print(f"cluster {spec.name} (static, {len(found)} hosts)")
     for endpoint in found:
         _print_ssh_line(spec, endpoint)
-    _print_health(spec, None, None)
+    if not _print_health(spec, None, None):
+        raise typer.Exit(1)
 
 
 @cluster_app.command("bootstrap")
@@ -395,20 +430,23 @@ def cluster_list(
     from sparknet import aws
     from sparknet.cluster import lifecycle
 
+    specs = lifecycle.registered()
+    # static clusters first, whatever the region and whether AWS answers: nothing of them is
+    # in AWS
+    for name, spec in sorted(specs.items()):
+        if spec.provider == "static":
+            print(f"{name}\tstatic, {len(spec.hosts)} hosts\t-\tregistered\towner -")
     try:
         found = lifecycle.tagged_clusters(aws.check_region(region), endpoint_url=endpoint_url)
     except SparknetError as exc:
         fail(exc, debug)
-    specs = lifecycle.registered()
-    known = {name for name, spec in specs.items() if spec.region == region}
+    known = {
+        name for name, spec in specs.items() if spec.region == region and spec.provider == "aws"
+    }
     for name in sorted(set(found) | known):
         cluster = found.get(name, lifecycle.TaggedCluster(name))
         live = sum(item.startswith("instance:") for item in cluster.items)
         where = "registered" if name in known else "not registered"
-        spec = specs.get(name)
-        if spec is not None and spec.provider == "static":
-            print(f"{name}\tstatic, {len(spec.hosts)} hosts\t-\tregistered\towner -")
-            continue
         owners = ", ".join(sorted(owner or "-" for owner in cluster.owners)) or "-"
         print(
             f"{name}\t{live} instances\t{len(cluster.items) - live} other resources\t{where}"
@@ -482,11 +520,17 @@ def _wanted(region: str, config: Path | None) -> set[str]:
     from sparknet.cluster import lifecycle
     from sparknet.config import read_section
 
-    wanted = {name for name, spec in lifecycle.registered().items() if spec.region == region}
+    # a static cluster owns nothing in AWS: resources tagged with its name are another's
+    wanted = {
+        name
+        for name, spec in lifecycle.registered().items()
+        if spec.region == region and spec.provider == "aws"
+    }
     path = find_config_file(config)
     if path is not None:
         for name, entry in read_section(path, "clusters").items():
-            if (entry or {}).get("region", "us-east-1") == region:
+            entry = entry or {}
+            if entry.get("region", "us-east-1") == region and entry.get("provider") != "static":
                 wanted.add(name)
     return wanted
 
@@ -507,7 +551,8 @@ def _reach(
         if spec.provider == "static":
             from sparknet.cluster import static
 
-            return nodes.pick(static.endpoints(spec), node), static.access(spec)
+            spec = static.current(spec)
+            return nodes.pick(static.endpoints(spec), node), static.access(spec), spec
         ec2 = instances.ec2_client(spec.region, endpoint_url)
         found = [i for i in instances.find(ec2, spec.name) if i.state in ("pending", "running")]
         if not found:
@@ -521,7 +566,7 @@ def _reach(
         endpoint = nodes.endpoint_named(spec.name, found, node)
     except SparknetError as exc:
         _fail(exc, debug)
-    return endpoint, access
+    return endpoint, access, spec
 
 
 #: the options of `cluster ssh` that may also follow NAME (click reads none there: the command
@@ -595,7 +640,7 @@ def cluster_ssh(
     endpoint_url = late.get("--endpoint-url", endpoint_url)
     config = Path(late["--config"]) if "--config" in late else config
     debug = debug or "--debug" in late
-    endpoint, access = _reach(name, node, region, endpoint_url, config, debug)
+    endpoint, access, _spec = _reach(name, node, region, endpoint_url, config, debug)
     argv = nodes.ssh_command(endpoint, access, *([] if command else ["-t"]))
     sys.stdout.flush()
     os.execvp(argv[0], [*argv, *(["--", *command] if command else [])])
@@ -606,7 +651,9 @@ def cluster_tunnel(
     name: str = typer.Argument(...),
     master_ui_port: int = typer.Option(8080, help="local port of the Spark master's UI"),
     app_ui_port: int = typer.Option(4040, help="local port of the running application's UI"),
-    remote_master_ui_port: int = typer.Option(8080, help="the master UI's port on the master"),
+    remote_master_ui_port: int | None = typer.Option(
+        None, help="the master UI's port on the master; default: the cluster's master_ui_port"
+    ),
     remote_app_ui_port: int = typer.Option(
         4040, help="the application UI's port on the master (4041, ... for a second application)"
     ),
@@ -619,14 +666,21 @@ def cluster_tunnel(
     node itself) to ports on localhost until Ctrl-C."""
     from sparknet.cluster import nodes
 
-    for port in (master_ui_port, app_ui_port, remote_master_ui_port, remote_app_ui_port):
-        if not 0 < port < 65536:
-            _fail(SparknetError(f"local port {port} is not 1-65535"), debug)
-    endpoint, access = _reach(name, "master", region, endpoint_url, config, debug)
+    ports = {
+        "--master-ui-port": master_ui_port, "--app-ui-port": app_ui_port,
+        "--remote-master-ui-port": remote_master_ui_port,
+        "--remote-app-ui-port": remote_app_ui_port,
+    }  # fmt: skip
+    for option, port in ports.items():
+        if port is not None and not 0 < port < 65536:
+            _fail(SparknetError(f"{option} {port} is not a port (1-65535)"), debug)
+    endpoint, access, spec = _reach(name, "master", region, endpoint_url, config, debug)
+    remote_master_ui_port = remote_master_ui_port or spec.bootstrap.master_ui_port
+    # the UIs bind 127.0.0.1 on the node (not `localhost`, which may be ::1 there)
     forwards = [
         "-N", "-o", "ExitOnForwardFailure=yes",
-        "-L", f"127.0.0.1:{master_ui_port}:localhost:{remote_master_ui_port}",
-        "-L", f"127.0.0.1:{app_ui_port}:localhost:{remote_app_ui_port}",
+        "-L", f"127.0.0.1:{master_ui_port}:127.0.0.1:{remote_master_ui_port}",
+        "-L", f"127.0.0.1:{app_ui_port}:127.0.0.1:{remote_app_ui_port}",
     ]  # fmt: skip
     console.print(
         f"Spark master UI: http://localhost:{master_ui_port}  application UI: "

@@ -72,7 +72,7 @@ class BootstrapSettings(BaseModel):
 #: the settings that say how EC2 instances are made: a `static` cluster, made of machines the
 #: user already has, refuses them rather than ignore them
 AWS_ONLY = (
-    "availability_zones", "master_type", "instance_types", "spot", "ami", "ami_parameter",
+    "region", "availability_zones", "master_type", "instance_types", "spot", "ami", "ami_parameter",
     "root_volume_gb", "key_name", "allowed_cidr", "vpc_id", "subnet_ids", "foundation",
     "terraform_backend",
 )  # fmt: skip

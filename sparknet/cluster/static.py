@@ -3,18 +3,22 @@ started by hand), given by SSH address (`hosts:`, the master first). sparknet bo
 on them and stops it again; it never starts, stops or deletes a machine, and nothing here calls
 AWS.
 
-Trust comes from the user's own known_hosts (`known_hosts:`, default ~/.ssh/known_hosts): the
-keys the user's first login checked are copied into the cluster's known_hosts on every use, and a
-host with no key there is refused before anything connects (sparknet made these machines no
-host key to pin, and trusting whatever answers first is what pinning exists to prevent).
+Trust comes from the user's own known_hosts (`known_hosts:`, default ~/.ssh/known_hosts and
+/etc/ssh/ssh_known_hosts): the keys the user's first login checked are copied into the
+cluster's known_hosts on every use, and a host with no key there is refused before anything
+connects (sparknet made these machines no host key to pin, and trusting whatever answers first
+is what pinning exists to prevent).
 
 The registry entry is the cluster's only record (there are no tags to find it by): `up` writes
 it before it connects anywhere, so a `down` after any failure still finds every host to stop.
+Once a cluster is up, its registered hosts are the ones `status`, `ssh` and `down` act on,
+whatever the settings file says now: Spark runs there.
 """
 
 from __future__ import annotations
 
 import getpass
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -32,14 +36,20 @@ from sparknet.errors import SparknetError
 
 Say = lifecycle.Say
 
-#: how long `status` waits for a host to take an SSH connection
+#: how long `status` waits for the master to take an SSH connection
 STATUS_CONNECT_S = 5
+#: where a host's keys are trusted from when the spec names no `known_hosts` (OpenSSH's own)
+DEFAULT_KNOWN_HOSTS = ("~/.ssh/known_hosts", "/etc/ssh/ssh_known_hosts")
 #: counts a node's GPUs (0 where there is no driver): what its worker offers Spark
 _COUNT_GPUS = "nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | grep -c .; true"
 
 
 class StopIncomplete(SparknetError):
     """`down` could not stop Spark on every host: the cluster stays registered."""
+
+
+class HostsChanged(SparknetError):
+    """`up` of a registered static cluster whose hosts were changed other than by appending."""
 
 
 def endpoints(spec: ClusterSpec) -> list[Endpoint]:
@@ -50,44 +60,107 @@ def endpoints(spec: ClusterSpec) -> list[Endpoint]:
     return [nodes.parse_address(n, h, user) for n, h in zip(names, spec.hosts, strict=True)]
 
 
-def trusted_keys_file(spec: ClusterSpec) -> Path:
-    """Where the hosts' keys are trusted from: `known_hosts`, else ~/.ssh/known_hosts."""
-    return Path(spec.known_hosts or "~/.ssh/known_hosts").expanduser()
+def registered_spec(name: str) -> ClusterSpec | None:
+    """The static cluster `name` as `up` registered it here; None when it is not."""
+    known = lifecycle.registered().get(name)
+    return known if known is not None and known.provider == "static" else None
+
+
+def current(spec: ClusterSpec) -> ClusterSpec:
+    """What `status`, `ssh`, `tunnel` and `down` act on: the registered cluster (its hosts run
+    Spark, whatever the settings file says now), else `spec`."""
+    return registered_spec(spec.name) or spec
+
+
+# --- trust ---------------------------------------------------------------------------------------
+
+
+def trusted_keys_files(spec: ClusterSpec) -> list[Path]:
+    """Where the hosts' keys are trusted from: `known_hosts`, else OpenSSH's own files."""
+    if spec.known_hosts:
+        return [Path(spec.known_hosts).expanduser()]
+    return [Path(p).expanduser() for p in DEFAULT_KNOWN_HOSTS]
+
+
+def load_trusted(paths: list[Path], *, required: bool) -> paramiko.HostKeys:
+    """The host keys in OpenSSH known_hosts files, read as OpenSSH reads them: comments and
+    lines it cannot parse are skipped, `@cert-authority` lines are not host keys (certificates
+    are not supported: such hosts need their own key line), and a key listed `@revoked` is
+    trusted for no host. A file that cannot be read is an error when `required` (the spec
+    named it), else skipped."""
+    entries: list[paramiko.hostkeys.HostKeyEntry] = []
+    revoked: set[tuple[str, str]] = set()
+    for path in paths:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError as exc:
+            if required:
+                raise SparknetError(
+                    f"cannot read the hosts' keys from {path} ({nodes.describe(exc)}); set "
+                    "known_hosts to an OpenSSH known_hosts file with them"
+                ) from exc
+            continue
+        for line in text.splitlines():
+            line = line.strip()
+            if not line or line.startswith("#") or line.startswith("@cert-authority"):
+                continue
+            marker = line.startswith("@revoked")
+            entry = _entry(line.split(None, 1)[1] if marker else line)
+            if entry is None:
+                continue
+            if marker:
+                revoked.add((entry.key.get_name(), entry.key.get_base64()))
+            else:
+                entries.append(entry)
+    trusted = paramiko.HostKeys()
+    for entry in entries:
+        if (entry.key.get_name(), entry.key.get_base64()) not in revoked:
+            for host in entry.hostnames:
+                trusted.add(host, entry.key.get_name(), entry.key)
+    return trusted
+
+
+def _entry(line: str) -> paramiko.hostkeys.HostKeyEntry | None:
+    """One known_hosts line, or None for a line paramiko cannot read (OpenSSH skips those)."""
+    try:
+        return paramiko.hostkeys.HostKeyEntry.from_line(line)
+    except Exception:  # InvalidHostKey, binascii errors, unknown key types: not a usable line
+        return None
 
 
 def access(spec: ClusterSpec) -> Access:
-    """The cluster's key (the user's `key_file`, checked 0600) and its known_hosts, holding
-    exactly each host's keys from `trusted_keys_file`; a one-line error naming every host that
-    has none there, and how to add it, before anything connects."""
+    """The cluster's key (the user's `key_file`, checked) and its known_hosts, holding exactly
+    each host's keys from `trusted_keys_files`; a one-line error naming every host that has none
+    there, and how to add it, before anything connects (the cluster's file then holds only the
+    keys that were found: a key the user removed is not kept)."""
     found = nodes.access_for(spec)
     nodes.check_key_file(found)
-    source = trusted_keys_file(spec)
-    trusted = paramiko.HostKeys()
-    try:
-        trusted.load(str(source))
-    except OSError as exc:
-        raise SparknetError(
-            f"cannot read the hosts' keys from {source} ({nodes.describe(exc)}); set known_hosts "
-            "to an OpenSSH known_hosts file with them"
-        ) from exc
+    sources = trusted_keys_files(spec)
+    trusted = load_trusted(sources, required=bool(spec.known_hosts))
     pins: dict[str, list[str]] = {}
     missing = []
     for endpoint in endpoints(spec):
         keys = trusted.lookup(endpoint.address)
-        if not keys:
+        if keys:
+            pins[endpoint.address] = [f"{k.get_name()} {k.get_base64()}" for k in keys.values()]
+        else:
             missing.append(endpoint)
-            continue
-        pins[endpoint.address] = [f"{k.get_name()} {k.get_base64()}" for k in keys.values()]
+    nodes.pin(found.known_hosts, pins, only=True)
     if missing:
         first = missing[0]
+        login = shlex.join(
+            ["ssh", "-F", "none", "-p", str(first.port), f"{first.user}@{first.host}"]
+        )
         raise SparknetError(
-            f"no host key for {', '.join(str(e) for e in missing)} in {source}; sparknet "
-            "connects only to hosts whose key you have checked: log in once with `ssh -p "
-            f"{first.port} {first.user}@{first.host}` and compare the fingerprint, or set "
+            f"no host key for {', '.join(str(e) for e in missing)} in "
+            f"{', '.join(str(p) for p in sources)}; sparknet connects only to hosts whose key "
+            f"you have checked: log in once with `{login}` and compare the fingerprint, or set "
             "known_hosts to a file that holds their keys"
         )
-    nodes.pin(found.known_hosts, pins, only=True)
     return found
+
+
+# --- nodes ---------------------------------------------------------------------------------------
 
 
 def plan_nodes(spec: ClusterSpec, reach: Access) -> list[Node]:
@@ -104,7 +177,7 @@ def plan_nodes(spec: ClusterSpec, reach: Access) -> list[Node]:
 
 def _nodes(spec: ClusterSpec, gpus: dict[str, int] | None = None) -> list[Node]:
     """The hosts as nodes with their addresses and prefixes, and `gpus` by node name (none
-    given: 0, as stopping the daemons needs no count)."""
+    given: 0, as stopping the daemons and asking the master need no count)."""
     out = []
     for endpoint in endpoints(spec):
         layout = nodes.node_layout(spec.name, endpoint.name)
@@ -119,6 +192,13 @@ def _nodes(spec: ClusterSpec, gpus: dict[str, int] | None = None) -> list[Node]:
     return out
 
 
+def _where(endpoint: Endpoint) -> tuple[str, int]:
+    return endpoint.host, endpoint.port
+
+
+# --- up ------------------------------------------------------------------------------------------
+
+
 def _check_not_ec2(spec: ClusterSpec) -> None:
     """Refuse a static cluster under the name of an EC2 cluster this machine runs: they would
     share one registry entry, and the EC2 one would be left to its tags."""
@@ -130,16 +210,45 @@ def _check_not_ec2(spec: ClusterSpec) -> None:
         )
 
 
+def _check_hosts(spec: ClusterSpec) -> None:
+    """Refuse hosts that would leave Spark running unseen or fight another cluster: a
+    registered cluster's hosts may only be appended to (a dropped host would keep its worker,
+    a new first host would make a second master), and no host may belong to another static
+    cluster registered here (the install prefix and the daemons are per machine)."""
+    want = [_where(e) for e in endpoints(spec)]
+    known = registered_spec(spec.name)
+    if known is not None:
+        have = [_where(e) for e in endpoints(known)]
+        if want[: len(have)] != have:
+            raise HostsChanged(
+                f"static cluster {spec.name} runs Spark on {', '.join(known.hosts)}; hosts may "
+                f"only be added after those: `sparknet cluster down {spec.name}` first to change "
+                "them"
+            )
+    for name, other in lifecycle.registered().items():
+        if name == spec.name or other.provider != "static":
+            continue
+        shared = sorted(set(want) & {_where(e) for e in endpoints(other)})
+        if shared:
+            host, port = shared[0]
+            raise HostsChanged(
+                f"{host}:{port} is a host of static cluster {name} too: one machine runs one "
+                f"cluster's Spark; `sparknet cluster down {name}` first, or choose other hosts"
+            )
+
+
 def up(spec: ClusterSpec, *, say: Say = lambda _: None, bootstrap: bool = True) -> list[Endpoint]:
     """Register the static cluster and, with `bootstrap`, bring Spark up on its hosts (a healthy
     master and a worker on every host, as for EC2); its nodes.
 
-    Everything that can fail without touching a host fails first: the key file, each host's
-    key in the trusted known_hosts, the wheel of this checkout and the cluster's secret. The
-    registry entry is written before any connection, so a failed or interrupted bootstrap
-    (`BootstrapIncomplete`, `Interrupted`) leaves the cluster registered for `cluster
-    bootstrap` to finish or `cluster down` to stop; nothing is billed either way."""
+    Everything that can fail without touching a host fails first: the hosts against the
+    registry, the key file, each host's key in the trusted known_hosts, the wheel of this
+    checkout and the cluster's secret. The registry entry is written before any connection, so
+    a failed or interrupted bootstrap (`BootstrapIncomplete`, `Interrupted`) leaves the cluster
+    registered for `cluster bootstrap` to finish or `cluster down` to stop; nothing is billed
+    either way."""
     _check_not_ec2(spec)
+    _check_hosts(spec)
     reach = access(spec)
     found = endpoints(spec)
     with lifecycle.cluster_lock(spec.name):
@@ -167,51 +276,64 @@ def up(spec: ClusterSpec, *, say: Say = lambda _: None, bootstrap: bool = True) 
     return found
 
 
-def _registered(spec: ClusterSpec) -> None:
-    """`ClusterNotFound` unless this machine has the static cluster registered (brought up)."""
-    known = lifecycle.registered().get(spec.name)
-    if known is None or known.provider != "static":
+# --- status and down -----------------------------------------------------------------------------
+
+
+def status(spec: ClusterSpec) -> list[Endpoint]:
+    """The registered static cluster's nodes; `ClusterNotFound` when it is not registered."""
+    known = registered_spec(spec.name)
+    if known is None:
         raise lifecycle.ClusterNotFound(
             f"static cluster {spec.name} is not up here (not registered); "
             f"`sparknet cluster up {spec.name}` bootstraps its hosts"
         )
+    return endpoints(known)
 
 
 def health(spec: ClusterSpec) -> ClusterHealth:
-    """The Spark cluster's health as its master tells it; a SparknetError when a host takes no
-    SSH connection within `STATUS_CONNECT_S`."""
+    """The Spark cluster's health as its master tells it, asked over SSH of the master host
+    only (a dead worker host shows as a worker not registered; GPUs are checked where
+    `bootstrap.gpus_per_node` fixes them); a SparknetError when the master takes no SSH
+    connection within `STATUS_CONNECT_S`."""
+    spec = current(spec)
     reach = access(spec)
-    planned = plan_nodes(spec, reach)
-    expected = [Expected(n.name, n.rpc_host, spec.bootstrap.worker_cores, n.gpus) for n in planned]
+    planned = _nodes(spec)
+    fixed = spec.bootstrap.gpus_per_node
+    expected = [Expected(n.name, n.rpc_host, spec.bootstrap.worker_cores, fixed) for n in planned]
     return cluster_health(
         planned[0], lifecycle.ports_of(spec), expected, reach, connect_timeout=STATUS_CONNECT_S
     )
 
 
-def status(spec: ClusterSpec) -> list[Endpoint]:
-    """The registered static cluster's nodes; `ClusterNotFound` when it is not registered."""
-    _registered(spec)
-    return endpoints(spec)
+def down(
+    spec: ClusterSpec, *, say: Say = lambda _: None, forget_unreachable: bool = False
+) -> list[str]:
+    """Stop Spark on every host of the cluster (as registered; from the settings where this
+    machine has no entry: stopping what does not run is harmless), its daemons, their systemd
+    units and the conf with the secret, and forget the cluster here; the machines stay as they
+    are. The stopped nodes' names.
 
-
-def down(spec: ClusterSpec, *, say: Say = lambda _: None) -> list[str]:
-    """Stop Spark on every host (daemons, their systemd units, the secret's conf) and forget the
-    cluster here; the machines stay as they are. When a host cannot be reached the cluster stays
-    registered and the error names the host: its daemons may still run with the secret."""
-    _registered(spec)
+    A host that cannot be reached keeps the cluster registered (`StopIncomplete` names it: its
+    daemons may still hold the secret), unless `forget_unreachable`: then it is said and
+    forgotten, and stopping whatever still runs there is the user's."""
+    spec = current(spec)
     reach = access(spec)
     with lifecycle.cluster_lock(spec.name):
         planned = _nodes(spec)
         try:
             boot.stop_daemons(planned, reach, timeout=120)
+            stopped = [n.name for n in planned]
         except nodes.NodesFailed as exc:
-            raise StopIncomplete(
-                f"could not stop Spark on every host ({exc}); the cluster stays registered: "
-                f"run `sparknet cluster down {spec.name}` again once they answer, or remove a "
-                "host that is gone for good from its hosts first"
-            ) from exc
-        say(f"stopped Spark on {len(planned)} hosts")
+            if not forget_unreachable:
+                raise StopIncomplete(
+                    f"could not stop Spark on every host ({exc}); the cluster stays registered: "
+                    f"run `sparknet cluster down {spec.name}` again once they answer, or with "
+                    "--forget-unreachable to forget hosts that are gone for good"
+                ) from exc
+            stopped = [n.name for n in planned if n.name not in exc.failures]
+            say(f"forgetting without stopping Spark there: {exc}")
+        say(f"stopped Spark on {len(stopped)} of {len(planned)} hosts")
         nodes.forget_local(spec.name)
         lifecycle.forget_entry(spec.name, spec.region)
         lifecycle.remove_lock(spec.name)
-    return [n.name for n in planned]
+    return stopped

@@ -152,25 +152,46 @@ def test_an_unknown_host_is_refused_before_anything(cluster, tmp_path) -> None:
     assert log.count("Connection from") == 1  # the fixture's own check that sshd listens
 
 
-def test_down_with_a_dead_host_names_it_and_keeps_the_cluster(cluster, tmp_path) -> None:
-    """`up --no-bootstrap` registers only; a host that then stops answering makes `down` fail
-    (exit 1) naming it, and the cluster stays registered for a later `down`."""
+def test_a_dead_host_edited_hosts_and_forgetting_it(cluster, tmp_path) -> None:
+    """`up --no-bootstrap` registers only. Then a host stops answering: `status` exits 1 (no
+    master answers); the settings drop the host, but the registered hosts stay the truth:
+    `up` refuses the edit and `down` still fails naming the host (exit 1, the cluster stays
+    registered); `down --forget-unreachable` forgets it. `list` shows the static cluster with
+    no AWS reachable."""
     from sparknet.cluster import lifecycle
 
     name, group, entry = cluster
     up = cli("up", name, "--no-bootstrap", cwd=tmp_path)
     assert up.returncode == 0, up.stderr
     assert f"cluster {name} is registered (not bootstrapped)" in up.stdout
+    listed = cli("list", cwd=tmp_path)  # AWS is unreachable here: the static line comes first
+    assert listed.stdout.splitlines()[0] == f"{name}\tstatic, 2 hosts\t-\tregistered\towner -"
+    assert listed.returncode == 2 and listed.stderr.startswith("error: ")
+
     group.servers[1].stop()
-    down = cli("down", name, cwd=tmp_path)
-    assert down.returncode == 1, down.stderr
-    assert "could not stop Spark on every host (1 of 2 nodes failed: worker-1" in down.stderr
-    assert name in lifecycle.registered()
-    # the host is gone for good: without it in `hosts`, `down` ends the cluster
+    shown = cli("status", name, cwd=tmp_path)
+    assert shown.returncode == 1, shown.stdout + shown.stderr
+    assert f"Spark master spark://{ADDRESSES['master']}:" in shown.stdout
+    assert "UNHEALTHY" in shown.stdout
+
     settings = yaml.safe_load((tmp_path / "sparknet.yaml").read_text())
     settings["clusters"][name]["hosts"] = entry["hosts"][:1]
     (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump(settings))
+    again = cli("up", name, cwd=tmp_path)
+    assert again.returncode == 1, again.stderr
+    assert again.stderr.startswith(
+        f"error: static cluster {name} runs Spark on {entry['hosts'][0]}, "
+    )
+    assert "`sparknet cluster down" in again.stderr
+
     down = cli("down", name, cwd=tmp_path)
+    assert down.returncode == 1, down.stderr
+    assert "could not stop Spark on every host (1 of 2 nodes failed: worker-1" in down.stderr
+    assert "--forget-unreachable" in down.stderr
+    assert name in lifecycle.registered()
+
+    down = cli("down", name, "--forget-unreachable", cwd=tmp_path)
     assert down.returncode == 0, down.stderr
     assert "stopped Spark on master\n" in down.stdout
+    assert "forgetting without stopping Spark there: 1 of 2 nodes failed: worker-1" in down.stderr
     assert name not in lifecycle.registered()

@@ -5,6 +5,7 @@ with no key there is refused, in one line, before anything connects."""
 from __future__ import annotations
 
 import getpass
+from pathlib import Path
 
 import paramiko
 import pytest
@@ -63,8 +64,10 @@ def test_a_host_without_a_key_is_refused_and_nothing_is_written(home) -> None:
     line = str(err.value)
     assert "\n" not in line
     assert line.startswith(f"no host key for worker-1 ({getpass.getuser()}@10.0.0.6:2222) in ")
-    assert "ssh -p 2222" in line
-    assert not (home / "home").exists()  # no registry entry, no lock, no known_hosts
+    assert "`ssh -F none -p 2222 " in line
+    assert lifecycle.registered() == {}  # no registry entry, no lock
+    assert not list((home / "home" / "clusters").glob("*.lock"))
+    assert nodes.access_for(spec).known_hosts.read_text() == f"10.0.0.5 {a[0]} {a[1]}\n"
 
 
 def test_an_unreadable_known_hosts_is_one_line(home) -> None:
@@ -77,3 +80,71 @@ def test_a_key_file_others_can_read_is_refused_first(home) -> None:
     (home / "id").chmod(0o644)
     with pytest.raises(SparknetError, match="readable by others"):
         static.access(_spec(home, ["10.0.0.5"], home / "missing"))
+
+
+def test_cert_authority_revoked_and_broken_lines_are_read_as_openssh_reads_them(home) -> None:
+    """An enterprise known_hosts: a CA line (not a host key), a revoked key (trusted for no
+    host, though a plain line lists it too), and lines paramiko cannot parse: none may crash
+    or add trust."""
+    good, bad, ca = _key(), _key(), _key()
+    source = home / "known_hosts"
+    source.write_text(
+        f"@cert-authority *.corp.example {ca[0]} {ca[1]}\n"
+        f"10.0.0.5 {good[0]} {good[1]}\n"
+        f"10.0.0.6 {bad[0]} {bad[1]}\n"
+        f"@revoked * {bad[0]} {bad[1]}\n"
+        "10.0.0.7 ssh-ed25519 not-base64!!\n"
+        "just-one-field\n"
+    )
+    access = static.access(_spec(home, ["10.0.0.5"], source))
+    assert access.known_hosts.read_text() == f"10.0.0.5 {good[0]} {good[1]}\n"
+    with pytest.raises(SparknetError, match=r"^no host key for worker-1 \(.*@10.0.0.6:22\)"):
+        static.access(_spec(home, ["10.0.0.5", "10.0.0.6"], source))
+    # the refusal leaves the cluster's file with the keys that were found, nothing stale
+    assert access.known_hosts.read_text() == f"10.0.0.5 {good[0]} {good[1]}\n"
+
+
+def test_the_default_trust_is_openssh_own_files(home, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(home))
+    spec = ClusterSpec(
+        name="onprem", provider="static", hosts=["10.0.0.5"], key_file=str(home / "id")
+    )
+    assert static.trusted_keys_files(spec) == [
+        home / ".ssh" / "known_hosts",
+        Path("/etc/ssh/ssh_known_hosts"),
+    ]
+    with pytest.raises(SparknetError) as err:  # neither file has the host: one line, no crash
+        static.access(spec)
+    assert "`ssh -F none -p 22 " in str(err.value)
+
+
+def test_a_host_of_another_static_cluster_is_refused(home) -> None:
+    a = _key()
+    source = home / "known_hosts"
+    source.write_text(f"10.0.0.5 {a[0]} {a[1]}\n10.0.0.6 {a[0]} {a[1]}\n")
+    lifecycle.save_entry(_spec(home, ["10.0.0.5"], source), None)
+    other = _spec(home, ["10.0.0.6", "root@10.0.0.5:22"], source).model_copy(update={"name": "lab"})
+    with pytest.raises(static.HostsChanged, match=r"^10.0.0.5:22 is a host of static cluster"):
+        static.up(other)
+
+
+def test_settings_paths_are_relative_to_the_settings_file_and_providers_do_not_mix(
+    home, monkeypatch
+) -> None:
+    from sparknet.cli.cluster import _cluster_spec
+
+    settings = home / "conf" / "sparknet.yaml"
+    settings.parent.mkdir()
+    settings.write_text(
+        "clusters:\n  onprem:\n    provider: static\n    hosts: [10.0.0.5]\n"
+        "    key_file: keys/id\n    known_hosts: ../kh\n"
+    )
+    monkeypatch.chdir("/")
+    spec = _cluster_spec("onprem", settings, {})
+    assert spec.key_file == str(home / "conf" / "keys" / "id")
+    assert spec.known_hosts == str(home / "kh")
+    # an EC2 cluster registered under the name: the settings' static one is refused
+    lifecycle.save_entry(ClusterSpec(name="onprem"), None)
+    mixed = r"registered here as an EC2 cluster \(provider: aws\), but .* says provider: static"
+    with pytest.raises(SparknetError, match=mixed):
+        _cluster_spec("onprem", settings, {})
