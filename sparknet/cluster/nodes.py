@@ -601,8 +601,10 @@ def access_for(spec: ClusterSpec) -> Access:
 
 
 def check_key_file(access: Access) -> None:
-    """The private key exists and only its owner can read it (OpenSSH refuses a key others can
-    read, and so does this, before any node is asked)."""
+    """The private key exists, only its owner can read it (OpenSSH refuses a key others can
+    read, and so does this, before any node is asked), and it opens with no passphrase as an
+    ed25519, ECDSA or RSA key (what paramiko logs in with): sparknet asks for no passphrase and
+    uses no SSH agent, so a key it cannot open would fail at every node, later and less clearly."""
     try:
         mode = access.key_file.stat().st_mode & 0o777
     except OSError as exc:
@@ -615,6 +617,36 @@ def check_key_file(access: Access) -> None:
             f"key file {access.key_file} is readable by others (mode {mode:o}); "
             f"chmod 600 {access.key_file}"
         )
+    _load_key(access.key_file)
+
+
+#: the private key types sparknet logs in with (paramiko's; it has no DSA any more)
+KEY_TYPES: tuple[type[paramiko.PKey], ...] = (
+    paramiko.Ed25519Key,
+    paramiko.ECDSAKey,
+    paramiko.RSAKey,
+)
+
+
+def _load_key(path: Path) -> paramiko.PKey:
+    """The private key in `path`, in OpenSSH or PEM format; a one-line error for one protected
+    by a passphrase or a file that holds none."""
+    for kind in KEY_TYPES:
+        try:
+            return kind.from_private_key_file(str(path))
+        except paramiko.PasswordRequiredException:
+            raise SparknetError(
+                f"key file {path} is protected by a passphrase, and sparknet uses no SSH agent: "
+                "give a key without a passphrase (e.g. one made for the cluster)"
+            ) from None
+        except OSError as exc:
+            raise SparknetError(f"key file {path} cannot be read ({describe(exc)})") from exc
+        except (paramiko.SSHException, ValueError):
+            continue  # another type's file, or not a key at all
+    raise SparknetError(
+        f"key file {path} is not an ed25519, ECDSA or RSA private key; set key_file to the "
+        "private key (not its .pub)"
+    )
 
 
 def ensure_key_pair(ec2: Any, spec: ClusterSpec, say: Callable[[str], None]) -> str | None:

@@ -200,6 +200,56 @@ def test_a_private_key_is_0600_from_the_start(tmp_path):
         nodes.check_key_file(Access(tmp_path / "missing", tmp_path / "kh"))
 
 
+def private_key(kind: str, password: bytes | None = None, fmt: str = "OpenSSH") -> str:
+    """A private key of `kind` as ssh-keygen writes it (OpenSSH format, or PEM), encrypted
+    with `password` when given."""
+    from cryptography.hazmat.primitives import serialization as ser
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+
+    key = {
+        "ed25519": ed25519.Ed25519PrivateKey.generate,
+        "ecdsa": lambda: ec.generate_private_key(ec.SECP256R1()),
+        "rsa": lambda: rsa.generate_private_key(65537, 2048),
+    }[kind]()
+    crypt = ser.BestAvailableEncryption(password) if password else ser.NoEncryption()
+    form = getattr(ser.PrivateFormat, fmt)
+    return key.private_bytes(ser.Encoding.PEM, form, crypt).decode("ascii")
+
+
+@pytest.mark.parametrize(
+    ("kind", "fmt"),
+    [("ed25519", "OpenSSH"), ("ecdsa", "OpenSSH"), ("rsa", "OpenSSH"),
+     ("rsa", "TraditionalOpenSSL"), ("ecdsa", "TraditionalOpenSSL")],
+)  # fmt: skip
+def test_a_key_file_is_loaded_and_one_with_a_passphrase_is_one_line(tmp_path, kind, fmt):
+    """sparknet uses no SSH agent: a key it cannot open by itself would fail at every node
+    later, with paramiko's words; it is refused before any node is asked, saying what to do."""
+    path = tmp_path / "id"
+    nodes.write_private_key(path, private_key(kind, fmt=fmt))
+    nodes.check_key_file(Access(path, tmp_path / "kh"))
+    nodes.write_private_key(path, private_key(kind, b"correct horse", fmt))
+    with pytest.raises(SparknetError) as caught:
+        nodes.check_key_file(Access(path, tmp_path / "kh"))
+    assert str(caught.value) == (
+        f"key file {path} is protected by a passphrase, and sparknet uses no SSH agent: give a "
+        "key without a passphrase (e.g. one made for the cluster)"
+    )
+
+
+@pytest.mark.parametrize(
+    "text", ["", "hello\n", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIA me@host\n", "\x00\xff"]
+)
+def test_a_key_file_that_is_not_a_private_key_is_one_line(tmp_path, text):
+    path = tmp_path / "id.pub"
+    nodes.write_private_key(path, text)
+    with pytest.raises(SparknetError) as caught:
+        nodes.check_key_file(Access(path, tmp_path / "kh"))
+    assert str(caught.value) == (
+        f"key file {path} is not an ed25519, ECDSA or RSA private key; set key_file to the "
+        "private key (not its .pub)"
+    )
+
+
 def test_key_pair_names_follow_ec2s_rule():
     assert nodes.key_pair_name("c1") == "sparknet-c1"
     assert nodes.check_key_name("k" * 255) == "k" * 255
