@@ -160,7 +160,8 @@ def connect(endpoint: Endpoint, access: Access, timeout: float = 20) -> fabric.C
             if time.monotonic() + RETRY_S >= deadline:
                 raise SparknetError(
                     f"{endpoint}: no SSH connection within {timeout:g} s ({describe(exc)}); "
-                    "check that the node runs and that its security group lets your address in"
+                    "check that the node runs and that it lets your address in on its SSH port "
+                    "(on EC2: its security group)"
                 ) from exc
         time.sleep(RETRY_S)
 
@@ -201,7 +202,7 @@ def _refused(endpoint: Endpoint, access: Access, exc: BaseException) -> Sparknet
     if isinstance(exc, paramiko.AuthenticationException):
         return SparknetError(
             f"{endpoint}: login refused for key {access.key_file} ({describe(exc)}); check "
-            "the cluster's key_name and key_file"
+            "key_file (and key_name on EC2)"
         )
     if "not found in known_hosts" in str(exc):
         return SparknetError(

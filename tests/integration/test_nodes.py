@@ -72,8 +72,9 @@ def test_a_wrong_client_key_is_refused_in_one_line(sshd_nodes, tmp_path):
     stranger = tmp_path / "stranger"
     nodes.write_private_key(stranger, nodes.new_ed25519()[0])
     access = Access(stranger, group.access.known_hosts)
-    with pytest.raises(SparknetError, match=r"^master \(.*login refused for key"):
+    with pytest.raises(SparknetError, match=r"^master \(.*login refused for key") as caught:
         nodes.connect(group.endpoints[0], access, timeout=10)
+    assert str(caught.value).endswith("; check key_file (and key_name on EC2)")
 
 
 def test_a_node_that_does_not_listen_fails_after_the_timeout(sshd_nodes):
@@ -82,8 +83,15 @@ def test_a_node_that_does_not_listen_fails_after_the_timeout(sshd_nodes):
     group = sshd_nodes(1)
     endpoint = Endpoint("worker-3", "127.0.0.1", free_port(), group.endpoints[0].user)
     start = time.monotonic()
-    with pytest.raises(SparknetError, match=r"^worker-3 \(.*no SSH connection within 2 s"):
+    with pytest.raises(
+        SparknetError, match=r"^worker-3 \(.*no SSH connection within 2 s"
+    ) as caught:
         nodes.connect(endpoint, group.access, timeout=2)
+    # a static host has no security group: EC2's is named as EC2's
+    assert str(caught.value).endswith(
+        "; check that the node runs and that it lets your address in on its SSH port (on EC2: "
+        "its security group)"
+    )
     assert 1.5 < time.monotonic() - start < 10
 
 
