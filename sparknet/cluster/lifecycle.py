@@ -890,6 +890,7 @@ def bootstrap_locked(
             tuple(planned), carried.wheel, carried.secret,
             ports=ports_of(spec), python_env=settings.python_env,
             worker_cores=settings.worker_cores, worker_memory_mb=settings.worker_memory_mb,
+            install_drivers=spec.provider == "aws",
         )  # fmt: skip
         say(f"bootstrapping {len(plan.nodes)} nodes (sparknet {plan.wheel.version})")
         try:

@@ -73,6 +73,9 @@ class Plan:
     #: what each worker offers; default: the node's cores, and its memory less headroom
     worker_cores: int | None = None
     worker_memory_mb: int | None = None
+    #: whether a GPU node without a working driver gets one installed (an EC2 instance of
+    #: sparknet's); on a machine of the user's (static) the step says so and stops instead
+    install_drivers: bool = True
 
     def __post_init__(self) -> None:
         if not self.nodes:

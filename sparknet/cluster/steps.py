@@ -99,6 +99,13 @@ class NvidiaDriver(Step):
         return self.ctx.node.gpus == 0 or succeeds(conn, "nvidia-smi -L")
 
     def apply(self, conn: Conn) -> None:
+        if not self.ctx.plan.install_drivers:
+            raise CommandFailed(
+                f"the node should offer {self.ctx.node.gpus} GPUs but `nvidia-smi -L` fails; "
+                "sparknet installs no driver on a machine of yours: install the NVIDIA driver "
+                "there, or set bootstrap: gpus_per_node: 0",
+                [],
+            )
         s = self.ctx.sudo
         apt = f"{s}env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300"
         self.run(

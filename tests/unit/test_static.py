@@ -148,3 +148,29 @@ def test_settings_paths_are_relative_to_the_settings_file_and_providers_do_not_m
     mixed = r"registered here as an EC2 cluster \(provider: aws\), but .* says provider: static"
     with pytest.raises(SparknetError, match=mixed):
         _cluster_spec("onprem", settings, {})
+
+
+def test_no_driver_is_installed_on_a_machine_of_the_users() -> None:
+    """A static host that should offer GPUs but whose nvidia-smi fails: the step stops with one
+    line and runs nothing (an EC2 node of sparknet's would get the driver)."""
+    from sparknet.cluster.nodes import Endpoint
+    from sparknet.cluster.plan import Context, Facts, Node, Plan
+    from sparknet.cluster.remote import CommandFailed
+    from sparknet.cluster.steps import NvidiaDriver
+    from sparknet.cluster.wheel import Wheel
+
+    class Refusing:
+        def __init__(self) -> None:
+            self.commands: list[str] = []
+
+        def run(self, command: str, **kwargs):
+            self.commands.append(command)
+            raise AssertionError("no command may run")
+
+    node = Node(Endpoint("master", "10.0.0.5"), gpus=2)
+    plan = Plan((node,), Wheel(Path("w.whl"), "1", "d"), "s" * 32, install_drivers=False)
+    ctx = Context(plan, node, Facts("alice", 1000, 8, 32 * 1024 * 1024, False, ()))
+    conn = Refusing()
+    with pytest.raises(CommandFailed, match=r"should offer 2 GPUs but `nvidia-smi -L` fails; "):
+        NvidiaDriver(ctx).apply(conn)
+    assert conn.commands == []
