@@ -25,7 +25,7 @@ demo: install
 	$(VENV)/bin/sparknet train --data digits --workers 2
 
 test: install checkov
-	$(VENV)/bin/pytest -q -n 2
+	$(VENV)/bin/pytest -q -n 3
 
 checkov: $(CHECKOV_STAMP)
 
