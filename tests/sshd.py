@@ -17,6 +17,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,18 @@ class Sshd:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def daemon_pids(root: Path, node_names: Iterable[str]) -> dict[str, int]:
+    """The Spark daemons' pids by `<node>/<role>`, from the pid files under each node's install
+    prefix (`root/<node>`, as the tests lay nodes out)."""
+    out = {}
+    for node in node_names:
+        for role in ("master", "worker"):
+            pid = root / node / "run" / f"{role}.pid"
+            if pid.exists():
+                out[f"{node}/{role}"] = int(pid.read_text())
+    return out
 
 
 def free_port() -> int:

@@ -30,8 +30,8 @@ from sparknet.cluster import bootstrap as boot
 from sparknet.cluster import foundation, instances, nodes
 from sparknet.cluster.health import ClusterHealth, Expected, cluster_health
 from sparknet.cluster.instances import Hourly, Instance
-from sparknet.cluster.plan import Node, Plan
-from sparknet.cluster.spark_conf import DEFAULT_PREFIX, Ports, load_or_create_secret
+from sparknet.cluster.plan import Node, Plan, laid_out
+from sparknet.cluster.spark_conf import Ports, load_or_create_secret
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec, tag_value
 from sparknet.cluster.wheel import Wheel, build_wheel, source_checkout
 from sparknet.errors import SparknetError
@@ -797,18 +797,15 @@ def plan_nodes(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> list[Node]
         )
     override = spec.bootstrap.gpus_per_node
     gpus = {} if override is not None else instance_gpus(ec2, [i.type for _, i in named])
-    out = []
-    for name, inst in named:
-        layout = nodes.node_layout(spec.name, name)
-        out.append(
-            Node(
-                nodes.endpoint_of(spec.name, name, inst),
-                address=layout.get("address") or inst.private_ip,
-                prefix=layout.get("prefix") or DEFAULT_PREFIX,
-                gpus=override if override is not None else gpus[inst.type],
-            )
+    return [
+        laid_out(
+            spec.name,
+            nodes.endpoint_of(spec.name, name, inst),
+            inst.private_ip,
+            override if override is not None else gpus[inst.type],
         )
-    return out
+        for name, inst in named
+    ]
 
 
 def ports_of(spec: ClusterSpec) -> Ports:

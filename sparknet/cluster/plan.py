@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass, field
 
-from sparknet.cluster.nodes import Endpoint
+from sparknet.cluster.nodes import Endpoint, node_layout
 from sparknet.cluster.remote import Conn, q, succeeds
 from sparknet.cluster.spark_conf import (
     DEFAULT_PREFIX,
@@ -53,6 +53,19 @@ class Node:
     @property
     def python(self) -> str:
         return self.path("venv", "bin", "python")
+
+
+def laid_out(cluster: str, endpoint: Endpoint, address: str | None, gpus: int = 0) -> Node:
+    """Node `endpoint` of `cluster` where the seam's ``<cluster>/<node>/node`` entry places it
+    (its own private address and install prefix: several nodes on one host), else at `address`
+    under DEFAULT_PREFIX: the one place either provider lays a node out."""
+    layout = node_layout(cluster, endpoint.name)
+    return Node(
+        endpoint,
+        address=layout.get("address") or address,
+        prefix=layout.get("prefix") or DEFAULT_PREFIX,
+        gpus=gpus,
+    )
 
 
 @dataclass(frozen=True)

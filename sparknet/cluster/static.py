@@ -28,9 +28,8 @@ from sparknet.cluster import bootstrap as boot
 from sparknet.cluster import lifecycle, nodes
 from sparknet.cluster.health import ClusterHealth, Expected, cluster_health
 from sparknet.cluster.nodes import Access, Endpoint
-from sparknet.cluster.plan import Node
+from sparknet.cluster.plan import Node, laid_out
 from sparknet.cluster.remote import run
-from sparknet.cluster.spark_conf import DEFAULT_PREFIX
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
 
@@ -178,18 +177,7 @@ def plan_nodes(spec: ClusterSpec, reach: Access) -> list[Node]:
 def _nodes(spec: ClusterSpec, gpus: dict[str, int] | None = None) -> list[Node]:
     """The hosts as nodes with their addresses and prefixes, and `gpus` by node name (none
     given: 0, as stopping the daemons and asking the master need no count)."""
-    out = []
-    for endpoint in endpoints(spec):
-        layout = nodes.node_layout(spec.name, endpoint.name)
-        out.append(
-            Node(
-                endpoint,
-                address=layout.get("address") or endpoint.host,
-                prefix=layout.get("prefix") or DEFAULT_PREFIX,
-                gpus=(gpus or {}).get(endpoint.name, 0),
-            )
-        )
-    return out
+    return [laid_out(spec.name, e, e.host, (gpus or {}).get(e.name, 0)) for e in endpoints(spec)]
 
 
 def _where(endpoint: Endpoint) -> tuple[str, int]:

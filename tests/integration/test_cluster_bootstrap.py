@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from tests.conftest import SPARKNET
-from tests.sshd import free_port
+from tests.sshd import daemon_pids, free_port
 
 REGION = "us-east-1"
 AMI_PARAMETER = "/test/sparknet/bootstrap-ami"
@@ -82,17 +82,6 @@ def cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProc
     )  # fmt: skip
 
 
-def daemon_pids(root: Path) -> dict[str, int]:
-    """The daemons' pids by `<node>/<role>`, from the pid files under each node's prefix."""
-    out = {}
-    for node in ADDRESSES:
-        for role in ("master", "worker"):
-            pid = root / node / "run" / f"{role}.pid"
-            if pid.exists():
-                out[f"{node}/{role}"] = int(pid.read_text())
-    return out
-
-
 def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, tmp_path) -> None:
     from sparknet.cluster import instances, lifecycle, nodes
     from sparknet.cluster.spec import ClusterSpec
@@ -110,7 +99,7 @@ def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, 
     assert f"Spark master {master_url}: healthy" in out
     assert "master (127.0.0.2): ALIVE, 1 cores, 1024 MiB, 0 GPUs" in out
     assert "worker-1 (127.0.0.3): ALIVE, 1 cores, 1024 MiB, 0 GPUs" in out
-    pids = daemon_pids(tmp_path)
+    pids = daemon_pids(tmp_path, ADDRESSES)
     assert sorted(pids) == ["master/master", "master/worker", "worker-1/worker"]
     # the cluster's secret: 0600 in the registry dir, the one the nodes' Spark runs with
     secret_file = lifecycle.secret_file(name)
@@ -142,7 +131,7 @@ def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, 
     assert again.returncode == 0, again.stderr[-3000:]
     assert "nothing to do: every step was already done on all 2 nodes" in again.stderr
     assert "launching" not in again.stderr
-    assert daemon_pids(tmp_path) == pids
+    assert daemon_pids(tmp_path, ADDRESSES) == pids
     assert len(instances.find(ec2, name)) == 2
 
     # status: the instances, then the health as the master tells it

@@ -22,7 +22,7 @@ import yaml
 
 from sparknet.cluster.nodes import ENDPOINTS_ENV
 from tests.conftest import SPARKNET
-from tests.sshd import free_port
+from tests.sshd import daemon_pids, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ADDRESSES = {"master": "127.0.0.2", "worker-1": "127.0.0.3"}
@@ -68,16 +68,6 @@ def cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProc
     )  # fmt: skip
 
 
-def daemon_pids(root: Path) -> dict[str, int]:
-    out = {}
-    for node in ADDRESSES:
-        for role in ("master", "worker"):
-            pid = root / node / "run" / f"{role}.pid"
-            if pid.exists():
-                out[f"{node}/{role}"] = int(pid.read_text())
-    return out
-
-
 def test_up_status_and_down_of_a_static_cluster(cluster, tmp_path) -> None:
     from sparknet.cluster import lifecycle
 
@@ -95,7 +85,7 @@ def test_up_status_and_down_of_a_static_cluster(cluster, tmp_path) -> None:
     first = group.servers[0]
     assert f"ssh master\t{first.user}@127.0.0.1:{first.port}\tssh -F none" in up.stdout
     assert f"cluster {name} is up;" in up.stdout
-    pids = daemon_pids(tmp_path)
+    pids = daemon_pids(tmp_path, ADDRESSES)
     assert sorted(pids) == ["master/master", "master/worker", "worker-1/worker"]
     assert lifecycle.registered()[name].provider == "static"
 
@@ -113,7 +103,7 @@ def test_up_status_and_down_of_a_static_cluster(cluster, tmp_path) -> None:
     again = cli("up", name, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "nothing to do: every step was already done on all 2 nodes" in again.stderr
-    assert daemon_pids(tmp_path) == pids
+    assert daemon_pids(tmp_path, ADDRESSES) == pids
 
     down = cli("down", name, cwd=tmp_path)
     assert down.returncode == 0, down.stderr
