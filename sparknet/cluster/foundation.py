@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import boto3
 import botocore.exceptions as bx
 
 from sparknet import aws, interrupts
@@ -104,7 +103,7 @@ def security_group_description(spec: ClusterSpec) -> str:
 
 def partition(region: str) -> str:
     """The ARN partition of `region`: aws, aws-us-gov, aws-cn, ..."""
-    return boto3.session.Session().get_partition_for_region(region)
+    return aws.session().get_partition_for_region(region)
 
 
 def tags(spec: ClusterSpec, name: str | None = None) -> list[dict[str, str]]:

@@ -14,6 +14,7 @@ a retried Spark task sees exactly the batches of the failed one.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -48,19 +49,33 @@ class DataSplit:
     input_shape: tuple[int, ...]
 
 
-def digits() -> tuple[TensorDataset, TensorDataset]:
-    """scikit-learn's bundled 8x8 digits (1797 images, no download), fixed 80/20 split."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+#: scikit-learn's fixed digits split, `train_test_split(test_size=0.2, random_state=0,
+#: stratify=y)`, as row numbers in train and test order: importing scikit-learn costs ~1.5 s of
+#: CPU in the driver and in every Python worker, more than a small run trains
+#: (tests/unit/test_sources.py checks that scikit-learn still splits this way)
+DIGITS_SPLIT = Path(__file__).with_name("digits_split.npz")
 
-    bunch = load_digits()
-    x = (bunch.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
-    y = bunch.target.astype(np.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+
+def digits() -> tuple[TensorDataset, TensorDataset]:
+    """scikit-learn's bundled 8x8 digits (1797 images, no download), fixed 80/20 split: the file
+    `load_digits` reads, read the way it reads it, without importing scikit-learn."""
+    data = np.loadtxt(_sklearn_file("datasets/data/digits.csv.gz"), delimiter=",")
+    x = (data[:, :-1] / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
+    y = data[:, -1].astype(np.int64)
+    with np.load(DIGITS_SPLIT) as split:
+        train, test = split["train"].astype(np.int64), split["test"].astype(np.int64)
     return (
-        TensorDataset(torch.from_numpy(x_tr), torch.from_numpy(y_tr)),
-        TensorDataset(torch.from_numpy(x_te), torch.from_numpy(y_te)),
+        TensorDataset(torch.from_numpy(x[train]), torch.from_numpy(y[train])),
+        TensorDataset(torch.from_numpy(x[test]), torch.from_numpy(y[test])),
     )
+
+
+def _sklearn_file(name: str) -> Path:
+    """A data file of the installed scikit-learn, found without importing it."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise SparknetError("the digits dataset comes with scikit-learn: pip install scikit-learn")
+    return Path(spec.submodule_search_locations[0]) / name
 
 
 def _num_classes(ds: Dataset) -> int | None:

@@ -3,6 +3,7 @@ unknown or changed host key, and one function on all nodes at once."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import threading
@@ -104,10 +105,13 @@ def test_connect_waits_through_a_starting_sshd_that_closes_connections(sshd_node
     first = group.servers[0]
     first.stop()
     private, authorized = first.host_key.read_text(), first.authorized_keys.read_text()
+    # a port of its own, not the stopped sshd's: another test's connection may take that one
     closer = socket.socket()
     closer.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    closer.bind(("127.0.0.1", first.port))
+    closer.bind(("127.0.0.1", 0))
     closer.listen(8)
+    endpoint = dataclasses.replace(group.endpoints[0], port=closer.getsockname()[1])
+    nodes.pin(group.access.known_hosts, {endpoint.address: group.host_keys[0][1]})
     closer.settimeout(0.1)
     kinds: list[str] = []
 
@@ -128,12 +132,12 @@ def test_connect_waits_through_a_starting_sshd_that_closes_connections(sshd_node
                         kinds.append("eof in the handshake")
                     else:
                         kinds.append("no banner")
-        group.servers[0] = start_sshd(first.dir, private, authorized, port=first.port)
+        group.servers[0] = start_sshd(first.dir, private, authorized, port=endpoint.port)
 
     thread = threading.Thread(target=booting)
     thread.start()
     try:
-        conn = nodes.connect(group.endpoints[0], group.access, timeout=20)
+        conn = nodes.connect(endpoint, group.access, timeout=20)
     finally:
         thread.join()
     try:

@@ -13,6 +13,31 @@ def test_digits_has_a_fixed_split():
     assert bool((again.tensors[0] == train.tensors[0]).all())
 
 
+def test_digits_are_scikit_learns_split_without_importing_it():
+    """The saved split is scikit-learn's own, sample for sample; and loading it leaves
+    scikit-learn unimported (a Python worker would pay ~1.5 s of CPU for it)."""
+    import subprocess
+    import sys
+
+    import torch
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    x = (bunch.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
+    y = bunch.target.astype(np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    train, test = digits()
+    for got, want in zip((*train.tensors, *test.tensors), (x_tr, y_tr, x_te, y_te), strict=True):
+        assert torch.equal(got, torch.from_numpy(want))
+    code = (
+        "import sys; from sparknet.data.sources import digits; digits(); "
+        "print('sklearn' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_shards_are_disjoint_and_cover_the_data():
     parts = [shard(103, 4, p, seed=7) for p in range(4)]
     joined = np.concatenate(parts)
