@@ -190,6 +190,13 @@ def cluster_up(
     ami: str | None = typer.Option(
         None, help="AMI id of the nodes (e.g. one `make ami` baked); default: ami_parameter"
     ),
+    autostop: int | None = typer.Option(
+        None,
+        "--autostop",
+        metavar="MINUTES",
+        help="the master terminates the cluster after this many idle minutes (no job running, "
+        "no submitter attached); 0: off; default 30",
+    ),
     any_owner: bool = AnyOwnerOption,
     no_bootstrap: bool = typer.Option(
         False, "--no-bootstrap", help="only launch the instances; `cluster bootstrap` later"
@@ -206,7 +213,7 @@ def cluster_up(
 
     flags = dict(
         workers=workers, instance_types=instance_type, master_type=master_type, spot=spot,
-        region=region, allowed_cidr=allowed_cidr, ami=ami,
+        region=region, allowed_cidr=allowed_cidr, ami=ami, autostop_minutes=autostop,
     )  # fmt: skip
     caught = Caught()
     # a second signal arrives while the first one's clean-up runs: before the bootstrap that
@@ -357,6 +364,7 @@ def cluster_status(
     _print_ssh(spec, info)
     print(f"estimated cost {info.cost.describe()}")
     _print_health(spec, info, endpoint_url)
+    print(lifecycle.autostop_status(spec, info.instances, endpoint_url=endpoint_url))
 
 
 def _print_health(spec, info, endpoint_url: str | None) -> bool:

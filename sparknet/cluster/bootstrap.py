@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sparknet.cluster import nodes
-from sparknet.cluster.daemons import Master, Worker
+from sparknet.cluster.daemons import Autostop, Master, Worker
 from sparknet.cluster.health import ClusterHealth, Expected, cluster_health
 from sparknet.cluster.nodes import Access, Endpoint
 from sparknet.cluster.plan import FACTS, Context, Facts, Node, Plan, parse_facts
@@ -164,14 +164,20 @@ def bootstrap(
 
     Two rounds over all nodes at once: the install and conf steps (and the master on the master
     node), then the workers, so no worker starts before its master listens. Then the health
-    check, which waits up to `health_wait_s` for every worker to register."""
+    check, which waits up to `health_wait_s` for every worker to register. The master's
+    autostop timer, when the plan has one, starts after its worker."""
 
     def prepare(ctx: Context) -> list[Step]:
         steps: list[Step] = [cls(ctx) for cls in PREPARE]
         return steps + ([Master(ctx)] if ctx.is_master else [])
 
     first = run_on_nodes(plan, access, plan.nodes, prepare, say, timeout)
-    second = run_on_nodes(plan, access, plan.nodes, lambda ctx: [Worker(ctx)], say, timeout)
+
+    def daemons(ctx: Context) -> list[Step]:
+        timer = ctx.is_master and plan.autostop is not None
+        return [Worker(ctx)] + ([Autostop(ctx)] if timer else [])
+
+    second = run_on_nodes(plan, access, plan.nodes, daemons, say, timeout)
     reports = {n.name: first[n.name][0] + second[n.name][0] for n in plan.nodes}
     expected = [
         Expected(n.name, n.rpc_host, Context(plan, n, second[n.name][1]).cores, n.gpus)
@@ -232,11 +238,12 @@ def stop_daemons(nodes_: Sequence[Node], access: Access, timeout: float = 120) -
 
 
 def stop_node(ctx: Context, conn: Conn) -> None:
-    """Stop the node's worker and its master (by pid file or systemd unit) and remove what
+    """Stop the node's autostop timer, worker and master (by pid file or systemd unit), remove what
     would start them again or let a client in: their systemd units, then the conf file with
     the cluster's secret, only once both stopped (CommandFailed else). Both on every node, not
     only the plan's master: a static cluster whose hosts were reordered has its master
     elsewhere, and stopping a daemon that does not run is no error."""
+    Autostop(ctx).stop(conn, remove=True)
     Worker(ctx).stop(conn, remove=True)
     Master(ctx).stop(conn, remove=True)
     run(conn, f"rm -f {q(ctx.node.path('conf', 'spark-defaults.conf'))}")

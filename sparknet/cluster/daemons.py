@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shlex
 
+from sparknet.cluster import autostop
 from sparknet.cluster.remote import TAIL_LINES, CommandFailed, Conn, q, succeeds, tail_lines, upload
 from sparknet.cluster.spark_conf import UI_HOST, systemd_unit
 from sparknet.cluster.steps import Step, conf_files, sha256_hex
@@ -88,8 +89,13 @@ class Daemon(Step):
         return (
             f"[ -s {q(self.pid_file)} ] && [ -r {cmdline} ]"
             f" && tr '\\0' '\\n' < {cmdline} | grep -qxF {q(self.klass)}"
-            f" && tr '\\0' '\\n' < {cmdline} | grep -qF {q(self.ctx.node.path('conf'))}"
+            f" && tr '\\0' '\\n' < {cmdline} | grep -qF {q(self.own_path)}"
         )
+
+    @property
+    def own_path(self) -> str:
+        """A path on the daemon's command line that only this prefix's daemon has."""
+        return self.ctx.node.path("conf")
 
     def apply(self, conn: Conn) -> None:
         home = self.spark_home(conn)
@@ -266,3 +272,58 @@ class Worker(Daemon):
                 "--port", str(p.worker), "--webui-port", str(p.worker_ui),
                 "--cores", str(self.ctx.cores), "--memory", f"{self.ctx.memory_mb}m",
                 "--work-dir", n.path("work"), self.ctx.plan.master_url]  # fmt: skip
+
+
+# --- the autostop timer --------------------------------------------------------------------------
+
+
+class Autostop(Daemon):
+    """The master's autostop timer (`autostop.run`), run as the Spark daemons are (a systemd
+    unit, else a process in its own session with a pid file), so it outlives the SSH session.
+    Its stamp covers its settings (cluster, region, minutes), written to the state dir: a
+    changed setting restarts it, and a restart starts the timer afresh. With minutes 0 it runs
+    and only records that it is off, so `cluster status` says so."""
+
+    name = "autostop"
+    role = "autostop"
+    klass = "sparknet.cluster.autostop"
+
+    @property
+    def settings(self) -> autostop.Settings:
+        settings = self.ctx.plan.autostop
+        if settings is None:
+            raise CommandFailed("the plan has no autostop settings", [])
+        return settings
+
+    @property
+    def state(self) -> str:
+        return autostop.state_dir(self.ctx.node.prefix)
+
+    @property
+    def own_path(self) -> str:
+        return self.state
+
+    def spark_home(self, conn: Conn) -> str:
+        return ""  # the timer is no Spark daemon: nothing of pyspark's is asked for
+
+    def argv(self, spark_home: str) -> list[str]:
+        return [self.ctx.node.python, "-m", self.klass, "run", "--state", self.state]
+
+    def env(self, spark_home: str) -> dict[str, str]:
+        return {"PYTHONUNBUFFERED": "1"}
+
+    def stamp(self, spark_home: str) -> str:
+        what = [self.argv(spark_home), self.env(spark_home), self.settings.to_json()]
+        return sha256_hex(json.dumps(what, sort_keys=True))[:16]
+
+    def check(self, conn: Conn) -> bool:
+        settings = q(f"{self.state}/{autostop.SETTINGS}")
+        want = sha256_hex(self.settings.to_json())
+        return super().check(conn) and succeeds(
+            conn, f"[ \"$(sha256sum < {settings} | cut -d' ' -f1)\" = {want} ]"
+        )
+
+    def apply(self, conn: Conn) -> None:
+        self.run(conn, f"mkdir -p {q(self.state + '/' + autostop.ACTIVITY)}")
+        upload(conn, self.settings.to_json().encode(), f"{self.state}/{autostop.SETTINGS}", 0o644)
+        super().apply(conn)

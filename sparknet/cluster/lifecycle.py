@@ -26,11 +26,13 @@ from typing import Any
 
 from sparknet import aws
 from sparknet.cluster import ami as images
+from sparknet.cluster import autostop, foundation, instances, nodes
 from sparknet.cluster import bootstrap as boot
-from sparknet.cluster import foundation, instances, nodes
+from sparknet.cluster.autostop import Settings as AutostopSettings
 from sparknet.cluster.health import ClusterHealth, Expected, cluster_health
 from sparknet.cluster.instances import Hourly, Instance
 from sparknet.cluster.plan import Node, Plan, laid_out
+from sparknet.cluster.remote import run
 from sparknet.cluster.spark_conf import Ports, load_or_create_secret
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec, tag_value
 from sparknet.cluster.wheel import Wheel, build_wheel, source_checkout
@@ -887,13 +889,43 @@ def bootstrap_locked(
             tuple(planned), carried.wheel, carried.secret,
             ports=ports_of(spec), python_env=settings.python_env,
             worker_cores=settings.worker_cores, worker_memory_mb=settings.worker_memory_mb,
-            install_drivers=spec.provider == "aws",
+            install_drivers=spec.provider == "aws", autostop=autostop_settings(spec),
         )  # fmt: skip
         say(f"bootstrapping {len(plan.nodes)} nodes (sparknet {plan.wheel.version})")
         try:
             return boot.bootstrap(plan, access, say=say)
         except SparknetError as exc:  # a step failed, a node is unreachable, or not healthy
             raise BootstrapIncomplete(str(exc)) from exc
+
+
+def autostop_settings(spec: ClusterSpec) -> AutostopSettings | None:
+    """The master's autostop timer of an EC2 cluster; none on a static one (its machines are
+    the user's: nothing to terminate)."""
+    if spec.provider != "aws":
+        return None
+    return AutostopSettings(spec.name, spec.region, spec.autostop_minutes)
+
+
+def autostop_status(
+    spec: ClusterSpec, found: list[Instance], *, endpoint_url: str | None = None
+) -> str:
+    """`cluster status`'s autostop line, from the deadline file on the master (over SSH);
+    ``autostop: unknown: <why>`` when the master does not answer."""
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    running = [i for i in found if i.state == "running"]
+    if not _by_role(running, "master"):
+        return "autostop: unknown: the master is not running"
+    try:
+        access = _reach(spec, ec2, running)
+        master = plan_nodes(spec, ec2, running)[0]
+        conn = nodes.connect(master.endpoint, access, 5)
+        try:
+            text = run(conn, autostop.read_command(master.prefix), timeout=30)
+        finally:
+            conn.close()
+    except SparknetError as exc:
+        return f"autostop: unknown: {next(iter(str(exc).splitlines()), 'no answer')}"
+    return autostop.status_line(text or None, time.time())
 
 
 def bootstrap_nodes(

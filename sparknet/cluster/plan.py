@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass, field
 
+from sparknet.cluster.autostop import Settings as AutostopSettings
 from sparknet.cluster.nodes import Endpoint, node_layout
 from sparknet.cluster.remote import Conn, q, succeeds
 from sparknet.cluster.spark_conf import (
@@ -89,6 +90,9 @@ class Plan:
     #: whether a GPU node without a working driver gets one installed (an EC2 instance of
     #: sparknet's); on a machine of the user's (static) the step says so and stops instead
     install_drivers: bool = True
+    #: the master's autostop timer (`autostop.py`); None: none is installed (a static cluster's
+    #: machines are the user's, and the tests' plans need none)
+    autostop: AutostopSettings | None = None
 
     def __post_init__(self) -> None:
         if not self.nodes:

@@ -74,7 +74,7 @@ class BootstrapSettings(BaseModel):
 AWS_ONLY = (
     "region", "availability_zones", "master_type", "instance_types", "spot", "ami", "ami_parameter",
     "root_volume_gb", "key_name", "allowed_cidr", "vpc_id", "subnet_ids", "foundation",
-    "terraform_backend",
+    "terraform_backend", "autostop_minutes",
 )  # fmt: skip
 
 
@@ -141,6 +141,12 @@ class ClusterSpec(BaseModel):
     data_prefix: str = "datasets/"
     runs_prefix: str = "runs/"
     bootstrap: BootstrapSettings = Field(default_factory=BootstrapSettings)
+    autostop_minutes: int = Field(
+        30,
+        ge=0,
+        description="the master terminates the cluster after this many minutes with no job "
+        "running and no submitter attached; 0: off",
+    )
     owner: str | None = Field(
         None,
         description="set by `up` from STS GetCallerIdentity (the caller's ARN) and tagged on "
