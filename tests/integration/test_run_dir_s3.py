@@ -230,51 +230,32 @@ def test_s3_problems_are_one_line_before_spark_starts(moto_endpoint, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_cli_trains_into_s3_and_resumes_from_it(bucket, moto_endpoint):
-    """As a user runs it: `--out s3://...`, then `--resume --out s3://...` with more rounds (the
-    settings come back from S3)."""
-    uri = f"s3://{bucket}/runs/cli"
-
-    def sparknet(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [str(SPARKNET), "train", "--out", uri, *args],
-            cwd=REPO, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-
-    first = sparknet("--rounds", "1", "--workers", "2", "--tau", "1", "--eval-every", "0")
-    assert first.returncode == 0, first.stderr
-    second = sparknet("--resume", "--rounds", "2")
-    assert second.returncode == 0, second.stderr
-    assert uri in second.stdout.replace("\n", "").replace("│", "").replace(" ", "")
-    assert [r["round"] for r in read_metrics(uri)] == [1, 2]
-    assert read_run_config(uri)["tau"] == 1  # the first run's settings, kept by the resume
-    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
-    assert {"model.safetensors", "curves.png", "checkpoints/round-00002/state.json"} <= set(
-        _keys(s3, bucket, "runs/cli")
-    )
-
-
-@pytest.mark.slow
 def test_on_a_standalone_cluster_the_executors_write_and_read_the_inner_states_on_s3(
     standalone, bucket, moto_endpoint
 ):
-    """The shared standalone cluster (two workers on 127.0.0.1), through the CLI: the executors
-    put their optimizer states into the S3 checkpoint, and after `--resume` (a new run id, so no
-    executor-local state) they read them back from S3: no round misses one."""
+    """The shared standalone cluster (two workers on 127.0.0.1), through the CLI as a user runs
+    it: `--out s3://...`, then `--resume --out s3://...` with more rounds and no other setting
+    (they come back from S3). The executors put their optimizer states into the S3 checkpoint,
+    and after the resume (a new run id, so no executor-local state) they read them back from
+    S3: no round misses one."""
     uri = f"s3://{bucket}/runs/cluster"
-    run = (
-        "train", "--master", standalone.master, "--out", uri, "--workers", "2", "--tau", "1",
-        "--momentum", "0.9", "--inner-state", "keep", "--eval-every", "0",
-        "--checkpoint-every", "1",
+    where = ("train", "--master", standalone.master, "--out", uri)
+    first = (
+        "--workers", "2", "--tau", "1", "--momentum", "0.9", "--inner-state", "keep",
+        "--eval-every", "0", "--checkpoint-every", "1", "--rounds", "2",
     )  # fmt: skip
-    for extra in (("--rounds", "2"), ("--resume", "--rounds", "3")):
+    for extra in (first, ("--resume", "--rounds", "3")):
         proc = subprocess.run(
-            [str(SPARKNET), *run, *extra], cwd=REPO, capture_output=True, text=True, timeout=400
+            [str(SPARKNET), *where, *extra], cwd=REPO, capture_output=True, text=True, timeout=400
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
+    assert uri in proc.stdout.replace("\n", "").replace("│", "").replace(" ", "")
     assert [r["inner_state_misses"] for r in read_metrics(uri)] == [0, 0, 0]
+    settings = read_run_config(uri)  # the first run's, kept by the resume
+    assert (settings["tau"], settings["momentum"], settings["rounds"]) == (1, 0.9, 3)
     s3 = boto3.client("s3", endpoint_url=moto_endpoint)
     stored = _keys(s3, bucket, "runs/cluster")
+    assert {"model.safetensors", "curves.png"} <= set(stored)
     for rnd in (1, 2, 3):
         for k in (0, 1):
             assert f"checkpoints/round-{rnd:05d}/inner/partition-{k:05d}.pt" in stored
