@@ -323,7 +323,27 @@ class Autostop(Daemon):
             conn, f"[ \"$(sha256sum < {settings} | cut -d' ' -f1)\" = {want} ]"
         )
 
+    @property
+    def deadline_file(self) -> str:
+        return f"{self.state}/{autostop.DEADLINE}"
+
     def apply(self, conn: Conn) -> None:
-        self.run(conn, f"mkdir -p {q(self.state + '/' + autostop.ACTIVITY)}")
+        """The settings, then the timer (re)started; the old deadline file goes first, so
+        `wait` sees the new timer's first check (and `cluster status` never the old one's)."""
+        self.run(
+            conn,
+            f"mkdir -p {q(self.state + '/' + autostop.ACTIVITY)} && rm -f {q(self.deadline_file)}",
+        )
         upload(conn, self.settings.to_json().encode(), f"{self.state}/{autostop.SETTINGS}", 0o644)
         super().apply(conn)
+
+    def wait(self, conn: Conn) -> None:
+        """Until the timer has checked once (it does at its start): its deadline file is there."""
+        super().wait(conn)
+        self._until(
+            conn,
+            f"end=$(( $(date +%s) + {DAEMON_START_S} )); while [ $(date +%s) -lt $end ]; do"
+            f" [ -s {q(self.deadline_file)} ] && exit 0; sleep 0.2; done; exit 1",
+            DAEMON_START_S,
+            f"the autostop timer did not check within {DAEMON_START_S} s",
+        )
