@@ -834,6 +834,11 @@ def _reach(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> nodes.Access:
     return access
 
 
+def reach(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> nodes.Access:
+    """`_reach` for sparknet-submit, which connects to the master of a running cluster."""
+    return _reach(spec, ec2, found)
+
+
 @dataclass(frozen=True)
 class Carried:
     """What the bootstrap brings to the nodes from this machine."""

@@ -1,0 +1,489 @@
+"""`sparknet-submit`: one training job on a cluster, from the submitter's machine (design.md,
+section 2). Checks everything that costs nothing first (dataset, run prefix, instance types),
+ensures the cluster through `cluster.lifecycle` (the same functions `sparknet cluster up` and
+`down` use), starts the driver on the master detached from the SSH session, follows its
+metrics in the run prefix, fetches the curves, and leaves teardown to the caller's `finally`.
+
+It sits between the CLI and cluster/training: no typer here, and the driver itself is the
+node's own `sparknet train`, started with the job's resolved settings."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import shlex
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sparknet.cluster import autostop, instances, lifecycle, nodes
+from sparknet.cluster.plan import Node
+from sparknet.cluster.remote import Conn, q, run, succeeds, upload
+from sparknet.cluster.spec import ClusterSpec
+from sparknet.config import DatasetEntry, TrainConfig
+from sparknet.data.s3 import S3Uri
+from sparknet.data.store import load_manifest, open_store
+from sparknet.errors import SparknetError
+from sparknet.training.report import CURVES, METRICS, read_metrics
+
+Say = Callable[[str], None]
+
+#: seconds between two looks at the run prefix and the driver while the job runs
+POLL_S = 3.0
+#: the driver's files in its job dir on the master
+LOG, PID, RC, JOB_CONFIG = "driver.log", "driver.pid", "driver.rc", "job.yaml"
+
+
+class PreflightFailed(SparknetError):
+    """Something the job needs is missing before anything was launched (exit 2)."""
+
+
+class JobFailed(SparknetError):
+    """The driver on the master ended with a non-zero exit code."""
+
+
+# --- what the job runs on (pure) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Where the job's data is: an s3:// URI and the S3 endpoint to reach it (None: AWS)."""
+
+    uri: str
+    endpoint_url: str | None = None
+
+
+def resolve_dataset(text: str, datasets: Mapping[str, DatasetEntry]) -> Dataset:
+    """`--s3`: a `datasets:` name or an s3:// URI; a cluster reads only S3, so a name whose
+    entry is a local directory is refused, as is an unknown name (the line lists the known)."""
+    if text.startswith("s3://"):
+        S3Uri.parse(text)
+        return Dataset(text.rstrip("/"))
+    entry = datasets.get(text)
+    if entry is None:
+        known = ", ".join(sorted(datasets)) or "none"
+        raise PreflightFailed(
+            f"--s3 {text}: no such dataset in datasets: (known: {known}); give a name from "
+            "sparknet.yaml's datasets: or an s3://bucket/prefix"
+        )
+    if not entry.uri.startswith("s3://"):
+        raise PreflightFailed(
+            f"--s3 {text}: datasets.{text} is {entry.uri}, not on S3; a cluster reads its data "
+            "from S3 (`sparknet data upload` puts it there)"
+        )
+    return Dataset(entry.uri.rstrip("/"), entry.endpoint_url)
+
+
+def new_run_id(now: float | None = None) -> str:
+    """A run id unique per submit and sortable by time: UTC time plus 16 random bits."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    return f"{stamp}-{secrets.token_hex(2)}"
+
+
+def run_prefix(bucket: str, cluster: str, run_id: str) -> str:
+    """`s3://BUCKET/runs/CLUSTER/RUN/`: where the driver writes everything of the run."""
+    return f"s3://{bucket}/runs/{cluster}/{run_id}/"
+
+
+def runs_bucket(spec: ClusterSpec, dataset: Dataset) -> str:
+    """The cluster's `bucket:` when it has one (its role may write there), else the dataset's."""
+    return spec.bucket or S3Uri.parse(dataset.uri).bucket
+
+
+def progress_line(row: Mapping[str, Any], total: int, cost: float | None) -> str:
+    """One plain line per round: round, loss, accuracy (when evaluated), samples/s, cost."""
+    acc = f"  acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else ""
+    usd = "?" if cost is None else f"{cost:.2f}"
+    return (
+        f"round {row['round']}/{total}  loss {row['loss']:.4f}{acc}  "
+        f"{row['samples_per_s']:.0f} samples/s  cost ${usd}"
+    )
+
+
+def last_error(log: str) -> str | None:
+    """The driver's last `error: ...` line (what `sparknet train` prints when it fails)."""
+    found = [ln.strip() for ln in log.splitlines() if ln.strip().startswith("error:")]
+    return found[-1][len("error:") :].strip() if found else None
+
+
+# --- preflight: nothing is launched before these pass ------------------------------------------
+
+
+def check_dataset(dataset: Dataset) -> int:
+    """The manifest reads and every shard it lists is under the prefix (one listing, not a
+    HEAD per shard); the number of shards."""
+    store = open_store(dataset.uri, dataset.endpoint_url)
+    try:
+        manifest = load_manifest(store)
+    except SparknetError as exc:
+        raise PreflightFailed(f"dataset {dataset.uri}: {_first(exc)}") from exc
+    listed = store.list()
+    wanted = [s.name for split in manifest.splits.values() for s in split]
+    missing = [name for name in wanted if name not in listed]
+    if missing:
+        raise PreflightFailed(
+            f"dataset {dataset.uri}: {len(missing)} shard(s) its manifest lists are missing "
+            f"(first: {missing[0]}); upload the dataset again (`sparknet data upload`)"
+        )
+    return len(wanted)
+
+
+def check_writable(prefix: str, endpoint_url: str | None) -> None:
+    """Write, then delete, a probe object under the run prefix."""
+    store = open_store(prefix, endpoint_url)
+    probe = f".sparknet-probe-{secrets.token_hex(4)}"
+    try:
+        store.write_bytes(probe, b"")
+        store.delete([probe])
+    except SparknetError as exc:
+        raise PreflightFailed(f"run prefix {prefix} is not writable: {_first(exc)}") from exc
+
+
+def check_types(spec: ClusterSpec, endpoint_url: str | None) -> None:
+    """The cluster's instance types are offered in its region (and zones)."""
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    instances.check_offered(
+        ec2, [spec.master_type, *spec.instance_types], spec.availability_zones or None
+    )
+
+
+def _first(exc: BaseException) -> str:
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+
+
+# --- the cluster --------------------------------------------------------------------------------
+
+
+def reuse(spec: ClusterSpec, endpoint_url: str | None) -> None:
+    """`--cluster NAME`: it must exist and its master run (else one line, nothing launched)."""
+    try:
+        info = lifecycle.status(spec, endpoint_url=endpoint_url)
+    except lifecycle.ClusterNotFound as exc:
+        raise PreflightFailed(f"--cluster {spec.name}: {_first(exc)}") from exc
+    if info.master is None or info.master.state != "running":
+        raise PreflightFailed(
+            f"--cluster {spec.name}: its master is not running; `sparknet cluster up "
+            f"{spec.name}` starts it, or leave out --cluster to make a new cluster"
+        )
+
+
+@dataclass(frozen=True)
+class Master:
+    """The master node of a running cluster, how to reach it, and its Spark."""
+
+    node: Node
+    access: nodes.Access
+    spark_url: str
+    #: Spark worker nodes (the master runs one too)
+    nodes: int
+
+
+def master_of(spec: ClusterSpec, endpoint_url: str | None) -> Master:
+    """The running cluster's master as the bootstrap laid it out."""
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    found = [i for i in instances.find(ec2, spec.name) if i.state == "running"]
+    access = lifecycle.reach(spec, ec2, found)
+    planned = lifecycle.plan_nodes(spec, ec2, found)
+    master = planned[0]
+    url = f"spark://{master.rpc_host}:{spec.bootstrap.master_port}"
+    return Master(master, access, url, len(planned))
+
+
+def cost_so_far(spec: ClusterSpec, endpoint_url: str | None) -> float | None:
+    """USD the cluster's instances have cost since launch (lifecycle's pricing)."""
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    found = instances.find(ec2, spec.name)
+    return lifecycle.lifetime_cost(ec2, found, datetime.now(timezone.utc))
+
+
+# --- the driver on the master --------------------------------------------------------------------
+
+
+def job_config(cfg: TrainConfig, dataset: Dataset, prefix: str, master: Master) -> TrainConfig:
+    """The job's settings as the driver runs them: the data, the run prefix, the cluster's Spark
+    master and GPUs, and one Spark task per worker GPU (per worker node without GPUs) unless
+    the user chose `workers`."""
+    gpus = master.node.gpus
+    update: dict[str, Any] = {
+        "data": dataset.uri, "out": prefix.rstrip("/"), "master": master.spark_url,
+        "gpus_per_worker": gpus,
+    }  # fmt: skip
+    if dataset.endpoint_url:
+        update["endpoint_url"] = dataset.endpoint_url
+    if "workers" not in cfg.model_fields_set:
+        update["workers"] = master.nodes * max(1, gpus)
+    return TrainConfig(**{**cfg.model_dump(), **update})
+
+
+def job_dir(node: Node, run_id: str) -> str:
+    return node.path("jobs", run_id)
+
+
+def activity_name(run_id: str) -> str:
+    return f"job-{run_id}"
+
+
+def driver_command(node: Node, run_id: str) -> str:
+    """The shell command that starts the driver in its own session (`setsid`, as daemons.py
+    starts Spark without systemd), so it outlives the SSH session that started it: it stamps
+    the autostop activity file every ACTIVITY_EVERY_S while `sparknet train` runs, writes the
+    log and, at the end, the exit code (a file of its own: the submitter may be gone)."""
+    jd = job_dir(node, run_id)
+    stamp = autostop.activity_command(node.prefix, activity_name(run_id))
+    stamp_file = f"{autostop.state_dir(node.prefix)}/{autostop.ACTIVITY}/{activity_name(run_id)}"
+    sparknet = node.path("venv", "bin", "sparknet")
+    rc_file = f"{jd}/{RC}"
+    script = (
+        f"({stamp}; while sleep {autostop.ACTIVITY_EVERY_S}; do {stamp}; done) & s=$!; "
+        f"env SPARK_LOCAL_IP={q(node.rpc_host)} {q(sparknet)} train "
+        f"--config {q(jd + '/' + JOB_CONFIG)}; rc=$?; kill $s; {stamp}; rm -f {q(stamp_file)}; "
+        f"echo $rc > {q(rc_file + '.tmp')} && mv {q(rc_file + '.tmp')} {q(rc_file)}"
+    )
+    return (
+        f"cd {q(jd)} && nohup setsid sh -c {shlex.quote(script)} > {q(jd + '/' + LOG)} 2>&1"
+        f" < /dev/null & echo $! > {q(jd + '/' + PID)}"
+    )
+
+
+def start_driver(conn: Conn, node: Node, run_id: str, cfg: TrainConfig) -> None:
+    """The job dir with the settings file, then the detached driver."""
+    jd = job_dir(node, run_id)
+    run(conn, f"mkdir -p {q(jd)}")
+    upload(conn, cfg.to_yaml().encode(), f"{jd}/{JOB_CONFIG}", 0o600)
+    run(conn, driver_command(node, run_id))
+
+
+def driver_rc(conn: Conn, node: Node, run_id: str) -> int | None:
+    """The driver's exit code once it ended; None while it runs. A driver gone without one
+    (killed) counts as failed (-1)."""
+    jd = job_dir(node, run_id)
+    text = run(conn, f"cat {q(jd + '/' + RC)} 2>/dev/null || true").strip()
+    if text:
+        return int(text)
+    pid = f"{jd}/{PID}"
+    if succeeds(conn, f'kill -0 "$(cat {q(pid)})" 2>/dev/null'):
+        return None
+    text = run(conn, f"cat {q(jd + '/' + RC)} 2>/dev/null || true").strip()  # ended meanwhile
+    return int(text) if text else -1
+
+
+def driver_log(conn: Conn, node: Node, run_id: str, lines: int = 200) -> str:
+    return run(conn, f"tail -n {lines} {q(job_dir(node, run_id) + '/' + LOG)} 2>/dev/null || true")
+
+
+def cancel_driver(conn: Conn, node: Node, run_id: str) -> None:
+    """End the driver's whole session (its process group), best effort."""
+    pid = q(f"{job_dir(node, run_id)}/{PID}")
+    run(conn, f'p=$(cat {pid} 2>/dev/null) && kill -TERM -- "-$p" 2>/dev/null; true')
+
+
+def stamp_submitter(conn: Conn, node: Node) -> None:
+    """The attached submitter's autostop activity stamp."""
+    run(conn, autostop.activity_command(node.prefix, f"submitter-{_host_pid()}"))
+
+
+def _host_pid() -> str:
+    import os
+    import socket
+
+    return f"{socket.gethostname()}-{os.getpid()}".replace("/", "_")
+
+
+# --- following the job ---------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """How the job ended: its exit code and its metrics rows."""
+
+    rc: int
+    rows: list[dict[str, Any]]
+    log: str = ""
+
+
+def follow(
+    conn: Conn,
+    master: Master,
+    run_id: str,
+    prefix: str,
+    endpoint_url: str | None,
+    on_rows: Callable[[list[dict[str, Any]]], None],
+    poll_s: float = POLL_S,
+) -> Outcome:
+    """Poll metrics.jsonl in the run prefix and the driver on the master until it ends; new
+    rows go to `on_rows`; the submitter's activity stamp is refreshed as it waits."""
+    store = open_store(prefix, endpoint_url)
+    seen = 0
+    last_stamp = 0.0
+    while True:
+        if time.monotonic() - last_stamp >= autostop.ACTIVITY_EVERY_S / 2:
+            stamp_submitter(conn, master.node)
+            last_stamp = time.monotonic()
+        rc = driver_rc(conn, master.node, run_id)
+        rows = read_metrics(store)
+        if len(rows) > seen:
+            on_rows(rows[seen:])
+            seen = len(rows)
+        if rc is not None:
+            log = driver_log(conn, master.node, run_id) if rc != 0 else ""
+            return Outcome(rc, rows, log)
+        time.sleep(poll_s)
+
+
+def fetch_results(prefix: str, endpoint_url: str | None, dest: Path) -> list[Path]:
+    """curves.png and metrics.jsonl of the run into `dest` (runs/RUN/ locally)."""
+    store = open_store(prefix, endpoint_url)
+    dest.mkdir(parents=True, exist_ok=True)
+    got = []
+    for name in (METRICS, CURVES):
+        if store.size(name) is not None:
+            store.fetch(name, dest / name)
+            got.append(dest / name)
+    return got
+
+
+def final_accuracy(rows: list[dict[str, Any]]) -> float | None:
+    return next((r["eval_accuracy"] for r in reversed(rows) if "eval_accuracy" in r), None)
+
+
+def summary_lines(
+    run_id: str, prefix: str, rows: list[dict[str, Any]], wall_s: float, cost: float | None
+) -> list[str]:
+    """What the submitter prints at the end."""
+    acc = final_accuracy(rows)
+    return [
+        f"run id: {run_id}",
+        f"run prefix: {prefix}",
+        f"final accuracy: {'n/a' if acc is None else f'{acc:.4f}'}",
+        f"wall time: {wall_s:.0f} s",
+        f"estimated cost: {'unknown' if cost is None else f'${cost:.2f}'}",
+    ]
+
+
+# --- the whole flow ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """One submit: the cluster (reused or to make), the data, the training settings."""
+
+    spec: ClusterSpec
+    reused: bool
+    keep: bool
+    dataset: Dataset
+    cfg: TrainConfig
+    endpoint_url: str | None = None
+    runs_dir: Path = Path("runs")
+
+
+@dataclass
+class Result:
+    run_id: str
+    prefix: str
+    outcome: Outcome
+    wall_s: float
+    cost: float | None
+    fetched: list[Path]
+
+
+def preflight(job: Job) -> tuple[str, str]:
+    """Everything that costs nothing, in order; (run id, run prefix)."""
+    check_dataset(job.dataset)
+    if job.reused:
+        reuse(job.spec, job.endpoint_url)
+    run_id = new_run_id()
+    prefix = run_prefix(runs_bucket(job.spec, job.dataset), job.spec.name, run_id)
+    check_writable(prefix, job.dataset.endpoint_url)
+    if not job.reused:
+        check_types(job.spec, job.endpoint_url)
+    return run_id, prefix
+
+
+def submit(
+    job: Job, *, say: Say, on_rows: Callable[[list[dict[str, Any]], float | None], None]
+) -> Result:
+    """Preflight, cluster, driver, follow, fetch; then teardown (see `teardown_due`) whatever
+    happened, Ctrl-C and SIGTERM included (the CLI turns those into KeyboardInterrupt)."""
+    run_id, prefix = preflight(job)
+    started = time.monotonic()
+    ok = False
+    try:
+        if not job.reused:
+            say(f"bringing cluster {job.spec.name} up")
+            lifecycle.up(job.spec, endpoint_url=job.endpoint_url, say=say, bootstrap=True)
+        master = master_of(job.spec, job.endpoint_url)
+        cfg = job_config(job.cfg, job.dataset, prefix, master)
+        open_store(prefix, job.dataset.endpoint_url).write_bytes(
+            "config.yaml", cfg.to_yaml().encode()
+        )
+        outcome = _run_driver(job, master, run_id, prefix, cfg, say, on_rows)
+        cost = cost_so_far(job.spec, job.endpoint_url)
+        fetched = fetch_results(prefix, job.dataset.endpoint_url, job.runs_dir / run_id)
+        if outcome.rc != 0:
+            why = last_error(outcome.log) or f"the driver exited {outcome.rc}"
+            raise JobFailed(
+                f"job {run_id} failed: {why} "
+                f"(log: {job_dir(master.node, run_id)}/{LOG} on the master)"
+            )
+        ok = True
+        return Result(run_id, prefix, outcome, time.monotonic() - started, cost, fetched)
+    finally:
+        if teardown_due(job):
+            teardown(job, say)
+        elif not ok:
+            say(
+                f"cluster {job.spec.name} stays up (--keep or reused); "
+                f"`sparknet cluster down {job.spec.name}` ends it"
+            )
+
+
+def _run_driver(
+    job: Job,
+    master: Master,
+    run_id: str,
+    prefix: str,
+    cfg: TrainConfig,
+    say: Say,
+    on_rows: Callable[[list[dict[str, Any]], float | None], None],
+) -> Outcome:
+    """Start the driver and follow it; an interrupt or error of the submitter cancels it."""
+    conn = nodes.connect(master.node.endpoint, master.access)
+    try:
+        start_driver(conn, master.node, run_id, cfg)
+        say(f"job {run_id} started on the master; run prefix {prefix}")
+        try:
+            return follow(
+                conn,
+                master,
+                run_id,
+                prefix,
+                job.dataset.endpoint_url,
+                lambda rows: on_rows(rows, cost_so_far(job.spec, job.endpoint_url)),
+            )
+        except BaseException:
+            _quietly(lambda: cancel_driver(conn, master.node, run_id))
+            raise
+    finally:
+        conn.close()
+
+
+def teardown_due(job: Job) -> bool:
+    """A cluster this submit made goes down unless --keep; a reused one (--cluster) is the
+    user's and stays: it was running before and may serve other jobs."""
+    return not job.keep and not job.reused
+
+
+def teardown(job: Job, say: Say) -> None:
+    """`sparknet cluster down`'s code; nothing there (up failed early) is no error."""
+    say(f"taking cluster {job.spec.name} down")
+    with contextlib.suppress(lifecycle.ClusterNotFound):
+        lifecycle.down(job.spec, endpoint_url=job.endpoint_url, say=say)
+
+
+def _quietly(action: Callable[[], None]) -> None:
+    """Best effort while something else is raised: its failure must not replace that."""
+    with contextlib.suppress(Exception):
+        action()

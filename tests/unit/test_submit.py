@@ -1,0 +1,128 @@
+"""sparknet-submit's pure parts and its preflight against moto's S3: no Spark, no instance.
+The flow end to end is tests/integration/test_submit.py."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from sparknet import submit as flow
+from sparknet.config import DatasetEntry
+
+
+def test_a_dataset_name_resolves_through_datasets_and_a_uri_as_is() -> None:
+    datasets = {
+        "imagenet": DatasetEntry(uri="s3://data-bkt/imagenet/", endpoint_url="http://m:1"),
+        "local": DatasetEntry(uri="/data/tiny"),
+    }
+    assert flow.resolve_dataset("imagenet", datasets) == flow.Dataset(
+        "s3://data-bkt/imagenet", "http://m:1"
+    )
+    assert flow.resolve_dataset("s3://other-bkt/x/", datasets) == flow.Dataset("s3://other-bkt/x")
+    with pytest.raises(flow.PreflightFailed, match=r"no such dataset .*\(known: imagenet, local\)"):
+        flow.resolve_dataset("imagenet1k", datasets)
+    with pytest.raises(flow.PreflightFailed, match="is /data/tiny, not on S3"):
+        flow.resolve_dataset("local", datasets)
+
+
+def test_run_prefix_and_run_id() -> None:
+    run = flow.new_run_id(now=0)
+    assert run.startswith("19700101-000000-") and len(run) == len("19700101-000000-abcd")
+    assert flow.run_prefix("bkt", "c1", run) == f"s3://bkt/runs/c1/{run}/"
+
+
+def test_progress_line_and_last_error() -> None:
+    row = {"round": 3, "loss": 1.23456, "samples_per_s": 812.4, "eval_accuracy": 0.5}
+    assert flow.progress_line(row, 10, 0.4567) == (
+        "round 3/10  loss 1.2346  acc 0.500  812 samples/s  cost $0.46"
+    )
+    del row["eval_accuracy"]
+    assert flow.progress_line(row, 10, None) == "round 3/10  loss 1.2346  812 samples/s  cost $?"
+    log = "starting\nerror: first\nround 1\nerror: model 'x' not found; check --model\n"
+    assert flow.last_error(log) == "model 'x' not found; check --model"
+    assert flow.last_error("Killed\n") is None
+
+
+def test_the_driver_runs_detached_and_stamps_autostop_activity() -> None:
+    from sparknet.cluster.nodes import Endpoint
+    from sparknet.cluster.plan import Node
+
+    node = Node(Endpoint("master", "127.0.0.1", 22, "me"), "10.0.0.5", "/opt/sn", 0)
+    cmd = flow.driver_command(node, "R1")
+    assert "nohup setsid sh -c" in cmd and "> /opt/sn/jobs/R1/driver.log 2>&1" in cmd
+    assert cmd.endswith("echo $! > /opt/sn/jobs/R1/driver.pid")
+    assert "SPARK_LOCAL_IP=10.0.0.5 /opt/sn/venv/bin/sparknet train" in cmd
+    assert "touch /opt/sn/autostop/activity/job-R1" in cmd
+    assert "driver.rc" in cmd
+
+
+def test_submit_shares_every_training_flag_of_train() -> None:
+    from sparknet.cli import train as train_command
+    from sparknet.cli.submit import NOT_SHARED, submit
+
+    train_flags = set(inspect.signature(train_command.train).parameters) - NOT_SHARED
+    submit_flags = set(inspect.signature(submit).parameters)
+    assert train_flags <= submit_flags
+    assert {"s3", "cluster", "workers", "keep", "spot", "instance_type"} <= submit_flags
+
+
+@pytest.fixture
+def s3(moto_endpoint, bucket):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=moto_endpoint)
+
+
+def _dataset(s3, bucket: str, shards: int = 2) -> str:
+    from sparknet.data.manifest import ClassInfo, Manifest, ShardInfo
+
+    infos = [
+        ShardInfo(name=f"train-{k:06d}.tar", samples=1, bytes=3, sha256="0" * 64)
+        for k in range(shards)
+    ]
+    classes = [ClassInfo(index=k, wnid=f"n{k:08d}", name=f"c{k}") for k in range(2)]
+    manifest = Manifest(classes=classes, splits={"train": infos})
+    s3.put_object(Bucket=bucket, Key="ds/manifest.json", Body=manifest.dumps().encode())
+    for info in infos:
+        s3.put_object(Bucket=bucket, Key=f"ds/{info.name}", Body=b"abc")
+    return f"s3://{bucket}/ds"
+
+
+def test_preflight_passes_a_whole_dataset_and_a_writable_prefix(s3, bucket) -> None:
+    uri = _dataset(s3, bucket)
+    assert flow.check_dataset(flow.Dataset(uri)) == 2
+    prefix = flow.run_prefix(bucket, "c1", "R1")
+    flow.check_writable(prefix, None)
+    assert s3.list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0  # probe deleted
+
+
+def test_preflight_names_a_missing_shard_and_an_unreadable_manifest(s3, bucket) -> None:
+    uri = _dataset(s3, bucket, shards=3)
+    s3.delete_object(Bucket=bucket, Key="ds/train-000001.tar")
+    with pytest.raises(
+        flow.PreflightFailed, match=r"1 shard\(s\) .* missing \(first: train-000001"
+    ):
+        flow.check_dataset(flow.Dataset(uri))
+    s3.put_object(Bucket=bucket, Key="ds/manifest.json", Body=b"{not json")
+    with pytest.raises(flow.PreflightFailed, match=f"dataset {uri}: .*manifest"):
+        flow.check_dataset(flow.Dataset(uri))
+    with pytest.raises(flow.PreflightFailed, match=f"dataset s3://{bucket}/nothing-here: "):
+        flow.check_dataset(flow.Dataset(f"s3://{bucket}/nothing-here"))
+
+
+def test_preflight_refuses_an_unwritable_prefix(moto_endpoint) -> None:
+    with pytest.raises(
+        flow.PreflightFailed, match="run prefix s3://no-such-bkt-x/runs/c/R/ is not"
+    ):
+        flow.check_writable(flow.run_prefix("no-such-bkt-x", "c", "R"), None)
+
+
+def test_a_reused_cluster_stays_and_a_made_one_goes_unless_keep() -> None:
+    from sparknet.cluster.spec import ClusterSpec
+
+    spec = ClusterSpec(name="c1")
+    job = flow.Job(spec, False, False, flow.Dataset("s3://b-b/x"), None)  # type: ignore[arg-type]
+    assert flow.teardown_due(job)
+    assert not flow.teardown_due(flow.Job(spec, False, True, job.dataset, None))  # type: ignore[arg-type]
+    assert not flow.teardown_due(flow.Job(spec, True, False, job.dataset, None))  # type: ignore[arg-type]
