@@ -106,6 +106,14 @@ def activity_command(prefix: str, name: str) -> str:
     return f"mkdir -p {shlex.quote(where)} && touch {shlex.quote(f'{where}/{name}')}"
 
 
+def record_activity(state: Path, name: str) -> None:
+    """`activity_command`'s Python twin, for a process on the master itself (a job's
+    supervisor): touch ``activity/<name>`` in the state dir `state`."""
+    activity_command("/", name)  # the same check of the name
+    (state / ACTIVITY).mkdir(parents=True, exist_ok=True)
+    (state / ACTIVITY / name).touch()
+
+
 # --- the decision ------------------------------------------------------------------------------
 
 

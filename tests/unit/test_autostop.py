@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -186,6 +187,10 @@ def test_activity_command_touches_a_file_in_the_activity_dir(tmp_path) -> None:
     assert (Path(autostop.state_dir(prefix)) / "activity" / "job-r1").is_file()
     with pytest.raises(ValueError):
         autostop.activity_command(prefix, "../x")
+    autostop.record_activity(tmp_path / "state", "job-r2")
+    stamp = tmp_path / "state" / "activity" / "job-r2"
+    assert stamp.stat().st_mtime == pytest.approx(time.time(), abs=5)
+    assert autostop.last_activity(tmp_path / "state") == pytest.approx(stamp.stat().st_mtime, abs=1)
 
 
 def test_check_of_a_dir_that_is_not_there_is_one_line_exit_2(tmp_path) -> None:
