@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import uuid
 from pathlib import Path
@@ -93,9 +94,10 @@ def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, 
     assert up.returncode == 0, up.stderr[-3000:]
     out = up.stderr  # progress and the bootstrap's lines; stdout has the instances
     assert (
-        "master: applied dirs, python-env, sparknet, spark-conf, spark-master, spark-worker" in out
+        "master: applied dirs, python-env, sparknet, spark-conf, spark-master, spark-worker, "
+        "autostop" in out
     )
-    assert "worker-1: applied dirs, python-env, sparknet, spark-conf, spark-worker" in out
+    assert "worker-1: applied dirs, python-env, sparknet, spark-conf, spark-worker (" in out
     assert f"Spark master {master_url}: healthy" in out
     assert "master (127.0.0.2): ALIVE, 1 cores, 1024 MiB, 0 GPUs" in out
     assert "worker-1 (127.0.0.3): ALIVE, 1 cores, 1024 MiB, 0 GPUs" in out
@@ -107,6 +109,14 @@ def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, 
     conf = (tmp_path / "master" / "conf" / "spark-defaults.conf").read_text()
     assert f"spark.authenticate.secret {secret_file.read_text().strip()}\n" in conf
     assert secret_file.read_text().strip() not in up.stdout + up.stderr
+    # the autostop timer on the master only, with the default 30 minutes (far beyond this test)
+    timer = _autostop_pid(tmp_path)
+    assert timer is not None and not (tmp_path / "worker-1" / "run" / "autostop.pid").exists()
+    state = tmp_path / "master" / "autostop"
+    assert json.loads((state / "settings.json").read_text()) == {
+        "cluster": name, "region": REGION, "minutes": 30,
+    }  # fmt: skip
+    assert json.loads((state / "deadline.json").read_text())["action"] == "wait"
 
     # GPUs from the instance type where the spec does not say (g5.xlarge: one A10G)
     spec = ClusterSpec.model_validate({**entry, "name": name, "bootstrap": {}})
@@ -132,23 +142,44 @@ def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, 
     assert "nothing to do: every step was already done on all 2 nodes" in again.stderr
     assert "launching" not in again.stderr
     assert daemon_pids(tmp_path, ADDRESSES) == pids
+    assert _autostop_pid(tmp_path) == timer
     assert len(instances.find(ec2, name)) == 2
 
-    # status: the instances, then the health as the master tells it
+    # status: the instances, then the health as the master tells it, then the autostop deadline
     shown = cli("status", name, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert f"Spark master {master_url}: healthy" in shown.stdout
     assert "worker-1 (127.0.0.3): ALIVE, 1 cores, 1024 MiB, 0 GPUs" in shown.stdout
+    due = re.search(r"^autostop: in (\d+) min \(\d\d:\d\d UTC\)$", shown.stdout, re.M)
+    assert due and 0 < int(due.group(1)) <= 30, shown.stdout
+
+    # a changed setting restarts the timer alone; 0 turns it off, and status says so
+    off = cli("up", name, "--autostop", "0", cwd=tmp_path)
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert "master: applied autostop (" in off.stderr
+    assert "worker-1: applied nothing (" in off.stderr
+    assert daemon_pids(tmp_path, ADDRESSES) == pids
+    assert _autostop_pid(tmp_path) not in (None, timer)
+    timer = _autostop_pid(tmp_path)
+    shown = cli("status", name, cwd=tmp_path)
+    assert "\nautostop: off\n" in shown.stdout
 
     down = cli("down", name, cwd=tmp_path)
     assert down.returncode == 0, down.stderr
     assert "stopped the Spark daemons on 2 nodes" in down.stderr
-    for pid in pids.values():
+    for pid in [*pids.values(), timer]:
         assert not Path(f"/proc/{pid}").exists()
+    assert _autostop_pid(tmp_path) is None
     assert not ec2.describe_key_pairs(
         Filters=[{"Name": "key-name", "Values": [nodes.key_pair_name(name)]}]
     )["KeyPairs"]
     assert not secret_file.exists()
+
+
+def _autostop_pid(root: Path) -> int | None:
+    """The master's autostop timer's pid (its pid file under the master's prefix), if any."""
+    pid = root / "master" / "run" / "autostop.pid"
+    return int(pid.read_text()) if pid.exists() else None
 
 
 def test_a_failed_bootstrap_keeps_the_instances_and_says_how_to_go_on(cluster, tmp_path) -> None:
