@@ -9,7 +9,7 @@ CHECKOV_VENV  := .venv-checkov
 CHECKOV       := $(CHECKOV_VENV)/bin/checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.installed
 
-.PHONY: install demo test lint bench clean checkov infra-check cluster-up cluster-down ami
+.PHONY: install demo test lint bench clean checkov infra-check cluster-up cluster-down submit ami
 
 install: $(STAMP)
 
@@ -59,6 +59,10 @@ cluster-up: install
 
 cluster-down: install
 	$(VENV)/bin/sparknet cluster down $(NAME) $(if $(REGION),--region $(REGION))
+
+# one training job on a new cluster, taken down after: make submit DATA=imagenet WORKERS=4 ARGS="..."
+submit: install
+	$(VENV)/bin/sparknet-submit --s3 $(DATA) $(if $(WORKERS),--workers $(WORKERS)) $(ARGS)
 
 # a node image with the install steps done (needs AWS credentials; ami/README.md):
 # make ami REGION=us-west-2 BASE_AMI=ami-... BUILDER_TYPE=g5.xlarge; `cluster up` then launches it

@@ -97,11 +97,23 @@ def _config(workdir: Path, port: int, host_key: Path, authorized_keys: Path) -> 
             "X11Forwarding no",
             "PrintMotd no",
             "LogLevel VERBOSE",
-            # the tests' PATH (the venv's bin) for the commands run over SSH
-            f"SetEnv PATH={os.environ.get('PATH', '/usr/bin:/bin')}",
+            # the tests' PATH (the venv's bin) for the commands run over SSH, and moto's endpoint
+            # and fake credentials where a test has them: the stand-in for an EC2 node's
+            # instance role (sshd takes only the first SetEnv line: one line for all)
+            "SetEnv " + " ".join(f"{k}={v}" for k, v in _session_env().items()),
             "",
         ]
     )
+
+
+#: the AWS settings a node's session gets from the test's environment (see `_config`)
+_AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+
+
+def _session_env() -> dict[str, str]:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    env.update({k: os.environ[k] for k in _AWS_ENV if os.environ.get(k)})
+    return env
 
 
 def start_sshd(

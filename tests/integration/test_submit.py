@@ -1,0 +1,214 @@
+"""`sparknet-submit` end to end, as a user runs it (a subprocess): moto's server is the cloud,
+moto's instances are loopback sshd nodes (the seam of `nodes.py`, as in
+test_cluster_bootstrap.py), the bootstrap starts a real Spark standalone cluster on them, and a
+tiny sharded dataset (40 small images) lies in moto's S3.
+
+Stand-in: an EC2 node reaches S3 through its instance role; the loopback nodes' SSH sessions get
+moto's endpoint and fake credentials instead (`SetEnv` in tests/sshd.py's sshd config), so the
+driver and executors on the master reach moto as a real node reaches S3. Product code copies no
+credentials anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import SPARKNET
+from tests.sshd import daemon_pids, free_port
+
+REGION = "us-east-1"
+AMI_PARAMETER = "/test/sparknet/submit-ami"
+REPO = Path(__file__).resolve().parents[2]
+SUBMIT = SPARKNET.with_name("sparknet-submit")
+ADDRESSES = {"master": "127.0.0.4", "worker-1": "127.0.0.5"}
+#: a job that learns nothing in particular, fast: 2 rounds of 1 step on 16x16 crops
+JOB = (
+    "--model", "cnn", "--image-size", "16", "--rounds", "2", "--tau", "1", "--batch-size", "4",
+    "--eval-every", "0", "--checkpoint-every", "1", "--seed", "0",
+)  # fmt: skip
+
+
+def _client(service: str):
+    import boto3
+
+    return boto3.client(service, region_name=REGION)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    from sparknet.data.shards import write_dataset
+    from tests.imagenet_tree import make_tree
+
+    tree = tmp_path_factory.mktemp("tree")
+    make_tree(tree, classes=4, train_per_class=8, val_per_class=2)
+    dest = tmp_path_factory.mktemp("shards")
+    write_dataset(tree, dest, shard_bytes=20_000, seed=0, processes=1)
+    return dest
+
+
+@pytest.fixture
+def dataset(shards, bucket) -> str:
+    """The shards under s3://BUCKET/tiny on moto; the URI."""
+    s3 = _client("s3")
+    for f in sorted(shards.iterdir()):
+        s3.upload_file(str(f), bucket, f"tiny/{f.name}")
+    return f"s3://{bucket}/tiny"
+
+
+@pytest.fixture
+def settings(moto_endpoint, dataset, tmp_path, monkeypatch):
+    """./sparknet.yaml (cwd tmp_path) with one `clusters:` entry and the dataset `tiny`; the
+    registry under tmp_path. The cluster name."""
+    from sparknet.cluster import lifecycle
+
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    ami = _client("ec2").describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    _client("ssm").put_parameter(Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True)
+    name = f"s{uuid.uuid4().hex[:8]}"
+    entry = {
+        "region": REGION, "workers": 1, "master_type": "g5.xlarge",
+        "instance_types": ["g5.xlarge"], "ami_parameter": AMI_PARAMETER,
+        "allowed_cidr": "203.0.113.9/32",
+        "bootstrap": {
+            "python_env": str(REPO / ".venv"), "worker_cores": 1, "worker_memory_mb": 1024,
+            "gpus_per_node": 0, "master_port": free_port(), "master_ui_port": free_port(),
+            "worker_ui_port": 0,
+        },
+    }  # fmt: skip
+    doc = {"clusters": {name: entry}, "datasets": {"tiny": {"uri": dataset}}}
+    (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump(doc))
+    return name
+
+
+def submit(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(SUBMIT), *args], cwd=cwd, env=os.environ.copy(), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def _live(name: str) -> list:
+    from sparknet.cluster import instances
+
+    return [i for i in instances.find(_client("ec2"), name) if i.state != "terminated"]
+
+
+def _torn_down(name: str, root: Path) -> None:
+    """No instance of the cluster left, no Spark daemon alive on the nodes, no key pair."""
+    from sparknet.cluster import nodes
+
+    assert _live(name) == []
+    for pid in daemon_pids(root, ADDRESSES).values():
+        assert not Path(f"/proc/{pid}").exists()
+    pairs = _client("ec2").describe_key_pairs(
+        Filters=[{"Name": "key-name", "Values": [nodes.key_pair_name(name)]}]
+    )["KeyPairs"]
+    assert pairs == []
+
+
+def _layout(group, name: str, root: Path) -> None:
+    layout = json.loads(group.file.read_text())
+    for node, address in ADDRESSES.items():
+        layout[f"{name}/{node}/node"] = {"address": address, "prefix": str(root / node)}
+    group.file.write_text(json.dumps(layout))
+
+
+@pytest.mark.slow
+def test_submit_trains_on_a_new_cluster_and_takes_it_down(settings, moto_nodes, bucket, tmp_path):
+    name = settings
+    group = moto_nodes(name, 1)
+    _layout(group, name, tmp_path)
+    with group.watch(_client("ec2")):
+        # a job that fails on the master (no such model): non-zero, its error shown, torn down
+        bad = submit("--s3", "tiny", *JOB, "--model", "no_such_model_xyz", cwd=tmp_path)
+        assert bad.returncode == 1, bad.stderr[-3000:]
+        error = [ln for ln in bad.stderr.splitlines() if ln.startswith("error: ")]
+        assert len(error) == 1 and "failed:" in error[0], bad.stderr[-3000:]
+        assert "no_such_model_xyz" in error[0], error
+        assert "Traceback" not in bad.stderr
+        _torn_down(name, tmp_path)
+    group.stop()  # terminated instances answer no more: the next cluster's nodes are new ones
+    with group.watch(_client("ec2")):
+        # SIGTERM to the submitter once the job runs: exit 143, teardown done
+        proc = subprocess.Popen(
+            [str(SUBMIT), "--s3", "tiny", *JOB], cwd=tmp_path, env=os.environ.copy(),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("job ") and " started on the master" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        _out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 143, "".join(seen) + err
+        assert "error: interrupted (SIGTERM); teardown done" in err
+        _torn_down(name, tmp_path)
+    group.stop()
+    with group.watch(_client("ec2")):
+        done = submit("--s3", "tiny", *JOB, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "bootstrapping 2 nodes" in done.stderr and "master: spark-master done" in done.stderr
+    # one plain line per round (no TTY), then the summary
+    rounds = [ln for ln in done.stderr.splitlines() if ln.startswith("round ")]
+    assert [ln.split()[1] for ln in rounds] == ["1/2", "2/2"], done.stderr[-3000:]
+    assert all("samples/s" in ln and "cost $" in ln for ln in rounds)
+    out = dict(ln.split(": ", 1) for ln in done.stdout.splitlines() if ": " in ln)
+    run_id, prefix = out["run id"], out["run prefix"]
+    assert prefix == f"s3://{bucket}/runs/{name}/{run_id}/"
+    assert 0.0 <= float(out["final accuracy"]) <= 1.0
+    assert out["estimated cost"].startswith("$")
+    keys = {
+        o["Key"][len(f"runs/{name}/{run_id}/") :]
+        for o in _client("s3").list_objects_v2(Bucket=bucket, Prefix=f"runs/{name}/{run_id}/")[
+            "Contents"
+        ]
+    }
+    assert {"model.safetensors", "metrics.jsonl", "config.yaml"} <= keys
+    assert {k.split("/")[1] for k in keys if k.startswith("checkpoints/")} >= {
+        "round-00001",
+        "round-00002",
+    }
+    local = tmp_path / "runs" / run_id
+    assert (local / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    rows = [json.loads(r) for r in (local / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]
+    _torn_down(name, tmp_path)
+
+
+def test_preflight_refusals_launch_nothing(settings, bucket, tmp_path):
+    """An unknown dataset name, a --cluster that does not exist and a missing shard: one line,
+    exit 2, no instance on moto, nothing in the runs prefix."""
+    name = settings
+    unknown = submit("--s3", "nope", *JOB, cwd=tmp_path, timeout=120)
+    assert unknown.returncode == 2, unknown.stderr
+    assert unknown.stderr.strip() == (
+        "error: --s3 nope: no such dataset in datasets: (known: tiny); give a name from "
+        "sparknet.yaml's datasets: or an s3://bucket/prefix"
+    )
+    gone = submit("--s3", "tiny", "--cluster", "no-such-cluster", *JOB, cwd=tmp_path, timeout=120)
+    assert gone.returncode == 2, gone.stderr
+    assert gone.stderr.startswith("error: --cluster no-such-cluster: no cluster no-such-cluster")
+    assert len(gone.stderr.splitlines()) == 1
+    s3 = _client("s3")
+    shard = next(
+        o["Key"]
+        for o in s3.list_objects_v2(Bucket=bucket, Prefix="tiny/")["Contents"]
+        if o["Key"].endswith(".tar")
+    )
+    s3.delete_object(Bucket=bucket, Key=shard)
+    missing = submit("--s3", "tiny", *JOB, cwd=tmp_path, timeout=120)
+    assert missing.returncode == 2, missing.stderr
+    assert missing.stderr.startswith(f"error: dataset s3://{bucket}/tiny: 1 shard(s)")
+    assert shard.split("/")[-1] in missing.stderr
+    assert len(missing.stderr.splitlines()) == 1
+    assert _live(name) == []
+    assert _client("s3").list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0
