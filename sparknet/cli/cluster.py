@@ -363,13 +363,16 @@ def cluster_status(
     _print_instances(info)
     _print_ssh(spec, info)
     print(f"estimated cost {info.cost.describe()}")
-    _print_health(spec, info, endpoint_url)
-    print(lifecycle.autostop_status(spec, info.instances, endpoint_url=endpoint_url))
+    if _print_health(spec, info, endpoint_url) is None:  # no second wait for the same master
+        print("autostop: unknown: the master does not answer")
+    else:
+        print(lifecycle.autostop_status(spec, info.instances, endpoint_url=endpoint_url))
 
 
-def _print_health(spec, info, endpoint_url: str | None) -> bool:
+def _print_health(spec, info, endpoint_url: str | None) -> bool | None:
     """The Spark cluster's health (workers registered, cores, GPUs) as its master tells it; one
-    line when the nodes cannot be asked. Whether it is healthy."""
+    line when the nodes cannot be asked. Whether it is healthy (None: the nodes cannot be
+    asked)."""
     from sparknet.cluster import lifecycle, static
 
     try:
@@ -379,7 +382,7 @@ def _print_health(spec, info, endpoint_url: str | None) -> bool:
             health = lifecycle.spark_health(spec, info.instances, endpoint_url=endpoint_url)
     except SparknetError as exc:
         print(f"Spark: the nodes cannot be reached ({first_line(exc)})")
-        return False
+        return None
     for line in health.lines():
         print(line)
     return health.ok

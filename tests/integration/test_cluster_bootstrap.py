@@ -227,6 +227,7 @@ def test_up_without_bootstrap_and_status_of_unreachable_nodes(cluster, tmp_path)
     assert shown.returncode == 0, shown.stderr
     spark = [ln for ln in shown.stdout.splitlines() if ln.startswith("Spark")]
     assert len(spark) == 1 and spark[0].startswith("Spark: the nodes cannot be reached (")
+    assert shown.stdout.endswith("\nautostop: unknown: the master does not answer\n")
 
 
 def test_ctrl_c_during_the_bootstrap_keeps_the_cluster_registered(cluster, tmp_path) -> None:
