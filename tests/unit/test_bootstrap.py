@@ -534,11 +534,13 @@ def test_a_unit_that_will_not_stop_fails_the_node_and_keeps_the_conf() -> None:
 
 def test_stopping_a_node_stops_both_daemons_even_off_the_first_node() -> None:
     """A static cluster whose hosts were reordered has its master on another node than the
-    first: every node stops its master and its worker, then deletes its conf."""
+    first: every node stops its master and its worker (and an autostop timer, which only the
+    master of an EC2 cluster has), then deletes its conf."""
     conn = Recorder()
     b.stop_node(systemd_master("worker-1"), conn)
     stops = [c.split(" 2>", 1)[0] for c in conn.commands if "systemctl stop" in c]
     assert stops == [
+        "sudo -n systemctl stop sparknet-autostop.service",
         "sudo -n systemctl stop sparknet-worker.service",
         "sudo -n systemctl stop sparknet-master.service",
     ]
