@@ -63,6 +63,7 @@ def submit(
     debug = training.pop("debug")
     sets, conf = training.pop("set_"), training.pop("conf")
     caught = Caught()
+    started = False  # an error before the flow starts is in the command or settings: exit 2
     try:
         path = find_config_file(config)
         cfg = load_train_config(config_file=path, sets=sets, flags=training, conf=conf)
@@ -71,10 +72,13 @@ def submit(
         flags = dict(workers=workers, instance_types=instance_type, spot=spot, provider=provider)
         spec = _cluster_spec(cluster_name, path, {} if cluster else flags)
         if spec.provider != "aws":
-            raise SparknetError("sparknet-submit runs on EC2 clusters only (provider: aws) so far")
+            raise flow.PreflightFailed(
+                "sparknet-submit runs on EC2 clusters only (provider: aws) so far"
+            )
         job = flow.Job(spec, cluster is not None, keep, dataset, cfg, endpoint_url)
         report = _Report(console.is_terminal, cfg.rounds)
         with interrupts(caught, note="still taking the cluster down; it ends by itself"):
+            started = True
             try:
                 result = flow.submit(job, say=_say, on_rows=report.rows)
             finally:
@@ -87,7 +91,8 @@ def submit(
         if isinstance(exc, flow.JobFailed):
             fail(exc, debug, 1)
         if isinstance(exc, SparknetError):
-            fail(exc, debug, 2 if isinstance(exc, flow.PreflightFailed) else 1)
+            bad_input = not started or isinstance(exc, flow.PreflightFailed)
+            fail(exc, debug, 2 if bad_input else 1)
         raise
     for line in flow.summary_lines(
         result.run_id, result.prefix, result.outcome.rows, result.wall_s, result.cost

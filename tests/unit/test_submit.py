@@ -126,3 +126,26 @@ def test_a_reused_cluster_stays_and_a_made_one_goes_unless_keep() -> None:
     assert flow.teardown_due(job)
     assert not flow.teardown_due(flow.Job(spec, False, True, job.dataset, None))  # type: ignore[arg-type]
     assert not flow.teardown_due(flow.Job(spec, True, False, job.dataset, None))  # type: ignore[arg-type]
+
+
+def test_a_bad_training_flag_or_provider_is_one_line_and_exit_2(tmp_path) -> None:
+    """The shared flags validate as `sparknet train`'s do, before anything is asked of AWS."""
+    import subprocess
+
+    from tests.conftest import SPARKNET
+
+    SUBMIT = SPARKNET.with_name("sparknet-submit")
+
+    def submit(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(SUBMIT), "--s3", "s3://bkt/x", "--name", "c1", *args],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    bad = submit("--lr", "-1")
+    assert (bad.returncode, bad.stderr) == (
+        2, "error: invalid setting lr: Input should be greater than 0 (got -1.0)\n"
+    )  # fmt: skip
+    static = submit("--provider", "static")
+    assert static.returncode == 2 and static.stderr.startswith("error: cluster c1: invalid")
+    assert len(static.stderr.splitlines()) == 1
