@@ -439,6 +439,32 @@ def test_on_a_systemd_node_the_worker_is_a_unit_restarted_with_sudo() -> None:
     assert plan.secret not in unit
 
 
+def test_on_a_systemd_master_the_autostop_timer_is_a_unit_with_its_settings() -> None:
+    """The timer's settings go to the state dir, the old deadline file first goes (the step
+    waits for the new timer's first check), and the unit runs the timer's loop."""
+    from sparknet.cluster.autostop import Settings
+    from sparknet.cluster.daemons import Autostop
+
+    ctx = systemd_master()
+    settings = Settings("exp1", "eu-west-1", 45)
+    plan = Plan(ctx.plan.nodes, ctx.plan.wheel, ctx.plan.secret, autostop=settings)
+    conn = Recorder()
+    Autostop(Context(plan, ctx.node, ctx.facts)).apply(conn)
+    assert conn.commands[0] == (
+        "mkdir -p /opt/sparknet/autostop/activity && rm -f /opt/sparknet/autostop/deadline.json"
+    )
+    written = conn.files["/opt/sparknet/autostop/settings.json"].decode()
+    assert Settings.from_json(written) == settings
+    lines = conn.files["/opt/sparknet/run/sparknet-autostop.service"].decode().splitlines()
+    assert "User=ubuntu" in lines
+    assert (
+        "ExecStart=/opt/sparknet/venv/bin/python -m sparknet.cluster.autostop run --state "
+        "/opt/sparknet/autostop"
+    ) in lines
+    assert "sudo -n systemctl restart sparknet-autostop.service" in conn.commands[-2]
+    assert "/opt/sparknet/autostop/deadline.json" in conn.commands[-1]  # the first check
+
+
 def test_a_plan_needs_nodes_with_distinct_names() -> None:
     wheel = Wheel(Path("w.whl"), "1", "d")
     with pytest.raises(SparknetError, match="at least one node"):
