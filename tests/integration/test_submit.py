@@ -181,6 +181,15 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(settings, moto_nodes, 
     assert (local / "curves.png").read_bytes()[:4] == b"\x89PNG"
     rows = [json.loads(r) for r in (local / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2]
+    # the driver ran detached on the master, in its job dir, and ended 0; it and the attached
+    # submitter kept the autostop timer's activity (the job's stamp goes as the job ends)
+    job = tmp_path / "master" / "jobs" / run_id
+    assert (job / "driver.rc").read_text().strip() == "0"
+    assert "round 2/2" in (job / "driver.log").read_text()
+    activity = tmp_path / "master" / "autostop" / "activity"
+    assert any(p.name.startswith("submitter-") for p in activity.iterdir())
+    assert not (activity / f"job-{run_id}").exists()
+    assert activity.stat().st_mtime >= (job / "job.yaml").stat().st_mtime
     _torn_down(name, tmp_path)
 
 
