@@ -10,8 +10,10 @@ node's own `sparknet train`, started with the job's resolved settings."""
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import shlex
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -286,9 +288,7 @@ def stamp_submitter(conn: Conn, node: Node) -> None:
 
 
 def _host_pid() -> str:
-    import os
-    import socket
-
+    """This submitter's name among the activity files: host and process id."""
     return f"{socket.gethostname()}-{os.getpid()}".replace("/", "_")
 
 
