@@ -70,16 +70,6 @@ def test_an_existing_run_dir_is_not_overwritten(tmp_path):
     assert (tmp_path / "config.yaml").read_text() == "train: {}\n"
 
 
-def test_submit_says_it_is_not_available():
-    proc = subprocess.run(
-        [str(SPARKNET.with_name("sparknet-submit")), "--s3", "imagenet"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2 and proc.stderr.startswith("error: ")
-
-
 def test_missing_java_is_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "JAVA_HOME": str(tmp_path / "no-jdk")}
