@@ -72,6 +72,22 @@ def daemon_pids(root: Path, node_names: Iterable[str]) -> dict[str, int]:
     return out
 
 
+def loopback_cluster_entry(region: str, ami_parameter: str) -> dict:
+    """A `clusters:` entry for a moto cluster of a master and one worker (g5.xlarge, whose GPU
+    `plan_nodes` finds) that loopback sshd nodes stand in for: they run over the repo's .venv,
+    offer no GPU (`gpus_per_node: 0`) and 1 core and 1 GiB per Spark worker, on free ports."""
+    return {
+        "region": region, "workers": 1, "master_type": "g5.xlarge",
+        "instance_types": ["g5.xlarge"], "ami_parameter": ami_parameter,
+        "allowed_cidr": "203.0.113.9/32",
+        "bootstrap": {
+            "python_env": str(Path(__file__).resolve().parents[1] / ".venv"), "worker_cores": 1,
+            "worker_memory_mb": 1024, "gpus_per_node": 0, "master_port": free_port(),
+            "master_ui_port": free_port(), "worker_ui_port": 0,
+        },
+    }  # fmt: skip
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:

@@ -25,11 +25,10 @@ import pytest
 import yaml
 
 from tests.conftest import SPARKNET
-from tests.sshd import daemon_pids, free_port
+from tests.sshd import daemon_pids, loopback_cluster_entry
 
 REGION = "us-east-1"
 AMI_PARAMETER = "/test/sparknet/bootstrap-ami"
-REPO = Path(__file__).resolve().parents[2]
 #: the private addresses the nodes' daemons bind (all of 127/8 is loopback on Linux)
 ADDRESSES = {"master": "127.0.0.2", "worker-1": "127.0.0.3"}
 
@@ -55,16 +54,7 @@ def cluster(moto_endpoint, moto_nodes, tmp_path, monkeypatch):
         Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True
     )
     name = f"b{uuid.uuid4().hex[:8]}"
-    entry = {
-        "region": REGION, "workers": 1, "master_type": "g5.xlarge",
-        "instance_types": ["g5.xlarge"], "ami_parameter": AMI_PARAMETER,
-        "allowed_cidr": "203.0.113.9/32",
-        "bootstrap": {
-            "python_env": str(REPO / ".venv"), "worker_cores": 1, "worker_memory_mb": 1024,
-            "gpus_per_node": 0, "master_port": free_port(), "master_ui_port": free_port(),
-            "worker_ui_port": 0,
-        },
-    }  # fmt: skip
+    entry = loopback_cluster_entry(REGION, AMI_PARAMETER)
     (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump({"clusters": {name: entry}}))
     group = moto_nodes(name, 1)
     layout = json.loads(group.file.read_text())

@@ -22,11 +22,10 @@ import pytest
 import yaml
 
 from tests.conftest import SPARKNET
-from tests.sshd import daemon_pids, free_port
+from tests.sshd import daemon_pids, loopback_cluster_entry
 
 REGION = "us-east-1"
 AMI_PARAMETER = "/test/sparknet/submit-ami"
-REPO = Path(__file__).resolve().parents[2]
 SUBMIT = SPARKNET.with_name("sparknet-submit")
 ADDRESSES = {"master": "127.0.0.4", "worker-1": "127.0.0.5"}
 #: a job that learns nothing in particular, fast: 2 rounds of 1 step on 16x16 crops
@@ -73,16 +72,7 @@ def settings(moto_endpoint, dataset, tmp_path, monkeypatch):
     ami = _client("ec2").describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     _client("ssm").put_parameter(Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True)
     name = f"s{uuid.uuid4().hex[:8]}"
-    entry = {
-        "region": REGION, "workers": 1, "master_type": "g5.xlarge",
-        "instance_types": ["g5.xlarge"], "ami_parameter": AMI_PARAMETER,
-        "allowed_cidr": "203.0.113.9/32",
-        "bootstrap": {
-            "python_env": str(REPO / ".venv"), "worker_cores": 1, "worker_memory_mb": 1024,
-            "gpus_per_node": 0, "master_port": free_port(), "master_ui_port": free_port(),
-            "worker_ui_port": 0,
-        },
-    }  # fmt: skip
+    entry = loopback_cluster_entry(REGION, AMI_PARAMETER)
     doc = {"clusters": {name: entry}, "datasets": {"tiny": {"uri": dataset}}}
     (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump(doc))
     return name
