@@ -23,7 +23,7 @@ from typing import Any
 
 from sparknet.cluster import autostop, instances, lifecycle, nodes
 from sparknet.cluster.plan import Node
-from sparknet.cluster.remote import Conn, q, run, succeeds, upload
+from sparknet.cluster.remote import CommandFailed, Conn, q, run, succeeds, upload
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import DatasetEntry, TrainConfig
 from sparknet.data.s3 import S3Uri
@@ -244,18 +244,23 @@ def driver_command(node: Node, run_id: str) -> str:
         f"--config {q(jd + '/' + JOB_CONFIG)}; rc=$?; kill $s; {stamp}; rm -f {q(stamp_file)}; "
         f"echo $rc > {q(rc_file + '.tmp')} && mv {q(rc_file + '.tmp')} {q(rc_file)}"
     )
+    # `cd || exit` and not `cd && ...&`: `a && b &` backgrounds a subshell that holds the SSH
+    # channel's stdout until the driver ends (the command then returns only with the job)
     return (
-        f"cd {q(jd)} && nohup setsid sh -c {shlex.quote(script)} > {q(jd + '/' + LOG)} 2>&1"
-        f" < /dev/null & echo $! > {q(jd + '/' + PID)}"
+        f"cd {q(jd)} || exit 1; nohup setsid sh -c {shlex.quote(script)}"
+        f" > {q(jd + '/' + LOG)} 2>&1 < /dev/null & echo $! > {q(jd + '/' + PID)}"
     )
 
 
 def start_driver(conn: Conn, node: Node, run_id: str, cfg: TrainConfig) -> None:
     """The job dir with the settings file, then the detached driver."""
     jd = job_dir(node, run_id)
-    run(conn, f"mkdir -p {q(jd)}")
-    upload(conn, cfg.to_yaml().encode(), f"{jd}/{JOB_CONFIG}", 0o600)
-    run(conn, driver_command(node, run_id))
+    try:
+        run(conn, f"mkdir -p {q(jd)}")
+        upload(conn, cfg.to_yaml().encode(), f"{jd}/{JOB_CONFIG}", 0o600)
+        run(conn, driver_command(node, run_id))
+    except CommandFailed as exc:
+        raise SparknetError(f"starting the driver in {jd} on the master: {exc}") from exc
 
 
 def driver_rc(conn: Conn, node: Node, run_id: str) -> int | None:

@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from sparknet import submit as flow
-from sparknet.config import DatasetEntry
+from sparknet.config import DatasetEntry, TrainConfig
 
 
 def test_a_dataset_name_resolves_through_datasets_and_a_uri_as_is() -> None:
@@ -44,17 +44,66 @@ def test_progress_line_and_last_error() -> None:
     assert flow.last_error("Killed\n") is None
 
 
-def test_the_driver_runs_detached_and_stamps_autostop_activity() -> None:
+def _fake_node(tmp_path, train_script: str):
+    """A node whose prefix is tmp_path, with a `venv/bin/sparknet` that runs `train_script`."""
     from sparknet.cluster.nodes import Endpoint
     from sparknet.cluster.plan import Node
 
-    node = Node(Endpoint("master", "127.0.0.1", 22, "me"), "10.0.0.5", "/opt/sn", 0)
-    cmd = flow.driver_command(node, "R1")
-    assert "nohup setsid sh -c" in cmd and "> /opt/sn/jobs/R1/driver.log 2>&1" in cmd
-    assert cmd.endswith("echo $! > /opt/sn/jobs/R1/driver.pid")
-    assert "SPARK_LOCAL_IP=10.0.0.5 /opt/sn/venv/bin/sparknet train" in cmd
-    assert "touch /opt/sn/autostop/activity/job-R1" in cmd
-    assert "driver.rc" in cmd
+    sparknet = tmp_path / "venv" / "bin" / "sparknet"
+    sparknet.parent.mkdir(parents=True)
+    sparknet.write_text(f"#!/bin/sh\n{train_script}\n")
+    sparknet.chmod(0o755)
+    return Node(Endpoint("master", "127.0.0.1", 22, "me"), "127.0.0.1", str(tmp_path), 0)
+
+
+def _wait_for(predicate, timeout: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_the_driver_starts_detached_and_returns_at_once(tmp_path) -> None:
+    """The start command comes back while the driver runs (its shell holds no pipe of the
+    caller's), the pid file names the driver's session, whose end is a cancel; the job's
+    autostop stamp exists while it runs. A local shell stands in for the node's SSH session:
+    the same command, the same pipes."""
+    import os
+    import subprocess
+    import time
+
+    from invoke import Context
+
+    node = _fake_node(tmp_path, "echo training; sleep 60")
+    cfg = TrainConfig()
+    started = time.monotonic()
+    flow.start_driver(Context(), node, "R1", cfg)
+    assert time.monotonic() - started < 10
+    job = tmp_path / "jobs" / "R1"
+    pid = int((job / "driver.pid").read_text())
+    assert os.getsid(pid) == pid  # setsid: the pid is its session's (and group's) leader
+    activity = tmp_path / "autostop" / "activity" / "job-R1"
+    _wait_for(activity.exists)
+    _wait_for(lambda: "training" in (job / "driver.log").read_text())
+    assert flow.driver_rc(Context(), node, "R1") is None
+    flow.cancel_driver(Context(), node, "R1")
+    _wait_for(lambda: subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode)
+    assert flow.driver_rc(Context(), node, "R1") == -1  # killed: no rc file, counts as failed
+
+
+def test_a_finished_driver_leaves_its_exit_code_and_removes_its_stamp(tmp_path) -> None:
+    from invoke import Context
+
+    node = _fake_node(tmp_path, "echo 'error: model not found'; exit 3")
+    flow.start_driver(Context(), node, "R2", TrainConfig())
+    job = tmp_path / "jobs" / "R2"
+    _wait_for(lambda: (job / "driver.rc").exists())
+    assert flow.driver_rc(Context(), node, "R2") == 3
+    assert flow.last_error(flow.driver_log(Context(), node, "R2")) == "model not found"
+    assert not (tmp_path / "autostop" / "activity" / "job-R2").exists()
+    assert (tmp_path / "autostop" / "activity").is_dir()
 
 
 def test_submit_shares_every_training_flag_of_train() -> None:
