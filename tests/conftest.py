@@ -168,6 +168,13 @@ STANDALONE_MODULES = frozenset(
 )
 
 
+#: integration modules of several minutes each (clusters brought up and trained on): started
+#: first, so that none of them begins late and becomes the suite's tail
+LONG_MODULES = frozenset(
+    f"tests/integration/test_{name}.py" for name in ("submit", "submit_detach", "cluster_bootstrap")
+)
+
+
 def _unit(nodeid: str) -> str:
     """The unit of work a test belongs to, from its id alone (the scheduler sees nothing else)."""
     path = nodeid.split("::", 1)[0]
@@ -192,8 +199,9 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items) -> None:
     """A test that uses the standalone cluster outside STANDALONE_MODULES would start a second
     cluster in the other test process: refused. In each test process the units run longest first
-    (the scheduler hands them out in collection order): the standalone unit, the integration
-    modules, then the unit tests, which fill the gaps at the end."""
+    (the scheduler hands them out in collection order): the standalone unit, the long
+    integration modules, the other integration modules, then the unit tests, which fill the
+    gaps at the end."""
     strays = sorted(
         {i.nodeid.split("::")[0] for i in items if "standalone" in i.fixturenames}
         - STANDALONE_MODULES
@@ -203,9 +211,12 @@ def pytest_collection_modifyitems(config, items) -> None:
     if hasattr(config, "workerinput"):
 
         def rank(item) -> int:
-            if _unit(item.nodeid) == "standalone":
+            unit = _unit(item.nodeid)
+            if unit == "standalone":
                 return 0
-            return 1 if item.nodeid.startswith("tests/integration/") else 2
+            if unit in LONG_MODULES:
+                return 1
+            return 2 if item.nodeid.startswith("tests/integration/") else 3
 
         items.sort(key=rank)
 
