@@ -382,13 +382,17 @@ class Job:
     cfg: TrainConfig
     endpoint_url: str | None = None
     runs_dir: Path = Path("runs")
+    #: return once the driver runs (no follow, no teardown: the master's autostop ends a
+    #: cluster this submit made once the job is over and no submitter is attached)
+    detach: bool = False
 
 
 @dataclass
 class Result:
     run_id: str
     prefix: str
-    outcome: Outcome
+    #: None for a detached job (it runs on)
+    outcome: Outcome | None
     wall_s: float
     cost: float | None
     fetched: list[Path]
@@ -407,11 +411,20 @@ def preflight(job: Job) -> tuple[str, str]:
     return run_id, prefix
 
 
+#: told the job's run id, run prefix, master and settings just before its driver starts
+OnJob = Callable[[str, str, Master, TrainConfig], None]
+
+
 def submit(
-    job: Job, *, say: Say, on_rows: Callable[[list[dict[str, Any]], float | None], None]
+    job: Job,
+    *,
+    say: Say,
+    on_rows: Callable[[list[dict[str, Any]], float | None], None],
+    on_job: OnJob | None = None,
 ) -> Result:
     """Preflight, cluster, driver, follow, fetch; then teardown (see `teardown_due`) whatever
-    happened, Ctrl-C and SIGTERM included (the CLI turns those into KeyboardInterrupt)."""
+    happened, Ctrl-C and SIGTERM included (the CLI turns those into KeyboardInterrupt). A
+    detached job returns once its driver runs, and then nothing is torn down."""
     run_id, prefix = preflight(job)
     started = time.monotonic()
     ok = False
@@ -424,6 +437,12 @@ def submit(
         open_store(prefix, job.dataset.endpoint_url).write_bytes(
             "config.yaml", cfg.to_yaml().encode()
         )
+        if on_job is not None:
+            on_job(run_id, prefix, master, cfg)
+        if job.detach:
+            start_detached(master, run_id, prefix, cfg, say)
+            ok = True
+            return Result(run_id, prefix, None, time.monotonic() - started, None, [])
         outcome = _run_driver(job, master, run_id, prefix, cfg, say, on_rows)
         cost = cost_so_far(job.spec, job.endpoint_url)
         fetched = fetch_results(prefix, job.dataset.endpoint_url, job.runs_dir / run_id)
@@ -436,7 +455,7 @@ def submit(
         ok = True
         return Result(run_id, prefix, outcome, time.monotonic() - started, cost, fetched)
     finally:
-        if teardown_due(job):
+        if teardown_due(job) and not (job.detach and ok):
             teardown(job, say)
         elif not ok:
             say(
@@ -471,6 +490,16 @@ def _run_driver(
         except BaseException:
             _quietly(lambda: cancel_driver(conn, master.node, run_id))
             raise
+    finally:
+        conn.close()
+
+
+def start_detached(master: Master, run_id: str, prefix: str, cfg: TrainConfig, say: Say) -> None:
+    """`--detach`: start the driver and leave it (it outlives this SSH session)."""
+    conn = nodes.connect(master.node.endpoint, master.access)
+    try:
+        start_driver(conn, master.node, run_id, cfg)
+        say(f"job {run_id} started on the master; run prefix {prefix}")
     finally:
         conn.close()
 

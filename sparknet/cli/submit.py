@@ -1,12 +1,16 @@
-"""`sparknet-submit`: one training job on a cluster, end to end (the flow is `sparknet.submit`).
+"""`sparknet-submit`: one training job on a cluster, end to end (the flow is `sparknet.submit`),
+and the jobs it started: `attach`, `logs`, `cancel`, `list` (`sparknet.jobs`).
 
 The training flags are `sparknet train`'s own parameters, taken from its signature (one
-definition, the same help); `--workers` here counts worker instances, as `cluster up`'s does."""
+definition, the same help); `--workers` here counts worker instances, as `cluster up`'s does.
+The submit options belong to the group's callback, which runs the job when no subcommand is
+given, so `sparknet-submit --s3 X ...` is the job itself."""
 
 from __future__ import annotations
 
 import inspect
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +22,10 @@ from sparknet.cli.common import Caught, console, fail, interrupts, results
 from sparknet.config import find_config_file, load_datasets, load_train_config
 from sparknet.errors import SparknetError
 
-submit_app = typer.Typer(add_completion=False, help="Run a training job on an EC2 GPU cluster.")
+submit_app = typer.Typer(
+    add_completion=False,
+    help="Run a training job on an EC2 GPU cluster; attach, logs, cancel, list: the jobs started.",
+)
 
 #: `sparknet train` parameters that submit sets itself or has its own of: the data is --s3, the
 #: run dir the run prefix, the master the cluster's; --workers and --config are submit's own
@@ -32,8 +39,9 @@ def _say(line: str) -> None:
 
 
 def submit(
-    s3: str = typer.Option(
-        ..., "--s3", help="dataset name from sparknet.yaml or s3://bucket/prefix"
+    ctx: typer.Context,
+    s3: str | None = typer.Option(
+        None, "--s3", help="dataset name from sparknet.yaml or s3://bucket/prefix (required)"
     ),
     cluster: str | None = typer.Option(
         None, "--cluster", help="reuse this running cluster (it stays up after the job)"
@@ -46,6 +54,16 @@ def submit(
     spot: bool | None = typer.Option(None, "--spot/--on-demand", help="workers on spot"),
     provider: str | None = typer.Option(None, help="aws (default); static is not supported yet"),
     keep: bool = typer.Option(False, "--keep", help="leave the cluster up after the job"),
+    detach: bool = typer.Option(
+        False, "--detach", help="return once the job runs (`sparknet-submit attach RUN` follows it)"
+    ),
+    autostop: int | None = typer.Option(
+        None,
+        "--autostop",
+        metavar="MINUTES",
+        help="the master of the cluster made here terminates it after this many minutes with "
+        "no job running and no submitter attached; 0 (off) only with --keep; default 30",
+    ),
     endpoint_url: str | None = typer.Option(None, help="AWS endpoint (moto) for EC2 and S3"),
     config: Path | None = typer.Option(
         None,
@@ -56,31 +74,43 @@ def submit(
 ) -> None:
     """Check the dataset and run prefix, bring a cluster up (or reuse --cluster), run the job on
     it, follow its rounds, fetch curves.png and metrics.jsonl into runs/RUN/, and take the
-    cluster down (unless --keep or --cluster) after success, failure, Ctrl-C or SIGTERM."""
+    cluster down (unless --keep, --detach or --cluster) after success, failure, Ctrl-C or
+    SIGTERM. --detach returns once the job runs; the cluster's autostop timer ends it after."""
+    from sparknet import jobs
     from sparknet import submit as flow
     from sparknet.cli.cluster import _cluster_spec
 
+    if ctx.invoked_subcommand is not None:
+        return
     debug = training.pop("debug")
     sets, conf = training.pop("set_"), training.pop("conf")
     caught = Caught()
     started = False  # an error before the flow starts is in the command or settings: exit 2
     try:
+        _check_flags(s3, cluster, keep, detach, autostop)
         path = find_config_file(config)
         cfg = load_train_config(config_file=path, sets=sets, flags=training, conf=conf)
         dataset = flow.resolve_dataset(s3, load_datasets(path))
         cluster_name = cluster or name or _only_cluster(path)
-        flags = dict(workers=workers, instance_types=instance_type, spot=spot, provider=provider)
+        flags = dict(
+            workers=workers, instance_types=instance_type, spot=spot, provider=provider,
+            autostop_minutes=autostop,
+        )  # fmt: skip
         spec = _cluster_spec(cluster_name, path, {} if cluster else flags)
         if spec.provider != "aws":
             raise flow.PreflightFailed(
                 "sparknet-submit runs on EC2 clusters only (provider: aws) so far"
             )
-        job = flow.Job(spec, cluster is not None, keep, dataset, cfg, endpoint_url)
+        _check_autostop(spec, cluster is not None, keep, detach)
+        job = flow.Job(spec, cluster is not None, keep, dataset, cfg, endpoint_url, detach=detach)
         report = _Report(console.is_terminal, cfg.rounds)
         with interrupts(caught, note="still taking the cluster down; it ends by itself"):
             started = True
             try:
-                result = flow.submit(job, say=_say, on_rows=report.rows)
+                result = flow.submit(
+                    job, say=_say, on_rows=report.rows,
+                    on_job=lambda *a: jobs.save(jobs.record_of(job, *a)),
+                )  # fmt: skip
             finally:
                 report.stop()
     except (KeyboardInterrupt, Exception) as exc:
@@ -94,12 +124,71 @@ def submit(
             bad_input = not started or isinstance(exc, flow.PreflightFailed)
             fail(exc, debug, 2 if bad_input else 1)
         raise
+    if result.outcome is None:
+        _print_detached(job, result.run_id, result.prefix)
+        return
     for line in flow.summary_lines(
         result.run_id, result.prefix, result.outcome.rows, result.wall_s, result.cost
     ):
         results.print(line, markup=False, highlight=False, soft_wrap=True)
     for path in result.fetched:
         results.print(f"fetched {path}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _check_flags(
+    s3: str | None, cluster: str | None, keep: bool, detach: bool, autostop: int | None
+) -> None:
+    """The flags' combinations that are refused before anything is read or asked of AWS."""
+    from sparknet.submit import PreflightFailed
+
+    if s3 is None:
+        raise PreflightFailed(
+            "--s3 DATASET is required (a name from datasets: or s3://bucket/prefix); "
+            "or a command: attach, logs, cancel, list"
+        )
+    if autostop is not None and cluster is not None:
+        raise PreflightFailed(
+            f"--autostop applies to a cluster sparknet-submit makes; --cluster {cluster} keeps "
+            f"its own (`sparknet cluster up {cluster} --autostop MINUTES` changes it)"
+        )
+    if autostop == 0 and not keep:
+        raise PreflightFailed(
+            "--autostop 0 turns the timer off only with --keep: a cluster left without it runs "
+            "until `sparknet cluster down`"
+        )
+    del detach  # checked against the resolved settings in `_check_autostop`
+
+
+def _check_autostop(spec, reused: bool, keep: bool, detach: bool) -> None:
+    """`--detach` on a cluster this submit makes, with its autostop timer off (the flag or the
+    settings' `autostop_minutes: 0`) and no --keep: nothing would ever end the cluster."""
+    from sparknet.submit import PreflightFailed
+
+    if detach and not reused and not keep and spec.autostop_minutes == 0:
+        raise PreflightFailed(
+            f"--detach with cluster {spec.name}'s autostop off (0) would leave its instances "
+            "running forever; give --autostop MINUTES, or --keep to keep it on purpose"
+        )
+
+
+def _print_detached(job, run_id: str, prefix: str) -> None:
+    """What a detached submit prints: the run id (stdout), how to reach the job, and what
+    ends the cluster."""
+    for line in (f"run id: {run_id}", f"run prefix: {prefix}"):
+        results.print(line, markup=False, highlight=False, soft_wrap=True)
+    _say(
+        f"job {run_id} runs detached: `sparknet-submit attach {run_id}` follows it, "
+        f"`sparknet-submit logs {run_id}` shows its log, `sparknet-submit cancel {run_id}` ends it"
+    )
+    name = job.spec.name
+    if job.reused or job.keep:
+        _say(f"cluster {name} stays up (--keep or reused); `sparknet cluster down {name}` ends it")
+    else:
+        _say(
+            f"cluster {name} stays up while the job runs; its autostop timer terminates it "
+            f"{job.spec.autostop_minutes} minutes after the job ends with no submitter attached "
+            f"(`sparknet cluster down {name}` ends it sooner)"
+        )
 
 
 def _only_cluster(path: Path | None) -> str:
@@ -138,7 +227,7 @@ def _with_training_flags(func):
     return func
 
 
-submit_app.command()(_with_training_flags(submit))
+submit_app.callback(invoke_without_command=True)(_with_training_flags(submit))
 
 
 class _Report:
@@ -167,3 +256,183 @@ class _Report:
     def stop(self) -> None:
         if self.live:
             self.progress.stop()
+
+
+# --- the jobs started: attach, logs, cancel, list ------------------------------------------------
+
+RunArgument = typer.Argument(..., metavar="RUN", help="run id (printed by sparknet-submit)")
+ClusterOption = typer.Option(
+    None, "--cluster", help="look for RUN on this cluster's master (a job started elsewhere)"
+)
+JobsEndpointOption = typer.Option(None, help="AWS endpoint (moto); default: the job's record's")
+JobsConfigOption = typer.Option(None, "--config", help="settings YAML; default ./sparknet.yaml")
+JobsDebugOption = typer.Option(False, help="show tracebacks")
+
+
+def _spec_of(config: Path | None):
+    """How `sparknet.jobs` gets a cluster's spec: the registry's, else the settings file's
+    entry, in the job's region."""
+    from sparknet.cli.cluster import _cluster_spec
+
+    return lambda name, region: _cluster_spec(name, config, {"region": region} if region else {})
+
+
+def _located(run_id: str, cluster: str | None, endpoint_url, config, debug: bool):
+    """The job and a connection to its master; exit 2 for a run nobody knows or whose
+    cluster is gone (or bad settings), 1 when the master does not answer."""
+    from sparknet import jobs
+    from sparknet.cluster import nodes
+
+    try:
+        found = jobs.locate(run_id, cluster, _spec_of(config), endpoint_url)
+    except SparknetError as exc:
+        fail(exc, debug, 2)
+    try:
+        conn = nodes.connect(found.master.node.endpoint, found.master.access)
+        if jobs.state_of(conn, found.master.node, run_id) == "gone":
+            conn.close()
+            fail(
+                jobs.UnknownRun(
+                    f"no job {run_id} on cluster {found.spec.name}'s master (the cluster was "
+                    "made again since the job ran)"
+                ),
+                debug,
+                2,
+            )
+    except SparknetError as exc:
+        fail(exc, debug, 1)
+    return found, conn
+
+
+@submit_app.command("attach")
+def attach(
+    run_id: str = RunArgument,
+    cluster: str | None = ClusterOption,
+    endpoint_url: str | None = JobsEndpointOption,
+    config: Path | None = JobsConfigOption,
+    debug: bool = JobsDebugOption,
+) -> None:
+    """Follow a job as an attached submit does: its rounds so far, then each new one, the
+    summary, and curves.png and metrics.jsonl into runs/RUN/. Ctrl-C or SIGTERM only detach:
+    the job goes on (exit 130 / 143)."""
+    import time
+
+    from sparknet import jobs
+    from sparknet import submit as flow
+
+    found, conn = _located(run_id, cluster, endpoint_url, config, debug)
+    rec, node = found.record, found.master.node
+    endpoint = endpoint_url or rec.endpoint_url
+    report = _Report(console.is_terminal, rec.rounds)
+    caught = Caught()
+    try:
+        with interrupts(caught):
+            try:
+                outcome = flow.follow(
+                    conn, found.master, run_id, rec.prefix, rec.s3_endpoint_url,
+                    lambda rows: report.rows(rows, flow.cost_so_far(found.spec, endpoint)),
+                )  # fmt: skip
+            finally:
+                report.stop()
+            state = jobs.state_of(conn, node, run_id)
+            ended = jobs.ended_at(conn, node, run_id) or time.time()
+            cost = flow.cost_so_far(found.spec, endpoint)
+            fetched = flow.fetch_results(rec.prefix, rec.s3_endpoint_url, Path("runs") / run_id)
+    except KeyboardInterrupt:
+        signum = caught.signum or signal.SIGINT
+        print(
+            f"detached from job {run_id}: it goes on on cluster {rec.cluster}; "
+            f"`sparknet-submit attach {run_id}` follows it again",
+            file=sys.stderr,
+        )
+        raise typer.Exit(128 + signum) from None
+    except SparknetError as exc:
+        fail(exc, debug, 1)
+    finally:
+        conn.close()
+    if state == "cancelled":
+        fail(SparknetError(f"job {run_id} was cancelled"), debug, 1)
+    if outcome.rc != 0:
+        why = flow.last_error(outcome.log) or f"the driver exited {outcome.rc}"
+        log = f"{flow.job_dir(node, run_id)}/{flow.LOG}"
+        fail(flow.JobFailed(f"job {run_id} failed: {why} (log: {log} on the master)"), debug, 1)
+    for line in flow.summary_lines(run_id, rec.prefix, outcome.rows, ended - rec.started, cost):
+        results.print(line, markup=False, highlight=False, soft_wrap=True)
+    for path in fetched:
+        results.print(f"fetched {path}", markup=False, highlight=False, soft_wrap=True)
+
+
+@submit_app.command("logs")
+def logs(
+    run_id: str = RunArgument,
+    follow: bool = typer.Option(False, "--follow", "-f", help="go on until the job ends"),
+    lines: int = typer.Option(200, "--lines", "-n", min=1, help="the log's last N lines"),
+    cluster: str | None = ClusterOption,
+    endpoint_url: str | None = JobsEndpointOption,
+    config: Path | None = JobsConfigOption,
+    debug: bool = JobsDebugOption,
+) -> None:
+    """The driver's log on the master: its last --lines, and with --follow what it adds until
+    the job ends (Ctrl-C stops following; the job goes on)."""
+    from sparknet import jobs
+
+    found, conn = _located(run_id, cluster, endpoint_url, config, debug)
+    caught = Caught()
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        with interrupts(caught):
+            jobs.print_log(conn, found.master.node, run_id, lines, follow, write)
+    except KeyboardInterrupt:
+        raise typer.Exit(128 + (caught.signum or signal.SIGINT)) from None
+    except SparknetError as exc:
+        fail(exc, debug, 1)
+    finally:
+        conn.close()
+
+
+@submit_app.command("cancel")
+def cancel(
+    run_id: str = RunArgument,
+    cluster: str | None = ClusterOption,
+    endpoint_url: str | None = JobsEndpointOption,
+    config: Path | None = JobsConfigOption,
+    debug: bool = JobsDebugOption,
+) -> None:
+    """End the job: its driver's whole process session on the master, waited for until none
+    of it is left. A job that already ended stays as it ended (exit 0 both)."""
+    from sparknet import jobs
+
+    found, conn = _located(run_id, cluster, endpoint_url, config, debug)
+    try:
+        before = jobs.cancel(conn, found.master.node, run_id)
+    except SparknetError as exc:
+        fail(exc, debug, 1)
+    finally:
+        conn.close()
+    if before is None:
+        _say(f"job {run_id} cancelled: its driver's session on the master is gone")
+    else:
+        _say(f"job {run_id} already ended: {before}")
+
+
+@submit_app.command("list")
+def list_jobs(
+    endpoint_url: str | None = JobsEndpointOption,
+    config: Path | None = JobsConfigOption,
+    debug: bool = JobsDebugOption,
+) -> None:
+    """The jobs this machine started or attached to, one per line: run id, cluster, state
+    (running, succeeded, failed RC, cancelled, or `cluster gone`), started (UTC)."""
+    from sparknet import jobs
+
+    try:
+        listed = jobs.listing(_spec_of(config), endpoint_url)
+    except SparknetError as exc:
+        fail(exc, debug, 1)
+    for item in listed:
+        rec = item.record
+        print(f"{rec.run_id}\t{rec.cluster}\t{item.state}\t{rec.started_text()}")

@@ -1,0 +1,303 @@
+"""Jobs that `sparknet-submit` started on clusters' masters, seen from the submitter's machine:
+the local records that find a run id again, and what `attach`, `logs`, `cancel` and `list` do.
+
+A record (`JobRecord`) is a small JSON file per run under the registry home
+(`$SPARKNET_HOME/jobs/RUN.json`, next to `clusters/`), written atomically when the job starts.
+Like the cluster registry it is a convenience, not the truth: the job's state is always asked of
+its master (the driver's pid, exit code and a `cancelled` marker in its job dir), and a run
+started on another machine is found on a named cluster's master from its job dir alone
+(`job.yaml` says where it writes). A cluster that is gone takes its jobs' state with it; its
+run prefix on S3 keeps what the jobs wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sparknet import submit as flow
+from sparknet.cluster import instances, lifecycle, nodes
+from sparknet.cluster.remote import Conn, q, run, succeeds
+from sparknet.cluster.spec import ClusterSpec
+from sparknet.config import TrainConfig
+from sparknet.errors import SparknetError
+
+#: the records' dir under the registry home, and the marker `cancel` leaves in a job dir
+JOBS_DIR = "jobs"
+CANCELLED = "cancelled"
+#: how long `cancel` waits for the driver's session to end before it kills it outright
+CANCEL_WAIT_S = 60.0
+#: what `list` shows for the jobs of a cluster without a running master
+GONE = "cluster gone"
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+SpecOf = Callable[[str, str | None], ClusterSpec]
+
+
+class UnknownRun(SparknetError):
+    """A run id that no record and no named cluster's master knows (exit 2)."""
+
+
+class ClusterGone(SparknetError):
+    """The job's cluster has no running master any more (exit 2)."""
+
+
+# --- the local records ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What finds a job again: its cluster (name, region, the EC2 endpoint it was reached
+    through), its run prefix (and S3 endpoint), its job dir on the master, when it started and
+    how many rounds it runs."""
+
+    run_id: str
+    cluster: str
+    region: str
+    prefix: str
+    job_dir: str
+    started: float
+    rounds: int
+    endpoint_url: str | None = None
+    s3_endpoint_url: str | None = None
+
+    def started_text(self) -> str:
+        return datetime.fromtimestamp(self.started, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def jobs_dir() -> Path:
+    """`<registry home>/jobs`: beside the cluster registry, moved by SPARKNET_HOME alike."""
+    return lifecycle.registry_dir().parent / JOBS_DIR
+
+
+def check_run_id(run_id: str) -> str:
+    """A run id as `new_run_id` makes them (a file name on both machines), else UnknownRun."""
+    if not _RUN_ID.fullmatch(run_id):
+        raise UnknownRun(f"{run_id!r} is not a run id (like 20261201-210000-ab12)")
+    return run_id
+
+
+def save(record: JobRecord) -> Path:
+    """Write the record atomically (a reader never sees half of it); its path."""
+    check_run_id(record.run_id)
+    path = jobs_dir() / f"{record.run_id}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(record), sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load(run_id: str) -> JobRecord | None:
+    """The record of `run_id`; None when there is none or it does not read (hand-edited)."""
+    path = jobs_dir() / f"{check_run_id(run_id)}.json"
+    try:
+        return JobRecord(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def records() -> list[JobRecord]:
+    """Every readable record, oldest first."""
+    found = [load(p.stem) for p in sorted(jobs_dir().glob("*.json")) if _RUN_ID.fullmatch(p.stem)]
+    return sorted((r for r in found if r is not None), key=lambda r: (r.started, r.run_id))
+
+
+def record_of(
+    job: flow.Job, run_id: str, prefix: str, master: flow.Master, cfg: TrainConfig
+) -> JobRecord:
+    """The record of a job `sparknet-submit` starts now."""
+    return JobRecord(
+        run_id, job.spec.name, job.spec.region, prefix, flow.job_dir(master.node, run_id),
+        time.time(), cfg.rounds, job.endpoint_url, job.dataset.endpoint_url,
+    )  # fmt: skip
+
+
+# --- finding a job's master ----------------------------------------------------------------------
+
+
+@dataclass
+class Located:
+    """A job, its cluster's spec and its running master."""
+
+    record: JobRecord
+    spec: ClusterSpec
+    master: flow.Master
+
+
+def master_running(spec: ClusterSpec, endpoint_url: str | None) -> bool:
+    """The cluster has a running master (one EC2 call, by tag)."""
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    return any(i.role == "master" and i.state == "running" for i in instances.find(ec2, spec.name))
+
+
+def locate(
+    run_id: str, cluster: str | None, spec_of: SpecOf, endpoint_url: str | None = None
+) -> Located:
+    """The job `run_id`: by its local record, or on `cluster`'s master (a run started from
+    another machine; its record is then written here). UnknownRun or ClusterGone otherwise."""
+    record = load(check_run_id(run_id))
+    if record is not None and cluster is not None and record.cluster != cluster:
+        record = None  # the record's run is on another cluster: look where the user said
+    if record is None and cluster is None:
+        raise UnknownRun(
+            f"no job {run_id} in {jobs_dir()}; give --cluster NAME to look for it on that "
+            "cluster's master"
+        )
+    name = cluster if record is None else record.cluster
+    spec = spec_of(name, None if record is None else record.region)
+    endpoint = endpoint_url or (record.endpoint_url if record else None)
+    if not master_running(spec, endpoint):
+        raise ClusterGone(
+            f"job {run_id}: cluster {name} has no running master (gone: taken down or "
+            "stopped by its autostop timer)"
+            + (f"; its run prefix {record.prefix} keeps what the job wrote" if record else "")
+        )
+    master = flow.master_of(spec, endpoint)
+    if record is None:
+        record = _record_from_master(spec, master, run_id, endpoint)
+        save(record)
+    return Located(record, spec, master)
+
+
+def _record_from_master(
+    spec: ClusterSpec, master: flow.Master, run_id: str, endpoint_url: str | None
+) -> JobRecord:
+    """A record built from the job dir on the master: job.yaml says the run prefix, the S3
+    endpoint and the rounds; its mtime is when the job started."""
+    jd = flow.job_dir(master.node, run_id)
+    conn = nodes.connect(master.node.endpoint, master.access)
+    try:
+        text = run(conn, f"cat {q(jd + '/' + flow.JOB_CONFIG)} 2>/dev/null || true")
+        started = run(conn, f"stat -c %Y {q(jd + '/' + flow.JOB_CONFIG)} 2>/dev/null || true")
+    finally:
+        conn.close()
+    if not text.strip():
+        raise UnknownRun(f"no job {run_id} on cluster {spec.name}'s master")
+    settings: dict[str, Any] = yaml.safe_load(text) or {}
+    return JobRecord(
+        run_id, spec.name, spec.region, str(settings["out"]).rstrip("/") + "/", jd,
+        float(started.strip() or time.time()), int(settings.get("rounds") or 0), endpoint_url,
+        settings.get("endpoint_url"),
+    )  # fmt: skip
+
+
+# --- the job on its master -----------------------------------------------------------------------
+
+
+def state_of(conn: Conn, node: Any, run_id: str) -> str:
+    """running, succeeded, failed RC, cancelled, or `gone` (no job dir on this master: the
+    cluster was made again under the same name)."""
+    jd = flow.job_dir(node, run_id)
+    if not succeeds(conn, f"test -d {q(jd)}"):
+        return "gone"
+    rc = flow.driver_rc(conn, node, run_id)
+    if rc is None:
+        return "running"
+    if succeeds(conn, f"test -e {q(jd + '/' + CANCELLED)}"):
+        return "cancelled"
+    return "succeeded" if rc == 0 else f"failed {rc}"
+
+
+def ended_at(conn: Conn, node: Any, run_id: str) -> float | None:
+    """When the driver wrote its exit code (None: it did not)."""
+    rc = f"{flow.job_dir(node, run_id)}/{flow.RC}"
+    text = run(conn, f"stat -c %Y {q(rc)} 2>/dev/null || true").strip()
+    return float(text) if text else None
+
+
+def cancel(conn: Conn, node: Any, run_id: str, wait_s: float = CANCEL_WAIT_S) -> str | None:
+    """End the job's whole process session and wait until none of it is left (SIGKILL after
+    `wait_s`); None. A job that already ended is left as it is: its state."""
+    state = state_of(conn, node, run_id)
+    if state != "running":
+        return state
+    jd = flow.job_dir(node, run_id)
+    run(conn, f"touch {q(jd + '/' + CANCELLED)}")
+    flow.cancel_driver(conn, node, run_id)
+    group = f'"-$(cat {q(jd + "/" + flow.PID)})"'
+    deadline = time.monotonic() + wait_s
+    while succeeds(conn, f"kill -0 -- {group} 2>/dev/null"):
+        if time.monotonic() > deadline:
+            run(conn, f"kill -KILL -- {group} 2>/dev/null; true")
+        time.sleep(0.5)
+    return None
+
+
+def print_log(
+    conn: Conn,
+    node: Any,
+    run_id: str,
+    lines: int,
+    follow: bool,
+    write: Callable[[str], None],
+    poll_s: float = flow.POLL_S,
+) -> None:
+    """The driver's last `lines` lines; with `follow`, then what it adds until it ends (read
+    from the byte the first look ended at, so nothing is written twice or skipped)."""
+    log = q(f"{flow.job_dir(node, run_id)}/{flow.LOG}")
+    head = run(
+        conn, f"n=$(wc -c < {log} 2>/dev/null || echo 0); echo $n; head -c $n {log} 2>/dev/null "
+        f"| tail -n {int(lines)}",
+    )  # fmt: skip
+    size, _, text = head.partition("\n")
+    write(text)
+    offset = int(size.strip() or 0)
+    while follow:
+        ended = flow.driver_rc(conn, node, run_id) is not None
+        chunk = run(conn, f"tail -c +{offset + 1} {log} 2>/dev/null || true").encode()
+        if chunk:
+            write(chunk.decode(errors="replace"))
+            offset += len(chunk)
+        if ended:
+            return
+        time.sleep(poll_s)
+
+
+# --- list ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Listed:
+    record: JobRecord
+    state: str
+
+
+def listing(spec_of: SpecOf, endpoint_url: str | None = None) -> list[Listed]:
+    """Every recorded job with its state from its master: one EC2 call and one SSH connection
+    per cluster; `cluster gone` for the jobs of a cluster without a running master."""
+    by_cluster: dict[tuple[str, str], list[JobRecord]] = {}
+    for record in records():
+        by_cluster.setdefault((record.cluster, record.region), []).append(record)
+    states: dict[str, str] = {}
+    for (name, region), recs in by_cluster.items():
+        states.update(_cluster_states(name, region, recs, spec_of, endpoint_url))
+    return [Listed(r, states[r.run_id]) for r in records() if r.run_id in states]
+
+
+def _cluster_states(
+    name: str, region: str, recs: list[JobRecord], spec_of: SpecOf, endpoint_url: str | None
+) -> dict[str, str]:
+    endpoint = endpoint_url or recs[0].endpoint_url
+    try:
+        spec = spec_of(name, region)
+        alive = master_running(spec, endpoint)
+    except SparknetError:
+        alive = False
+    if not alive:
+        return {r.run_id: GONE for r in recs}
+    master = flow.master_of(spec, endpoint)
+    conn = nodes.connect(master.node.endpoint, master.access)
+    try:
+        return {r.run_id: state_of(conn, master.node, r.run_id) for r in recs}
+    finally:
+        conn.close()
