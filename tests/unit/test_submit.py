@@ -198,3 +198,177 @@ def test_a_bad_training_flag_or_provider_is_one_line_and_exit_2(tmp_path) -> Non
     static = submit("--provider", "static")
     assert static.returncode == 2 and static.stderr.startswith("error: cluster c1: invalid")
     assert len(static.stderr.splitlines()) == 1
+
+
+# --- the jobs started: records, states, cancel, logs, and the refusals ---------------------------
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """The registry home (and so the job records) under tmp_path."""
+    from sparknet.cluster import lifecycle
+
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def _record(run_id: str, started: float, cluster: str = "c1"):
+    from sparknet import jobs
+
+    return jobs.JobRecord(
+        run_id, cluster, "us-east-1", f"s3://b-b/runs/{cluster}/{run_id}/", f"/opt/jobs/{run_id}",
+        started, 2, None, "http://127.0.0.1:1",
+    )  # fmt: skip
+
+
+def test_job_records_are_written_atomically_and_read_back_oldest_first(home) -> None:
+    from sparknet import jobs
+
+    newer, older = _record("20261201-120000-aaaa", 200.0), _record("20261201-110000-bbbb", 100.0)
+    assert jobs.save(newer) == home / "jobs" / "20261201-120000-aaaa.json"
+    jobs.save(older)
+    assert sorted(p.name for p in (home / "jobs").iterdir()) == [
+        "20261201-110000-bbbb.json",
+        "20261201-120000-aaaa.json",
+    ]  # fmt: skip  (no temp file left)
+    assert jobs.load(newer.run_id) == newer
+    assert jobs.records() == [older, newer]
+    (home / "jobs" / "20261201-130000-cccc.json").write_text("{half")
+    assert jobs.load("20261201-130000-cccc") is None  # unreadable: skipped, not fatal
+    assert jobs.records() == [older, newer]
+    assert jobs.load("20990101-000000-dddd") is None
+    with pytest.raises(jobs.UnknownRun, match="is not a run id"):
+        jobs.load("../clusters/c1")
+
+
+def test_a_jobs_state_from_its_job_dir_and_cancel_ends_its_whole_session(tmp_path) -> None:
+    """running, cancelled (the session gone when cancel returns, its TERM-ignoring child
+    included: killed after the wait), succeeded, failed RC, gone. A local shell stands in for
+    the master's SSH session, as in the driver tests above."""
+    import os
+
+    from invoke import Context
+
+    from sparknet import jobs
+
+    node = _fake_node(
+        tmp_path, 'case "$*" in *J1*) trap "" TERM; sleep 60;; *J2*) exit 0;; *) exit 3;; esac'
+    )
+    conn = Context()
+    for run_id in ("J1", "J2", "J3"):
+        flow.start_driver(conn, node, run_id, TrainConfig())
+    _wait_for(lambda: (tmp_path / "jobs" / "J2" / "driver.rc").exists())
+    _wait_for(lambda: (tmp_path / "jobs" / "J3" / "driver.rc").exists())
+    assert jobs.state_of(conn, node, "J1") == "running"
+    assert jobs.state_of(conn, node, "J2") == "succeeded"
+    assert jobs.state_of(conn, node, "J3") == "failed 3"
+    assert jobs.state_of(conn, node, "J4") == "gone"
+    leader = int((tmp_path / "jobs" / "J1" / "driver.pid").read_text())
+    assert jobs.cancel(conn, node, "J1", wait_s=1.0) is None
+    alive = [
+        p for p in os.listdir("/proc")
+        if p.isdigit() and _pgrp(p) == leader
+    ]  # fmt: skip
+    assert alive == []
+    assert jobs.state_of(conn, node, "J1") == "cancelled"
+    assert jobs.cancel(conn, node, "J1") == "cancelled"  # already ended: left as it is
+    assert jobs.cancel(conn, node, "J2") == "succeeded"
+    assert not (tmp_path / "jobs" / "J2" / jobs.CANCELLED).exists()
+
+
+def _pgrp(pid: str) -> int | None:
+    from pathlib import Path
+
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def test_logs_prints_the_last_lines_then_follows_to_the_end(tmp_path) -> None:
+    from invoke import Context
+
+    from sparknet import jobs
+
+    node = _fake_node(tmp_path, "for i in 1 2 3; do echo line $i; done; sleep 1; echo last")
+    flow.start_driver(Context(), node, "L1", TrainConfig())
+    _wait_for(lambda: "line 3" in (tmp_path / "jobs" / "L1" / "driver.log").read_text())
+    got: list[str] = []
+    jobs.print_log(Context(), node, "L1", 2, False, got.append)
+    assert "".join(got) == "line 2\nline 3\n"
+    got.clear()
+    jobs.print_log(Context(), node, "L1", 1, True, got.append, poll_s=0.1)
+    assert "".join(got) == "line 3\nlast\n"
+
+
+def test_list_shows_the_jobs_of_a_cluster_without_a_master_as_gone(home, moto_endpoint) -> None:
+    """No instance of c1 on moto: its jobs are `cluster gone`, oldest first; nothing else is
+    asked of it (no SSH)."""
+    from sparknet import jobs
+    from sparknet.cluster.spec import ClusterSpec
+
+    jobs.save(_record("20261201-120000-aaaa", 200.0))
+    jobs.save(_record("20261201-110000-bbbb", 100.0))
+    listed = jobs.listing(lambda name, region: ClusterSpec(name=name, region=region))
+    assert [(item.record.run_id, item.state) for item in listed] == [
+        ("20261201-110000-bbbb", jobs.GONE), ("20261201-120000-aaaa", jobs.GONE),
+    ]  # fmt: skip
+    with pytest.raises(jobs.ClusterGone, match="cluster c1 has no running master"):
+        jobs.locate("20261201-120000-aaaa", None, lambda n, r: ClusterSpec(name=n, region=r))
+
+
+def _submit_cli(tmp_path, monkeypatch, *args: str):
+    """sparknet-submit in process (typer's runner: no interpreter start per case) in tmp_path,
+    its registry home there, AWS at a port nothing listens on: a refusal that asked AWS
+    anything would say so instead of its own line."""
+    from typer.testing import CliRunner
+
+    from sparknet.cli.submit import submit_app
+    from sparknet.cluster import lifecycle
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    return CliRunner().invoke(submit_app, list(args))
+
+
+def test_detach_and_autostop_refusals_are_one_line_exit_2_before_anything(
+    tmp_path, monkeypatch
+) -> None:
+    (tmp_path / "sparknet.yaml").write_text("clusters:\n  c0: {autostop_minutes: 0}\n  c1: {}\n")
+    cases = {
+        ("--autostop", "0"): "error: --autostop 0 turns the timer off only with --keep",
+        ("--autostop", "0", "--detach"): "error: --autostop 0 turns the timer off only with",
+        ("--cluster", "c1", "--autostop", "5"): "error: --autostop applies to a cluster",
+        ("--name", "c0", "--detach"): "error: --detach with cluster c0's autostop off (0)",
+    }
+    for args, line in cases.items():
+        name = [] if "--cluster" in args or "--name" in args else ["--name", "c1"]
+        done = _submit_cli(tmp_path, monkeypatch, "--s3", "s3://bkt/x", *name, *args)
+        assert done.exit_code == 2, (args, done.stderr)
+        assert done.stderr.startswith(line) and len(done.stderr.splitlines()) == 1, done.stderr
+    # with --keep, both are the user's choice: past the flags, to the dataset check (AWS)
+    kept = _submit_cli(
+        tmp_path, monkeypatch, "--s3", "s3://bkt/x", "--name", "c0", "--detach", "--keep"
+    )
+    assert kept.stderr.startswith("error: dataset s3://bkt/x"), kept.stderr
+    assert not (tmp_path / "home" / "jobs").exists()
+
+
+def test_attach_of_an_unknown_run_and_submit_without_s3_are_one_line_exit_2(
+    tmp_path, monkeypatch
+) -> None:
+    for command in ("attach", "logs", "cancel"):
+        done = _submit_cli(tmp_path, monkeypatch, command, "20261201-000000-abcd")
+        assert done.exit_code == 2, done.stderr
+        assert done.stderr == (
+            f"error: no job 20261201-000000-abcd in {tmp_path / 'home' / 'jobs'}; give --cluster "
+            "NAME to look for it on that cluster's master\n"
+        )
+    bare = _submit_cli(tmp_path, monkeypatch, "--keep")
+    assert (bare.exit_code, bare.stderr) == (
+        2, "error: --s3 DATASET is required (a name from datasets: or s3://bucket/prefix); or a "
+        "command: attach, logs, cancel, list\n",
+    )  # fmt: skip
+    assert _submit_cli(tmp_path, monkeypatch, "list").stdout == ""
