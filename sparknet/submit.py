@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import shlex
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -29,14 +28,16 @@ from sparknet.config import DatasetEntry, TrainConfig
 from sparknet.data.s3 import S3Uri
 from sparknet.data.store import load_manifest, open_store
 from sparknet.errors import SparknetError
-from sparknet.training.report import CURVES, METRICS, read_metrics
+from sparknet.supervisor import DEFAULT_MAX_RESTARTS, JOB_CONFIG, RC, restart_line
+from sparknet.training.report import CURVES, METRICS, is_event, read_metrics, round_rows
 
 Say = Callable[[str], None]
 
 #: seconds between two looks at the run prefix and the driver while the job runs
 POLL_S = 3.0
-#: the driver's files in its job dir on the master
-LOG, PID, RC, JOB_CONFIG = "driver.log", "driver.pid", "driver.rc", "job.yaml"
+#: the driver's files in its job dir on the master (PID: the supervisor's, whose session is
+#: the job's; the supervisor's `train.pid` names the `sparknet train` process running now)
+LOG, PID = "driver.log", "driver.pid"
 
 
 class PreflightFailed(SparknetError):
@@ -228,44 +229,50 @@ def activity_name(run_id: str) -> str:
     return f"job-{run_id}"
 
 
-def driver_command(node: Node, run_id: str) -> str:
-    """The shell command that starts the driver in its own session (`setsid`, as daemons.py
-    starts Spark without systemd), so it outlives the SSH session that started it: it stamps
-    the autostop activity file every ACTIVITY_EVERY_S while `sparknet train` runs, writes the
-    log and, at the end, the exit code (a file of its own: the submitter may be gone)."""
+def driver_command(node: Node, run_id: str, max_restarts: int = DEFAULT_MAX_RESTARTS) -> str:
+    """The shell command that starts the job's supervisor (`sparknet.supervisor`, run by the
+    node's venv Python) in its own session (`setsid`, as daemons.py starts Spark without
+    systemd), so it outlives the SSH session that started it. The supervisor stamps the
+    autostop activity file while the job runs, runs `sparknet train` (restarting it from the
+    last checkpoint when it dies, up to `max_restarts` times), and at the end writes the exit
+    code (a file of its own: the submitter may be gone); its output and the driver's are the
+    log. The pid file names the supervisor: its session is the job's."""
     jd = job_dir(node, run_id)
-    stamp = autostop.activity_command(node.prefix, activity_name(run_id))
-    stamp_file = f"{autostop.state_dir(node.prefix)}/{autostop.ACTIVITY}/{activity_name(run_id)}"
-    sparknet = node.path("venv", "bin", "sparknet")
-    rc_file = f"{jd}/{RC}"
-    script = (
-        f"({stamp}; while sleep {autostop.ACTIVITY_EVERY_S}; do {stamp}; done) & s=$!; "
-        f"env SPARK_LOCAL_IP={q(node.rpc_host)} {q(sparknet)} train "
-        f"--config {q(jd + '/' + JOB_CONFIG)}; rc=$?; kill $s; {stamp}; rm -f {q(stamp_file)}; "
-        f"echo $rc > {q(rc_file + '.tmp')} && mv {q(rc_file + '.tmp')} {q(rc_file)}"
-    )
+    supervisor = [
+        node.path("venv", "bin", "python"), "-m", "sparknet.supervisor", jd,
+        "--sparknet", node.path("venv", "bin", "sparknet"),
+        "--state", autostop.state_dir(node.prefix), "--activity", activity_name(run_id),
+        "--local-ip", node.rpc_host, "--max-restarts", str(max_restarts),
+    ]  # fmt: skip
     # `cd || exit` and not `cd && ...&`: `a && b &` backgrounds a subshell that holds the SSH
     # channel's stdout until the driver ends (the command then returns only with the job)
     return (
-        f"cd {q(jd)} || exit 1; nohup setsid sh -c {shlex.quote(script)}"
+        f"cd {q(jd)} || exit 1; nohup setsid {' '.join(q(a) for a in supervisor)}"
         f" > {q(jd + '/' + LOG)} 2>&1 < /dev/null & echo $! > {q(jd + '/' + PID)}"
     )
 
 
-def start_driver(conn: Conn, node: Node, run_id: str, cfg: TrainConfig) -> None:
-    """The job dir with the settings file, then the detached driver."""
+def start_driver(
+    conn: Conn,
+    node: Node,
+    run_id: str,
+    cfg: TrainConfig,
+    max_restarts: int = DEFAULT_MAX_RESTARTS,
+) -> None:
+    """The job dir with the settings file, then the detached supervisor and driver."""
     jd = job_dir(node, run_id)
     try:
         run(conn, f"mkdir -p {q(jd)}")
         upload(conn, cfg.to_yaml().encode(), f"{jd}/{JOB_CONFIG}", 0o600)
-        run(conn, driver_command(node, run_id))
+        run(conn, driver_command(node, run_id, max_restarts))
     except CommandFailed as exc:
         raise SparknetError(f"starting the driver in {jd} on the master: {exc}") from exc
 
 
 def driver_rc(conn: Conn, node: Node, run_id: str) -> int | None:
-    """The driver's exit code once it ended; None while it runs. A driver gone without one
-    (killed) counts as failed (-1)."""
+    """The job's exit code once it ended (its supervisor's: the driver's last, after any
+    restarts); None while it runs. A job gone without one (cancelled, killed) counts as failed
+    (-1)."""
     jd = job_dir(node, run_id)
     text = run(conn, f"cat {q(jd + '/' + RC)} 2>/dev/null || true").strip()
     if text:
@@ -317,25 +324,60 @@ def follow(
     endpoint_url: str | None,
     on_rows: Callable[[list[dict[str, Any]]], None],
     poll_s: float = POLL_S,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
 ) -> Outcome:
     """Poll metrics.jsonl in the run prefix and the driver on the master until it ends; new
-    rows go to `on_rows`; the submitter's activity stamp is refreshed as it waits."""
+    round rows go to `on_rows` (a round that a restarted driver runs again only once), new
+    event rows (a restart) to `on_event`, in file order; the submitter's activity stamp is
+    refreshed as it waits."""
     store = open_store(prefix, endpoint_url)
-    seen = 0
+    seen = _Seen()
     last_stamp = 0.0
     while True:
         if time.monotonic() - last_stamp >= autostop.ACTIVITY_EVERY_S / 2:
             stamp_submitter(conn, master.node)
             last_stamp = time.monotonic()
         rc = driver_rc(conn, master.node, run_id)
-        rows = read_metrics(store)
-        if len(rows) > seen:
-            on_rows(rows[seen:])
-            seen = len(rows)
+        rows = read_metrics(store, events=True)
+        seen.dispatch(rows, on_rows, on_event)
         if rc is not None:
             log = driver_log(conn, master.node, run_id) if rc != 0 else ""
-            return Outcome(rc, rows, log)
+            return Outcome(rc, round_rows(rows), log)
         time.sleep(poll_s)
+
+
+@dataclass
+class _Seen:
+    """What `follow` has passed on: the last round, and how many events."""
+
+    round: int = 0
+    events: int = 0
+
+    def dispatch(
+        self,
+        rows: list[dict[str, Any]],
+        on_rows: Callable[[list[dict[str, Any]]], None],
+        on_event: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
+        """Pass on what is new in `rows` (all of metrics.jsonl), in order."""
+        batch: list[dict[str, Any]] = []
+        events = 0
+        for row in rows:
+            if is_event(row):
+                events += 1
+                if events <= self.events:
+                    continue
+                self.events = events
+                if batch:
+                    on_rows(batch)
+                    batch = []
+                if on_event is not None:
+                    on_event(row)
+            elif row["round"] > self.round:
+                batch.append(row)
+                self.round = row["round"]
+        if batch:
+            on_rows(batch)
 
 
 def fetch_results(prefix: str, endpoint_url: str | None, dest: Path) -> list[Path]:
@@ -382,6 +424,8 @@ class Job:
     cfg: TrainConfig
     endpoint_url: str | None = None
     runs_dir: Path = Path("runs")
+    #: restarts of a driver that dies (`sparknet.supervisor`); 0: never
+    max_restarts: int = DEFAULT_MAX_RESTARTS
     #: return once the driver runs (no follow, no teardown: the master's autostop ends a
     #: cluster this submit made once the job is over and no submitter is attached)
     detach: bool = False
@@ -440,7 +484,7 @@ def submit(
         if on_job is not None:
             on_job(run_id, prefix, master, cfg)
         if job.detach:
-            start_detached(master, run_id, prefix, cfg, say)
+            start_detached(master, run_id, prefix, cfg, say, job.max_restarts)
             ok = True
             return Result(run_id, prefix, None, time.monotonic() - started, None, [])
         outcome = _run_driver(job, master, run_id, prefix, cfg, say, on_rows)
@@ -476,7 +520,7 @@ def _run_driver(
     """Start the driver and follow it; an interrupt or error of the submitter cancels it."""
     conn = nodes.connect(master.node.endpoint, master.access)
     try:
-        start_driver(conn, master.node, run_id, cfg)
+        start_driver(conn, master.node, run_id, cfg, job.max_restarts)
         say(f"job {run_id} started on the master; run prefix {prefix}")
         try:
             return follow(
@@ -486,6 +530,7 @@ def _run_driver(
                 prefix,
                 job.dataset.endpoint_url,
                 lambda rows: on_rows(rows, cost_so_far(job.spec, job.endpoint_url)),
+                on_event=lambda event: say(restart_line(event)),
             )
         except BaseException:
             _quietly(lambda: cancel_driver(conn, master.node, run_id))
@@ -494,11 +539,18 @@ def _run_driver(
         conn.close()
 
 
-def start_detached(master: Master, run_id: str, prefix: str, cfg: TrainConfig, say: Say) -> None:
+def start_detached(
+    master: Master,
+    run_id: str,
+    prefix: str,
+    cfg: TrainConfig,
+    say: Say,
+    max_restarts: int = DEFAULT_MAX_RESTARTS,
+) -> None:
     """`--detach`: start the driver and leave it (it outlives this SSH session)."""
     conn = nodes.connect(master.node.endpoint, master.access)
     try:
-        start_driver(conn, master.node, run_id, cfg)
+        start_driver(conn, master.node, run_id, cfg, max_restarts)
         say(f"job {run_id} started on the master; run prefix {prefix}")
     finally:
         conn.close()

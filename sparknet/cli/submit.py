@@ -64,6 +64,13 @@ def submit(
         help="the master of the cluster made here terminates it after this many minutes with "
         "no job running and no submitter attached; 0 (off) only with --keep; default 30",
     ),
+    max_restarts: int = typer.Option(
+        2,
+        "--max-restarts",
+        min=0,
+        help="restarts of a driver that dies (killed, crashed) from the run's last checkpoint; "
+        "0: never",
+    ),
     endpoint_url: str | None = typer.Option(None, help="AWS endpoint (moto) for EC2 and S3"),
     config: Path | None = typer.Option(
         None,
@@ -102,7 +109,10 @@ def submit(
                 "sparknet-submit runs on EC2 clusters only (provider: aws) so far"
             )
         _check_autostop(spec, cluster is not None, keep, detach)
-        job = flow.Job(spec, cluster is not None, keep, dataset, cfg, endpoint_url, detach=detach)
+        job = flow.Job(
+            spec, cluster is not None, keep, dataset, cfg, endpoint_url, detach=detach,
+            max_restarts=max_restarts,
+        )  # fmt: skip
         report = _Report(console.is_terminal, cfg.rounds)
         with interrupts(caught, note="still taking the cluster down; it ends by itself"):
             started = True

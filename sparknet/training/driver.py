@@ -284,7 +284,7 @@ def _finished(cfg: TrainConfig, run: RunDir) -> RunResult:
     interrupt after that checkpoint may have left out (model.safetensors, curves.png)."""
     weights = checkpoint.read_weights(run.store, cfg.rounds)
     run.store.write_bytes(MODEL_FILE, weights)  # the same tensors, the model's own keys
-    rows = MetricsLog(run.store, keep_rounds=cfg.rounds).rows
+    rows = MetricsLog(run.store, keep_rounds=cfg.rounds).rounds
     plot_curves(rows, run.store)
     return RunResult(run.result, cfg.rounds, rows)
 
@@ -492,8 +492,8 @@ def _run(
     run.store.write_bytes(
         MODEL_FILE, checkpoint.state_dict_bytes(layout.unflatten(theta, integers))
     )
-    plot_curves(metrics.rows, run.store)
-    return RunResult(run.result, cfg.rounds, metrics.rows)
+    plot_curves(metrics.rounds, run.store)
+    return RunResult(run.result, cfg.rounds, metrics.rounds)
 
 
 class _RunEvents:

@@ -1,5 +1,6 @@
-"""What a run reports: `metrics.jsonl` (one object per round) and `curves.png`, in its run dir
-(a local dir or an S3 prefix, through its store)."""
+"""What a run reports: `metrics.jsonl` (one object per round, and one per event of the job: a
+restart of its driver, `{"event": "restart", ...}`, written by the job's supervisor) and
+`curves.png`, in its run dir (a local dir or an S3 prefix, through its store)."""
 
 from __future__ import annotations
 
@@ -13,26 +14,47 @@ from sparknet.data.store import MissingObjectError, Store, open_store
 
 METRICS = "metrics.jsonl"
 CURVES = "curves.png"
+#: the key that makes a metrics.jsonl row an event's (a restart), not a round's
+EVENT = "event"
 
 
-def read_metrics(run_dir: Store | str | Path) -> list[dict[str, Any]]:
-    """The rows of a run dir's metrics.jsonl ([] when it has none)."""
+def is_event(row: dict[str, Any]) -> bool:
+    return EVENT in row
+
+
+def round_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rounds' rows of `rows`, without the event rows."""
+    return [r for r in rows if not is_event(r)]
+
+
+def read_metrics(run_dir: Store | str | Path, *, events: bool = False) -> list[dict[str, Any]]:
+    """The round rows of a run dir's metrics.jsonl ([] when it has none); with `events`, its
+    event rows too, all in file order."""
     store = open_store(str(run_dir)) if isinstance(run_dir, str | Path) else run_dir
     try:
         text = store.read_bytes(METRICS).decode()
     except MissingObjectError:
         return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return rows if events else round_rows(rows)
 
 
 class MetricsLog:
     """metrics.jsonl, rewritten whole after each round (S3 has no append; a reader always sees
-    whole rows); on resume, drops rows past the checkpoint first."""
+    whole rows); on resume, drops the round rows past the checkpoint first. Event rows stay:
+    they record what happened to the job (a restart), not a round that runs again."""
 
     def __init__(self, store: Store, keep_rounds: int) -> None:
         self.store = store
-        self.rows = [r for r in read_metrics(store) if r["round"] <= keep_rounds]
+        self.rows = [
+            r for r in read_metrics(store, events=True) if is_event(r) or r["round"] <= keep_rounds
+        ]
         self._write()
+
+    @property
+    def rounds(self) -> list[dict[str, Any]]:
+        """The round rows (what a run's result and curves are made of)."""
+        return round_rows(self.rows)
 
     def append(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -49,7 +71,7 @@ def plot_curves(rows: Iterable[dict[str, Any]], store: Store) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = list(rows)
+    rows = round_rows(rows)
     evals = [r for r in rows if "eval_accuracy" in r]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
     for col, (xkey, xlabel) in enumerate((("round", "round"), ("elapsed_s", "wall time (s)"))):

@@ -45,7 +45,10 @@ def test_progress_line_and_last_error() -> None:
 
 
 def _fake_node(tmp_path, train_script: str):
-    """A node whose prefix is tmp_path, with a `venv/bin/sparknet` that runs `train_script`."""
+    """A node whose prefix is tmp_path, with a `venv/bin/sparknet` that runs `train_script`
+    and a `venv/bin/python` that is this venv's (it runs the job's supervisor)."""
+    import sys
+
     from sparknet.cluster.nodes import Endpoint
     from sparknet.cluster.plan import Node
 
@@ -53,6 +56,9 @@ def _fake_node(tmp_path, train_script: str):
     sparknet.parent.mkdir(parents=True)
     sparknet.write_text(f"#!/bin/sh\n{train_script}\n")
     sparknet.chmod(0o755)
+    python = sparknet.with_name("python")
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
     return Node(Endpoint("master", "127.0.0.1", 22, "me"), "127.0.0.1", str(tmp_path), 0)
 
 
@@ -83,7 +89,8 @@ def test_the_driver_starts_detached_and_returns_at_once(tmp_path) -> None:
     assert time.monotonic() - started < 10
     job = tmp_path / "jobs" / "R1"
     pid = int((job / "driver.pid").read_text())
-    assert os.getsid(pid) == pid  # setsid: the pid is its session's (and group's) leader
+    # setsid: the pid is its session's (and group's) leader, once nohup and setsid exec'd
+    _wait_for(lambda: os.getsid(pid) == pid)
     activity = tmp_path / "autostop" / "activity" / "job-R1"
     _wait_for(activity.exists)
     _wait_for(lambda: "training" in (job / "driver.log").read_text())
@@ -96,11 +103,12 @@ def test_the_driver_starts_detached_and_returns_at_once(tmp_path) -> None:
 def test_a_finished_driver_leaves_its_exit_code_and_removes_its_stamp(tmp_path) -> None:
     from invoke import Context
 
-    node = _fake_node(tmp_path, "echo 'error: model not found'; exit 3")
+    # exit 2: `sparknet train`'s own error line, a deliberate end (no restart)
+    node = _fake_node(tmp_path, "echo 'error: model not found'; exit 2")
     flow.start_driver(Context(), node, "R2", TrainConfig())
     job = tmp_path / "jobs" / "R2"
     _wait_for(lambda: (job / "driver.rc").exists())
-    assert flow.driver_rc(Context(), node, "R2") == 3
+    assert flow.driver_rc(Context(), node, "R2") == 2
     assert flow.last_error(flow.driver_log(Context(), node, "R2")) == "model not found"
     assert not (tmp_path / "autostop" / "activity" / "job-R2").exists()
     assert (tmp_path / "autostop" / "activity").is_dir()

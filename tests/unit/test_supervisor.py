@@ -1,0 +1,197 @@
+"""The job's supervisor on the master (`sparknet.supervisor`), started by `start_driver` exactly as
+on a node, and the readers of metrics.jsonl's event rows. No Spark: a local shell stands in for
+the node's SSH session (the same command, the same pipes), and a fake `venv/bin/sparknet` for the
+driver (a mock: the real one needs Spark; the end-to-end test in tests/integration/test_submit.py
+kills a real one). The node's `venv/bin/python` is this venv's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from invoke import Context
+
+from sparknet import submit as flow
+from sparknet.cluster.nodes import Endpoint
+from sparknet.cluster.plan import Node
+from sparknet.config import TrainConfig
+from sparknet.data.store import open_store
+from sparknet.supervisor import restart_line
+from sparknet.training.report import MetricsLog, plot_curves, read_metrics, round_rows
+
+#: a fake driver in Python (this venv's): rounds 1..3, each row then its checkpoint's manifest,
+#: resuming (`--resume`) from the last manifest as the real driver does; its first run is
+#: killed by SIGKILL after round 2's row, before round 2's checkpoint
+RESUMING_TRAIN = """#!{python}
+import os, signal, sys
+from pathlib import Path
+from sparknet.data.store import open_store
+from sparknet.training.report import MetricsLog
+calls = Path({calls!r})
+with calls.open("a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
+first = len(calls.read_text().splitlines()) == 1
+out = Path({out!r})
+done = sorted(int(p.parent.name[6:]) for p in out.glob("checkpoints/round-*/state.json"))
+start = done[-1] if "--resume" in sys.argv else 0
+log = MetricsLog(open_store(str(out)), keep_rounds=start)
+for r in range(start + 1, 4):
+    log.append({{"round": r, "loss": 1.0 / r, "samples": 4, "samples_per_s": 10.0,
+                "seconds": {{"total": 1.0}}, "elapsed_s": float(r)}})
+    if first and r == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    (out / f"checkpoints/round-{{r:05d}}").mkdir(parents=True)
+    (out / f"checkpoints/round-{{r:05d}}/state.json").write_text("{{}}")
+print("round 3/3")
+"""
+
+
+def _node(tmp_path: Path, train: str, *, shell: bool = True) -> Node:
+    """A node whose prefix is tmp_path/node: `venv/bin/python` runs this venv's Python,
+    `venv/bin/sparknet` is `train` (a shell script body, or a whole script)."""
+    bin_dir = tmp_path / "node" / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    sparknet = bin_dir / "sparknet"
+    calls = tmp_path / "calls"
+    sparknet.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n{train}\n' if shell else train)
+    for f in (python, sparknet):
+        f.chmod(0o755)
+    return Node(Endpoint("master", "127.0.0.1", 22, "me"), "127.0.0.1", str(tmp_path / "node"), 0)
+
+
+def _start(node: Node, tmp_path: Path, max_restarts: int) -> Path:
+    """The detached supervisor of job R with run prefix tmp_path/run; the job dir."""
+    cfg = TrainConfig(out=str(tmp_path / "run"))
+    flow.start_driver(Context(), node, "R", cfg, max_restarts=max_restarts)
+    return Path(node.path("jobs", "R"))
+
+
+def _wait_for(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _calls(tmp_path: Path) -> list[str]:
+    return (tmp_path / "calls").read_text().splitlines()
+
+
+def _events(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out, events=True) if "event" in r]
+
+
+def _gone(pid: int) -> bool:
+    return subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
+
+
+def test_a_killed_driver_resumes_from_its_checkpoint_and_the_submitter_sees_one_restart(
+    tmp_path,
+) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    train = RESUMING_TRAIN.format(
+        python=sys.executable, calls=str(tmp_path / "calls"), out=str(out)
+    )
+    node = _node(tmp_path, train, shell=False)
+    job = _start(node, tmp_path, max_restarts=2)
+    master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    shown: list[int] = []
+    events: list[dict] = []
+    outcome = flow.follow(
+        Context(), master, "R", str(out), None,
+        lambda rows: shown.extend(r["round"] for r in rows), poll_s=0.05, on_event=events.append,
+    )  # fmt: skip
+    assert outcome.rc == 0 and (job / "driver.rc").read_text() == "0\n"
+    assert _calls(tmp_path) == [f"train --config {job}/job.yaml", f"train --out {out} --resume"]
+    # metrics.jsonl: round 1, the restart (round 2's row went with the resume), rounds 2 and 3
+    rows = read_metrics(out, events=True)
+    assert [r.get("round", r.get("event")) for r in rows] == [1, "restart", 2, 3]
+    assert {k: rows[1][k] for k in ("attempt", "max_restarts", "after_round", "reason")} == {
+        "attempt": 1, "max_restarts": 2, "after_round": 1, "reason": "killed by SIGKILL",
+    }  # fmt: skip
+    assert (
+        [r["round"] for r in read_metrics(out)] == [1, 2, 3] == [r["round"] for r in outcome.rows]
+    )
+    # the submitter: each round once, the restart once, as one line
+    assert sorted(shown) == [1, 2, 3] and len(shown) == 3
+    assert [restart_line(e) for e in events] == [
+        "driver died (killed by SIGKILL); restart 1/2 from round 1"
+    ]
+    log = (job / "driver.log").read_text()
+    assert "driver died (killed by SIGKILL); restart 1/2 from round 1\n" in log
+    assert not (job / "train.pid").exists()
+    assert not (tmp_path / "node" / "autostop" / "activity" / "job-R").exists()
+
+
+def test_a_driver_that_dies_every_time_is_restarted_max_restarts_times(tmp_path) -> None:
+    node = _node(tmp_path, "kill -9 $$")
+    job = _start(node, tmp_path, max_restarts=2)
+    _wait_for(lambda: flow.driver_rc(Context(), node, "R") is not None)
+    assert flow.driver_rc(Context(), node, "R") == 137  # 128 + SIGKILL, as a shell says
+    # no checkpoint: every restart starts over with the job's settings
+    assert _calls(tmp_path) == [f"train --config {job}/job.yaml"] * 3
+    assert [(e["attempt"], e["after_round"]) for e in _events(tmp_path / "run")] == [(1, 0), (2, 0)]
+    log = flow.driver_log(Context(), node, "R")
+    assert "driver died (killed by SIGKILL); restart 2/2 from the start" in log
+    assert flow.last_error(log) == (
+        "the driver died (killed by SIGKILL) after 2 restarts; --max-restarts 2 used up"
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "max_restarts", "calls", "rc"),
+    [
+        ("echo 'error: no such model'; exit 2", 2, 1, 2),  # its own error: a restart repeats it
+        ("exit 130", 2, 1, 130),  # interrupted
+        ("exit 0", 2, 1, 0),
+        ("kill -9 $$", 0, 1, 137),  # --max-restarts 0: never
+        ("exit 1", 1, 2, 1),  # a crash (a traceback exits 1): restarted
+    ],
+)
+def test_which_ends_are_restarted(tmp_path, body, max_restarts, calls, rc) -> None:
+    node = _node(tmp_path, body)
+    _start(node, tmp_path, max_restarts=max_restarts)
+    _wait_for(lambda: flow.driver_rc(Context(), node, "R") is not None)
+    assert flow.driver_rc(Context(), node, "R") == rc
+    assert len(_calls(tmp_path)) == calls
+    assert len(_events(tmp_path / "run")) == calls - 1
+
+
+def test_a_cancel_ends_the_supervisor_and_the_driver_without_a_restart(tmp_path) -> None:
+    node = _node(tmp_path, "sleep 60")
+    job = _start(node, tmp_path, max_restarts=2)
+    _wait_for(lambda: (job / "train.pid").exists())
+    supervisor, train = int((job / "driver.pid").read_text()), int((job / "train.pid").read_text())
+    assert os.getsid(supervisor) == supervisor and os.getsid(train) == supervisor
+    flow.cancel_driver(Context(), node, "R")
+    _wait_for(lambda: _gone(supervisor) and _gone(train))
+    assert flow.driver_rc(Context(), node, "R") == -1  # cancelled: no exit code, as before
+    assert len(_calls(tmp_path)) == 1 and _events(tmp_path / "run") == []
+    assert "restart" not in (job / "driver.log").read_text()
+    assert not (tmp_path / "node" / "autostop" / "activity" / "job-R").exists()
+
+
+def test_metrics_readers_skip_event_rows(tmp_path) -> None:
+    """A resume keeps event rows (and drops round rows past its checkpoint); `read_metrics`
+    gives rounds only unless asked; curves and the progress line never see an event."""
+    store = open_store(str(tmp_path))
+    event = {"event": "restart", "attempt": 1, "max_restarts": 2, "after_round": 1}
+    row = {"round": 1, "loss": 0.5, "samples_per_s": 3.0, "elapsed_s": 1.0, "eval_loss": 0.4,
+           "eval_accuracy": 0.5}  # fmt: skip
+    lines = [row, event, {**row, "round": 2}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    log = MetricsLog(store, keep_rounds=1)
+    assert log.rows == [row, event] and log.rounds == [row]
+    assert read_metrics(tmp_path) == [row]
+    assert read_metrics(tmp_path, events=True) == [row, event]
+    plot_curves([row, event], store)
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert round_rows([row, event]) == [row]
