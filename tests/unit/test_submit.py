@@ -380,3 +380,18 @@ def test_attach_of_an_unknown_run_and_submit_without_s3_are_one_line_exit_2(
         "command: attach, logs, cancel, list\n",
     )  # fmt: skip
     assert _submit_cli(tmp_path, monkeypatch, "list").stdout == ""
+
+
+def test_a_detached_submit_prints_its_run_and_what_ends_the_cluster(capsys) -> None:
+    from sparknet.cli.submit import _print_detached
+    from sparknet.cluster.spec import ClusterSpec
+
+    spec = ClusterSpec(name="c1", autostop_minutes=17)
+    made = flow.Job(spec, False, False, flow.Dataset("s3://b-b/x"), None, detach=True)  # type: ignore[arg-type]
+    _print_detached(made, "R1", "s3://b-b/runs/c1/R1/")
+    out, err = capsys.readouterr()
+    assert out == "run id: R1\nrun prefix: s3://b-b/runs/c1/R1/\n"
+    assert "`sparknet-submit attach R1` follows it" in err
+    assert "its autostop timer terminates it 17 minutes after the job ends" in " ".join(err.split())
+    _print_detached(flow.Job(spec, True, False, made.dataset, None, detach=True), "R2", "p")  # type: ignore[arg-type]
+    assert "stays up (--keep or reused)" in capsys.readouterr().err
