@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -66,6 +68,15 @@ def cluster(moto_endpoint, moto_nodes, tmp_path, monkeypatch):
         cli("down", name, cwd=tmp_path)
 
 
+def _until(value, timeout: float = 60.0):
+    """`value()` once it is truthy (polled every 0.5 s), else the test fails."""
+    deadline = time.monotonic() + timeout
+    while not (got := value()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.5)
+    return got
+
+
 def cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(SPARKNET), "cluster", *args], cwd=cwd, env=os.environ.copy(),
@@ -74,7 +85,7 @@ def cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProc
 
 
 def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, tmp_path) -> None:
-    from sparknet.cluster import instances, lifecycle, nodes
+    from sparknet.cluster import instances, lifecycle, nodes, repair
     from sparknet.cluster.spec import ClusterSpec
 
     name, group, entry = cluster
@@ -148,6 +159,23 @@ def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, 
     timer = _autostop_pid(tmp_path)
     shown = cli("status", name, cwd=tmp_path)
     assert "\nautostop: off\n" in shown.stdout
+
+    # a worker's Spark daemon killed: a loss the repair sees, and `up`'s code restarts it alone
+    # (the cluster as registered, its autostop off included)
+    spec = lifecycle.registered()[name]
+    assert repair.losses(spec) == repair.Losses(False, ())
+    os.kill(pids["worker-1/worker"], signal.SIGKILL)
+    lost = _until(lambda: repair.losses(spec).lines)
+    assert lost == ("worker-1's worker (127.0.0.3) is not registered with the master",)
+    said: list[str] = []
+    with group.watch(ec2):
+        repair.repair(spec, say=said.append)
+    assert "worker-1: applied spark-worker (" in "\n".join(said), said
+    assert not any(line.startswith("launching") for line in said)
+    assert repair.losses(spec) == repair.Losses(False, ())
+    restarted = daemon_pids(tmp_path, ADDRESSES)
+    assert restarted["worker-1/worker"] != pids["worker-1/worker"]
+    pids = restarted
 
     down = cli("down", name, cwd=tmp_path)
     assert down.returncode == 0, down.stderr
