@@ -183,9 +183,15 @@ def _record_from_master(
         conn.close()
     if not text.strip():
         raise UnknownRun(f"no job {run_id} on cluster {spec.name}'s master")
-    settings: dict[str, Any] = yaml.safe_load(text) or {}
+    try:
+        settings: dict[str, Any] = (yaml.safe_load(text) or {})["train"]
+        out = str(settings["out"])
+    except (yaml.YAMLError, KeyError, TypeError) as exc:
+        raise UnknownRun(
+            f"job {run_id} on cluster {spec.name}: its {jd}/job.yaml does not read"
+        ) from exc
     return JobRecord(
-        run_id, spec.name, spec.region, str(settings["out"]).rstrip("/") + "/", jd,
+        run_id, spec.name, spec.region, out.rstrip("/") + "/", jd,
         float(started.strip() or time.time()), int(settings.get("rounds") or 0), endpoint_url,
         settings.get("endpoint_url"),
     )  # fmt: skip

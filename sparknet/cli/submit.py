@@ -337,6 +337,7 @@ def attach(
     caught = Caught()
     try:
         with interrupts(caught):
+            _say(f"attached to job {run_id} on cluster {rec.cluster}; Ctrl-C detaches (it goes on)")
             try:
                 outcome = flow.follow(
                     conn, found.master, run_id, rec.prefix, rec.s3_endpoint_url,

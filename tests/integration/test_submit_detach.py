@@ -1,0 +1,185 @@
+"""`sparknet-submit` on one kept cluster, as a user runs it (subprocesses): --keep, reuse with
+--cluster, --detach, then `logs`, `list`, `attach` and `cancel` of the detached jobs, and the
+cluster taken down by hand at the end. The cloud, the loopback nodes and the dataset are
+test_submit.py's (its fixtures and helpers, imported): moto's server, loopback sshd nodes that
+the bootstrap starts a real Spark standalone cluster on, a tiny sharded dataset in moto's S3.
+One cluster up for the whole test (about 70 s): every job after the first reuses it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SPARKNET
+from tests.integration.test_submit import (  # noqa: F401 (fixtures)
+    JOB,
+    SUBMIT,
+    _client,
+    _layout,
+    _live,
+    _torn_down,
+    dataset,
+    settings,
+    shards,
+    submit,
+)
+
+
+def _rounds(text: str) -> list[str]:
+    """The `round N/T` of each progress line (the submitter's and the driver's log alike)."""
+    found = [ln.split()[1] for ln in text.splitlines() if ln.startswith("round ")]
+    return [word for word in found if re.fullmatch(r"\d+/\d+", word)]
+
+
+def _states(cwd: Path) -> dict[str, str]:
+    """`sparknet-submit list`: run id -> state."""
+    listed = submit("list", cwd=cwd, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    rows = [ln.split("\t") for ln in listed.stdout.splitlines()]
+    assert all(len(row) == 4 for row in rows), listed.stdout
+    return {row[0]: row[2] for row in rows}
+
+
+def _run_id(done: subprocess.CompletedProcess) -> str:
+    out = dict(ln.split(": ", 1) for ln in done.stdout.splitlines() if ": " in ln)
+    return out["run id"]
+
+
+def _session_alive(leader: int) -> bool:
+    """A process of the session (and group) whose leader was `leader` is still running."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == leader or int(fields[3]) == leader:  # pgrp, session
+            return True
+    return False
+
+
+@pytest.mark.slow
+def test_keep_reuse_detach_attach_logs_list_cancel(
+    settings,  # noqa: F811 (the imported fixture)
+    moto_nodes,
+    bucket,
+    tmp_path,
+):
+    name = settings
+    group = moto_nodes(name, 1)
+    _layout(group, name, tmp_path)
+    try:
+        _jobs_on_a_kept_cluster(name, group, tmp_path)
+    finally:
+        if _live(name):  # a failed check left the kept cluster up: nothing may outlive the test
+            _down(name, tmp_path)
+
+
+def _down(name: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(SPARKNET), "cluster", "down", name], cwd=cwd, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+def _jobs_on_a_kept_cluster(name: str, group, tmp_path: Path) -> None:
+    with group.watch(_client("ec2")):
+        kept = submit("--s3", "tiny", "--keep", "--autostop", "7", *JOB, cwd=tmp_path)
+    assert kept.returncode == 0, kept.stderr[-3000:]
+    first = _run_id(kept)
+    assert len(_live(name)) == 2  # master and worker still running
+    settings_file = tmp_path / "master" / "autostop" / "settings.json"
+    assert json.loads(settings_file.read_text())["minutes"] == 7
+
+    # a failed job on the reused cluster: its error line, exit 1, and the cluster stays
+    bad = submit(
+        "--s3", "tiny", "--cluster", name, *JOB, "--model", "no_such_model_xyz", cwd=tmp_path
+    )
+    assert bad.returncode == 1, bad.stderr[-3000:]
+    error = [ln for ln in bad.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(error) == 1 and "no_such_model_xyz" in error[0], bad.stderr[-3000:]
+    assert len(_live(name)) == 2
+
+    # detached: back while the job runs; its log and the list see it
+    detached = submit("--s3", "tiny", "--cluster", name, "--detach", *JOB, cwd=tmp_path)
+    assert detached.returncode == 0, detached.stderr[-3000:]
+    run = _run_id(detached)
+    assert f"sparknet-submit attach {run}" in detached.stderr
+    assert _rounds(detached.stderr) == []
+    job = tmp_path / "master" / "jobs" / run
+    assert not (job / "driver.rc").exists()  # still running
+    assert submit("logs", run, cwd=tmp_path, timeout=120).returncode == 0
+    states = _states(tmp_path)
+    assert states[run] == "running"
+    assert states[first] == "succeeded" and states[_failed_run(states, first, run)].startswith(
+        "failed "
+    )
+
+    # attach: every round, the summary and the fetched files, as an attached submit
+    attached = submit("attach", run, cwd=tmp_path)
+    assert attached.returncode == 0, attached.stderr[-3000:]
+    assert _rounds(attached.stderr) == ["1/2", "2/2"], attached.stderr[-3000:]
+    rows = [
+        json.loads(r) for r in (tmp_path / "runs" / run / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["round"] for r in rows] == [1, 2]
+    assert _run_id(attached) == run and "final accuracy: " in attached.stdout
+    assert (tmp_path / "runs" / run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    # the log, by --cluster without the local record (as from another machine): the same
+    # rounds, and the record written again from the job dir on the master
+    record = tmp_path / "home" / "jobs" / f"{run}.json"
+    before = json.loads(record.read_text())
+    record.unlink()
+    logs = submit(
+        "logs", run, "--cluster", name, "--lines", "1000", "--follow", cwd=tmp_path, timeout=120
+    )
+    assert logs.returncode == 0, logs.stderr
+    assert _rounds(logs.stdout) == _rounds(attached.stderr)
+    after = json.loads(record.read_text())
+    assert {k: after[k] for k in ("prefix", "job_dir", "rounds")} == {
+        k: before[k] for k in ("prefix", "job_dir", "rounds")
+    }
+    assert _states(tmp_path)[run] == "succeeded"
+
+    # a second detached job, cancelled while it runs: its whole session ends
+    second = submit("--s3", "tiny", "--cluster", name, "--detach", *JOB, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    other = _run_id(second)
+    leader = int((tmp_path / "master" / "jobs" / other / "driver.pid").read_text())
+    # SIGTERM to an attach only detaches it: exit 143, the job goes on
+    watcher = subprocess.Popen(
+        [str(SUBMIT), "attach", other], cwd=tmp_path, env=os.environ.copy(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    for line in watcher.stderr:
+        if line.startswith(f"attached to job {other}"):
+            watcher.send_signal(signal.SIGTERM)
+            break
+    _out, err = watcher.communicate(timeout=120)
+    assert watcher.returncode == 143, err
+    assert f"detached from job {other}: it goes on" in err
+    assert _session_alive(leader)
+    cancelled = submit("cancel", other, cwd=tmp_path, timeout=180)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert f"job {other} cancelled" in cancelled.stderr
+    assert not _session_alive(leader)
+    assert _states(tmp_path)[other] == "cancelled"
+
+    down = _down(name, tmp_path)
+    assert down.returncode == 0, down.stderr[-3000:]
+    _torn_down(name, tmp_path)
+    assert set(_states(tmp_path).values()) == {"cluster gone"}
+    gone = submit("attach", run, cwd=tmp_path, timeout=120)
+    assert gone.returncode == 2 and gone.stderr.startswith(f"error: job {run}: cluster {name}")
+    assert len(gone.stderr.splitlines()) == 1
+
+
+def _failed_run(states: dict[str, str], *others: str) -> str:
+    """The one run of `states` that is none of `others` and not running."""
+    (found,) = [r for r, s in states.items() if r not in others and s != "running"]
+    return found
