@@ -342,6 +342,7 @@ def attach(
                 outcome = flow.follow(
                     conn, found.master, run_id, rec.prefix, rec.s3_endpoint_url,
                     lambda rows: report.rows(rows, flow.cost_so_far(found.spec, endpoint)),
+                    on_event=lambda event: _say(flow.restart_line(event)),
                 )  # fmt: skip
             finally:
                 report.stop()
