@@ -499,7 +499,7 @@ def submit(
         ok = True
         return Result(run_id, prefix, outcome, time.monotonic() - started, cost, fetched)
     finally:
-        if teardown_due(job) and not (job.detach and ok):
+        if teardown_due(job, detached=job.detach and ok):
             teardown(job, say)
         elif not ok:
             say(
@@ -556,10 +556,12 @@ def start_detached(
         conn.close()
 
 
-def teardown_due(job: Job) -> bool:
+def teardown_due(job: Job, detached: bool = False) -> bool:
     """A cluster this submit made goes down unless --keep; a reused one (--cluster) is the
-    user's and stays: it was running before and may serve other jobs."""
-    return not job.keep and not job.reused
+    user's and stays: it was running before and may serve other jobs. A job left `detached`
+    (its driver runs) keeps its cluster too: the master's autostop timer ends it after the
+    job; a --detach that failed before the driver started tears down as any failure does."""
+    return not job.keep and not job.reused and not detached
 
 
 def teardown(job: Job, say: Say) -> None:

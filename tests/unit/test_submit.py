@@ -395,3 +395,13 @@ def test_a_detached_submit_prints_its_run_and_what_ends_the_cluster(capsys) -> N
     assert "its autostop timer terminates it 17 minutes after the job ends" in " ".join(err.split())
     _print_detached(flow.Job(spec, True, False, made.dataset, None, detach=True), "R2", "p")  # type: ignore[arg-type]
     assert "stays up (--keep or reused)" in capsys.readouterr().err
+
+
+def test_a_detached_job_keeps_its_cluster_but_a_failed_detach_tears_it_down() -> None:
+    from sparknet.cluster.spec import ClusterSpec
+
+    job = flow.Job(
+        ClusterSpec(name="c1"), False, False, flow.Dataset("s3://b-b/x"), None, detach=True
+    )  # type: ignore[arg-type]
+    assert not flow.teardown_due(job, detached=True)  # the driver runs: autostop ends it later
+    assert flow.teardown_due(job, detached=False)  # failed before the driver started
