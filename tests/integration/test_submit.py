@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -111,9 +113,73 @@ def _layout(group, name: str, root: Path) -> None:
     group.file.write_text(json.dumps(layout))
 
 
+class _Reference:
+    """`sparknet train` of the successful job without a cluster and without a kill: local Spark,
+    the same shards on moto, the same 2 partitions (submit's `workers`: one per Spark worker
+    node, the master's included) and the same 1 torch thread per task (the loopback workers
+    have 1 core each; a local task has spark.task.cpus = 1). Run in the background while the
+    clusters come and go."""
+
+    def __init__(self, dataset: str, tmp_path: Path) -> None:
+        self.out = tmp_path / "reference"
+        cwd = tmp_path / "reference-cwd"
+        cwd.mkdir()
+        self.proc = subprocess.Popen(
+            [str(SPARKNET), "train", "--data", dataset, "--workers", "2", "--out", str(self.out),
+             *JOB, "--rounds", "4"],
+            cwd=cwd, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+
+    def result(self, timeout: float) -> Path:
+        output, _ = self.proc.communicate(timeout=timeout)
+        assert self.proc.returncode == 0, output[-3000:]
+        return self.out
+
+
+def _kill_the_driver_after_round_1(
+    proc: subprocess.Popen, bucket: str, name: str, root: Path
+) -> tuple[str, str]:
+    """Once the job started and its round 1 row is in metrics.jsonl on moto, kill -9 the train
+    process on the loopback master (its pid file in the job dir); the run id, and the stderr
+    read until the job started."""
+    run_id = None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("job ") and " started on the master" in line:
+            run_id = line.split()[1]
+            break
+    assert run_id is not None, "the job did not start"
+    s3 = _client("s3")
+    deadline = time.monotonic() + 300
+    while True:
+        assert time.monotonic() < deadline and proc.poll() is None, "no round 1 on S3"
+        try:
+            body = s3.get_object(Bucket=bucket, Key=f"runs/{name}/{run_id}/metrics.jsonl")["Body"]
+            if any('"round"' in ln for ln in body.read().decode().splitlines()):
+                break
+        except s3.exceptions.NoSuchKey:
+            pass
+        time.sleep(0.1)
+    pid = int((root / "master" / "jobs" / run_id / "train.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    return run_id, "".join(seen)
+
+
+def _tensors(data: bytes) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """A safetensors file's tensors, exactly: dtype, shape and bytes by name."""
+    from safetensors.torch import load
+
+    return {k: (str(v.dtype), tuple(v.shape), v.numpy().tobytes()) for k, v in load(data).items()}
+
+
 @pytest.mark.slow
-def test_submit_trains_on_a_new_cluster_and_takes_it_down(settings, moto_nodes, bucket, tmp_path):
+def test_submit_trains_on_a_new_cluster_and_takes_it_down(
+    settings, dataset, moto_nodes, bucket, tmp_path
+):
     name = settings
+    reference = _Reference(dataset, tmp_path)
     group = moto_nodes(name, 1)
     _layout(group, name, tmp_path)
     with group.watch(_client("ec2")):
@@ -126,33 +192,49 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(settings, moto_nodes, 
         assert "Traceback" not in bad.stderr
         _torn_down(name, tmp_path)
     group.stop()  # terminated instances answer no more: the next cluster's nodes are new ones
+    for signum, code, how in ((signal.SIGTERM, 143, " (SIGTERM)"), (signal.SIGINT, 130, "")):
+        with group.watch(_client("ec2")):
+            # a signal to the submitter once the job runs: 128 + it, teardown done
+            proc = subprocess.Popen(
+                [str(SUBMIT), "--s3", "tiny", *JOB], cwd=tmp_path, env=os.environ.copy(),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            seen = []
+            for line in proc.stderr:
+                seen.append(line)
+                if line.startswith("job ") and " started on the master" in line:
+                    proc.send_signal(signum)
+                    break
+            _out, err = proc.communicate(timeout=300)
+            assert proc.returncode == code, "".join(seen) + err
+            assert f"error: interrupted{how}; teardown done" in err
+            _torn_down(name, tmp_path)
+        group.stop()
     with group.watch(_client("ec2")):
-        # SIGTERM to the submitter once the job runs: exit 143, teardown done
+        # the driver (the train process, not its supervisor) killed once round 1 is on S3: the
+        # job resumes from its last checkpoint and ends as an uninterrupted run would
         proc = subprocess.Popen(
-            [str(SUBMIT), "--s3", "tiny", *JOB], cwd=tmp_path, env=os.environ.copy(),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [str(SUBMIT), "--s3", "tiny", *JOB, "--rounds", "4", "--max-restarts", "1"],
+            cwd=tmp_path, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
-        seen = []
-        for line in proc.stderr:
-            seen.append(line)
-            if line.startswith("job ") and " started on the master" in line:
-                proc.send_signal(signal.SIGTERM)
-                break
-        _out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 143, "".join(seen) + err
-        assert "error: interrupted (SIGTERM); teardown done" in err
-        _torn_down(name, tmp_path)
-    group.stop()
-    with group.watch(_client("ec2")):
-        done = submit("--s3", "tiny", *JOB, cwd=tmp_path)
+        killed, before = _kill_the_driver_after_round_1(proc, bucket, name, tmp_path)
+        stdout, stderr = proc.communicate(timeout=600)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, before + stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "bootstrapping 2 nodes" in done.stderr and "master: spark-master done" in done.stderr
-    # one plain line per round (no TTY), then the summary
+    # one plain line per round (no TTY), each once though a round ran twice, the restart's
+    # line, then the summary
+    restarts = [ln for ln in done.stderr.splitlines() if ln.startswith("driver died")]
+    assert len(restarts) == 1, done.stderr[-3000:]
+    assert re.fullmatch(r"driver died \(killed by SIGKILL\); restart 1/1 from (round 1|the start)",
+                        restarts[0])  # fmt: skip
     rounds = [ln for ln in done.stderr.splitlines() if ln.startswith("round ")]
-    assert [ln.split()[1] for ln in rounds] == ["1/2", "2/2"], done.stderr[-3000:]
+    assert [ln.split()[1] for ln in rounds] == ["1/4", "2/4", "3/4", "4/4"], done.stderr[-3000:]
     assert all("samples/s" in ln and "cost $" in ln for ln in rounds)
     out = dict(ln.split(": ", 1) for ln in done.stdout.splitlines() if ": " in ln)
     run_id, prefix = out["run id"], out["run prefix"]
+    assert run_id == killed
     assert prefix == f"s3://{bucket}/runs/{name}/{run_id}/"
     assert 0.0 <= float(out["final accuracy"]) <= 1.0
     assert out["estimated cost"].startswith("$")
@@ -164,18 +246,26 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(settings, moto_nodes, 
     }
     assert {"model.safetensors", "metrics.jsonl", "config.yaml"} <= keys
     assert {k.split("/")[1] for k in keys if k.startswith("checkpoints/")} >= {
-        "round-00001",
-        "round-00002",
+        f"round-{r:05d}" for r in (1, 2, 3, 4)
     }
     local = tmp_path / "runs" / run_id
     assert (local / "curves.png").read_bytes()[:4] == b"\x89PNG"
     rows = [json.loads(r) for r in (local / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [1, 2]
+    assert [r["round"] for r in rows if "round" in r] == [1, 2, 3, 4]
+    events = [r for r in rows if "event" in r]
+    assert [(e["event"], e["attempt"], e["reason"]) for e in events] == [
+        ("restart", 1, "killed by SIGKILL")
+    ]
+    # the same weights as an uninterrupted run with the same seed (local Spark, 2 partitions)
+    assert _tensors(_client("s3").get_object(
+        Bucket=bucket, Key=f"runs/{name}/{run_id}/model.safetensors")["Body"].read()
+    ) == _tensors((reference.result(timeout=600) / "model.safetensors").read_bytes())  # fmt: skip
     # the driver ran detached on the master, in its job dir, and ended 0; it and the attached
     # submitter kept the autostop timer's activity (the job's stamp goes as the job ends)
     job = tmp_path / "master" / "jobs" / run_id
     assert (job / "driver.rc").read_text().strip() == "0"
-    assert "round 2/2" in (job / "driver.log").read_text()
+    log = (job / "driver.log").read_text()
+    assert "round 4/4" in log and "driver died (killed by SIGKILL); restart 1/1" in log
     activity = tmp_path / "master" / "autostop" / "activity"
     assert any(p.name.startswith("submitter-") for p in activity.iterdir())
     assert not (activity / f"job-{run_id}").exists()
