@@ -26,6 +26,7 @@ import yaml
 
 from sparknet import submit as flow
 from sparknet.cluster import instances, lifecycle, nodes
+from sparknet.cluster.plan import Node
 from sparknet.cluster.remote import Conn, q, run, succeeds
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import TrainConfig
@@ -200,7 +201,7 @@ def _record_from_master(
 # --- the job on its master -----------------------------------------------------------------------
 
 
-def state_of(conn: Conn, node: Any, run_id: str) -> str:
+def state_of(conn: Conn, node: Node, run_id: str) -> str:
     """running, succeeded, failed RC, cancelled, or `gone` (no job dir on this master: the
     cluster was made again under the same name)."""
     jd = flow.job_dir(node, run_id)
@@ -214,14 +215,14 @@ def state_of(conn: Conn, node: Any, run_id: str) -> str:
     return "succeeded" if rc == 0 else f"failed {rc}"
 
 
-def ended_at(conn: Conn, node: Any, run_id: str) -> float | None:
+def ended_at(conn: Conn, node: Node, run_id: str) -> float | None:
     """When the driver wrote its exit code (None: it did not)."""
     rc = f"{flow.job_dir(node, run_id)}/{flow.RC}"
     text = run(conn, f"stat -c %Y {q(rc)} 2>/dev/null || true").strip()
     return float(text) if text else None
 
 
-def cancel(conn: Conn, node: Any, run_id: str, wait_s: float = CANCEL_WAIT_S) -> str | None:
+def cancel(conn: Conn, node: Node, run_id: str, wait_s: float = CANCEL_WAIT_S) -> str | None:
     """End the job's whole process session and wait until none of it is left (SIGKILL after
     `wait_s`); None. A job that already ended is left as it is: its state."""
     state = state_of(conn, node, run_id)
@@ -241,7 +242,7 @@ def cancel(conn: Conn, node: Any, run_id: str, wait_s: float = CANCEL_WAIT_S) ->
 
 def print_log(
     conn: Conn,
-    node: Any,
+    node: Node,
     run_id: str,
     lines: int,
     follow: bool,
