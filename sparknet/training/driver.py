@@ -208,6 +208,37 @@ def _round_row(
     }
 
 
+@dataclass
+class _Executors:
+    """The executors seen at the last round's end (None before the first: they register
+    during its wait), and whether one was lost in this run."""
+
+    hosts: dict[str, str] | None = None
+    lost: bool = False
+
+    def after_round(self, row: dict[str, Any], transport: SparkTransport) -> None:
+        """On a cluster: the executors there are after the round in its row, and those lost
+        and joined since the round before (a dead worker, its replacement). A join after a
+        loss spreads the partitions again: the lost executor's tasks moved onto the others and
+        would stay there."""
+        now = transport.executors()
+        before, self.hosts = self.hosts, now
+        if not now and not before:
+            return  # a local master
+        row["executors"] = len(now)
+        if before is None:
+            return
+        lost = [f"{i}@{before[i]}" for i in sorted(set(before) - set(now))]
+        joined = [f"{i}@{now[i]}" for i in sorted(set(now) - set(before))]
+        if lost:
+            row["executors_lost"] = lost
+            self.lost = True
+        if joined:
+            row["executors_joined"] = joined
+            if self.lost:
+                transport.rebalance()
+
+
 def _raise_diverged(contrib: Contribution, done: int, run: RunDir) -> None:
     bad = next(r for r in contrib.reports if r.diverged is not None)
     last = checkpoint.latest(run.store)
@@ -446,6 +477,7 @@ def _run(
             problem.num_classes, problem.source.input_shape, run.store.uri,
         )  # fmt: skip
         t_start = time.perf_counter()
+        executors = _Executors()
         for r in range(start, cfg.rounds):
             lock.check()
             done = r + 1
@@ -462,6 +494,7 @@ def _run(
             integers = contrib.integers
             round_s = time.perf_counter() - t0
             row = _round_row(done, contrib, round_s, broadcast_s)
+            executors.after_round(row, transport)
             if evaluates and _due(cfg.eval_every, done, cfg.rounds):
                 eval_task = replace(task, integers=integers, checkpoint_dir=None)
                 ev, _ = transport.map_reduce(

@@ -73,8 +73,9 @@ def find_java() -> str:
 
 #: How long a task waits for the executor holding its partition's cached block (and so its
 #: inner optimizer state) while another executor is free. Spark's default (spark.locality.wait,
-#: 3 s) runs it elsewhere after 3 s without a launch at that level, in the middle of a round; an
-#: executor that is lost drops out of the preferences at once, so this never waits for a dead one.
+#: 3 s) runs it elsewhere after 3 s without a launch at that level, in the middle of a round. A
+#: task whose executor dies while it runs would wait this long for the dead one: the round's job
+#: is then cancelled and run again (`transport.STALL_S`).
 STICKY_LOCALITY_WAIT = "24h"
 
 #: GPU settings `--gpus-per-worker` makes (executor: N GPUs; task: one of them)

@@ -24,7 +24,9 @@ import functools
 import math
 import pickle
 import re
+import threading
 import time
+import uuid
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -188,6 +190,12 @@ def executor_cores(sc: SparkContext) -> dict[str, int]:
     return {e.id(): int(e.totalCores()) for e in listed if e.totalCores() > 0}
 
 
+def executor_hosts(sc: SparkContext) -> dict[str, str]:
+    """{executor id: host} of the live executors that run tasks."""
+    listed = _scala_list(sc._jsc.sc().statusStore().executorList(True))
+    return {e.id(): e.hostPort().rsplit(":", 1)[0] for e in listed if e.totalCores() > 0}
+
+
 def block_placement(sc: SparkContext, rdd) -> dict[int, str]:
     """{partition: executor id} of a cached RDD's blocks, as Spark's status store has them
     (updated asynchronously: a block cached a moment ago may be missing)."""
@@ -317,6 +325,78 @@ def _array_of(value: tuple[str, tuple[int, ...], bytes]) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
 
 
+#: how long a round's job may have tasks waiting and none running, after an executor was lost
+#: while it ran, before it is cancelled and run once more. Spark keeps a task that failed with
+#: its executor pending for that executor's cached block (its task set's preferences are made
+#: when it starts), and with STICKY_LOCALITY_WAIT it would wait a day for the dead executor; a
+#: new job's tasks prefer only the blocks there are. A round run again is the same round: data
+#: order and kept inner state are keyed by round.
+STALL_S = 10.0
+#: how many times one round's job is run again after such a stall
+STALL_RETRIES = 3
+
+
+class _StallGuard:
+    """Runs the calling thread's jobs in a job group of their own and, from a thread, cancels
+    the group once an executor was lost since it began and a stage of it has pending tasks but
+    none running for STALL_S. `stalled` says whether it did."""
+
+    def __init__(self, sc: SparkContext) -> None:
+        self.sc = sc
+        self.group = f"sparknet-{uuid.uuid4().hex[:12]}"
+        self.stalled = False
+        self._before = set(executor_hosts(sc))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="sparknet-stall", daemon=True)
+        self._previous: str | None = None
+
+    def __enter__(self) -> _StallGuard:
+        self._previous = self.sc.getLocalProperty("spark.jobGroup.id")
+        self.sc.setJobGroup(self.group, "sparknet round", interruptOnCancel=False)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sc.setLocalProperty("spark.jobGroup.id", self._previous)  # type: ignore[arg-type]
+
+    def _watch(self) -> None:
+        since: float | None = None
+        while not self._stop.wait(1.0):
+            try:
+                stuck = self._lost() and self._waiting()
+            except (Py4JError, PySparkException):  # the session is going away
+                return
+            if not stuck:
+                since = None
+                continue
+            since = since if since is not None else time.monotonic()
+            if time.monotonic() - since >= STALL_S:
+                self.stalled = True
+                self.sc.cancelJobGroup(self.group)
+                return
+
+    def _lost(self) -> bool:
+        return bool(self._before - set(executor_hosts(self.sc)))
+
+    def _waiting(self) -> bool:
+        """A running stage of the group's jobs has tasks left and none running."""
+        tracker = self.sc.statusTracker()
+        active = set(tracker.getActiveStageIds())
+        for job_id in tracker.getJobIdsForGroup(self.group):
+            job = tracker.getJobInfo(job_id)
+            for stage_id in job.stageIds if job is not None else ():
+                stage = tracker.getStageInfo(stage_id) if stage_id in active else None
+                if (
+                    stage is not None
+                    and stage.numActiveTasks == 0
+                    and stage.numCompletedTasks < stage.numTasks
+                ):
+                    return True
+        return False
+
+
 class SparkTransport:
     """Map a function over K partitions with the weights broadcast once, reduce in a tree."""
 
@@ -355,6 +435,18 @@ class SparkTransport:
             self._release.atexit = False
         return self._anchor
 
+    def executors(self) -> dict[str, str]:
+        """{executor id: host} on a cluster master; empty on a local one (one executor, the
+        driver's own, that cannot be lost without the run)."""
+        return {} if self.local else executor_hosts(self.sc)
+
+    def rebalance(self) -> None:
+        """Spread the partitions again over the executors there are now: after a lost
+        executor its tasks moved onto the others and stay there (sticky); an executor that
+        joined since (a replaced worker) takes tasks only once the anchor is made anew. A
+        partition that moves starts a fresh inner optimizer (a counted miss)."""
+        self.close()
+
     def close(self) -> None:
         """Drop the anchor's cached blocks (a no-op once done, or when the session is gone)."""
         if self._release is not None:
@@ -387,6 +479,23 @@ class SparkTransport:
         With a DataFrame of K partitions, the job maps over it (`mapInArrow`) and task k gets
         partition k's rows as Arrow record batches; its persisted blocks keep task k in place.
         """
+        for attempt in range(STALL_RETRIES + 1):
+            guard = _StallGuard(self.sc) if not self.local else contextlib.nullcontext()
+            try:
+                with guard:
+                    return self._map_reduce_once(theta, work, combine, frame)
+            except SparknetError:
+                if not getattr(guard, "stalled", False) or attempt == STALL_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _map_reduce_once(
+        self,
+        theta: np.ndarray,
+        work: PartitionWork[R],
+        combine: Callable[[R, R], R],
+        frame=None,
+    ) -> tuple[R, float]:
         anchor = self.anchor() if frame is None and self.sticky else None
         threads_of = self.task_threads(anchor)
         t0 = time.perf_counter()

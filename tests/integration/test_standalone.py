@@ -54,6 +54,9 @@ def test_kept_inner_state_stays_with_its_partition_and_runs_are_bit_identical(st
     for name in ("a", "b", "local"):
         misses = [r["inner_state_misses"] for r in rows(tmp_path / name)]
         assert misses == [0] * 20, f"{name}: {misses}"
+    # the executors in every round's row on a cluster, none lost or joined; none on local[2]
+    assert {(r["executors"], "executors_lost" in r) for r in rows(tmp_path / "a")} == {(2, False)}
+    assert not any("executors" in r for r in rows(tmp_path / "local"))
     model = (tmp_path / "a" / "model.safetensors").read_bytes()
     assert (tmp_path / "b" / "model.safetensors").read_bytes() == model
     assert (tmp_path / "local" / "model.safetensors").read_bytes() == model
@@ -159,3 +162,51 @@ def test_a_dataframe_run_keeps_its_partitions_in_place(standalone, tmp_path):
     )  # fmt: skip
     finish(proc)
     assert [r["inner_state_misses"] for r in rows(out)] == [0] * 8
+
+
+def _executor_pids(work_dirs: tuple[Path, ...]) -> list[int]:
+    """The executor JVMs the shared cluster's workers run (their cwd is under a work dir)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cwd = Path(os.readlink(proc / "cwd"))
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"CoarseGrainedExecutorBackend" in cmdline and any(
+            cwd.is_relative_to(w) for w in work_dirs
+        ):
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_a_lost_executor_and_its_successor_show_in_the_rounds(standalone, tmp_path):
+    """An executor killed mid-run (often in the middle of its task: Spark then keeps the task
+    waiting for the dead executor's block, and the round's job is run again): its tasks run on
+    the other one, Spark's master starts a new executor on the worker, and the round rows say
+    both (`executors_lost`, then `executors_joined`); the run ends with every round once."""
+    import signal
+    import time
+
+    out = tmp_path / "lost"
+    args = [*RUN, "--master", standalone.master, "--out", str(out)]
+    args[args.index("--rounds") + 1] = "40"
+    proc = sparknet(*args)
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists() or len(rows(out)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    victims = _executor_pids(standalone.work_dirs)
+    assert len(victims) == 2, victims
+    os.kill(victims[0], signal.SIGKILL)
+    finish(proc)
+    got = rows(out)
+    assert [r["round"] for r in got] == list(range(1, 41))
+    lost = [r for r in got if "executors_lost" in r]
+    joined = [r for r in got if "executors_joined" in r]
+    assert len(lost) == 1 and len(joined) == 1, [(r["round"], r["executors"]) for r in got]
+    assert lost[0]["round"] <= joined[0]["round"]
+    assert lost[0]["executors_lost"][0].endswith("@127.0.0.1")
+    assert got[-1]["executors"] == 2
