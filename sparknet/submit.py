@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sparknet.cluster import autostop, instances, lifecycle, nodes
+from sparknet.cluster import autostop, instances, lifecycle, nodes, repair
 from sparknet.cluster.plan import Node
 from sparknet.cluster.remote import CommandFailed, Conn, q, run, succeeds, upload
 from sparknet.cluster.spec import ClusterSpec
@@ -325,11 +325,12 @@ def follow(
     on_rows: Callable[[list[dict[str, Any]]], None],
     poll_s: float = POLL_S,
     on_event: Callable[[dict[str, Any]], None] | None = None,
+    on_tick: Callable[[], None] | None = None,
 ) -> Outcome:
     """Poll metrics.jsonl in the run prefix and the driver on the master until it ends; new
     round rows go to `on_rows` (a round that a restarted driver runs again only once), new
     event rows (a restart) to `on_event`, in file order; the submitter's activity stamp is
-    refreshed as it waits."""
+    refreshed as it waits, and `on_tick` (the cluster's repair watch) is called every poll."""
     store = open_store(prefix, endpoint_url)
     seen = _Seen()
     last_stamp = 0.0
@@ -343,6 +344,8 @@ def follow(
         if rc is not None:
             log = driver_log(conn, master.node, run_id) if rc != 0 else ""
             return Outcome(rc, round_rows(rows), log)
+        if on_tick is not None:
+            on_tick()
         time.sleep(poll_s)
 
 
@@ -531,6 +534,7 @@ def _run_driver(
                 job.dataset.endpoint_url,
                 lambda rows: on_rows(rows, cost_so_far(job.spec, job.endpoint_url)),
                 on_event=lambda event: say(restart_line(event)),
+                on_tick=repair.Watch(job.spec, endpoint_url=job.endpoint_url, say=say),
             )
         except BaseException:
             _quietly(lambda: cancel_driver(conn, master.node, run_id))

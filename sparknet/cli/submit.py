@@ -329,6 +329,7 @@ def attach(
 
     from sparknet import jobs
     from sparknet import submit as flow
+    from sparknet.cluster import repair
 
     found, conn = _located(run_id, cluster, endpoint_url, config, debug)
     rec, node = found.record, found.master.node
@@ -343,6 +344,7 @@ def attach(
                     conn, found.master, run_id, rec.prefix, rec.s3_endpoint_url,
                     lambda rows: report.rows(rows, flow.cost_so_far(found.spec, endpoint)),
                     on_event=lambda event: _say(flow.restart_line(event)),
+                    on_tick=repair.Watch(found.spec, endpoint_url=endpoint, say=_say),
                 )  # fmt: skip
             finally:
                 report.stop()

@@ -11,6 +11,7 @@ A lost master is no loss this module repairs: the driver runs there, and with it
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,3 +66,47 @@ def repair(spec: ClusterSpec, *, endpoint_url: str | None = None, say: Say) -> N
     """Launch and bootstrap what is missing: `cluster up` with its bootstrap (idempotent; it
     holds the cluster's lock, so a concurrent `up` or `down` waits or is refused)."""
     lifecycle.up(spec, endpoint_url=endpoint_url, say=say, bootstrap=True)
+
+
+#: how often an attached submitter checks its cluster for losses while the job runs
+CHECK_EVERY_S = 30.0
+
+
+class Watch:
+    """What an attached submitter calls as it follows a job (`submit.follow`'s `on_tick`):
+    every `every_s` it looks for losses and repairs them, saying what it saw and did. A
+    failed check or repair is said and the job goes on with the executors it has; a lost
+    master is said once (the job ends with it)."""
+
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        *,
+        endpoint_url: str | None = None,
+        say: Say,
+        every_s: float = CHECK_EVERY_S,
+    ) -> None:
+        self.spec, self.endpoint_url, self.say, self.every_s = spec, endpoint_url, say, every_s
+        self._last = time.monotonic()
+        self._master_said = False
+
+    def __call__(self) -> None:
+        if time.monotonic() - self._last < self.every_s:
+            return
+        try:
+            # the cluster as `up` last made it: a settings file edited since must not resize it
+            spec = lifecycle.registered().get(self.spec.name, self.spec)
+            found = losses(spec, endpoint_url=self.endpoint_url)
+            if found.master_gone:
+                if not self._master_said:
+                    self.say(f"cluster {self.spec.name}: {found.lines[0]}; nothing to repair")
+                    self._master_said = True
+            elif found.lines:
+                self.say(f"cluster {self.spec.name} lost {'; '.join(found.lines)}: repairing")
+                repair(spec, endpoint_url=self.endpoint_url, say=self.say)
+                self.say(f"cluster {self.spec.name} repaired; the job goes on")
+        except SparknetError as exc:
+            first = next(iter(str(exc).splitlines()), type(exc).__name__)
+            self.say(f"cluster {self.spec.name}: check or repair failed ({first}); the job goes on")
+        finally:
+            self._last = time.monotonic()

@@ -169,8 +169,10 @@ def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, 
     assert lost == ("worker-1's worker (127.0.0.3) is not registered with the master",)
     said: list[str] = []
     with group.watch(ec2):
-        repair.repair(spec, say=said.append)
+        repair.Watch(spec, say=said.append, every_s=0)()  # as an attached submitter's follow
+    assert said[0] == f"cluster {name} lost {lost[0]}: repairing", said
     assert "worker-1: applied spark-worker (" in "\n".join(said), said
+    assert said[-1] == f"cluster {name} repaired; the job goes on", said
     assert not any(line.startswith("launching") for line in said)
     assert repair.losses(spec) == repair.Losses(False, ())
     restarted = daemon_pids(tmp_path, ADDRESSES)
