@@ -504,7 +504,8 @@ def bucket_lifecycle_rule(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def node_policy(spec: ClusterSpec, bucket: str | None, account: str) -> dict[str, Any]:
-    """The node role's policy: data read, its own runs prefix read/write, and terminate only
+    """The node role's policy: data read, its own runs prefix read/write/delete (the driver on
+    the master discards an incomplete checkpoint and releases the run's lock), and terminate only
     its own cluster's instances, in its region and account. Without a bucket it has no S3
     statement at all: a stand-in bucket name would grant access to a bucket anyone could
     create."""

@@ -500,11 +500,13 @@ def test_instance_policy_terminates_only_own_cluster_and_grants_no_wildcard_acti
     assert terminate[0]["Resource"] == "arn:aws:ec2:us-east-1:123456789012:instance/*"
     describe = statements["FindInstancesInOwnRegion"]
     assert describe["Condition"] == {"StringEquals": {"aws:RequestedRegion": "us-east-1"}}
-    # nothing the nodes do not use yet (no DeleteObject: nodes never delete; no part listing)
+    # nothing the nodes do not use (no part listing); DeleteObject: the driver on the master
+    # discards an incomplete checkpoint on a restart and releases the run dir's lock
     assert set(actions) == {
         "s3:ListBucket",
         "s3:GetObject",
         "s3:PutObject",
+        "s3:DeleteObject",
         "s3:AbortMultipartUpload",
         "ec2:DescribeInstances",
         "ec2:TerminateInstances",
@@ -517,6 +519,9 @@ def test_instance_policy_terminates_only_own_cluster_and_grants_no_wildcard_acti
     )
     runs = statements["ReadWriteOwnRunsPrefix"]
     assert runs["Resource"] == "arn:aws:s3:::sparknet-data/runs/demo/*"
+    # deletes: only under the cluster's own runs prefix, never in the data or another cluster's
+    deletes = [s for s in doc["Statement"] if "s3:DeleteObject" in _as_list(s["Action"])]
+    assert [s["Resource"] for s in deletes] == ["arn:aws:s3:::sparknet-data/runs/demo/*"]
     assert statements["ListDataAndOwnRunsPrefixes"]["Condition"] == {
         "StringLike": {"s3:prefix": ["datasets/*", "runs/demo/*"]}
     }
