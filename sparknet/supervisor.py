@@ -49,6 +49,10 @@ STOPS = frozenset({signal.SIGHUP, signal.SIGINT, signal.SIGTERM})
 DEFAULT_MAX_RESTARTS = 2
 #: the `event` of a restart's row in metrics.jsonl
 RESTART = "restart"
+#: how often the job's autostop activity file is touched: a third of ACTIVITY_EVERY_S, so that
+#: a timer check just before the next touch finds the last one at most this old, well inside the
+#: shortest deadline (1 minute: with a touch every minute such a check terminated a running job)
+STAMP_EVERY_S = autostop.ACTIVITY_EVERY_S / 3
 
 
 # --- decisions (pure) ----------------------------------------------------------------------------
@@ -228,7 +232,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 class _Stamps:
-    """The job's autostop activity file, touched every ACTIVITY_EVERY_S while the job runs and
+    """The job's autostop activity file, touched every STAMP_EVERY_S while the job runs and
     removed at its end (its last touch, and the dir's change, stay the last activity)."""
 
     def __init__(self, state: Path, name: str) -> None:
@@ -242,7 +246,7 @@ class _Stamps:
         return self
 
     def _loop(self) -> None:
-        while not self.stop.wait(autostop.ACTIVITY_EVERY_S):
+        while not self.stop.wait(STAMP_EVERY_S):
             with contextlib.suppress(OSError):
                 autostop.record_activity(self.state, self.name)
 

@@ -51,8 +51,9 @@ LOG = "autostop.log"
 
 #: how often `run` checks: a cluster outlives its deadline by at most this much
 CHECK_EVERY_S = 30
-#: how often whatever counts as activity touches its file (a job's supervisor, an attached
-#: submitter); far below any deadline of one minute or more
+#: the longest gap between two touches of whatever counts as activity (a job's supervisor, an
+#: attached submitter); a check just before a touch sees the last one this old, so the touchers
+#: run well more often (the supervisor every third of it): a deadline can be one minute
 ACTIVITY_EVERY_S = 60
 #: a deadline file older than this means the timer is not checking (`status_line` says so)
 STALE_AFTER_S = 3 * CHECK_EVERY_S + 30

@@ -195,3 +195,29 @@ def test_metrics_readers_skip_event_rows(tmp_path) -> None:
     plot_curves([row, event], store)
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert round_rows([row, event]) == [row]
+
+
+def test_the_jobs_stamps_keep_a_one_minute_autostop_from_ending_a_running_job(
+    tmp_path, monkeypatch
+) -> None:
+    """The timer's worst case: a check just before the supervisor's next touch, even one touch
+    late, still finds the deadline of `autostop_minutes: 1` ahead (a touch every minute let such
+    a check terminate a running job); and the stamping thread does touch at that period."""
+    from sparknet import supervisor
+    from sparknet.cluster import autostop
+
+    state = tmp_path / "autostop"
+    state.mkdir()
+    (state / autostop.SETTINGS).write_text(autostop.Settings("c", "us-east-1", 1).to_json())
+    autostop.record_activity(state, "job-R")
+    last = autostop.last_activity(state)
+    assert last is not None
+    late_check = last + 2 * supervisor.STAMP_EVERY_S
+    assert autostop.decide(state, late_check).action == "wait"
+    assert autostop.decide(state, last + 60).action == "terminate"  # the deadline itself holds
+    monkeypatch.setattr(supervisor, "STAMP_EVERY_S", 0.05)
+    stamp = state / autostop.ACTIVITY / "job-S"
+    with supervisor._Stamps(state, "job-S"):
+        first = stamp.stat().st_mtime_ns
+        _wait_for(lambda: stamp.stat().st_mtime_ns > first, timeout=10.0)
+    assert not stamp.exists()
