@@ -35,6 +35,8 @@ from sparknet.errors import SparknetError
 #: the records' dir under the registry home, and the marker `cancel` leaves in a job dir
 JOBS_DIR = "jobs"
 CANCELLED = "cancelled"
+#: the state of a job whose supervisor died and left its driver (or a child of it) running
+ORPHANED = "orphaned"
 #: how long `cancel` waits for the driver's session to end before it kills it outright
 CANCEL_WAIT_S = 60.0
 #: what `list` shows for the jobs of a cluster without a running master
@@ -202,17 +204,39 @@ def _record_from_master(
 
 
 def state_of(conn: Conn, node: Node, run_id: str) -> str:
-    """running, succeeded, failed RC, cancelled, or `gone` (no job dir on this master: the
-    cluster was made again under the same name)."""
+    """running, succeeded, failed RC, cancelled, orphaned (its supervisor died, killed, and left
+    its driver running: `cancel` ends it), or `gone` (no job dir on this master: the cluster was
+    made again under the same name). An exit code wins over the cancel marker: a job that ended
+    on its own while a cancel came in ended as its code says."""
     jd = flow.job_dir(node, run_id)
     if not succeeds(conn, f"test -d {q(jd)}"):
         return "gone"
     rc = flow.driver_rc(conn, node, run_id)
     if rc is None:
         return "running"
-    if succeeds(conn, f"test -e {q(jd + '/' + CANCELLED)}"):
-        return "cancelled"
+    how = run(conn, _how_it_ended(jd)).strip()
+    if how == ORPHANED:
+        return ORPHANED
+    if how == CANCELLED:
+        return CANCELLED
     return "succeeded" if rc == 0 else f"failed {rc}"
+
+
+def _how_it_ended(jd: str) -> str:
+    """The shell command that says, of a job whose supervisor is gone, `rc` (it wrote its exit
+    code), `orphaned` (no code, but its process group still has a member), `cancelled` (the
+    marker) or nothing."""
+    rc, marker = q(f"{jd}/{flow.RC}"), q(f"{jd}/{CANCELLED}")
+    return (
+        f"if test -s {rc}; then echo rc; elif {_group_alive(jd)}; then echo {ORPHANED}; "
+        f"elif test -e {marker}; then echo {CANCELLED}; fi; true"
+    )
+
+
+def _group_alive(jd: str) -> str:
+    """The shell test that succeeds while any process of the job's session (its supervisor's
+    process group: the supervisor, the driver, their children) is alive."""
+    return f'kill -0 -- "-$(cat {q(jd + "/" + flow.PID)} 2>/dev/null)" 2>/dev/null'
 
 
 def ended_at(conn: Conn, node: Node, run_id: str) -> float | None:
@@ -224,11 +248,12 @@ def ended_at(conn: Conn, node: Node, run_id: str) -> float | None:
 
 def cancel(conn: Conn, node: Node, run_id: str, wait_s: float = CANCEL_WAIT_S) -> str | None:
     """End the job's whole process session and wait until none of it is left (SIGKILL after
-    `wait_s`); None. A job that already ended is left as it is: its state."""
-    state = state_of(conn, node, run_id)
-    if state != "running":
-        return state
+    `wait_s`); None. It ends the session whenever any of it is alive, whatever the state says
+    (a driver whose supervisor was killed runs on: it holds the GPUs). A job none of whose
+    processes is left is left as it is: its state."""
     jd = flow.job_dir(node, run_id)
+    if not succeeds(conn, _group_alive(jd)):
+        return state_of(conn, node, run_id)
     run(conn, f"touch {q(jd + '/' + CANCELLED)}")
     flow.cancel_driver(conn, node, run_id)
     group = f'"-$(cat {q(jd + "/" + flow.PID)})"'
@@ -261,10 +286,16 @@ def print_log(
     offset = int(size.strip() or 0)
     while follow:
         ended = flow.driver_rc(conn, node, run_id) is not None
-        chunk = run(conn, f"tail -c +{offset + 1} {log} 2>/dev/null || true").encode()
+        # the node counts the bytes it sends (the log's size now): a byte that is no UTF-8
+        # arrives as U+FFFD, 3 bytes here, so counting what arrived would shift the offset
+        out = run(
+            conn, f"n=$(wc -c < {log} 2>/dev/null || echo 0); echo $n; [ $n -gt {offset} ] && "
+            f"tail -c +{offset + 1} {log} 2>/dev/null | head -c $((n - {offset})); true",
+        )  # fmt: skip
+        size, _, chunk = out.partition("\n")
         if chunk:
-            write(chunk.decode(errors="replace"))
-            offset += len(chunk)
+            write(chunk)
+        offset = max(offset, int(size.strip() or 0))
         if ended:
             return
         time.sleep(poll_s)

@@ -221,3 +221,36 @@ def test_the_jobs_stamps_keep_a_one_minute_autostop_from_ending_a_running_job(
         first = stamp.stat().st_mtime_ns
         _wait_for(lambda: stamp.stat().st_mtime_ns > first, timeout=10.0)
     assert not stamp.exists()
+
+
+@pytest.mark.parametrize(("body", "state"), [("exit 0", "succeeded"), ("exit 3", "failed 3")])
+def test_a_job_that_ends_as_a_cancel_comes_in_keeps_its_exit_code(tmp_path, body, state) -> None:
+    """`cancel` writes its marker before its kill: a job that ended on its own at that moment
+    wrote its exit code, and that code (not the marker) says how it ended."""
+    from sparknet import jobs
+
+    node = _node(tmp_path, body)
+    job = _start(node, tmp_path, max_restarts=0)
+    supervisor = int((job / "driver.pid").read_text())
+    _wait_for(lambda: (job / "driver.rc").exists() and _gone(supervisor))
+    (job / jobs.CANCELLED).touch()
+    assert jobs.state_of(Context(), node, "R") == state
+    assert jobs.cancel(Context(), node, "R") == state  # nothing left to end
+
+
+def test_a_killed_supervisors_driver_is_orphaned_and_cancel_ends_it(tmp_path) -> None:
+    """SIGKILL to the supervisor alone leaves its driver running (in the job's process group):
+    the job is `orphaned`, not `failed -1`, and `cancel` ends the group, the driver with it."""
+    from sparknet import jobs
+
+    node = _node(tmp_path, "sleep 60")
+    job = _start(node, tmp_path, max_restarts=0)
+    _wait_for(lambda: (job / "train.pid").exists())
+    supervisor, train = int((job / "driver.pid").read_text()), int((job / "train.pid").read_text())
+    os.kill(supervisor, 9)
+    _wait_for(lambda: _gone(supervisor))
+    assert not _gone(train)
+    assert jobs.state_of(Context(), node, "R") == jobs.ORPHANED
+    assert jobs.cancel(Context(), node, "R", wait_s=5.0) is None
+    assert _gone(train)
+    assert jobs.state_of(Context(), node, "R") == "cancelled"
