@@ -22,7 +22,7 @@ from typing import Any
 
 from sparknet.cluster import autostop, instances, lifecycle, nodes, repair
 from sparknet.cluster.plan import Node
-from sparknet.cluster.remote import CommandFailed, Conn, q, run, succeeds, upload
+from sparknet.cluster.remote import CommandFailed, Conn, ConnectionLost, q, run, succeeds, upload
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import DatasetEntry, TrainConfig
 from sparknet.data.s3 import S3Uri
@@ -35,6 +35,9 @@ Say = Callable[[str], None]
 
 #: seconds between two looks at the run prefix and the driver while the job runs
 POLL_S = 3.0
+#: how long `follow` tries to reach the master again after its SSH connection broke (a laptop
+#: asleep, a Wi-Fi change) before it gives the job up as out of reach
+GRACE_S = 300.0
 #: the driver's files in its job dir on the master (PID: the supervisor's, whose session is
 #: the job's; the supervisor's `train.pid` names the `sparknet train` process running now)
 LOG, PID = "driver.log", "driver.pid"
@@ -48,6 +51,18 @@ class JobFailed(SparknetError):
     """The driver on the master ended with a non-zero exit code."""
 
 
+class JobOutOfReach(SparknetError):
+    """The master did not answer over SSH for `GRACE_S`: the job may go on there (it outlives
+    the SSH session), so it is neither cancelled nor its cluster taken down."""
+
+
+class TeardownFailed(SparknetError):
+    """Taking the cluster down after the job did not finish: its instances may still run.
+    `after` is what ended the job (None: it succeeded), for the caller to name both."""
+
+    after: BaseException | None = None
+
+
 # --- what the job runs on (pure) ---------------------------------------------------------------
 
 
@@ -59,12 +74,16 @@ class Dataset:
     endpoint_url: str | None = None
 
 
-def resolve_dataset(text: str, datasets: Mapping[str, DatasetEntry]) -> Dataset:
+def resolve_dataset(
+    text: str, datasets: Mapping[str, DatasetEntry], endpoint_url: str | None = None
+) -> Dataset:
     """`--s3`: a `datasets:` name or an s3:// URI; a cluster reads only S3, so a name whose
-    entry is a local directory is refused, as is an unknown name (the line lists the known)."""
+    entry is a local directory is refused, as is an unknown name (the line lists the known).
+    A bare URI is reached through `endpoint_url` (`--endpoint-url`: EC2's and S3's); a name
+    through its entry's own."""
     if text.startswith("s3://"):
         S3Uri.parse(text)
-        return Dataset(text.rstrip("/"))
+        return Dataset(text.rstrip("/"), endpoint_url)
     entry = datasets.get(text)
     if entry is None:
         known = ", ".join(sorted(datasets)) or "none"
@@ -173,6 +192,18 @@ def reuse(spec: ClusterSpec, endpoint_url: str | None) -> None:
         )
 
 
+def check_name_free(spec: ClusterSpec, endpoint_url: str | None) -> None:
+    """A submit that makes its cluster (no --cluster) must not find one of that name already
+    there: `up` would take it over and the teardown after the job would end it, and the jobs
+    on it with it."""
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    if instances.find(ec2, spec.name):
+        raise PreflightFailed(
+            f"cluster {spec.name} already runs; pass --cluster {spec.name} to reuse it, "
+            "or --name NEW to make another"
+        )
+
+
 @dataclass(frozen=True)
 class Master:
     """The master node of a running cluster, how to reach it, and its Spark."""
@@ -276,12 +307,21 @@ def driver_rc(conn: Conn, node: Node, run_id: str) -> int | None:
     jd = job_dir(node, run_id)
     text = run(conn, f"cat {q(jd + '/' + RC)} 2>/dev/null || true").strip()
     if text:
-        return int(text)
+        return parse_rc(text)
     pid = f"{jd}/{PID}"
     if succeeds(conn, f'kill -0 "$(cat {q(pid)})" 2>/dev/null'):
         return None
     text = run(conn, f"cat {q(jd + '/' + RC)} 2>/dev/null || true").strip()  # ended meanwhile
-    return int(text) if text else -1
+    return parse_rc(text) if text else -1
+
+
+def parse_rc(text: str) -> int:
+    """The exit code in a `driver.rc`; one that does not read as a number (a disk full while
+    it was written, a hand edit) counts as a failure (-1), not a traceback."""
+    try:
+        return int(text.strip())
+    except ValueError:
+        return -1
 
 
 def driver_log(conn: Conn, node: Node, run_id: str, lines: int = 200) -> str:
@@ -326,19 +366,36 @@ def follow(
     poll_s: float = POLL_S,
     on_event: Callable[[dict[str, Any]], None] | None = None,
     on_tick: Callable[[], None] | None = None,
+    grace_s: float = GRACE_S,
 ) -> Outcome:
     """Poll metrics.jsonl in the run prefix and the driver on the master until it ends; new
     round rows go to `on_rows` (a round that a restarted driver runs again only once), new
     event rows (a restart) to `on_event`, in file order; the submitter's activity stamp is
-    refreshed as it waits, and `on_tick` (the cluster's repair watch) is called every poll."""
+    refreshed as it waits, and `on_tick` (the cluster's repair watch) is called every poll.
+    A broken SSH connection is opened again at each poll for `grace_s` (the job runs on
+    without it); past that, JobOutOfReach."""
     store = open_store(prefix, endpoint_url)
     seen = _Seen()
     last_stamp = 0.0
+    lost_since: float | None = None
     while True:
-        if time.monotonic() - last_stamp >= autostop.ACTIVITY_EVERY_S / 2:
-            stamp_submitter(conn, master.node)
-            last_stamp = time.monotonic()
-        rc = driver_rc(conn, master.node, run_id)
+        try:
+            if time.monotonic() - last_stamp >= autostop.ACTIVITY_EVERY_S / 2:
+                stamp_submitter(conn, master.node)
+                last_stamp = time.monotonic()
+            rc = driver_rc(conn, master.node, run_id)
+        except ConnectionLost as exc:
+            lost_since = lost_since or time.monotonic()
+            if time.monotonic() - lost_since >= grace_s:
+                raise JobOutOfReach(
+                    f"no SSH connection to the master ({master.node.endpoint.host}) "
+                    f"for {grace_s:.0f} s ({exc}); job {run_id} may go on there: "
+                    f"`sparknet-submit attach {run_id}` follows it again"
+                ) from exc
+            _drop(conn)
+            time.sleep(poll_s)
+            continue
+        lost_since = None
         rows = read_metrics(store, events=True)
         seen.dispatch(rows, on_rows, on_event)
         if rc is not None:
@@ -347,6 +404,14 @@ def follow(
         if on_tick is not None:
             on_tick()
         time.sleep(poll_s)
+
+
+def _drop(conn: Conn) -> None:
+    """Close a broken connection, so that its next command opens a new one (Fabric's
+    Connection reconnects on `run` once it is closed)."""
+    close = getattr(conn, "close", None)
+    if close is not None:
+        _quietly(close)
 
 
 @dataclass
@@ -462,19 +527,34 @@ def preflight(job: Job) -> tuple[str, str]:
 OnJob = Callable[[str, str, Master, TrainConfig], None]
 
 
+@dataclass
+class Ending:
+    """What became of the cluster when `submit` returned or raised, for the caller's last
+    line: "down" (taken down), "up" (stays up: --keep, --cluster, a job left running), or ""
+    (nothing was launched). A teardown that failed raises TeardownFailed instead."""
+
+    cluster: str = ""
+
+
 def submit(
     job: Job,
     *,
     say: Say,
     on_rows: Callable[[list[dict[str, Any]], float | None], None],
     on_job: OnJob | None = None,
+    ending: Ending | None = None,
 ) -> Result:
     """Preflight, cluster, driver, follow, fetch; then teardown (see `teardown_due`) whatever
     happened, Ctrl-C and SIGTERM included (the CLI turns those into KeyboardInterrupt). A
-    detached job returns once its driver runs, and then nothing is torn down."""
+    detached job returns once its driver runs, and then nothing is torn down; nor is it for a
+    job out of reach (it may run on). `ending` is told what became of the cluster."""
+    ending = Ending() if ending is None else ending
     run_id, prefix = preflight(job)
+    if not job.reused:
+        check_name_free(job.spec, job.endpoint_url)
     started = time.monotonic()
-    ok = False
+    ok = lost = False
+    failure: BaseException | None = None
     try:
         if not job.reused:
             say(f"bringing cluster {job.spec.name} up")
@@ -490,7 +570,11 @@ def submit(
             start_detached(master, run_id, prefix, cfg, say, job.max_restarts)
             ok = True
             return Result(run_id, prefix, None, time.monotonic() - started, None, [])
-        outcome = _run_driver(job, master, run_id, prefix, cfg, say, on_rows)
+        try:
+            outcome = _run_driver(job, master, run_id, prefix, cfg, say, on_rows)
+        except JobOutOfReach:
+            lost = True
+            raise
         cost = cost_so_far(job.spec, job.endpoint_url)
         fetched = fetch_results(prefix, job.dataset.endpoint_url, job.runs_dir / run_id)
         if outcome.rc != 0:
@@ -501,14 +585,18 @@ def submit(
             )
         ok = True
         return Result(run_id, prefix, outcome, time.monotonic() - started, cost, fetched)
+    except BaseException as exc:
+        failure = exc
+        raise
     finally:
-        if teardown_due(job, detached=job.detach and ok):
-            teardown(job, say)
-        elif not ok:
-            say(
-                f"cluster {job.spec.name} stays up (--keep or reused); "
-                f"`sparknet cluster down {job.spec.name}` ends it"
-            )
+        if teardown_due(job, detached=(job.detach and ok) or lost):
+            ending.cluster = "up"  # until it is down: a failed teardown leaves it up
+            teardown(job, say, failure)
+            ending.cluster = "down"
+        else:
+            ending.cluster = "up"
+            if not ok:
+                say(stays_up_line(job))
 
 
 def _run_driver(
@@ -525,20 +613,23 @@ def _run_driver(
     try:
         start_driver(conn, master.node, run_id, cfg, job.max_restarts)
         say(f"job {run_id} started on the master; run prefix {prefix}")
-        try:
-            return follow(
-                conn,
-                master,
-                run_id,
-                prefix,
-                job.dataset.endpoint_url,
-                lambda rows: on_rows(rows, cost_so_far(job.spec, job.endpoint_url)),
-                on_event=lambda event: say(restart_line(event)),
-                on_tick=repair.Watch(job.spec, endpoint_url=job.endpoint_url, say=say),
-            )
-        except BaseException:
-            _quietly(lambda: cancel_driver(conn, master.node, run_id))
-            raise
+        return follow(
+            conn,
+            master,
+            run_id,
+            prefix,
+            job.dataset.endpoint_url,
+            lambda rows: on_rows(rows, cost_so_far(job.spec, job.endpoint_url)),
+            on_event=lambda event: say(restart_line(event)),
+            on_tick=repair.Watch(job.spec, endpoint_url=job.endpoint_url, say=say),
+        )
+    except JobOutOfReach:
+        raise  # the job may run on, out of reach: nothing to cancel it with
+    except BaseException:
+        # from the start on (Ctrl-C while the driver starts included): a driver left running
+        # on a cluster that stays up would hold its GPUs with nobody following it
+        _quietly(lambda: cancel_driver(conn, master.node, run_id))
+        raise
     finally:
         conn.close()
 
@@ -551,11 +642,15 @@ def start_detached(
     say: Say,
     max_restarts: int = DEFAULT_MAX_RESTARTS,
 ) -> None:
-    """`--detach`: start the driver and leave it (it outlives this SSH session)."""
+    """`--detach`: start the driver and leave it (it outlives this SSH session); interrupted
+    before it is said to run, it is cancelled (the submit failed: nobody knows of the job)."""
     conn = nodes.connect(master.node.endpoint, master.access)
     try:
         start_driver(conn, master.node, run_id, cfg, max_restarts)
         say(f"job {run_id} started on the master; run prefix {prefix}")
+    except BaseException:
+        _quietly(lambda: cancel_driver(conn, master.node, run_id))
+        raise
     finally:
         conn.close()
 
@@ -568,11 +663,38 @@ def teardown_due(job: Job, detached: bool = False) -> bool:
     return not job.keep and not job.reused and not detached
 
 
-def teardown(job: Job, say: Say) -> None:
-    """`sparknet cluster down`'s code; nothing there (up failed early) is no error."""
-    say(f"taking cluster {job.spec.name} down")
-    with contextlib.suppress(lifecycle.ClusterNotFound):
-        lifecycle.down(job.spec, endpoint_url=job.endpoint_url, say=say)
+def teardown(job: Job, say: Say, after: BaseException | None = None) -> None:
+    """`sparknet cluster down`'s code; nothing there (up failed early) is no error. A failure
+    is TeardownFailed, which says how to end what is left (and keeps `after`, what ended the
+    job)."""
+    name = job.spec.name
+    say(f"taking cluster {name} down")
+    try:
+        with contextlib.suppress(lifecycle.ClusterNotFound):
+            lifecycle.down(job.spec, endpoint_url=job.endpoint_url, say=say)
+    except Exception as exc:
+        failed = TeardownFailed(
+            f"taking cluster {name} down failed: {_first(exc)}; its instances may still run: "
+            f"`sparknet cluster down {name}` ends them"
+        )
+        failed.after = after
+        raise failed from exc
+
+
+def stays_up_line(job: Job) -> str:
+    """What ends a cluster that a submit leaves up: its autostop timer (the minutes), or, with
+    the timer off, only `sparknet cluster down`."""
+    name, minutes = job.spec.name, job.spec.autostop_minutes
+    why = "reused with --cluster" if job.reused else "--keep" if job.keep else "the job runs"
+    if not minutes:
+        return (
+            f"cluster {name} stays up ({why}; autostop off): `sparknet cluster down {name}` ends it"
+        )
+    return (
+        f"cluster {name} stays up ({why}); its autostop timer terminates it {minutes} minutes "
+        f"after its last job ends with no submitter attached (`sparknet cluster down {name}` "
+        "ends it sooner)"
+    )
 
 
 def _quietly(action: Callable[[], None]) -> None:

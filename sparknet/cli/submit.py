@@ -18,7 +18,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sparknet.cli import train as train_command
-from sparknet.cli.common import Caught, console, fail, interrupts, results
+from sparknet.cli.common import Caught, console, fail, first_line, interrupts, results
 from sparknet.config import find_config_file, load_datasets, load_train_config
 from sparknet.errors import SparknetError
 
@@ -94,10 +94,10 @@ def submit(
     caught = Caught()
     started = False  # an error before the flow starts is in the command or settings: exit 2
     try:
-        _check_flags(s3, cluster, keep, detach, autostop)
+        _check_flags(s3, cluster, name, keep, autostop)
         path = find_config_file(config)
         cfg = load_train_config(config_file=path, sets=sets, flags=training, conf=conf)
-        dataset = flow.resolve_dataset(s3, load_datasets(path))
+        dataset = flow.resolve_dataset(s3, load_datasets(path), endpoint_url)
         cluster_name = cluster or name or _only_cluster(path)
         flags = dict(
             workers=workers, instance_types=instance_type, spot=spot, provider=provider,
@@ -108,27 +108,32 @@ def submit(
             raise flow.PreflightFailed(
                 "sparknet-submit runs on EC2 clusters only (provider: aws) so far"
             )
-        _check_autostop(spec, cluster is not None, keep, detach)
+        _check_autostop(spec, cluster is not None, keep)
         job = flow.Job(
             spec, cluster is not None, keep, dataset, cfg, endpoint_url, detach=detach,
             max_restarts=max_restarts,
         )  # fmt: skip
         report = _Report(console.is_terminal, cfg.rounds)
+        ending = flow.Ending()
         with interrupts(caught, note="still taking the cluster down; it ends by itself"):
             started = True
             try:
                 result = flow.submit(
                     job, say=_say, on_rows=report.rows,
-                    on_job=lambda *a: jobs.save(jobs.record_of(job, *a)),
+                    on_job=lambda *a: jobs.save(jobs.record_of(job, *a)), ending=ending,
                 )  # fmt: skip
             finally:
                 report.stop()
     except (KeyboardInterrupt, Exception) as exc:
-        if isinstance(exc, KeyboardInterrupt) or caught.signum is not None:
+        after = getattr(exc, "after", None)  # a TeardownFailed's: what ended the job
+        interrupted = any(isinstance(e, KeyboardInterrupt) for e in (exc, after))
+        if interrupted or caught.signum is not None:
             signum = caught.signum or signal.SIGINT
             how = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
-            fail(SparknetError(f"interrupted{how}; teardown done"), debug, 128 + signum)
-        if isinstance(exc, flow.JobFailed):
+            fail(SparknetError(f"interrupted{how}{_ended(exc, ending)}"), debug, 128 + signum)
+        if isinstance(after, SparknetError):
+            fail(SparknetError(f"{first_line(after)}; then {exc}"), debug, 1)
+        if isinstance(exc, flow.JobFailed | flow.TeardownFailed | flow.JobOutOfReach):
             fail(exc, debug, 1)
         if isinstance(exc, SparknetError):
             bad_input = not started or isinstance(exc, flow.PreflightFailed)
@@ -143,10 +148,23 @@ def submit(
         results.print(line, markup=False, highlight=False, soft_wrap=True)
     for path in result.fetched:
         results.print(f"fetched {path}", markup=False, highlight=False, soft_wrap=True)
+    if job.keep or job.reused:
+        _say(flow.stays_up_line(job))
+
+
+def _ended(exc: BaseException, ending) -> str:
+    """What an interrupted submit says became of the cluster: down only when it is."""
+    from sparknet import submit as flow
+
+    if isinstance(exc, flow.TeardownFailed):
+        return f"; {exc}"
+    return {"down": "; teardown done", "up": "; the cluster stays up (see above)"}.get(
+        ending.cluster, "; nothing was launched"
+    )
 
 
 def _check_flags(
-    s3: str | None, cluster: str | None, keep: bool, detach: bool, autostop: int | None
+    s3: str | None, cluster: str | None, name: str | None, keep: bool, autostop: int | None
 ) -> None:
     """The flags' combinations that are refused before anything is read or asked of AWS."""
     from sparknet.submit import PreflightFailed
@@ -155,6 +173,11 @@ def _check_flags(
         raise PreflightFailed(
             "--s3 DATASET is required (a name from datasets: or s3://bucket/prefix); "
             "or a command: attach, logs, cancel, list"
+        )
+    if name is not None and cluster is not None:
+        raise PreflightFailed(
+            f"--name {name} names a cluster to make and --cluster {cluster} one to reuse; "
+            "give one of them"
         )
     if autostop is not None and cluster is not None:
         raise PreflightFailed(
@@ -166,18 +189,18 @@ def _check_flags(
             "--autostop 0 turns the timer off only with --keep: a cluster left without it runs "
             "until `sparknet cluster down`"
         )
-    del detach  # checked against the resolved settings in `_check_autostop`
 
 
-def _check_autostop(spec, reused: bool, keep: bool, detach: bool) -> None:
-    """`--detach` on a cluster this submit makes, with its autostop timer off (the flag or the
-    settings' `autostop_minutes: 0`) and no --keep: nothing would ever end the cluster."""
+def _check_autostop(spec, reused: bool, keep: bool) -> None:
+    """A cluster this submit makes, with its autostop timer off (the flag or the settings'
+    `autostop_minutes: 0`) and no --keep: a detached job, a job out of reach or a failed
+    teardown would leave it running until `sparknet cluster down`."""
     from sparknet.submit import PreflightFailed
 
-    if detach and not reused and not keep and spec.autostop_minutes == 0:
+    if not reused and not keep and spec.autostop_minutes == 0:
         raise PreflightFailed(
-            f"--detach with cluster {spec.name}'s autostop off (0) would leave its instances "
-            "running forever; give --autostop MINUTES, or --keep to keep it on purpose"
+            f"cluster {spec.name}'s autostop is off (autostop_minutes: 0), which is allowed "
+            "only with --keep: give --autostop MINUTES, or --keep to keep it on purpose"
         )
 
 
@@ -190,15 +213,9 @@ def _print_detached(job, run_id: str, prefix: str) -> None:
         f"job {run_id} runs detached: `sparknet-submit attach {run_id}` follows it, "
         f"`sparknet-submit logs {run_id}` shows its log, `sparknet-submit cancel {run_id}` ends it"
     )
-    name = job.spec.name
-    if job.reused or job.keep:
-        _say(f"cluster {name} stays up (--keep or reused); `sparknet cluster down {name}` ends it")
-    else:
-        _say(
-            f"cluster {name} stays up while the job runs; its autostop timer terminates it "
-            f"{job.spec.autostop_minutes} minutes after the job ends with no submitter attached "
-            f"(`sparknet cluster down {name}` ends it sooner)"
-        )
+    from sparknet.submit import stays_up_line
+
+    _say(stays_up_line(job))
 
 
 def _only_cluster(path: Path | None) -> str:

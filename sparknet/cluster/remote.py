@@ -5,9 +5,11 @@ through a command line: the secret travels this way)."""
 from __future__ import annotations
 
 import shlex
+import socket
 import subprocess
 from typing import Any, Protocol
 
+import paramiko
 from invoke.exceptions import CommandTimedOut
 
 from sparknet.errors import SparknetError
@@ -35,13 +37,32 @@ class CommandFailed(SparknetError):
         self.tail = tail
 
 
+class ConnectionLost(CommandFailed):
+    """The SSH connection to the node failed (dropped, refused, reset): the command may not
+    have run at all. Raised in place of paramiko's and the socket's own errors, so a caller
+    sees one SparknetError and can tell a lost link from a command that failed."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(f"SSH connection lost ({_describe(exc)})", [])
+
+
+#: what paramiko and the socket raise when the link to a node breaks or cannot be made
+SSH_ERRORS = (OSError, EOFError, socket.timeout, paramiko.SSHException)
+
+
+def _describe(exc: BaseException) -> str:
+    text = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def tail_lines(*texts: str) -> list[str]:
     lines = [ln.rstrip() for text in texts for ln in (text or "").splitlines() if ln.strip()]
     return lines[-TAIL_LINES:]
 
 
 def run(conn: Conn, command: str, timeout: float = 60) -> str:
-    """Run `command` on the node; its stdout. Non-zero exit or a timeout is CommandFailed."""
+    """Run `command` on the node; its stdout. Non-zero exit or a timeout is CommandFailed, a
+    broken or refused SSH connection ConnectionLost."""
     try:
         result = conn.run(
             command, hide=True, warn=True, timeout=timeout, pty=False, in_stream=False
@@ -50,15 +71,20 @@ def run(conn: Conn, command: str, timeout: float = 60) -> str:
         raise CommandFailed(
             f"timed out after {timeout:g} s", tail_lines(exc.result.stdout, exc.result.stderr)
         ) from None
+    except SSH_ERRORS as exc:
+        raise ConnectionLost(exc) from exc
     if result.exited != 0:
         raise CommandFailed(f"exited {result.exited}", tail_lines(result.stdout, result.stderr))
     return result.stdout
 
 
 def succeeds(conn: Conn, command: str, timeout: float = 60) -> bool:
-    """Whether `command` exits 0 on the node (what most checks ask)."""
+    """Whether `command` exits 0 on the node (what most checks ask); a lost connection is no
+    answer and raises ConnectionLost."""
     try:
         run(conn, command, timeout)
+    except ConnectionLost:
+        raise
     except CommandFailed:
         return False
     return True
@@ -80,10 +106,13 @@ def upload(conn: Conn, data: bytes, remote: str, mode: int, timeout: float = 300
     if client is None:  # a local invoke.Context (unit tests): the same command, locally
         subprocess.run(["sh", "-c", command], input=data, check=True, timeout=timeout)
         return
-    stdin, stdout, stderr = client.exec_command(command, timeout=timeout)
-    stdin.write(data)
-    stdin.channel.shutdown_write()
-    status = stdout.channel.recv_exit_status()
+    try:
+        stdin, stdout, stderr = client.exec_command(command, timeout=timeout)
+        stdin.write(data)
+        stdin.channel.shutdown_write()
+        status = stdout.channel.recv_exit_status()
+    except SSH_ERRORS as exc:
+        raise ConnectionLost(exc) from exc
     if status != 0:
         raise CommandFailed(
             f"writing {remote} exited {status}", tail_lines(stderr.read().decode(errors="replace"))

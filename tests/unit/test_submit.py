@@ -349,7 +349,7 @@ def test_detach_and_autostop_refusals_are_one_line_exit_2_before_anything(
         ("--autostop", "0"): "error: --autostop 0 turns the timer off only with --keep",
         ("--autostop", "0", "--detach"): "error: --autostop 0 turns the timer off only with",
         ("--cluster", "c1", "--autostop", "5"): "error: --autostop applies to a cluster",
-        ("--name", "c0", "--detach"): "error: --detach with cluster c0's autostop off (0)",
+        ("--name", "c0", "--detach"): "error: cluster c0's autostop is off (autostop_minutes",
     }
     for args, line in cases.items():
         name = [] if "--cluster" in args or "--name" in args else ["--name", "c1"]
@@ -392,9 +392,13 @@ def test_a_detached_submit_prints_its_run_and_what_ends_the_cluster(capsys) -> N
     out, err = capsys.readouterr()
     assert out == "run id: R1\nrun prefix: s3://b-b/runs/c1/R1/\n"
     assert "`sparknet-submit attach R1` follows it" in err
-    assert "its autostop timer terminates it 17 minutes after the job ends" in " ".join(err.split())
+    assert "its autostop timer terminates it 17 minutes after its last job ends" in " ".join(
+        err.split()
+    )
     _print_detached(flow.Job(spec, True, False, made.dataset, None, detach=True), "R2", "p")  # type: ignore[arg-type]
-    assert "stays up (--keep or reused)" in capsys.readouterr().err
+    assert "stays up (reused with --cluster); its autostop timer terminates it 17 minutes" in (
+        " ".join(capsys.readouterr().err.split())
+    )
 
 
 def test_a_detached_job_keeps_its_cluster_but_a_failed_detach_tears_it_down() -> None:
@@ -405,3 +409,269 @@ def test_a_detached_job_keeps_its_cluster_but_a_failed_detach_tears_it_down() ->
     )  # type: ignore[arg-type]
     assert not flow.teardown_due(job, detached=True)  # the driver runs: autostop ends it later
     assert flow.teardown_due(job, detached=False)  # failed before the driver started
+
+
+# --- the submitter's own failures: a taken name, a lost link, a teardown, an interrupt ---------
+
+
+def test_a_submit_that_makes_its_cluster_refuses_a_name_that_already_runs(moto_endpoint) -> None:
+    """An instance tagged with the cluster's name on moto's EC2: a submit without --cluster
+    must not take it over (its teardown would end it and the jobs on it); another name and
+    a terminated one are free."""
+    import boto3
+
+    from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
+
+    ec2 = boto3.client("ec2", endpoint_url=moto_endpoint, region_name="us-east-1")
+    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    tags = [{"ResourceType": "instance", "Tags": [{"Key": TAG_CLUSTER, "Value": "taken-c"}]}]
+    made = ec2.run_instances(
+        ImageId=ami, InstanceType="t3.micro", MinCount=1, MaxCount=1, TagSpecifications=tags
+    )["Instances"][0]["InstanceId"]
+    try:
+        with pytest.raises(flow.PreflightFailed) as refused:
+            flow.check_name_free(ClusterSpec(name="taken-c"), moto_endpoint)
+        assert str(refused.value) == (
+            "cluster taken-c already runs; pass --cluster taken-c to reuse it, or --name NEW "
+            "to make another"
+        )
+        flow.check_name_free(ClusterSpec(name="free-c"), moto_endpoint)
+    finally:
+        ec2.terminate_instances(InstanceIds=[made])
+    flow.check_name_free(ClusterSpec(name="taken-c"), moto_endpoint)
+
+
+def test_ssh_errors_of_a_command_are_connection_lost_not_paramikos() -> None:
+    import paramiko
+    from paramiko.ssh_exception import NoValidConnectionsError
+
+    from sparknet.cluster import remote
+
+    for raw in (
+        NoValidConnectionsError({("10.0.0.1", 22): ConnectionRefusedError("refused")}),
+        paramiko.SSHException("SSH session not active"),
+        OSError("Socket is closed"),
+        EOFError(),
+    ):
+        conn = _Dropping(down=range(0, 10**6), error=raw)
+        with pytest.raises(remote.ConnectionLost, match="SSH connection lost"):
+            remote.run(conn, "true")
+        with pytest.raises(remote.ConnectionLost):  # no answer is not a "no"
+            remote.succeeds(conn, "true")
+
+
+class _Dropping:
+    """A connection to the node whose link is down for the calls numbered in `down`: each
+    raises what paramiko raises for a closed transport (the rest run in a local shell, which
+    stands in for the master's SSH session). `close()` counts reconnects."""
+
+    def __init__(self, down: range, error: BaseException | None = None) -> None:
+        from invoke import Context
+
+        self.local, self.down, self.calls, self.closed = Context(), down, 0, 0
+        self.error = error
+
+    def run(self, command: str, **kwargs):
+        import paramiko
+
+        self.calls += 1
+        if self.calls in self.down:
+            raise self.error or paramiko.SSHException("SSH session not active")
+        return self.local.run(command, **kwargs)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_follow_survives_an_ssh_drop_and_gives_a_job_out_of_reach_up_after_the_grace(
+    tmp_path,
+) -> None:
+    """The link drops for six polls while the job runs: follow reconnects (closes the broken
+    connection) and ends with the job's exit code; a link that stays down past the grace is
+    JobOutOfReach, which names `attach`, and the job is not cancelled."""
+    from invoke import Context
+
+    node = _fake_node(tmp_path, "sleep 2; exit 0")
+    master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    flow.start_driver(Context(), node, "S1", TrainConfig())
+    runs = tmp_path / "prefix"
+    runs.mkdir()
+    conn = _Dropping(down=range(2, 8))
+    outcome = flow.follow(conn, master, "S1", str(runs), None, lambda rows: None, poll_s=0.1)
+    assert outcome.rc == 0 and conn.closed >= 1 and conn.calls > 8
+
+    flow.start_driver(Context(), _fake_node_again(tmp_path, node), "S2", TrainConfig())
+    down = _Dropping(down=range(2, 10**6))
+    with pytest.raises(flow.JobOutOfReach, match="`sparknet-submit attach S2` follows it again"):
+        flow.follow(down, master, "S2", str(runs), None, lambda rows: None, 0.05, grace_s=0.5)
+    assert flow.driver_rc(Context(), node, "S2") is None  # it runs on: nothing cancelled it
+    flow.cancel_driver(Context(), node, "S2")
+
+
+def _fake_node_again(tmp_path, node):
+    """The same node, its `sparknet` now a long job."""
+    (tmp_path / "venv" / "bin" / "sparknet").write_text("#!/bin/sh\nsleep 60\n")
+    return node
+
+
+def test_a_malformed_exit_code_is_a_failure_not_a_traceback(tmp_path) -> None:
+    from invoke import Context
+
+    from sparknet import jobs
+
+    node = _fake_node(tmp_path, "exit 0")
+    job = tmp_path / "jobs" / "M1"
+    job.mkdir(parents=True)
+    (job / "driver.rc").write_text("12x\n")
+    assert flow.driver_rc(Context(), node, "M1") == -1
+    assert jobs.state_of(Context(), node, "M1") == "failed -1"
+    assert flow.parse_rc(" 3\n") == 3
+
+
+def test_logs_follow_counts_bytes_so_invalid_utf8_shifts_nothing(tmp_path) -> None:
+    """A byte that is no UTF-8 is shown as U+FFFD (3 bytes once encoded): the next read must
+    still begin right after it, not 2 bytes further."""
+    from invoke import Context
+
+    from sparknet import jobs
+
+    node = _fake_node(tmp_path, r"echo start; sleep 1; printf 'x\377y\n'; sleep 1; echo 'line two'")
+    flow.start_driver(Context(), node, "U1", TrainConfig())
+    _wait_for(lambda: "start" in (tmp_path / "jobs" / "U1" / "driver.log").read_text())
+    got: list[str] = []
+    jobs.print_log(Context(), node, "U1", 1, True, got.append, poll_s=0.1)
+    assert "".join(got) == "start\nx\ufffdy\nline two\n"
+
+
+def test_ctrl_c_right_after_the_driver_starts_cancels_it(tmp_path, monkeypatch) -> None:
+    """The interrupt comes as the start is said (after start_driver returned, before follow):
+    the driver's session must be gone, not left running untracked on a cluster that stays up.
+    A local shell stands in for the master's SSH session."""
+    import os
+    import subprocess
+
+    from invoke import Context
+
+    from sparknet.cluster import nodes
+    from sparknet.cluster.spec import ClusterSpec
+
+    class Local(Context):
+        def close(self) -> None:
+            pass
+
+    node = _fake_node(tmp_path, "sleep 60")
+    master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    monkeypatch.setattr(nodes, "connect", lambda endpoint, access: Local())
+    job = flow.Job(ClusterSpec(name="c1"), True, False, flow.Dataset("s3://b-b/x"), TrainConfig())
+
+    def say(line: str) -> None:
+        if line.startswith("job K1 started"):
+            raise KeyboardInterrupt
+
+    for start in (
+        lambda: flow._run_driver(job, master, "K1", "p/", TrainConfig(), say, lambda r, c: None),
+        lambda: flow.start_detached(master, "K1", "p/", TrainConfig(), say),
+    ):
+        with pytest.raises(KeyboardInterrupt):
+            start()
+        leader = int((tmp_path / "jobs" / "K1" / "driver.pid").read_text())
+        _wait_for(lambda pid=leader: subprocess.run(["kill", "-0", str(pid)]).returncode != 0)
+        assert [p for p in os.listdir("/proc") if p.isdigit() and _pgrp(p) == leader] == []
+
+
+def _flow_without_aws(monkeypatch, *, up=None, down=None) -> None:
+    """flow.submit past its preflight with `lifecycle.up`/`down` replaced: what they raise
+    (an interrupt while up runs, AWS out of reach while down runs) cannot be had from moto on
+    demand."""
+    from sparknet.cluster import lifecycle
+
+    monkeypatch.setattr(flow, "preflight", lambda job: ("R1", "s3://b-b/runs/c1/R1/"))
+    monkeypatch.setattr(flow, "check_name_free", lambda spec, endpoint_url: None)
+    monkeypatch.setattr(lifecycle, "up", up)
+    monkeypatch.setattr(lifecycle, "down", down)
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def _aws_gone(*args, **kwargs):
+    from sparknet.errors import SparknetError
+
+    raise SparknetError("cannot reach AWS (EC2 at http://127.0.0.1:9)")
+
+
+def test_an_interrupt_says_teardown_done_only_when_it_is(tmp_path, monkeypatch) -> None:
+    (tmp_path / "sparknet.yaml").write_text("clusters:\n  c1: {}\n")
+    downs: list[str] = []
+    cases = [
+        # down fails: its error and what ends the instances, never "done"
+        ((), _aws_gone, "error: interrupted; taking cluster c1 down failed: cannot reach AWS "),
+        # --keep: no teardown; the cluster stays up, said with its autostop minutes
+        (("--keep",), _aws_gone, "error: interrupted; the cluster stays up (see above)\n"),
+        # down ran and worked
+        ((), lambda spec, **kw: downs.append(spec.name), "error: interrupted; teardown done\n"),
+    ]
+    for args, down, line in cases:
+        _flow_without_aws(monkeypatch, up=_interrupt, down=down)
+        done = _submit_cli(tmp_path, monkeypatch, "--s3", "s3://b-b/x", *args)
+        assert done.exit_code == 130, done.stderr
+        last = done.stderr.splitlines()[-1] + "\n"
+        assert last.startswith(line), done.stderr
+        assert "teardown done" not in done.stderr or line.endswith("teardown done\n")
+        if "--keep" in args:
+            assert "cluster c1 stays up (--keep); its autostop timer terminates it 30 minutes" in (
+                " ".join(done.stderr.split())
+            )
+    assert downs == ["c1"]
+
+
+def test_submit_refusals_of_name_with_cluster_and_autostop_0_in_the_settings(
+    tmp_path, monkeypatch
+) -> None:
+    (tmp_path / "sparknet.yaml").write_text("clusters:\n  c0: {autostop_minutes: 0}\n")
+    both = _submit_cli(tmp_path, monkeypatch, "--s3", "s3://b/x", "--name", "a", "--cluster", "b")
+    assert (both.exit_code, both.stderr) == (
+        2, "error: --name a names a cluster to make and --cluster b one to reuse; give one of "
+        "them\n",
+    )  # fmt: skip
+    off = _submit_cli(tmp_path, monkeypatch, "--s3", "s3://bkt/x", "--name", "c0")
+    assert off.exit_code == 2 and off.stderr == (
+        "error: cluster c0's autostop is off (autostop_minutes: 0), which is allowed only with "
+        "--keep: give --autostop MINUTES, or --keep to keep it on purpose\n"
+    )
+
+
+def test_endpoint_url_reaches_a_bare_s3_uri() -> None:
+    assert flow.resolve_dataset("s3://b-b/x/", {}, "http://127.0.0.1:5") == flow.Dataset(
+        "s3://b-b/x", "http://127.0.0.1:5"
+    )
+
+
+def test_preflight_of_a_made_cluster_needs_its_bucket_and_the_data_under_its_data_prefix(
+    s3, bucket
+) -> None:
+    """The node role reads only s3://BUCKET/DATA_PREFIX and writes only the cluster's runs
+    prefix (no `bucket:`: no S3 at all), so a submit that would fail once the cluster is up and
+    paid for is refused first, one line; the run prefix is the cluster's `cluster_runs_prefix`."""
+    from sparknet.cluster.spec import ClusterSpec
+
+    uri = _dataset(s3, bucket)  # s3://BUCKET/ds
+
+    def preflight(spec: ClusterSpec, reused: bool = False) -> tuple[str, str]:
+        return flow.preflight(flow.Job(spec, reused, False, flow.Dataset(uri), TrainConfig()))
+
+    with pytest.raises(flow.PreflightFailed, match=r"^cluster c1 has no `bucket:` in its"):
+        preflight(ClusterSpec(name="c1"))
+    with pytest.raises(
+        flow.PreflightFailed, match=f"^dataset {uri} is outside s3://{bucket}/datasets/, the only"
+    ):
+        preflight(ClusterSpec(name="c1", bucket=bucket))
+    with pytest.raises(flow.PreflightFailed, match="is outside"):  # a prefix match, as IAM's
+        preflight(ClusterSpec(name="c1", bucket=bucket, data_prefix="dsx/"))
+    assert s3.list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0  # nothing written
+    spec = ClusterSpec(name="c1", bucket=bucket, data_prefix="ds/", runs_prefix="team/runs/")
+    run_id, prefix = preflight(spec)
+    assert prefix == f"s3://{bucket}/team/runs/c1/{run_id}/"
+    assert prefix.startswith(f"s3://{bucket}/{spec.cluster_runs_prefix}")
+    assert flow.runs_bucket(ClusterSpec(name="c1"), flow.Dataset(uri), reused=True) == bucket
