@@ -105,14 +105,32 @@ def new_run_id(now: float | None = None) -> str:
     return f"{stamp}-{secrets.token_hex(2)}"
 
 
-def run_prefix(bucket: str, cluster: str, run_id: str) -> str:
-    """`s3://BUCKET/runs/CLUSTER/RUN/`: where the driver writes everything of the run."""
-    return f"s3://{bucket}/runs/{cluster}/{run_id}/"
+def run_prefix(bucket: str, cluster: str, run_id: str, runs_prefix: str = "runs/") -> str:
+    """`s3://BUCKET/RUNS_PREFIX/CLUSTER/RUN/` (the cluster's `cluster_runs_prefix` plus the run):
+    where the driver writes everything of the run, the only prefix its nodes may write."""
+    return f"s3://{bucket}/{runs_prefix}{cluster}/{run_id}/"
 
 
-def runs_bucket(spec: ClusterSpec, dataset: Dataset) -> str:
-    """The cluster's `bucket:` when it has one (its role may write there), else the dataset's."""
-    return spec.bucket or S3Uri.parse(dataset.uri).bucket
+def runs_bucket(spec: ClusterSpec, dataset: Dataset, reused: bool = False) -> str:
+    """The cluster's `bucket:`, where the node role reads `data_prefix` and writes the cluster's
+    runs prefix (without one the role has no S3 access at all, so a cluster made for the job
+    would fail only once up and paid for); the dataset must be under its data prefix. A reused
+    cluster without one: the dataset's bucket (what it was given when it was made)."""
+    if spec.bucket is None:
+        if reused:
+            return S3Uri.parse(dataset.uri).bucket
+        raise PreflightFailed(
+            f"cluster {spec.name} has no `bucket:` in its settings: its nodes could read no data "
+            f"and write no run; set clusters.{spec.name}.bucket (the dataset's bucket)"
+        )
+    data = f"s3://{spec.bucket}/{spec.data_prefix}"
+    if not f"{dataset.uri}/".startswith(data):
+        raise PreflightFailed(
+            f"dataset {dataset.uri} is outside {data}, the only data cluster {spec.name}'s nodes "
+            f"may read; upload it there (`sparknet data upload`) or set clusters.{spec.name}'s "
+            "bucket and data_prefix"
+        )
+    return spec.bucket
 
 
 def progress_line(row: Mapping[str, Any], total: int, cost: float | None) -> str:
@@ -516,7 +534,8 @@ def preflight(job: Job) -> tuple[str, str]:
     if job.reused:
         reuse(job.spec, job.endpoint_url)
     run_id = new_run_id()
-    prefix = run_prefix(runs_bucket(job.spec, job.dataset), job.spec.name, run_id)
+    bucket = runs_bucket(job.spec, job.dataset, job.reused)
+    prefix = run_prefix(bucket, job.spec.name, run_id, job.spec.runs_prefix)
     check_writable(prefix, job.dataset.endpoint_url)
     if not job.reused:
         check_types(job.spec, job.endpoint_url)

@@ -72,11 +72,17 @@ def daemon_pids(root: Path, node_names: Iterable[str]) -> dict[str, int]:
     return out
 
 
-def loopback_cluster_entry(region: str, ami_parameter: str) -> dict:
+def loopback_cluster_entry(
+    region: str, ami_parameter: str, bucket: str | None = None, data_prefix: str = "datasets/"
+) -> dict:
     """A `clusters:` entry for a moto cluster of a master and one worker (g5.xlarge, whose GPU
     `plan_nodes` finds) that loopback sshd nodes stand in for: they run over the repo's .venv,
-    offer no GPU (`gpus_per_node: 0`) and 1 core and 1 GiB per Spark worker, on free ports."""
+    offer no GPU (`gpus_per_node: 0`) and 1 core and 1 GiB per Spark worker, on free ports.
+    With `bucket` (a submit's cluster needs one: its nodes read data and write runs only there),
+    the data is under `data_prefix` of it."""
+    bucket_settings = {} if bucket is None else {"bucket": bucket, "data_prefix": data_prefix}
     return {
+        **bucket_settings,
         "region": region, "workers": 1, "master_type": "g5.xlarge",
         "instance_types": ["g5.xlarge"], "ami_parameter": ami_parameter,
         "allowed_cidr": "203.0.113.9/32",

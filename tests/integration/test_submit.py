@@ -65,16 +65,16 @@ def dataset(shards, bucket) -> str:
 
 
 @pytest.fixture
-def settings(moto_endpoint, dataset, tmp_path, monkeypatch):
-    """./sparknet.yaml (cwd tmp_path) with one `clusters:` entry and the dataset `tiny`; the
-    registry under tmp_path. The cluster name."""
+def settings(moto_endpoint, dataset, bucket, tmp_path, monkeypatch):
+    """./sparknet.yaml (cwd tmp_path) with one `clusters:` entry (the dataset's bucket, its data
+    prefix `tiny/`) and the dataset `tiny`; the registry under tmp_path. The cluster name."""
     from sparknet.cluster import lifecycle
 
     monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
     ami = _client("ec2").describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     _client("ssm").put_parameter(Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True)
     name = f"s{uuid.uuid4().hex[:8]}"
-    entry = loopback_cluster_entry(REGION, AMI_PARAMETER)
+    entry = loopback_cluster_entry(REGION, AMI_PARAMETER, bucket=bucket, data_prefix="tiny/")
     doc = {"clusters": {name: entry}, "datasets": {"tiny": {"uri": dataset}}}
     (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump(doc))
     return name
