@@ -646,3 +646,32 @@ def test_endpoint_url_reaches_a_bare_s3_uri() -> None:
     assert flow.resolve_dataset("s3://b-b/x/", {}, "http://127.0.0.1:5") == flow.Dataset(
         "s3://b-b/x", "http://127.0.0.1:5"
     )
+
+
+def test_preflight_of_a_made_cluster_needs_its_bucket_and_the_data_under_its_data_prefix(
+    s3, bucket
+) -> None:
+    """The node role reads only s3://BUCKET/DATA_PREFIX and writes only the cluster's runs
+    prefix (no `bucket:`: no S3 at all), so a submit that would fail once the cluster is up and
+    paid for is refused first, one line; the run prefix is the cluster's `cluster_runs_prefix`."""
+    from sparknet.cluster.spec import ClusterSpec
+
+    uri = _dataset(s3, bucket)  # s3://BUCKET/ds
+
+    def preflight(spec: ClusterSpec, reused: bool = False) -> tuple[str, str]:
+        return flow.preflight(flow.Job(spec, reused, False, flow.Dataset(uri), TrainConfig()))
+
+    with pytest.raises(flow.PreflightFailed, match=r"^cluster c1 has no `bucket:` in its"):
+        preflight(ClusterSpec(name="c1"))
+    with pytest.raises(
+        flow.PreflightFailed, match=f"^dataset {uri} is outside s3://{bucket}/datasets/, the only"
+    ):
+        preflight(ClusterSpec(name="c1", bucket=bucket))
+    with pytest.raises(flow.PreflightFailed, match="is outside"):  # a prefix match, as IAM's
+        preflight(ClusterSpec(name="c1", bucket=bucket, data_prefix="dsx/"))
+    assert s3.list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0  # nothing written
+    spec = ClusterSpec(name="c1", bucket=bucket, data_prefix="ds/", runs_prefix="team/runs/")
+    run_id, prefix = preflight(spec)
+    assert prefix == f"s3://{bucket}/team/runs/c1/{run_id}/"
+    assert prefix.startswith(f"s3://{bucket}/{spec.cluster_runs_prefix}")
+    assert flow.runs_bucket(ClusterSpec(name="c1"), flow.Dataset(uri), reused=True) == bucket
