@@ -358,7 +358,10 @@ def cluster_status(
     except SparknetError as exc:
         _fail(exc, debug)
     if not info.instances:
-        print(f"cluster {name} has no live instances in {info.region}")
+        print(
+            f"cluster {name} has no live instances in {info.region}: "
+            f"{lifecycle.leftover_note(name)}"
+        )
         raise typer.Exit(1)
     _print_instances(info)
     _print_ssh(spec, info)
@@ -459,9 +462,10 @@ def cluster_list(
         live = sum(item.startswith("instance:") for item in cluster.items)
         where = "registered" if name in known else "not registered"
         owners = ", ".join(sorted(owner or "-" for owner in cluster.owners)) or "-"
+        left = "" if live else f"\t{lifecycle.leftover_note(name)}"
         print(
             f"{name}\t{live} instances\t{len(cluster.items) - live} other resources\t{where}"
-            f"\towner {owners}"
+            f"\towner {owners}{left}"
         )
 
 

@@ -661,6 +661,14 @@ def status(spec: ClusterSpec, *, endpoint_url: str | None = None) -> ClusterInfo
     )  # fmt: skip
 
 
+def leftover_note(name: str) -> str:
+    """What `cluster status` and `list` say of a cluster with no live instance whose registry
+    entry, Terraform state or tagged resources are still there: the autostop timer (or a hand)
+    terminates instances only, and `down` removes the rest (key pair, security group, node
+    role, network, entry)."""
+    return f"terminated (autostop?); `sparknet cluster down {name}` cleans up"
+
+
 # --- list and sweep ----------------------------------------------------------------------------
 
 #: (describe call, response key, id key, kind) of each tagged EC2 resource type of a foundation

@@ -217,3 +217,34 @@ def test_autostop_minutes_setting() -> None:
     static = {"name": "c1", "provider": "static", "hosts": ["h1"], "key_file": "/k"}
     with pytest.raises(ValidationError, match="autostop_minutes: EC2 settings"):
         ClusterSpec.model_validate({**static, "autostop_minutes": 5})
+
+
+def test_a_cluster_whose_instances_autostop_ended_says_down_cleans_up(
+    moto_endpoint, tmp_path, monkeypatch
+) -> None:
+    """The timer terminates instances only: a cluster with none live but its registry entry
+    (or foundation) left shows in `cluster status` and `cluster list` as terminated, with the
+    `down` that removes the rest (moto: the registry entry stands for what is left)."""
+    from sparknet.cluster import lifecycle
+    from sparknet.cluster.spec import ClusterSpec
+    from tests.conftest import SPARKNET
+
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    lifecycle.save_entry(ClusterSpec(name="idle1", region="us-east-1"), moto_endpoint)
+    where = ["--region", "us-east-1", "--endpoint-url", moto_endpoint]
+    note = "terminated (autostop?); `sparknet cluster down idle1` cleans up"
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(SPARKNET), "cluster", *args, *where], cwd=tmp_path, capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+
+    shown = cli("status", "idle1")
+    assert shown.returncode == 1, shown.stderr
+    assert shown.stdout == f"cluster idle1 has no live instances in us-east-1: {note}\n"
+    listed = cli("list")
+    assert listed.returncode == 0, listed.stderr
+    assert [ln for ln in listed.stdout.splitlines() if ln.startswith("idle1\t")] == [
+        f"idle1\t0 instances\t0 other resources\tregistered\towner -\t{note}"
+    ]
