@@ -231,6 +231,8 @@ class Master:
     spark_url: str
     #: Spark worker nodes (the master runs one too)
     nodes: int
+    #: each Spark worker node's GPUs, master first (empty: the master's count for every node)
+    gpus: tuple[int, ...] = ()
 
 
 def master_of(spec: ClusterSpec, endpoint_url: str | None) -> Master:
@@ -241,7 +243,37 @@ def master_of(spec: ClusterSpec, endpoint_url: str | None) -> Master:
     planned = lifecycle.plan_nodes(spec, ec2, found)
     master = planned[0]
     url = f"spark://{master.rpc_host}:{spec.bootstrap.master_port}"
-    return Master(master, access, url, len(planned))
+    return Master(master, access, url, len(planned), tuple(n.gpus for n in planned))
+
+
+def check_gpu_counts(spec: ClusterSpec, endpoint_url: str | None) -> None:
+    """A cluster to make whose master type and worker types have different GPU counts is
+    refused before launch (see `node_gpus`); `bootstrap.gpus_per_node` sets one for all."""
+    if spec.bootstrap.gpus_per_node is not None:
+        return
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    counts = lifecycle.instance_gpus(ec2, [spec.master_type, *spec.instance_types])
+    if len(set(counts.values())) > 1:
+        raise PreflightFailed(_mixed(spec.name, counts))
+
+
+def node_gpus(name: str, master: Master) -> int:
+    """The GPUs of every Spark worker node (the master's included: it runs one too), which
+    must be one count: a job runs `gpus_per_worker` tasks on each, so a node with fewer would
+    place none and one with more would leave GPUs idle."""
+    counts = set(master.gpus or (master.node.gpus,))
+    if len(counts) > 1:
+        raise PreflightFailed(_mixed(name, {f"node {k}": g for k, g in enumerate(master.gpus)}))
+    return counts.pop()
+
+
+def _mixed(name: str, counts: Mapping[str, int]) -> str:
+    listed = ", ".join(f"{k}: {v}" for k, v in counts.items())
+    return (
+        f"cluster {name}'s nodes have different GPU counts ({listed}); every node runs a Spark "
+        "worker with the same number of tasks: give master_type and instance_types the same "
+        "GPU count, or set bootstrap.gpus_per_node"
+    )
 
 
 def cost_so_far(spec: ClusterSpec, endpoint_url: str | None) -> float | None:
@@ -254,11 +286,13 @@ def cost_so_far(spec: ClusterSpec, endpoint_url: str | None) -> float | None:
 # --- the driver on the master --------------------------------------------------------------------
 
 
-def job_config(cfg: TrainConfig, dataset: Dataset, prefix: str, master: Master) -> TrainConfig:
+def job_config(
+    cfg: TrainConfig, dataset: Dataset, prefix: str, master: Master, name: str = "cluster"
+) -> TrainConfig:
     """The job's settings as the driver runs them: the data, the run prefix, the cluster's Spark
-    master and GPUs, and one Spark task per worker GPU (per worker node without GPUs) unless
-    the user chose `workers`."""
-    gpus = master.node.gpus
+    master and GPUs (its Spark worker nodes', one count: `node_gpus`), and one Spark task per
+    worker GPU (per worker node without GPUs) unless the user chose `workers`."""
+    gpus = node_gpus(name, master)
     update: dict[str, Any] = {
         "data": dataset.uri, "out": prefix.rstrip("/"), "master": master.spark_url,
         "gpus_per_worker": gpus,
@@ -571,6 +605,7 @@ def submit(
     run_id, prefix = preflight(job)
     if not job.reused:
         check_name_free(job.spec, job.endpoint_url)
+        check_gpu_counts(job.spec, job.endpoint_url)
     started = time.monotonic()
     ok = lost = False
     failure: BaseException | None = None
@@ -579,7 +614,7 @@ def submit(
             say(f"bringing cluster {job.spec.name} up")
             lifecycle.up(job.spec, endpoint_url=job.endpoint_url, say=say, bootstrap=True)
         master = master_of(job.spec, job.endpoint_url)
-        cfg = job_config(job.cfg, job.dataset, prefix, master)
+        cfg = job_config(job.cfg, job.dataset, prefix, master, job.spec.name)
         open_store(prefix, job.dataset.endpoint_url).write_bytes(
             "config.yaml", cfg.to_yaml().encode()
         )

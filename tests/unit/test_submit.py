@@ -587,6 +587,7 @@ def _flow_without_aws(monkeypatch, *, up=None, down=None) -> None:
 
     monkeypatch.setattr(flow, "preflight", lambda job: ("R1", "s3://b-b/runs/c1/R1/"))
     monkeypatch.setattr(flow, "check_name_free", lambda spec, endpoint_url: None)
+    monkeypatch.setattr(flow, "check_gpu_counts", lambda spec, endpoint_url: None)
     monkeypatch.setattr(lifecycle, "up", up)
     monkeypatch.setattr(lifecycle, "down", down)
 
@@ -675,3 +676,26 @@ def test_preflight_of_a_made_cluster_needs_its_bucket_and_the_data_under_its_dat
     assert prefix == f"s3://{bucket}/team/runs/c1/{run_id}/"
     assert prefix.startswith(f"s3://{bucket}/{spec.cluster_runs_prefix}")
     assert flow.runs_bucket(ClusterSpec(name="c1"), flow.Dataset(uri), reused=True) == bucket
+
+
+def test_the_gpus_of_a_job_are_every_spark_worker_nodes_and_mixed_counts_are_refused(
+    moto_endpoint,
+) -> None:
+    """Every node runs a Spark worker, the master too: tasks are the sum of their GPUs, one
+    count per node; a CPU master with GPU workers is refused before launch (moto's EC2 knows
+    the types' GPUs, as AWS's DescribeInstanceTypes does), and on a running cluster alike."""
+    from sparknet.cluster.nodes import Endpoint
+    from sparknet.cluster.plan import Node
+    from sparknet.cluster.spec import ClusterSpec
+
+    node = Node(Endpoint("master", "127.0.0.1", 22, "me"), "127.0.0.1", "/opt/sparknet", 4)
+    four = flow.Master(node, None, "spark://x:7077", 2, (4, 4))  # type: ignore[arg-type]
+    cfg = flow.job_config(TrainConfig(), flow.Dataset("s3://b-b/x"), "s3://b-b/r/", four)
+    assert (cfg.gpus_per_worker, cfg.workers) == (4, 8)
+    mixed = flow.Master(node, None, "spark://x:7077", 3, (0, 1, 1))  # type: ignore[arg-type]
+    with pytest.raises(flow.PreflightFailed, match=r"cluster c1's nodes have different GPU"):
+        flow.job_config(TrainConfig(), flow.Dataset("s3://b-b/x"), "s3://b-b/r/", mixed, "c1")
+    cpu_master = ClusterSpec(name="c1", master_type="m5.xlarge", instance_types=["g5.xlarge"])
+    with pytest.raises(flow.PreflightFailed, match=r"\(g5.xlarge: 1, m5.xlarge: 0\)"):
+        flow.check_gpu_counts(cpu_master, moto_endpoint)
+    flow.check_gpu_counts(ClusterSpec(name="c1"), moto_endpoint)  # g5.xlarge everywhere
