@@ -93,6 +93,15 @@ def _jobs_on_a_kept_cluster(name: str, group, tmp_path: Path) -> None:
     assert kept.returncode == 0, kept.stderr[-3000:]
     first = _run_id(kept)
     assert len(_live(name)) == 2  # master and worker still running
+
+    # the same name without --cluster: refused before anything is launched (a made cluster's
+    # teardown would end this kept one), and the kept cluster is untouched
+    plain = submit("--s3", "tiny", *JOB, cwd=tmp_path)
+    assert (plain.returncode, plain.stderr) == (
+        2, f"error: cluster {name} already runs; pass --cluster {name} to reuse it, or --name NEW "
+        "to make another\n",
+    ), plain.stderr[-3000:]  # fmt: skip
+    assert len(_live(name)) == 2
     settings_file = tmp_path / "master" / "autostop" / "settings.json"
     assert json.loads(settings_file.read_text())["minutes"] == 7
 
