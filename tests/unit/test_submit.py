@@ -62,7 +62,7 @@ def _fake_node(tmp_path, train_script: str):
     return Node(Endpoint("master", "127.0.0.1", 22, "me"), "127.0.0.1", str(tmp_path), 0)
 
 
-def _wait_for(predicate, timeout: float = 20.0) -> None:
+def _wait_for(predicate, timeout: float = 90.0) -> None:
     import time
 
     deadline = time.monotonic() + timeout
