@@ -24,7 +24,10 @@ $(STAMP): pyproject.toml
 demo: install
 	$(VENV)/bin/sparknet train --data digits --workers 2
 
+# bytecode first: with PYTHONDONTWRITEBYTECODE set (CI images set it) every one of the suite's
+# thousand-odd Python processes would compile sparknet from source again
 test: install checkov
+	$(PY) -m compileall -q sparknet tests
 	$(VENV)/bin/pytest -q -n 3
 
 checkov: $(CHECKOV_STAMP)

@@ -11,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.jvm import use_quick_java
+
 REPO = Path(__file__).resolve().parents[1]
 SPARKNET = Path(sys.executable).with_name("sparknet")
+
+use_quick_java()  # before any JVM starts: every test process and what it starts inherits it
 
 
 @pytest.fixture(scope="session")

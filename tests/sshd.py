@@ -119,9 +119,10 @@ def _config(workdir: Path, port: int, host_key: Path, authorized_keys: Path) -> 
             "X11Forwarding no",
             "PrintMotd no",
             "LogLevel VERBOSE",
-            # the tests' PATH (the venv's bin) for the commands run over SSH, and moto's endpoint
-            # and fake credentials where a test has them: the stand-in for an EC2 node's
-            # instance role (sshd takes only the first SetEnv line: one line for all)
+            # the tests' PATH (the venv's bin) and JAVA_HOME (tests/jvm.py) for the commands
+            # run over SSH, and moto's endpoint and fake credentials where a test has them: the
+            # stand-in for an EC2 node's instance role (sshd takes only the first SetEnv line:
+            # one line for all)
             "SetEnv " + " ".join(f"{k}={v}" for k, v in _session_env().items()),
             "",
         ]
@@ -134,6 +135,8 @@ _AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "A
 
 def _session_env() -> dict[str, str]:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    if os.environ.get("JAVA_HOME"):  # the tests' quick JVM flags (tests/jvm.py)
+        env["JAVA_HOME"] = os.environ["JAVA_HOME"]
     env.update({k: os.environ[k] for k in _AWS_ENV if os.environ.get(k)})
     return env
 
@@ -272,8 +275,11 @@ class MotoNodes:
         for name in names:
             self.ports.setdefault(name, free_port())
         mapping = json.loads(self.file.read_text()) if self.file.is_file() else {}
-        for name, port in self.ports.items():
-            mapping[f"{self.cluster}/{name}"] = f"{self.user}@127.0.0.1:{port}"
+        mine = {f"{self.cluster}/{name}": f"{self.user}@127.0.0.1:{port}"
+                for name, port in self.ports.items()}  # fmt: skip
+        if mine.items() <= mapping.items():
+            return
+        mapping.update(mine)
         tmp = self.file.with_name(f".{self.cluster}.endpoints.tmp")
         tmp.write_text(json.dumps(mapping))
         tmp.replace(self.file)
@@ -299,9 +305,11 @@ class MotoNodes:
             return dict(self.servers)
 
     @contextlib.contextmanager
-    def watch(self, ec2, every_s: float = 0.2):
+    def watch(self, ec2, every_s: float = 1.0):
         """`serve` every `every_s` in a thread for the block (errors of one round are retried in
-        the next: an instance may not have its user data or key yet)."""
+        the next: an instance may not have its user data or key yet). Not more often: each
+        round is a DescribeInstances on the moto server in this process, whose CPU the whole
+        suite shares (every 0.2 s cost about 30 s of CPU in one submit test)."""
 
         def loop() -> None:
             while not self._stop.wait(every_s):

@@ -161,7 +161,7 @@ def _kill_the_driver_after_round_1(
                 break
         except s3.exceptions.NoSuchKey:
             pass
-        time.sleep(0.1)
+        time.sleep(0.5)
     pid = int((root / "master" / "jobs" / run_id / "train.pid").read_text())
     os.kill(pid, signal.SIGKILL)
     return run_id, "".join(seen)
