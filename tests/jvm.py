@@ -19,22 +19,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
+
+from sparknet.errors import SparknetError
+from sparknet.training.session import find_java
 
 FLAGS = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC")
 
 #: the name every quick JDK's directory starts with
 PREFIX = "sparknet-test-jdk-"
-
-
-def real_java_home() -> Path | None:
-    """The JDK Spark would use: $JAVA_HOME, else the one `java` on PATH belongs to."""
-    if os.environ.get("JAVA_HOME"):
-        return Path(os.environ["JAVA_HOME"]).resolve()
-    java = shutil.which("java")
-    return Path(java).resolve().parents[1] if java else None
 
 
 def quick_java_home(real: Path) -> Path:
@@ -54,7 +50,8 @@ def quick_java_home(real: Path) -> Path:
         if tool.name != "java":
             (staging / "bin" / tool.name).symlink_to(tool)
     java = staging / "bin" / "java"
-    java.write_text(f'#!/bin/sh\nexec {real / "bin" / "java"} {" ".join(FLAGS)} "$@"\n')
+    command = shlex.join([str(real / "bin" / "java"), *FLAGS])
+    java.write_text(f'#!/bin/sh\nexec {command} "$@"\n')
     java.chmod(0o755)
     try:
         staging.rename(home)
@@ -68,9 +65,10 @@ def use_quick_java() -> None:
     need it fail with their own message)."""
     if Path(os.environ.get("JAVA_HOME", "")).name.startswith(PREFIX):
         return  # set already (a test process started by one that set it)
-    real = real_java_home()
-    if real is None or not (real / "bin" / "java").exists():
+    try:
+        java = find_java()  # the one Spark's launcher would use
+    except SparknetError:
         return
-    home = quick_java_home(real)
+    home = quick_java_home(Path(java).resolve().parents[1])
     os.environ["JAVA_HOME"] = str(home)
     os.environ["PATH"] = f"{home / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
