@@ -157,15 +157,25 @@ def kernel_settings(device: torch.device, deterministic: bool) -> Iterator[None]
     workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if deterministic and workspace is None:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
-    torch.use_deterministic_algorithms(deterministic)
+    _use_deterministic_algorithms(deterministic, warn_only=False)
     torch.backends.cudnn.benchmark = device.type == "cuda" and not deterministic
     torch.backends.cudnn.deterministic = deterministic
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(algorithms[0], warn_only=algorithms[1])
+        _use_deterministic_algorithms(algorithms[0], warn_only=algorithms[1])
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
         _restore_env("CUBLAS_WORKSPACE_CONFIG", workspace)
+
+
+def _use_deterministic_algorithms(mode: bool, *, warn_only: bool) -> None:
+    """`torch.use_deterministic_algorithms`, called only to change the setting: the call imports
+    torch._inductor (and with it torch._dynamo), about 1.7 s of CPU in every Python worker that
+    never compiles anything."""
+    now = (torch.are_deterministic_algorithms_enabled(),
+           torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
+    if now != (mode, warn_only):
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 def _restore_env(name: str, value: str | None) -> None:

@@ -167,6 +167,29 @@ def test_python_workers_are_reused_round_after_round(sc):
     assert len(seen) <= 2, f"{len(seen)} Python workers over 5 rounds of 2 tasks"
 
 
+def _gc_counts(theta, partition, attempt, threads, local_dir, rows):
+    import gc
+
+    import torch  # noqa: F401 (what every training task imports)
+
+    return [(os.getpid(), gc.get_freeze_count(), len(gc.get_objects()))]
+
+
+def test_a_worker_freezes_its_imports_so_the_daemons_collections_skip_them(sc):
+    """pyspark's daemon runs a full gc.collect() after every task of a reused worker: a worker
+    that has run a task has torch's objects frozen, and the collector tracks only a few left."""
+    transport = SparkTransport(sc, 2)
+    ran, checked = set(), 0
+    for _ in range(3):
+        counts, _ = transport.map_reduce(np.zeros(1, np.float32), _gc_counts, list.__add__)
+        for pid, frozen, tracked in counts:
+            if pid in ran:  # its earlier task ended with a freeze
+                assert frozen > 100_000 and tracked < frozen / 5, (frozen, tracked)
+                checked += 1
+            ran.add(pid)
+    assert checked >= 2
+
+
 def test_a_local_master_caches_nothing(sc):
     """One executor: every task finds its state there, so no anchor (and no job to cache it)."""
     before = _persisted(sc)

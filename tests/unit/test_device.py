@@ -146,6 +146,32 @@ def test_kernel_settings_apply_for_the_task_and_are_restored(monkeypatch):
     assert not torch.backends.cudnn.benchmark
 
 
+def test_kernel_settings_leave_the_deterministic_flag_alone_when_it_does_not_change():
+    """`torch.use_deterministic_algorithms` imports torch._inductor (about 1.7 s of CPU per
+    Python worker): a task that keeps the setting does not call it, and a user's warn-only
+    setting comes back as it was."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from sparknet.training import device\n"
+        "cpu = torch.device('cpu')\n"
+        "with device.kernel_settings(cpu, deterministic=False):\n"
+        "    pass\n"
+        "print('torch._inductor' in sys.modules)\n"
+        "torch.use_deterministic_algorithms(False, warn_only=True)\n"
+        "with device.kernel_settings(cpu, deterministic=True):\n"
+        "    assert torch.are_deterministic_algorithms_enabled()\n"
+        "print(torch.are_deterministic_algorithms_enabled(),\n"
+        "      torch.is_deterministic_algorithms_warn_only_enabled())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["False", "False", "True"]
+
+
 # ---- the worker, in-process --------------------------------------------------------------
 
 SEEN: list[dict] = []
