@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -192,6 +193,7 @@ def start_session(
             raise SparknetError(_start_failure(master, conf or {}, exc, jvm_stderr)) from exc
         session.sparkContext.setLogLevel("FATAL")  # failures reach the user as SparknetError
     jvm_stderr.release(show=True)
+    _JVM_STDERR[session] = jvm_stderr
     return session
 
 
@@ -237,6 +239,10 @@ def _java_message(exc: Exception) -> str | None:
     first = text if text != type(java).__name__ else ""
     _, sep, message = first.partition(": ")
     return message.strip() or None if sep else None
+
+
+#: the stderr forwarder of each session start_session launched (what stop_quietly mutes)
+_JVM_STDERR: weakref.WeakKeyDictionary[SparkSession, _HeldStderr] = weakref.WeakKeyDictionary()
 
 
 class _HeldStderr:
@@ -355,7 +361,11 @@ def stop_quietly(session: SparkSession) -> None:
     runs, then mute the JVM's stderr, where stopping in the middle of a job prints stack traces
     (RejectedExecutionException from futures that complete after their pool shut down). The
     JVM may be gone already (SIGTERM to the process group): its py4j error must not replace
-    the interrupt the user sees."""
+    the interrupt the user sees. The JVM's Python workers write to the same pipe: a worker whose
+    task is cancelled while it sends its result prints a BrokenPipeError traceback there."""
+    held = _JVM_STDERR.get(session)
+    if held is not None:
+        held.release(show=False)
     with contextlib.suppress(Exception):
         session.sparkContext.cancelAllJobs()
         jvm = session.sparkContext._jvm

@@ -212,7 +212,8 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(
         group.stop()
     with group.watch(_client("ec2")):
         # the driver (the train process, not its supervisor) killed once round 1 is on S3: the
-        # job resumes from its last checkpoint and ends as an uninterrupted run would
+        # job resumes from its last checkpoint (a later round's when rounds outran the poll)
+        # and ends as an uninterrupted run would
         proc = subprocess.Popen(
             [str(SUBMIT), "--s3", "tiny", *JOB, "--rounds", "4", "--max-restarts", "1"],
             cwd=tmp_path, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -227,8 +228,9 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(
     # line, then the summary
     restarts = [ln for ln in done.stderr.splitlines() if ln.startswith("driver died")]
     assert len(restarts) == 1, done.stderr[-3000:]
-    assert re.fullmatch(r"driver died \(killed by SIGKILL\); restart 1/1 from (round 1|the start)",
-                        restarts[0])  # fmt: skip
+    assert re.fullmatch(
+        r"driver died \(killed by SIGKILL\); restart 1/1 from (round [123]|the start)", restarts[0]
+    )
     rounds = [ln for ln in done.stderr.splitlines() if ln.startswith("round ")]
     assert [ln.split()[1] for ln in rounds] == ["1/4", "2/4", "3/4", "4/4"], done.stderr[-3000:]
     assert all("samples/s" in ln and "cost $" in ln for ln in rounds)

@@ -198,3 +198,23 @@ def test_no_task_slot_after_the_wait_is_one_line_not_a_hang(executors, conf, cor
 def test_user_modules_leave_out_what_is_not_a_reference():
     assert user_modules("mlp", "s3://bucket/imagenet") == ()
     assert user_modules("resnet18", "/data/shards") == ()
+
+
+def test_stopping_a_session_mutes_what_its_python_workers_still_print(capfd):
+    """The JVM's Python workers write to the JVM's stderr pipe: once stop_quietly starts, a
+    worker's traceback (BrokenPipeError from a cancelled task) is not shown. A stand-in for
+    the session: stopping one that has no JVM is quiet too, which is the point here."""
+    from sparknet.training import session
+
+    class NoJvm:
+        """Every attribute stop_quietly reaches for is missing, as in a session whose JVM died."""
+
+    held = session._HeldStderr()
+    held.release(show=True)
+    stand_in = NoJvm()
+    session._JVM_STDERR[stand_in] = held
+    held.write(b"round 1 shown\n")
+    session.stop_quietly(stand_in)
+    held.write(b"BrokenPipeError: [Errno 32] Broken pipe\n")
+    err = capfd.readouterr().err
+    assert err == "round 1 shown\n"
