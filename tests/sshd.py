@@ -305,23 +305,16 @@ class MotoNodes:
             return dict(self.servers)
 
     @contextlib.contextmanager
-    def watch(self, ec2, every_s: float = 1.0, idle_s: float = 4.0):
-        """`serve` in a thread for the block: every `every_s` while something changes or fails
-        (an instance may not have its user data or key yet: retried in the next round), up to
-        every `idle_s` while nothing does. Not more often: each round is a DescribeInstances on
-        the moto server in this process, whose CPU the whole suite shares (every 0.2 s cost
-        about 30 s of CPU in one submit test; a job's minutes need no round at all)."""
+    def watch(self, ec2, every_s: float = 1.0):
+        """`serve` every `every_s` in a thread for the block (errors of one round are retried in
+        the next: an instance may not have its user data or key yet). Not more often: each
+        round is a DescribeInstances on the moto server in this process, whose CPU the whole
+        suite shares (every 0.2 s cost about 30 s of CPU in one submit test)."""
 
         def loop() -> None:
-            wait = every_s
-            while not self._stop.wait(wait):
-                before = dict(self.serving)
-                try:
+            while not self._stop.wait(every_s):
+                with contextlib.suppress(Exception):
                     self.serve(ec2)
-                except Exception:
-                    wait = every_s
-                    continue
-                wait = every_s if self.serving != before else min(2 * wait, idle_s)
 
         self._stop.clear()
         thread = threading.Thread(target=loop, name="moto-nodes", daemon=True)
