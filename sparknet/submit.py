@@ -681,9 +681,20 @@ def _run_driver(
         raise  # the job may run on, out of reach: nothing to cancel it with
     except BaseException:
         # from the start on (Ctrl-C while the driver starts included): a driver left running
-        # on a cluster that stays up would hold its GPUs with nobody following it
-        _quietly(lambda: cancel_driver(conn, master.node, run_id))
+        # on a cluster that stays up would hold its GPUs with nobody following it. Over a new
+        # connection: an interrupt in the middle of an SSH call can leave this one's transport
+        # waiting forever to open its next channel (a submitter hung after SIGTERM so)
+        conn.close()
+        _quietly(lambda: _cancel_over_a_new_connection(master, run_id))
         raise
+    finally:
+        conn.close()
+
+
+def _cancel_over_a_new_connection(master: Master, run_id: str) -> None:
+    conn = nodes.connect(master.node.endpoint, master.access)
+    try:
+        cancel_driver(conn, master.node, run_id)
     finally:
         conn.close()
 
