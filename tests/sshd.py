@@ -17,12 +17,14 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparknet.cluster import nodes
 from sparknet.cluster.nodes import Access, Endpoint
+from sparknet.cluster.spot import ENDPOINT_ENV
+from tests.imds import ImdsStandIn
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 #: sshd refuses to start as root without its privilege separation dir (made by the Debian
@@ -94,14 +96,26 @@ def loopback_cluster_entry(
     }  # fmt: skip
 
 
+#: every port `free_port` handed out in this process: a port is free from its `free_port` until
+#: whatever it was meant for binds it, and two of a test's ports (a master's UI, a node's sshd)
+#: must never be the same one
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on now and that no earlier call gave."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
-def _config(workdir: Path, port: int, host_key: Path, authorized_keys: Path) -> str:
+def _config(
+    workdir: Path, port: int, host_key: Path, authorized_keys: Path, env: Mapping[str, str]
+) -> str:
     return "\n".join(
         [
             "ListenAddress 127.0.0.1",
@@ -123,7 +137,7 @@ def _config(workdir: Path, port: int, host_key: Path, authorized_keys: Path) -> 
             # run over SSH, and moto's endpoint and fake credentials where a test has them: the
             # stand-in for an EC2 node's instance role (sshd takes only the first SetEnv line:
             # one line for all)
-            "SetEnv " + " ".join(f"{k}={v}" for k, v in _session_env().items()),
+            "SetEnv " + " ".join(f"{k}={v}" for k, v in {**_session_env(), **env}.items()),
             "",
         ]
     )
@@ -148,10 +162,12 @@ def start_sshd(
     *,
     port: int | None = None,
     timeout: float = 20.0,
+    env: Mapping[str, str] | None = None,
 ) -> Sshd:
     """Start an sshd on 127.0.0.1:`port` (a free one when None) serving `host_key_private` (an
     OpenSSH private key) and letting in the public keys in `authorized_keys` (file text); its
-    config, keys, pid file and log in `workdir`. Returns once it accepts TCP connections."""
+    config, keys, pid file and log in `workdir`; its sessions get `env` too. Returns once it
+    accepts TCP connections."""
     workdir.mkdir(parents=True, exist_ok=True)
     PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
     host_key = workdir / "ssh_host_ed25519_key"
@@ -161,7 +177,7 @@ def start_sshd(
     auth.write_text(authorized_keys)
     port = port or free_port()
     config = workdir / "sshd_config"
-    config.write_text(_config(workdir, port, host_key, auth))
+    config.write_text(_config(workdir, port, host_key, auth, env or {}))
     with (workdir / "sshd.log").open("w") as log:
         proc = subprocess.Popen(
             [SSHD, "-D", "-e", "-f", str(config)],
@@ -264,6 +280,9 @@ class MotoNodes:
         self.servers: dict[str, Sshd] = {}
         #: node name -> the instance id its sshd stands in for
         self.serving: dict[str, str] = {}
+        #: the instances' metadata service (tests/imds.py), when a test gives one: each node's
+        #: sessions reach their instance's part of it as EC2's link-local address
+        self.imds: ImdsStandIn | None = None
         self.user = os.environ.get("USER") or "root"
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -298,8 +317,9 @@ class MotoNodes:
                 private, authorized = _what_cloud_init_installs(ec2, inst.id)
                 if name in self.servers:
                     self.servers.pop(name).stop()
+                env = {} if self.imds is None else {ENDPOINT_ENV: self.imds.endpoint(inst.id)}
                 self.servers[name] = start_sshd(
-                    self.workdir / name, private, authorized, port=self.ports[name]
+                    self.workdir / name, private, authorized, port=self.ports[name], env=env
                 )
                 self.serving[name] = inst.id
             return dict(self.servers)
@@ -324,6 +344,15 @@ class MotoNodes:
         finally:
             self._stop.set()
             thread.join(timeout=10)
+
+    def gone(self, name: str) -> None:
+        """Node `name` stops answering, as a terminated instance does (its daemons are the
+        test's to kill: they run in sessions of their own)."""
+        with self._lock:
+            server = self.servers.pop(name, None)
+            self.serving.pop(name, None)
+        if server is not None:
+            server.stop()
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,21 +1,27 @@
 """Keeping a cluster whole while a job runs on it: a worker instance gone (a spot
-interruption, a terminated instance) or a Spark worker that is no longer registered with the
-master (its daemon died) is a loss; the repair is `cluster up`'s own code with its bootstrap,
-which launches what is missing (with the capacity fallback across types and zones) and starts
-what is not running, and leaves the rest as it is. The job goes on meanwhile: Spark runs a lost
-executor's tasks on the remaining ones, and the driver records executors lost and joined in
-the round rows of metrics.jsonl.
+interruption, a terminated instance), a spot worker with EC2's two-minute interruption notice
+(`spot`), or a Spark worker that is no longer registered with the master (its daemon died) is a
+loss; the repair is `cluster up`'s own code with its bootstrap, which launches what is missing
+(with the capacity fallback across types and zones) and starts what is not running, and leaves
+the rest as it is. A noticed worker is terminated first (EC2 takes it within two minutes
+anyway), so that `up` counts it as gone and its replacement starts at once. The job goes on
+meanwhile: Spark runs a lost executor's tasks on the remaining ones, and the driver records
+executors lost and joined in the round rows of metrics.jsonl.
 
 A lost master is no loss this module repairs: the driver runs there, and with it the job.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sparknet.cluster import instances, lifecycle
+from sparknet.cluster import instances, lifecycle, nodes, spot
+from sparknet.cluster.instances import Instance
+from sparknet.cluster.remote import q, run
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
 
@@ -27,11 +33,12 @@ _GOING = frozenset({"shutting-down", "terminated", "stopping", "stopped"})
 
 @dataclass(frozen=True)
 class Losses:
-    """What is missing from the cluster: whether its master is gone (nothing to repair), and
-    one line per worker loss."""
+    """What is missing from the cluster: whether its master is gone (nothing to repair), one
+    line per worker loss, and the spot workers with an interruption notice among them."""
 
     master_gone: bool
     lines: tuple[str, ...]
+    noticed: tuple[str, ...] = ()
 
     @property
     def repairable(self) -> bool:
@@ -39,9 +46,9 @@ class Losses:
 
 
 def losses(spec: ClusterSpec, *, endpoint_url: str | None = None) -> Losses:
-    """The cluster's losses, from EC2's view (members gone or going) and the Spark master's
-    (expected workers not ALIVE). A master node that takes no SSH connection is no worker
-    loss: it is said as the master's."""
+    """The cluster's losses, from EC2's view (members gone or going), the Spark master's
+    (expected workers not ALIVE) and the spot workers' own (an interruption notice). A master
+    node that takes no SSH connection is no worker loss: it is said as the master's."""
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     found = instances.find(ec2, spec.name)
     live = [i for i in found if i.state not in _GOING]
@@ -59,17 +66,81 @@ def losses(spec: ClusterSpec, *, endpoint_url: str | None = None) -> Losses:
     except SparknetError as exc:
         return Losses(True, (f"the master takes no connection ({str(exc).splitlines()[0]})",))
     lines += [p for p in health.problems if "is not registered" in p]
-    return Losses(False, tuple(lines))
+    workers = [i for i in live if i.role == "worker" and i.spot and i.state == "running"]
+    noticed = spot_notices(spec, workers, endpoint_url=endpoint_url) if workers else {}
+    lines += [
+        f"worker {i} has a spot interruption notice ({n.action} at {n.time})"
+        for i, n in noticed.items()
+    ]
+    return Losses(False, tuple(lines), tuple(noticed))
 
 
-def repair(spec: ClusterSpec, *, endpoint_url: str | None = None, say: Say) -> None:
+#: how long one node may take to answer the notice check (IMDS answers in milliseconds)
+NOTICE_CHECK_S = 15.0
+
+
+def spot_notices(
+    spec: ClusterSpec, workers: list[Instance], *, endpoint_url: str | None = None
+) -> dict[str, spot.Notice]:
+    """Instance id -> the interruption notice of each of `workers` (running spot workers) that
+    has one, asked over SSH of each node's own metadata service. A node that cannot be asked
+    counts as unnoticed: if it is going, EC2's state or the Spark master says so soon."""
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    everyone = [i for i in instances.find(ec2, spec.name) if i.state == "running"]
+    access = lifecycle.reach(spec, ec2, everyone)
+    plan = {n.name: n for n in lifecycle.plan_nodes(spec, ec2, everyone)}
+    wanted = {i.id for i in workers}
+    ids = {name: i.id for name, i in nodes.node_names(everyone) if i.id in wanted}
+    found: dict[str, spot.Notice] = {}
+
+    def ask(endpoint: nodes.Endpoint, conn) -> None:
+        out = run(conn, f"{q(plan[endpoint.name].python)} -m sparknet.cluster.spot", NOTICE_CHECK_S)
+        notice = spot.parse(out)
+        if notice is not None:
+            found[ids[endpoint.name]] = notice
+
+    targets = [plan[name].endpoint for name in ids]
+    with contextlib.suppress(nodes.NodesFailed):  # what the others answered is in `found`
+        nodes.run_all(targets, access, ask, NOTICE_CHECK_S, connect_timeout=5)
+    return found
+
+
+def repair(
+    spec: ClusterSpec,
+    *,
+    endpoint_url: str | None = None,
+    say: Say,
+    noticed: tuple[str, ...] = (),
+) -> None:
     """Launch and bootstrap what is missing: `cluster up` with its bootstrap (idempotent; it
-    holds the cluster's lock, so a concurrent `up` or `down` waits or is refused)."""
+    holds the cluster's lock, so a concurrent `up` or `down` waits or is refused). `noticed`
+    spot workers are terminated first, without waiting: `up` counts a shutting-down instance
+    as gone and launches its replacement."""
+    if noticed:
+        say(f"terminating {', '.join(noticed)} before EC2 does: replacements launch now")
+        ec2 = instances.ec2_client(spec.region, endpoint_url)
+        instances.terminate(ec2, list(noticed), wait=False)
     lifecycle.up(spec, endpoint_url=endpoint_url, say=say, bootstrap=True)
 
 
 #: how often an attached submitter checks its cluster for losses while the job runs
 CHECK_EVERY_S = 30.0
+#: seconds that replace CHECK_EVERY_S (a test checks every few seconds)
+CHECK_EVERY_ENV = "SPARKNET_REPAIR_CHECK_S"
+
+
+def check_every_s() -> float:
+    """CHECK_EVERY_S, or the seconds `CHECK_EVERY_ENV` gives (a positive number)."""
+    text = os.environ.get(CHECK_EVERY_ENV)
+    if not text:
+        return CHECK_EVERY_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise SparknetError(f"{CHECK_EVERY_ENV}={text!r}: give a positive number of seconds")
+    return value
 
 
 class Watch:
@@ -84,9 +155,10 @@ class Watch:
         *,
         endpoint_url: str | None = None,
         say: Say,
-        every_s: float = CHECK_EVERY_S,
+        every_s: float | None = None,
     ) -> None:
-        self.spec, self.endpoint_url, self.say, self.every_s = spec, endpoint_url, say, every_s
+        self.spec, self.endpoint_url, self.say = spec, endpoint_url, say
+        self.every_s = check_every_s() if every_s is None else every_s
         self._last = time.monotonic()
         self._master_said = False
 
@@ -103,7 +175,7 @@ class Watch:
                     self._master_said = True
             elif found.lines:
                 self.say(f"cluster {self.spec.name} lost {'; '.join(found.lines)}: repairing")
-                repair(spec, endpoint_url=self.endpoint_url, say=self.say)
+                repair(spec, endpoint_url=self.endpoint_url, say=self.say, noticed=found.noticed)
                 self.say(f"cluster {self.spec.name} repaired; the job goes on")
         except SparknetError as exc:
             first = next(iter(str(exc).splitlines()), type(exc).__name__)

@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from tests.conftest import SPARKNET
+from tests.imds import ImdsStandIn
 from tests.sshd import daemon_pids, loopback_cluster_entry
 
 REGION = "us-east-1"
@@ -45,7 +46,8 @@ def _ec2():
 def cluster(moto_endpoint, moto_nodes, tmp_path, monkeypatch):
     """A cluster name with a `clusters:` entry in ./sparknet.yaml (cwd tmp_path), its registry
     under tmp_path, and its two nodes mapped to loopback sshd nodes with their own addresses
-    and prefixes; whatever is left is taken down at the end."""
+    and prefixes; its worker is a spot instance, and each node's metadata service is the
+    stand-in of tests/imds.py (`group.imds`). Whatever is left is taken down at the end."""
     from sparknet.cluster import lifecycle
 
     monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
@@ -56,9 +58,10 @@ def cluster(moto_endpoint, moto_nodes, tmp_path, monkeypatch):
         Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True
     )
     name = f"b{uuid.uuid4().hex[:8]}"
-    entry = loopback_cluster_entry(REGION, AMI_PARAMETER)
+    entry = {**loopback_cluster_entry(REGION, AMI_PARAMETER), "spot": True}
     (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump({"clusters": {name: entry}}))
     group = moto_nodes(name, 1)
+    group.imds = imds = ImdsStandIn()
     layout = json.loads(group.file.read_text())
     for node, address in ADDRESSES.items():
         layout[f"{name}/{node}/node"] = {"address": address, "prefix": str(tmp_path / node)}
@@ -66,6 +69,7 @@ def cluster(moto_endpoint, moto_nodes, tmp_path, monkeypatch):
     yield name, group, entry
     if lifecycle.registered().get(name) is not None:
         cli("down", name, cwd=tmp_path)
+    imds.close()
 
 
 def _until(value, timeout: float = 60.0):
@@ -178,6 +182,38 @@ def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, 
     restarted = daemon_pids(tmp_path, ADDRESSES)
     assert restarted["worker-1/worker"] != pids["worker-1/worker"]
     pids = restarted
+
+    # the spot worker gets EC2's two-minute notice: a loss at once, and the repair terminates
+    # it and launches, bootstraps and registers its replacement
+    (old,) = [i for i in instances.find(ec2, name) if i.role == "worker"]
+    assert old.spot
+    group.imds.notices[old.id] = {"action": "terminate", "time": "2026-12-02T08:22:00Z"}
+    notice = f"worker {old.id} has a spot interruption notice (terminate at 2026-12-02T08:22:00Z)"
+    assert repair.losses(spec) == repair.Losses(False, (notice,), (old.id,))
+    said = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        if line.startswith("terminating "):  # what EC2's termination does to the node
+            group.gone("worker-1")
+            os.kill(pids["worker-1/worker"], signal.SIGKILL)
+
+    with group.watch(ec2):
+        repair.Watch(spec, say=say, every_s=0)()
+    assert said[:2] == [
+        f"cluster {name} lost {notice}: repairing",
+        f"terminating {old.id} before EC2 does: replacements launch now",
+    ], said
+    assert "launching 1 spot workers (g5.xlarge)" in said, said
+    assert said[-1] == f"cluster {name} repaired; the job goes on", said
+    (new,) = [i for i in instances.find(ec2, name) if i.role == "worker"]
+    assert new.id != old.id and new.spot and new.state == "running"
+    assert group.serving["worker-1"] == new.id
+    assert repair.losses(spec) == repair.Losses(False, ())  # registered, and no notice of its own
+    replaced = daemon_pids(tmp_path, ADDRESSES)
+    assert replaced["worker-1/worker"] != pids["worker-1/worker"]
+    assert replaced["master/worker"] == pids["master/worker"]
+    pids = replaced
 
     down = cli("down", name, cwd=tmp_path)
     assert down.returncode == 0, down.stderr
