@@ -1,8 +1,10 @@
 """`sparknet-submit` on one kept cluster, as a user runs it (subprocesses): --keep, reuse with
---cluster, --detach, then `logs`, `list`, `attach` and `cancel` of the detached jobs, and the
-cluster taken down by hand at the end. The cloud, the loopback nodes and the dataset are
-test_submit.py's (its fixtures and helpers, imported): moto's server, loopback sshd nodes that
-the bootstrap starts a real Spark standalone cluster on, a tiny sharded dataset in moto's S3.
+--cluster, --detach, then `logs`, `list`, `attach` and `cancel` of the detached jobs (a worker
+node's Spark daemons killed while one is attached: the attach repairs the cluster, the job goes
+on), and the cluster taken down by hand at the end. The cloud, the loopback nodes and the
+dataset are test_submit.py's (its fixtures and helpers, imported): moto's server, loopback sshd
+nodes that the bootstrap starts a real Spark standalone cluster on, a tiny sharded dataset in
+moto's S3.
 One cluster up for the whole test (about 70 s): every job after the first reuses it."""
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import SPARKNET
 from tests.integration.test_submit import (  # noqa: F401 (fixtures)
+    ADDRESSES,
     JOB,
     SUBMIT,
     _client,
@@ -29,6 +33,7 @@ from tests.integration.test_submit import (  # noqa: F401 (fixtures)
     shards,
     submit,
 )
+from tests.sshd import daemon_pids
 
 
 def _rounds(text: str) -> list[str]:
@@ -74,7 +79,7 @@ def test_keep_reuse_detach_attach_logs_list_cancel(
     group = moto_nodes(name, 1)
     _layout(group, name, tmp_path)
     try:
-        _jobs_on_a_kept_cluster(name, group, tmp_path)
+        _jobs_on_a_kept_cluster(name, group, bucket, tmp_path)
     finally:
         if _live(name):  # a failed check left the kept cluster up: nothing may outlive the test
             _down(name, tmp_path)
@@ -87,7 +92,7 @@ def _down(name: str, cwd: Path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def _jobs_on_a_kept_cluster(name: str, group, tmp_path: Path) -> None:
+def _jobs_on_a_kept_cluster(name: str, group, bucket: str, tmp_path: Path) -> None:
     with group.watch(_client("ec2")):
         kept = submit("--s3", "tiny", "--keep", "--autostop", "7", *JOB, cwd=tmp_path)
     assert kept.returncode == 0, kept.stderr[-3000:]
@@ -164,18 +169,7 @@ def _jobs_on_a_kept_cluster(name: str, group, tmp_path: Path) -> None:
     assert second.returncode == 0, second.stderr[-3000:]
     other = _run_id(second)
     leader = int((tmp_path / "master" / "jobs" / other / "driver.pid").read_text())
-    # SIGTERM to an attach only detaches it: exit 143, the job goes on
-    watcher = subprocess.Popen(
-        [str(SUBMIT), "attach", other], cwd=tmp_path, env=os.environ.copy(),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    for line in watcher.stderr:
-        if line.startswith(f"attached to job {other}"):
-            watcher.send_signal(signal.SIGTERM)
-            break
-    _out, err = watcher.communicate(timeout=120)
-    assert watcher.returncode == 143, err
-    assert f"detached from job {other}: it goes on" in err
+    _worker_daemons_killed_while_attached(name, other, bucket, tmp_path)
     assert _session_alive(leader)
     cancelled = submit("cancel", other, cwd=tmp_path, timeout=180)
     assert cancelled.returncode == 0, cancelled.stderr
@@ -190,6 +184,61 @@ def _jobs_on_a_kept_cluster(name: str, group, tmp_path: Path) -> None:
     gone = submit("attach", run, cwd=tmp_path, timeout=120)
     assert gone.returncode == 2 and gone.stderr.startswith(f"error: job {run}: cluster {name}")
     assert len(gone.stderr.splitlines()) == 1
+
+
+def _worker_daemons_killed_while_attached(name: str, run: str, bucket: str, cwd: Path) -> None:
+    """Attach to the running job `run`, kill -9 the worker node's Spark worker once a round
+    has passed (its executor exits with it), and see the attached submitter's loss check
+    (every 2 s here) restart it while the job goes on on the master's executor: the job's
+    rounds record the executor lost and the one that joined. Then SIGTERM to the attach only
+    detaches it: exit 143, the job goes on."""
+    from sparknet.cluster.repair import CHECK_EVERY_ENV
+
+    watcher = subprocess.Popen(
+        [str(SUBMIT), "attach", run], cwd=cwd, env={**os.environ, CHECK_EVERY_ENV: "2"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    timer = threading.Timer(300, watcher.kill)  # a job that never gets its executor back
+    timer.start()
+    said, victim = [], None
+    try:
+        for line in watcher.stderr:
+            said.append(line)
+            if victim is None and line.startswith("round "):
+                victim = daemon_pids(cwd, ADDRESSES)["worker-1/worker"]
+                os.kill(victim, signal.SIGKILL)
+            elif victim is not None and line.startswith("round ") and _joined(bucket, name, run):
+                watcher.send_signal(signal.SIGTERM)
+                break
+        _out, err = watcher.communicate(timeout=120)
+    finally:
+        timer.cancel()
+    said.append(err)
+    text = "".join(said)
+    assert watcher.returncode == 143, text[-3000:]
+    assert f"detached from job {run}: it goes on" in err
+    lost = f"worker-1's worker ({ADDRESSES['worker-1']}) is not registered with the master"
+    assert f"cluster {name} lost {lost}: repairing\n" in text, text[-3000:]
+    assert f"cluster {name} repaired; the job goes on\n" in text
+    assert daemon_pids(cwd, ADDRESSES)["worker-1/worker"] != victim
+    rows = _rows(bucket, name, run)
+    (gone,) = [r for r in rows if "executors_lost" in r]
+    (back,) = [r for r in rows if "executors_joined" in r]
+    assert gone["round"] <= back["round"] and back["executors"] == 2, rows
+    assert gone["executors_lost"][0].endswith(f"@{ADDRESSES['worker-1']}")
+    assert back["executors_joined"][0].endswith(f"@{ADDRESSES['worker-1']}")
+    assert [r["round"] for r in rows] == list(range(1, len(rows) + 1))
+
+
+def _rows(bucket: str, name: str, run: str) -> list[dict]:
+    """The round rows of the run's metrics.jsonl in its run prefix on moto."""
+    key = f"runs/{name}/{run}/metrics.jsonl"
+    body = _client("s3").get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    return [row for row in map(json.loads, body.splitlines()) if "round" in row]
+
+
+def _joined(bucket: str, name: str, run: str) -> bool:
+    return any("executors_joined" in row for row in _rows(bucket, name, run))
 
 
 def _failed_run(states: dict[str, str], *others: str) -> str:
