@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from sparknet import submit as flow
-from sparknet.cluster import instances, lifecycle, nodes
+from sparknet.cluster import instances, lifecycle, nodes, static
 from sparknet.cluster.plan import Node
 from sparknet.cluster.remote import Conn, q, run, succeeds
 from sparknet.cluster.spec import ClusterSpec
@@ -138,7 +138,9 @@ class Located:
 
 
 def master_running(spec: ClusterSpec, endpoint_url: str | None) -> bool:
-    """The cluster has a running master (one EC2 call, by tag)."""
+    """The cluster has a running master (one EC2 call, by tag); a static one: it is up here."""
+    if spec.provider == "static":
+        return static.registered_spec(spec.name) is not None
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     return any(i.role == "master" and i.state == "running" for i in instances.find(ec2, spec.name))
 

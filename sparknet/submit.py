@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sparknet.cluster import autostop, instances, lifecycle, nodes, repair
+from sparknet.cluster import autostop, instances, lifecycle, nodes, repair, static
 from sparknet.cluster.plan import Node
 from sparknet.cluster.remote import CommandFailed, Conn, ConnectionLost, q, run, succeeds, upload
 from sparknet.cluster.spec import ClusterSpec
@@ -115,9 +115,10 @@ def runs_bucket(spec: ClusterSpec, dataset: Dataset, reused: bool = False) -> st
     """The cluster's `bucket:`, where the node role reads `data_prefix` and writes the cluster's
     runs prefix (without one the role has no S3 access at all, so a cluster made for the job
     would fail only once up and paid for); the dataset must be under its data prefix. A reused
-    cluster without one: the dataset's bucket (what it was given when it was made)."""
+    cluster without one: the dataset's bucket (what it was given when it was made); so for a
+    static cluster, whose hosts reach S3 with their own credentials, not a role of sparknet's."""
     if spec.bucket is None:
-        if reused:
+        if reused or spec.provider == "static":
             return S3Uri.parse(dataset.uri).bucket
         raise PreflightFailed(
             f"cluster {spec.name} has no `bucket:` in its settings: its nodes could read no data "
@@ -184,6 +185,8 @@ def check_writable(prefix: str, endpoint_url: str | None) -> None:
 
 def check_types(spec: ClusterSpec, endpoint_url: str | None) -> None:
     """The cluster's instance types are offered in its region (and zones)."""
+    if spec.provider == "static":
+        return
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     instances.check_offered(
         ec2, [spec.master_type, *spec.instance_types], spec.availability_zones or None
@@ -198,7 +201,14 @@ def _first(exc: BaseException) -> str:
 
 
 def reuse(spec: ClusterSpec, endpoint_url: str | None) -> None:
-    """`--cluster NAME`: it must exist and its master run (else one line, nothing launched)."""
+    """`--cluster NAME`: it must exist and its master run (else one line, nothing launched);
+    a static one must be up here (registered: its hosts run Spark)."""
+    if spec.provider == "static":
+        try:
+            static.status(spec)
+        except lifecycle.ClusterNotFound as exc:
+            raise PreflightFailed(f"--cluster {spec.name}: {_first(exc)}") from exc
+        return
     try:
         info = lifecycle.status(spec, endpoint_url=endpoint_url)
     except lifecycle.ClusterNotFound as exc:
@@ -214,8 +224,11 @@ def check_name_free(spec: ClusterSpec, endpoint_url: str | None) -> None:
     """A submit that makes its cluster (no --cluster) must not find one of that name already
     there: `up` would take it over and the teardown after the job would end it, and the jobs
     on it with it."""
-    ec2 = instances.ec2_client(spec.region, endpoint_url)
-    if instances.find(ec2, spec.name):
+    if spec.provider == "static":
+        taken = static.registered_spec(spec.name) is not None
+    else:
+        taken = bool(instances.find(instances.ec2_client(spec.region, endpoint_url), spec.name))
+    if taken:
         raise PreflightFailed(
             f"cluster {spec.name} already runs; pass --cluster {spec.name} to reuse it, "
             "or --name NEW to make another"
@@ -237,10 +250,15 @@ class Master:
 
 def master_of(spec: ClusterSpec, endpoint_url: str | None) -> Master:
     """The running cluster's master as the bootstrap laid it out."""
-    ec2 = instances.ec2_client(spec.region, endpoint_url)
-    found = [i for i in instances.find(ec2, spec.name) if i.state == "running"]
-    access = lifecycle.reach(spec, ec2, found)
-    planned = lifecycle.plan_nodes(spec, ec2, found)
+    if spec.provider == "static":
+        spec = static.current(spec)
+        access = static.access(spec)
+        planned = static.plan_nodes(spec, access)
+    else:
+        ec2 = instances.ec2_client(spec.region, endpoint_url)
+        found = [i for i in instances.find(ec2, spec.name) if i.state == "running"]
+        access = lifecycle.reach(spec, ec2, found)
+        planned = lifecycle.plan_nodes(spec, ec2, found)
     master = planned[0]
     url = f"spark://{master.rpc_host}:{spec.bootstrap.master_port}"
     return Master(master, access, url, len(planned), tuple(n.gpus for n in planned))
@@ -248,8 +266,9 @@ def master_of(spec: ClusterSpec, endpoint_url: str | None) -> Master:
 
 def check_gpu_counts(spec: ClusterSpec, endpoint_url: str | None) -> None:
     """A cluster to make whose master type and worker types have different GPU counts is
-    refused before launch (see `node_gpus`); `bootstrap.gpus_per_node` sets one for all."""
-    if spec.bootstrap.gpus_per_node is not None:
+    refused before launch (see `node_gpus`); `bootstrap.gpus_per_node` sets one for all. A
+    static cluster's hosts are counted once they are reached (`master_of`)."""
+    if spec.bootstrap.gpus_per_node is not None or spec.provider == "static":
         return
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     counts = lifecycle.instance_gpus(ec2, [spec.master_type, *spec.instance_types])
@@ -277,7 +296,10 @@ def _mixed(name: str, counts: Mapping[str, int]) -> str:
 
 
 def cost_so_far(spec: ClusterSpec, endpoint_url: str | None) -> float | None:
-    """USD the cluster's instances have cost since launch (lifecycle's pricing)."""
+    """USD the cluster's instances have cost since launch (lifecycle's pricing); None for a
+    static cluster (machines sparknet knows no price of)."""
+    if spec.provider == "static":
+        return None
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     found = instances.find(ec2, spec.name)
     return lifecycle.lifetime_cost(ec2, found, datetime.now(timezone.utc))
@@ -612,7 +634,7 @@ def submit(
     try:
         if not job.reused:
             say(f"bringing cluster {job.spec.name} up")
-            lifecycle.up(job.spec, endpoint_url=job.endpoint_url, say=say, bootstrap=True)
+            bring_up(job.spec, job.endpoint_url, say)
         master = master_of(job.spec, job.endpoint_url)
         cfg = job_config(job.cfg, job.dataset, prefix, master, job.spec.name)
         open_store(prefix, job.dataset.endpoint_url).write_bytes(
@@ -651,6 +673,14 @@ def submit(
             ending.cluster = "up"
             if not ok:
                 say(stays_up_line(job))
+
+
+def bring_up(spec: ClusterSpec, endpoint_url: str | None, say: Say) -> None:
+    """`cluster up` with its bootstrap: EC2 instances launched, or a static cluster's hosts."""
+    if spec.provider == "static":
+        static.up(spec, say=say, bootstrap=True)
+    else:
+        lifecycle.up(spec, endpoint_url=endpoint_url, say=say, bootstrap=True)
 
 
 def _run_driver(
@@ -733,10 +763,15 @@ def teardown(job: Job, say: Say, after: BaseException | None = None) -> None:
     is TeardownFailed, which says how to end what is left (and keeps `after`, what ended the
     job)."""
     name = job.spec.name
+    if job.spec.provider == "static" and static.registered_spec(name) is None:
+        return  # its `up` failed before it registered the hosts: nothing of this job runs there
     say(f"taking cluster {name} down")
     try:
         with contextlib.suppress(lifecycle.ClusterNotFound):
-            lifecycle.down(job.spec, endpoint_url=job.endpoint_url, say=say)
+            if job.spec.provider == "static":
+                static.down(job.spec, say=say)
+            else:
+                lifecycle.down(job.spec, endpoint_url=job.endpoint_url, say=say)
     except Exception as exc:
         failed = TeardownFailed(
             f"taking cluster {name} down failed: {_first(exc)}; its instances may still run: "
@@ -751,6 +786,11 @@ def stays_up_line(job: Job) -> str:
     the timer off, only `sparknet cluster down`."""
     name, minutes = job.spec.name, job.spec.autostop_minutes
     why = "reused with --cluster" if job.reused else "--keep" if job.keep else "the job runs"
+    if job.spec.provider == "static":
+        return (
+            f"cluster {name} stays up ({why}): Spark runs on its hosts until `sparknet cluster "
+            f"down {name}` stops it (a static cluster has no autostop timer)"
+        )
     if not minutes:
         return (
             f"cluster {name} stays up ({why}; autostop off): `sparknet cluster down {name}` ends it"

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from sparknet.cluster import nodes
 from sparknet.cluster.nodes import Access, Endpoint
@@ -100,6 +101,31 @@ def loopback_cluster_entry(
 #: whatever it was meant for binds it, and two of a test's ports (a master's UI, a node's sshd)
 #: must never be the same one
 _GIVEN: set[int] = set()
+
+
+def static_cluster_entry(
+    group: SshNodes, name: str, addresses: Mapping[str, str], root: Path, **bootstrap: Any
+) -> dict:
+    """A `clusters:` entry (without `provider`) for static cluster `name` on `group`'s sshd
+    nodes, over the repo's .venv with 1 core and 1 GiB per worker, on free ports (`bootstrap`
+    adds settings); and the seam file ``root/endpoints.json`` giving each node its address
+    from `addresses` and its install prefix ``root/<node>`` (two nodes on one host need their
+    own): point `nodes.ENDPOINTS_ENV` at it."""
+    layout = {
+        f"{name}/{node}/node": {"address": address, "prefix": str(root / node)}
+        for node, address in addresses.items()
+    }
+    (root / "endpoints.json").write_text(json.dumps(layout))
+    return {
+        "hosts": [f"{s.user}@{s.host}:{s.port}" for s in group.servers],
+        "key_file": str(group.access.key_file),
+        "known_hosts": str(group.access.known_hosts),
+        "bootstrap": {
+            "python_env": str(Path(__file__).resolve().parents[1] / ".venv"), "worker_cores": 1,
+            "worker_memory_mb": 1024, "master_port": free_port(), "master_ui_port": free_port(),
+            "worker_ui_port": 0, **bootstrap,
+        },
+    }  # fmt: skip
 
 
 def free_port() -> int:

@@ -52,7 +52,9 @@ def submit(
     workers: int | None = typer.Option(None, help="worker instances of the cluster to make"),
     instance_type: list[str] = typer.Option([], help="worker type, repeatable: fallback order"),
     spot: bool | None = typer.Option(None, "--spot/--on-demand", help="workers on spot"),
-    provider: str | None = typer.Option(None, help="aws (default); static is not supported yet"),
+    provider: str | None = typer.Option(
+        None, help="aws (default): EC2 instances; static: your own `hosts:` (sparknet.yaml)"
+    ),
     keep: bool = typer.Option(False, "--keep", help="leave the cluster up after the job"),
     detach: bool = typer.Option(
         False, "--detach", help="return once the job runs (`sparknet-submit attach RUN` follows it)"
@@ -104,10 +106,6 @@ def submit(
             autostop_minutes=autostop,
         )  # fmt: skip
         spec = _cluster_spec(cluster_name, path, {} if cluster else flags)
-        if spec.provider != "aws":
-            raise flow.PreflightFailed(
-                "sparknet-submit runs on EC2 clusters only (provider: aws) so far"
-            )
         _check_autostop(spec, cluster is not None, keep)
         job = flow.Job(
             spec, cluster is not None, keep, dataset, cfg, endpoint_url, detach=detach,

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sparknet.cluster import instances, lifecycle, nodes, spot
+from sparknet.cluster import instances, lifecycle, nodes, spot, static
 from sparknet.cluster.instances import Instance
 from sparknet.cluster.remote import q, run
 from sparknet.cluster.spec import ClusterSpec
@@ -48,7 +48,11 @@ class Losses:
 def losses(spec: ClusterSpec, *, endpoint_url: str | None = None) -> Losses:
     """The cluster's losses, from EC2's view (members gone or going), the Spark master's
     (expected workers not ALIVE) and the spot workers' own (an interruption notice). A master
-    node that takes no SSH connection is no worker loss: it is said as the master's."""
+    node that takes no SSH connection is no worker loss: it is said as the master's. A static
+    cluster's losses are the Spark master's alone (its hosts are the user's: none is replaced,
+    a worker that is not registered is started again)."""
+    if spec.provider == "static":
+        return _static_losses(spec)
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     found = instances.find(ec2, spec.name)
     live = [i for i in found if i.state not in _GOING]
@@ -73,6 +77,14 @@ def losses(spec: ClusterSpec, *, endpoint_url: str | None = None) -> Losses:
         for i, n in noticed.items()
     ]
     return Losses(False, tuple(lines), tuple(noticed))
+
+
+def _static_losses(spec: ClusterSpec) -> Losses:
+    try:
+        health = static.health(spec)
+    except SparknetError as exc:
+        return Losses(True, (f"the master takes no connection ({str(exc).splitlines()[0]})",))
+    return Losses(False, tuple(p for p in health.problems if "is not registered" in p))
 
 
 #: how long one node may take to answer the notice check (IMDS answers in milliseconds)
@@ -116,6 +128,9 @@ def repair(
     holds the cluster's lock, so a concurrent `up` or `down` waits or is refused). `noticed`
     spot workers are terminated first, without waiting: `up` counts a shutting-down instance
     as gone and launches its replacement."""
+    if spec.provider == "static":
+        static.up(spec, say=say, bootstrap=True)
+        return
     if noticed:
         say(f"terminating {', '.join(noticed)} before EC2 does: replacements launch now")
         ec2 = instances.ec2_client(spec.region, endpoint_url)

@@ -11,7 +11,6 @@ worker, and each node's private address and install prefix come from the seam's
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import uuid
@@ -22,9 +21,8 @@ import yaml
 
 from sparknet.cluster.nodes import ENDPOINTS_ENV
 from tests.conftest import SPARKNET
-from tests.sshd import daemon_pids, free_port
+from tests.sshd import daemon_pids, static_cluster_entry
 
-REPO = Path(__file__).resolve().parents[2]
 ADDRESSES = {"master": "127.0.0.2", "worker-1": "127.0.0.3"}
 
 
@@ -37,22 +35,8 @@ def cluster(sshd_nodes, tmp_path, monkeypatch):
     monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
     group = sshd_nodes(2)
     name = f"s{uuid.uuid4().hex[:8]}"
-    layout = {
-        f"{name}/{node}/node": {"address": address, "prefix": str(tmp_path / node)}
-        for node, address in ADDRESSES.items()
-    }
-    (tmp_path / "endpoints.json").write_text(json.dumps(layout))
+    entry = {"provider": "static", **static_cluster_entry(group, name, ADDRESSES, tmp_path)}
     monkeypatch.setenv(ENDPOINTS_ENV, str(tmp_path / "endpoints.json"))
-    entry = {
-        "provider": "static",
-        "hosts": [f"{s.user}@{s.host}:{s.port}" for s in group.servers],
-        "key_file": str(group.access.key_file),
-        "known_hosts": str(group.access.known_hosts),
-        "bootstrap": {
-            "python_env": str(REPO / ".venv"), "worker_cores": 1, "worker_memory_mb": 1024,
-            "master_port": free_port(), "master_ui_port": free_port(), "worker_ui_port": 0,
-        },
-    }  # fmt: skip
     (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump({"clusters": {name: entry}}))
     yield name, group, entry
     if lifecycle.registered().get(name) is not None:
