@@ -1,20 +1,21 @@
 """`sparknet-submit` on one kept cluster, as a user runs it (subprocesses): --keep, reuse with
 --cluster, --detach, then `logs`, `list`, `attach` and `cancel` of the detached jobs (a worker
-node's Spark daemons killed while one is attached: the attach repairs the cluster, the job goes
-on), and the cluster taken down by hand at the end. The cloud, the loopback nodes and the
+node's Spark daemons killed while one is attached: the attach repairs the cluster, the job
+finishes), and the cluster taken down by hand at the end. The cloud, the loopback nodes and the
 dataset are test_submit.py's (its fixtures and helpers, imported): moto's server, loopback sshd
 nodes that the bootstrap starts a real Spark standalone cluster on, a tiny sharded dataset in
-moto's S3.
-One cluster up for the whole test (about 70 s): every job after the first reuses it."""
+moto's S3. One cluster up for the whole test (about 70 s): every job after the first reuses it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,9 @@ from tests.integration.test_submit import (  # noqa: F401 (fixtures)
     submit,
 )
 from tests.sshd import daemon_pids
+
+#: the rounds of the job a worker node is lost in
+ROUNDS = 8
 
 
 def _rounds(text: str) -> list[str]:
@@ -120,12 +124,17 @@ def _jobs_on_a_kept_cluster(name: str, group, bucket: str, tmp_path: Path) -> No
     assert len(_live(name)) == 2
 
     # detached: back while the job runs; its log and the list see it
-    detached = submit("--s3", "tiny", "--cluster", name, "--detach", *JOB, cwd=tmp_path)
+    detached = submit(
+        "--s3", "tiny", "--cluster", name, "--detach", *JOB, "--rounds", str(ROUNDS), cwd=tmp_path
+    )
     assert detached.returncode == 0, detached.stderr[-3000:]
     run = _run_id(detached)
     assert f"sparknet-submit attach {run}" in detached.stderr
     assert _rounds(detached.stderr) == []
     job = tmp_path / "master" / "jobs" / run
+    # the driver held still once round 1 is on S3 (SIGSTOP: a round that takes long), so the
+    # job surely runs on while a worker node is lost and repaired below
+    driver = _held_after_round_1(bucket, name, run, job)
     assert not (job / "driver.rc").exists()  # still running
     states = _states(tmp_path)
     assert states[run] == "running"
@@ -135,14 +144,26 @@ def _jobs_on_a_kept_cluster(name: str, group, bucket: str, tmp_path: Path) -> No
 
     assert submit("logs", run, cwd=tmp_path, timeout=120).returncode == 0
 
-    # attach: every round, the summary and the fetched files, as an attached submit
-    attached = submit("attach", run, cwd=tmp_path)
+    # attach, and a worker node's Spark daemons killed while it follows the job: its loss check
+    # (every 2 s here) restarts them and the job goes on to its end; every round, the summary
+    # and the fetched files, as an attached submit; the rounds' rows record the executor lost
+    # and the one that joined
+    attached, victim = _attach_through_a_lost_worker(name, run, driver, tmp_path)
     assert attached.returncode == 0, attached.stderr[-3000:]
-    assert _rounds(attached.stderr) == ["1/2", "2/2"], attached.stderr[-3000:]
+    lost = f"worker-1's worker ({ADDRESSES['worker-1']}) is not registered with the master"
+    assert f"cluster {name} lost {lost}: repairing\n" in attached.stderr, attached.stderr[-3000:]
+    assert f"cluster {name} repaired; the job goes on\n" in attached.stderr
+    assert daemon_pids(tmp_path, ADDRESSES)["worker-1/worker"] != victim
+    assert _rounds(attached.stderr) == [f"{r}/{ROUNDS}" for r in range(1, ROUNDS + 1)]
     rows = [
         json.loads(r) for r in (tmp_path / "runs" / run / "metrics.jsonl").read_text().splitlines()
     ]
-    assert [r["round"] for r in rows] == [1, 2]
+    assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1))
+    (gone,) = [r for r in rows if "executors_lost" in r]
+    (back,) = [r for r in rows if "executors_joined" in r]
+    assert gone["round"] <= back["round"] and back["executors"] == 2, rows
+    assert gone["executors_lost"][0].endswith(f"@{ADDRESSES['worker-1']}")
+    assert back["executors_joined"][0].endswith(f"@{ADDRESSES['worker-1']}")
     assert _run_id(attached) == run and "final accuracy: " in attached.stdout
     assert (tmp_path / "runs" / run / "curves.png").read_bytes()[:4] == b"\x89PNG"
     # the log, by --cluster without the local record (as from another machine): the same
@@ -169,7 +190,18 @@ def _jobs_on_a_kept_cluster(name: str, group, bucket: str, tmp_path: Path) -> No
     assert second.returncode == 0, second.stderr[-3000:]
     other = _run_id(second)
     leader = int((tmp_path / "master" / "jobs" / other / "driver.pid").read_text())
-    _worker_daemons_killed_while_attached(name, other, bucket, tmp_path)
+    # SIGTERM to an attach only detaches it: exit 143, the job goes on
+    watcher = subprocess.Popen(
+        [str(SUBMIT), "attach", other], cwd=tmp_path, env=os.environ.copy(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    for line in watcher.stderr:
+        if line.startswith(f"attached to job {other}"):
+            watcher.send_signal(signal.SIGTERM)
+            break
+    _out, err = watcher.communicate(timeout=120)
+    assert watcher.returncode == 143, err
+    assert f"detached from job {other}: it goes on" in err
     assert _session_alive(leader)
     cancelled = submit("cancel", other, cwd=tmp_path, timeout=180)
     assert cancelled.returncode == 0, cancelled.stderr
@@ -186,59 +218,56 @@ def _jobs_on_a_kept_cluster(name: str, group, bucket: str, tmp_path: Path) -> No
     assert len(gone.stderr.splitlines()) == 1
 
 
-def _worker_daemons_killed_while_attached(name: str, run: str, bucket: str, cwd: Path) -> None:
-    """Attach to the running job `run`, kill -9 the worker node's Spark worker once a round
-    has passed (its executor exits with it), and see the attached submitter's loss check
-    (every 2 s here) restart it while the job goes on on the master's executor: the job's
-    rounds record the executor lost and the one that joined. Then SIGTERM to the attach only
-    detaches it: exit 143, the job goes on."""
+def _held_after_round_1(bucket: str, name: str, run: str, job: Path) -> int:
+    """Once round 1 of `run` is in its metrics.jsonl on moto, SIGSTOP its driver (the train
+    process on the loopback master); its pid."""
+    key = f"runs/{name}/{run}/metrics.jsonl"
+    s3 = _client("s3")
+    deadline = time.monotonic() + 300
+    while True:
+        assert time.monotonic() < deadline and not (job / "driver.rc").exists(), "no round 1"
+        with contextlib.suppress(s3.exceptions.NoSuchKey):
+            if '"round"' in s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode():
+                break
+        time.sleep(0.2)
+    driver = int((job / "train.pid").read_text())
+    os.kill(driver, signal.SIGSTOP)
+    return driver
+
+
+def _attach_through_a_lost_worker(
+    name: str, run: str, driver: int, cwd: Path
+) -> tuple[subprocess.CompletedProcess, int]:
+    """`attach` to the job `run`, whose `driver` is held still: once attached, kill -9 the
+    worker node's Spark worker (its executor exits with it); once the attach's loss check has
+    repaired the cluster (or said that it could not), let the driver go on, and follow the
+    attach to its end. The attach's run, and the pid killed."""
     from sparknet.cluster.repair import CHECK_EVERY_ENV
 
     watcher = subprocess.Popen(
         [str(SUBMIT), "attach", run], cwd=cwd, env={**os.environ, CHECK_EVERY_ENV: "2"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    timer = threading.Timer(300, watcher.kill)  # a job that never gets its executor back
+    timer = threading.Timer(300, watcher.kill)  # an attach that hangs fails the test
     timer.start()
-    said, victim = [], None
+    seen, victim = [], 0
     try:
-        for line in watcher.stderr:
-            said.append(line)
-            if victim is None and line.startswith("round "):
+        for line in watcher.stderr:  # to the end (communicate() would skip what was buffered)
+            seen.append(line)
+            if line.startswith(f"attached to job {run}"):
                 victim = daemon_pids(cwd, ADDRESSES)["worker-1/worker"]
                 os.kill(victim, signal.SIGKILL)
-            elif victim is not None and line.startswith("round ") and _joined(bucket, name, run):
-                watcher.send_signal(signal.SIGTERM)
-                break
-        _out, err = watcher.communicate(timeout=120)
+            elif line.startswith(f"cluster {name} repaired") or "check or repair failed" in line:
+                os.kill(driver, signal.SIGCONT)
+        stdout = watcher.stdout.read()
+        watcher.wait(timeout=60)
     finally:
         timer.cancel()
-    said.append(err)
-    text = "".join(said)
-    assert watcher.returncode == 143, text[-3000:]
-    assert f"detached from job {run}: it goes on" in err
-    lost = f"worker-1's worker ({ADDRESSES['worker-1']}) is not registered with the master"
-    assert f"cluster {name} lost {lost}: repairing\n" in text, text[-3000:]
-    assert f"cluster {name} repaired; the job goes on\n" in text
-    assert daemon_pids(cwd, ADDRESSES)["worker-1/worker"] != victim
-    rows = _rows(bucket, name, run)
-    (gone,) = [r for r in rows if "executors_lost" in r]
-    (back,) = [r for r in rows if "executors_joined" in r]
-    assert gone["round"] <= back["round"] and back["executors"] == 2, rows
-    assert gone["executors_lost"][0].endswith(f"@{ADDRESSES['worker-1']}")
-    assert back["executors_joined"][0].endswith(f"@{ADDRESSES['worker-1']}")
-    assert [r["round"] for r in rows] == list(range(1, len(rows) + 1))
-
-
-def _rows(bucket: str, name: str, run: str) -> list[dict]:
-    """The round rows of the run's metrics.jsonl in its run prefix on moto."""
-    key = f"runs/{name}/{run}/metrics.jsonl"
-    body = _client("s3").get_object(Bucket=bucket, Key=key)["Body"].read().decode()
-    return [row for row in map(json.loads, body.splitlines()) if "round" in row]
-
-
-def _joined(bucket: str, name: str, run: str) -> bool:
-    return any("executors_joined" in row for row in _rows(bucket, name, run))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(driver, signal.SIGCONT)
+    return subprocess.CompletedProcess(
+        watcher.args, watcher.returncode, stdout, "".join(seen)
+    ), victim
 
 
 def _failed_run(states: dict[str, str], *others: str) -> str:
