@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from sparknet import submit as flow
-from sparknet.cluster import instances, lifecycle, nodes, static
+from sparknet.cluster import lifecycle, nodes, provider
 from sparknet.cluster.plan import Node
 from sparknet.cluster.remote import Conn, q, run, succeeds
 from sparknet.cluster.spec import ClusterSpec
@@ -137,14 +137,6 @@ class Located:
     master: flow.Master
 
 
-def master_running(spec: ClusterSpec, endpoint_url: str | None) -> bool:
-    """The cluster has a running master (one EC2 call, by tag); a static one: it is up here."""
-    if spec.provider == "static":
-        return static.registered_spec(spec.name) is not None
-    ec2 = instances.ec2_client(spec.region, endpoint_url)
-    return any(i.role == "master" and i.state == "running" for i in instances.find(ec2, spec.name))
-
-
 def locate(
     run_id: str, cluster: str | None, spec_of: SpecOf, endpoint_url: str | None = None
 ) -> Located:
@@ -161,7 +153,7 @@ def locate(
     name = cluster if record is None else record.cluster
     spec = spec_of(name, None if record is None else record.region)
     endpoint = endpoint_url or (record.endpoint_url if record else None)
-    if not master_running(spec, endpoint):
+    if not provider.master_running(spec, endpoint):
         raise ClusterGone(
             f"job {run_id}: cluster {name} has no running master (gone: taken down or "
             "stopped by its autostop timer)"
@@ -330,7 +322,7 @@ def _cluster_states(
     endpoint = endpoint_url or recs[0].endpoint_url
     try:
         spec = spec_of(name, region)
-        alive = master_running(spec, endpoint)
+        alive = provider.master_running(spec, endpoint)
     except SparknetError:
         alive = False
     if not alive:

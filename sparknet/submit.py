@@ -16,11 +16,10 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sparknet.cluster import autostop, instances, lifecycle, nodes, repair, static
+from sparknet.cluster import autostop, instances, lifecycle, nodes, provider, repair
 from sparknet.cluster.plan import Node
 from sparknet.cluster.remote import CommandFailed, Conn, ConnectionLost, q, run, succeeds, upload
 from sparknet.cluster.spec import ClusterSpec
@@ -118,7 +117,7 @@ def runs_bucket(spec: ClusterSpec, dataset: Dataset, reused: bool = False) -> st
     cluster without one: the dataset's bucket (what it was given when it was made); so for a
     static cluster, whose hosts reach S3 with their own credentials, not a role of sparknet's."""
     if spec.bucket is None:
-        if reused or spec.provider == "static":
+        if reused or provider.is_static(spec):
             return S3Uri.parse(dataset.uri).bucket
         raise PreflightFailed(
             f"cluster {spec.name} has no `bucket:` in its settings: its nodes could read no data "
@@ -185,7 +184,7 @@ def check_writable(prefix: str, endpoint_url: str | None) -> None:
 
 def check_types(spec: ClusterSpec, endpoint_url: str | None) -> None:
     """The cluster's instance types are offered in its region (and zones)."""
-    if spec.provider == "static":
+    if provider.is_static(spec):
         return
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     instances.check_offered(
@@ -201,34 +200,21 @@ def _first(exc: BaseException) -> str:
 
 
 def reuse(spec: ClusterSpec, endpoint_url: str | None) -> None:
-    """`--cluster NAME`: it must exist and its master run (else one line, nothing launched);
-    a static one must be up here (registered: its hosts run Spark)."""
-    if spec.provider == "static":
-        try:
-            static.status(spec)
-        except lifecycle.ClusterNotFound as exc:
-            raise PreflightFailed(f"--cluster {spec.name}: {_first(exc)}") from exc
-        return
+    """`--cluster NAME`: it must exist and its master run (a static one: be up here), else one
+    line and nothing launched."""
     try:
-        info = lifecycle.status(spec, endpoint_url=endpoint_url)
+        provider.check_running(spec, endpoint_url)
     except lifecycle.ClusterNotFound as exc:
-        raise PreflightFailed(f"--cluster {spec.name}: {_first(exc)}") from exc
-    if info.master is None or info.master.state != "running":
         raise PreflightFailed(
-            f"--cluster {spec.name}: its master is not running; `sparknet cluster up "
-            f"{spec.name}` starts it, or leave out --cluster to make a new cluster"
-        )
+            f"--cluster {spec.name}: {_first(exc)}, or leave out --cluster to make a new cluster"
+        ) from exc
 
 
 def check_name_free(spec: ClusterSpec, endpoint_url: str | None) -> None:
     """A submit that makes its cluster (no --cluster) must not find one of that name already
     there: `up` would take it over and the teardown after the job would end it, and the jobs
     on it with it."""
-    if spec.provider == "static":
-        taken = static.registered_spec(spec.name) is not None
-    else:
-        taken = bool(instances.find(instances.ec2_client(spec.region, endpoint_url), spec.name))
-    if taken:
+    if provider.in_use(spec, endpoint_url):
         raise PreflightFailed(
             f"cluster {spec.name} already runs; pass --cluster {spec.name} to reuse it, "
             "or --name NEW to make another"
@@ -250,15 +236,7 @@ class Master:
 
 def master_of(spec: ClusterSpec, endpoint_url: str | None) -> Master:
     """The running cluster's master as the bootstrap laid it out."""
-    if spec.provider == "static":
-        spec = static.current(spec)
-        access = static.access(spec)
-        planned = static.plan_nodes(spec, access)
-    else:
-        ec2 = instances.ec2_client(spec.region, endpoint_url)
-        found = [i for i in instances.find(ec2, spec.name) if i.state == "running"]
-        access = lifecycle.reach(spec, ec2, found)
-        planned = lifecycle.plan_nodes(spec, ec2, found)
+    access, planned = provider.nodes_of(spec, endpoint_url)
     master = planned[0]
     url = f"spark://{master.rpc_host}:{spec.bootstrap.master_port}"
     return Master(master, access, url, len(planned), tuple(n.gpus for n in planned))
@@ -268,7 +246,7 @@ def check_gpu_counts(spec: ClusterSpec, endpoint_url: str | None) -> None:
     """A cluster to make whose master type and worker types have different GPU counts is
     refused before launch (see `node_gpus`); `bootstrap.gpus_per_node` sets one for all. A
     static cluster's hosts are counted once they are reached (`master_of`)."""
-    if spec.bootstrap.gpus_per_node is not None or spec.provider == "static":
+    if spec.bootstrap.gpus_per_node is not None or provider.is_static(spec):
         return
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     counts = lifecycle.instance_gpus(ec2, [spec.master_type, *spec.instance_types])
@@ -293,16 +271,6 @@ def _mixed(name: str, counts: Mapping[str, int]) -> str:
         "worker with the same number of tasks: give master_type and instance_types the same "
         "GPU count, or set bootstrap.gpus_per_node"
     )
-
-
-def cost_so_far(spec: ClusterSpec, endpoint_url: str | None) -> float | None:
-    """USD the cluster's instances have cost since launch (lifecycle's pricing); None for a
-    static cluster (machines sparknet knows no price of)."""
-    if spec.provider == "static":
-        return None
-    ec2 = instances.ec2_client(spec.region, endpoint_url)
-    found = instances.find(ec2, spec.name)
-    return lifecycle.lifetime_cost(ec2, found, datetime.now(timezone.utc))
 
 
 # --- the driver on the master --------------------------------------------------------------------
@@ -634,7 +602,7 @@ def submit(
     try:
         if not job.reused:
             say(f"bringing cluster {job.spec.name} up")
-            bring_up(job.spec, job.endpoint_url, say)
+            provider.up(job.spec, endpoint_url=job.endpoint_url, say=say)
         master = master_of(job.spec, job.endpoint_url)
         cfg = job_config(job.cfg, job.dataset, prefix, master, job.spec.name)
         open_store(prefix, job.dataset.endpoint_url).write_bytes(
@@ -651,7 +619,7 @@ def submit(
         except JobOutOfReach:
             lost = True
             raise
-        cost = cost_so_far(job.spec, job.endpoint_url)
+        cost = provider.cost_so_far(job.spec, job.endpoint_url)
         fetched = fetch_results(prefix, job.dataset.endpoint_url, job.runs_dir / run_id)
         if outcome.rc != 0:
             why = last_error(outcome.log) or f"the driver exited {outcome.rc}"
@@ -675,14 +643,6 @@ def submit(
                 say(stays_up_line(job))
 
 
-def bring_up(spec: ClusterSpec, endpoint_url: str | None, say: Say) -> None:
-    """`cluster up` with its bootstrap: EC2 instances launched, or a static cluster's hosts."""
-    if spec.provider == "static":
-        static.up(spec, say=say, bootstrap=True)
-    else:
-        lifecycle.up(spec, endpoint_url=endpoint_url, say=say, bootstrap=True)
-
-
 def _run_driver(
     job: Job,
     master: Master,
@@ -703,7 +663,7 @@ def _run_driver(
             run_id,
             prefix,
             job.dataset.endpoint_url,
-            lambda rows: on_rows(rows, cost_so_far(job.spec, job.endpoint_url)),
+            lambda rows: on_rows(rows, provider.cost_so_far(job.spec, job.endpoint_url)),
             on_event=lambda event: say(restart_line(event)),
             on_tick=repair.Watch(job.spec, endpoint_url=job.endpoint_url, say=say),
         )
@@ -763,15 +723,9 @@ def teardown(job: Job, say: Say, after: BaseException | None = None) -> None:
     is TeardownFailed, which says how to end what is left (and keeps `after`, what ended the
     job)."""
     name = job.spec.name
-    if job.spec.provider == "static" and static.registered_spec(name) is None:
-        return  # its `up` failed before it registered the hosts: nothing of this job runs there
     say(f"taking cluster {name} down")
     try:
-        with contextlib.suppress(lifecycle.ClusterNotFound):
-            if job.spec.provider == "static":
-                static.down(job.spec, say=say)
-            else:
-                lifecycle.down(job.spec, endpoint_url=job.endpoint_url, say=say)
+        provider.down(job.spec, endpoint_url=job.endpoint_url, say=say)
     except Exception as exc:
         failed = TeardownFailed(
             f"taking cluster {name} down failed: {_first(exc)}; its instances may still run: "
@@ -786,7 +740,7 @@ def stays_up_line(job: Job) -> str:
     the timer off, only `sparknet cluster down`."""
     name, minutes = job.spec.name, job.spec.autostop_minutes
     why = "reused with --cluster" if job.reused else "--keep" if job.keep else "the job runs"
-    if job.spec.provider == "static":
+    if provider.is_static(job.spec):
         return (
             f"cluster {name} stays up ({why}): Spark runs on its hosts until `sparknet cluster "
             f"down {name}` stops it (a static cluster has no autostop timer)"

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sparknet.cluster import instances, lifecycle, nodes, spot, static
+from sparknet.cluster import instances, lifecycle, nodes, provider, spot, static
 from sparknet.cluster.instances import Instance
 from sparknet.cluster.remote import q, run
 from sparknet.cluster.spec import ClusterSpec
@@ -51,7 +51,7 @@ def losses(spec: ClusterSpec, *, endpoint_url: str | None = None) -> Losses:
     node that takes no SSH connection is no worker loss: it is said as the master's. A static
     cluster's losses are the Spark master's alone (its hosts are the user's: none is replaced,
     a worker that is not registered is started again)."""
-    if spec.provider == "static":
+    if provider.is_static(spec):
         return _static_losses(spec)
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     found = instances.find(ec2, spec.name)
@@ -128,14 +128,11 @@ def repair(
     holds the cluster's lock, so a concurrent `up` or `down` waits or is refused). `noticed`
     spot workers are terminated first, without waiting: `up` counts a shutting-down instance
     as gone and launches its replacement."""
-    if spec.provider == "static":
-        static.up(spec, say=say, bootstrap=True)
-        return
     if noticed:
         say(f"terminating {', '.join(noticed)} before EC2 does: replacements launch now")
         ec2 = instances.ec2_client(spec.region, endpoint_url)
         instances.terminate(ec2, list(noticed), wait=False)
-    lifecycle.up(spec, endpoint_url=endpoint_url, say=say, bootstrap=True)
+    provider.up(spec, endpoint_url=endpoint_url, say=say)
 
 
 #: how often an attached submitter checks its cluster for losses while the job runs
