@@ -344,7 +344,7 @@ def attach(
 
     from sparknet import jobs
     from sparknet import submit as flow
-    from sparknet.cluster import repair
+    from sparknet.cluster import provider, repair
 
     found, conn = _located(run_id, cluster, endpoint_url, config, debug)
     rec, node = found.record, found.master.node
@@ -357,7 +357,7 @@ def attach(
             try:
                 outcome = flow.follow(
                     conn, found.master, run_id, rec.prefix, rec.s3_endpoint_url,
-                    lambda rows: report.rows(rows, flow.cost_so_far(found.spec, endpoint)),
+                    lambda rows: report.rows(rows, provider.cost_so_far(found.spec, endpoint)),
                     on_event=lambda event: _say(flow.restart_line(event)),
                     on_tick=repair.Watch(found.spec, endpoint_url=endpoint, say=_say),
                 )  # fmt: skip
@@ -365,7 +365,7 @@ def attach(
                 report.stop()
             state = jobs.state_of(conn, node, run_id)
             ended = jobs.ended_at(conn, node, run_id) or time.time()
-            cost = flow.cost_so_far(found.spec, endpoint)
+            cost = provider.cost_so_far(found.spec, endpoint)
             fetched = flow.fetch_results(rec.prefix, rec.s3_endpoint_url, Path("runs") / run_id)
     except KeyboardInterrupt:
         signum = caught.signum or signal.SIGINT
