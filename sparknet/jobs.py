@@ -26,7 +26,7 @@ import yaml
 
 from sparknet import submit as flow
 from sparknet.cluster import lifecycle, nodes, provider
-from sparknet.cluster.plan import Node
+from sparknet.cluster.plan import JOB_CANCELLED, Node
 from sparknet.cluster.remote import Conn, q, run, succeeds
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import TrainConfig
@@ -34,7 +34,7 @@ from sparknet.errors import SparknetError
 
 #: the records' dir under the registry home, and the marker `cancel` leaves in a job dir
 JOBS_DIR = "jobs"
-CANCELLED = "cancelled"
+CANCELLED = JOB_CANCELLED
 #: the state of a job whose supervisor died and left its driver (or a child of it) running
 ORPHANED = "orphaned"
 #: how long `cancel` waits for the driver's session to end before it kills it outright

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sparknet.cluster import autostop, instances, lifecycle, nodes, provider, repair
-from sparknet.cluster.plan import Node
+from sparknet.cluster.plan import JOB_PID, JOBS_DIR, Node
 from sparknet.cluster.remote import CommandFailed, Conn, ConnectionLost, q, run, succeeds, upload
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import DatasetEntry, TrainConfig
@@ -39,7 +39,7 @@ POLL_S = 3.0
 GRACE_S = 300.0
 #: the driver's files in its job dir on the master (PID: the supervisor's, whose session is
 #: the job's; the supervisor's `train.pid` names the `sparknet train` process running now)
-LOG, PID = "driver.log", "driver.pid"
+LOG, PID = "driver.log", JOB_PID
 
 
 class PreflightFailed(SparknetError):
@@ -182,16 +182,6 @@ def check_writable(prefix: str, endpoint_url: str | None) -> None:
         raise PreflightFailed(f"run prefix {prefix} is not writable: {_first(exc)}") from exc
 
 
-def check_types(spec: ClusterSpec, endpoint_url: str | None) -> None:
-    """The cluster's instance types are offered in its region (and zones)."""
-    if provider.is_static(spec):
-        return
-    ec2 = instances.ec2_client(spec.region, endpoint_url)
-    instances.check_offered(
-        ec2, [spec.master_type, *spec.instance_types], spec.availability_zones or None
-    )
-
-
 def _first(exc: BaseException) -> str:
     return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
 
@@ -295,7 +285,7 @@ def job_config(
 
 
 def job_dir(node: Node, run_id: str) -> str:
-    return node.path("jobs", run_id)
+    return node.path(JOBS_DIR, run_id)
 
 
 def activity_name(run_id: str) -> str:
@@ -562,7 +552,10 @@ def preflight(job: Job) -> tuple[str, str]:
     prefix = run_prefix(bucket, job.spec.name, run_id, job.spec.runs_prefix)
     check_writable(prefix, job.dataset.endpoint_url)
     if not job.reused:
-        check_types(job.spec, job.endpoint_url)
+        try:
+            provider.check_launch(job.spec, job.endpoint_url)
+        except SparknetError as exc:
+            raise PreflightFailed(str(exc)) from exc
     return run_id, prefix
 
 

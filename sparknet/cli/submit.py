@@ -88,6 +88,7 @@ def submit(
     from sparknet import jobs
     from sparknet import submit as flow
     from sparknet.cli.cluster import _cluster_spec
+    from sparknet.cluster import repair
 
     if ctx.invoked_subcommand is not None:
         return
@@ -106,7 +107,10 @@ def submit(
             autostop_minutes=autostop,
         )  # fmt: skip
         spec = _cluster_spec(cluster_name, path, {} if cluster else flags)
+        if spec.provider == "static":
+            _check_static(spec, instance_type, spot, autostop, keep, detach, cluster is not None)
         _check_autostop(spec, cluster is not None, keep)
+        repair.check_every_s()  # a bad setting fails now, not once the job runs
         job = flow.Job(
             spec, cluster is not None, keep, dataset, cfg, endpoint_url, detach=detach,
             max_restarts=max_restarts,
@@ -186,6 +190,32 @@ def _check_flags(
         raise PreflightFailed(
             "--autostop 0 turns the timer off only with --keep: a cluster left without it runs "
             "until `sparknet cluster down`"
+        )
+
+
+def _check_static(
+    spec, instance_type: list[str], spot, autostop, keep: bool, detach: bool, reused: bool
+) -> None:
+    """EC2's flags are refused on a static cluster even where they say the default (they would
+    be ignored), and so is --detach on one the submit makes without --keep: with no autostop
+    timer, Spark would run on its hosts after the job until `sparknet cluster down`."""
+    from sparknet.submit import PreflightFailed
+
+    given = [
+        flag for flag, value in
+        (("--instance-type", instance_type), ("--spot/--on-demand", spot), ("--autostop", autostop))
+        if value not in (None, [])
+    ]  # fmt: skip
+    if given:
+        raise PreflightFailed(
+            f"{', '.join(given)}: EC2 flags, not for static cluster {spec.name} (its machines "
+            "are its `hosts:`)"
+        )
+    if detach and not keep and not reused:
+        raise PreflightFailed(
+            f"--detach on static cluster {spec.name}, which this submit brings up: it has no "
+            "autostop timer, so Spark would run on its hosts after the job; add --keep to keep "
+            f"it on purpose, or `sparknet cluster up {spec.name}` first and --cluster {spec.name}"
         )
 
 
@@ -346,6 +376,10 @@ def attach(
     from sparknet import submit as flow
     from sparknet.cluster import provider, repair
 
+    try:
+        repair.check_every_s()  # a bad setting fails before anything is asked
+    except SparknetError as exc:
+        fail(exc, debug, 2)
     found, conn = _located(run_id, cluster, endpoint_url, config, debug)
     rec, node = found.record, found.master.node
     endpoint = endpoint_url or rec.endpoint_url

@@ -22,7 +22,17 @@ from sparknet.cluster import nodes
 from sparknet.cluster.daemons import Autostop, Master, Worker
 from sparknet.cluster.health import ClusterHealth, Expected, cluster_health
 from sparknet.cluster.nodes import Access, Endpoint
-from sparknet.cluster.plan import FACTS, Context, Facts, Node, Plan, parse_facts
+from sparknet.cluster.plan import (
+    FACTS,
+    JOB_CANCELLED,
+    JOB_PID,
+    JOBS_DIR,
+    Context,
+    Facts,
+    Node,
+    Plan,
+    parse_facts,
+)
 from sparknet.cluster.remote import TAIL_LINES, CommandFailed, Conn, q, run, tail_lines
 from sparknet.cluster.spark_conf import load_or_create_secret
 from sparknet.cluster.steps import PREPARE, Step
@@ -237,12 +247,28 @@ def stop_daemons(nodes_: Sequence[Node], access: Access, timeout: float = 120) -
     nodes.run_all([n.endpoint for n in plan.nodes], access, stop, timeout)
 
 
+def end_jobs(node: Node, conn: Conn) -> None:
+    """End the process session of every sparknet-submit job still running on `node` (SIGTERM
+    to its supervisor's process group: the driver and its Spark driver JVM with it), marked as
+    cancelled: without the daemons it could never finish, and on a static host, which stays
+    up, nothing else would ever end it."""
+    jobs = q(node.path(JOBS_DIR))
+    run(
+        conn,
+        f'for d in {jobs}/*/; do p=$(cat "${{d}}{JOB_PID}" 2>/dev/null) || continue; '
+        f'kill -0 -- "-$p" 2>/dev/null || continue; touch "${{d}}{JOB_CANCELLED}"; '
+        f'kill -TERM -- "-$p" 2>/dev/null; done; true',
+    )
+
+
 def stop_node(ctx: Context, conn: Conn) -> None:
     """Stop the node's autostop timer, worker and master (by pid file or systemd unit), remove what
     would start them again or let a client in: their systemd units, then the conf file with
     the cluster's secret, only once both stopped (CommandFailed else). Both on every node, not
     only the plan's master: a static cluster whose hosts were reordered has its master
-    elsewhere, and stopping a daemon that does not run is no error."""
+    elsewhere, and stopping a daemon that does not run is no error. Jobs still running there
+    are ended first (`end_jobs`)."""
+    end_jobs(ctx.node, conn)
     Autostop(ctx).stop(conn, remove=True)
     Worker(ctx).stop(conn, remove=True)
     Master(ctx).stop(conn, remove=True)

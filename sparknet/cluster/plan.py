@@ -21,6 +21,11 @@ from sparknet.cluster.spark_conf import (
 from sparknet.cluster.wheel import Wheel
 from sparknet.errors import SparknetError
 
+#: a job's dir on its master is ``<prefix>/jobs/<run id>`` (sparknet-submit's); its session's pid
+#: file there (the supervisor's, whose process group is the whole job), and the marker of a job
+#: that was ended on purpose
+JOBS_DIR, JOB_PID, JOB_CANCELLED = "jobs", "driver.pid", "cancelled"
+
 # --- what a node is, and what sparknet learns about it -------------------------------------------
 
 

@@ -49,6 +49,20 @@ def check_running(spec: ClusterSpec, endpoint_url: str | None) -> None:
         )
 
 
+def check_launch(spec: ClusterSpec, endpoint_url: str | None) -> None:
+    """What can fail before `up` costs or starts anything, checked without writing: the
+    instance types offered in the region (and zones); a static cluster's name, hosts, key and
+    the hosts' keys."""
+    if is_static(spec):
+        static.preflight(spec)
+        return
+    instances.check_offered(
+        instances.ec2_client(spec.region, endpoint_url),
+        [spec.master_type, *spec.instance_types],
+        spec.availability_zones or None,
+    )
+
+
 def up(spec: ClusterSpec, *, endpoint_url: str | None, say: Say) -> None:
     """`cluster up` with its bootstrap: EC2 instances launched, or a static cluster's hosts."""
     if is_static(spec):

@@ -13,13 +13,13 @@ A lost master is no loss this module repairs: the driver runs there, and with it
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from sparknet.cluster import instances, lifecycle, nodes, provider, spot, static
+from sparknet.cluster.health import ClusterHealth
 from sparknet.cluster.instances import Instance
 from sparknet.cluster.remote import q, run
 from sparknet.cluster.spec import ClusterSpec
@@ -34,11 +34,13 @@ _GOING = frozenset({"shutting-down", "terminated", "stopping", "stopped"})
 @dataclass(frozen=True)
 class Losses:
     """What is missing from the cluster: whether its master is gone (nothing to repair), one
-    line per worker loss, and the spot workers with an interruption notice among them."""
+    line per worker loss, the spot workers with an interruption notice among them, and what
+    could not be checked (a spot worker whose notice could not be read)."""
 
     master_gone: bool
     lines: tuple[str, ...]
     noticed: tuple[str, ...] = ()
+    unchecked: tuple[str, ...] = ()
 
     @property
     def repairable(self) -> bool:
@@ -48,9 +50,11 @@ class Losses:
 def losses(spec: ClusterSpec, *, endpoint_url: str | None = None) -> Losses:
     """The cluster's losses, from EC2's view (members gone or going), the Spark master's
     (expected workers not ALIVE) and the spot workers' own (an interruption notice). A master
-    node that takes no SSH connection is no worker loss: it is said as the master's. A static
-    cluster's losses are the Spark master's alone (its hosts are the user's: none is replaced,
-    a worker that is not registered is started again)."""
+    node that takes no SSH connection, or whose Spark master does not answer, is no worker
+    loss: it is said as the master's. A gone or going worker is a loss only while fewer than
+    `workers` live (a noticed one, terminated, is shutting down for minutes after its
+    replacement came). A static cluster's losses are the Spark master's alone (its hosts are
+    the user's: none is replaced, a worker that is not registered is started again)."""
     if provider.is_static(spec):
         return _static_losses(spec)
     ec2 = instances.ec2_client(spec.region, endpoint_url)
@@ -59,32 +63,45 @@ def losses(spec: ClusterSpec, *, endpoint_url: str | None = None) -> Losses:
     masters = [i for i in live if i.role == "master"]
     if not masters:
         return Losses(True, ("the master instance is gone",))
-    lines = [
-        f"worker {i.id} is {i.state}" for i in found if i.role == "worker" and i.state in _GOING
-    ]
+    lines: list[str] = []
     missing = spec.workers - sum(1 for i in live if i.role == "worker")
-    if missing > 0 and not lines:
-        lines.append(f"{missing} of {spec.workers} worker instances are gone")
+    if missing > 0:
+        going = [i for i in found if i.role == "worker" and i.state in _GOING]
+        lines += [f"worker {i.id} is {i.state}" for i in going] or [
+            f"{missing} of {spec.workers} worker instances are gone"
+        ]
     try:
         health = lifecycle.spark_health(spec, live, endpoint_url=endpoint_url)
     except SparknetError as exc:
         return Losses(True, (f"the master takes no connection ({str(exc).splitlines()[0]})",))
+    if (silent := _master_silent(health)) is not None:
+        return Losses(True, (silent,))
     lines += [p for p in health.problems if "is not registered" in p]
     workers = [i for i in live if i.role == "worker" and i.spot and i.state == "running"]
-    noticed = spot_notices(spec, workers, endpoint_url=endpoint_url) if workers else {}
+    noticed, unchecked = spot_notices(spec, workers, endpoint_url=endpoint_url)
     lines += [
         f"worker {i} has a spot interruption notice ({n.action} at {n.time})"
         for i, n in noticed.items()
     ]
-    return Losses(False, tuple(lines), tuple(noticed))
+    return Losses(False, tuple(lines), tuple(noticed), tuple(unchecked))
 
 
 def _static_losses(spec: ClusterSpec) -> Losses:
+    if static.registered_spec(spec.name) is None:
+        return Losses(True, ("it was taken down (`sparknet cluster down`)",))
     try:
         health = static.health(spec)
     except SparknetError as exc:
         return Losses(True, (f"the master takes no connection ({str(exc).splitlines()[0]})",))
+    if (silent := _master_silent(health)) is not None:
+        return Losses(True, (silent,))
     return Losses(False, tuple(p for p in health.problems if "is not registered" in p))
+
+
+def _master_silent(health: ClusterHealth) -> str | None:
+    """The health's problem that the Spark master daemon does not answer (its node does): no
+    worker loss, and nothing a repair of the workers mends."""
+    return next((p for p in health.problems if p.startswith("the master does not answer")), None)
 
 
 #: how long one node may take to answer the notice check (IMDS answers in milliseconds)
@@ -93,28 +110,40 @@ NOTICE_CHECK_S = 15.0
 
 def spot_notices(
     spec: ClusterSpec, workers: list[Instance], *, endpoint_url: str | None = None
-) -> dict[str, spot.Notice]:
+) -> tuple[dict[str, spot.Notice], list[str]]:
     """Instance id -> the interruption notice of each of `workers` (running spot workers) that
-    has one, asked over SSH of each node's own metadata service. A node that cannot be asked
-    counts as unnoticed: if it is going, EC2's state or the Spark master says so soon."""
-    ec2 = instances.ec2_client(spec.region, endpoint_url)
-    everyone = [i for i in instances.find(ec2, spec.name) if i.state == "running"]
-    access = lifecycle.reach(spec, ec2, everyone)
-    plan = {n.name: n for n in lifecycle.plan_nodes(spec, ec2, everyone)}
+    has one, asked over SSH of each node's own metadata service; and one line per node that
+    could not be asked (it counts as unnoticed: if it is going, EC2's state or the Spark master
+    says so soon)."""
+    if not workers:
+        return {}, []
+    found: dict[str, spot.Notice] = {}
+    try:
+        ec2 = instances.ec2_client(spec.region, endpoint_url)
+        everyone = [i for i in instances.find(ec2, spec.name) if i.state == "running"]
+        access = lifecycle.reach(spec, ec2, everyone)
+        plan = {n.name: n for n in lifecycle.plan_nodes(spec, ec2, everyone)}
+    except SparknetError as exc:
+        return found, [f"the workers ({str(exc).splitlines()[0]})"]
     wanted = {i.id for i in workers}
     ids = {name: i.id for name, i in nodes.node_names(everyone) if i.id in wanted}
-    found: dict[str, spot.Notice] = {}
 
     def ask(endpoint: nodes.Endpoint, conn) -> None:
         out = run(conn, f"{q(plan[endpoint.name].python)} -m sparknet.cluster.spot", NOTICE_CHECK_S)
-        notice = spot.parse(out)
+        try:
+            notice = spot.parse(out)
+        except ValueError as exc:
+            raise SparknetError(f"not a notice: {out.strip()[:80]!r}") from exc
         if notice is not None:
             found[ids[endpoint.name]] = notice
 
-    targets = [plan[name].endpoint for name in ids]
-    with contextlib.suppress(nodes.NodesFailed):  # what the others answered is in `found`
-        nodes.run_all(targets, access, ask, NOTICE_CHECK_S, connect_timeout=5)
-    return found
+    try:
+        nodes.run_all(
+            [plan[n].endpoint for n in ids], access, ask, NOTICE_CHECK_S, connect_timeout=5
+        )
+    except nodes.NodesFailed as exc:  # what the others answered is in `found`
+        return found, [f"{name} ({nodes.describe(e)})" for name, e in exc.failures.items()]
+    return found, []
 
 
 def repair(
@@ -173,6 +202,7 @@ class Watch:
         self.every_s = check_every_s() if every_s is None else every_s
         self._last = time.monotonic()
         self._master_said = False
+        self._unchecked_said: set[str] = set()
 
     def __call__(self) -> None:
         if time.monotonic() - self._last < self.every_s:
@@ -181,6 +211,11 @@ class Watch:
             # the cluster as `up` last made it: a settings file edited since must not resize it
             spec = lifecycle.registered().get(self.spec.name, self.spec)
             found = losses(spec, endpoint_url=self.endpoint_url)
+            for line in found.unchecked:
+                node = line.split(" ", 1)[0]
+                if node not in self._unchecked_said:  # once per node: it may never be readable
+                    self._unchecked_said.add(node)
+                    self.say(f"cluster {self.spec.name}: no spot notice can be read of {line}")
             if found.master_gone:
                 if not self._master_said:
                     self.say(f"cluster {self.spec.name}: {found.lines[0]}; nothing to repair")
@@ -189,6 +224,10 @@ class Watch:
                 self.say(f"cluster {self.spec.name} lost {'; '.join(found.lines)}: repairing")
                 repair(spec, endpoint_url=self.endpoint_url, say=self.say, noticed=found.noticed)
                 self.say(f"cluster {self.spec.name} repaired; the job goes on")
+        except lifecycle.Interrupted as exc:
+            # Ctrl-C or SIGTERM during the repair's `up`, which says it as its own error: an
+            # interrupt of the submitter all the same, never a repair that merely failed
+            raise KeyboardInterrupt(str(exc)) from exc
         except SparknetError as exc:
             first = next(iter(str(exc).splitlines()), type(exc).__name__)
             self.say(f"cluster {self.spec.name}: check or repair failed ({first}); the job goes on")

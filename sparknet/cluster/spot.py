@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass
 
@@ -32,6 +33,8 @@ TOKEN_PATH = "latest/api/token"
 TOKEN_TTL_S = 30
 #: IMDS answers in milliseconds; anything slower is no IMDS
 TIMEOUT_S = 2.0
+#: what EC2 does to an interrupted spot instance, as the notice says it
+ACTIONS = frozenset({"terminate", "stop", "hibernate"})
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -44,10 +47,30 @@ class Notice:
     action: str
     time: str
 
+    @classmethod
+    def from_json(cls, raw: object) -> Notice:
+        """The notice in IMDS's JSON object; ValueError for anything else (a notice read
+        wrong would terminate a worker)."""
+        if (
+            not isinstance(raw, dict)
+            or raw.get("action") not in ACTIONS
+            or not isinstance(raw.get("time"), str)
+        ):
+            raise ValueError(f"not an interruption notice: {json.dumps(raw)[:80]}")
+        return cls(raw["action"], raw["time"])
+
 
 def endpoint() -> str:
-    """The IMDS base URL, ending in a slash."""
-    return (os.environ.get(ENDPOINT_ENV) or DEFAULT_ENDPOINT).rstrip("/") + "/"
+    """The IMDS base URL, ending in a slash; a one-line error for one that is no http URL."""
+    base = (os.environ.get(ENDPOINT_ENV) or DEFAULT_ENDPOINT).rstrip("/") + "/"
+    try:
+        parts = urllib.parse.urlsplit(base)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise SparknetError(f"{ENDPOINT_ENV}={base!r} is not an http:// URL")
+    return base
 
 
 def notice(base: str | None = None, timeout: float = TIMEOUT_S) -> Notice | None:
@@ -73,9 +96,8 @@ def notice(base: str | None = None, timeout: float = TIMEOUT_S) -> Notice | None
             if exc.code == 404:
                 return None
             raise
-        raw = json.loads(body)
-        return Notice(str(raw["action"]), str(raw["time"]))
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # URLError and HTTPError are OSErrors
+        return Notice.from_json(json.loads(body))
+    except (OSError, ValueError) as exc:  # URLError and HTTPError are OSErrors
         raise SparknetError(f"instance metadata at {base}: {_describe(exc)}") from exc
 
 
@@ -89,15 +111,17 @@ def _describe(exc: BaseException) -> str:
         return f"HTTP {exc.code} {exc.reason}"
     if isinstance(exc, urllib.error.URLError):
         return f"unreachable ({exc.reason})"
-    if isinstance(exc, (ValueError, KeyError, TypeError)):
-        return f"not an interruption notice ({type(exc).__name__}: {exc})"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"not an interruption notice (not JSON: {exc})"
+    if isinstance(exc, ValueError):
+        return str(exc)
     return str(exc) or type(exc).__name__
 
 
 def parse(text: str) -> Notice | None:
     """What `main` printed, read back by the submitter: a Notice, or None for ``{}``."""
     raw = json.loads(text)
-    return Notice(str(raw["action"]), str(raw["time"])) if raw else None
+    return Notice.from_json(raw) if raw != {} else None
 
 
 def main() -> int:

@@ -134,17 +134,35 @@ def access(spec: ClusterSpec) -> Access:
     keys that were found: a key the user removed is not kept)."""
     found = nodes.access_for(spec)
     nodes.check_key_file(found)
-    sources = trusted_keys_files(spec)
-    trusted = load_trusted(sources, required=bool(spec.known_hosts))
+    pins = _trusted_pins(spec)
+    nodes.pin(found.known_hosts, pins, only=True)
+    _check_all_trusted(spec, pins)
+    return found
+
+
+def preflight(spec: ClusterSpec) -> None:
+    """What `up` checks before it writes or connects anything (the name, the hosts, the key and
+    each host's key), writing nothing: a submit asks it before it starts anything."""
+    _check_not_ec2(spec)
+    _check_hosts(spec)
+    nodes.check_key_file(nodes.access_for(spec))
+    _check_all_trusted(spec, _trusted_pins(spec))
+
+
+def _trusted_pins(spec: ClusterSpec) -> dict[str, list[str]]:
+    """Each host's keys from `trusted_keys_files`, by SSH address; a host with none is left out."""
+    trusted = load_trusted(trusted_keys_files(spec), required=bool(spec.known_hosts))
     pins: dict[str, list[str]] = {}
-    missing = []
     for endpoint in endpoints(spec):
         keys = trusted.lookup(endpoint.address)
         if keys:
             pins[endpoint.address] = [f"{k.get_name()} {k.get_base64()}" for k in keys.values()]
-        else:
-            missing.append(endpoint)
-    nodes.pin(found.known_hosts, pins, only=True)
+    return pins
+
+
+def _check_all_trusted(spec: ClusterSpec, pins: dict[str, list[str]]) -> None:
+    missing = [e for e in endpoints(spec) if e.address not in pins]
+    sources = trusted_keys_files(spec)
     if missing:
         first = missing[0]
         login = shlex.join(
@@ -156,7 +174,6 @@ def access(spec: ClusterSpec) -> Access:
             f"you have checked: log in once with `{login}` and compare the fingerprint, or set "
             "known_hosts to a file that holds their keys"
         )
-    return found
 
 
 # --- nodes ---------------------------------------------------------------------------------------

@@ -89,6 +89,13 @@ def test_up_status_and_down_of_a_static_cluster(cluster, tmp_path) -> None:
     assert "nothing to do: every step was already done on all 2 nodes" in again.stderr
     assert daemon_pids(tmp_path, ADDRESSES) == pids
 
+    # a job still running on the master (a session of its own, as sparknet-submit's supervisor
+    # runs: a stand-in process here) and one that ended: `down` ends the first, marked cancelled
+    jobs = tmp_path / "master" / "jobs"
+    running = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    for run, pid in (("R-running", running.pid), ("R-ended", 2**22 + 1)):
+        (jobs / run).mkdir(parents=True)
+        (jobs / run / "driver.pid").write_text(f"{pid}\n")
     down = cli("down", name, cwd=tmp_path)
     assert down.returncode == 0, down.stderr
     assert "stopped Spark on master, worker-1" in down.stdout
@@ -96,6 +103,8 @@ def test_up_status_and_down_of_a_static_cluster(cluster, tmp_path) -> None:
     assert "stopped Spark on 2 of 2 hosts" in down.stderr
     for pid in pids.values():
         assert not Path(f"/proc/{pid}").exists()
+    assert running.wait(timeout=30) == -15  # SIGTERM
+    assert sorted(p.parent.name for p in jobs.glob("*/cancelled")) == ["R-running"]
     # the machines stay: sshd runs, the install is there; the secret is gone from them and here
     assert all(s.proc.poll() is None for s in group.servers)
     assert (tmp_path / "master" / "venv" / "bin" / "python").exists()

@@ -256,8 +256,12 @@ def _attach_through_a_lost_worker(
             seen.append(line)
             if line.startswith(f"attached to job {run}"):
                 victim = daemon_pids(cwd, ADDRESSES)["worker-1/worker"]
+                before = set(_executor_logs(cwd))
                 os.kill(victim, signal.SIGKILL)
-            elif line.startswith(f"cluster {name} repaired") or "check or repair failed" in line:
+            elif line.startswith(f"cluster {name} repaired"):
+                _new_executor_registered(cwd, before)  # else the last rounds could outrun it
+                os.kill(driver, signal.SIGCONT)
+            elif "check or repair failed" in line:
                 os.kill(driver, signal.SIGCONT)
         stdout = watcher.stdout.read()
         watcher.wait(timeout=60)
@@ -268,6 +272,22 @@ def _attach_through_a_lost_worker(
     return subprocess.CompletedProcess(
         watcher.args, watcher.returncode, stdout, "".join(seen)
     ), victim
+
+
+def _executor_logs(root: Path) -> list[Path]:
+    """The stderr of every executor the worker node's Spark worker ever started."""
+    return sorted((root / "worker-1" / "work").glob("app-*/*/stderr"))
+
+
+def _new_executor_registered(root: Path, before: set[Path], timeout: float = 120) -> None:
+    """Until an executor started on the worker node since `before` has registered its block
+    manager with the driver (its log says so): the driver then counts it at the next round."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for log in set(_executor_logs(root)) - before:
+            if "Registered BlockManager" in log.read_text(errors="replace"):
+                return
+        time.sleep(0.2)
 
 
 def _failed_run(states: dict[str, str], *others: str) -> str:

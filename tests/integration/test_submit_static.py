@@ -43,7 +43,9 @@ def static_settings(moto_endpoint, dataset, sshd_nodes, tmp_path, monkeypatch): 
     name = f"t{uuid.uuid4().hex[:8]}"
     entry = static_cluster_entry(group, name, ADDRESSES, tmp_path, gpus_per_node=0)
     monkeypatch.setenv(ENDPOINTS_ENV, str(tmp_path / "endpoints.json"))
-    doc = {"clusters": {name: entry}, "datasets": {"tiny": {"uri": dataset}}}
+    # a second cluster with a host whose key the user never checked
+    unknown = {**entry, "hosts": [*entry["hosts"], "root@127.0.0.1:1"]}
+    doc = {"clusters": {name: entry, f"{name}u": unknown}, "datasets": {"tiny": {"uri": dataset}}}
     (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump(doc))
     yield name
     if lifecycle.registered().get(name) is not None:
@@ -57,14 +59,30 @@ def test_submit_on_static_hosts_trains_and_stops_spark(static_settings, bucket, 
     from sparknet.cluster import lifecycle
 
     name = static_settings
-    # EC2 settings on a static cluster: refused before anything starts
-    spot = submit("--provider", "static", "--spot", "--s3", "tiny", *JOB, cwd=tmp_path)
-    assert spot.returncode == 2 and spot.stderr.startswith(f"error: cluster {name}: "), spot.stderr
-    assert "spot: EC2 settings, not for `provider: static`" in spot.stderr
-    assert len(spot.stderr.splitlines()) == 1 and daemon_pids(tmp_path, ADDRESSES) == {}
+    # refused before anything starts or is written, one line each, exit 2: EC2 settings on a
+    # static cluster (even where they say the default), --detach of a cluster the submit
+    # brings up (no autostop timer would end its Spark), a host whose key is not trusted, a
+    # bad check interval
+    static = ("--provider", "static", "--name", name, "--s3", "tiny", *JOB)
+    refusals = {
+        "--spot": "spot: EC2 settings, not for `provider: static`",
+        "--autostop=30": f"--autostop: EC2 flags, not for static cluster {name}",
+        "--detach": f"--detach on static cluster {name}, which this submit brings up",
+        f"--name={name}u": "no host key for worker-2 (root@127.0.0.1:1) in ",
+        "": "SPARKNET_REPAIR_CHECK_S='abc': give a positive number of seconds",
+    }
+    for flag, why in refusals.items():
+        env = {**os.environ, "SPARKNET_REPAIR_CHECK_S": "abc" if not flag else "30"}
+        refused = subprocess.run(
+            [str(SUBMIT), *static, *([flag] if flag else [])], cwd=tmp_path, env=env,
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert refused.returncode == 2 and why in refused.stderr, (flag, refused.stderr)
+        assert len(refused.stderr.splitlines()) == 1, refused.stderr
+    assert daemon_pids(tmp_path, ADDRESSES) == {} and not (tmp_path / "home" / "clusters").exists()
 
     proc = subprocess.Popen(
-        [str(SUBMIT), "--provider", "static", "--s3", "tiny", *JOB], cwd=tmp_path,
+        [str(SUBMIT), *static], cwd=tmp_path,
         env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     seen, pids = [], {}

@@ -43,14 +43,20 @@ def test_the_endpoint_setting_and_no_proxy(imds, monkeypatch) -> None:
     assert spot.notice() == spot.Notice(**NOTICE)
     monkeypatch.delenv(spot.ENDPOINT_ENV)
     assert spot.endpoint() == spot.DEFAULT_ENDPOINT
+    for bad in ("169.254.169.254", "http://[::1", "ftp://x/"):
+        monkeypatch.setenv(spot.ENDPOINT_ENV, bad)
+        with pytest.raises(SparknetError, match=rf"^{spot.ENDPOINT_ENV}=.* is not an http:// URL$"):
+            spot.endpoint()
 
 
 def test_a_service_that_is_no_imds_is_a_one_line_error(imds) -> None:
     with pytest.raises(SparknetError, match=r"instance metadata at .*: unreachable"):
         spot.notice(f"http://127.0.0.1:{free_port()}/", timeout=1)
-    imds.notices["i-1"] = {"when": "soon"}
-    with pytest.raises(SparknetError, match=r"not an interruption notice \(KeyError"):
-        spot.notice(imds.endpoint("i-1"))
+    # a notice read wrong would terminate a worker: anything but IMDS's object is an error
+    for odd in ({"when": "soon"}, {"action": None, "time": None}, [NOTICE], {**NOTICE, "time": 1}):
+        imds.notices["i-1"] = odd
+        with pytest.raises(SparknetError, match=r"^instance metadata at .*: not an interruption"):
+            spot.notice(imds.endpoint("i-1"))
     # any answer but the notice or its 404 is no "no notice"
     imds.notices["i-1"] = NOTICE
     imds.refuse_tokens = True
