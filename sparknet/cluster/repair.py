@@ -77,8 +77,8 @@ def losses(spec: ClusterSpec, *, endpoint_url: str | None = None) -> Losses:
     if (silent := _master_silent(health)) is not None:
         return Losses(True, (silent,))
     lines += [p for p in health.problems if "is not registered" in p]
-    workers = [i for i in live if i.role == "worker" and i.spot and i.state == "running"]
-    noticed, unchecked = spot_notices(spec, workers, endpoint_url=endpoint_url)
+    running = [i for i in live if i.state == "running"]
+    noticed, unchecked = spot_notices(spec, running, endpoint_url=endpoint_url)
     lines += [
         f"worker {i} has a spot interruption notice ({n.action} at {n.time})"
         for i, n in noticed.items()
@@ -109,24 +109,22 @@ NOTICE_CHECK_S = 15.0
 
 
 def spot_notices(
-    spec: ClusterSpec, workers: list[Instance], *, endpoint_url: str | None = None
+    spec: ClusterSpec, running: list[Instance], *, endpoint_url: str | None = None
 ) -> tuple[dict[str, spot.Notice], list[str]]:
-    """Instance id -> the interruption notice of each of `workers` (running spot workers) that
-    has one, asked over SSH of each node's own metadata service; and one line per node that
-    could not be asked (it counts as unnoticed: if it is going, EC2's state or the Spark master
-    says so soon)."""
-    if not workers:
+    """Instance id -> the interruption notice of each spot worker among the cluster's `running`
+    instances that has one, asked over SSH of each node's own metadata service; and one line
+    per node that could not be asked (it counts as unnoticed: if it is going, EC2's state or
+    the Spark master says so soon)."""
+    ids = {n: i.id for n, i in nodes.node_names(running) if i.role == "worker" and i.spot}
+    if not ids:
         return {}, []
     found: dict[str, spot.Notice] = {}
     try:
         ec2 = instances.ec2_client(spec.region, endpoint_url)
-        everyone = [i for i in instances.find(ec2, spec.name) if i.state == "running"]
-        access = lifecycle.reach(spec, ec2, everyone)
-        plan = {n.name: n for n in lifecycle.plan_nodes(spec, ec2, everyone)}
+        access = lifecycle.reach(spec, ec2, running)
+        plan = {n.name: n for n in lifecycle.plan_nodes(spec, ec2, running)}
     except SparknetError as exc:
         return found, [f"the workers ({str(exc).splitlines()[0]})"]
-    wanted = {i.id for i in workers}
-    ids = {name: i.id for name, i in nodes.node_names(everyone) if i.id in wanted}
 
     def ask(endpoint: nodes.Endpoint, conn) -> None:
         out = run(conn, f"{q(plan[endpoint.name].python)} -m sparknet.cluster.spot", NOTICE_CHECK_S)
