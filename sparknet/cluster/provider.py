@@ -5,6 +5,7 @@ whose registry entry here is the record. The cluster CLI keeps its own per-provi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from datetime import datetime, timezone
 
@@ -71,21 +72,17 @@ def up(spec: ClusterSpec, *, endpoint_url: str | None, say: Say) -> None:
         lifecycle.up(spec, endpoint_url=endpoint_url, say=say, bootstrap=True)
 
 
-def down(spec: ClusterSpec, *, endpoint_url: str | None, say: Say) -> bool:
+def down(spec: ClusterSpec, *, endpoint_url: str | None, say: Say) -> None:
     """`cluster down`: the EC2 cluster terminated and deleted, or Spark stopped on a static
-    cluster's hosts (the machines stay). False when there was nothing to take down: no
-    resource with the cluster's tag, or a static cluster not registered here (its hosts are
-    then none of sparknet's business: they may be another cluster's)."""
+    cluster's hosts (the machines stay). Nothing there is no error: no resource with the
+    cluster's tag, or a static cluster not registered here (its hosts are then none of
+    sparknet's business: they may be another cluster's)."""
     if is_static(spec):
-        if static.registered_spec(spec.name) is None:
-            return False
-        static.down(spec, say=say)
-        return True
-    try:
+        if static.registered_spec(spec.name) is not None:
+            static.down(spec, say=say)
+        return
+    with contextlib.suppress(lifecycle.ClusterNotFound):
         lifecycle.down(spec, endpoint_url=endpoint_url, say=say)
-    except lifecycle.ClusterNotFound:
-        return False
-    return True
 
 
 def nodes_of(spec: ClusterSpec, endpoint_url: str | None) -> tuple[Access, list[Node]]:

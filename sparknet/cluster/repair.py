@@ -42,10 +42,6 @@ class Losses:
     noticed: tuple[str, ...] = ()
     unchecked: tuple[str, ...] = ()
 
-    @property
-    def repairable(self) -> bool:
-        return bool(self.lines) and not self.master_gone
-
 
 def losses(spec: ClusterSpec, *, endpoint_url: str | None = None) -> Losses:
     """The cluster's losses, from EC2's view (members gone or going), the Spark master's
