@@ -110,7 +110,16 @@ class TrainConfig(BaseModel):
         default_factory=dict,
         description="Spark settings passed through: the settings file's spark: section, --conf",
     )
-    transport: Literal["spark"] = "spark"
+    transport: Literal["auto", "spark", "allreduce"] = Field(
+        "auto",
+        description="how updates travel: spark (broadcast + tree sum, one job per round), "
+        "allreduce (one barrier stage for all rounds, torch.distributed); auto: allreduce on a "
+        "cluster master whose executors hold a task slot per worker, else spark. A run's "
+        "config.yaml records the one that ran",
+    )
+    compress: Literal["none", "bf16", "fp16"] = Field(
+        "none", description="allreduce only: the precision the averaged update travels in"
+    )
     #: a test drill, not a user setting: never written to config.yaml (nor carried by --resume)
     fail_once: str | None = Field(
         None,
@@ -158,6 +167,15 @@ class TrainConfig(BaseModel):
         object.__setattr__(self, "outer_momentum", momentum)
         return self
 
+    @model_validator(mode="after")
+    def _compress_needs_allreduce(self) -> TrainConfig:
+        if self.compress != "none" and self.transport == "spark":
+            raise ValueError(
+                f"compress {self.compress!r} applies to the allreduce transport only; use "
+                "transport allreduce (or auto), or drop compress"
+            )
+        return self
+
     @property
     def fail_once_at(self) -> tuple[int, int] | None:
         """(round, partition) of the fault drill, if one is set."""
@@ -181,7 +199,7 @@ class TrainConfig(BaseModel):
 TRAJECTORY_SETTINGS = (
     "model", "num_classes", "data", "label_col", "input_col", "image_size", "workers", "tau",
     "batch_size", "optimizer", "lr", "momentum", "weight_decay", "outer", "outer_lr",
-    "outer_momentum", "inner_state", "seed", "precision",
+    "outer_momentum", "inner_state", "seed", "precision", "compress",
 )  # fmt: skip
 
 

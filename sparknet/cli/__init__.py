@@ -1,6 +1,6 @@
 """Command line: `sparknet train` (the main job on one machine), `sparknet data ...` (datasets on
-local disk or S3), `sparknet cluster ...` (EC2 GPU clusters) and `sparknet-submit`. One module per
-command group."""
+local disk or S3), `sparknet cluster ...` (EC2 GPU clusters), `sparknet bench ...` (the
+performance figures) and `sparknet-submit`. One module per command group."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import typer
 
 from sparknet.cli import train as train_command
 from sparknet.cli.ami import ami_app
+from sparknet.cli.bench import bench_app
 from sparknet.cli.cluster import cluster_app
 from sparknet.cli.data import data_app
 from sparknet.cli.submit import submit_app
@@ -28,6 +29,7 @@ app.command(name="train")(train_command.train)
 app.add_typer(data_app, name="data")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(ami_app, name="ami")
+app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:

@@ -101,7 +101,14 @@ def train(
         None, help="GPUs of each Spark worker machine (cluster master); every task takes one"
     ),
     conf: list[str] = typer.Option([], "--conf", help="Spark setting key=value, repeatable"),
-    transport: str | None = typer.Option(None, help="spark"),
+    transport: str | None = typer.Option(
+        None,
+        help="auto (default: allreduce on a cluster master with a task slot per worker, else "
+        "spark), spark, or allreduce",
+    ),
+    compress: str | None = typer.Option(
+        None, help="allreduce only: none, bf16 or fp16, the precision updates travel in"
+    ),
     debug: bool = typer.Option(False, help="show tracebacks"),
 ) -> None:
     """Train a model with synchronized local SGD on Spark and write a run dir."""

@@ -1,0 +1,160 @@
+"""`sparknet bench sync|scaling|convergence`: the paper's analysis as measurements on this
+machine. Each prints its table, writes `<name>.json`, `<name>.csv` and a plot into `--out`, and
+asserts nothing: a goal missed is a line in the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from sparknet.cli.common import Caught, DebugOption, console, fail, interrupts, quiet_py4j, results
+from sparknet.errors import SparknetError
+
+bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+OutOption = typer.Option(Path("bench"), "--out", help="dir for the JSON, CSV and plot")
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SparknetError(f"{what} takes whole numbers separated by commas, got {text!r}")
+    if not values or min(values) < 1:
+        raise SparknetError(f"{what} takes numbers >= 1, got {text!r}")
+    return values
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SparknetError(f"{what} takes numbers separated by commas, got {text!r}")
+    if not values or min(values) <= 0:
+        raise SparknetError(f"{what} takes numbers > 0, got {text!r}")
+    return values
+
+
+def _names(text: str, what: str, allowed: tuple[str, ...]) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in allowed]
+    if not values or bad:
+        raise SparknetError(f"{what} takes any of {', '.join(allowed)}, got {text!r}")
+    return values
+
+
+def _show(report) -> None:
+    table = Table(title=report.title)
+    for col in report.columns:
+        table.add_column(col, justify="left" if col == report.columns[0] else "right")
+    for row in report.rows:
+        table.add_row(*(_cell(row.get(c)) for c in report.columns))
+    results.print(table)
+    for note in report.notes:
+        results.print(note, markup=False, highlight=False)
+    for path in report.files:
+        results.print(f"wrote {path}", markup=False, highlight=False)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def _run(make, debug: bool) -> None:
+    """Run one benchmark: Ctrl-C stops it (its Spark with it) and exits 130, bad options exit 2
+    with one line."""
+    caught = Caught()
+    if not debug:
+        quiet_py4j()
+    try:
+        with interrupts(caught):
+            report = make()
+        _show(report)
+    except KeyboardInterrupt:
+        fail(SparknetError("interrupted; nothing more was measured"), debug, code=130)
+    except SparknetError as exc:
+        fail(exc, debug)
+
+
+@bench_app.command("sync")
+def sync(
+    sizes_mb: str = typer.Option("1,10,100", help="model sizes in MB, comma-separated"),
+    workers: int = typer.Option(2, min=2, help="K: workers synchronizing"),
+    rounds: int = typer.Option(5, min=1, help="rounds timed per size and transport"),
+    transports: str = typer.Option("spark,allreduce", help="spark, allreduce or both"),
+    out: Path = OutOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Seconds per synchronization round of each transport, against a raw gloo all_reduce of
+    the same bytes between two plain processes, measured in the same run."""
+    from sparknet.bench import sync as bench
+
+    def make():
+        return bench.run(
+            sizes_mb=_floats(sizes_mb, "--sizes-mb"),
+            workers=workers,
+            rounds=rounds,
+            transports=_names(transports, "--transports", ("spark", "allreduce")),
+            out=out,
+            on_status=console.print,
+        )
+
+    _run(make, debug)
+
+
+@bench_app.command("scaling")
+def scaling(
+    tau: str = typer.Option("1,5,20,50", help="tau values to predict for, comma-separated"),
+    max_workers: int = typer.Option(32, min=1, help="predict for K = 1 .. this"),
+    rounds: int = typer.Option(4, min=1, help="rounds of each measured run"),
+    out: Path = OutOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Measure compute per step (C) and sync per round (S) here, predict wall time with the
+    paper's model for K workers and tau, and check the prediction against measured runs."""
+    from sparknet.bench import scaling as bench
+
+    def make():
+        return bench.run(
+            taus=_ints(tau, "--tau"),
+            max_workers=max_workers,
+            rounds=rounds,
+            out=out,
+            on_status=console.print,
+        )
+
+    _run(make, debug)
+
+
+@bench_app.command("convergence")
+def convergence(
+    data: str = typer.Option("digits,imagenet-like", help="digits, imagenet-like, or both"),
+    workers: str = typer.Option("1,2,4,8", help="K values (simulated workers on local Spark)"),
+    tau: str = typer.Option("1,5,20,50", help="tau values"),
+    outer: str = typer.Option("average,nesterov", help="outer optimizers to compare"),
+    max_rounds: int = typer.Option(60, min=1, help="give up on a setting after this many"),
+    out: Path = OutOption,
+    debug: bool = DebugOption,
+) -> None:
+    """Rounds and samples to reach a target test accuracy, over K, tau and the outer
+    optimizer (`average`: SparkNet; `nesterov`: DiLoCo)."""
+    from sparknet.bench import convergence as bench
+
+    def make():
+        return bench.run(
+            datasets=_names(data, "--data", bench.DATASETS),
+            workers=_ints(workers, "--workers"),
+            taus=_ints(tau, "--tau"),
+            outers=_names(outer, "--outer", ("average", "nesterov")),
+            max_rounds=max_rounds,
+            out=out,
+            on_status=console.print,
+        )
+
+    _run(make, debug)
