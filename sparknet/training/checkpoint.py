@@ -48,6 +48,12 @@ class Checkpoint:
     elapsed_s: float
 
 
+def due(every: int, done: int, last: int) -> bool:
+    """Whether round `done` of `last` ends with a checkpoint (or an evaluation) when one is
+    due every `every` rounds (0: only after the last)."""
+    return done == last or (every > 0 and done % every == 0)
+
+
 def name(rounds: int) -> str:
     """The checkpoint after `rounds` rounds, relative to the run dir."""
     return f"{CHECKPOINTS}/round-{rounds:05d}"

@@ -28,10 +28,11 @@ from sparknet.errors import SparknetError
 from sparknet.models import build_model, check_model_accepts
 from sparknet.training import checkpoint, rundir
 from sparknet.training.outer import OuterOptimizer, mean_update
-from sparknet.training.report import MetricsLog, plot_curves
+from sparknet.training.report import MetricsLog, eval_row, plot_curves, round_row
 from sparknet.training.rundir import CONFIG_FILE, MODEL_FILE, Lock, RunDir
 from sparknet.training.session import (
     check_python_workers,
+    is_local_master,
     start_session,
     stop_quietly,
     user_modules,
@@ -178,36 +179,6 @@ def _accepted(
     return {k: {"stored": a, "now": b} for k, (a, b) in changes.items()}
 
 
-def _due(every: int, done: int, last: int) -> bool:
-    return done == last or (every > 0 and done % every == 0)
-
-
-def _round_row(
-    done: int, contrib: Contribution, round_s: float, broadcast_s: float
-) -> dict[str, Any]:
-    reports = contrib.reports
-    samples = sum(r.samples for r in reports)
-    missed = sorted(r.partition for r in reports if r.inner_state_miss)
-    load_s = broadcast_s + max(r.load_s for r in reports)
-    compute_s = max(r.compute_s for r in reports)
-    return {
-        "round": done,
-        "samples": samples,
-        "loss": float(np.mean([r.loss for r in reports])),
-        "seconds": {
-            "broadcast": load_s,
-            "compute": compute_s,
-            "aggregate": max(0.0, round_s - load_s - compute_s),
-            "total": round_s,
-        },
-        "samples_per_s": samples / round_s,
-        "inner_state_misses": sum(r.inner_state_miss for r in reports),
-        **({"inner_state_missed": missed} if missed else {}),
-        "skipped_samples": sum(r.skipped for r in reports),
-        "skipped_steps": sum(r.skipped_steps for r in reports),
-    }
-
-
 @dataclass
 class _Executors:
     """The executors seen at the last round's end (None before the first: they register
@@ -257,18 +228,6 @@ def _train_work(task: RoundTask, theta, partition, attempt, threads, local_dir, 
 
 def _eval_work(task: RoundTask, theta, partition, attempt, threads, local_dir, rows):
     return evaluate_partition(task, theta, partition, threads=threads, rows=rows)
-
-
-def _eval_row(ev: EvalResult) -> dict[str, Any]:
-    if ev.count == 0:
-        return {"eval_skipped_samples": ev.skipped} if ev.skipped else {}
-    return {
-        "eval_loss": ev.loss_sum / ev.count,
-        "eval_accuracy": ev.correct / ev.count,
-        "eval_top5": ev.correct5 / ev.count,
-        "eval_samples": ev.count,
-        "eval_skipped_samples": ev.skipped,
-    }
 
 
 def train(
@@ -361,8 +320,10 @@ def _start(
             accepted = _accepted(_effective(changes[0], problem), run, changes[1])
             begin = _initial_state(cfg, problem, run, resume)
             begin.changes = accepted
-        on_row = _with_warnings(on_round, on_warning, begin, cfg.workers * cfg.tau)
-        result = _run(cfg, problem, begin, run, lock, spark, own_session, placed, on_row)
+        cfg = _resolve_transport(cfg, spark, placed is not None)
+        warn = _warner(on_warning)
+        on_row = _with_warnings(on_round, warn, begin, cfg.workers * cfg.tau)
+        result = _run(cfg, problem, begin, run, lock, spark, own_session, placed, on_row, warn)
         return result
     finally:
         if placed is not None:
@@ -375,9 +336,40 @@ def _start(
                     raise  # once every file is written, a signal while Spark stops is no failure
 
 
+def _resolve_transport(cfg: TrainConfig, spark, frames: bool) -> TrainConfig:
+    """The transport that runs, recorded in the run's config.yaml: `auto` is `allreduce` on a
+    cluster master whose executors give every worker a task slot at once (not for a DataFrame),
+    or wherever it can run when `compress` asks for it; else `spark`. An `allreduce` that
+    cannot run is an error saying why."""
+    if cfg.transport == "spark":
+        return cfg
+    sc = spark.sparkContext
+    why = _allreduce_refusal(sc, cfg, frames)
+    wanted = cfg.transport == "allreduce" or cfg.compress != "none"
+    if why is not None and wanted:
+        flag = "--transport allreduce" if cfg.transport == "allreduce" else "--compress"
+        raise SparknetError(f"{flag} needs the allreduce transport, which cannot run here: {why}")
+    if why is None and (wanted or not is_local_master(sc.master)):
+        return cfg.model_copy(update={"transport": "allreduce"})
+    return cfg.model_copy(update={"transport": "spark"})
+
+
+def _allreduce_refusal(sc, cfg: TrainConfig, frames: bool) -> str | None:
+    from sparknet.training import allreduce
+
+    if frames:
+        return "it trains on shard, built-in and factory datasets, not on DataFrames (yet)"
+    return allreduce.why_not(sc, cfg.workers)
+
+
+def _warner(on_warning: WarningCallback | None) -> WarningCallback:
+    """`on_warning`, or a Python warning (the `fit` API has no callback)."""
+    return on_warning or (lambda text: warnings.warn(text, RuntimeWarning, stacklevel=3))
+
+
 def _with_warnings(
     on_round: RoundCallback | None,
-    on_warning: WarningCallback | None,
+    warn: WarningCallback,
     begin: _Begin,
     steps: int,
 ) -> RoundCallback:
@@ -388,7 +380,6 @@ def _with_warnings(
       or the number of workers (no usable states are stored for them: expected).
     - an fp16 round whose loss scaler skipped at least half of its `steps` (gradients overflowed):
       the round learnt little or nothing, and only metrics.jsonl would say so."""
-    warn = on_warning or (lambda text: warnings.warn(text, RuntimeWarning, stacklevel=2))
     expected = {"optimizer", "inner_state", "workers"} & set(begin.changes)
 
     def on_row(row: dict[str, Any]) -> None:
@@ -448,6 +439,31 @@ def _initial_state(cfg: TrainConfig, problem: Problem, run: RunDir, resume: bool
     return _Begin(layout, outer, ckpt.integers, ckpt.rounds, ckpt.elapsed_s)
 
 
+@dataclass
+class _Loop:
+    """What both round loops share: the run, its reports and the caller's callbacks."""
+
+    cfg: TrainConfig
+    problem: Problem
+    run: RunDir
+    lock: Lock
+    spark: Any
+    own_session: bool
+    metrics: MetricsLog
+    events: _RunEvents
+    on_round: RoundCallback | None
+    warn: WarningCallback
+
+    def record(self, row: dict[str, Any], begin: _Begin) -> None:
+        """A round's row into metrics.jsonl and the event file (before its checkpoint is
+        published: a published checkpoint always has its row; a resume drops the rows past its
+        checkpoint, so a row without one is harmless)."""
+        if row["round"] == begin.rounds + 1 and begin.changes:
+            row["resumed_with_changes"] = begin.changes
+        self.metrics.append(row)
+        self.events.round(row)
+
+
 def _run(
     cfg: TrainConfig,
     problem: Problem,
@@ -458,7 +474,31 @@ def _run(
     own_session: bool,
     placed: Frames | None,
     on_round: RoundCallback | None,
+    warn: WarningCallback,
 ) -> RunResult:
+    events = _RunEvents(run, cfg, begin.rounds)
+    try:
+        if not begin.changes:  # changed settings are the run's only once a checkpoint has them
+            _write_config(run, cfg)
+        metrics = MetricsLog(run.store, keep_rounds=begin.rounds)
+        loop = _Loop(
+            cfg, problem, run, lock, spark, own_session, metrics, events, on_round, warn
+        )  # fmt: skip
+        if cfg.transport == "allreduce":
+            model_bytes = _allreduce_rounds(loop, begin)
+        else:
+            model_bytes = _spark_rounds(loop, begin, placed)
+    finally:
+        events.close()
+    run.store.write_bytes(MODEL_FILE, model_bytes)
+    plot_curves(metrics.rounds, run.store)
+    return RunResult(run.result, cfg.rounds, metrics.rounds)
+
+
+def _spark_rounds(loop: _Loop, begin: _Begin, placed: Frames | None) -> bytes:
+    """The rounds as one Spark job each (the `spark` transport); returns the final weights as
+    model.safetensors bytes."""
+    cfg, problem, run = loop.cfg, loop.problem, loop.run
     layout, outer, integers = begin.layout, begin.outer, begin.integers
     start, elapsed0 = begin.rounds, begin.elapsed_s
     theta = outer.theta.numpy()
@@ -466,12 +506,8 @@ def _run(
     eval_frame = placed.eval if placed is not None else None
     evaluates = placed is None or eval_frame is not None
     pending: int | None = None  # the round of a checkpoint being written, until its manifest is
-    events = _RunEvents(run, cfg, start)
     try:
-        if not begin.changes:  # changed settings are the run's only once a checkpoint has them
-            _write_config(run, cfg)
-        metrics = MetricsLog(run.store, keep_rounds=start)
-        transport = SparkTransport(spark.sparkContext, cfg.workers)
+        transport = SparkTransport(loop.spark.sparkContext, cfg.workers)
         base = RoundTask(
             cfg, problem.source, uuid.uuid4().hex[:12], start, layout, integers,
             problem.num_classes, problem.source.input_shape, run.store.uri,
@@ -479,9 +515,9 @@ def _run(
         t_start = time.perf_counter()
         executors = _Executors()
         for r in range(start, cfg.rounds):
-            lock.check()
+            loop.lock.check()
             done = r + 1
-            pending = done if _due(cfg.checkpoint_every, done, cfg.rounds) else None
+            pending = done if checkpoint.due(cfg.checkpoint_every, done, cfg.rounds) else None
             stage = checkpoint.begin(run.store, done) if pending is not None else None
             task = replace(base, round=r, integers=integers, checkpoint_dir=stage)
             t0 = time.perf_counter()
@@ -493,21 +529,16 @@ def _run(
             theta = outer.step(mean_update(contrib.delta_sum, contrib.workers))
             integers = contrib.integers
             round_s = time.perf_counter() - t0
-            row = _round_row(done, contrib, round_s, broadcast_s)
+            row = round_row(done, contrib.reports, round_s, broadcast_s)
             executors.after_round(row, transport)
-            if evaluates and _due(cfg.eval_every, done, cfg.rounds):
+            if evaluates and checkpoint.due(cfg.eval_every, done, cfg.rounds):
                 eval_task = replace(task, integers=integers, checkpoint_dir=None)
                 ev, _ = transport.map_reduce(
                     theta, functools.partial(_eval_work, eval_task), EvalResult.combine, eval_frame
                 )
-                row.update(_eval_row(ev))
+                row.update(eval_row(ev))
             row["elapsed_s"] = elapsed0 + time.perf_counter() - t_start
-            if r == start and begin.changes:
-                row["resumed_with_changes"] = begin.changes
-            # the row before the checkpoint: a published checkpoint always has its row (a
-            # resume drops the rows past its checkpoint, so a row without one is harmless)
-            metrics.append(row)
-            events.round(row)
+            loop.record(row, begin)
             if pending is not None:
                 checkpoint.write(
                     run.store, done, layout, theta, integers, outer.momentum_buffer,
@@ -515,18 +546,97 @@ def _run(
                 )  # fmt: skip
                 pending = None
                 _write_config(run, cfg)
-            if on_round is not None:
-                on_round(row)
+            if loop.on_round is not None:
+                loop.on_round(row)
     finally:
         if pending is not None:
-            _abandon(run, pending, spark if own_session else None)
-        events.close()
+            _abandon(run, pending, loop.spark if loop.own_session else None)
+    return checkpoint.state_dict_bytes(layout.unflatten(theta, integers))
 
-    run.store.write_bytes(
-        MODEL_FILE, checkpoint.state_dict_bytes(layout.unflatten(theta, integers))
+
+def _allreduce_rounds(loop: _Loop, begin: _Begin) -> bytes:
+    """The rounds as one barrier stage (the `allreduce` transport). A failed stage runs again
+    from the last complete checkpoint, at most `allreduce.RESTARTS` times; returns the final
+    weights (the last round always ends with a checkpoint) as model.safetensors bytes."""
+    from sparknet.training.allreduce import RESTARTS, AllReduceTransport, StageFailed
+
+    cfg, run = loop.cfg, loop.run
+    transport = AllReduceTransport(loop.spark.sparkContext, cfg.workers)
+    base = RoundTask(
+        cfg, loop.problem.source, uuid.uuid4().hex[:12], begin.rounds, begin.layout,
+        begin.integers, loop.problem.num_classes, loop.problem.source.input_shape,
+        run.store.uri,
+    )  # fmt: skip
+    executors = _Executors()
+    restarts = 0
+    stage_begin = begin
+    try:
+        while True:
+            try:
+                _one_stage(loop, transport, replace(base, round=stage_begin.rounds,
+                           integers=stage_begin.integers), stage_begin, begin, restarts,
+                           executors)  # fmt: skip
+                break
+            except StageFailed as exc:
+                if exc.permanent or restarts == RESTARTS:
+                    raise SparknetError(f"the allreduce stage failed: {exc}") from exc
+                restarts += 1
+                checkpoint.discard_incomplete(run.store)
+                stage_begin = _restart_state(loop, begin)
+                loop.warn(
+                    f"the allreduce stage failed ({exc}); running it again from round "
+                    f"{stage_begin.rounds} (restart {restarts} of {RESTARTS})"
+                )
+        _write_config(run, cfg)
+    except BaseException:
+        if loop.own_session:
+            stop_quietly(loop.spark)  # a cancelled rank may still be writing a checkpoint
+        with contextlib.suppress(SparknetError):
+            checkpoint.discard_incomplete(run.store)
+        raise
+    return checkpoint.read_weights(run.store, cfg.rounds)
+
+
+def _one_stage(
+    loop: _Loop,
+    transport,
+    base: RoundTask,
+    stage_begin: _Begin,
+    begin: _Begin,
+    restarts: int,
+    executors: _Executors,
+) -> None:
+    """One barrier stage from `stage_begin`: each row recorded, then acknowledged (rank 0 then
+    publishes the round's checkpoint), then shown."""
+    rows = transport.stage(
+        base, stage_begin.outer.theta.numpy(), stage_begin.outer.momentum_buffer,
+        stage_begin.elapsed_s, restarts,
+    )  # fmt: skip
+    for message in rows:
+        if isinstance(message, int):  # the stage (re)starts after this round
+            loop.metrics.keep(message)
+            continue
+        loop.lock.check()
+        row = message.row
+        executors.after_round(row, transport)
+        loop.record(row, begin)
+        message.ack()
+        if loop.on_round is not None:
+            loop.on_round(row)
+
+
+def _restart_state(loop: _Loop, begin: _Begin) -> _Begin:
+    """Where a failed stage runs again from: the last complete checkpoint, or where the run
+    began when none was written since."""
+    last = checkpoint.latest(loop.run.store)
+    if last is None or last <= begin.rounds:
+        return begin
+    ckpt = checkpoint.load(loop.run.store, last, begin.layout)
+    outer = OuterOptimizer(
+        ckpt.theta, loop.cfg.outer_lr, loop.cfg.outer_momentum, begin.layout.buffer_mask()
     )
-    plot_curves(metrics.rounds, run.store)
-    return RunResult(run.result, cfg.rounds, metrics.rounds)
+    outer.load_momentum_buffer(ckpt.outer_momentum)
+    return _Begin(begin.layout, outer, ckpt.integers, ckpt.rounds, ckpt.elapsed_s)
 
 
 class _RunEvents:

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from sparknet.data.store import MissingObjectError, Store, open_store
+
+if TYPE_CHECKING:
+    from sparknet.training.worker import EvalResult, WorkerReport
 
 METRICS = "metrics.jsonl"
 CURVES = "curves.png"
@@ -60,6 +65,14 @@ class MetricsLog:
         self.rows.append(row)
         self._write()
 
+    def keep(self, rounds: int) -> None:
+        """Drop the round rows past `rounds`: a stage restarted from the checkpoint after
+        `rounds` runs those rounds again."""
+        kept = [r for r in self.rows if is_event(r) or r["round"] <= rounds]
+        if len(kept) != len(self.rows):
+            self.rows = kept
+            self._write()
+
     def _write(self) -> None:
         self.store.write_bytes(METRICS, "".join(json.dumps(r) + "\n" for r in self.rows).encode())
 
@@ -91,3 +104,43 @@ def plot_curves(rows: Iterable[dict[str, Any]], store: Store) -> None:
     fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
     store.write_bytes(CURVES, png.getvalue())
+
+
+def round_row(
+    done: int, reports: Sequence[WorkerReport], round_s: float, broadcast_s: float
+) -> dict[str, Any]:
+    """A round's metrics.jsonl row from its workers' reports; `broadcast_s`: the driver's part
+    of getting the weights out (0 where the workers hold them)."""
+    samples = sum(r.samples for r in reports)
+    missed = sorted(r.partition for r in reports if r.inner_state_miss)
+    load_s = broadcast_s + max(r.load_s for r in reports)
+    compute_s = max(r.compute_s for r in reports)
+    return {
+        "round": done,
+        "samples": samples,
+        "loss": float(np.mean([r.loss for r in reports])),
+        "seconds": {
+            "broadcast": load_s,
+            "compute": compute_s,
+            "aggregate": max(0.0, round_s - load_s - compute_s),
+            "total": round_s,
+        },
+        "samples_per_s": samples / round_s,
+        "inner_state_misses": sum(r.inner_state_miss for r in reports),
+        **({"inner_state_missed": missed} if missed else {}),
+        "skipped_samples": sum(r.skipped for r in reports),
+        "skipped_steps": sum(r.skipped_steps for r in reports),
+    }
+
+
+def eval_row(ev: EvalResult) -> dict[str, Any]:
+    """The evaluation's fields of a round's row (none when the test set gave no sample)."""
+    if ev.count == 0:
+        return {"eval_skipped_samples": ev.skipped} if ev.skipped else {}
+    return {
+        "eval_loss": ev.loss_sum / ev.count,
+        "eval_accuracy": ev.correct / ev.count,
+        "eval_top5": ev.correct5 / ev.count,
+        "eval_samples": ev.count,
+        "eval_skipped_samples": ev.skipped,
+    }

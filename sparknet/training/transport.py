@@ -234,7 +234,7 @@ def block_placement(sc: SparkContext, rdd) -> dict[int, str]:
     return out
 
 
-def _conf_int(sc: SparkContext, key: str, default: int) -> int:
+def conf_int(sc: SparkContext, key: str, default: int) -> int:
     try:
         return int(float(sc.getConf().get(key, str(default))))
     except ValueError:
@@ -246,7 +246,7 @@ def _seconds(sc: SparkContext, key: str, default: str) -> float:
     return sc._jsc.sc().conf().getTimeAsMs(key, default) / 1000
 
 
-def _dynamic_allocation(sc: SparkContext) -> bool:
+def dynamic_allocation(sc: SparkContext) -> bool:
     return sc.getConf().get("spark.dynamicAllocation.enabled", "false").strip().lower() == "true"
 
 
@@ -271,10 +271,10 @@ def wait_for_executors(sc: SparkContext, tasks: int) -> dict[str, int]:
     every partition onto the first ones for the whole run. Once per session. No slot at all
     after the wait is a SparknetError naming why: a job would wait forever. No wait on a local
     master, nor with dynamic allocation (executors come when tasks wait for them, not before)."""
-    if is_local_master(sc.master) or _dynamic_allocation(sc) or sc in _WAITED:
+    if is_local_master(sc.master) or dynamic_allocation(sc) or sc in _WAITED:
         return executor_cores(sc)
-    task_cpus = _conf_int(sc, "spark.task.cpus", 1)
-    gpus = _conf_int(sc, "spark.executor.resource.gpu.amount", 0)
+    task_cpus = conf_int(sc, "spark.task.cpus", 1)
+    gpus = conf_int(sc, "spark.executor.resource.gpu.amount", 0)
     wait_s = _seconds(sc, "spark.scheduler.maxRegisteredResourcesWaitingTime", "30s")
     deadline = time.monotonic() + wait_s
     seen: dict[str, int] | None = None
@@ -331,8 +331,8 @@ def _release(rdd) -> None:
         rdd.unpersist()
 
 
-def _in_band(array: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
-    """`array` as builtins to broadcast (`_array_of` turns it back into the array).
+def in_band(array: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
+    """`array` as builtins to broadcast (`array_of` turns it back into the array).
 
     With `spark.io.encryption.enabled` (every bootstrapped cluster) pyspark streams a broadcast
     through its `ChunkedStream`, whose `write` takes only objects with a length; at pickle
@@ -341,8 +341,8 @@ def _in_band(array: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
     return array.dtype.str, array.shape, array.tobytes()
 
 
-def _array_of(value: tuple[str, tuple[int, ...], bytes]) -> np.ndarray:
-    """The array `_in_band` made builtins of; writable, as an unpickled array is."""
+def array_of(value: tuple[str, tuple[int, ...], bytes]) -> np.ndarray:
+    """The array `in_band` made builtins of; writable, as an unpickled array is."""
     dtype, shape, data = value
     return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
 
@@ -483,8 +483,8 @@ class SparkTransport:
         placement = block_placement(self.sc, rdd) if rdd is not None else {}
         return partition_threads(
             self.partitions, placement, executor_cores(self.sc),
-            _conf_int(self.sc, "spark.task.cpus", 1),
-            _conf_int(self.sc, "spark.executor.resource.gpu.amount", 0),
+            conf_int(self.sc, "spark.task.cpus", 1),
+            conf_int(self.sc, "spark.executor.resource.gpu.amount", 0),
         )  # fmt: skip
 
     def map_reduce(
@@ -521,7 +521,7 @@ class SparkTransport:
         anchor = self.anchor() if frame is None and self.sticky else None
         threads_of = self.task_threads(anchor)
         t0 = time.perf_counter()
-        bc = self.sc.broadcast(_in_band(theta))
+        bc = self.sc.broadcast(in_band(theta))
         broadcast_s = time.perf_counter() - t0
         try:
 
@@ -531,7 +531,7 @@ class SparkTransport:
                 attempt = ctx.attemptNumber() if ctx else 0
                 local_dir = SparkFiles.getRootDirectory()
                 try:
-                    return work(_array_of(bc.value), index, attempt, threads, local_dir, rows)
+                    return work(array_of(bc.value), index, attempt, threads, local_dir, rows)
                 except PermanentTaskError as exc:
                     return TaskFault.of(index, exc)
                 finally:

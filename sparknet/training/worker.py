@@ -345,6 +345,17 @@ def _inner_steps(
     return done
 
 
+@dataclass
+class LiveInner:
+    """A worker's inner optimizer and loss scaler held in memory from one round to the next:
+    the allreduce transport's tasks live for the whole stage, so nothing is written to the
+    executor's disk between rounds and nothing can be missed. Empty before the stage's first
+    round, which restores from the checkpoint it starts at."""
+
+    optimizer: torch.optim.Optimizer | None = None
+    scaler: torch.amp.GradScaler | None = None
+
+
 def train_partition(
     task: RoundTask,
     theta: np.ndarray,
@@ -354,14 +365,44 @@ def train_partition(
     threads: int = 1,
     local_dir: str | os.PathLike[str] = ".",
     rows: list | None = None,
+    live: LiveInner | None = None,
 ) -> Contribution:
-    """Run tau inner steps of `partition` from `theta` and return its pseudo-gradient."""
+    """Run tau inner steps of `partition` from `theta` and return its pseudo-gradient. With
+    `live`, the inner state comes from and goes back to it instead of the executor's disk."""
     cfg = task.cfg
     torch.set_num_threads(threads)
     on = device.task_device(cfg.device)
     device.check_precision(on, cfg.precision)
     with device.kernel_settings(on, cfg.deterministic):
-        return _train(task, theta, partition, attempt, threads, local_dir, rows, on)
+        return _train(task, theta, partition, attempt, threads, local_dir, rows, on, live)
+
+
+def _inner_for_round(
+    task: RoundTask,
+    model: nn.Module,
+    partition: int,
+    store: InnerStateStore,
+    on: torch.device,
+    live: LiveInner | None,
+) -> tuple[torch.optim.Optimizer, torch.amp.GradScaler | None, bool]:
+    """(optimizer, loss scaler, missed) for this round: the ones held in `live`, else fresh ones
+    loaded with the state the previous round left (this executor's disk, else the checkpoint)."""
+    cfg = task.cfg
+    if live is not None and live.optimizer is not None:
+        optimizer = live.optimizer
+        if cfg.inner_state == "reset":  # the loss scale is kept; the optimizer starts fresh
+            optimizer = make_inner_optimizer(cfg, model.parameters())
+        return optimizer, live.scaler, False
+    optimizer = make_inner_optimizer(cfg, model.parameters())
+    scaler = device.make_scaler(on, cfg.precision)
+    miss = False
+    if task.round > 0 and (cfg.inner_state == "keep" or scaler is not None):
+        state = _restore_inner_state(task, store, partition)
+        if cfg.inner_state == "keep":
+            miss = state is None or not unpack_inner_state(optimizer, scaler, state)
+        elif state is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])  # reset: only the loss scale is kept
+    return optimizer, scaler, miss
 
 
 def _train(
@@ -373,22 +414,15 @@ def _train(
     local_dir: str | os.PathLike[str],
     rows: list | None,
     on: torch.device,
+    live: LiveInner | None = None,
 ) -> Contribution:
     cfg = task.cfg
     t0 = time.perf_counter()
     model = _model_for(task, on)
-    _load_weights(model, task, theta, on)
+    _load_weights(model, task, theta, on)  # in place: a held optimizer's parameters stay its
     model.train()
-    optimizer = make_inner_optimizer(cfg, model.parameters())
-    scaler = device.make_scaler(on, cfg.precision)
     store = InnerStateStore(local_dir, task.run_id)
-    miss = False
-    if task.round > 0 and (cfg.inner_state == "keep" or scaler is not None):
-        state = _restore_inner_state(task, store, partition)
-        if cfg.inner_state == "keep":
-            miss = state is None or not unpack_inner_state(optimizer, scaler, state)
-        elif state is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])  # reset: only the loss scale is kept
+    optimizer, scaler, miss = _inner_for_round(task, model, partition, store, on, live)
     t1 = time.perf_counter()
 
     torch.manual_seed(task_seed(cfg.seed, partition, task.round))
@@ -409,13 +443,17 @@ def _train(
     delta = pseudo_gradient(theta, task.layout.flatten(state))  # the one device->host copy
     if not np.isfinite(delta).all():
         return _diverged(partition, f"weights non-finite after step {cfg.tau}", t1 - t0, miss)
-    inner = _inner_to_keep(cfg, optimizer, scaler)
-    if inner is not None:
-        store.save(partition, task.round, inner)
-        if task.checkpoint_dir is not None:
-            checkpoint.write_inner(
-                task.checkpoint_dir, partition, inner, endpoint_url=task.cfg.endpoint_url
-            )
+    if live is not None:
+        live.optimizer, live.scaler = optimizer, scaler
+    if live is None or task.checkpoint_dir is not None:
+        inner = _inner_to_keep(cfg, optimizer, scaler)
+        if inner is not None:
+            if live is None:
+                store.save(partition, task.round, inner)
+            if task.checkpoint_dir is not None:
+                checkpoint.write_inner(
+                    task.checkpoint_dir, partition, inner, endpoint_url=task.cfg.endpoint_url
+                )
     loss_mean = float(torch.stack(done.losses).mean())
     report = WorkerReport(
         partition, loss_mean, done.samples, t1 - t0, t2 - t1, miss, done.skipped,

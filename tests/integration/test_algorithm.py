@@ -1,10 +1,12 @@
-"""The algorithm contract of design.md section 3, on a real local Spark (local[2,2])."""
+"""The algorithm contract of design.md section 3, on a real local Spark (local[2,2]), for both
+transports: `spark` (one job per round) and `allreduce` (one barrier stage, torch.distributed)."""
 
 from __future__ import annotations
 
 import filecmp
 from pathlib import Path
 
+import pytest
 import torch
 
 from sparknet.config import TrainConfig, load_train_config, read_run_config
@@ -24,6 +26,7 @@ from tests.helpers import (
 )
 
 QUIET = {"eval_every": 0, "checkpoint_every": 0}
+TRANSPORTS = pytest.mark.parametrize("transport", ["spark", "allreduce"])
 
 
 def run(spark, tmp_path, name="run", **settings) -> dict[str, torch.Tensor]:
@@ -32,8 +35,10 @@ def run(spark, tmp_path, name="run", **settings) -> dict[str, torch.Tensor]:
     return load_run_model(cfg.out)
 
 
-def test_tau1_two_workers_equal_one_worker_with_double_batch(spark, tmp_path):
+@TRANSPORTS
+def test_tau1_two_workers_equal_one_worker_with_double_batch(spark, tmp_path, transport):
     cfg = TrainConfig(
+        transport=transport,
         model="mlp",
         workers=2,
         tau=1,
@@ -55,12 +60,17 @@ def test_tau1_two_workers_equal_one_worker_with_double_batch(spark, tmp_path):
     assert_state_close(got, model.state_dict())
 
 
-def test_identical_samples_average_equals_plain_loop_with_momentum(spark, tmp_path):
+@pytest.mark.parametrize(("transport", "workers"), [("spark", 3), ("allreduce", 2)])
+def test_identical_samples_average_equals_plain_loop_with_momentum(
+    spark, tmp_path, transport, workers
+):
+    """(A barrier stage needs a task slot per worker: local[2,2] has two.)"""
     cfg = TrainConfig(
+        transport=transport,
         model="mlp",
         data="tests.helpers:identical_samples",
         num_classes=10,
-        workers=3,
+        workers=workers,
         tau=4,
         rounds=3,
         batch_size=4,
@@ -76,8 +86,10 @@ def test_identical_samples_average_equals_plain_loop_with_momentum(spark, tmp_pa
     assert_state_close(got, model.state_dict(), rtol=1e-5)
 
 
-def test_identical_samples_nesterov_equals_hand_written_outer_step(spark, tmp_path):
+@TRANSPORTS
+def test_identical_samples_nesterov_equals_hand_written_outer_step(spark, tmp_path, transport):
     cfg = TrainConfig(
+        transport=transport,
         model="mlp",
         data="tests.helpers:identical_samples",
         num_classes=10,
@@ -111,10 +123,12 @@ def test_identical_samples_nesterov_equals_hand_written_outer_step(spark, tmp_pa
     assert_state_close({n: got[n] for n in names}, dict(zip(names, theta, strict=True)))
 
 
-def test_batchnorm_running_statistics_are_the_workers_mean(spark, tmp_path):
+@TRANSPORTS
+def test_batchnorm_running_statistics_are_the_workers_mean(spark, tmp_path, transport):
     """Under Nesterov too: the outer optimizer steps parameters; buffers take the plain mean
     (an extrapolated running variance goes negative and makes evaluation NaN)."""
     cfg = TrainConfig(
+        transport=transport,
         model="cnn",
         workers=2,
         tau=3,
@@ -149,8 +163,11 @@ def test_batchnorm_running_statistics_are_the_workers_mean(spark, tmp_path):
     assert int(got["1.num_batches_tracked"]) == cfg.tau
 
 
-def test_same_seed_gives_identical_model_file(spark, tmp_path):
-    settings = dict(model="cnn", workers=2, tau=3, rounds=3, batch_size=16, seed=9)
+@TRANSPORTS
+def test_same_seed_gives_identical_model_file(spark, tmp_path, transport):
+    settings = dict(
+        model="cnn", workers=2, tau=3, rounds=3, batch_size=16, seed=9, transport=transport
+    )
     run(spark, tmp_path, "a", **settings)
     run(spark, tmp_path, "b", **settings)
     assert filecmp.cmp(
@@ -173,8 +190,10 @@ def test_a_task_that_fails_once_is_retried_with_identical_result(spark, tmp_path
     assert_state_equal(retried, clean)
 
 
-def test_resume_continues_bit_for_bit(spark, tmp_path):
+@TRANSPORTS
+def test_resume_continues_bit_for_bit(spark, tmp_path, transport):
     settings = dict(
+        transport=transport,
         model="cnn",
         workers=2,
         tau=2,

@@ -1,0 +1,89 @@
+"""The allreduce transport on a real local Spark (local[2,2]): what it adds to the contract of
+test_algorithm (which runs for both transports): a rank that dies mid-stage, compression, where
+`auto` picks it, and the runs it refuses."""
+
+from __future__ import annotations
+
+import filecmp
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparknet.config import TrainConfig
+from sparknet.errors import SparknetError
+from sparknet.training.driver import train
+from sparknet.training.report import read_metrics
+from tests.helpers import assert_state_close, assert_state_equal, load_run_model
+
+SETTINGS = dict(model="cnn", workers=2, tau=3, batch_size=16, momentum=0.9, seed=5, eval_every=2)
+
+
+def _transport(run_dir: Path) -> str:
+    return yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["transport"]
+
+
+def test_a_rank_that_dies_mid_stage_restarts_from_the_checkpoint(spark, tmp_path):
+    """The drill kills worker 1's Python process in round 3; the stage runs again from the
+    checkpoint after round 2 and the run ends with the very model of a run without the death."""
+    clean = TrainConfig(
+        out=tmp_path / "clean", transport="allreduce", rounds=5, checkpoint_every=2, **SETTINGS
+    )
+    train(clean, spark=spark)
+    warned: list[str] = []
+    drill = clean.model_copy(update={"out": str(tmp_path / "drill"), "fail_once": "2:1"})
+    result = train(drill, spark=spark, on_warning=warned.append)
+    assert [r["round"] for r in result.metrics] == [1, 2, 3, 4, 5]
+    assert [r["round"] for r in read_metrics(tmp_path / "drill")] == [1, 2, 3, 4, 5]
+    assert len(warned) == 1 and "running it again from round 2 (restart 1 of 3)" in warned[0]
+    assert_state_equal(load_run_model(tmp_path / "drill"), load_run_model(tmp_path / "clean"))
+    assert filecmp.cmp(
+        tmp_path / "clean/model.safetensors", tmp_path / "drill/model.safetensors", shallow=False
+    )
+    assert sorted(p.name for p in (tmp_path / "drill/checkpoints").iterdir()) == [
+        "round-00002",
+        "round-00004",
+        "round-00005",
+    ]
+    assert all(r["inner_state_misses"] == 0 for r in result.metrics)
+
+
+def test_both_transports_end_with_allclose_weights(spark, tmp_path):
+    for transport in ("spark", "allreduce"):
+        cfg = TrainConfig(out=tmp_path / transport, transport=transport, rounds=3, **SETTINGS)
+        result = train(cfg, spark=spark)
+        assert _transport(tmp_path / transport) == transport
+        assert "eval_accuracy" in result.metrics[1]
+    assert_state_close(
+        load_run_model(tmp_path / "allreduce"), load_run_model(tmp_path / "spark"), rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("compress", ["bf16", "fp16"])
+def test_a_compressed_update_trains_close_to_the_full_one(spark, tmp_path, compress):
+    full = TrainConfig(out=tmp_path / "full", transport="allreduce", rounds=3, **SETTINGS)
+    train(full, spark=spark)
+    small = full.model_copy(update={"out": str(tmp_path / "small"), "compress": compress})
+    train(small, spark=spark)
+    got, want = load_run_model(tmp_path / "small"), load_run_model(tmp_path / "full")
+    assert any(not (got[k] == want[k]).all() for k in want)  # it did travel compressed
+    assert_state_close(got, want, rtol=0.05, atol=2e-3)
+
+
+def test_auto_is_spark_on_a_local_master(spark, tmp_path):
+    cfg = TrainConfig(out=tmp_path / "auto", rounds=1, **SETTINGS)
+    assert cfg.transport == "auto"
+    train(cfg, spark=spark)
+    assert _transport(tmp_path / "auto") == "spark"
+
+
+def test_a_stage_that_does_not_fit_is_refused_before_training(spark, tmp_path):
+    cfg = TrainConfig(
+        out=tmp_path / "big", transport="allreduce", rounds=1, **{**SETTINGS, "workers": 3}
+    )
+    with pytest.raises(SparknetError, match=r"2 task slot\(s\) for 3 workers"):
+        train(cfg, spark=spark)
+    assert not (tmp_path / "big/model.safetensors").exists()
+    assert not (tmp_path / "big/checkpoints").exists() or not any(
+        (tmp_path / "big/checkpoints").iterdir()
+    )
