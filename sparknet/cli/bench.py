@@ -21,7 +21,7 @@ def _ints(text: str, what: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SparknetError(f"{what} takes whole numbers separated by commas, got {text!r}")
+        raise SparknetError(f"{what} takes whole numbers, comma-separated, got {text!r}") from None
     if not values or min(values) < 1:
         raise SparknetError(f"{what} takes numbers >= 1, got {text!r}")
     return values
@@ -31,7 +31,7 @@ def _floats(text: str, what: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SparknetError(f"{what} takes numbers separated by commas, got {text!r}")
+        raise SparknetError(f"{what} takes numbers separated by commas, got {text!r}") from None
     if not values or min(values) <= 0:
         raise SparknetError(f"{what} takes numbers > 0, got {text!r}")
     return values
@@ -41,7 +41,7 @@ def _names(text: str, what: str, allowed: tuple[str, ...]) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in values if v not in allowed]
     if not values or bad:
-        raise SparknetError(f"{what} takes any of {', '.join(allowed)}, got {text!r}")
+        raise SparknetError(f"{what} takes any of {', '.join(allowed)}, got {text!r}") from None
     return values
 
 
