@@ -83,13 +83,23 @@ _LAST_WORD_S = 10.0
 # ---- where a barrier stage can run ------------------------------------------------------------
 
 
-def why_not(sc: SparkContext, partitions: int) -> str | None:
+def why_not(sc: SparkContext, partitions: int, run_on_s3: bool) -> str | None:
     """Why a barrier stage of `partitions` tasks cannot run on this session, or None when it
-    can: every task needs a slot at once, and Spark refuses barrier stages under dynamic
-    allocation. Waits for a cluster's executors first (as the spark transport does)."""
+    can: every task needs a slot at once; Spark refuses barrier stages under dynamic
+    allocation; and rank 0, on some executor, writes the checkpoints, so the run dir must be
+    one every node reaches (S3, or this machine's disk when every executor runs here). Waits
+    for a cluster's executors first (as the spark transport does)."""
     if dynamic_allocation(sc):
         return "Spark's dynamic allocation is on (barrier stages need a fixed set of executors)"
     cores = wait_for_executors(sc, partitions)
+    driver = sc.getConf().get("spark.driver.host", "127.0.0.1")
+    if not run_on_s3 and not is_local_master(sc.master):
+        elsewhere = sorted(h for h in set(executor_hosts(sc).values()) if not _here(h, driver))
+        if elsewhere:
+            return (
+                f"its workers write the checkpoints and the run dir is on this machine's disk, "
+                f"which {elsewhere[0]} cannot reach: use an s3:// --out"
+            )
     task_cpus = conf_int(sc, "spark.task.cpus", 1)
     gpus = conf_int(sc, "spark.executor.resource.gpu.amount", 0)
     slots = task_slots(cores, task_cpus, gpus)
@@ -99,6 +109,23 @@ def why_not(sc: SparkContext, partitions: int) -> str | None:
             f"{partitions} workers"
         )
     return None
+
+
+def _here(host: str, driver: str) -> bool:
+    """Whether an executor on `host` shares this machine's disk: the driver's own host, or a
+    loopback address."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return False
+    return host == driver or address.startswith("127.") or address == _address_of(driver)
+
+
+def _address_of(host: str) -> str | None:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return None
 
 
 # ---- the stage, as the driver sees it -------------------------------------------------------
@@ -242,7 +269,7 @@ class AllReduceTransport:
         )
         job.start()
         try:
-            yield from self._messages(inbox, base.cfg.rounds)
+            yield from self._messages(inbox)
         finally:
             if job.is_alive():
                 with contextlib.suppress(Py4JError, PySparkException):
@@ -261,7 +288,7 @@ class AllReduceTransport:
         except BaseException as exc:
             inbox.put(("failed", exc, None))
 
-    def _messages(self, inbox: queue.Queue, rounds: int) -> Iterator[int | Row]:
+    def _messages(self, inbox: queue.Queue) -> Iterator[int | Row]:
         last_word: float | None = None
         while True:
             try:
@@ -283,7 +310,7 @@ class AllReduceTransport:
                 raise SparknetError(payload["fault"])
             elif "diverged" in payload:
                 raise SparknetError(payload["diverged"])
-            if payload.get("done") or payload.get("row", {}).get("round") == rounds:
+            if payload.get("done"):  # sent once the last round's checkpoint is published
                 return
 
 

@@ -320,7 +320,7 @@ def _start(
             accepted = _accepted(_effective(changes[0], problem), run, changes[1])
             begin = _initial_state(cfg, problem, run, resume)
             begin.changes = accepted
-        cfg = _resolve_transport(cfg, spark, placed is not None)
+        cfg = _resolve_transport(cfg, spark, placed is not None, run.on_s3)
         warn = _warner(on_warning)
         on_row = _with_warnings(on_round, warn, begin, cfg.workers * cfg.tau)
         result = _run(cfg, problem, begin, run, lock, spark, own_session, placed, on_row, warn)
@@ -336,7 +336,7 @@ def _start(
                     raise  # once every file is written, a signal while Spark stops is no failure
 
 
-def _resolve_transport(cfg: TrainConfig, spark, frames: bool) -> TrainConfig:
+def _resolve_transport(cfg: TrainConfig, spark, frames: bool, run_on_s3: bool) -> TrainConfig:
     """The transport that runs, recorded in the run's config.yaml: `auto` is `allreduce` on a
     cluster master whose executors give every worker a task slot at once (not for a DataFrame),
     or wherever it can run when `compress` asks for it; else `spark`. An `allreduce` that
@@ -344,7 +344,7 @@ def _resolve_transport(cfg: TrainConfig, spark, frames: bool) -> TrainConfig:
     if cfg.transport == "spark":
         return cfg
     sc = spark.sparkContext
-    why = _allreduce_refusal(sc, cfg, frames)
+    why = _allreduce_refusal(sc, cfg, frames, run_on_s3)
     wanted = cfg.transport == "allreduce" or cfg.compress != "none"
     if why is not None and wanted:
         flag = "--transport allreduce" if cfg.transport == "allreduce" else "--compress"
@@ -354,12 +354,12 @@ def _resolve_transport(cfg: TrainConfig, spark, frames: bool) -> TrainConfig:
     return cfg.model_copy(update={"transport": "spark"})
 
 
-def _allreduce_refusal(sc, cfg: TrainConfig, frames: bool) -> str | None:
+def _allreduce_refusal(sc, cfg: TrainConfig, frames: bool, run_on_s3: bool) -> str | None:
     from sparknet.training import allreduce
 
     if frames:
         return "it trains on shard, built-in and factory datasets, not on DataFrames (yet)"
-    return allreduce.why_not(sc, cfg.workers)
+    return allreduce.why_not(sc, cfg.workers, run_on_s3)
 
 
 def _warner(on_warning: WarningCallback | None) -> WarningCallback:

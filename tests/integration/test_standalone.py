@@ -182,16 +182,19 @@ def _executor_pids(work_dirs: tuple[Path, ...]) -> list[int]:
     return pids
 
 
-def test_a_lost_executor_and_its_successor_show_in_the_rounds(standalone, tmp_path):
-    """An executor killed mid-run (often in the middle of its task: Spark then keeps the task
-    waiting for the dead executor's block, and the round's job is run again): its tasks run on
-    the other one, Spark's master starts a new executor on the worker, and the round rows say
-    both (`executors_lost`, then `executors_joined`); the run ends with every round once."""
+@pytest.mark.parametrize("transport", ["spark", "allreduce"])
+def test_a_lost_executor_and_its_successor_show_in_the_rounds(standalone, tmp_path, transport):
+    """An executor killed mid-run. `spark`: often in the middle of its task: Spark then keeps
+    the task waiting for the dead executor's block, and the round's job is run again; its tasks
+    run on the other one. `allreduce`: the stage fails and runs again from the last checkpoint
+    once Spark's master has started a new executor on the worker. Either way the round rows
+    say both (`executors_lost`, then `executors_joined`); the run ends with every round once."""
     import signal
     import time
 
     out = tmp_path / "lost"
-    args = [*RUN, "--master", standalone.master, "--out", str(out)]
+    args = [*RUN, "--master", standalone.master, "--out", str(out), "--transport", transport]
+    args[args.index("--checkpoint-every") + 1] = "5"
     args[args.index("--rounds") + 1] = "40"
     proc = sparknet(*args)
     deadline = time.monotonic() + 120
