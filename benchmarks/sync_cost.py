@@ -25,19 +25,16 @@ import argparse
 import operator
 import os
 import pickle
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from pyspark.rdd import _load_from_socket  # RDD.collect's second half
 
 from benchmarks._common import machine_note, median, steal_note, write_results
+from sparknet.bench.gloo import gloo_all_reduce
 from sparknet.training.session import start_session
 from sparknet.training.transport import SparkTransport
 from sparknet.training.worker import Contribution
@@ -46,42 +43,6 @@ NAME = "sync_cost"
 WORKERS = 2
 MASTER = "local[2,4]"
 GOAL = 6.0
-
-
-# ---- gloo between two plain processes -------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _gloo_rank(rank: int, port: int, size: int, warmup: int, reps: int, queue: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS
-    )
-    try:
-        tensor = torch.full((size,), 0.5, dtype=torch.float32)
-        times = []
-        for i in range(warmup + reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(tensor)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        queue.put((rank, times))
-    finally:
-        dist.destroy_process_group()
-
-
-def gloo_all_reduce(size: int, warmup: int, reps: int) -> list[float]:
-    """Seconds per all_reduce of `size` float32, the slower rank's time per repetition."""
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_gloo_rank, args=(_free_port(), size, warmup, reps, queue), nprocs=WORKERS)
-    per_rank = dict(queue.get() for _ in range(WORKERS))
-    return [max(ts) for ts in zip(*per_rank.values(), strict=True)]
 
 
 # ---- Spark rounds ---------------------------------------------------------------------------

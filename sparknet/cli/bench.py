@@ -9,7 +9,16 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from sparknet.cli.common import Caught, DebugOption, console, fail, interrupts, quiet_py4j, results
+from sparknet.cli.common import (
+    Caught,
+    DebugOption,
+    console,
+    fail,
+    interrupts,
+    quiet_py4j,
+    results,
+    signal_exit,
+)
 from sparknet.errors import SparknetError
 
 bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -51,11 +60,11 @@ def _show(report) -> None:
         table.add_column(col, justify="left" if col == report.columns[0] else "right")
     for row in report.rows:
         table.add_row(*(_cell(row.get(c)) for c in report.columns))
-    results.print(table)
-    for note in report.notes:
-        results.print(note, markup=False, highlight=False)
-    for path in report.files:
-        results.print(f"wrote {path}", markup=False, highlight=False)
+    # a log file or a pipe gets rich's 80 columns: too narrow for these tables
+    width = None if results.is_terminal else 160
+    results.print(table, width=width)
+    for line in [*report.notes, *(f"wrote {path}" for path in report.files)]:
+        results.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _cell(value) -> str:
@@ -76,10 +85,15 @@ def _run(make, debug: bool) -> None:
         with interrupts(caught):
             report = make()
         _show(report)
-    except KeyboardInterrupt:
-        fail(SparknetError("interrupted; nothing more was measured"), debug, code=130)
-    except SparknetError as exc:
-        fail(exc, debug)
+    except (KeyboardInterrupt, Exception) as exc:
+        # an interrupt can cut a JVM call short so that it surfaces as a py4j error from the
+        # clean-up that follows: once a signal came, it is the cause
+        if isinstance(exc, KeyboardInterrupt) or caught.signum is not None:
+            code = signal_exit(caught) or 130
+            fail(SparknetError("interrupted; Spark stopped, nothing more measured"), debug, code)
+        if isinstance(exc, SparknetError):
+            fail(exc, debug)
+        raise
 
 
 @bench_app.command("sync")

@@ -46,7 +46,7 @@ from pyspark.errors import PySparkException
 from sparknet.data.store import open_store
 from sparknet.errors import PermanentTaskError, SparknetError
 from sparknet.training import checkpoint, device
-from sparknet.training.outer import OuterOptimizer, mean_update
+from sparknet.training.outer import OuterOptimizer
 from sparknet.training.report import eval_row, round_row
 from sparknet.training.session import is_local_master
 from sparknet.training.state import StateLayout
@@ -451,6 +451,7 @@ class _Rank:
             task = replace(base, round=r, integers=integers, checkpoint_dir=stage_dir)
             t0 = time.perf_counter()
             contrib, fault = self._train(task, theta, attempt, threads, local_dir, live)
+            t_exchange = time.perf_counter()
             everyone: list[Any] = [None] * self.world
             report = contrib.reports[0] if contrib is not None else None
             dist.all_gather_object(everyone, _Round(report, fault))
@@ -460,9 +461,10 @@ class _Rank:
             delta = torch.from_numpy(contrib.delta_sum)
             _all_reduce(delta, cfg.compress, on)
             integers = _from_rank0(contrib.integers, layout)
-            theta = outer.step(mean_update(delta.numpy(), self.world))
-            reports = [e.report for e in everyone]
-            row = round_row(done, reports, time.perf_counter() - t0, 0.0)
+            exchange_s = time.perf_counter() - t_exchange
+            theta = outer.step(delta.div_(self.world).numpy())  # the mean, in place
+            row = round_row(done, [e.report for e in everyone], time.perf_counter() - t0, 0.0)
+            row["seconds"]["exchange"] = exchange_s
             if checkpoint.due(cfg.eval_every, done, cfg.rounds):
                 eval_task = replace(task, integers=integers, checkpoint_dir=None)
                 row.update(eval_row(self._evaluate(eval_task, theta, threads)))

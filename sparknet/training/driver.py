@@ -186,8 +186,16 @@ class _Executors:
 
     hosts: dict[str, str] | None = None
     lost: bool = False
+    #: what the rows dropped by a restarted stage said (they would otherwise be lost with them)
+    carried: dict[str, list[str]] = field(default_factory=dict)
 
-    def after_round(self, row: dict[str, Any], transport: SparkTransport) -> None:
+    def dropped(self, rows: list[dict[str, Any]]) -> None:
+        """Rows a restarted allreduce stage drops: their losses and joins go into the next row."""
+        for row in rows:
+            for key in ("executors_lost", "executors_joined"):
+                self.carried.setdefault(key, []).extend(row.get(key, []))
+
+    def after_round(self, row: dict[str, Any], transport) -> None:
         """On a cluster: the executors there are after the round in its row, and those lost
         and joined since the round before (a dead worker, its replacement). A join after a
         loss spreads the partitions again: the lost executor's tasks moved onto the others and
@@ -199,8 +207,11 @@ class _Executors:
         row["executors"] = len(now)
         if before is None:
             return
-        lost = [f"{i}@{before[i]}" for i in sorted(set(before) - set(now))]
-        joined = [f"{i}@{now[i]}" for i in sorted(set(now) - set(before))]
+        carried, self.carried = self.carried, {}
+        lost = carried.get("executors_lost", [])
+        lost += [f"{i}@{before[i]}" for i in sorted(set(before) - set(now))]
+        joined = carried.get("executors_joined", [])
+        joined += [f"{i}@{now[i]}" for i in sorted(set(now) - set(before))]
         if lost:
             row["executors_lost"] = lost
             self.lost = True
@@ -614,7 +625,7 @@ def _one_stage(
     )  # fmt: skip
     for message in rows:
         if isinstance(message, int):  # the stage (re)starts after this round
-            loop.metrics.keep(message)
+            executors.dropped(loop.metrics.keep(message))
             continue
         loop.lock.check()
         row = message.row

@@ -65,13 +65,15 @@ class MetricsLog:
         self.rows.append(row)
         self._write()
 
-    def keep(self, rounds: int) -> None:
-        """Drop the round rows past `rounds`: a stage restarted from the checkpoint after
-        `rounds` runs those rounds again."""
+    def keep(self, rounds: int) -> list[dict[str, Any]]:
+        """Drop the round rows past `rounds` (a stage restarted from the checkpoint after
+        `rounds` runs those rounds again); returns them."""
         kept = [r for r in self.rows if is_event(r) or r["round"] <= rounds]
-        if len(kept) != len(self.rows):
+        dropped = [r for r in self.rows if not is_event(r) and r["round"] > rounds]
+        if dropped:
             self.rows = kept
             self._write()
+        return dropped
 
     def _write(self) -> None:
         self.store.write_bytes(METRICS, "".join(json.dumps(r) + "\n" for r in self.rows).encode())

@@ -175,7 +175,12 @@ def _jobs_on_a_kept_cluster(name: str, group, bucket: str, tmp_path: Path) -> No
         "logs", run, "--cluster", name, "--lines", "1000", "--follow", cwd=tmp_path, timeout=120
     )
     assert logs.returncode == 0, logs.stderr
-    assert _rounds(logs.stdout) == _rounds(attached.stderr)
+    # the same rounds; under the allreduce transport the lost worker failed the stage, which
+    # ran again from its last checkpoint: the rounds after it are in the log twice, after the
+    # warning that says so
+    logged = _rounds(logs.stdout)
+    assert list(dict.fromkeys(logged)) == _rounds(attached.stderr)
+    assert len(set(logged)) == len(logged) or "running it again from round" in logs.stdout
     after = json.loads(record.read_text())
     assert {k: after[k] for k in ("prefix", "job_dir", "rounds")} == {
         k: before[k] for k in ("prefix", "job_dir", "rounds")

@@ -1,0 +1,48 @@
+"""The floor a synchronization round is measured against: a gloo all_reduce of the same bytes
+between plain processes on this machine, no Spark anywhere."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _gloo_rank(
+    rank: int, port: int, world: int, size: int, warmup: int, reps: int, queue: Any
+) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        tensor = torch.full((size,), 0.5, dtype=torch.float32)
+        times = []
+        for i in range(warmup + reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(tensor)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        queue.put((rank, times))
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_all_reduce(size: int, warmup: int, reps: int, world: int = 2) -> list[float]:
+    """Seconds per all_reduce of `size` float32 among `world` processes: the slowest rank's
+    time, per repetition."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_gloo_rank, args=(_free_port(), world, size, warmup, reps, queue), nprocs=world)
+    per_rank = dict(queue.get() for _ in range(world))
+    return [max(ts) for ts in zip(*per_rank.values(), strict=True)]
