@@ -1,8 +1,8 @@
 """Outer optimizers: how the driver turns the workers' averaged update into the next weights.
 
 Each worker k returns a pseudo-gradient delta_k = theta_r - theta_k (what it would subtract from
-the global weights). The driver takes their mean, never the sum, and hands it to an outer optimizer
-as if it were a gradient:
+the global weights; `StateLayout.pseudo_gradient`). The driver takes their mean, never the sum,
+and hands it to an outer optimizer as if it were a gradient:
 
 - `average` (SparkNet): SGD with lr 1 and no momentum, so theta_{r+1} = mean_k theta_k.
 - `nesterov` (DiLoCo): SGD with Nesterov momentum, exactly `torch.optim.SGD(nesterov=True)`:
@@ -17,13 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-
-def pseudo_gradient(theta_round: np.ndarray, theta_worker: np.ndarray) -> np.ndarray:
-    """delta_k = theta_r - theta_k: the direction the worker moved, with a gradient's sign.
-    Written over `theta_worker` (a fresh flat copy of the worker's weights): at 100 MB a new
-    array costs as much as the subtraction."""
-    return np.subtract(theta_round, theta_worker, out=theta_worker)
 
 
 def mean_update(delta_sum: np.ndarray, workers: int) -> np.ndarray:

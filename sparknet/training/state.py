@@ -76,6 +76,28 @@ class StateLayout:
     def nbytes(self) -> int:
         return self.size * 4
 
+    def pseudo_gradient(
+        self,
+        theta: np.ndarray,
+        state: Mapping[str, torch.Tensor],
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """theta - flatten(state), the worker's update, into `out` (a new array when None).
+        On the host in one pass per entry, with no flat copy of the weights between (at 100 MB
+        the copy alone cost 50 ms, most of it a fresh allocation's page faults); a state on a
+        device crosses to the host in one copy first. The same bits either way."""
+        floats = [e for e in self.entries if e.offset >= 0]
+        if out is None:
+            out = np.empty(self.size, dtype=np.float32)
+        if any(state[e.name].device.type != "cpu" for e in floats):
+            return np.subtract(theta, self.flatten(state), out=out)
+        src, dst = torch.from_numpy(theta), torch.from_numpy(out)
+        for e in floats:
+            span = slice(e.offset, e.offset + e.numel)
+            weights = state[e.name].detach().to(torch.float32)
+            torch.sub(src[span].view(e.shape), weights, out=dst[span].view(e.shape))
+        return out
+
     def flatten(self, state: Mapping[str, torch.Tensor]) -> np.ndarray:
         """The float entries of `state`, concatenated in layout order, as a new float32 array.
 

@@ -24,7 +24,6 @@ from sparknet.data.sources import Source, TaskInput
 from sparknet.errors import SparknetError
 from sparknet.models import build_model
 from sparknet.training import checkpoint, device
-from sparknet.training.outer import pseudo_gradient
 from sparknet.training.state import StateLayout
 
 
@@ -354,6 +353,9 @@ class LiveInner:
 
     optimizer: torch.optim.Optimizer | None = None
     scaler: torch.amp.GradScaler | None = None
+    #: the update's buffer, written again every round: a fresh 100 MB array costs its page
+    #: faults each time (the transport is done with the previous round's by then)
+    delta: np.ndarray | None = None
 
 
 def train_partition(
@@ -440,8 +442,12 @@ def _train(
         )
 
     state = model.state_dict()
-    delta = pseudo_gradient(theta, task.layout.flatten(state))  # the one device->host copy
-    if not np.isfinite(delta).all():
+    if live is not None and live.delta is None:
+        live.delta = np.empty(task.layout.size, dtype=np.float32)
+    delta = task.layout.pseudo_gradient(theta, state, out=live.delta if live else None)
+    # one pass, no temporary: a sum is finite only when every term is (or when it overflows,
+    # which weights that large are: diverged all the same)
+    if not np.isfinite(delta.sum(dtype=np.float64)):
         return _diverged(partition, f"weights non-finite after step {cfg.tau}", t1 - t0, miss)
     if live is not None:
         live.optimizer, live.scaler = optimizer, scaler

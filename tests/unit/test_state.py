@@ -65,3 +65,21 @@ def test_of_model_marks_batchnorm_statistics_as_buffers():
     assert mask.sum() == want.size
     np.testing.assert_array_equal(np.sort(flat[mask]), np.sort(want))
     assert StateLayout.of(state).buffer_mask() is None
+
+
+def test_pseudo_gradient_is_theta_minus_the_flat_weights_bit_for_bit():
+    """The worker's update, with a gradient's sign (theta_r - theta_k), written in one pass per
+    entry: the very bits of subtracting the flattened weights, channels-last or not, and into
+    a given buffer when one is passed (reused round after round by the allreduce transport)."""
+    torch.manual_seed(0)
+    model = cnn((1, 8, 8), 10)
+    layout = StateLayout.of_model(model)
+    theta = layout.flatten(model.state_dict()) + np.float32(0.25)
+    for p in model.parameters():
+        p.data.mul_(1.5)
+    want = theta - layout.flatten(model.state_dict())
+    assert np.array_equal(layout.pseudo_gradient(theta, model.state_dict()), want)
+    last = model.to(memory_format=torch.channels_last).state_dict()
+    buf = np.full(layout.size, np.nan, dtype=np.float32)
+    got = layout.pseudo_gradient(theta, last, out=buf)
+    assert got is buf and np.array_equal(buf, want)
