@@ -83,8 +83,12 @@ lint: install
 	$(VENV)/bin/ruff check sparknet tests benchmarks
 	$(VENV)/bin/ruff format --check sparknet tests benchmarks
 
+# the engine's figures, then the paper's analysis (`sparknet bench`: sync, scaling, convergence)
 bench: install
 	$(PY) -m benchmarks
+	$(VENV)/bin/sparknet bench sync --out benchmarks/results
+	$(VENV)/bin/sparknet bench scaling --out benchmarks/results
+	$(VENV)/bin/sparknet bench convergence --out benchmarks/results
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) *.egg-info .pytest_cache .ruff_cache

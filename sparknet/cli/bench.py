@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.console import Console
 from rich.table import Table
 
 from sparknet.cli.common import (
@@ -61,10 +62,10 @@ def _show(report) -> None:
     for row in report.rows:
         table.add_row(*(_cell(row.get(c)) for c in report.columns))
     # a log file or a pipe gets rich's 80 columns: too narrow for these tables
-    width = None if results.is_terminal else 160
-    results.print(table, width=width)
+    out = results if results.is_terminal else Console(width=160)
+    out.print(table)
     for line in [*report.notes, *(f"wrote {path}" for path in report.files)]:
-        results.print(line, markup=False, highlight=False, soft_wrap=True)
+        out.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _cell(value) -> str:
