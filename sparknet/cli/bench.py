@@ -55,6 +55,12 @@ def _names(text: str, what: str, allowed: tuple[str, ...]) -> list[str]:
     return values
 
 
+def _one(text: str, what: str, allowed: tuple[str, ...]) -> str:
+    if text not in allowed:
+        raise SparknetError(f"{what} takes one of {', '.join(allowed)}, got {text!r}")
+    return text
+
+
 def _show(report) -> None:
     table = Table(title=report.title)
     for col in report.columns:
@@ -128,6 +134,9 @@ def scaling(
     tau: str = typer.Option("1,5,20,50", help="tau values to predict for, comma-separated"),
     max_workers: int = typer.Option(32, min=1, help="predict for K = 1 .. this"),
     rounds: int = typer.Option(4, min=1, help="rounds of each measured run"),
+    transport: str = typer.Option(
+        "allreduce", help="the transport whose S is measured: spark or allreduce"
+    ),
     out: Path = OutOption,
     debug: bool = DebugOption,
 ) -> None:
@@ -142,6 +151,7 @@ def scaling(
             rounds=rounds,
             out=out,
             on_status=console.print,
+            transport=_one(transport, "--transport", ("spark", "allreduce")),
         )
 
     _run(make, debug)
