@@ -473,14 +473,17 @@ class Pair:
 
 def goal_pairs(outcomes: Sequence[Outcome], max_rounds: int) -> list[Pair]:
     """The (K, tau >= GOAL_TAU) settings of the goal's dataset that ran with both outers."""
-    by_key = {(o.setting.workers, o.setting.tau, o.setting.outer): o for o in outcomes}
+    by_key = {
+        (o.setting.dataset, o.setting.workers, o.setting.tau, o.setting.outer): o
+        for o in outcomes
+    }
     pairs = []
     for o in outcomes:
         s = o.setting
         if s.dataset != GOAL_DATASET or s.tau < GOAL_TAU or s.outer != "nesterov":
             continue
-        avg = by_key.get((s.workers, s.tau, "average"))
-        if avg is not None and avg.setting.dataset == GOAL_DATASET:
+        avg = by_key.get((GOAL_DATASET, s.workers, s.tau, "average"))
+        if avg is not None:
             pairs.append(Pair(s.workers, s.tau, o.rounds, avg.rounds, max_rounds))
     return pairs
 

@@ -152,6 +152,12 @@ def test_goal_verdict_from_the_ratios_at_large_tau():
     assert met[-1].endswith("MET, met at 2 of 2 (K, tau) pairs")
     none = goal_notes(outcomes[:2], max_rounds=9)
     assert len(none) == 1 and "not checked" in none[0]
+    # the other dataset's settings of the same K and tau (run after digits) change nothing
+    other = [
+        Outcome(dataclasses.replace(o.setting, dataset="imagenet-like"), 0.55, 1, None, 1.0, 0.6)
+        for o in outcomes
+    ]
+    assert goal_notes(outcomes + other, max_rounds=9) == notes
 
 
 def test_outcome_of_counts_up_to_the_first_round_at_the_target():
