@@ -87,3 +87,19 @@ def test_a_stage_that_does_not_fit_is_refused_before_training(spark, tmp_path):
     assert not (tmp_path / "big/checkpoints").exists() or not any(
         (tmp_path / "big/checkpoints").iterdir()
     )
+
+
+def test_rows_reach_the_driver_while_the_stage_runs(spark, tmp_path):
+    """Progress is live: every round's row is handed to the driver's callback while the one
+    barrier stage that runs all rounds is still a running Spark job."""
+    tracker = spark.sparkContext.statusTracker()
+    seen: list[tuple[int, bool]] = []
+
+    def on_round(row: dict) -> None:
+        seen.append((row["round"], bool(tracker.getActiveJobsIds())))
+
+    cfg = TrainConfig(out=tmp_path / "live", transport="allreduce", rounds=4, **SETTINGS)
+    train(cfg, spark=spark, on_round=on_round)
+    assert seen == [(1, True), (2, True), (3, True), (4, True)]
+    rows = read_metrics(tmp_path / "live")
+    assert all(r["seconds"]["exchange"] > 0 for r in rows)
