@@ -474,8 +474,7 @@ class Pair:
 def goal_pairs(outcomes: Sequence[Outcome], max_rounds: int) -> list[Pair]:
     """The (K, tau >= GOAL_TAU) settings of the goal's dataset that ran with both outers."""
     by_key = {
-        (o.setting.dataset, o.setting.workers, o.setting.tau, o.setting.outer): o
-        for o in outcomes
+        (o.setting.dataset, o.setting.workers, o.setting.tau, o.setting.outer): o for o in outcomes
     }
     pairs = []
     for o in outcomes:
