@@ -16,6 +16,11 @@ from sparknet.training.driver import FrameInput, RunResult, train
 #: a CLI flag in a message, and the value that follows it (a number, a path, a placeholder)
 _FLAG = re.compile(r"--([a-z][a-z0-9-]*)(?: ([0-9/.~'][^\s;:,]*|[A-Z]+\b))?")
 _SWITCHES = {"resume", "allow-change"}
+#: flags whose values are words (`--transport spark`): `_FLAG` takes only values that cannot be
+#: prose, so these are spelt first, as `transport='spark'`
+_WORD_FLAG = re.compile(
+    r"--(transport|compress|outer|optimizer|precision|inner-state|device) ([a-z][a-z0-9]*)\b"
+)
 #: a path flag and its value up to the colon that ends it (`--out runs/a: ...`); an s3:// URI's
 #: own colon is not followed by a space
 _PATH_FLAG = re.compile(r"--(out) (\S+?):(?=\s|$)")
@@ -97,4 +102,5 @@ def as_fit_arguments(message: str) -> str:
             return f"{arg} {m.group(2)}" if m.group(2) else arg
         return f"{name.replace('-', '_')}={m.group(2) or ''}"
 
+    message = _WORD_FLAG.sub(lambda m: f"{m.group(1).replace('-', '_')}={m.group(2)!r}", message)
     return _FLAG.sub(spell, message)

@@ -415,5 +415,11 @@ def read_run_config(run_dir: str | Path, endpoint_url: str | None = None) -> dic
             raise SparknetError(
                 f"config file {where} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
             ) from exc
-        return _yaml_section(text, where, "train")
+        section = _yaml_section(text, where, "train")
+        # the transport that ran is the run's record, not a setting to keep: unless the resume
+        # names one, `auto` decides again where it runs now (the weights are the same up to
+        # float rounding either way)
+        if isinstance(section, dict):
+            section.pop("transport", None)
+        return section
     raise SparknetError(f"{run_dir} has no config.yaml: it is not a sparknet run dir")

@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 
 from sparknet.config import TrainConfig
 from sparknet.data.sources import batch_indices, digits
-from sparknet.errors import PermanentTaskError
+from sparknet.errors import PermanentTaskError, SparknetError
 from sparknet.models import build_model
 
 IDENTICAL_LABEL = 3
@@ -140,3 +140,19 @@ def failed_tasks(sc, group: str) -> int:
         for stage in tracker.getJobInfo(job).stageIds
         if tracker.getStageInfo(stage) is not None
     )
+
+
+class _RefusedAfterFirst(_UnreadableAfterFirst):
+    """As `_UnreadableAfterFirst`, with sparknet's own error (what S3 refusing, a missing
+    credential or a bad setting raise inside a task)."""
+
+    def __getitem__(self, i: int):
+        if i != 0:
+            raise SparknetError(f"sample {i}: access denied")
+        return self.inner[i]
+
+
+def refused_digits() -> tuple[torch.utils.data.Dataset, TensorDataset]:
+    """The digits, but a worker's first batch raises SparknetError."""
+    train, test = digits()
+    return _RefusedAfterFirst(train), test

@@ -43,6 +43,18 @@ def gloo_all_reduce(size: int, warmup: int, reps: int, world: int = 2) -> list[f
     """Seconds per all_reduce of `size` float32 among `world` processes: the slowest rank's
     time, per repetition."""
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_gloo_rank, args=(_free_port(), world, size, warmup, reps, queue), nprocs=world)
+    ranks = mp.start_processes(
+        _gloo_rank, args=(_free_port(), world, size, warmup, reps, queue), nprocs=world,
+        join=False, start_method="spawn",
+    )  # fmt: skip
+    try:
+        while not ranks.join(timeout=0.5):
+            pass
+    except KeyboardInterrupt:
+        for proc in ranks.processes:  # before they trip over the queue this process takes away
+            proc.terminate()
+        for proc in ranks.processes:
+            proc.join(5)
+        raise
     per_rank = dict(queue.get() for _ in range(world))
     return [max(ts) for ts in zip(*per_rank.values(), strict=True)]

@@ -129,7 +129,7 @@ def _row(params: int, transport: str, got: dict[str, float], gloo: float) -> dic
     """One table row. The goals are the issue's, at about 100 MB (at 1 MB a round's fixed costs,
     not its bytes, decide): `ratio` is the whole sync against raw gloo; `exchange_ratio` the
     collectives alone (allreduce), what a raw all_reduce does."""
-    size_mb = round(params * 4 / 1e6, 2)
+    size_mb = float(f"{params * 4 / 1e6:.3g}")
     goal = GOALS[transport]
     judged = size_mb >= 50
     row = {"size_mb": size_mb, "transport": transport, **got, "gloo_s": gloo,

@@ -4,6 +4,8 @@ asserts nothing: a goal missed is a line in the report."""
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
 import typer
@@ -42,9 +44,24 @@ def _floats(text: str, what: str) -> list[float]:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise SparknetError(f"{what} takes numbers separated by commas, got {text!r}") from None
-    if not values or min(values) <= 0:
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
         raise SparknetError(f"{what} takes numbers > 0, got {text!r}")
     return values
+
+
+def _out_dir(out: Path) -> Path:
+    """The output dir, made now: a path that cannot be one fails before anything is measured."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".sparknet-bench-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise SparknetError(
+            f"--out {out}: cannot write there ({reason}); pass a writable dir"
+        ) from None
+    return out
 
 
 def _names(text: str, what: str, allowed: tuple[str, ...]) -> list[str]:
@@ -122,7 +139,7 @@ def sync(
             workers=workers,
             rounds=rounds,
             transports=_names(transports, "--transports", ("spark", "allreduce")),
-            out=out,
+            out=_out_dir(out),
             on_status=console.print,
         )
 
@@ -149,9 +166,9 @@ def scaling(
             taus=_ints(tau, "--tau"),
             max_workers=max_workers,
             rounds=rounds,
-            out=out,
-            on_status=console.print,
             transport=_one(transport, "--transport", ("spark", "allreduce")),
+            out=_out_dir(out),
+            on_status=console.print,
         )
 
     _run(make, debug)
@@ -178,7 +195,7 @@ def convergence(
             taus=_ints(tau, "--tau"),
             outers=_names(outer, "--outer", ("average", "nesterov")),
             max_rounds=max_rounds,
-            out=out,
+            out=_out_dir(out),
             on_status=console.print,
         )
 

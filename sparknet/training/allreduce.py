@@ -28,6 +28,7 @@ import hmac
 import json
 import os
 import queue
+import re
 import secrets
 import socket
 import threading
@@ -161,6 +162,10 @@ class Row:
             with contextlib.suppress(OSError):  # the stage is gone: its failure says why
                 self._conn.sendall(b"ok\n")
             self._conn = None
+
+
+class Diverged(SparknetError):
+    """A worker's loss or weights went non-finite: the run ends (a restart would diverge again)."""
 
 
 class StageFailed(Exception):
@@ -309,16 +314,33 @@ class AllReduceTransport:
             elif "fault" in payload:
                 raise SparknetError(payload["fault"])
             elif "diverged" in payload:
-                raise SparknetError(payload["diverged"])
+                raise Diverged(payload["diverged"])
             if payload.get("done"):  # sent once the last round's checkpoint is published
                 return
 
 
+#: what a failed stage's error text says when running it again may help, and in what words
+_CAUSES = (
+    ("Python worker exited unexpectedly", "a worker's Python process died"),
+    ("ExecutorLostFailure", "an executor was lost"),
+    ("Connection reset by peer", "a worker lost its connection to another (one died)"),
+    ("Connection closed by peer", "a worker lost its connection to another (one died)"),
+    ("TaskKilled", "a task was killed"),
+)
+#: exceptions a rank raises that no restart heals: bad data, settings, credentials
+_PERMANENT = re.compile(r"\b(?:sparknet\.errors\.)?(PermanentTaskError|SparknetError): ")
+
+
 def _failure(exc: BaseException) -> BaseException:
-    if isinstance(exc, Py4JError | PySparkException):
-        message = describe_task_failure(exc)  # type: ignore[arg-type]
-        return StageFailed(message, permanent="PermanentTaskError" in message)
-    return exc
+    """The stage's failure as `StageFailed`, saying why in a few words; permanent when a rank
+    raised sparknet's own error (a permanent task fault, unreadable data, S3 refusing)."""
+    if not isinstance(exc, Py4JError | PySparkException):
+        return exc
+    text = f"{exc}\n{getattr(exc, 'java_exception', '')}"
+    if _PERMANENT.search(text):
+        return StageFailed(describe_task_failure(exc), permanent=True)  # type: ignore[arg-type]
+    cause = next((words for mark, words in _CAUSES if mark in text), None)
+    return StageFailed(cause or describe_task_failure(exc))  # type: ignore[arg-type]
 
 
 # ---- the stage, as a rank runs it -------------------------------------------------------------

@@ -223,12 +223,15 @@ class _Executors:
 
 def _raise_diverged(contrib: Contribution, done: int, run: RunDir) -> None:
     bad = next(r for r in contrib.reports if r.diverged is not None)
-    last = checkpoint.latest(run.store)
     raise SparknetError(
         f"training diverged at round {done}, worker {bad.partition}: {bad.diverged}; lower "
-        f"--lr or check the data; last good checkpoint: "
-        f"{'none' if last is None else run.child(checkpoint.name(last))}"
+        f"--lr or check the data; last good checkpoint: {_last_good(run)}"
     )
+
+
+def _last_good(run: RunDir) -> str:
+    last = checkpoint.latest(run.store)
+    return "none" if last is None else run.child(checkpoint.name(last))
 
 
 def _train_work(task: RoundTask, theta, partition, attempt, threads, local_dir, rows):
@@ -265,6 +268,8 @@ def train(
         cfg = cfg.model_copy(update={"out": str(default_run_dir(cfg))})
     if frames is None and is_frame_spec(cfg.data):
         frames = FrameInput()
+    if frames is not None and (cfg.transport == "allreduce" or cfg.compress != "none"):
+        raise SparknetError(_allreduce_refusal(None, cfg, True, False) or "")
     run = RunDir.open(cfg.out, cfg.endpoint_url)
     rundir.check_out(run)
     with rundir.locked(run) as lock:
@@ -358,8 +363,7 @@ def _resolve_transport(cfg: TrainConfig, spark, frames: bool, run_on_s3: bool) -
     why = _allreduce_refusal(sc, cfg, frames, run_on_s3)
     wanted = cfg.transport == "allreduce" or cfg.compress != "none"
     if why is not None and wanted:
-        flag = "--transport allreduce" if cfg.transport == "allreduce" else "--compress"
-        raise SparknetError(f"{flag} needs the allreduce transport, which cannot run here: {why}")
+        raise SparknetError(why)
     if why is None and (wanted or not is_local_master(sc.master)):
         return cfg.model_copy(update={"transport": "allreduce"})
     return cfg.model_copy(update={"transport": "spark"})
@@ -369,8 +373,18 @@ def _allreduce_refusal(sc, cfg: TrainConfig, frames: bool, run_on_s3: bool) -> s
     from sparknet.training import allreduce
 
     if frames:
-        return "it trains on shard, built-in and factory datasets, not on DataFrames (yet)"
-    return allreduce.why_not(sc, cfg.workers, run_on_s3)
+        return (
+            "the allreduce transport trains on shard, built-in and factory datasets, not on "
+            "DataFrames (yet): use the spark transport, without --compress"
+        )
+    why = allreduce.why_not(sc, cfg.workers, run_on_s3)
+    if why is None:
+        return None
+    asked = "--transport allreduce" if cfg.transport == "allreduce" else "--compress"
+    return (
+        f"the allreduce transport ({asked}) cannot run here: {why}; use the spark transport"
+        f"{' without --compress' if cfg.compress != 'none' else ''}"
+    )
 
 
 def _warner(on_warning: WarningCallback | None) -> WarningCallback:
@@ -569,7 +583,7 @@ def _allreduce_rounds(loop: _Loop, begin: _Begin) -> bytes:
     """The rounds as one barrier stage (the `allreduce` transport). A failed stage runs again
     from the last complete checkpoint, at most `allreduce.RESTARTS` times; returns the final
     weights (the last round always ends with a checkpoint) as model.safetensors bytes."""
-    from sparknet.training.allreduce import RESTARTS, AllReduceTransport, StageFailed
+    from sparknet.training.allreduce import RESTARTS, AllReduceTransport, Diverged, StageFailed
 
     cfg, run = loop.cfg, loop.run
     transport = AllReduceTransport(loop.spark.sparkContext, cfg.workers)
@@ -588,6 +602,8 @@ def _allreduce_rounds(loop: _Loop, begin: _Begin) -> bytes:
                            integers=stage_begin.integers), stage_begin, begin, restarts,
                            executors)  # fmt: skip
                 break
+            except Diverged as exc:
+                raise SparknetError(f"{exc}; last good checkpoint: {_last_good(run)}") from exc
             except StageFailed as exc:
                 if exc.permanent or restarts == RESTARTS:
                     raise SparknetError(f"the allreduce stage failed: {exc}") from exc

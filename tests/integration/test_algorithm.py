@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from sparknet.config import TrainConfig, load_train_config, read_run_config
 from sparknet.data.sources import digits
@@ -208,8 +209,15 @@ def test_resume_continues_bit_for_bit(spark, tmp_path, transport):
     train(full, spark=spark)
     part = TrainConfig(out=tmp_path / "part", rounds=3, **settings)
     train(part, spark=spark)
-    resumed = load_train_config(base=read_run_config(part.out), flags={"rounds": 6}, environ={})
+    # the stored transport is not kept (`auto` decides again where a resume runs): name it
+    assert "transport" not in read_run_config(part.out)
+    resumed = load_train_config(
+        base=read_run_config(part.out), flags={"rounds": 6, "transport": transport}, environ={}
+    )
     result = train(resumed, resume=True, spark=spark)
+    assert yaml.safe_load((Path(part.out) / "config.yaml").read_text())["train"]["transport"] == (
+        transport
+    )
     assert [r["round"] for r in result.metrics] == [1, 2, 3, 4, 5, 6]
     assert sorted(p.name for p in (Path(part.out) / "checkpoints").iterdir()) == [
         "round-00003",

@@ -103,3 +103,46 @@ def test_rows_reach_the_driver_while_the_stage_runs(spark, tmp_path):
     assert seen == [(1, True), (2, True), (3, True), (4, True)]
     rows = read_metrics(tmp_path / "live")
     assert all(r["seconds"]["exchange"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ("tests.helpers:unhealable_digits", "differs from the manifest"),
+        ("tests.helpers:refused_digits", "access denied"),
+    ],
+)
+def test_a_fault_no_restart_can_heal_ends_the_run_at_once(spark, tmp_path, data, message):
+    warned: list[str] = []
+    cfg = TrainConfig(
+        out=tmp_path / "bad", transport="allreduce", data=data, num_classes=10, rounds=3,
+        **{**SETTINGS, "model": "mlp"},
+    )  # fmt: skip
+    with pytest.raises(SparknetError, match=message):
+        train(cfg, spark=spark, on_warning=warned.append)
+    assert warned == []  # not run again
+    assert not (tmp_path / "bad/model.safetensors").exists()
+
+
+def test_divergence_names_the_round_the_worker_and_the_last_good_checkpoint(spark, tmp_path):
+    from tests.helpers import POISON
+
+    warned: list[str] = []
+    cfg = TrainConfig(
+        out=tmp_path / "nan", transport="allreduce", data="tests.helpers:poisoned_digits",
+        model="mlp", num_classes=10, rounds=5, checkpoint_every=2, eval_every=0,
+        **{k: POISON[k] for k in ("seed", "workers", "batch_size", "tau")},
+    )  # fmt: skip
+    with pytest.raises(SparknetError) as caught:
+        train(cfg, spark=spark, on_warning=warned.append)
+    text = str(caught.value)
+    assert text.startswith(f"training diverged at round {POISON['round']}, worker 1: loss nan")
+    assert text.endswith(f"last good checkpoint: {tmp_path / 'nan'}/checkpoints/round-00002")
+    assert warned == []
+
+
+def test_a_dataframe_with_allreduce_is_refused_before_spark_starts(tmp_path):
+    cfg = TrainConfig(out=tmp_path / "df", transport="allreduce", data="parquet:/no/such")
+    with pytest.raises(SparknetError, match="not on DataFrames"):
+        train(cfg)  # no session: one would be started after the checks
+    assert not (tmp_path / "df").exists()

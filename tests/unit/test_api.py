@@ -48,3 +48,6 @@ def test_fit_errors_name_fit_arguments_and_help():
     assert as_fit_arguments("--out s3://b: a run needs its own prefix") == (
         "out='s3://b': a run needs its own prefix"
     )
+    assert as_fit_arguments(
+        "the allreduce transport (--transport allreduce) cannot run here; use --compress none"
+    ) == ("the allreduce transport (transport='allreduce') cannot run here; use compress='none'")
