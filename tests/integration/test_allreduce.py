@@ -36,6 +36,7 @@ def test_a_rank_that_dies_mid_stage_restarts_from_the_checkpoint(spark, tmp_path
     assert [r["round"] for r in result.metrics] == [1, 2, 3, 4, 5]
     assert [r["round"] for r in read_metrics(tmp_path / "drill")] == [1, 2, 3, 4, 5]
     assert len(warned) == 1 and "running it again from round 2 (restart 1 of 3)" in warned[0]
+    assert warned[0].startswith("the allreduce stage failed (a worker"), warned[0]  # in words
     assert_state_equal(load_run_model(tmp_path / "drill"), load_run_model(tmp_path / "clean"))
     assert filecmp.cmp(
         tmp_path / "clean/model.safetensors", tmp_path / "drill/model.safetensors", shallow=False
