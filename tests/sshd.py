@@ -201,32 +201,48 @@ def start_sshd(
     host_key.chmod(0o600)
     auth = workdir / "authorized_keys"
     auth.write_text(authorized_keys)
-    port = port or free_port()
-    config = workdir / "sshd_config"
-    config.write_text(_config(workdir, port, host_key, auth, env or {}))
-    with (workdir / "sshd.log").open("w") as log:
-        proc = subprocess.Popen(
-            [SSHD, "-D", "-e", "-f", str(config)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    node = Sshd("127.0.0.1", port, workdir, proc, host_key, auth)
-    try:
-        _wait_listening(node, timeout)
-    except BaseException:
-        node.stop()
-        raise
-    return node
+    for attempt in range(5):
+        chosen = port or free_port()
+        config = workdir / "sshd_config"
+        config.write_text(_config(workdir, chosen, host_key, auth, env or {}))
+        with (workdir / "sshd.log").open("w") as log:
+            proc = subprocess.Popen(
+                [SSHD, "-D", "-e", "-f", str(config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        node = Sshd("127.0.0.1", chosen, workdir, proc, host_key, auth)
+        try:
+            _wait_listening(node, timeout)
+            return node
+        except PortTaken:
+            node.stop()
+            if port is not None or attempt == 4:
+                raise
+        except BaseException:
+            node.stop()
+            raise
+    raise AssertionError("unreachable")
+
+
+class PortTaken(RuntimeError):
+    """Another process bound the port between `free_port` and sshd (parallel test workers)."""
 
 
 def _wait_listening(node: Sshd, timeout: float) -> None:
-    """Until a TCP connect to the node succeeds; a RuntimeError with its log if sshd exits."""
+    """Until sshd says it listens on its port (a TCP connect could reach another process's
+    sshd that took the port first, and a test would then meet a stranger's host key); a
+    RuntimeError with its log if sshd exits."""
     deadline = time.monotonic() + timeout
+    listening = f"Server listening on {node.host} port {node.port}."
     while True:
+        text = node.log.read_text() if node.log.exists() else ""
         if node.proc.poll() is not None:
-            raise RuntimeError(f"sshd exited ({node.proc.returncode}): {node.log.read_text()}")
-        with contextlib.suppress(OSError), socket.create_connection((node.host, node.port), 1):
+            if "Address already in use" in text:
+                raise PortTaken(f"port {node.port} taken: {text}")
+            raise RuntimeError(f"sshd exited ({node.proc.returncode}): {text}")
+        if listening in text:
             return
         if time.monotonic() > deadline:
             raise RuntimeError(f"sshd on port {node.port} did not listen within {timeout} s")
