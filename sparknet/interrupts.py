@@ -4,6 +4,11 @@ The CLI turns the first signal into KeyboardInterrupt so `finally` blocks clean 
 AWS Create call's answer and the line that records the new id, that would leave a resource the
 clean-up does not know: inside `deferred()` the signal is held and raised as soon as the section
 ends. The CLI's handler asks `holding()` and calls `hold()`; nothing else needs to know.
+
+The main thread's short waits on threading's primitives (a future, a queue) run deferred too:
+KeyboardInterrupt raised inside the pure-Python part of `Condition.wait` can leave its lock
+released, and the `with` around it then fails with "release unlocked lock", a RuntimeError that
+hides the interrupt, so the command exits 1 with a traceback instead of 130 after its clean-up.
 """
 
 from __future__ import annotations

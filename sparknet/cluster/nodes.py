@@ -21,8 +21,8 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address, ip_address
 from pathlib import Path
@@ -32,7 +32,7 @@ import fabric
 import paramiko
 from invoke.exceptions import UnexpectedExit
 
-from sparknet import aws
+from sparknet import aws, interrupts
 from sparknet.errors import SparknetError
 
 # paramiko logs a failed handshake (a node still booting) with its traceback from the transport
@@ -246,11 +246,12 @@ def run_all(
             conn.close()
 
     pool = ThreadPoolExecutor(max_workers=len(endpoints), thread_name_prefix="sparknet-ssh")
-    futures = {pool.submit(one, ep): ep for ep in endpoints}
+    with interrupts.deferred():  # submit() takes the pool's locks (see _wait_all)
+        futures = {pool.submit(one, ep): ep for ep in endpoints}
     try:
         # every node runs to its end even when another failed: a half-run step is worse than
         # a whole one, and the error then names every node that failed, not just the first
-        _done, busy = wait(futures, timeout=timeout)
+        busy = _wait_all(futures, timeout)
     except BaseException:
         stop.set()
         for conn in list(conns.values()):
@@ -270,6 +271,17 @@ def run_all(
     if failures:
         raise NodesFailed(_failed_line(endpoints, failures), failures)
     return {ep.name: future.result() for future, ep in futures.items()}
+
+
+def _wait_all(futures: Iterable[Future], timeout: float) -> set[Future]:
+    """The futures still busy once all are done or `timeout` has passed. A Ctrl-C is raised
+    between short waits, never inside one (see `sparknet.interrupts`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with interrupts.deferred():
+            _done, busy = wait(futures, timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+        if not busy or time.monotonic() >= deadline:
+            return busy
 
 
 def _failed_line(endpoints: Sequence[Endpoint], failures: dict[str, BaseException]) -> str:

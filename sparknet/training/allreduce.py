@@ -44,6 +44,7 @@ from py4j.protocol import Py4JError
 from pyspark import BarrierTaskContext, SparkContext, SparkFiles
 from pyspark.errors import PySparkException
 
+from sparknet import interrupts
 from sparknet.data.store import open_store
 from sparknet.errors import PermanentTaskError, SparknetError
 from sparknet.training import checkpoint, device
@@ -297,7 +298,8 @@ class AllReduceTransport:
         last_word: float | None = None
         while True:
             try:
-                kind, payload, conn = inbox.get(timeout=0.2)
+                with interrupts.deferred():  # never inside the queue's Condition.wait
+                    kind, payload, conn = inbox.get(timeout=0.2)
             except queue.Empty:
                 if last_word is not None and time.monotonic() > last_word:
                     raise StageFailed("the stage ended before its last round") from None
