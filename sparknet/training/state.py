@@ -62,6 +62,36 @@ class StateLayout:
         names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         return cls.of(model.state_dict(), names)
 
+    def bind(self, model: torch.nn.Module) -> torch.Tensor | None:
+        """One flat float32 host buffer holding the model's float entries in layout order, with
+        every parameter and float buffer made a view of it (a Parameter keeps its identity, so
+        an optimizer holding it goes on working). An all-reduce of the buffer then averages the
+        model in place: no weights are loaded and no update is written, each a pass over the
+        whole model. None where the state cannot be viewed so: an entry off the host, not
+        float32, not contiguous (channels-last), or shared by two names (tied weights)."""
+        state = model.state_dict(keep_vars=True)
+        floats = [e for e in self.entries if e.offset >= 0]
+        tensors = [state[e.name] for e in floats]
+        if any(
+            t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
+            for t in tensors
+        ):
+            return None
+        held = [t.data_ptr() for t in tensors if t.numel()]
+        if len(set(held)) != len(held):
+            return None
+        flat = torch.empty(self.size, dtype=torch.float32)
+        for e, t in zip(floats, tensors, strict=True):
+            view = flat[e.offset : e.offset + e.numel].view(e.shape)
+            view.copy_(t.detach())
+            owner, _, leaf = e.name.rpartition(".")
+            module = model.get_submodule(owner)
+            if leaf in module._parameters:
+                t.data = view
+            else:
+                setattr(module, leaf, view)
+        return flat
+
     def buffer_mask(self) -> np.ndarray | None:
         """True where the flat buffer holds a float buffer's values; None when there are none."""
         spans = [e for e in self.entries if e.offset >= 0 and e.buffer]

@@ -65,7 +65,9 @@ class Contribution:
     """A sum of worker updates over a contiguous range of partitions; `combine` is ordered."""
 
     first_partition: int
-    delta_sum: np.ndarray | None  # None once any worker hit a non-finite loss
+    #: None once any worker hit a non-finite loss, or where the weights are averaged in place
+    #: (`LiveInner.average_in_place`)
+    delta_sum: np.ndarray | None
     workers: int
     integers: dict[str, np.ndarray] | None  # from the lowest partition (worker 0 overall)
     reports: list[WorkerReport] = field(default_factory=list)
@@ -136,6 +138,25 @@ def _drop_models() -> None:
 def _load_weights(model: nn.Module, task: RoundTask, theta: np.ndarray, on: torch.device) -> None:
     """The global weights into `model`: one host->device copy of the flat buffer."""
     model.load_state_dict(task.layout.unflatten(theta, task.integers, device=on))
+
+
+def _bound_weights(
+    model: nn.Module, task: RoundTask, theta: np.ndarray, weights: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The flat buffer `model` is bound to (bound now, the stage's first round), holding
+    `theta` and the task's integer buffers; None where the model cannot be bound. From the
+    second round on `theta` is that buffer itself, averaged in place: nothing is copied."""
+    if weights is None:
+        weights = task.layout.bind(model)
+        if weights is None:
+            return None
+    if theta.ctypes.data != weights.data_ptr():
+        weights.copy_(torch.from_numpy(theta))
+    state = model.state_dict()
+    for e in task.layout.entries:
+        if e.offset < 0:
+            state[e.name].copy_(torch.from_numpy(np.asarray(task.integers[e.name])).view(e.shape))
+    return weights
 
 
 class InnerStateStore:
@@ -356,6 +377,11 @@ class LiveInner:
     #: the update's buffer, written again every round: a fresh 100 MB array costs its page
     #: faults each time (the transport is done with the previous round's by then)
     delta: np.ndarray | None = None
+    #: plain averaging: the ranks average the weights themselves rather than their updates, in
+    #: the flat buffer the model is bound to (`StateLayout.bind`), which `weights` then holds;
+    #: it stays None where the model cannot be bound (on a GPU), and the update travels instead
+    average_in_place: bool = False
+    weights: torch.Tensor | None = None
 
 
 def train_partition(
@@ -421,7 +447,10 @@ def _train(
     cfg = task.cfg
     t0 = time.perf_counter()
     model = _model_for(task, on)
-    _load_weights(model, task, theta, on)  # in place: a held optimizer's parameters stay its
+    if live is not None and live.average_in_place:
+        live.weights = _bound_weights(model, task, theta, live.weights)
+    if live is None or live.weights is None:
+        _load_weights(model, task, theta, on)  # in place: a held optimizer's parameters stay
     model.train()
     store = InnerStateStore(local_dir, task.run_id)
     optimizer, scaler, miss = _inner_for_round(task, model, partition, store, on, live)
@@ -442,10 +471,16 @@ def _train(
         )
 
     state = model.state_dict()
-    if live is not None and live.delta is None:
-        live.delta = np.empty(task.layout.size, dtype=np.float32)
-    delta = task.layout.pseudo_gradient(theta, state, out=live.delta if live else None)
-    if not np.isfinite(delta).all():
+    if live is not None and live.weights is not None:
+        delta = None  # the weights themselves are averaged
+        low, high = torch.aminmax(live.weights)  # one pass, no array of flags; NaN propagates
+        finite = bool(low.isfinite() and high.isfinite())
+    else:
+        if live is not None and live.delta is None:
+            live.delta = np.empty(task.layout.size, dtype=np.float32)
+        delta = task.layout.pseudo_gradient(theta, state, out=live.delta if live else None)
+        finite = bool(np.isfinite(delta).all())
+    if not finite:
         return _diverged(partition, f"weights non-finite after step {cfg.tau}", t1 - t0, miss)
     if live is not None:
         live.optimizer, live.scaler = optimizer, scaler

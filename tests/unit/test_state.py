@@ -83,3 +83,38 @@ def test_pseudo_gradient_is_theta_minus_the_flat_weights_bit_for_bit():
     buf = np.full(layout.size, np.nan, dtype=np.float32)
     got = layout.pseudo_gradient(theta, last, out=buf)
     assert got is buf and np.array_equal(buf, want)
+
+
+def test_bind_makes_every_float_entry_a_view_of_one_flat_buffer():
+    """After bind, the model's parameters and BatchNorm statistics live in the flat buffer:
+    what training writes is in it, and what is written into it (an all-reduce) is the model.
+    The Parameter objects stay the same, so an optimizer made before keeps working."""
+    model = cnn((1, 8, 8), 10)
+    layout = StateLayout.of_model(model)
+    before = layout.flatten(model.state_dict())
+    params = list(model.parameters())
+    flat = layout.bind(model)
+    assert flat is not None and flat.shape == (layout.size,)
+    assert np.array_equal(flat.numpy(), before)
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    model.train()
+    model(torch.randn(4, 1, 8, 8)).sum().backward()
+    optimizer.step()
+    assert np.array_equal(flat.numpy(), layout.flatten(model.state_dict()))  # steps and stats
+    assert not np.array_equal(flat.numpy(), before)
+    flat.mul_(0.0)
+    assert all(not v.any() for v in model.state_dict().values() if v.is_floating_point())
+    assert model.state_dict()["1.num_batches_tracked"] == 1  # integers are not in the buffer
+
+
+def test_bind_refuses_what_cannot_be_one_buffer():
+    """Channels-last weights and tied weights cannot be views of one flat buffer in layout order:
+    bind says so (None) and leaves the model as it was."""
+    model = cnn((1, 8, 8), 10).to(memory_format=torch.channels_last)
+    assert StateLayout.of_model(model).bind(model) is None
+    assert not model.state_dict()["3.weight"].is_contiguous()
+    tied = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
+    tied[1].weight = tied[0].weight
+    assert StateLayout.of_model(tied).bind(tied) is None
+    assert tied[1].weight is tied[0].weight
