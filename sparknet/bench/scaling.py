@@ -9,7 +9,7 @@ with real training runs on this machine, predicts the wall time of both schemes 
 `max_workers` and each tau, and checks the local-SGD prediction against the measured wall time
 of the K that fit on this machine's cores: a model that misses here is no guide for a cluster.
 
-Cost, defaults (`taus` 1,5,20,50, `rounds` 4) on 2 cores: one Spark session, a throw-away
+Cost, defaults (`taus` 1,5,20,50, `rounds` 10) on 2 cores: one Spark session, a throw-away
 warm-up run per K, then 8 small runs (a CNN on the bundled digits, K in {1, 2}, each tau,
 `rounds` timed rounds after a warm-up round): 35-70 s wall here, Spark's start included (the
 more the cores are shared with other processes, the longer); every further K measured (a
@@ -72,6 +72,10 @@ class Measured:
         return [r["seconds"]["compute"] for r in self.rows]
 
     @property
+    def round_s(self) -> list[float]:
+        return [r["seconds"]["total"] for r in self.rows]
+
+    @property
     def sync_s(self) -> list[float]:
         """Each round's seconds outside the steps: broadcast, load, send back, average."""
         return [r["seconds"]["total"] - r["seconds"]["compute"] for r in self.rows]
@@ -79,12 +83,18 @@ class Measured:
 
 @dataclass(frozen=True)
 class Costs:
-    """The model's inputs: C (s per step, one worker) and S (s per synchronization)."""
+    """The model's inputs: C (s per step, one worker) and S (s per round besides the steps)."""
 
     C: float
+    #: S for the K not measured here: the largest measured K's (2 on two cores; see `notes`)
     S: float
-    #: the K whose runs gave S (S is taken as the same for every K: see `notes`)
+    #: the K whose runs gave `S`
     S_workers: int
+    #: S at each measured K, from that K's own runs (K=1 pays no sync, only a round's overhead)
+    S_by_k: dict[int, float]
+
+    def S_at(self, workers: int) -> float:
+        return self.S_by_k.get(workers, self.S)
 
 
 @dataclass(frozen=True)
@@ -137,15 +147,31 @@ def per_step(runs: Sequence[Measured]) -> float:
     return sum(sum(m.compute_s) for m in runs) / sum(m.tau * len(m.rows) for m in runs)
 
 
+def step_slope(runs: Sequence[Measured]) -> float:
+    """Seconds each further step adds to a round's compute: the least-squares slope of the
+    rounds' compute seconds against tau over `runs` (a round's compute also holds a part that
+    does not grow with tau: its first batch read, the data iterator set up), or compute over
+    steps where the runs share one tau."""
+    taus = [m.tau for m in runs for _ in m.compute_s]
+    if len(set(taus)) < 2:
+        return per_step(runs)
+    return statistics.linear_regression(taus, [c for m in runs for c in m.compute_s]).slope
+
+
+def round_overhead(runs: Sequence[Measured], C: float) -> float:
+    """S: the mean over the runs' rounds of what a round costs besides tau steps of C (the
+    mean, as the wall time is a sum: a round that hiccups counts in both)."""
+    return statistics.fmean(r - m.tau * C for m in runs for r in m.round_s)
+
+
 def measure_costs(runs: Sequence[Measured]) -> Costs:
-    """C from the runs with one worker: their compute seconds over their steps, all taus
-    together (a ratio, so the long rounds weigh most, as in the wall time); S: the median sync
-    of the runs at K=2 (or the largest K measured, when 2 is not), all taus together."""
-    C = per_step([m for m in runs if m.workers == 1])
+    """C from the runs with one worker (`step_slope`); S at each measured K from its own
+    runs (`round_overhead`), and for the K not measured the largest measured K's (2 here)."""
+    C = step_slope([m for m in runs if m.workers == 1])
     ks = sorted({m.workers for m in runs})
-    k = 2 if 2 in ks else ks[-1]
-    S = statistics.median(s for m in runs if m.workers == k for s in m.sync_s)
-    return Costs(C, S, k)
+    by_k = {k: round_overhead([m for m in runs if m.workers == k], C) for k in ks}
+    k = ks[-1]
+    return Costs(C, by_k[k], k, by_k)
 
 
 def grid(
@@ -168,15 +194,16 @@ def grid(
 def _row(
     transport: str, k: int, tau: int, rounds: int, costs: Costs, run: Measured | None
 ) -> dict[str, Any]:
-    predicted = local_sgd_s(rounds, tau, costs.C, costs.S)
+    S = costs.S_at(k)
+    predicted = local_sgd_s(rounds, tau, costs.C, S)
     measured = run.wall_s if run is not None else None
-    local, naive = speedups(k, tau, costs.C, costs.S)
+    local, naive = speedups(k, tau, costs.C, S)
     return {
         "transport": transport,
         "workers": k,
         "tau": tau,
         "C_s": costs.C,
-        "S_s": costs.S,
+        "S_s": S,
         "predicted_s": predicted,
         "measured_s": measured,
         "error": (predicted - measured) / measured if measured else None,
@@ -186,8 +213,9 @@ def _row(
 
 
 def spread_notes(runs: Iterable[Measured], here: Machine) -> list[str]:
-    """Each run's own C and S (medians over its rounds), so a reader sees how far the one C and
-    the one S the model takes stand from every run's; and how busy the machine was."""
+    """Each run's own compute per step and round less its compute (medians over its rounds),
+    so a reader sees how the runs spread around the model's C and S; and how busy the machine
+    was."""
     by_run = ", ".join(
         f"K={m.workers} tau={m.tau} {statistics.median(m.compute_s) / m.tau * 1e3:.2f}/"
         f"{statistics.median(m.sync_s) * 1e3:.0f}"
@@ -195,7 +223,7 @@ def spread_notes(runs: Iterable[Measured], here: Machine) -> list[str]:
     )
     busy = here.load > here.cores / 2
     return [
-        f"each run's median C (ms per step) / S (ms per round): {by_run}",
+        f"each run's median compute per step / round less its compute (ms): {by_run}",
         *_c_by_k(runs),
         f"1-minute load average before the runs: {here.load:.2f} on {here.cores} cores"
         + (": other processes were using the cores, so expect noisy figures" if busy else ""),
@@ -240,14 +268,16 @@ def check_notes(rows: Iterable[dict[str, Any]]) -> list[str]:
 def model_notes(costs: Costs, cores: int, measured_ks: Sequence[int], rounds: int) -> list[str]:
     """What was measured how, and what the model assumes."""
     ks = ", ".join(map(str, measured_ks))
+    by_k = ", ".join(f"K={k} {v * 1e3:.1f} ms" for k, v in sorted(costs.S_by_k.items()))
     return [
-        f"C = {costs.C * 1e3:.3f} ms per step: compute seconds over steps of the K=1 runs "
-        f"({MODEL} on {DATA}, batch {BATCH}, one of {cores} cores per worker, as at every "
-        "measured K)",
-        f"S = {costs.S * 1e3:.1f} ms per round: median of total - compute (broadcast, load, "
-        f"send back, average) over the K={costs.S_workers} runs; taken as the same for every "
-        "K (on a cluster a sync grows with K, with the tree sum's depth or the ring's steps: "
-        "there the prediction for large K is a lower bound)",
+        f"C = {costs.C * 1e3:.3f} ms per step: what one more step adds to a round's compute "
+        f"(the slope over tau) in the K=1 runs ({MODEL} on {DATA}, batch {BATCH}, one of "
+        f"{cores} cores per worker, as at every measured K)",
+        f"S = {costs.S * 1e3:.1f} ms per round: the mean of a round less tau x C (the sync: "
+        f"broadcast, load, send back, average; and a round's fixed overhead) over the "
+        f"K={costs.S_workers} runs; at each measured K its own runs' ({by_k}); taken as the "
+        "same for every larger K (on a cluster a sync grows with K, with the tree sum's depth "
+        "or the ring's steps: there the prediction for large K is a lower bound)",
         f"local SGD: predicted_s = rounds x (tau x C + S) for {rounds} rounds; naive parallel "
         "SGD for the same samples: rounds x K x tau steps x (C/K + S); speedups are over one "
         "worker taking those minibatches one after the other (K x tau x C a round)",
@@ -409,6 +439,7 @@ def _report(plan: Plan, here: Machine, measured: dict[tuple[int, int], Measured]
             "C_s": costs.C,
             "S_s": costs.S,
             "S_workers": costs.S_workers,
+            "S_by_k": {str(k): v for k, v in costs.S_by_k.items()},
             "goal": GOAL,
             "load_average": here.load,
             "grid": full,

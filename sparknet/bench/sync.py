@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import shutil
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,7 +59,8 @@ def measure(
     """Medians over the rounds after the first, for one transport and model size: `sync_s`
     (the round less its compute), and its parts where the rows have them: `load_s` (the
     weights into the model, with the broadcast under `spark`), `exchange_s` (allreduce: the
-    collectives) and `rest_s` (the update computed, averaged and applied, the row made)."""
+    collectives, and the division into the mean that overlaps them) and `rest_s` (the update
+    computed or the weights checked, the outer step, the row made)."""
     from sparknet.training.driver import train
 
     run_dir = out / "runs" / f"{transport}-{size_mb:g}mb"
@@ -94,6 +96,8 @@ def run(
     on_status(f"starting Spark (local[{workers}]) for {workers} workers")
     spark = start_session(f"local[{workers},1]", workers)
     try:
+        on_status(f"an empty Spark job of {workers} tasks")
+        job_s = empty_job_s(spark, workers, max(3, rounds))
         for size in sizes_mb:
             params = _params(size)
             on_status(f"{size:g} MB: raw gloo all_reduce between {workers} processes")
@@ -111,8 +115,8 @@ def run(
         f"sync per round, K={workers} (median of {rounds} rounds after the first)",
         COLUMNS,
         rows,
-        notes=_notes(rows),
-        extra={"workers": workers, "rounds": rounds},
+        notes=_notes(rows, job_s),
+        extra={"workers": workers, "rounds": rounds, "empty_job_s": job_s},
     )
     report.write(out)
     report.files.append(_plot(rows, out / f"{NAME}.png"))
@@ -128,7 +132,7 @@ COLUMNS = [
 def _row(params: int, transport: str, got: dict[str, float], gloo: float) -> dict:
     """One table row. The goals are the issue's, at about 100 MB (at 1 MB a round's fixed costs,
     not its bytes, decide): `ratio` is the whole sync against raw gloo; `exchange_ratio` the
-    collectives alone (allreduce), what a raw all_reduce does."""
+    exchange alone (allreduce), what a raw all_reduce does."""
     size_mb = float(f"{params * 4 / 1e6:.3g}")
     goal = GOALS[transport]
     judged = size_mb >= 50
@@ -141,8 +145,27 @@ def _row(params: int, transport: str, got: dict[str, float], gloo: float) -> dic
     return row
 
 
-def _notes(rows: list[dict]) -> list[str]:
+def empty_job_s(spark, workers: int, reps: int) -> float:
+    """The median seconds of a Spark job of `workers` tasks that do nothing: what every round
+    of the `spark` transport pays (it is one job) before a byte moves."""
+    sc = spark.sparkContext
+    tasks = sc.parallelize(range(workers), workers)
+    times = []
+    for _ in range(reps + 1):  # the first also starts the Python workers
+        t0 = time.perf_counter()
+        tasks.foreach(lambda _x: None)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _notes(rows: list[dict], job_s: float) -> list[str]:
     notes = ["sync_s = round - compute = load_s + exchange_s + rest_s (medians; seconds per round)"]
+    judged = [r for r in rows if r["met"] is not None]
+    gloo = judged[0]["gloo_s"] if judged else None
+    notes.append(
+        f"an empty Spark job of the same tasks: {job_s:.3f} s, the floor of a `spark` round"
+        + (f" ({job_s / gloo:.1f}x raw gloo at {judged[0]['size_mb']:g} MB)" if gloo else "")
+    )
     for row in rows:
         if row["met"] is None:
             continue
@@ -150,7 +173,7 @@ def _notes(rows: list[dict]) -> list[str]:
         notes.append(
             f"goal {verdict}: {row['transport']} at {row['size_mb']:g} MB is "
             f"{row['ratio']:.1f}x raw gloo ({row['goal']})"
-            + (f"; its collectives alone {row['exchange_ratio']:.2f}x"
+            + (f"; its exchange alone {row['exchange_ratio']:.2f}x"
                if row["exchange_ratio"] else "")
         )  # fmt: skip
     return notes

@@ -150,7 +150,7 @@ def sync(
 def scaling(
     tau: str = typer.Option("1,5,20,50", help="tau values to predict for, comma-separated"),
     max_workers: int = typer.Option(32, min=1, help="predict for K = 1 .. this"),
-    rounds: int = typer.Option(4, min=1, help="rounds of each measured run"),
+    rounds: int = typer.Option(10, min=1, help="rounds of each measured run"),
     transport: str = typer.Option(
         "allreduce", help="the transport whose S is measured: spark or allreduce"
     ),

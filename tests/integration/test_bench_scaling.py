@@ -71,25 +71,28 @@ def test_writes_json_csv_and_plot_with_positive_figures(scaling):
 
 def test_prediction_is_the_papers_model_of_the_recorded_costs(scaling):
     """predicted_s = rounds x (tau x C + S) with the C and S the report records, and those are
-    the ones its measured rounds give (C: K=1 compute over steps; S: median sync at K=2)."""
+    the ones its measured rounds give (C: the slope of K=1's round compute over tau; S at a
+    measured K: the mean of its rounds less tau x C; beyond, the largest measured K's)."""
     out, _text = scaling
     doc = json.loads((out / "scaling.json").read_text())
-    c, sync = doc["C_s"], doc["S_s"]
+    c, by_k = doc["C_s"], {int(k): v for k, v in doc["S_by_k"].items()}
+    assert sorted(by_k) == FIT and doc["S_s"] == by_k[FIT[-1]] and doc["S_workers"] == FIT[-1]
     for row in doc["rows"]:
-        assert row["C_s"] == c and row["S_s"] == sync
         k, tau = row["workers"], row["tau"]
+        sync = by_k.get(k, doc["S_s"])
+        assert row["C_s"] == c and row["S_s"] == sync
         assert row["predicted_s"] == pytest.approx(ROUNDS * (tau * c + sync), rel=1e-12)
         serial = k * tau * c
         assert row["speedup_local_sgd"] == pytest.approx(serial / (tau * c + sync))
         assert row["speedup_naive"] == pytest.approx(serial / (k * tau * (c / k + sync)))
     runs = {(m["workers"], m["tau"]): m for m in doc["measured"]}
     single = [runs[(1, t)] for t in TAUS]
-    steps = sum(m["tau"] * ROUNDS for m in single)
-    assert c == pytest.approx(sum(sum(m["compute_s"]) for m in single) / steps)
-    k_sync = 2 if 2 in FIT else 1
-    assert sync == pytest.approx(
-        statistics.median(x for t in TAUS for x in runs[(k_sync, t)]["sync_s"])
-    )
+    taus = [m["tau"] for m in single for _ in m["compute_s"]]
+    computes = [x for m in single for x in m["compute_s"]]
+    assert c == pytest.approx(statistics.linear_regression(taus, computes).slope)
+    for k in FIT:
+        rounds = [(t, s["total"]) for t in TAUS for s in runs[(k, t)]["seconds"]]
+        assert by_k[k] == pytest.approx(statistics.fmean(r - t * c for t, r in rounds))
 
 
 def test_measured_wall_is_the_runs_timed_rounds(scaling):

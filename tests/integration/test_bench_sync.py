@@ -33,6 +33,10 @@ def test_sync_measures_both_transports_against_gloo_and_writes_its_files(tmp_pat
         assert row["ratio"] == pytest.approx(row["sync_s"] / row["gloo_s"])
     # what travels through PySpark's task results costs more than what the workers exchange
     assert rows[0]["sync_s"] > rows[1]["sync_s"]
+    # a spark round is one job: the floor its report names, measured in the same session
+    job_s = doc["empty_job_s"]
+    assert 0 < job_s < 5
+    assert f"an empty Spark job of the same tasks: {job_s:.3f} s" in " ".join(text.split())
     with (out / "sync.csv").open() as fh:
         assert [r["transport"] for r in csv.DictReader(fh)] == ["spark", "allreduce"]
     assert (out / "sync.png").read_bytes()[:4] == b"\x89PNG"
