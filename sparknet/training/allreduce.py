@@ -549,8 +549,9 @@ class _Rank:
         return EvalResult(loss, int(correct), int(correct5), int(count), int(skipped))
 
 
-#: pieces a host buffer is all-reduced in: each is divided while gloo sums the next
-_CHUNKS = 4
+#: a host buffer is all-reduced in up to this many pieces, each divided while gloo sums the
+#: next, of at least `_PIECE_MIN` floats (below that a piece's fixed cost outweighs the overlap)
+_PIECES, _PIECE_MIN = 4, 4 << 20
 
 
 def _mean(flat: torch.Tensor, world: int, compress: str, on: torch.device) -> torch.Tensor:
@@ -561,7 +562,8 @@ def _mean(flat: torch.Tensor, world: int, compress: str, on: torch.device) -> to
 
     wire = _WIRE[compress]
     if wire is None and on.type != "cuda":
-        pieces = [(piece, dist.all_reduce(piece, async_op=True)) for piece in flat.chunk(_CHUNKS)]
+        n = max(1, min(_PIECES, flat.numel() // _PIECE_MIN))
+        pieces = [(piece, dist.all_reduce(piece, async_op=True)) for piece in flat.chunk(n)]
         for piece, work in pieces:
             work.wait()
             piece.div_(world)
