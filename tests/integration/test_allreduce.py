@@ -148,3 +148,34 @@ def test_a_dataframe_with_allreduce_is_refused_before_spark_starts(tmp_path):
     with pytest.raises(SparknetError, match="not on DataFrames"):
         train(cfg)  # no session: one would be started after the checks
     assert not (tmp_path / "df").exists()
+
+
+def _mean_rank(rank: int, port: int, got) -> None:
+    """One rank of the test below: 2 plain gloo processes, pieces of at least 2 floats."""
+    import torch
+    import torch.distributed as dist
+
+    from sparknet.training import allreduce
+
+    allreduce._PIECE_MIN = 2
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        flat = torch.arange(10, dtype=torch.float32) * (rank + 1)
+        out = allreduce._mean(flat, 2, "none", torch.device("cpu"))
+        assert out is flat  # in place
+        got.put((rank, flat.tolist()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_mean_in_pieces_is_the_mean_of_the_whole_buffer():
+    """10 floats in pieces of 3, 3, 3 and 1, each all-reduced on gloo's threads and divided as
+    it arrives: every element is the exact mean, on both ranks."""
+    import torch.multiprocessing as mp
+
+    from sparknet.bench.gloo import _free_port
+
+    got = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_mean_rank, args=(_free_port(), got), nprocs=2, start_method="spawn")
+    means = dict(got.get() for _ in range(2))
+    assert means[0] == means[1] == [1.5 * i for i in range(10)]
