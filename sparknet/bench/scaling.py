@@ -148,14 +148,18 @@ def per_step(runs: Sequence[Measured]) -> float:
 
 
 def step_slope(runs: Sequence[Measured]) -> float:
-    """Seconds each further step adds to a round's compute: the least-squares slope of the
-    rounds' compute seconds against tau over `runs` (a round's compute also holds a part that
-    does not grow with tau: its first batch read, the data iterator set up), or compute over
-    steps where the runs share one tau."""
-    taus = [m.tau for m in runs for _ in m.compute_s]
-    if len(set(taus)) < 2:
-        return per_step(runs)
-    return statistics.linear_regression(taus, [c for m in runs for c in m.compute_s]).slope
+    """Seconds each further step adds to a round: the least-squares slope of the rounds'
+    seconds against tau over `runs`, the paper's model fitted to them (a round also holds
+    costs that do not grow with tau, some inside the workers' step timers: the first batch
+    read, the data iterator set up; under `spark` the weights' unpickling). Compute over
+    steps where the runs share one tau, or their taus are too close for the noise (a slope
+    not above zero)."""
+    taus = [m.tau for m in runs for _ in m.round_s]
+    if len(set(taus)) > 1:
+        slope = statistics.linear_regression(taus, [r for m in runs for r in m.round_s]).slope
+        if slope > 0:
+            return slope
+    return per_step(runs)
 
 
 def round_overhead(runs: Sequence[Measured], C: float) -> float:
@@ -270,9 +274,9 @@ def model_notes(costs: Costs, cores: int, measured_ks: Sequence[int], rounds: in
     ks = ", ".join(map(str, measured_ks))
     by_k = ", ".join(f"K={k} {v * 1e3:.1f} ms" for k, v in sorted(costs.S_by_k.items()))
     return [
-        f"C = {costs.C * 1e3:.3f} ms per step: what one more step adds to a round's compute "
-        f"(the slope over tau) in the K=1 runs ({MODEL} on {DATA}, batch {BATCH}, one of "
-        f"{cores} cores per worker, as at every measured K)",
+        f"C = {costs.C * 1e3:.3f} ms per step: what one more step adds to a round (the slope "
+        f"of round seconds over tau) in the K=1 runs ({MODEL} on {DATA}, batch {BATCH}, one "
+        f"of {cores} cores per worker, as at every measured K)",
         f"S = {costs.S * 1e3:.1f} ms per round: the mean of a round less tau x C (the sync: "
         f"broadcast, load, send back, average; and a round's fixed overhead) over the "
         f"K={costs.S_workers} runs; at each measured K its own runs' ({by_k}); taken as the "

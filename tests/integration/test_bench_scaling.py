@@ -71,7 +71,7 @@ def test_writes_json_csv_and_plot_with_positive_figures(scaling):
 
 def test_prediction_is_the_papers_model_of_the_recorded_costs(scaling):
     """predicted_s = rounds x (tau x C + S) with the C and S the report records, and those are
-    the ones its measured rounds give (C: the slope of K=1's round compute over tau; S at a
+    the ones its measured rounds give (C: the slope of K=1's round seconds over tau; S at a
     measured K: the mean of its rounds less tau x C; beyond, the largest measured K's)."""
     out, _text = scaling
     doc = json.loads((out / "scaling.json").read_text())
@@ -87,9 +87,9 @@ def test_prediction_is_the_papers_model_of_the_recorded_costs(scaling):
         assert row["speedup_naive"] == pytest.approx(serial / (k * tau * (c / k + sync)))
     runs = {(m["workers"], m["tau"]): m for m in doc["measured"]}
     single = [runs[(1, t)] for t in TAUS]
-    taus = [m["tau"] for m in single for _ in m["compute_s"]]
-    computes = [x for m in single for x in m["compute_s"]]
-    assert c == pytest.approx(statistics.linear_regression(taus, computes).slope)
+    taus = [m["tau"] for m in single for _ in m["seconds"]]
+    totals = [s["total"] for m in single for s in m["seconds"]]
+    assert c == pytest.approx(statistics.linear_regression(taus, totals).slope)
     for k in FIT:
         rounds = [(t, s["total"]) for t in TAUS for s in runs[(k, t)]["seconds"]]
         assert by_k[k] == pytest.approx(statistics.fmean(r - t * c for t, r in rounds))
