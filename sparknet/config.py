@@ -9,6 +9,7 @@ key=value`, then explicit flags. Values from text (env, `--set`) are parsed as Y
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -255,7 +256,13 @@ def load_datasets(config_file: Path | None) -> dict[str, DatasetEntry]:
     return out
 
 
+#: YAML 1.1 reads `5:1` as the base-60 integer 301; `--set fail_once=5:1` means the text
+_SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")
+
+
 def _parse_scalar(text: str) -> Any:
+    if _SEXAGESIMAL.fullmatch(text.strip()):
+        return text
     value = yaml.safe_load(text)
     return text if isinstance(value, (dict, list)) else value
 

@@ -156,3 +156,23 @@ def refused_digits() -> tuple[torch.utils.data.Dataset, TensorDataset]:
     """The digits, but a worker's first batch raises SparknetError."""
     train, test = digits()
     return _RefusedAfterFirst(train), test
+
+
+class _EmaNet(torch.nn.Module):
+    """A linear classifier on inputs centred by their running mean, a float buffer that
+    forward() reassigns (a new tensor each step) rather than updates in place."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, num_classes)
+        self.register_buffer("center", torch.zeros(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        if self.training:
+            self.center = 0.9 * self.center + 0.1 * x.mean(0).detach()
+        return self.lin(x - self.center)
+
+
+def ema_net(num_classes: int = 10) -> torch.nn.Module:
+    return _EmaNet(num_classes)

@@ -92,6 +92,8 @@ class Costs:
     S_workers: int
     #: S at each measured K, from that K's own runs (K=1 pays no sync, only a round's overhead)
     S_by_k: dict[int, float]
+    #: C is the slope over tau (else compute over steps: one tau, or a slope lost in noise)
+    C_is_slope: bool = True
 
     def S_at(self, workers: int) -> float:
         return self.S_by_k.get(workers, self.S)
@@ -147,19 +149,18 @@ def per_step(runs: Sequence[Measured]) -> float:
     return sum(sum(m.compute_s) for m in runs) / sum(m.tau * len(m.rows) for m in runs)
 
 
-def step_slope(runs: Sequence[Measured]) -> float:
+def step_slope(runs: Sequence[Measured]) -> float | None:
     """Seconds each further step adds to a round: the least-squares slope of the rounds'
     seconds against tau over `runs`, the paper's model fitted to them (a round also holds
     costs that do not grow with tau, some inside the workers' step timers: the first batch
-    read, the data iterator set up; under `spark` the weights' unpickling). Compute over
-    steps where the runs share one tau, or their taus are too close for the noise (a slope
-    not above zero)."""
+    read, the data iterator set up; under `spark` the weights' unpickling). None where the
+    runs share one tau, or their taus are too close for the noise (a slope not above zero)."""
     taus = [m.tau for m in runs for _ in m.round_s]
     if len(set(taus)) > 1:
         slope = statistics.linear_regression(taus, [r for m in runs for r in m.round_s]).slope
         if slope > 0:
             return slope
-    return per_step(runs)
+    return None
 
 
 def round_overhead(runs: Sequence[Measured], C: float) -> float:
@@ -171,11 +172,13 @@ def round_overhead(runs: Sequence[Measured], C: float) -> float:
 def measure_costs(runs: Sequence[Measured]) -> Costs:
     """C from the runs with one worker (`step_slope`); S at each measured K from its own
     runs (`round_overhead`), and for the K not measured the largest measured K's (2 here)."""
-    C = step_slope([m for m in runs if m.workers == 1])
+    single = [m for m in runs if m.workers == 1]
+    slope = step_slope(single)
+    C = slope if slope is not None else per_step(single)
     ks = sorted({m.workers for m in runs})
     by_k = {k: round_overhead([m for m in runs if m.workers == k], C) for k in ks}
     k = ks[-1]
-    return Costs(C, by_k[k], k, by_k)
+    return Costs(C, by_k[k], k, by_k, C_is_slope=slope is not None)
 
 
 def grid(
@@ -266,6 +269,12 @@ def check_notes(rows: Iterable[dict[str, Any]]) -> list[str]:
         f"{len(checked) - len(missed)} of {len(checked)} measured settings"
         + (f"; missed for {', '.join(missed)}" if missed else "")
     )
+    if len({r["tau"] for r in checked}) < 3:
+        lines.append(
+            "with fewer than 3 taus the K=1 checks hold by construction (C and S are fitted "
+            "to the same runs, a line through at most two points): pass 3 or more to test "
+            "the model"
+        )
     return lines
 
 
@@ -274,9 +283,15 @@ def model_notes(costs: Costs, cores: int, measured_ks: Sequence[int], rounds: in
     ks = ", ".join(map(str, measured_ks))
     by_k = ", ".join(f"K={k} {v * 1e3:.1f} ms" for k, v in sorted(costs.S_by_k.items()))
     return [
-        f"C = {costs.C * 1e3:.3f} ms per step: what one more step adds to a round (the slope "
-        f"of round seconds over tau) in the K=1 runs ({MODEL} on {DATA}, batch {BATCH}, one "
-        f"of {cores} cores per worker, as at every measured K)",
+        f"C = {costs.C * 1e3:.3f} ms per step: "
+        + (
+            "what one more step adds to a round (the slope of round seconds over tau)"
+            if costs.C_is_slope
+            else "compute seconds over steps (no slope over tau: one tau, or taus too close "
+            "for the noise)"
+        )
+        + f" in the K=1 runs ({MODEL} on {DATA}, batch {BATCH}, one of {cores} cores per "
+        "worker, as at every measured K)",
         f"S = {costs.S * 1e3:.1f} ms per round: the mean of a round less tau x C (the sync: "
         f"broadcast, load, send back, average; and a round's fixed overhead) over the "
         f"K={costs.S_workers} runs; at each measured K its own runs' ({by_k}); taken as the "

@@ -31,22 +31,36 @@ OutOption = typer.Option(Path("bench"), "--out", help="dir for the JSON, CSV and
 
 def _ints(text: str, what: str) -> list[int]:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in text.split(",")]
     except ValueError:
         raise SparknetError(f"{what} takes whole numbers, comma-separated, got {text!r}") from None
-    if not values or min(values) < 1:
+    if min(values) < 1:
         raise SparknetError(f"{what} takes numbers >= 1, got {text!r}")
-    return values
+    return _once(values, what)
 
 
 def _floats(text: str, what: str) -> list[float]:
     try:
-        values = [float(v) for v in text.split(",") if v.strip()]
+        values = [float(v) for v in text.split(",")]
     except ValueError:
         raise SparknetError(f"{what} takes numbers separated by commas, got {text!r}") from None
-    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+    if not all(math.isfinite(v) and v > 0 for v in values):
         raise SparknetError(f"{what} takes numbers > 0, got {text!r}")
+    return _once(values, what)
+
+
+def _once(values: list, what: str) -> list:
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise SparknetError(f"{what} lists {', '.join(f'{v:g}' for v in twice)} more than once")
     return values
+
+
+def _at_least(value: int, low: int, what: str) -> int:
+    """A count option checked like the others (typer's own check prints a usage box)."""
+    if value < low:
+        raise SparknetError(f"{what} takes a whole number >= {low}, got {value}")
+    return value
 
 
 def _out_dir(out: Path) -> Path:
@@ -65,11 +79,10 @@ def _out_dir(out: Path) -> Path:
 
 
 def _names(text: str, what: str, allowed: tuple[str, ...]) -> list[str]:
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in values if v not in allowed]
-    if not values or bad:
+    values = [v.strip() for v in text.split(",")]
+    if [v for v in values if v not in allowed]:
         raise SparknetError(f"{what} takes any of {', '.join(allowed)}, got {text!r}") from None
-    return values
+    return _once(values, what)
 
 
 def _one(text: str, what: str, allowed: tuple[str, ...]) -> str:
@@ -123,8 +136,8 @@ def _run(make, debug: bool) -> None:
 @bench_app.command("sync")
 def sync(
     sizes_mb: str = typer.Option("1,10,100", help="model sizes in MB, comma-separated"),
-    workers: int = typer.Option(2, min=2, help="K: workers synchronizing"),
-    rounds: int = typer.Option(5, min=1, help="rounds timed per size and transport"),
+    workers: int = typer.Option(2, help="K: workers synchronizing (>= 2)"),
+    rounds: int = typer.Option(5, help="rounds timed per size and transport"),
     transports: str = typer.Option("spark,allreduce", help="spark, allreduce or both"),
     out: Path = OutOption,
     debug: bool = DebugOption,
@@ -136,8 +149,8 @@ def sync(
     def make():
         return bench.run(
             sizes_mb=_floats(sizes_mb, "--sizes-mb"),
-            workers=workers,
-            rounds=rounds,
+            workers=_at_least(workers, 2, "--workers"),
+            rounds=_at_least(rounds, 1, "--rounds"),
             transports=_names(transports, "--transports", ("spark", "allreduce")),
             out=_out_dir(out),
             on_status=console.print,
@@ -149,8 +162,8 @@ def sync(
 @bench_app.command("scaling")
 def scaling(
     tau: str = typer.Option("1,5,20,50", help="tau values to predict for, comma-separated"),
-    max_workers: int = typer.Option(32, min=1, help="predict for K = 1 .. this"),
-    rounds: int = typer.Option(10, min=1, help="rounds of each measured run"),
+    max_workers: int = typer.Option(32, help="predict for K = 1 .. this"),
+    rounds: int = typer.Option(10, help="rounds of each measured run"),
     transport: str = typer.Option(
         "allreduce", help="the transport whose S is measured: spark or allreduce"
     ),
@@ -164,8 +177,8 @@ def scaling(
     def make():
         return bench.run(
             taus=_ints(tau, "--tau"),
-            max_workers=max_workers,
-            rounds=rounds,
+            max_workers=_at_least(max_workers, 1, "--max-workers"),
+            rounds=_at_least(rounds, 1, "--rounds"),
             transport=_one(transport, "--transport", ("spark", "allreduce")),
             out=_out_dir(out),
             on_status=console.print,
@@ -180,7 +193,7 @@ def convergence(
     workers: str = typer.Option("1,2,4,8", help="K values (simulated workers on local Spark)"),
     tau: str = typer.Option("1,5,20,50", help="tau values"),
     outer: str = typer.Option("average,nesterov", help="outer optimizers to compare"),
-    max_rounds: int = typer.Option(60, min=1, help="give up on a setting after this many"),
+    max_rounds: int = typer.Option(60, help="give up on a setting after this many"),
     out: Path = OutOption,
     debug: bool = DebugOption,
 ) -> None:
@@ -194,7 +207,7 @@ def convergence(
             workers=_ints(workers, "--workers"),
             taus=_ints(tau, "--tau"),
             outers=_names(outer, "--outer", ("average", "nesterov")),
-            max_rounds=max_rounds,
+            max_rounds=_at_least(max_rounds, 1, "--max-rounds"),
             out=_out_dir(out),
             on_status=console.print,
         )

@@ -328,6 +328,7 @@ def _start(
         if own_session:
             status("starting Spark")
             spark = start_session(cfg.master, cfg.workers, cfg.spark_conf, cfg.gpus_per_worker)
+        cfg = _resolve_transport(cfg, spark, frames is not None, run.on_s3)  # refusals first
         status("starting Python workers")
         data = None if frames is not None or cfg.data in (datasets or {}) else cfg.data
         check_python_workers(spark, cfg.workers, user_modules(cfg.model, data))
@@ -336,7 +337,6 @@ def _start(
             accepted = _accepted(_effective(changes[0], problem), run, changes[1])
             begin = _initial_state(cfg, problem, run, resume)
             begin.changes = accepted
-        cfg = _resolve_transport(cfg, spark, placed is not None, run.on_s3)
         warn = _warner(on_warning)
         on_row = _with_warnings(on_round, warn, begin, cfg.workers * cfg.tau)
         result = _run(cfg, problem, begin, run, lock, spark, own_session, placed, on_row, warn)

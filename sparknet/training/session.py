@@ -12,6 +12,7 @@ import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from py4j.protocol import Py4JError
 from pyspark.errors import PySparkException
@@ -192,9 +193,27 @@ def start_session(
         except (PySparkException, Py4JError) as exc:
             raise SparknetError(_start_failure(master, conf or {}, exc, jvm_stderr)) from exc
         session.sparkContext.setLogLevel("FATAL")  # failures reach the user as SparknetError
+    _quiet_accumulator_server(session.sparkContext)
     jvm_stderr.release(show=True)
     _JVM_STDERR[session] = jvm_stderr
     return session
+
+
+def _quiet_accumulator_server(sc) -> None:
+    """PySpark's accumulator server prints a traceback (socketserver's `handle_error`) when the
+    JVM's connection ends in the middle of an update: a JVM killed with the CLI, by a signal to
+    the whole process group (a CI job's timeout, a service manager's stop). The user gets the
+    one `error: interrupted` line; any other error in the server still prints."""
+    server = getattr(sc, "_accumulatorServer", None)
+    if server is None:
+        return
+    loud = server.handle_error
+
+    def handle_error(request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], EOFError | ConnectionError):
+            loud(request, client_address)
+
+    server.handle_error = handle_error
 
 
 def _start_failure(

@@ -62,28 +62,39 @@ class StateLayout:
         names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         return cls.of(model.state_dict(), names)
 
-    def bind(self, model: torch.nn.Module) -> torch.Tensor | None:
+    def bind(
+        self, model: torch.nn.Module, flat: torch.Tensor | None = None, *, take: bool = True
+    ) -> torch.Tensor | None:
         """One flat float32 host buffer holding the model's float entries in layout order, with
         every parameter and float buffer made a view of it (a Parameter keeps its identity, so
         an optimizer holding it goes on working). An all-reduce of the buffer then averages the
         model in place: no weights are loaded and no update is written, each a pass over the
         whole model. None where the state cannot be viewed so: an entry off the host, not
-        float32, not contiguous (channels-last), or shared by two names (tied weights)."""
+        float32, not contiguous (channels-last), or shared by two names (tied weights).
+
+        With `flat`, a buffer the model was bound to: the entries that have left it are bound
+        again (a forward() that reassigns a buffer, `self.ema = 0.9 * self.ema + ...`, leaves
+        its new tensor outside), their values taken into it when `take` (after training, the
+        model holds the truth) or dropped (before, the buffer holds the round's weights)."""
         state = model.state_dict(keep_vars=True)
         floats = [e for e in self.entries if e.offset >= 0]
         tensors = [state[e.name] for e in floats]
-        if any(
-            t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
-            for t in tensors
-        ):
-            return None
-        held = [t.data_ptr() for t in tensors if t.numel()]
-        if len(set(held)) != len(held):
-            return None
-        flat = torch.empty(self.size, dtype=torch.float32)
+        if flat is None:
+            if any(
+                t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
+                for t in tensors
+            ):
+                return None
+            held = [t.data_ptr() for t in tensors if t.numel()]
+            if len(set(held)) != len(held):
+                return None
+            flat = torch.empty(self.size, dtype=torch.float32)
         for e, t in zip(floats, tensors, strict=True):
             view = flat[e.offset : e.offset + e.numel].view(e.shape)
-            view.copy_(t.detach())
+            if t.data_ptr() == view.data_ptr() and t.shape == view.shape:
+                continue  # still bound
+            if take:
+                view.copy_(t.detach())
             owner, _, leaf = e.name.rpartition(".")
             module = model.get_submodule(owner)
             if leaf in module._parameters:

@@ -150,6 +150,8 @@ def _bound_weights(
         weights = task.layout.bind(model)
         if weights is None:
             return None
+    else:  # an evaluation's forward() may have reassigned a buffer: the buffer holds theta
+        task.layout.bind(model, weights, take=False)
     if theta.ctypes.data != weights.data_ptr():
         weights.copy_(torch.from_numpy(theta))
     state = model.state_dict()
@@ -473,6 +475,7 @@ def _train(
     state = model.state_dict()
     if live is not None and live.weights is not None:
         delta = None  # the weights themselves are averaged
+        task.layout.bind(model, live.weights)  # a buffer forward() reassigned comes back in
         low, high = torch.aminmax(live.weights)  # one pass, no array of flags; NaN propagates
         finite = bool(low.isfinite() and high.isfinite())
     else:

@@ -72,6 +72,19 @@ def test_a_compressed_update_trains_close_to_the_full_one(spark, tmp_path):
         assert_state_close(got, want, rtol=0.05, atol=2e-3)
 
 
+def test_a_buffer_that_forward_reassigns_is_averaged_too(spark, tmp_path):
+    """Plain averaging all-reduces the weights in the buffer the model's tensors view; a
+    forward() that reassigns a float buffer (`self.center = 0.9 * self.center + ...`) leaves
+    that buffer with a new tensor, which must come back in: both transports agree."""
+    for transport in ("spark", "allreduce"):
+        settings = {**SETTINGS, "model": "tests.helpers:ema_net"}
+        cfg = TrainConfig(out=tmp_path / transport, transport=transport, rounds=3, **settings)
+        train(cfg, spark=spark)
+    want = load_run_model(tmp_path / "spark")
+    assert want["center"].abs().sum() > 0.5
+    assert_state_close(load_run_model(tmp_path / "allreduce"), want)
+
+
 def test_auto_is_spark_on_a_local_master(spark, tmp_path):
     cfg = TrainConfig(out=tmp_path / "auto", rounds=1, **SETTINGS)
     assert cfg.transport == "auto"
@@ -83,8 +96,10 @@ def test_a_stage_that_does_not_fit_is_refused_before_training(spark, tmp_path):
     cfg = TrainConfig(
         out=tmp_path / "big", transport="allreduce", rounds=1, **{**SETTINGS, "workers": 3}
     )
+    said: list[str] = []
     with pytest.raises(SparknetError, match=r"2 task slot\(s\) for 3 workers"):
-        train(cfg, spark=spark)
+        train(cfg, spark=spark, on_status=said.append)
+    assert "starting Python workers" not in said  # refused before any job runs
     assert not (tmp_path / "big/model.safetensors").exists()
     assert not (tmp_path / "big/checkpoints").exists() or not any(
         (tmp_path / "big/checkpoints").iterdir()

@@ -98,6 +98,7 @@ def _check_row(row: dict, curves: dict) -> None:
     [
         (("--tau", "0"), "--tau takes numbers >= 1"),
         (("--data", "nope"), "--data takes any of digits, imagenet-like"),
+        (("--max-rounds", "0"), "--max-rounds takes a whole number >= 1, got 0"),
     ],
 )
 def test_bad_option_is_one_line_and_exit_2(tmp_path, args, says):

@@ -67,6 +67,8 @@ def test_writes_json_csv_and_plot_with_positive_figures(scaling):
         table = list(csv.DictReader(fh))
     assert [float(r["predicted_s"]) for r in table] == [r["predicted_s"] for r in rows]
     assert flat("goal (prediction within 15% of measured wall time): met for") in flat(text)
+    # two taus: a line through two points fits K=1 exactly, and the report says so
+    assert flat("with fewer than 3 taus the K=1 checks hold by construction") in flat(text)
 
 
 def test_prediction_is_the_papers_model_of_the_recorded_costs(scaling):

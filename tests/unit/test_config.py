@@ -18,6 +18,21 @@ def test_sources_override_in_order(tmp_path: Path):
     assert (cfg.tau, cfg.lr, cfg.rounds, cfg.seed, cfg.master) == (7, 0.3, 9, 11, "local[4]")
 
 
+def test_a_set_value_with_colons_stays_text_not_a_base_60_number():
+    """YAML 1.1 reads `5:1` as 301; `--set fail_once=5:1` and its variable mean the text."""
+    cfg = load_train_config(
+        config_file=None,
+        environ={"SPARKNET_TRAIN_FAIL_ONCE": "2:0"},
+        sets=["fail_once=5:1", "lr=0.5"],
+        flags={},
+    )
+    assert cfg.fail_once == "5:1" and cfg.lr == 0.5
+    env_only = load_train_config(
+        config_file=None, environ={"SPARKNET_TRAIN_FAIL_ONCE": "2:0"}, sets=[], flags={}
+    )
+    assert env_only.fail_once == "2:0"
+
+
 def test_nesterov_gets_diloco_defaults_and_average_is_plain_mean():
     assert (
         TrainConfig(outer="nesterov").outer_lr,

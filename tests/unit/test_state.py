@@ -118,3 +118,25 @@ def test_bind_refuses_what_cannot_be_one_buffer():
     tied[1].weight = tied[0].weight
     assert StateLayout.of_model(tied).bind(tied) is None
     assert tied[1].weight is tied[0].weight
+
+
+def test_bind_again_brings_back_a_reassigned_buffer_taking_or_dropping_its_value():
+    """A forward() that reassigns a buffer leaves a tensor outside the flat buffer: binding
+    again makes it a view once more, with its own value (after training) or the buffer's
+    (before a round, when the buffer holds the averaged weights)."""
+    model = cnn((1, 8, 8), 10)
+    layout = StateLayout.of_model(model)
+    flat = layout.bind(model)
+    bn = model.get_submodule("1")
+    for take, want in ((True, 7.0), (False, 0.0)):
+        flat.zero_()
+        bn.running_mean = torch.full_like(bn.running_mean, 7.0)  # a new tensor, not a view
+        assert layout.bind(model, flat, take=take) is flat
+        assert bn.running_mean.data_ptr() == flat.data_ptr() + 4 * _offset(layout, "1.running_mean")
+        assert (bn.running_mean == want).all()
+        bn.running_mean.add_(1.0)  # a view again: what the model writes is in the buffer
+        assert np.array_equal(flat.numpy(), layout.flatten(model.state_dict()))
+
+
+def _offset(layout: StateLayout, name: str) -> int:
+    return next(e.offset for e in layout.entries if e.name == name)
