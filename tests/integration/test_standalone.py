@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from pyspark import TaskContext
 from torch import nn
 
@@ -46,7 +47,10 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def test_kept_inner_state_stays_with_its_partition_and_runs_are_bit_identical(standalone, tmp_path):
-    local = sparknet(*RUN, "--master", "local[2]", "--out", str(tmp_path / "local"))
+    # `auto` takes allreduce on the cluster; the local run takes it too, to compare bits
+    local = sparknet(
+        *RUN, "--master", "local[2]", "--transport", "allreduce", "--out", str(tmp_path / "local")
+    )
     for name in ("a", "b"):  # one app at a time: the first takes every core of the cluster
         finish(sparknet(*RUN, "--master", standalone.master, "--out", str(tmp_path / name)))
     finish(local)
@@ -57,6 +61,8 @@ def test_kept_inner_state_stays_with_its_partition_and_runs_are_bit_identical(st
     # the executors in every round's row on a cluster, none lost or joined; none on local[2]
     assert {(r["executors"], "executors_lost" in r) for r in rows(tmp_path / "a")} == {(2, False)}
     assert not any("executors" in r for r in rows(tmp_path / "local"))
+    assert {yaml.safe_load((tmp_path / n / "config.yaml").read_text())["train"]["transport"]
+            for n in ("a", "b", "local")} == {"allreduce"}  # fmt: skip
     model = (tmp_path / "a" / "model.safetensors").read_bytes()
     assert (tmp_path / "b" / "model.safetensors").read_bytes() == model
     assert (tmp_path / "local" / "model.safetensors").read_bytes() == model
