@@ -456,6 +456,7 @@ def _report(plan: Plan, here: Machine, measured: dict[tuple[int, int], Measured]
         ],
         extra={
             "C_s": costs.C,
+            "C_is_slope": costs.C_is_slope,
             "S_s": costs.S,
             "S_workers": costs.S_workers,
             "S_by_k": {str(k): v for k, v in costs.S_by_k.items()},

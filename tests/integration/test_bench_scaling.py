@@ -91,7 +91,13 @@ def test_prediction_is_the_papers_model_of_the_recorded_costs(scaling):
     single = [runs[(1, t)] for t in TAUS]
     taus = [m["tau"] for m in single for _ in m["seconds"]]
     totals = [s["total"] for m in single for s in m["seconds"]]
-    assert c == pytest.approx(statistics.linear_regression(taus, totals).slope)
+    slope = statistics.linear_regression(taus, totals).slope
+    assert doc["C_is_slope"] == (slope > 0)
+    if slope > 0:
+        assert c == pytest.approx(slope)
+    else:  # two taus this close are lost in noise: compute over steps, and the report says so
+        steps = sum(m["tau"] * len(m["compute_s"]) for m in single)
+        assert c == pytest.approx(sum(sum(m["compute_s"]) for m in single) / steps)
     for k in FIT:
         rounds = [(t, s["total"]) for t in TAUS for s in runs[(k, t)]["seconds"]]
         assert by_k[k] == pytest.approx(statistics.fmean(r - t * c for t, r in rounds))
