@@ -86,14 +86,19 @@ class Costs:
     """The model's inputs: C (s per step, one worker) and S (s per round besides the steps)."""
 
     C: float
-    #: S for the K not measured here: the largest measured K's (2 on two cores; see `notes`)
-    S: float
-    #: the K whose runs gave `S`
-    S_workers: int
     #: S at each measured K, from that K's own runs (K=1 pays no sync, only a round's overhead)
     S_by_k: dict[int, float]
     #: C is the slope over tau (else compute over steps: one tau, or a slope lost in noise)
     C_is_slope: bool = True
+
+    @property
+    def S_workers(self) -> int:
+        """The K whose S stands for every K not measured: the largest measured (2 on 2 cores)."""
+        return max(self.S_by_k)
+
+    @property
+    def S(self) -> float:
+        return self.S_by_k[self.S_workers]
 
     def S_at(self, workers: int) -> float:
         return self.S_by_k.get(workers, self.S)
@@ -177,8 +182,7 @@ def measure_costs(runs: Sequence[Measured]) -> Costs:
     C = slope if slope is not None else per_step(single)
     ks = sorted({m.workers for m in runs})
     by_k = {k: round_overhead([m for m in runs if m.workers == k], C) for k in ks}
-    k = ks[-1]
-    return Costs(C, by_k[k], k, by_k, C_is_slope=slope is not None)
+    return Costs(C, by_k, C_is_slope=slope is not None)
 
 
 def grid(
