@@ -20,7 +20,7 @@ from typing import Any
 
 from sparknet.cluster import nodes
 from sparknet.cluster.daemons import Autostop, Master, Worker
-from sparknet.cluster.health import ClusterHealth, Expected, cluster_health
+from sparknet.cluster.health import ClusterHealth, Expected, cluster_health, master_json
 from sparknet.cluster.nodes import Access, Endpoint
 from sparknet.cluster.plan import (
     FACTS,
@@ -169,13 +169,18 @@ def bootstrap(
     say: Say = _quiet,
     timeout: float = 3600,
     health_wait_s: float = 120,
+    force: bool = False,
 ) -> BootstrapReport:
     """Bring `plan`'s nodes to a running, healthy Spark standalone cluster; what was done.
 
     Two rounds over all nodes at once: the install and conf steps (and the master on the master
     node), then the workers, so no worker starts before its master listens. Then the health
     check, which waits up to `health_wait_s` for every worker to register. The master's
-    autostop timer, when the plan has one, starts after its worker."""
+    autostop timer, when the plan has one, starts after its worker. Unless `force`, a
+    bootstrap that would restart the master (or a running worker) under a running job is
+    refused first (`check_jobs_unharmed`), before anything changes."""
+    if not force:
+        check_jobs_unharmed(plan, access)
 
     def prepare(ctx: Context) -> list[Step]:
         steps: list[Step] = [cls(ctx) for cls in PREPARE]
@@ -205,6 +210,71 @@ def bootstrap(
             )
         )
     return BootstrapReport(reports, health)
+
+
+# --- a job on the cluster -------------------------------------------------------------------------
+
+
+class JobRunning(SparknetError):
+    """A bootstrap would start or restart the Spark master, or restart a running worker, while
+    a job runs on the cluster."""
+
+
+def check_jobs_unharmed(plan: Plan, access: Access) -> None:
+    """Refuse (`JobRunning`, one line) a bootstrap that would start or restart the Spark
+    master, or restart a running worker, while a job runs on the cluster: a new master has
+    the workers kill the executors of every application it does not know (the job's driver
+    then waits for executors that never come), and a restarted worker kills its own. A job is
+    a sparknet-submit job whose session is alive on the master (what `cluster down` ends), or
+    an application the master lists as running. Starting a worker that does not run harms
+    nothing: a repair does that while its job runs."""
+    conn = nodes.connect(plan.master.endpoint, access)
+    try:
+        jobs = [f"job {run_id}" for run_id in running_jobs(conn, plan.master)]
+        jobs = jobs or [f"application {app}" for app in _active_apps(conn, plan)]
+    finally:
+        conn.close()
+    if not jobs:
+        return
+    harm = _restarts(plan, access)
+    if harm:
+        more = f" (and {len(jobs) - 1} more)" if len(jobs) > 1 else ""
+        raise JobRunning(
+            f"{jobs[0]}{more} runs on the cluster, and this bootstrap would {'; '.join(harm)}: "
+            "its executors would be killed and the job would wait for them forever; wait for "
+            "it to end or cancel it, or bootstrap with --force to go on anyway"
+        )
+
+
+def _active_apps(conn: Conn, plan: Plan) -> list[str]:
+    """The ids of the applications the master lists as running; none where it does not answer
+    (a dead master knows of none)."""
+    try:
+        listed = master_json(conn, plan.ports.master_ui).get("activeapps", [])
+    except (CommandFailed, ValueError, AttributeError):
+        return []
+    return [str(app.get("id")) for app in listed if isinstance(app, dict)]
+
+
+def _restarts(plan: Plan, access: Access) -> list[str]:
+    """What the bootstrap would do to the daemons that harms a running job, per node: start
+    or restart the master, restart a running worker (a changed setting, a new version)."""
+
+    def harm(endpoint: Endpoint, conn: Conn) -> list[str]:
+        node = next(n for n in plan.nodes if n.name == endpoint.name)
+        ctx = Context(plan, node, gather_facts(conn, node))
+        out = []
+        master = Master(ctx)
+        if ctx.is_master and not master.check(conn):
+            verb = "restart" if master.running(conn) else "start a new"
+            out.append(f"{verb} Spark master on {node.name}")
+        worker = Worker(ctx)
+        if worker.running(conn) and not worker.check(conn):
+            out.append(f"restart the Spark worker on {node.name}")
+        return out
+
+    found = nodes.run_all([n.endpoint for n in plan.nodes], access, harm, timeout=300)
+    return [what for n in plan.nodes for what in found[n.name]]
 
 
 def _worker_logs(plan: Plan, access: Access, missing: Sequence[Node]) -> dict[str, list[str]]:
@@ -237,14 +307,34 @@ def stop_daemons(nodes_: Sequence[Node], access: Access, timeout: float = 120) -
     all it does to a static cluster's machines (the install, venv and wheel, stays for the next
     `up`, which writes the conf and units again). A node whose daemons would not stop is a
     NodesFailed naming it."""
+    nodes.run_all(
+        [n.endpoint for n in nodes_], access, lambda e, c: stop_on(nodes_, e.name, c), timeout
+    )
+
+
+def stop_on(nodes_: Sequence[Node], name: str, conn: Conn) -> None:
+    """`stop_node` on node `name` of the cluster's `nodes_`, over its open connection."""
     # stopping reads only the nodes' paths and facts from a plan: no wheel, no secret
     plan = Plan(tuple(nodes_), Wheel(Path("unused.whl"), "", ""), "")
+    node = next(n for n in plan.nodes if n.name == name)
+    stop_node(Context(plan, node, parse_facts(run(conn, FACTS), node.prefix)), conn)
 
-    def stop(endpoint: Endpoint, conn: Conn) -> None:
-        node = next(n for n in plan.nodes if n.name == endpoint.name)
-        stop_node(Context(plan, node, parse_facts(run(conn, FACTS), node.prefix)), conn)
 
-    nodes.run_all([n.endpoint for n in plan.nodes], access, stop, timeout)
+def _each_live_job(node: Node, action: str) -> str:
+    """The shell loop that runs `action` (with `$d` the job dir, `$p` its session) for every
+    sparknet-submit job on `node` whose process session is still alive."""
+    jobs = q(node.path(JOBS_DIR))
+    return (
+        f'for d in {jobs}/*/; do p=$(cat "${{d}}{JOB_PID}" 2>/dev/null) || continue; '
+        f'kill -0 -- "-$p" 2>/dev/null || continue; {action}; done; true'
+    )
+
+
+def running_jobs(conn: Conn, node: Node) -> list[str]:
+    """The run ids of the sparknet-submit jobs whose session is alive on `node` (the master:
+    where `cluster down` finds the jobs it ends, `end_jobs`)."""
+    out = run(conn, _each_live_job(node, 'basename "$d"'))
+    return sorted(line.strip() for line in out.splitlines() if line.strip())
 
 
 def end_jobs(node: Node, conn: Conn) -> None:
@@ -252,13 +342,8 @@ def end_jobs(node: Node, conn: Conn) -> None:
     to its supervisor's process group: the driver and its Spark driver JVM with it), marked as
     cancelled: without the daemons it could never finish, and on a static host, which stays
     up, nothing else would ever end it."""
-    jobs = q(node.path(JOBS_DIR))
-    run(
-        conn,
-        f'for d in {jobs}/*/; do p=$(cat "${{d}}{JOB_PID}" 2>/dev/null) || continue; '
-        f'kill -0 -- "-$p" 2>/dev/null || continue; touch "${{d}}{JOB_CANCELLED}"; '
-        f'kill -TERM -- "-$p" 2>/dev/null; done; true',
-    )
+    action = f'touch "${{d}}{JOB_CANCELLED}"; kill -TERM -- "-$p" 2>/dev/null'
+    run(conn, _each_live_job(node, action))
 
 
 def stop_node(ctx: Context, conn: Conn) -> None:

@@ -83,6 +83,12 @@ class Daemon(Step):
             )
         return succeeds(conn, f'{self._alive()} && [ "$(cat {q(self.stamp_file)})" = {stamp} ]')
 
+    def running(self, conn: Conn) -> bool:
+        """Whether the daemon runs now, whatever its command line and conf."""
+        if self.ctx.facts.systemd:
+            return succeeds(conn, f"systemctl is-active -q {q(self.unit)}")
+        return succeeds(conn, self._alive())
+
     def _alive(self) -> str:
         """A shell test: the pid file names a live process running this daemon of this prefix."""
         cmdline = '"/proc/$(cat ' + q(self.pid_file) + ')/cmdline"'

@@ -169,6 +169,49 @@ def remove_lock(name: str) -> None:
     _lock_path(name).unlink(missing_ok=True)
 
 
+#: the registry's own lock and its id, beside the entries (no cluster name begins with a dot)
+_REGISTRY_LOCK, _REGISTRY_ID = ".registry.lock", ".registry-id"
+
+
+@contextlib.contextmanager
+def registry_lock() -> Iterator[None]:
+    """Hold the whole registry's lock for the block (waiting for it): what checks the other
+    clusters' entries and then writes one (a static cluster's hosts against every other
+    static cluster's) holds it, so two `up`s of different names cannot both pass the check.
+    Held for milliseconds; released by the kernel however the holder exits."""
+    path = registry_dir() / _REGISTRY_LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def registry_id() -> str:
+    """This registry's id: random, made on first use and kept in the registry dir (one per
+    SPARKNET_HOME), so a static host's marker tells this registry's clusters from another
+    machine's (or another SPARKNET_HOME's) of the same name."""
+    path = registry_dir() / _REGISTRY_ID
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        for _ in range(50):  # another process made it a moment ago and may still be writing
+            text = path.read_text().strip()
+            if re.fullmatch(r"[0-9a-f]{16}", text):
+                return text
+            time.sleep(0.02)
+        raise SparknetError(
+            f"{path} does not hold a registry id (16 hex digits); remove it and run this again"
+        ) from None
+    made = secrets.token_hex(8)
+    with os.fdopen(fd, "w") as out:
+        out.write(made + "\n")
+    return made
+
+
 # --- the registry ------------------------------------------------------------------------------
 
 
@@ -426,6 +469,8 @@ def _bootstrap_after_up(
         report = _bootstrap_locked(spec, ec2, info.instances, say, carried)
     except KeyboardInterrupt as exc:
         raise Interrupted(f"interrupted during the bootstrap; {stay}") from exc
+    except boot.JobRunning:
+        raise  # refused before anything changed: nothing is incomplete
     except SparknetError as exc:
         first, *rest = str(exc).splitlines() or [type(exc).__name__]
         raise BootstrapIncomplete("\n".join([f"{first}; {stay}", *rest])) from exc
@@ -878,11 +923,16 @@ def carry_or_unlock(spec: ClusterSpec, wheel_dir: Path) -> Carried:
 
 
 def _bootstrap_locked(
-    spec: ClusterSpec, ec2: Any, found: list[Instance], say: Say, carried: Carried | None = None
+    spec: ClusterSpec,
+    ec2: Any,
+    found: list[Instance],
+    say: Say,
+    carried: Carried | None = None,
+    force: bool = False,
 ) -> boot.BootstrapReport:
     """The bootstrap of the cluster's `found` instances, under its lock."""
     access = _reach(spec, ec2, found)
-    return bootstrap_locked(spec, plan_nodes(spec, ec2, found), access, say, carried)
+    return bootstrap_locked(spec, plan_nodes(spec, ec2, found), access, say, carried, force)
 
 
 def bootstrap_locked(
@@ -891,10 +941,12 @@ def bootstrap_locked(
     access: nodes.Access,
     say: Say,
     carried: Carried | None = None,
+    force: bool = False,
 ) -> boot.BootstrapReport:
     """The bootstrap of the cluster's `planned` nodes (any provider's), under its lock:
     `carried` (else the wheel of this checkout and the cluster's secret, made on first use),
-    the spec's settings; `BootstrapIncomplete` when it fails."""
+    the spec's settings; `BootstrapIncomplete` when it fails. Unless `force`, `JobRunning`
+    (before anything changes) where it would restart the master under a running job."""
     settings = spec.bootstrap
     with tempfile.TemporaryDirectory(prefix="sparknet-wheel-") as wheel_dir:
         carried = carried or carry(spec, Path(wheel_dir))
@@ -906,7 +958,9 @@ def bootstrap_locked(
         )  # fmt: skip
         say(f"bootstrapping {len(plan.nodes)} nodes (sparknet {plan.wheel.version})")
         try:
-            return boot.bootstrap(plan, access, say=say)
+            return boot.bootstrap(plan, access, say=say, force=force)
+        except boot.JobRunning as exc:
+            raise boot.JobRunning(f"cluster {spec.name}: {exc}") from None
         except SparknetError as exc:  # a step failed, a node is unreachable, or not healthy
             raise BootstrapIncomplete(str(exc)) from exc
 
@@ -942,14 +996,19 @@ def autostop_status(
 
 
 def bootstrap_nodes(
-    spec: ClusterSpec, *, endpoint_url: str | None = None, say: Say = lambda _: None
+    spec: ClusterSpec,
+    *,
+    endpoint_url: str | None = None,
+    say: Say = lambda _: None,
+    force: bool = False,
 ) -> boot.BootstrapReport:
     """`sparknet cluster bootstrap`: the bootstrap again on the cluster's running instances
-    (idempotent: what is done is skipped), under the cluster's lock."""
+    (idempotent: what is done is skipped), under the cluster's lock; `JobRunning` where it
+    would restart the master under a running job, unless `force`."""
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     found = _live(ec2, spec)
     with cluster_lock(spec.name):
-        report = _bootstrap_locked(spec, ec2, found, say)
+        report = _bootstrap_locked(spec, ec2, found, say, force=force)
     say_report(report, say)
     return report
 

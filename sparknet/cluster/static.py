@@ -13,23 +13,30 @@ The registry entry is the cluster's only record (there are no tags to find it by
 it before it connects anywhere, so a `down` after any failure still finds every host to stop.
 Once a cluster is up, its registered hosts are the ones `status`, `ssh` and `down` act on,
 whatever the settings file says now: Spark runs there.
+
+A host may be reachable from several machines (several registries): each host carries a marker
+of the cluster that holds it (`markers.py`), taken under a lock on the host before anything
+runs there, so a second registry's `up` is refused instead of replacing the first's secret and
+daemons, and a `down` stops only what its own cluster holds.
 """
 
 from __future__ import annotations
 
 import getpass
 import shlex
+import socket
 import tempfile
+from datetime import datetime, timezone
 from pathlib import Path
 
 import paramiko
 
 from sparknet.cluster import bootstrap as boot
-from sparknet.cluster import lifecycle, nodes
+from sparknet.cluster import lifecycle, markers, nodes
 from sparknet.cluster.health import ClusterHealth, Expected, cluster_health
 from sparknet.cluster.nodes import Access, Endpoint
 from sparknet.cluster.plan import Node, laid_out
-from sparknet.cluster.remote import run
+from sparknet.cluster.remote import Conn, run
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
 
@@ -242,43 +249,77 @@ def _check_hosts(spec: ClusterSpec) -> None:
             )
 
 
-def up(spec: ClusterSpec, *, say: Say = lambda _: None, bootstrap: bool = True) -> list[Endpoint]:
+def up(
+    spec: ClusterSpec,
+    *,
+    say: Say = lambda _: None,
+    bootstrap: bool = True,
+    force: bool = False,
+) -> list[Endpoint]:
     """Register the static cluster and, with `bootstrap`, bring Spark up on its hosts (a healthy
     master and a worker on every host, as for EC2); its nodes.
 
     Everything that can fail without touching a host fails first: the hosts against the
     registry, the key file, each host's key in the trusted known_hosts, the wheel of this
-    checkout and the cluster's secret. The registry entry is written before any connection, so
-    a failed or interrupted bootstrap (`BootstrapIncomplete`, `Interrupted`) leaves the cluster
-    registered for `cluster bootstrap` to finish or `cluster down` to stop; nothing is billed
-    either way."""
+    checkout and the cluster's secret. The hosts are checked against the other static clusters
+    registered here and the entry written under the registry's lock (two `up`s of different
+    names at once cannot both pass). Then every host is taken (`markers`: a host another
+    cluster holds, of this registry or another machine's, is refused naming it, and nothing
+    runs anywhere) before the bootstrap. The registry entry stays from then on, so a failed or
+    interrupted bootstrap (`BootstrapIncomplete`, `Interrupted`) leaves the cluster registered
+    for `cluster bootstrap` to finish or `cluster down` to stop; nothing is billed either way.
+    Unless `force`, a bootstrap that would restart the master under a running job is refused
+    (`bootstrap.JobRunning`)."""
     _check_not_ec2(spec)
     _check_hosts(spec)
     reach = access(spec)
     found = endpoints(spec)
-    with lifecycle.cluster_lock(spec.name):
-        if not bootstrap:
-            lifecycle.save_entry(spec, None)
-            return found
-        with tempfile.TemporaryDirectory(prefix="sparknet-wheel-") as tmp:
-            carried = lifecycle.carry_or_unlock(spec, Path(tmp))
-            lifecycle.save_entry(spec, None)
-            say(f"static cluster {spec.name}: {len(found)} hosts")
-            stay = (
-                f"`sparknet cluster bootstrap {spec.name}` finishes it, `sparknet cluster down "
-                f"{spec.name}` stops what started"
+    with (
+        lifecycle.cluster_lock(spec.name),
+        tempfile.TemporaryDirectory(prefix="sparknet-wheel-") as tmp,
+    ):
+        had_entry = registered_spec(spec.name) is not None
+        try:
+            with lifecycle.registry_lock():  # again: another `up` may have registered since
+                _check_not_ec2(spec)
+                _check_hosts(spec)
+                lifecycle.save_entry(spec, None)
+            if not bootstrap:
+                return found
+            carried = lifecycle.carry(spec, Path(tmp))
+            markers.take_all(_nodes(spec), reach, holder(spec.name))
+        except BaseException:
+            if not had_entry:  # nothing ran on any host: as if this `up` never was
+                lifecycle.forget_entry(spec.name, spec.region)
+                lifecycle.remove_lock(spec.name)
+            raise
+        say(f"static cluster {spec.name}: {len(found)} hosts")
+        stay = (
+            f"`sparknet cluster bootstrap {spec.name}` finishes it, `sparknet cluster down "
+            f"{spec.name}` stops what started"
+        )
+        try:
+            report = lifecycle.bootstrap_locked(
+                spec, plan_nodes(spec, reach), reach, say, carried, force
             )
-            try:
-                report = lifecycle.bootstrap_locked(
-                    spec, plan_nodes(spec, reach), reach, say, carried
-                )
-            except KeyboardInterrupt as exc:
-                raise lifecycle.Interrupted(f"interrupted during the bootstrap; {stay}") from exc
-            except SparknetError as exc:
-                first, *rest = str(exc).splitlines() or [type(exc).__name__]
-                raise lifecycle.BootstrapIncomplete("\n".join([f"{first}; {stay}", *rest])) from exc
+        except KeyboardInterrupt as exc:
+            raise lifecycle.Interrupted(f"interrupted during the bootstrap; {stay}") from exc
+        except boot.JobRunning:
+            raise  # refused before anything changed
+        except SparknetError as exc:
+            first, *rest = str(exc).splitlines() or [type(exc).__name__]
+            raise lifecycle.BootstrapIncomplete("\n".join([f"{first}; {stay}", *rest])) from exc
     lifecycle.say_report(report, say)
     return found
+
+
+def holder(name: str) -> markers.Holder:
+    """Cluster `name` of this registry as its hosts' markers name it: the registry's id, and
+    the user, machine and dir of the registry (what another user is told of whose hosts
+    they are)."""
+    where = f"{getpass.getuser()}@{socket.gethostname()}:{lifecycle.registry_dir()}"
+    since = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return markers.Holder(name, lifecycle.registry_id(), where, since)
 
 
 # --- status and down -----------------------------------------------------------------------------
@@ -318,16 +359,33 @@ def down(
     units and the conf with the secret, and forget the cluster here; the machines stay as they
     are. The stopped nodes' names.
 
+    Only what this cluster holds is stopped: a host whose marker names another cluster (it
+    took the host after this one's hosts were given up by hand, or this registry was copied)
+    is said and left alone, and a host without a marker is held while it stops. Each stopped
+    host's marker is removed.
+
     A host that cannot be reached keeps the cluster registered (`StopIncomplete` names it: its
     daemons may still hold the secret), unless `forget_unreachable`: then it is said and
     forgotten, and stopping whatever still runs there is the user's."""
     spec = current(spec)
     reach = access(spec)
+    me = holder(spec.name)
     with lifecycle.cluster_lock(spec.name):
         planned = _nodes(spec)
+        left: dict[str, markers.Holder] = {}
+
+        def stop(endpoint: Endpoint, conn: Conn) -> None:
+            node = next(n for n in planned if n.name == endpoint.name)
+            _verdict, other = markers.take(conn, node, me)  # a free host is held while it stops
+            if other is not None:
+                left[node.name] = other
+                return
+            boot.stop_on(planned, node.name, conn)
+            markers.release(conn, node, me)
+
         try:
-            boot.stop_daemons(planned, reach, timeout=120)
-            stopped = [n.name for n in planned]
+            nodes.run_all([n.endpoint for n in planned], reach, stop, 120)
+            failed: set[str] = set()
         except nodes.NodesFailed as exc:
             if not forget_unreachable:
                 raise StopIncomplete(
@@ -335,8 +393,11 @@ def down(
                     f"run `sparknet cluster down {spec.name}` again once they answer, or with "
                     "--forget-unreachable to forget hosts that are gone for good"
                 ) from exc
-            stopped = [n.name for n in planned if n.name not in exc.failures]
+            failed = set(exc.failures)
             say(f"forgetting without stopping Spark there: {exc}")
+        for name, other in left.items():
+            say(f"{name}: Spark there is not this cluster's, left alone: {other.describe(me)}")
+        stopped = [n.name for n in planned if n.name not in failed and n.name not in left]
         say(f"stopped Spark on {len(stopped)} of {len(planned)} hosts")
         nodes.forget_local(spec.name)
         lifecycle.forget_entry(spec.name, spec.region)

@@ -1,0 +1,149 @@
+"""The owner marker of a machine of the user's (a static cluster's host): which cluster holds
+it, that cluster's registry (its id, and the user, machine and dir it lives in) and since when.
+
+Two sparknets that do not share a registry (two machines, two SPARKNET_HOMEs) cannot see each
+other's entries, so the host itself says whose it is: a small JSON file in the node's install
+prefix (`MARKER`), read, taken and given back under `flock` on a lock file beside it, in the
+same remote command that reads or writes it, so two of them never both take a host. `up` and
+`cluster bootstrap` take every host before anything runs there (a host held by another cluster
+is refused, naming it); `down` stops Spark only where the marker is its own (or no marker is)
+and gives the host back. The marker's identity is the registry id with the cluster name: the
+same name in two registries is two clusters.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sparknet.cluster import nodes
+from sparknet.cluster.nodes import Access, Endpoint
+from sparknet.cluster.plan import Node
+from sparknet.cluster.remote import Conn, q, run
+from sparknet.errors import SparknetError
+
+#: the marker and its lock, in the node's install prefix
+MARKER, MARKER_LOCK = "owner.json", ".owner.lock"
+#: how long a command waits for another's hold on a host's marker lock (it holds it for
+#: milliseconds)
+LOCK_WAIT_S = 30
+#: the first line of a take's answer: the host was free (now ours), already ours, or another's
+TAKEN, MINE, HELD = "taken", "mine", "held"
+
+
+class HostHeld(SparknetError):
+    """A host of the cluster is held by another cluster (its marker names it)."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a host: a cluster of one registry."""
+
+    cluster: str
+    #: the registry's id (`lifecycle.registry_id`)
+    registry: str
+    #: where that registry lives: ``user@machine:dir``
+    where: str = ""
+    #: when it took the host (UTC, ISO 8601)
+    since: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.registry}/{self.cluster}"
+
+    def to_json(self) -> str:
+        """One line; ``holder`` first, the only field a host's shell compares (`_MATCH`)."""
+        fields = {"holder": self.key, "cluster": self.cluster, "registry": self.registry}
+        return json.dumps({**fields, "where": self.where, "since": self.since})
+
+    @classmethod
+    def parse(cls, text: str) -> Holder | None:
+        """The marker's text as a Holder; None for an empty or unreadable one."""
+        try:
+            raw = json.loads(text)
+            return cls(str(raw["cluster"]), str(raw["registry"]), str(raw.get("where", "")),
+                       str(raw.get("since", "")))  # fmt: skip
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def describe(self, me: Holder) -> str:
+        """Who this is, as a refusal names it to `me`."""
+        if self.registry == me.registry:
+            return f"static cluster {self.cluster} registered here"
+        where = f" {self.where}" if self.where else ""
+        return f"static cluster {self.cluster} of the sparknet registry{where} ({self.registry})"
+
+
+def _match(me: Holder) -> str:
+    """The text only `me`'s marker holds (JSON escapes quotes inside values)."""
+    return json.dumps({"holder": me.key})[1:-1]
+
+
+def _locked(node: Node, body: str) -> str:
+    """`body` run on the node with the marker lock held (`$m` is the marker's path). A prefix
+    that is not there yet is made for the login user (sudo -n where it is not root), as the
+    bootstrap's own dirs step would; one that is there is left as it is. A lock file the user
+    cannot write (another user's prefix) is locked read-only: the marker can still be read."""
+    p = q(node.prefix)
+    lock, marker = q(node.path(MARKER_LOCK)), q(node.path(MARKER))
+    return (
+        f"if [ ! -d {p} ]; then s=; [ \"$(id -u)\" = 0 ] || s='sudo -n'; $s mkdir -p {p} && "
+        f'$s chown "$(id -un)" {p} || exit 1; fi; '
+        "command -v flock >/dev/null || { echo 'flock (util-linux) is not installed' >&2; "
+        "exit 1; }; "
+        f"if [ -w {lock} ] || {{ [ ! -e {lock} ] && [ -w {p} ]; }}; then exec 9>>{lock}; "
+        f"else exec 9<{lock}; fi; "
+        f"flock -w {LOCK_WAIT_S} 9 || {{ echo 'its marker lock stays busy' >&2; exit 1; }}; "
+        f"m={marker}; {body}"
+    )
+
+
+def take(conn: Conn, node: Node, me: Holder) -> tuple[str, Holder | None]:
+    """Take the host for `me` unless another cluster holds it: (TAKEN, None) where it was free
+    (the marker is written now), (MINE, None) where `me` held it already, (HELD, holder) where
+    another does (nothing is written)."""
+    body = (
+        f'if [ -s "$m" ]; then if grep -qF {q(_match(me))} "$m"; then echo {MINE}; else '
+        f'echo {HELD}; cat "$m"; fi; exit 0; fi; '
+        f'printf "%s\\n" {q(me.to_json())} > "$m.new" && mv -f "$m.new" "$m" && echo {TAKEN}'
+    )
+    first, _, rest = run(conn, _locked(node, body)).strip().partition("\n")
+    if first == HELD:
+        return HELD, Holder.parse(rest) or Holder("?", "?", "", "")
+    return first, None
+
+
+def release(conn: Conn, node: Node, me: Holder) -> None:
+    """Remove the host's marker when it is `me`'s (another's stays)."""
+    body = f'if grep -qF {q(_match(me))} "$m" 2>/dev/null; then rm -f "$m"; fi; true'
+    run(conn, _locked(node, body))
+
+
+def take_all(planned: Sequence[Node], access: Access, me: Holder, timeout: float = 120) -> None:
+    """Take every host for `me`, or none: a host another cluster holds is a HostHeld naming it
+    (the first, in host order), and the hosts this call took are given back first."""
+    by_name = {n.name: n for n in planned}
+    answers = nodes.run_all(
+        [n.endpoint for n in planned], access, lambda e, c: take(c, by_name[e.name], me), timeout
+    )
+    held = [(by_name[name], h) for name, (verdict, h) in answers.items() if verdict == HELD]
+    if not held:
+        return
+    fresh = [by_name[name] for name, (verdict, _) in answers.items() if verdict == TAKEN]
+    if fresh:
+        nodes.run_all(
+            [n.endpoint for n in fresh], access, lambda e, c: release(c, by_name[e.name], me),
+            timeout,
+        )  # fmt: skip
+    node, holder = min(held, key=lambda pair: list(by_name).index(pair[0].name))
+    raise HostHeld(
+        f"{_host(node.endpoint)} ({node.name}) is held by {holder.describe(me)} since "
+        f"{holder.since or 'an unknown time'}; one machine runs one cluster's Spark: "
+        f"`sparknet cluster down {holder.cluster}` where it is registered frees it, or choose "
+        "other hosts"
+    )
+
+
+def _host(endpoint: Endpoint) -> str:
+    return f"{endpoint.user}@{endpoint.host}:{endpoint.port}"
