@@ -11,20 +11,27 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sparknet.training.netbind import bind_collectives, store_server
+
 
 def _free_port() -> int:
+    """A port free on loopback now (for tests that start their own plain gloo processes)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((HOST, 0))
         return int(s.getsockname()[1])
+
+
+#: the ranks meet and talk on loopback only (gloo and the store have no authentication)
+HOST = "127.0.0.1"
 
 
 def _gloo_rank(
     rank: int, port: int, world: int, size: int, warmup: int, reps: int, queue: Any
 ) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    bind_collectives(HOST)
+    store = dist.TCPStore(HOST, port, world, False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         tensor = torch.full((size,), 0.5, dtype=torch.float32)
         times = []
@@ -43,8 +50,9 @@ def gloo_all_reduce(size: int, warmup: int, reps: int, world: int = 2) -> list[f
     """Seconds per all_reduce of `size` float32 among `world` processes: the slowest rank's
     time, per repetition."""
     queue = mp.get_context("spawn").SimpleQueue()
+    store = store_server(HOST, world)  # here, so no rank races another for a free port
     ranks = mp.start_processes(
-        _gloo_rank, args=(_free_port(), world, size, warmup, reps, queue), nprocs=world,
+        _gloo_rank, args=(store.port, world, size, warmup, reps, queue), nprocs=world,
         join=False, start_method="spawn",
     )  # fmt: skip
     try:

@@ -74,13 +74,29 @@ def load_or_create_secret(path: Path) -> str:
     return secret
 
 
+#: RPC encryption nobody on the path can talk down (Spark's security page recommends them): no
+#: fallback to SASL (a relay that answers the first auth message with an error made both ends
+#: fall back to DIGEST-MD5 without encryption), an authenticated cipher (GCM, not CTR) and the
+#: auth engine that goes with it. The driver sets them too (`session.spark_settings`), and passes
+#: them on to its executors (Spark hands `spark.network.*` to an executor at its start).
+RPC_HARDENING = {
+    "spark.network.crypto.saslFallback": "false",
+    "spark.network.crypto.cipher": "AES/GCM/NoPadding",
+    "spark.network.crypto.authEngineVersion": "2",
+}
+
+#: the web UIs (master, workers, the driver's) show but cannot kill stages or applications
+UI_READ_ONLY = {"spark.ui.killEnabled": "false"}
+
 #: Spark's security settings every sparknet cluster runs with (the secret comes on top)
 SECURITY = {
     "spark.authenticate": "true",
     "spark.network.crypto.enabled": "true",
+    **RPC_HARDENING,
     "spark.io.encryption.enabled": "true",
     # the REST submission server (port 6066) takes jobs with no authentication at all
     "spark.master.rest.enabled": "false",
+    **UI_READ_ONLY,
 }
 
 

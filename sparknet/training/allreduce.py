@@ -47,7 +47,7 @@ from pyspark.errors import PySparkException
 from sparknet import interrupts
 from sparknet.data.store import open_store
 from sparknet.errors import PermanentTaskError, SparknetError
-from sparknet.training import checkpoint, device
+from sparknet.training import checkpoint, device, netbind
 from sparknet.training.outer import OuterOptimizer
 from sparknet.training.report import eval_row, round_row
 from sparknet.training.session import is_local_master
@@ -376,21 +376,29 @@ def _backend(on: torch.device) -> str:
 
 def _process_group(ctx: BarrierTaskContext, on: torch.device) -> None:
     """The default process group over the stage's tasks, made with one allGather: rank 0
-    opens a TCPStore on its host and its port goes round (~25 ms, not the default init's
-    rendezvous of a second or more)."""
+    opens a TCPStore on its node's address and that address and port go round (~25 ms, not
+    the default init's rendezvous of a second or more). The store and gloo listen on the
+    node's cluster address (the one its executor advertises) only: neither is authenticated
+    nor encrypted (`netbind`)."""
     import torch.distributed as dist
 
     if dist.is_initialized():  # a cancelled stage's, in a reused Python worker
         dist.destroy_process_group()
-    rank, world = ctx.partitionId(), len(ctx.getTaskInfos())
-    host = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0]
-    store = None
-    if rank == 0:
-        store = dist.TCPStore(host, 0, world, True, wait_for_workers=False)
-    port = int(ctx.allGather(str(store.port if store is not None else 0))[0])
+    rank, infos = ctx.partitionId(), ctx.getTaskInfos()
+    world = len(infos)
+    mine = netbind.listen_address(_host_of(infos[rank].address))
+    netbind.bind_collectives(mine)
+    store = netbind.store_server(mine, world) if rank == 0 else None
+    said = ctx.allGather(f"{mine} {store.port}" if store is not None else "")[0]
+    host, port = said.rsplit(" ", 1)
     if store is None:
-        store = dist.TCPStore(host, port, world, False)
+        store = dist.TCPStore(host, int(port), world, False)
     dist.init_process_group(_backend(on), store=store, rank=rank, world_size=world)
+
+
+def _host_of(address: str) -> str:
+    """The host of an executor's `host:port` (`[v6]:port` too)."""
+    return address.rsplit(":", 1)[0].strip("[]")
 
 
 class _ToDriver:

@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ from py4j.protocol import Py4JError
 from pyspark.errors import PySparkException
 from pyspark.sql import SparkSession
 
+from sparknet.cluster.spark_conf import RPC_HARDENING, UI_HOST, UI_READ_ONLY
 from sparknet.errors import SparknetError
 
 #: Local mode retries nothing unless told to; a demanding user expects a flaky task to be retried.
@@ -110,7 +112,13 @@ def spark_settings(
         # see benchmarks/startup.py for why)
         "spark.python.worker.reuse": "true",
         "spark.locality.wait.process": STICKY_LOCALITY_WAIT,
+        # as the cluster's daemons run: no RPC encryption that can be talked down (executors
+        # get these from the driver), a UI that cannot kill
+        **RPC_HARDENING,
+        **UI_READ_ONLY,
     }
+    if (address := driver_address(master)) and not DRIVER_ADDRESS_KEYS & conf.keys():
+        settings.update(dict.fromkeys(DRIVER_ADDRESS_KEYS, address))
     if "spark.locality.wait" in conf:  # the user's wait for every level, this one included
         del settings["spark.locality.wait.process"]
     if is_local_master(master):
@@ -119,6 +127,36 @@ def spark_settings(
         settings.update(dict(zip(GPU_KEYS, (str(gpus_per_worker), "1"), strict=True)))
     settings.update(conf)
     return settings
+
+
+#: where the driver's RPC and block manager listen, and what it tells the executors to reach
+DRIVER_ADDRESS_KEYS = frozenset({"spark.driver.host", "spark.driver.bindAddress"})
+
+
+def driver_address(master: str) -> str | None:
+    """The address a driver of a standalone master (`spark://...`) binds and advertises, never
+    a wildcard nor whatever the machine's first address is: SPARK_LOCAL_IP where it is set (a
+    job's supervisor sets the node's cluster address, the one the bootstrap gave Spark), else
+    the address this machine reaches the master from. None for other masters (local ones stay
+    on loopback; YARN and Kubernetes choose their own)."""
+    if not master.startswith("spark://"):
+        return None
+    if local := os.environ.get("SPARK_LOCAL_IP", "").strip():
+        return local
+    first = master[len("spark://") :].split(",")[0]
+    host, _, port = first.rpartition(":")
+    return _source_address(host.strip("[]") or first, int(port) if port.isdigit() else 7077)
+
+
+def _source_address(host: str, port: int) -> str | None:
+    """The local address the kernel sends from to `host` (a UDP connect sends nothing)."""
+    try:
+        family, kind, proto, _, peer = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(peer)
+            return str(probe.getsockname()[0])
+    except (OSError, UnicodeError):
+        return None  # an unknown master: Spark's own error says so
 
 
 def _check_user_conf(master: str, conf: Mapping[str, str], gpus_per_worker: int) -> None:
@@ -188,7 +226,7 @@ def start_session(
     jvm_stderr = _HeldStderr()
     with _gateway_killed_on_failure(jvm_stderr):
         try:
-            with _keep_sigint_handler():
+            with _keep_sigint_handler(), _ui_on_loopback(master):
                 session = builder.getOrCreate()
         except (PySparkException, Py4JError) as exc:
             raise SparknetError(_start_failure(master, conf or {}, exc, jvm_stderr)) from exc
@@ -197,6 +235,27 @@ def start_session(
     jvm_stderr.release(show=True)
     _JVM_STDERR[session] = jvm_stderr
     return session
+
+
+@contextlib.contextmanager
+def _ui_on_loopback(master: str):
+    """The driver's JVM of a standalone master starts with SPARK_LOCAL_IP=127.0.0.1: Spark's
+    web UI binds that variable's address, else every interface (RPC and block manager bind
+    `spark.driver.bindAddress`, set by `spark_settings`). This process's own variable is put
+    back: it is where `driver_address` finds the node's address next time. The UI has no
+    authentication: `sparknet cluster tunnel` is the way in."""
+    if not master.startswith("spark://"):
+        yield
+        return
+    before = os.environ.get("SPARK_LOCAL_IP")
+    os.environ["SPARK_LOCAL_IP"] = UI_HOST
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SPARK_LOCAL_IP", None)
+        else:
+            os.environ["SPARK_LOCAL_IP"] = before
 
 
 def _quiet_accumulator_server(sc) -> None:

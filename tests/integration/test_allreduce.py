@@ -15,6 +15,7 @@ from sparknet.errors import SparknetError
 from sparknet.training.driver import train
 from sparknet.training.report import read_metrics
 from tests.helpers import assert_state_close, assert_state_equal, load_run_model
+from tests.sockets import Listener, descendants, listeners
 
 SETTINGS = dict(model="cnn", workers=2, tau=3, batch_size=16, momentum=0.9, seed=5, eval_every=2)
 
@@ -106,18 +107,27 @@ def test_a_stage_that_does_not_fit_is_refused_before_training(spark, tmp_path):
     )
 
 
-def test_rows_reach_the_driver_while_the_stage_runs(spark, tmp_path):
+def test_rows_reach_the_driver_while_the_stage_runs_and_nothing_listens_everywhere(spark, tmp_path):
     """Progress is live: every round's row is handed to the driver's callback while the one
-    barrier stage that runs all rounds is still a running Spark job."""
+    barrier stage that runs all rounds is still a running Spark job. And while it runs, no
+    socket of the job (the driver's JVM, its Python workers with rank 0's TCPStore and gloo,
+    which have no authentication) listens on every interface."""
     tracker = spark.sparkContext.statusTracker()
     seen: list[tuple[int, bool]] = []
+    jvm = spark.sparkContext._gateway.proc.pid
+    during: list[Listener] = []
 
     def on_round(row: dict) -> None:
         seen.append((row["round"], bool(tracker.getActiveJobsIds())))
+        if row["round"] == 2:
+            during.extend(listeners(descendants(jvm)))
 
     cfg = TrainConfig(out=tmp_path / "live", transport="allreduce", rounds=4, **SETTINGS)
     train(cfg, spark=spark, on_round=on_round)
     assert seen == [(1, True), (2, True), (3, True), (4, True)]
+    workers = {w.pid for w in during if w.pid != jvm}
+    assert len(workers) >= 2, [str(w) for w in during]  # the ranks' store and gloo, seen
+    assert not [str(w) for w in during if w.wildcard]
     rows = read_metrics(tmp_path / "live")
     assert all(r["seconds"]["exchange"] > 0 for r in rows)
 

@@ -77,12 +77,18 @@ def settings(text: str) -> dict[str, str]:
 
 
 def test_spark_defaults_turn_on_auth_and_encryption_and_turn_off_rest() -> None:
+    """Encryption nobody on the path can talk down (no SASL fallback, an authenticated cipher,
+    auth engine v2), and UIs that cannot kill."""
     got = settings(sc.spark_defaults("s3cret", "/opt/sparknet/venv/bin/python"))
     assert got == {
         "spark.authenticate": "true",
         "spark.network.crypto.enabled": "true",
+        "spark.network.crypto.saslFallback": "false",
+        "spark.network.crypto.cipher": "AES/GCM/NoPadding",
+        "spark.network.crypto.authEngineVersion": "2",
         "spark.io.encryption.enabled": "true",
         "spark.master.rest.enabled": "false",
+        "spark.ui.killEnabled": "false",
         "spark.authenticate.secret": "s3cret",
         "spark.pyspark.python": "/opt/sparknet/venv/bin/python",
         "spark.pyspark.driver.python": "/opt/sparknet/venv/bin/python",

@@ -2,10 +2,12 @@ import re
 
 import pytest
 
+from sparknet.cluster.spark_conf import RPC_HARDENING, UI_READ_ONLY
 from sparknet.errors import SparknetError
-from sparknet.training import transport
+from sparknet.training import netbind, transport
 from sparknet.training.session import (
     STICKY_LOCALITY_WAIT,
+    driver_address,
     driver_memory_gb,
     embedded_master,
     spark_settings,
@@ -218,3 +220,38 @@ def test_stopping_a_session_mutes_what_its_python_workers_still_print(capfd):
     held.write(b"BrokenPipeError: [Errno 32] Broken pipe\n")
     err = capfd.readouterr().err
     assert err == "round 1 shown\n"
+
+
+@pytest.mark.parametrize("master", ["local[2]", "spark://127.0.0.1:7077", "yarn"])
+def test_every_driver_keeps_rpc_encryption_from_being_talked_down_and_its_ui_from_killing(master):
+    """As the cluster's daemons run (spark-defaults.conf): the executors get these from the
+    driver, so a driver without them would leave its executors open to the downgrade."""
+    settings = spark_settings(master, 2)
+    assert {k: settings[k] for k in (*RPC_HARDENING, *UI_READ_ONLY)} == {
+        "spark.network.crypto.saslFallback": "false",
+        "spark.network.crypto.cipher": "AES/GCM/NoPadding",
+        "spark.network.crypto.authEngineVersion": "2",
+        "spark.ui.killEnabled": "false",
+    }
+
+
+def test_a_standalone_driver_binds_the_address_it_reaches_the_master_from(monkeypatch):
+    """Never whatever the machine's first address is: SPARK_LOCAL_IP where set (a job's
+    supervisor gives the node's cluster address), else the address the route to the master
+    leaves from; a user's own setting wins; local masters stay as they were."""
+    monkeypatch.delenv("SPARK_LOCAL_IP", raising=False)
+    keys = ("spark.driver.host", "spark.driver.bindAddress")
+
+    def bound(master: str, conf: dict | None = None) -> list:
+        settings = spark_settings(master, 2, conf)
+        return [settings.get(k) for k in keys]
+
+    assert bound("spark://127.0.0.2:7077") == ["127.0.0.1", "127.0.0.1"]  # loopback's source
+    others = [str(ip) for _, ip in netbind._ipv4_interfaces() if not ip.is_loopback]
+    for address in others[:1]:  # this machine's own address: the route leaves from it
+        assert bound(f"spark://{address}:7077") == [address, address]
+    assert driver_address("spark://no-such-host.invalid:7077") is None  # Spark's error says so
+    monkeypatch.setenv("SPARK_LOCAL_IP", "127.0.0.3")
+    assert bound("spark://127.0.0.2:7077,127.0.0.4:7077") == ["127.0.0.3", "127.0.0.3"]
+    assert bound("spark://127.0.0.2:7077", {"spark.driver.host": "h"}) == ["h", None]
+    assert bound("local[2]") == bound("yarn") == [None, None]
