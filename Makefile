@@ -44,7 +44,7 @@ $(CHECKOV_STAMP):
 
 # the Terraform foundation: formatted, and no checkov finding that is not skipped inline with a reason
 infra-check: checkov
-	@command -v terraform >/dev/null || { echo "error: infra-check needs Terraform >= 1.5 on PATH"; exit 2; }
+	@command -v terraform >/dev/null || { echo "error: infra-check needs Terraform >= 1.9 on PATH"; exit 2; }
 	terraform fmt -check -recursive infra tests/terraform_module tests/terraform_foundation
 	$(CHECKOV) -d infra --framework terraform --quiet --compact --skip-download
 

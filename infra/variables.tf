@@ -106,10 +106,11 @@ variable "data_prefix" {
   description = "Key prefix of the datasets in the bucket; nodes may only read under it."
   type        = string
   default     = "datasets/"
+  nullable    = false
 
   validation {
-    condition     = can(regex("^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*/$", var.data_prefix))
-    error_message = "data_prefix must be a key prefix such as datasets/ (no leading /, ends with /, no wildcards)."
+    condition     = length(var.data_prefix) <= 256 && can(regex("^([A-Za-z0-9][A-Za-z0-9._-]*/)+$", var.data_prefix))
+    error_message = "data_prefix must be a key prefix such as datasets/: at most 256 characters, parts of letters, digits, '.', '_' and '-' that each start with a letter or digit and end with / (not empty, no leading /, no . or .. parts, no wildcards)."
   }
 }
 
@@ -117,10 +118,17 @@ variable "runs_prefix" {
   description = "Key prefix of the run outputs in the bucket; nodes may read and write under it."
   type        = string
   default     = "runs/"
+  nullable    = false
 
   validation {
-    condition     = can(regex("^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*/$", var.runs_prefix))
-    error_message = "runs_prefix must be a key prefix such as runs/ (no leading /, ends with /, no wildcards)."
+    condition     = length(var.runs_prefix) <= 256 && can(regex("^([A-Za-z0-9][A-Za-z0-9._-]*/)+$", var.runs_prefix))
+    error_message = "runs_prefix must be a key prefix such as runs/: at most 256 characters, parts of letters, digits, '.', '_' and '-' that each start with a letter or digit and end with / (not empty, no leading /, no . or .. parts, no wildcards)."
+  }
+
+  # sparknet.cluster.spec.check_prefixes applies the same rule before either foundation runs
+  validation {
+    condition     = !startswith(var.runs_prefix, var.data_prefix) && !startswith(var.data_prefix, var.runs_prefix)
+    error_message = "data_prefix and runs_prefix must not overlap: neither may equal the other or start with it (nodes read everything under data_prefix and write under runs_prefix)."
   }
 }
 

@@ -2,7 +2,7 @@
 # bucket. Long-lived: instances come and go (boto3), this stays. Security rules and policy
 # documents live as data files under rules/ and policies/, read here and by the boto3 foundation.
 terraform {
-  required_version = ">= 1.5"
+  required_version = ">= 1.9"
 
   required_providers {
     aws = {

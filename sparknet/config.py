@@ -212,6 +212,19 @@ class DatasetEntry(BaseModel):
     uri: str = Field(description="s3://bucket/prefix or a local directory")
     endpoint_url: str | None = None
 
+    @field_validator("uri")
+    @classmethod
+    def _s3_uri_parses(cls, uri: str) -> str:
+        """An s3:// URI is checked here by the one parser, so the error names the settings file."""
+        if uri.startswith("s3://"):
+            from sparknet.data.s3 import S3Uri
+
+            try:
+                S3Uri.parse(uri)
+            except SparknetError as exc:
+                raise ValueError(str(exc)) from exc
+        return uri
+
     @field_validator("endpoint_url")
     @classmethod
     def _endpoint_is_a_url(cls, url: str | None) -> str | None:

@@ -34,7 +34,14 @@ from sparknet.cluster.rules import (
     security_group_rules,
     without_s3,
 )
-from sparknet.cluster.spec import INFRA_DIR, TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec
+from sparknet.cluster.spec import (
+    INFRA_DIR,
+    TAG_CLUSTER,
+    TAG_OWNER,
+    TAG_ROLE,
+    ClusterSpec,
+    check_prefixes,
+)
 from sparknet.errors import SparknetError
 
 if TYPE_CHECKING:
@@ -566,6 +573,16 @@ def _atoms(perms: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]
     return out
 
 
+def check_spec_prefixes(spec: ClusterSpec) -> None:
+    """`spec`'s bucket prefixes against the rule both foundations apply (`spec.check_prefixes`,
+    as infra/variables.tf): checked again here, as a spec changed with `model_copy` skips its
+    validators."""
+    try:
+        check_prefixes(spec.data_prefix, spec.runs_prefix)
+    except ValueError as exc:
+        raise SparknetError(f"cluster {spec.name}: {exc}") from exc
+
+
 def ensure_boto3(
     spec: ClusterSpec,
     *,
@@ -580,6 +597,7 @@ def ensure_boto3(
             knows what was made even when a later step fails (then pass it to
             `destroy_boto3(..., only=created)`); the returned `Foundation.created` holds the same.
     """
+    check_spec_prefixes(spec)
     f = _Boto3Foundation(spec, endpoint_url, created)
     try:
         if spec.vpc_id:
@@ -810,6 +828,7 @@ def subnet_zones(ec2: Any, spec: ClusterSpec, subnet_ids: list[str] | None = Non
 
 def terraform_variables(spec: ClusterSpec, allowed_cidr: str) -> dict[str, Any]:
     """The `infra/` module's inputs for `spec`."""
+    check_spec_prefixes(spec)
     if spec.bucket is None:
         raise SparknetError(
             f"cluster {spec.name}: foundation terraform needs `bucket` (the data and runs bucket)"

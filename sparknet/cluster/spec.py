@@ -28,6 +28,38 @@ _TAG_VALUE_BAD = re.compile(r"[^\w .:/=+\-@]")  # \w: letters, digits and _
 #: large part of the internet. IPv6 sources are refused whole: the cluster's network has no IPv6.
 MIN_SSH_PREFIX = 16
 
+#: the most workers of one cluster: every worker launches in one AZ, so into one of the
+#: foundation's /24 subnets (infra/rules/network.json), which holds 251 addresses (AWS keeps 5 of
+#: 256), the master's among them
+MAX_WORKERS = 250
+#: a week: the longest idle time `autostop_minutes` may give (0 turns the timer off)
+MAX_AUTOSTOP_MINUTES = 7 * 24 * 60
+#: the most GPUs any EC2 instance type has (p2.16xlarge: 16; p4d, p5: 8)
+MAX_GPUS_PER_NODE = 16
+#: room above the largest EC2 instance types (u7inh-32tb.480xlarge: 1920 vCPUs, 32 TiB)
+MAX_WORKER_CORES = 4096
+MAX_WORKER_MEMORY_MB = 32 * 1024 * 1024
+#: an EBS gp3 volume's size in GiB: 1 to 16 TiB; a root volume needs 8 for the OS
+MIN_ROOT_VOLUME_GB, MAX_ROOT_VOLUME_GB = 8, 16384
+
+#: the bucket's two key prefixes, checked by `check_prefixes` here and by infra/variables.tf with
+#: the same pattern and the same words: nodes read everything under `data_prefix` and write under
+#: `runs_prefix` + `<cluster>/`, so a prefix that overlaps the other gives the nodes read of every
+#: cluster's runs (`data_prefix: r` covers `runs/`) or write inside the shared data
+PREFIX_PATTERN = r"^([A-Za-z0-9][A-Za-z0-9._-]*/)+$"
+PREFIX_MAX_LENGTH = 256
+PREFIX_RULE = (
+    "{name} must be a key prefix such as {example}: at most 256 characters, parts of letters, "
+    "digits, '.', '_' and '-' that each start with a letter or digit and end with / (not empty, "
+    "no leading /, no . or .. parts, no wildcards)."
+)
+PREFIXES_APART_RULE = (
+    "data_prefix and runs_prefix must not overlap: neither may equal the other or start with it "
+    "(nodes read everything under data_prefix and write under runs_prefix)."
+)
+#: the example each prefix's error names (its default)
+PREFIX_EXAMPLES = {"data_prefix": "datasets/", "runs_prefix": "runs/"}
+
 #: the AWS Deep Learning AMI (GPU drivers, CUDA, Docker) for Ubuntu 22.04, newest release
 DEFAULT_AMI_PARAMETER = (
     "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
@@ -54,19 +86,38 @@ class BootstrapSettings(BaseModel):
         description="an existing Python env on the nodes whose torch fits; default: the "
         "AMI's PyTorch env when its torch fits, else a fresh venv with torch",
     )
-    worker_cores: int | None = Field(None, ge=1, description="default: the node's cores")
+    worker_cores: int | None = Field(
+        None, ge=1, le=MAX_WORKER_CORES, description="default: the node's cores"
+    )
     worker_memory_mb: int | None = Field(
-        None, ge=512, description="default: the node's memory less headroom"
+        None,
+        ge=512,
+        le=MAX_WORKER_MEMORY_MB,
+        description="default: the node's memory less headroom",
     )
     gpus_per_node: int | None = Field(
         None,
         ge=0,
+        le=MAX_GPUS_PER_NODE,
         description="GPUs each worker offers to Spark; default: its instance type's "
         "(DescribeInstanceTypes), 0 for a type without GPUs",
     )
     master_port: int = Field(7077, ge=1, le=65535)
     master_ui_port: int = Field(8080, ge=1, le=65535)
     worker_ui_port: int = Field(8081, ge=0, le=65535, description="0: any free port")
+
+    @model_validator(mode="after")
+    def _ports_apart(self) -> BootstrapSettings:
+        """The master runs a worker too: two daemons on one port would not both start."""
+        ports = {"master_port": self.master_port, "master_ui_port": self.master_ui_port}
+        if self.worker_ui_port:
+            ports["worker_ui_port"] = self.worker_ui_port
+        seen: dict[int, str] = {}
+        for name, port in ports.items():
+            if port in seen:
+                raise ValueError(f"{seen[port]} and {name} are both {port}; give each its own port")
+            seen[port] = name
+        return self
 
 
 #: the settings that say how EC2 instances are made: a `static` cluster, made of machines the
@@ -113,7 +164,7 @@ class ClusterSpec(BaseModel):
     availability_zones: list[str] = Field(
         default_factory=list, description="fallback order; default: every AZ of the region"
     )
-    workers: int = Field(2, ge=0)
+    workers: int = Field(2, ge=0, le=MAX_WORKERS, description="0: the master's worker only")
     master_type: str = "g5.xlarge"
     instance_types: list[str] = Field(
         default_factory=lambda: ["g5.xlarge", "g4dn.xlarge", "g6.xlarge"],
@@ -123,7 +174,7 @@ class ClusterSpec(BaseModel):
     spot: bool = Field(False, description="workers on spot (the master is always on-demand)")
     ami: str | None = Field(None, description="an AMI id; default: from ami_parameter")
     ami_parameter: str = DEFAULT_AMI_PARAMETER
-    root_volume_gb: int = Field(100, ge=8, le=16384)
+    root_volume_gb: int = Field(100, ge=MIN_ROOT_VOLUME_GB, le=MAX_ROOT_VOLUME_GB)
     key_name: str | None = Field(
         None, description="your own EC2 key pair (with key_file); default: one sparknet makes"
     )
@@ -144,6 +195,7 @@ class ClusterSpec(BaseModel):
     autostop_minutes: int = Field(
         30,
         ge=0,
+        le=MAX_AUTOSTOP_MINUTES,
         description="the master terminates the cluster after this many minutes with no job "
         "running and no submitter attached; 0: off",
     )
@@ -181,6 +233,11 @@ class ClusterSpec(BaseModel):
         """Where this cluster's runs go (``runs/<cluster>/``): its nodes may write only there, so
         one cluster cannot overwrite or delete another's runs."""
         return f"{self.runs_prefix}{self.name}/"
+
+    @model_validator(mode="after")
+    def _prefixes(self) -> ClusterSpec:
+        check_prefixes(self.data_prefix, self.runs_prefix)
+        return self
 
     @model_validator(mode="after")
     def _existing_network(self) -> ClusterSpec:
@@ -263,6 +320,26 @@ def _check_hosts(hosts: list[str]) -> None:
         if where in seen:
             raise ValueError(f"hosts: {text!r} is {seen[where]!r} again; give each machine once")
         seen[where] = text
+
+
+def check_prefixes(data_prefix: str, runs_prefix: str) -> None:
+    """The one rule for the bucket's two key prefixes, for both foundations (infra/variables.tf
+    holds the same pattern and words): each a prefix such as ``datasets/`` (`PREFIX_PATTERN`, at
+    most `PREFIX_MAX_LENGTH` characters), and neither inside the other nor equal to it. A
+    ValueError with the rule's words and the value refused.
+
+    >>> check_prefixes("datasets/", "runs/")
+    >>> check_prefixes("r", "runs/")
+    Traceback (most recent call last):
+    ...
+    ValueError: data_prefix must be a key prefix such as datasets/: ... Got 'r'.
+    """
+    for name, value in (("data_prefix", data_prefix), ("runs_prefix", runs_prefix)):
+        if len(value) > PREFIX_MAX_LENGTH or not re.fullmatch(PREFIX_PATTERN, value):
+            rule = PREFIX_RULE.format(name=name, example=PREFIX_EXAMPLES[name])
+            raise ValueError(f"{rule} Got {value!r}.")
+    if data_prefix.startswith(runs_prefix) or runs_prefix.startswith(data_prefix):
+        raise ValueError(f"{PREFIXES_APART_RULE} Got {data_prefix!r} and {runs_prefix!r}.")
 
 
 def check_ssh_cidr(cidr: str) -> str:

@@ -30,8 +30,9 @@ from python_terraform import IsFlagged, Terraform
 
 from sparknet.errors import SparknetError
 
-#: the oldest Terraform the modules are written for (`required_version` in infra/)
-MIN_VERSION = (1, 5)
+#: the oldest Terraform the modules are written for (`required_version` in infra/): 1.9 is the
+#: first whose variable validations may name another variable (runs_prefix's against data_prefix)
+MIN_VERSION = (1, 9)
 STATE_FILE = "terraform.tfstate"
 DATA_DIR = ".terraform"
 
@@ -77,7 +78,8 @@ class TerraformRunner:
         binary = shutil.which(terraform_bin)
         if binary is None:
             raise SparknetError(
-                f"{terraform_bin} is not on PATH: install Terraform >= 1.5 "
+                f"{terraform_bin} is not on PATH: install Terraform >= "
+                f"{'.'.join(map(str, MIN_VERSION))} "
                 "(https://developer.hashicorp.com/terraform/install) or use foundation: boto3"
             )
         self.working_dir = Path(working_dir).resolve()

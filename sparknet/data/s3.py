@@ -57,7 +57,17 @@ class S3Uri:
                 f"{uri!r} has no valid bucket name ({bucket!r}): bucket names are 3-63 letters, "
                 "digits, dots or dashes; write it as s3://BUCKET/PREFIX"
             )
-        return cls(bucket, key.lstrip("/"))
+        # S3 keeps `.`, `..` and empty parts as they are: `s3://b/runs/../datasets/` is the key
+        # `runs/../datasets/`, not `datasets/`, so such a URI is not where it reads as pointing
+        parts = key.removesuffix("/").split("/") if key else []
+        odd = [part for part in parts if part in ("", ".", "..")]
+        if odd:
+            what = "an empty part (//)" if odd[0] == "" else f"a {odd[0]!r} part"
+            raise SparknetError(
+                f"{uri!r} has {what} in its key, which S3 takes literally; write it as "
+                "s3://BUCKET/PREFIX with no '.', '..' or empty parts"
+            )
+        return cls(bucket, key)
 
     def child(self, name: str) -> S3Uri:
         """The object `name` directly under this URI taken as a prefix ("directory")."""

@@ -74,7 +74,7 @@ def resource(module: dict[str, list[Any]], type_: str, name: str) -> dict[str, A
 def terraform() -> str:
     binary = shutil.which("terraform")
     if binary is None:
-        pytest.fail("terraform is not on PATH: install Terraform >= 1.5 (infra/ needs it)")
+        pytest.fail("terraform is not on PATH: install Terraform >= 1.9 (infra/ needs it)")
     return binary
 
 
@@ -178,7 +178,7 @@ def test_provider_tags_every_resource_with_cluster_role_and_owner(module, tmp_pa
 
 def test_terraform_and_aws_provider_versions_are_pinned(module) -> None:
     (settings,) = module["terraform"]
-    assert settings["required_version"] == ">= 1.5"
+    assert settings["required_version"] == ">= 1.9"
     aws = settings["required_providers"][0]["aws"]
     assert aws["source"] == "hashicorp/aws"
     assert "<" in aws["version"] and ">=" in aws["version"], "the AWS provider needs a range"
