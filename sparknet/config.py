@@ -121,6 +121,13 @@ class TrainConfig(BaseModel):
     compress: Literal["none", "bf16", "fp16"] = Field(
         "none", description="allreduce only: the precision the averaged update travels in"
     )
+    no_executor_timeout_s: float = Field(
+        300.0,
+        ge=0,
+        le=7 * 24 * 3600,
+        description="on a cluster master: a run that has had no Spark executor for this many "
+        "seconds stops with one line saying so (Spark itself would wait forever); 0: never",
+    )
     #: a test drill, not a user setting: never written to config.yaml (nor carried by --resume)
     fail_once: str | None = Field(
         None,

@@ -39,6 +39,7 @@ from sparknet.training.session import (
 )
 from sparknet.training.state import StateLayout
 from sparknet.training.transport import SparkTransport
+from sparknet.training.watchdog import ExecutorWatchdog
 from sparknet.training.worker import (
     Contribution,
     EvalResult,
@@ -339,7 +340,8 @@ def _start(
             begin.changes = accepted
         warn = _warner(on_warning)
         on_row = _with_warnings(on_round, warn, begin, cfg.workers * cfg.tau)
-        result = _run(cfg, problem, begin, run, lock, spark, own_session, placed, on_row, warn)
+        with ExecutorWatchdog(spark.sparkContext, cfg.no_executor_timeout_s):
+            result = _run(cfg, problem, begin, run, lock, spark, own_session, placed, on_row, warn)
         return result
     finally:
         if placed is not None:
