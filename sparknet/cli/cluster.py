@@ -244,12 +244,12 @@ def cluster_up(
     )
 
 
-def _static_up(spec, *, bootstrap: bool) -> None:
+def _static_up(spec, *, bootstrap: bool, force: bool = False) -> None:
     """`up` (and `cluster bootstrap`) of a static cluster: its hosts bootstrapped, each node's
     SSH line."""
     from sparknet.cluster import static
 
-    found = static.up(spec, say=_say, bootstrap=bootstrap)
+    found = static.up(spec, say=_say, bootstrap=bootstrap, force=force)
     print(f"cluster {spec.name} (static, {len(found)} hosts)")
     for endpoint in found:
         _print_ssh_line(spec, endpoint)
@@ -412,21 +412,29 @@ def _static_status(spec, debug: bool) -> None:
 def cluster_bootstrap(
     name: str = typer.Argument(...),
     region: str | None = RegionOption,
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="restart the Spark master (or a running worker) even while a job runs on the "
+        "cluster: the job's executors are killed",
+    ),
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
     """Bootstrap Spark on the cluster's running instances again (idempotent: a done step is
     skipped, and a cluster with nothing to do says so), ending with its health check; exit 1
-    when a step fails (the line names node and step) or the cluster is not healthy."""
+    when a step fails (the line names node and step) or the cluster is not healthy. Refuses
+    (exit 2) to start or restart the master, or restart a running worker, while a job runs on
+    the cluster, unless --force."""
     from sparknet.cluster import lifecycle
 
     spec = _on_cluster(lambda spec: spec, name, region, config, debug)
     try:
         if spec.provider == "static":
-            _static_up(spec, bootstrap=True)
+            _static_up(spec, bootstrap=True, force=force)
             return
-        lifecycle.bootstrap_nodes(spec, endpoint_url=endpoint_url, say=_say)
+        lifecycle.bootstrap_nodes(spec, endpoint_url=endpoint_url, say=_say, force=force)
     except KeyboardInterrupt:
         _fail(lifecycle.Interrupted("interrupted; run it again to finish"), debug)
     except SparknetError as exc:

@@ -120,22 +120,21 @@ def release(conn: Conn, node: Node, me: Holder) -> None:
     run(conn, _locked(node, body))
 
 
-def take_all(planned: Sequence[Node], access: Access, me: Holder, timeout: float = 120) -> None:
-    """Take every host for `me`, or none: a host another cluster holds is a HostHeld naming it
-    (the first, in host order), and the hosts this call took are given back first."""
+def take_all(
+    planned: Sequence[Node], access: Access, me: Holder, timeout: float = 120
+) -> list[str]:
+    """Take every host for `me`, or none; the names of the nodes this call took (the others
+    were `me`'s already). A host another cluster holds is a HostHeld naming it (the first, in
+    host order), and the hosts this call took are given back first."""
     by_name = {n.name: n for n in planned}
     answers = nodes.run_all(
         [n.endpoint for n in planned], access, lambda e, c: take(c, by_name[e.name], me), timeout
     )
+    fresh = [name for name, (verdict, _) in answers.items() if verdict == TAKEN]
     held = [(by_name[name], h) for name, (verdict, h) in answers.items() if verdict == HELD]
     if not held:
-        return
-    fresh = [by_name[name] for name, (verdict, _) in answers.items() if verdict == TAKEN]
-    if fresh:
-        nodes.run_all(
-            [n.endpoint for n in fresh], access, lambda e, c: release(c, by_name[e.name], me),
-            timeout,
-        )  # fmt: skip
+        return fresh
+    release_all([by_name[name] for name in fresh], access, me, timeout)
     node, holder = min(held, key=lambda pair: list(by_name).index(pair[0].name))
     raise HostHeld(
         f"{_host(node.endpoint)} ({node.name}) is held by {holder.describe(me)} since "
@@ -143,6 +142,15 @@ def take_all(planned: Sequence[Node], access: Access, me: Holder, timeout: float
         f"`sparknet cluster down {holder.cluster}` where it is registered frees it, or choose "
         "other hosts"
     )
+
+
+def release_all(planned: Sequence[Node], access: Access, me: Holder, timeout: float = 120) -> None:
+    """`release` on each of `planned` (where the marker is `me`'s)."""
+    by_name = {n.name: n for n in planned}
+    nodes.run_all(
+        [n.endpoint for n in planned], access, lambda e, c: release(c, by_name[e.name], me),
+        timeout,
+    )  # fmt: skip
 
 
 def _host(endpoint: Endpoint) -> str:

@@ -260,12 +260,13 @@ def up(
     master and a worker on every host, as for EC2); its nodes.
 
     Everything that can fail without touching a host fails first: the hosts against the
-    registry, the key file, each host's key in the trusted known_hosts, the wheel of this
-    checkout and the cluster's secret. The hosts are checked against the other static clusters
-    registered here and the entry written under the registry's lock (two `up`s of different
-    names at once cannot both pass). Then every host is taken (`markers`: a host another
-    cluster holds, of this registry or another machine's, is refused naming it, and nothing
-    runs anywhere) before the bootstrap. The registry entry stays from then on, so a failed or
+    registry, the key file, each host's key in the trusted known_hosts. The hosts are checked
+    against the other static clusters registered here and the entry written under the
+    registry's lock (two `up`s of different names at once cannot both pass). Then every host
+    is taken (`markers`: a host another cluster holds, of this registry or another machine's,
+    is refused naming it, and nothing runs anywhere), and the wheel of this checkout and the
+    cluster's secret are made (a failure gives back the hosts this call took), before the
+    bootstrap. The registry entry stays from then on, so a failed or
     interrupted bootstrap (`BootstrapIncomplete`, `Interrupted`) leaves the cluster registered
     for `cluster bootstrap` to finish or `cluster down` to stop; nothing is billed either way.
     Unless `force`, a bootstrap that would restart the master under a running job is refused
@@ -286,8 +287,14 @@ def up(
                 lifecycle.save_entry(spec, None)
             if not bootstrap:
                 return found
-            carried = lifecycle.carry(spec, Path(tmp))
-            markers.take_all(_nodes(spec), reach, holder(spec.name))
+            me = holder(spec.name)
+            fresh = markers.take_all(_nodes(spec), reach, me)
+            try:
+                carried = lifecycle.carry(spec, Path(tmp))
+            except BaseException:
+                if not had_entry:
+                    markers.release_all([n for n in _nodes(spec) if n.name in fresh], reach, me)
+                raise
         except BaseException:
             if not had_entry:  # nothing ran on any host: as if this `up` never was
                 lifecycle.forget_entry(spec.name, spec.region)
