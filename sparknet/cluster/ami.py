@@ -1,6 +1,7 @@
 """Bake a node image (AMI): a builder instance gets the bootstrap's install steps, is cleaned of
-keys, secrets, logs and history, stopped and imaged; the image is tagged and its id recorded in
-an SSM parameter, where `ami_for` finds it for `cluster up`.
+keys, secrets, caches, logs and history (ami/clean.sh), scanned for a credential or private key
+left behind (ami/scan.sh: one found fails the bake), stopped and imaged; the image is tagged and
+its id recorded in an SSM parameter, where `ami_for` finds it for `cluster up`.
 
 The builder is a one-node throw-away cluster (`bake-<time>-<hex>`, role master): its network,
 key pair, pinned host key and tags are made exactly as `cluster up` makes a cluster's, and
@@ -45,10 +46,18 @@ RECORD_PARAMETER = "/sparknet/ami/latest"
 ROLE_AMI = "ami"
 #: steps that must not run on a builder: the secret and the daemons belong to one cluster
 NOT_BAKED = frozenset({"spark-conf", "spark-master", "spark-worker"})
+#: the scripts the builder runs, beside image.toml: the clean-up, then the scan for secrets
+CLEAN_SCRIPT, SCAN_SCRIPT = "clean.sh", "scan.sh"
 #: image.toml's lists of paths (Image's fields of the same names)
-_PATH_KEYS = ("remove", "empty", "remove_files", "truncate")
-#: what an entry of those may hold: absolute globs, or ones under {prefix}
-_PATH = re.compile(r"^(/|\{prefix\}/)[A-Za-z0-9_./*-]*$")
+_PATH_KEYS = ("remove", "empty", "clear", "remove_files", "truncate", "scan")
+#: what an entry of those may hold: absolute globs, or ones under {prefix} (or {prefix} itself)
+_PATH = re.compile(r"^(/|\{prefix\}/|\{prefix\}$)[A-Za-z0-9_./*-]*$")
+#: an entry of `home`: a glob relative to a home directory
+_HOME_PATH = re.compile(r"^[A-Za-z0-9_.*-][A-Za-z0-9_./*-]*$")
+#: an entry of `scan_skip`: a `find -path` pattern
+_SKIP = re.compile(r"^[A-Za-z0-9_./*-]+$")
+#: how many of the files the scan found its error names
+_NAMED = 5
 #: AWS's rule for an image name: 3-128 of letters, digits and ( ) [ ] space . / - ' @ _
 _IMAGE_NAME = re.compile(r"^[A-Za-z0-9()\[\] ./'@_-]{3,128}$")
 
@@ -62,7 +71,8 @@ def _quiet(_line: str) -> None:
 
 @dataclass(frozen=True)
 class Image:
-    """ami/image.toml: the bootstrap steps the builder runs, and what is cleaned off it."""
+    """ami/image.toml: the bootstrap steps the builder runs, what is cleaned off it, and where
+    the scan before the snapshot looks for a credential or private key left behind."""
 
     steps: tuple[type[Step], ...]
     #: removed, whatever they are
@@ -73,6 +83,15 @@ class Image:
     remove_files: tuple[str, ...] = ()
     #: files emptied, kept (systemd writes a new machine id into an empty /etc/machine-id)
     truncate: tuple[str, ...] = ()
+    #: directories whose whole contents go (dotfiles and subdirectories too), the directories kept
+    clear: tuple[str, ...] = ()
+    #: globs relative to a home directory, removed in every home: root's, each of /home/*, and
+    #: the login user's
+    home: tuple[str, ...] = ()
+    #: directories the scan searches (besides every home)
+    scan: tuple[str, ...] = ()
+    #: `find -path` patterns the scan does not look into ("*" matches "/" too)
+    scan_skip: tuple[str, ...] = ()
 
 
 def load_image(path: Path | None = None) -> Image:
@@ -93,40 +112,96 @@ def load_image(path: Path | None = None) -> Image:
                 f"{path}: no bootstrap step {name!r}; steps.py has {', '.join(by_name)}"
             )
         steps.append(by_name[name])
-    paths = {key: tuple(data.get(key, [])) for key in _PATH_KEYS}
-    for entry in (e for key in _PATH_KEYS for e in paths[key]):
-        if not isinstance(entry, str) or not _PATH.fullmatch(entry) or ".." in entry:
-            raise InputError(
-                f"{path}: {entry!r} is not an absolute path or glob (or one under {{prefix}}/)"
-            )
-    return Image(tuple(steps), **paths)
+    lists = {key: tuple(data.get(key, [])) for key in (*_PATH_KEYS, "home", "scan_skip")}
+    for key, entries in lists.items():
+        pattern, what = {
+            "home": (_HOME_PATH, "a path or glob relative to a home directory"),
+            "scan_skip": (_SKIP, "a find -path pattern"),
+        }.get(key, (_PATH, "an absolute path or glob (or one under {prefix}/)"))
+        for entry in entries:
+            if not isinstance(entry, str) or not pattern.fullmatch(entry) or ".." in entry:
+                raise InputError(f"{path}: {key}: {entry!r} is not {what}")
+    return Image(tuple(steps), **lists)
 
 
-def cleanup_command(image: Image, prefix: str, root: str = "/") -> str:
-    """The shell command that cleans the builder as `image` says; a glob that matches nothing
-    removes nothing. `root` is where the entries' "/" is (tests clean a directory, not the
-    machine they run on); on the builder's own root, cloud-init's clean-up runs first where
-    cloud-init is installed (its state and logs: the image's first boot is a first boot)."""
+def _script(name: str) -> str:
+    """The text of one of the builder's scripts (ami/clean.sh, ami/scan.sh) in the checkout."""
+    path = source_checkout() / IMAGE_FILE.parent / name
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise InputError(f"{path}: {nodes.describe(exc)}") from exc
+
+
+def _resolve(entry: str, prefix: str, top: str) -> tuple[str, str]:
+    """An image.toml entry as (base, the rest) on the builder: {prefix} the install prefix,
+    "/" `top` (the base is a path, the rest a glob)."""
+    if entry.startswith("{prefix}"):
+        return prefix.rstrip("/"), entry.removeprefix("{prefix}")
+    return top, entry
+
+
+def _script_command(
+    name: str, root: str, login_home: str | None, args: list[tuple[str, ...]]
+) -> str:
+    """`sh -c SCRIPT` with its arguments: ROOT, the login user's home (None: the running shell's
+    "$HOME", expanded before any sudo: the user the bake logs in as) and the lists' words."""
+    home = '"$HOME"' if login_home is None else shlex.quote(login_home)
+    words = [shlex.quote(w) for pair in args for w in pair]
+    quoted_root = shlex.quote(root.rstrip("/"))
+    return " ".join(["sh", "-c", shlex.quote(_script(name)), name, quoted_root, home, *words])
+
+
+def cleanup_command(
+    image: Image, prefix: str, root: str = "/", login_home: str | None = None
+) -> str:
+    """The command that cleans the builder as `image` says (ami/clean.sh with image.toml's
+    lists); a glob that matches nothing removes nothing. `root` is where the entries' "/" is
+    (tests clean a directory, not the machine they run on); on the builder's own root,
+    cloud-init's clean-up runs first where cloud-init is installed (its state and logs: the
+    image's first boot is a first boot). `login_home`: see `_script_command`."""
     top = root.rstrip("/")
-    base = shlex.quote(top) if top else ""
+    lists = (
+        ("remove", image.remove),
+        ("empty", image.empty),
+        ("clear", image.clear),
+        ("remove-file", image.remove_files),
+        ("truncate", image.truncate),
+    )
+    args = [(name, *_resolve(e, prefix, top)) for name, entries in lists for e in entries]
+    args += [("home", "", e) for e in image.home]
+    return _script_command(CLEAN_SCRIPT, root, login_home, args)
 
-    def where(entry: str) -> str:
-        if entry.startswith("{prefix}/"):
-            return shlex.quote(prefix.rstrip("/")) + "/" + entry.removeprefix("{prefix}/")
-        return base + entry  # the glob part stays unquoted: the shell expands it
 
-    def each(entries: tuple[str, ...], test: str, action: str) -> list[str]:
-        return [f"for f in {where(e)}; do if {test}; then {action}; fi; done" for e in entries]
+def scan_command(image: Image, prefix: str, root: str = "/", login_home: str | None = None) -> str:
+    """The command that lists what on the builder looks like a credential or a private key
+    (ami/scan.sh over image.toml's `scan` directories and every home, `scan_skip` not looked
+    into): one "PATH<TAB>WHY" line each (`scan_found` reads them)."""
+    top = root.rstrip("/")
+    args = [("dir", "".join(_resolve(e, prefix, top))) for e in image.scan]
+    args += [("skip", e) for e in image.scan_skip]
+    return _script_command(SCAN_SCRIPT, root, login_home, args)
 
-    parts = []
-    if not top:
-        parts.append("if command -v cloud-init >/dev/null 2>&1; then cloud-init clean --logs; fi")
-    removes = " ".join(where(e) for e in image.remove)
-    parts += [f"rm -rf -- {removes}"] if removes else []
-    parts += [f"find {where(e)} -xdev -type f -delete 2>/dev/null" for e in image.empty]
-    parts += each(image.remove_files, '[ -f "$f" ] && [ ! -L "$f" ]', 'rm -f -- "$f"')
-    parts += each(image.truncate, '[ -f "$f" ]', ': > "$f"')
-    return "; ".join([*parts, "true"])
+
+def scan_found(out: str) -> dict[str, str]:
+    """The scan's output as path -> why, in its order (one reason a path: the first)."""
+    found: dict[str, str] = {}
+    for line in out.splitlines():
+        path, _, why = line.partition("\t")
+        if path.strip():
+            found.setdefault(path, why.strip() or "found")
+    return found
+
+
+def scan_refusal(builder: str, found: dict[str, str]) -> SparknetError:
+    """The one-line error of a bake whose builder still holds `found` after its clean-up."""
+    named = [f"{path} ({why})" for path, why in list(found.items())[:_NAMED]]
+    more = f" and {len(found) - _NAMED} more" if len(found) > _NAMED else ""
+    return SparknetError(
+        f"bake refused: after the clean-up the builder {builder} still holds what looks like a "
+        f"credential or private key: {', '.join(named)}{more}; remove it in an install step or "
+        f"list it in {IMAGE_FILE} (`remove`, or `scan_skip` if it is no secret)"
+    )
 
 
 # --- where the baked AMI is found --------------------------------------------------------------
@@ -359,7 +434,7 @@ def _bake(
     node = Node(endpoint, prefix=settings.prefix, gpus=gpus)
     plan = Plan((node,), wheel, "", python_env=settings.python_env)
     _install(plan, access, image, made.builder, say, timeout_s)
-    versions = _versions_and_clean(plan, access, image, root)
+    versions = _versions_and_clean(plan, access, image, root, made.builder, say)
     say(f"stopping the builder {made.builder}")
     with aws.aws_call("StopInstances", spec.region):
         ec2.stop_instances(InstanceIds=[made.builder])
@@ -413,24 +488,32 @@ print(d.version, cuda if cuda not in ("", "None") else "none")
 
 
 def _versions_and_clean(
-    plan: Plan, access: nodes.Access, image: Image, root: str
+    plan: Plan, access: nodes.Access, image: Image, root: str, builder: str, say: Say
 ) -> tuple[str, str]:
-    """(torch version, CUDA version) of the builder's venv, read before its keys, secrets, logs
-    and history are removed (over the same connection: the login key goes in that command)."""
+    """(torch version, CUDA version) of the builder's venv, read before its keys, secrets,
+    caches, logs and history are removed (over the same connection: the login key goes in that
+    command); then the scan: a file left that looks like a credential or a private key fails
+    the bake (`scan_refusal`), before anything is imaged."""
     node = plan.master
 
-    def one(_endpoint: nodes.Endpoint, conn: Any) -> tuple[str, str]:
+    def as_root(command: str) -> str:
+        return f'if [ "$(id -u)" = 0 ]; then {command}; else sudo -n {command}; fi'
+
+    def one(_endpoint: nodes.Endpoint, conn: Any) -> tuple[str, str, dict[str, str]]:
         out = run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(_TORCH_VERSIONS)}")
         torch, cuda = [*out.split(), "none", "none"][:2]
-        command = shlex.quote(cleanup_command(image, node.prefix, root))
-        as_root = f'if [ "$(id -u)" = 0 ]; then sh -c {command}; else sudo -n sh -c {command}; fi'
-        run(conn, as_root, timeout=300)
-        return torch, cuda
+        run(conn, as_root(cleanup_command(image, node.prefix, root)), timeout=300)
+        found = scan_found(run(conn, as_root(scan_command(image, node.prefix, root)), timeout=900))
+        return torch, cuda, found
 
+    say("cleaning the builder, then scanning it for credentials and private keys left")
     try:
-        return nodes.run_all([node.endpoint], access, one, timeout=600)[node.name]
+        torch, cuda, found = nodes.run_all([node.endpoint], access, one, timeout=1500)[node.name]
     except nodes.NodesFailed as exc:
         raise SparknetError(f"bake failed cleaning the builder: {exc}") from exc
+    if found:
+        raise scan_refusal(builder, found)
+    return torch, cuda
 
 
 def image_tags(

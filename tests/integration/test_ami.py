@@ -17,7 +17,7 @@ import os
 import signal
 import subprocess
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -99,20 +99,39 @@ def settings(bake: Bake, prefix: Path, endpoint: str) -> ami.BakeSettings:
     )  # fmt: skip
 
 
+#: planted in root's home and a user's
+IN_HOMES = (".aws/credentials", ".ssh/id_ed25519", ".cache/huggingface/token",
+            ".cache/torch/kernels/k", ".python_history", ".viminfo")  # fmt: skip
+#: what the clean-up must remove from the builder's root: keys, credentials, caches,
+#: histories, logs, temporary files and per-machine state (issue 23 found the ones after
+#: "apt log" surviving)
+GONE = {
+    "host key": "etc/ssh/ssh_host_ed25519_key",
+    "login key": "home/ubuntu/.ssh/authorized_keys",
+    "history": "root/.bash_history",
+    "log": "var/log/syslog",
+    "apt log": "var/log/apt/history.log",
+    "cloud-init state": "var/lib/cloud/instances/i-0123/sem/config_ssh",
+    **{f"{home} {rel}": f"{home}/{rel}" for home in ("root", "home/ubuntu") for rel in IN_HOMES},
+    "tmp": "tmp/build-1/x",
+    "tmp dotfile": "tmp/.lock",
+    "var tmp": "var/tmp/y",
+    "random seed": "var/lib/systemd/random-seed",
+    "systemd credential secret": "var/lib/systemd/credential.secret",
+}
+#: what it must keep
+KEPT = {
+    "cloud-init seed": "var/lib/cloud/seed/nocloud/user-data",
+    "ssh config": "etc/ssh/sshd_config",
+}
+#: the install prefix's own state, removed
+PREFIX_GONE = ("work/app-1/0/stderr", "autostop/deadline", "autostop/autostop.log")
+
+
 def fake_root(root: Path) -> dict[str, Path]:
     """A directory laid out like the builder's /, with what the clean-up must remove or keep."""
-    files = {
-        "host key": "etc/ssh/ssh_host_ed25519_key",
-        "login key": "home/ubuntu/.ssh/authorized_keys",
-        "history": "root/.bash_history",
-        "log": "var/log/syslog",
-        "apt log": "var/log/apt/history.log",
-        "cloud-init state": "var/lib/cloud/instances/i-0123/sem/config_ssh",
-        "cloud-init seed": "var/lib/cloud/seed/nocloud/user-data",
-        "ssh config": "etc/ssh/sshd_config",
-    }
     out = {}
-    for what, rel in files.items():
+    for what, rel in {**GONE, **KEPT}.items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(what)
@@ -153,6 +172,9 @@ def test_bake_makes_a_tagged_image_with_the_steps_done_and_removes_the_builder(
     ec2, base = moto_bake.ec2, moto_bake.base
     prefix = tmp_path / "prefix"
     root = fake_root(tmp_path / "root")
+    for rel in PREFIX_GONE:  # as a cluster's run would leave them
+        (prefix / rel).parent.mkdir(parents=True, exist_ok=True)
+        (prefix / rel).write_text(rel)
     baked = ami.bake(
         settings(moto_bake, prefix, moto_endpoint), wheel=wheel, root=str(tmp_path / "root"),
         delay_s=0.2,
@@ -178,12 +200,13 @@ def test_bake_makes_a_tagged_image_with_the_steps_done_and_removes_the_builder(
     assert ami.ami_for(own, ec2, ssm, moto_bake.parameter) == moto_bake.base
     assert_builder_gone(moto_bake)
 
-    # the clean-up: keys, history, logs and cloud-init state gone; dirs and the rest kept
-    for what in ("host key", "login key", "history", "log", "apt log", "cloud-init state"):
-        assert not root[what].exists(), what
-    assert root["apt log"].parent.is_dir()
+    # the clean-up: keys, credentials, caches, histories, logs, temporary files and state gone;
+    # dirs and the rest kept
+    assert [what for what in GONE if root[what].exists()] == []
+    assert root["apt log"].parent.is_dir() and list((tmp_path / "root/tmp").iterdir()) == []
     assert root["cloud-init seed"].exists() and root["ssh config"].exists()
     assert list((prefix / "dist").iterdir()) == []
+    assert [rel for rel in PREFIX_GONE if (prefix / rel).exists()] == []
 
     # a node from the image finds every step of the image done: `cluster up` skips them
     import invoke
@@ -294,6 +317,35 @@ def test_a_bake_whose_final_clean_up_fails_prints_its_image_and_what_is_left(
     assert down.exit_code == 0, down.output
     assert_builder_gone(moto_bake)
     assert ec2.describe_images(ImageIds=[baked])["Images"][0]["State"] == "available"
+
+
+def test_a_key_left_where_the_clean_up_does_not_look_fails_the_bake_and_leaves_nothing(
+    moto_bake, moto_endpoint, tmp_path, monkeypatch
+):
+    """The image's own clean-up and scan (no install steps) over a fake root where a PEM private
+    key lies in /opt: the bake fails in one line naming it, before any image is made."""
+    from sparknet.cli import app
+
+    key = tmp_path / "root/opt/x/key.pem"
+    key.parent.mkdir(parents=True)
+    key.write_text("-----BEGIN " + "RSA PRIVATE KEY-----\nnotakey\n-----END RSA PRIVATE KEY-----\n")
+    quick = {**no_steps(tmp_path), "image": replace(ami.load_image(), steps=())}
+    monkeypatch.setattr(ami, "bake", partial(ami.bake, **quick))
+    result = CliRunner().invoke(app, cli_args(moto_bake, tmp_path / "prefix", moto_endpoint))
+
+    assert result.exit_code == 1, result.output
+    (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
+    assert result.stderr.strip().splitlines()[-1] == line
+    assert line.startswith("error: bake refused: after the clean-up the builder i-")
+    assert "still holds what looks like a credential or private key: /opt/x/key.pem (a PEM " in line
+    assert_builder_gone(moto_bake)
+    ours = moto_bake.ec2.describe_images(
+        Owners=["self"], Filters=[{"Name": "tag:sparknet:builder", "Values": [moto_bake.name]}]
+    )["Images"]
+    assert ours == []
+    ssm = boto3.client("ssm", region_name=REGION)
+    with pytest.raises(ssm.exceptions.ParameterNotFound):
+        ssm.get_parameter(Name=moto_bake.parameter)
 
 
 def tags_of(resource: dict) -> dict[str, str]:

@@ -3,6 +3,7 @@ itself (moto checks none of them) and the CLI's one-line refusals of bad options
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -31,6 +32,10 @@ def test_the_image_runs_bootstraps_install_steps_in_order_and_no_cluster_step():
         ('remove = ["/var/../etc"]', "'/var/../etc' is not an absolute path"),
         ('remove = ["/tmp/$(reboot)"]', "is not an absolute path"),
         ("steps = [", "image.toml: "),
+        ('home = ["/root/.aws"]', "home: '/root/.aws' is not a path or glob relative to a home"),
+        ('home = ["../.aws"]', "'../.aws' is not a path or glob relative to a home"),
+        ('scan = ["opt"]', "scan: 'opt' is not an absolute path"),
+        ('scan_skip = ["*/x;reboot"]', "scan_skip: '*/x;reboot' is not a find -path pattern"),
     ],
 )
 def test_a_bad_image_definition_is_one_line(tmp_path: Path, text: str, message: str):
@@ -42,10 +47,13 @@ def test_a_bad_image_definition_is_one_line(tmp_path: Path, text: str, message: 
 
 
 def test_the_cleanup_removes_what_is_listed_under_its_root_and_keeps_the_rest(tmp_path: Path):
-    root, prefix = tmp_path / "root", tmp_path / "pre fix"  # a space: quoted, not split
+    # a space: quoted, not split; brackets: a path, not a glob
+    root, prefix = tmp_path / "root", tmp_path / "pre fix[1]"
     for rel in ("etc/ssh/ssh_host_rsa_key", "etc/ssh/sshd_config", "var/log/a/b.log"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text("x")
+    (tmp_path / "pre fix1" / "conf").mkdir(parents=True)
+    (tmp_path / "pre fix1" / "conf" / "other").write_text("not the prefix's")
     (prefix / "conf").mkdir(parents=True)
     (prefix / "conf" / "spark-defaults.conf").write_text("spark.authenticate.secret x")
     image = ami.Image((), ("/etc/ssh/ssh_host_*", "/home/*/.bash_history", "{prefix}/conf/*"),
@@ -56,6 +64,7 @@ def test_the_cleanup_removes_what_is_listed_under_its_root_and_keeps_the_rest(tm
     assert (root / "etc/ssh/sshd_config").exists()
     assert not (root / "var/log/a/b.log").exists() and (root / "var/log/a").is_dir()
     assert (prefix / "conf").is_dir() and not any((prefix / "conf").iterdir())
+    assert (tmp_path / "pre fix1" / "conf" / "other").exists()
 
 
 def hygiene_root(root: Path, *, dbus_link: bool) -> dict[str, Path]:
@@ -68,7 +77,7 @@ def hygiene_root(root: Path, *, dbus_link: bool) -> dict[str, Path]:
         "apt archive": "var/cache/apt/archives/openjdk-17.deb",
         "root pip cache": "root/.cache/pip/http-v2/a/b",
         "user pip cache": "home/ubuntu/.cache/pip/wheels/c",
-        "user cache": "home/ubuntu/.cache/other/kept",
+        "user cache": "home/ubuntu/.cache/other/x",
     }
     out = {}
     for what, rel in files.items():
@@ -96,21 +105,124 @@ def test_the_image_cleanup_leaves_no_machine_identity_nor_caches(tmp_path: Path,
     # a D-Bus id of its own goes; a symlink to /etc/machine-id (Ubuntu's) stays
     assert made["dbus machine id"].is_symlink() == dbus_link
     assert made["dbus machine id"].exists() == dbus_link
-    for what in ("apt list", "apt cache", "apt archive", "root pip cache", "user pip cache"):
+    for what in ("apt list", "apt cache", "apt archive", "root pip cache", "user pip cache",
+                 "user cache"):  # fmt: skip
         assert not made[what].exists(), what
     assert (root / "var/lib/apt/lists").is_dir() and (root / "var/cache/apt/archives").is_dir()
-    assert made["user cache"].exists()
-    # cloud-init's own clean-up runs on the builder itself only (here it would clean this host)
-    assert "cloud-init" not in command
 
 
-def test_the_builders_cleanup_runs_cloud_inits_where_present():
-    command = ami.cleanup_command(ami.load_image(), "/opt/sparknet")
-    assert command.startswith(
-        "if command -v cloud-init >/dev/null 2>&1; then cloud-init clean --logs; fi; "
-    )
-    truncated = 'for f in /etc/machine-id; do if [ -f "$f" ]; then : > "$f"; fi; done'
-    assert truncated in command and "rm -rf -- /etc/ssh/ssh_host_* " in command
+def test_the_builders_cleanup_runs_cloud_inits_where_present(tmp_path: Path):
+    """On the builder's own root (root "/") clean.sh runs `cloud-init clean --logs` first; on a
+    directory standing in for it, never (it would clean the machine the tests run on). No lists:
+    nothing else is touched."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "cloud-init").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "cloud-init").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    for root in ("/", str(tmp_path / "root")):
+        command = ami.cleanup_command(ami.Image((), (), ()), "/opt/sparknet", root)
+        subprocess.run(["sh", "-c", command], check=True, env=env)
+    assert calls.read_text() == "clean --logs\n"
+
+
+PEM_HEADER = "-----BEGIN " + "OPENSSH PRIVATE KEY-----"  # split: no scanner flags this file
+PEM_KEY = f"{PEM_HEADER}\nb3BlbnNzaC1rZXktdjEAAAAAnotakey\n-----END OPENSSH PRIVATE KEY-----\n"
+
+#: what issue 23 found surviving the clean-up, planted in each home: root's, two of /home's, and
+#: a login user's home outside /home
+IN_EVERY_HOME = (
+    ".aws/credentials", ".aws/config", ".ssh/id_ed25519", ".ssh/id_ed25519.pub",
+    ".ssh/authorized_keys", ".ssh/known_hosts", ".cache/huggingface/token",
+    ".cache/torch/kernels/k.bin", ".cache/pip/http/a", ".python_history", ".bash_history",
+    ".viminfo", ".lesshst", ".netrc", ".git-credentials", ".docker/config.json",
+    ".gnupg/private-keys-v1.d/k.key", ".ipython/profile_default/history.sqlite",
+)  # fmt: skip
+HOMES = ("root", "home/ubuntu", "home/someone", "srv/login")
+#: the temporary and per-machine state, and the install prefix's own
+STATE = (
+    "tmp/a", "tmp/.hidden/b", "tmp/dir/c", "var/tmp/d", "var/tmp/.e",
+    "var/lib/systemd/random-seed", "var/lib/systemd/credential.secret",
+    "etc/ssh/ssh_host_ed25519_key", "etc/ssh/ssh_host_ed25519_key.pub",
+    "etc/ssl/private/ssl-cert-snakeoil.key", "var/log/syslog", "var/lib/cloud/instances/i-1/x",
+)  # fmt: skip
+IN_PREFIX = ("work/app-1/0/stderr", "work/local/blockmgr-1/x", "autostop/deadline",
+             "jobs/run-1/driver.log", "logs/master.out", "conf/spark-defaults.conf")  # fmt: skip
+KEPT = ("etc/ssh/sshd_config", "home/ubuntu/.bashrc", "root/.profile", "etc/ssl/certs/ca.pem")
+
+
+def plant(base: Path, rels: tuple[str, ...], text: str = "planted\n") -> list[Path]:
+    out = []
+    for rel in rels:
+        (base / rel).parent.mkdir(parents=True, exist_ok=True)
+        (base / rel).write_text(text)
+        out.append(base / rel)
+    return out
+
+
+def test_the_cleanup_leaves_no_credential_key_cache_history_nor_machine_state(tmp_path: Path):
+    root, prefix = tmp_path / "root", tmp_path / "prefix"
+    gone = [p for home in HOMES for p in plant(root / home, IN_EVERY_HOME)]
+    gone += plant(root, STATE) + plant(prefix, IN_PREFIX)
+    (root / "home/ubuntu/.ssh/id_ed25519").write_text(PEM_KEY)
+    (root / "etc/machine-id").write_text("0123456789abcdef\n")
+    kept = plant(root, KEPT)
+    image = ami.load_image()
+    command = ami.cleanup_command(image, str(prefix), str(root), login_home="/srv/login")
+    subprocess.run(["sh", "-c", command], check=True)
+
+    assert [p for p in gone if p.exists() or p.is_symlink()] == []
+    assert all(p.exists() for p in kept)
+    for home in HOMES:  # the homes and their .ssh stay (cloud-init writes a launch key there)
+        assert (root / home / ".ssh").is_dir()
+    assert sorted(os.listdir(root / "tmp")) == [] and (root / "var/tmp").is_dir()
+    assert (root / "etc/machine-id").read_text() == ""
+    # the `dirs` step's tree stays (a node from the image skips the step)
+    assert (prefix / "work/local").is_dir() and (prefix / "logs").is_dir()
+    # and the scan after it finds nothing in what the clean-up leaves
+    found = ami.scan_found(run_scan(image, prefix, root, login_home="/srv/login"))
+    assert found == {}
+
+
+def run_scan(image: ami.Image, prefix: Path, root: Path, login_home: str | None = None) -> str:
+    command = ami.scan_command(image, str(prefix), str(root), login_home)
+    return subprocess.run(["sh", "-c", command], check=True, capture_output=True, text=True).stdout
+
+
+def test_the_scan_finds_private_keys_and_credentials_where_it_looks_and_nowhere_else(
+    tmp_path: Path,
+):
+    root, prefix = tmp_path / "root", tmp_path / "pre fix"
+    plant(root, ("opt/x/key.pem", "etc/ssl/private/site.key", "home/u/notes/deploy"), PEM_KEY)
+    plant(prefix, ("conf/server.key",), PEM_KEY)
+    plant(root, ("srv/app/credentials", "root/.ssh/id_rsa", "home/u/.cache/huggingface/token"))
+    plant(root, ("home/u/.ssh/id_rsa.pub", "etc/ssl/certs/ca.pem", "opt/x/README"))
+    # not looked into (scan_skip), or not where it looks (`scan`)
+    plant(root, ("opt/env/lib/python3.11/site-packages/tornado/test/test.key",), PEM_KEY)
+    plant(root, ("opt/env/lib/python3.11/test/keycert.pem", "usr/share/doc/x/key.pem"), PEM_KEY)
+    big = root / "opt/x/big.bin"
+    big.write_bytes(b"\0" * 10 + PEM_KEY.encode())  # binary: not read as text
+
+    found = ami.scan_found(run_scan(ami.load_image(), prefix, root, login_home="/nowhere"))
+    assert found == {
+        "/etc/ssl/private/site.key": "a PEM private key",
+        "/home/u/.cache/huggingface/token": "a credential's or private key's name",
+        "/home/u/notes/deploy": "a PEM private key",
+        "/opt/x/key.pem": "a PEM private key",
+        "/root/.ssh/id_rsa": "a credential's or private key's name",
+        "/srv/app/credentials": "a credential's or private key's name",
+        f"{prefix}/conf/server.key": "a PEM private key",
+    }
+
+
+def test_what_the_scan_finds_fails_the_bake_in_one_line_naming_the_files():
+    found = {f"/opt/k{i}.pem": "a PEM private key" for i in range(7)}
+    error = ami.scan_refusal("i-0123", found)
+    message = str(error)
+    assert "\n" not in message
+    assert message.startswith("bake refused: after the clean-up the builder i-0123 still holds ")
+    assert "/opt/k0.pem (a PEM private key), /opt/k1.pem" in message and "and 2 more" in message
+    assert "/opt/k5.pem" not in message and "scan_skip" in message
 
 
 @pytest.mark.parametrize("name", ["/aws/x", "awsx", "/ssm/x", "SSM-x", "a/b", "/x y", ""])
