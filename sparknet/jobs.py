@@ -72,6 +72,9 @@ class JobRecord:
     rounds: int
     endpoint_url: str | None = None
     s3_endpoint_url: str | None = None
+    #: the submit made the cluster (no --cluster): `attach` says at the end that it is still
+    #: up, and what ends it (a record of an older sparknet, or found on a master: False)
+    made: bool = False
 
     def started_text(self) -> str:
         return datetime.fromtimestamp(self.started, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
@@ -121,7 +124,7 @@ def record_of(
     """The record of a job `sparknet-submit` starts now."""
     return JobRecord(
         run_id, job.spec.name, job.spec.region, prefix, flow.job_dir(master.node, run_id),
-        time.time(), cfg.rounds, job.endpoint_url, job.dataset.endpoint_url,
+        time.time(), cfg.rounds, job.endpoint_url, job.dataset.endpoint_url, not job.reused,
     )  # fmt: skip
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparknet.cluster import autostop, instances, lifecycle, nodes, provider, repair
 from sparknet.cluster.plan import JOB_PID, JOBS_DIR, Node
@@ -25,10 +26,13 @@ from sparknet.cluster.remote import CommandFailed, Conn, ConnectionLost, q, run,
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import DatasetEntry, TrainConfig
 from sparknet.data.s3 import S3Uri
-from sparknet.data.store import load_manifest, open_store
+from sparknet.data.store import open_store
 from sparknet.errors import SparknetError
 from sparknet.supervisor import DEFAULT_MAX_RESTARTS, JOB_CONFIG, RC, restart_line
 from sparknet.training.report import CURVES, METRICS, is_event, read_metrics, round_rows
+
+if TYPE_CHECKING:
+    from sparknet.data.sources import Source
 
 Say = Callable[[str], None]
 
@@ -53,6 +57,10 @@ class JobFailed(SparknetError):
 class JobOutOfReach(SparknetError):
     """The master did not answer over SSH for `GRACE_S`: the job may go on there (it outlives
     the SSH session), so it is neither cancelled nor its cluster taken down."""
+
+
+class SubmitBusy(PreflightFailed):
+    """Another `sparknet-submit` of this machine holds the cluster's name (exit 2)."""
 
 
 class TeardownFailed(SparknetError):
@@ -136,10 +144,10 @@ def runs_bucket(spec: ClusterSpec, dataset: Dataset, reused: bool = False) -> st
 def progress_line(row: Mapping[str, Any], total: int, cost: float | None) -> str:
     """One plain line per round: round, loss, accuracy (when evaluated), samples/s, cost."""
     acc = f"  acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else ""
-    usd = "?" if cost is None else f"{cost:.2f}"
+    usd = "unknown" if cost is None else f"${cost:.2f}"  # a static cluster's: no price
     return (
         f"round {row['round']}/{total}  loss {row['loss']:.4f}{acc}  "
-        f"{row['samples_per_s']:.0f} samples/s  cost ${usd}"
+        f"{row['samples_per_s']:.0f} samples/s  cost {usd}"
     )
 
 
@@ -152,23 +160,55 @@ def last_error(log: str) -> str | None:
 # --- preflight: nothing is launched before these pass ------------------------------------------
 
 
-def check_dataset(dataset: Dataset) -> int:
-    """The manifest reads and every shard it lists is under the prefix (one listing, not a
-    HEAD per shard); the number of shards."""
-    store = open_store(dataset.uri, dataset.endpoint_url)
+def check_dataset(dataset: Dataset, cfg: TrainConfig | None = None) -> Source:
+    """`sparknet train`'s own checks of a shard dataset before Spark starts (`shard_source`):
+    the manifest reads, every shard it lists is there with the manifest's size (a HEAD each,
+    in parallel), the train split has samples. The source, for `check_training`."""
+    # sources imports torch: only once a submit checks its data, not for `--help`
+    from sparknet.data.sources import shard_source
+
     try:
-        manifest = load_manifest(store)
+        return shard_source(dataset.uri, cfg or TrainConfig(), dataset.endpoint_url)
     except SparknetError as exc:
-        raise PreflightFailed(f"dataset {dataset.uri}: {_first(exc)}") from exc
-    listed = store.list()
-    wanted = [s.name for split in manifest.splits.values() for s in split]
-    missing = [name for name in wanted if name not in listed]
-    if missing:
-        raise PreflightFailed(
-            f"dataset {dataset.uri}: {len(missing)} shard(s) its manifest lists are missing "
-            f"(first: {missing[0]}); upload the dataset again (`sparknet data upload`)"
-        )
-    return len(wanted)
+        line = _first(exc)
+        if not line.startswith(f"dataset {dataset.uri}"):
+            line = f"dataset {dataset.uri}: {line}"
+        raise PreflightFailed(line) from exc
+
+
+def planned_master(job: Job) -> Master:
+    """The cluster's Spark as the job will find it, known before anything is launched: a
+    reused cluster's own; a cluster to make: its master and `workers` instances (a static
+    one: its hosts), each with its type's GPUs (`bootstrap.gpus_per_node` when set). A static
+    host's GPUs are known only once it is reached: counted as none here, so its task count is
+    the least the job can get (one per host)."""
+    spec = job.spec
+    if job.reused:
+        return master_of(spec, job.endpoint_url)
+    gpus = spec.bootstrap.gpus_per_node
+    if provider.is_static(spec):
+        count = len(spec.hosts)
+    else:
+        count = spec.workers + 1  # the master runs a Spark worker too
+        if gpus is None:
+            check_gpu_counts(spec, job.endpoint_url)  # one count for every type, or refused
+            ec2 = instances.ec2_client(spec.region, job.endpoint_url)
+            gpus = lifecycle.instance_gpus(ec2, [spec.master_type])[spec.master_type]
+    planned = Node(nodes.Endpoint("master", "planned", 22, "-"), "planned", "-", gpus or 0)
+    return Master(planned, None, f"spark://planned:{spec.bootstrap.master_port}", count)  # type: ignore[arg-type]
+
+
+def check_training(job: Job, source: Source, prefix: str) -> None:
+    """What `sparknet train` checks before Spark starts (`driver.prepare`: the model by name
+    and on a sample of the data, the Spark tasks against the train shards and samples), on
+    the job's settings as the cluster will run them (`job_config` on `planned_master`)."""
+    from sparknet.training.driver import prepare  # torch and the driver: only here
+
+    cfg = job_config(job.cfg, job.dataset, prefix, planned_master(job), job.spec.name)
+    try:
+        prepare(cfg, source)
+    except SparknetError as exc:
+        raise PreflightFailed(_first(exc)) from exc
 
 
 def check_writable(prefix: str, endpoint_url: str | None) -> None:
@@ -438,6 +478,56 @@ def follow(
         time.sleep(poll_s)
 
 
+#: `sparknet train`'s progress lines in its log (stderr, not a terminal) before a round is done:
+#: what it waits for ("starting Spark", "round 1 (starting Python workers)"), and a done round
+_STATUS_LINE = r"starting Spark|round [0-9]+ \(.+\)"
+_ROUND_LINE = r"round [0-9]+/[0-9]+ .*"
+
+
+class DriverStatus:
+    """What the driver does before its first round is done (starting Spark, its executors
+    registered, their Python workers starting), read from its log on the master: each new
+    line once through `say`, as `driver: ...`, then nothing more. Called at every poll of
+    `follow` (its `on_tick`); best effort: a failed look is `follow`'s business, not this."""
+
+    def __init__(self, conn: Conn, node: Node, run_id: str, say: Say) -> None:
+        self.conn, self.say = conn, say
+        self.log = q(f"{job_dir(node, run_id)}/{LOG}")
+        self.said = 0
+        self.done = False
+
+    def __call__(self) -> None:
+        if self.done:
+            return
+        try:
+            text = run(
+                self.conn, f"grep -E -x '{_STATUS_LINE}|{_ROUND_LINE}' {self.log} 2>/dev/null; true"
+            )
+        except Exception:  # the next poll looks again
+            return
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        statuses = []
+        for line in lines:
+            if re.fullmatch(_ROUND_LINE, line):
+                self.done = True
+                break
+            statuses.append(line)
+        for line in statuses[self.said :]:
+            self.say(f"driver: {line}")
+        self.said = max(self.said, len(statuses))
+
+
+def ticks(*actions: Callable[[], None] | None) -> Callable[[], None]:
+    """One `on_tick` that calls each of `actions` (None: none) in turn."""
+
+    def tick() -> None:
+        for action in actions:
+            if action is not None:
+                action()
+
+    return tick
+
+
 def _drop(conn: Conn) -> None:
     """Close a broken connection, so that its next command opens a new one (Fabric's
     Connection reconnects on `run` once it is closed)."""
@@ -544,7 +634,7 @@ class Result:
 
 def preflight(job: Job) -> tuple[str, str]:
     """Everything that costs nothing, in order; (run id, run prefix)."""
-    check_dataset(job.dataset)
+    source = check_dataset(job.dataset, job.cfg)
     if job.reused:
         reuse(job.spec, job.endpoint_url)
     run_id = new_run_id()
@@ -556,6 +646,7 @@ def preflight(job: Job) -> tuple[str, str]:
             provider.check_launch(job.spec, job.endpoint_url)
         except SparknetError as exc:
             raise PreflightFailed(str(exc)) from exc
+    check_training(job, source, prefix)
     return run_id, prefix
 
 
@@ -572,6 +663,27 @@ class Ending:
     cluster: str = ""
 
 
+def submit_lock_path(name: str) -> Path:
+    """`<registry>/NAME.submit.lock`, beside the cluster's own `NAME.lock` (`up`/`down`)."""
+    return lifecycle.registry_dir() / f"{name}.submit.lock"
+
+
+@contextlib.contextmanager
+def submit_lock(name: str) -> Iterator[None]:
+    """Hold cluster `name`'s submit lock for the block, or refuse at once (SubmitBusy): one
+    submit per cluster name on this machine, so a second never launches on, reuses or tears
+    down the cluster of a first that runs (the kernel frees the lock however its holder ends)."""
+
+    def busy(holder: str) -> SubmitBusy:
+        return SubmitBusy(
+            f"cluster {name} is in use by another sparknet-submit on this machine (PID "
+            f"{holder}); wait for it to end, or give --name NEW to run on a cluster of its own"
+        )
+
+    with lifecycle.held_lock(submit_lock_path(name), busy):
+        yield
+
+
 def submit(
     job: Job,
     *,
@@ -583,19 +695,36 @@ def submit(
     """Preflight, cluster, driver, follow, fetch; then teardown (see `teardown_due`) whatever
     happened, Ctrl-C and SIGTERM included (the CLI turns those into KeyboardInterrupt). A
     detached job returns once its driver runs, and then nothing is torn down; nor is it for a
-    job out of reach (it may run on). `ending` is told what became of the cluster."""
+    job out of reach (it may run on). `ending` is told what became of the cluster. All of it
+    under the cluster's `submit_lock`, taken first."""
+    with submit_lock(job.spec.name):
+        return _submit(job, say=say, on_rows=on_rows, on_job=on_job, ending=ending)
+
+
+def _submit(
+    job: Job,
+    *,
+    say: Say,
+    on_rows: Callable[[list[dict[str, Any]], float | None], None],
+    on_job: OnJob | None,
+    ending: Ending | None,
+) -> Result:
     ending = Ending() if ending is None else ending
     run_id, prefix = preflight(job)
     if not job.reused:
         check_name_free(job.spec, job.endpoint_url)
         check_gpu_counts(job.spec, job.endpoint_url)
     started = time.monotonic()
-    ok = lost = False
+    ok = lost = untouched = False
     failure: BaseException | None = None
     try:
         if not job.reused:
             say(f"bringing cluster {job.spec.name} up")
-            provider.up(job.spec, endpoint_url=job.endpoint_url, say=say)
+            try:
+                provider.up(job.spec, endpoint_url=job.endpoint_url, say=say)
+            except lifecycle.ClusterBusy as exc:
+                untouched = True  # another `up`/`down` holds it: nothing there is this submit's
+                raise PreflightFailed(str(exc)) from exc
         master = master_of(job.spec, job.endpoint_url)
         cfg = job_config(job.cfg, job.dataset, prefix, master, job.spec.name)
         open_store(prefix, job.dataset.endpoint_url).write_bytes(
@@ -626,7 +755,9 @@ def submit(
         failure = exc
         raise
     finally:
-        if teardown_due(job, detached=(job.detach and ok) or lost):
+        if untouched:
+            pass  # nothing launched, so nothing to take down (nor advice that would end it)
+        elif teardown_due(job, detached=(job.detach and ok) or lost):
             ending.cluster = "up"  # until it is down: a failed teardown leaves it up
             teardown(job, say, failure)
             ending.cluster = "down"
@@ -658,7 +789,10 @@ def _run_driver(
             job.dataset.endpoint_url,
             lambda rows: on_rows(rows, provider.cost_so_far(job.spec, job.endpoint_url)),
             on_event=lambda event: say(restart_line(event)),
-            on_tick=repair.Watch(job.spec, endpoint_url=job.endpoint_url, say=say),
+            on_tick=ticks(
+                DriverStatus(conn, master.node, run_id, say),
+                repair.Watch(job.spec, endpoint_url=job.endpoint_url, say=say),
+            ),
         )
     except JobOutOfReach:
         raise  # the job may run on, out of reach: nothing to cancel it with
@@ -731,9 +865,15 @@ def teardown(job: Job, say: Say, after: BaseException | None = None) -> None:
 def stays_up_line(job: Job) -> str:
     """What ends a cluster that a submit leaves up: its autostop timer (the minutes), or, with
     the timer off, only `sparknet cluster down`."""
-    name, minutes = job.spec.name, job.spec.autostop_minutes
     why = "reused with --cluster" if job.reused else "--keep" if job.keep else "the job runs"
-    if provider.is_static(job.spec):
+    return up_line(job.spec, why)
+
+
+def up_line(spec: ClusterSpec, why: str) -> str:
+    """`cluster NAME stays up (WHY)` and what ends it: `stays_up_line`'s, and `attach`'s at the
+    end of a job on a cluster a submit made (WHY: its cost so far)."""
+    name, minutes = spec.name, spec.autostop_minutes
+    if provider.is_static(spec):
         return (
             f"cluster {name} stays up ({why}): Spark runs on its hosts until `sparknet cluster "
             f"down {name}` stops it (a static cluster has no autostop timer)"

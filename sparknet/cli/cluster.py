@@ -282,6 +282,9 @@ def cluster_down(
         help="static cluster: forget hosts that do not answer instead of failing (stop "
         "Spark there yourself)",
     ),
+    yes: bool = typer.Option(
+        False, "--yes", "-y", help="do not ask before cancelling the jobs that run on it"
+    ),
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
@@ -289,11 +292,14 @@ def cluster_down(
     """Terminate the cluster's instances, delete its resources, and list what was deleted; exit
     1 when the region has nothing of that name (the line names the clusters it has), or when
     its owner tag names another principal (unless --any-owner). A static cluster: stop Spark on
-    its hosts and forget it (exit 1 naming a host that does not answer)."""
+    its hosts and forget it (exit 1 naming a host that does not answer). The sparknet-submit
+    jobs running on it are named first, as they are cancelled with it: on a terminal it asks
+    (unless --yes); otherwise it goes on."""
     from sparknet.cluster import lifecycle
 
     caught = Caught()
     spec = _on_cluster(lambda spec: spec, name, region, config, debug)
+    _confirm_jobs_end(spec, endpoint_url, yes, debug)
     static = spec.provider == "static"
     finish = f"`sparknet cluster down {name}" + ("`" if static else f" --region {spec.region}`")
     note = f"taking {name} down to the end so nothing is left half-deleted; again to stop it"
@@ -311,6 +317,58 @@ def cluster_down(
         _fail(exc, debug, caught)
     _print_down(report)
     print(f"cluster {name} is down")
+
+
+def _confirm_jobs_end(spec, endpoint_url: str | None, yes: bool, debug: bool) -> None:
+    """Name the jobs that `down` of `spec` cancels; on a terminal, without --yes, go on only
+    when the user says so (exit 1 otherwise). Not on a terminal (a script, CI, a clean-up),
+    `down` goes on after the line: a teardown that waits for an answer nobody gives would
+    leave the cluster billed."""
+    running = _running_jobs(spec, endpoint_url)
+    if not running:
+        return
+    them = "it" if len(running) == 1 else "them"
+    _say(
+        f"cluster {spec.name} runs job {', '.join(running)}: taking it down cancels {them} "
+        "(`sparknet-submit cancel RUN` ends one job alone)"
+    )
+    if yes or not _on_terminal():
+        return
+    if not typer.confirm(f"cancel {them} and take cluster {spec.name} down?", err=True):
+        fail(
+            SparknetError(
+                f"cluster {spec.name} not taken down: job {', '.join(running)} runs on; "
+                "`--yes` takes it down without asking"
+            ),
+            debug,
+            1,
+        )
+
+
+def _on_terminal() -> bool:
+    """Whether a person can answer a question: stdin and stderr are terminals."""
+    return sys.stdin.isatty() and sys.stderr.isatty()
+
+
+def _running_jobs(spec, endpoint_url: str | None) -> list[str]:
+    """The run ids of the sparknet-submit jobs whose session is alive on the cluster's master;
+    none where it has no running master or it does not answer (`down` ends what runs there
+    all the same)."""
+    from sparknet import submit as flow
+    from sparknet.cluster import nodes, provider
+    from sparknet.cluster.bootstrap import running_jobs
+
+    try:
+        if not provider.master_running(spec, endpoint_url):
+            return []
+        master = flow.master_of(spec, endpoint_url)
+        conn = nodes.connect(master.node.endpoint, master.access)
+        try:
+            return running_jobs(conn, master.node)
+        finally:
+            conn.close()
+    except SparknetError:
+        return []
 
 
 def _static_down(spec, forget_unreachable: bool) -> None:

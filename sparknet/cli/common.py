@@ -15,13 +15,31 @@ from rich.console import Console
 
 from sparknet.interrupts import hold, holding
 
-#: progress and notes go to stderr; results (tables, summaries) to stdout
-console = Console(stderr=True)
+#: progress and notes go to stderr; results (tables, summaries) to stdout. A line printed is
+#: never wrapped by rich (`soft_wrap`): a terminal wraps it as wide as it is, and a log file
+#: or a pipe (rich's 80 columns) keeps an error or a path whole on one line
+console = Console(stderr=True, soft_wrap=True)
 results = Console()
 
 ConfigOption = typer.Option(None, "--config", help="settings YAML; default ./sparknet.yaml")
 EndpointOption = typer.Option(None, help="S3-compatible endpoint (MinIO, moto)")
 DebugOption = typer.Option(False, help="show tracebacks")
+
+
+def _flags_without_type() -> None:
+    """`--help` shows no `<bool>` after a switch (`--keep`, `--spot/--on-demand`, `--help`):
+    typer gives every option its type's name, though a switch takes no value."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
+        return None if self.is_flag and self.metavar is None else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_without_type()
 
 
 def fail(exc: BaseException, debug: bool, code: int = 2) -> None:

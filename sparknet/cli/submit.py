@@ -49,7 +49,11 @@ def submit(
     name: str | None = typer.Option(
         None, "--name", help="name of the cluster to make; default: the only `clusters:` entry"
     ),
-    workers: int | None = typer.Option(None, help="worker instances of the cluster to make"),
+    workers: int | None = typer.Option(
+        None,
+        help="worker instances of the cluster to make (EC2 machines, not Spark tasks: those are "
+        "one per GPU, or --set workers=N)",
+    ),
     instance_type: list[str] = typer.Option([], help="worker type, repeatable: fallback order"),
     spot: bool | None = typer.Option(None, "--spot/--on-demand", help="workers on spot"),
     provider: str | None = typer.Option(
@@ -101,7 +105,7 @@ def submit(
         path = find_config_file(config)
         cfg = load_train_config(config_file=path, sets=sets, flags=training, conf=conf)
         dataset = flow.resolve_dataset(s3, load_datasets(path), endpoint_url)
-        cluster_name = cluster or name or _only_cluster(path)
+        cluster_name = cluster or _named_cluster(name, path) or _only_cluster(path)
         flags = dict(
             workers=workers, instance_types=instance_type, spot=spot, provider=provider,
             autostop_minutes=autostop,
@@ -246,6 +250,29 @@ def _print_detached(job, run_id: str, prefix: str) -> None:
     _say(stays_up_line(job))
 
 
+def _named_cluster(name: str | None, path: Path | None) -> str | None:
+    """`--name NAME`, which must be a `clusters:` entry of the settings file: a cluster is made
+    from its entry (a typo would make one of the defaults)."""
+    from sparknet.config import read_section
+
+    if name is None:
+        return None
+    names = sorted(read_section(path, "clusters")) if path is not None else []
+    if name not in names:
+        from sparknet.submit import PreflightFailed
+
+        if path is None:
+            raise PreflightFailed(
+                f"--name {name}: no settings file (./sparknet.yaml or --config) to make it from "
+                "(a cluster is made from its `clusters:` entry)"
+            )
+        raise PreflightFailed(
+            f"--name {name}: no such entry in {path}'s clusters: (known: "
+            f"{', '.join(names) or 'none'}); a cluster is made from its entry"
+        )
+    return name
+
+
 def _only_cluster(path: Path | None) -> str:
     """The cluster to make when neither --cluster nor --name says: the settings file's only
     `clusters:` entry."""
@@ -368,8 +395,10 @@ def attach(
     debug: bool = JobsDebugOption,
 ) -> None:
     """Follow a job as an attached submit does: its rounds so far, then each new one, the
-    summary, and curves.png and metrics.jsonl into runs/RUN/. Ctrl-C or SIGTERM only detach:
-    the job goes on (exit 130 / 143)."""
+    summary, and curves.png and metrics.jsonl into runs/RUN/ (a job that already ended: how
+    it ended, without its rounds). A cluster the job's submit made is said to be still up, with
+    its cost and what ends it. Ctrl-C or SIGTERM only detach: the job goes on (exit 130 /
+    143)."""
     import time
 
     from sparknet import jobs
@@ -387,17 +416,27 @@ def attach(
     caught = Caught()
     try:
         with interrupts(caught):
-            _say(f"attached to job {run_id} on cluster {rec.cluster}; Ctrl-C detaches (it goes on)")
-            try:
-                outcome = flow.follow(
-                    conn, found.master, run_id, rec.prefix, rec.s3_endpoint_url,
-                    lambda rows: report.rows(rows, provider.cost_so_far(found.spec, endpoint)),
-                    on_event=lambda event: _say(flow.restart_line(event)),
-                    on_tick=repair.Watch(found.spec, endpoint_url=endpoint, say=_say),
-                )  # fmt: skip
-            finally:
-                report.stop()
             state = jobs.state_of(conn, node, run_id)
+            if state not in ("running", jobs.ORPHANED):  # an orphan's driver runs on
+                outcome = _ended_outcome(conn, found, run_id, state)
+            else:
+                _say(
+                    f"attached to job {run_id} on cluster {rec.cluster}; Ctrl-C detaches "
+                    "(it goes on)"
+                )
+                try:
+                    outcome = flow.follow(
+                        conn, found.master, run_id, rec.prefix, rec.s3_endpoint_url,
+                        lambda rows: report.rows(rows, provider.cost_so_far(found.spec, endpoint)),
+                        on_event=lambda event: _say(flow.restart_line(event)),
+                        on_tick=flow.ticks(
+                            flow.DriverStatus(conn, node, run_id, _say),
+                            repair.Watch(found.spec, endpoint_url=endpoint, say=_say),
+                        ),
+                    )  # fmt: skip
+                finally:
+                    report.stop()
+                state = jobs.state_of(conn, node, run_id)
             ended = jobs.ended_at(conn, node, run_id) or time.time()
             cost = provider.cost_so_far(found.spec, endpoint)
             fetched = flow.fetch_results(rec.prefix, rec.s3_endpoint_url, Path("runs") / run_id)
@@ -413,16 +452,48 @@ def attach(
         fail(exc, debug, 1)
     finally:
         conn.close()
+    still_up = _still_up(rec, found.spec, cost)
     if state == "cancelled":
+        still_up()
         fail(SparknetError(f"job {run_id} was cancelled"), debug, 1)
     if outcome.rc != 0:
         why = flow.last_error(outcome.log) or f"the driver exited {outcome.rc}"
         log = f"{flow.job_dir(node, run_id)}/{flow.LOG}"
+        still_up()
         fail(flow.JobFailed(f"job {run_id} failed: {why} (log: {log} on the master)"), debug, 1)
     for line in flow.summary_lines(run_id, rec.prefix, outcome.rows, ended - rec.started, cost):
         results.print(line, markup=False, highlight=False, soft_wrap=True)
     for path in fetched:
         results.print(f"fetched {path}", markup=False, highlight=False, soft_wrap=True)
+    still_up()
+
+
+def _ended_outcome(conn, found, run_id: str, state: str):
+    """The outcome of a job that ended before `attach` came: said in one line (how, after how
+    many rounds), its rounds not replayed."""
+    from sparknet import submit as flow
+    from sparknet.data.store import open_store
+    from sparknet.training.report import read_metrics
+
+    rec, node = found.record, found.master.node
+    rc = flow.driver_rc(conn, node, run_id)
+    rows = read_metrics(open_store(rec.prefix, rec.s3_endpoint_url))
+    done = max((row["round"] for row in rows), default=0)
+    _say(f"job {run_id} already ended ({state}) after round {done} of {rec.rounds}")
+    return flow.Outcome(rc, rows, flow.driver_log(conn, node, run_id) if rc else "")
+
+
+def _still_up(rec, spec, cost: float | None):
+    """What `attach` says last of a cluster that the job's submit made (and that runs: the job
+    was just asked of its master): it is still up, its cost so far, and what ends it."""
+    from sparknet import submit as flow
+
+    def say() -> None:
+        if rec.made:
+            usd = "unknown" if cost is None else f"${cost:.2f}"
+            _say(flow.up_line(spec, f"made by sparknet-submit; cost so far {usd}"))
+
+    return say
 
 
 @submit_app.command("logs")

@@ -130,7 +130,22 @@ def cluster_lock(name: str) -> Iterator[None]:
     finishes (`remove_lock`): whoever locked the removed file meanwhile sees that it is no
     longer the one at the path and locks the new one instead.
     """
-    path = _lock_path(name)
+
+    def busy(holder: str) -> ClusterBusy:
+        return ClusterBusy(
+            f"cluster {name} is busy: another `sparknet cluster up/down` (PID {holder}) is "
+            "working on it; wait for it to end, then run this again"
+        )
+
+    with held_lock(_lock_path(name), busy):
+        yield
+
+
+@contextlib.contextmanager
+def held_lock(path: Path, busy: Callable[[str], SparknetError]) -> Iterator[None]:
+    """Hold the lock file `path` for the block, or raise `busy(holder's PID)` at once
+    (`cluster_lock`'s mechanics, for any lock of one cluster's: `sparknet-submit` holds one of
+    its own for its whole life)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -139,10 +154,7 @@ def cluster_lock(name: str) -> Iterator[None]:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(fd)
-            raise ClusterBusy(
-                f"cluster {name} is busy: another `sparknet cluster up/down` (PID {holder}) is "
-                f"working on it; wait for it to end, then run this again"
-            ) from None
+            raise busy(holder) from None
         if _is_at(fd, path):
             break
         os.close(fd)

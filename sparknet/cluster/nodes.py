@@ -236,6 +236,7 @@ def run_all(
     stop = threading.Event()
 
     def one(endpoint: Endpoint) -> T:
+        _run.stop = stop  # what `stopped()` asks from inside `fn`
         conn = connect(endpoint, access, connect_timeout)
         conns[endpoint.name] = conn
         try:
@@ -258,6 +259,7 @@ def run_all(
             conn.close()
         raise
     finally:
+        stop.set()  # a thread still busy now is abandoned: a wait in it may end (`stopped`)
         pool.shutdown(wait=False, cancel_futures=True)
     failures: dict[str, BaseException] = {}
     for future, ep in futures.items():
@@ -293,6 +295,74 @@ def _failed_line(endpoints: Sequence[Endpoint], failures: dict[str, BaseExceptio
             # connect's errors begin with the node already
             parts.append(line if line.startswith(ep.name) else f"{ep.name}: {line}")
     return f"{len(failures)} of {len(endpoints)} nodes failed: {'; '.join(parts)}"
+
+
+#: the `run_all` a thread works for: its stop event (see `stopped`)
+_run = threading.local()
+
+
+def stopped() -> bool:
+    """Whether the `run_all` this thread works for has stopped waiting for it (Ctrl-C, or its
+    timeout): a long wait inside its `fn` that runs no command (nothing for `run_all` to close
+    under it) ends then, so no thread outlives its caller by minutes."""
+    event = getattr(_run, "stop", None)
+    return event is not None and event.is_set()
+
+
+class NotBack(SparknetError):
+    """`reconnect_after_restart` gave up: the node did not answer as restarted within its
+    time; `why` says what it last saw."""
+
+    def __init__(self, endpoint: Endpoint, timeout: float, why: str) -> None:
+        super().__init__(f"{endpoint}: not back within {timeout:g} s ({why})")
+        self.endpoint, self.timeout, self.why = endpoint, timeout, why
+
+
+#: the longest one `connect` inside `reconnect_after_restart` tries before it looks again
+#: whether its `run_all` stopped
+RECONNECT_SLICE_S = 5.0
+
+
+def reconnect_after_restart(
+    conn: fabric.Connection,
+    endpoint: Endpoint,
+    access: Access,
+    timeout: float,
+    restarted: Callable[[fabric.Connection], bool],
+) -> None:
+    """Give `conn` a fresh connection to `endpoint` once the node is back from a restart (a
+    reboot), within `timeout`; else `NotBack`.
+
+    Each try is `connect`'s: only the host key pinned for the node is accepted (a refusal is
+    raised at once, as there), and a node whose sshd does not serve is tried again. A node told
+    to reboot serves for a while before its sshd stops, so what answers counts only once
+    `restarted(fresh)` says so (its boot id changed); an error in it (the old sshd going down
+    under it) counts as not yet. `conn`'s old connection is closed, and `conn` stays the
+    object its caller holds (the next steps use it; `run_all` closes it, on Ctrl-C too)."""
+    deadline = time.monotonic() + timeout
+    why = "no answer"
+    conn.close()
+    while not stopped():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise NotBack(endpoint, timeout, why)
+        try:
+            fresh = connect(endpoint, access, min(left, RECONNECT_SLICE_S))
+        except SparknetError as exc:
+            if exc.__cause__ is None or not _still_starting(exc.__cause__):
+                raise  # the node's answer: another host key, a refused login
+            why = describe(exc.__cause__)
+            continue
+        try:
+            if restarted(fresh):
+                conn.client, conn.transport = fresh.client, fresh.transport
+                return
+            why = "it still runs the boot it had before"
+        except (SparknetError, OSError, EOFError, paramiko.SSHException) as exc:
+            why = describe(exc)
+        fresh.close()
+        time.sleep(RETRY_S)
+    raise SparknetError(f"{endpoint}: interrupted while waiting for it to restart")
 
 
 # --- keys ------------------------------------------------------------------------------------

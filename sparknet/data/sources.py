@@ -217,8 +217,9 @@ class Source(ABC):
     def check_workers(self, workers: int) -> None:
         if workers > self.train_size:
             raise SparknetError(
-                f"--workers {workers} is more than the {self.train_size} training samples of "
-                f"{self.describe()}; use at most {self.train_size} workers"
+                f"{workers} Spark tasks are more than the {self.train_size} training samples of "
+                f"{self.describe()}; run at most {self.train_size} (the `workers` setting: "
+                "train's --workers, sparknet-submit's --set workers=N)"
             )
 
 

@@ -56,8 +56,10 @@ def epoch_shards(
     """Indices (into the manifest's shard list) that `partition` reads in `epoch`, in order."""
     if len(counts) < workers:
         raise SparknetError(
-            f"the dataset has {len(counts)} train shards, fewer than --workers {workers}: "
-            "use fewer workers or re-shard with a smaller --shard-mb (`sparknet data shard`)"
+            f"the dataset has {len(counts)} train shards, fewer than its {workers} Spark tasks "
+            "(each reads shards of its own): run fewer (the `workers` setting: train's "
+            "--workers, sparknet-submit's --set workers=N) or re-shard with a smaller --shard-mb "
+            "(`sparknet data shard`)"
         )
     return _epoch_shards(tuple(counts), seed, epoch, workers)[partition]
 

@@ -38,7 +38,7 @@ from sparknet.training.session import (
     user_modules,
 )
 from sparknet.training.state import StateLayout
-from sparknet.training.transport import SparkTransport
+from sparknet.training.transport import SparkTransport, wait_for_executors
 from sparknet.training.watchdog import ExecutorWatchdog
 from sparknet.training.worker import (
     Contribution,
@@ -329,6 +329,10 @@ def _start(
         if own_session:
             status("starting Spark")
             spark = start_session(cfg.master, cfg.workers, cfg.spark_conf, cfg.gpus_per_worker)
+        if not is_local_master(spark.sparkContext.master):  # a cluster's executors register
+            status("waiting for Spark's executors")
+            if cores := wait_for_executors(spark.sparkContext, cfg.workers):
+                status(f"{len(cores)} executors registered ({sum(cores.values())} cores)")
         cfg = _resolve_transport(cfg, spark, frames is not None, run.on_s3)  # refusals first
         status("starting Python workers")
         data = None if frames is not None or cfg.data in (datasets or {}) else cfg.data

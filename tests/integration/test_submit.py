@@ -184,12 +184,13 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(
     group = moto_nodes(name, 1)
     _layout(group, name, tmp_path)
     with group.watch(_client("ec2")):
-        # a job that fails on the master (no such model): non-zero, its error shown, torn down
-        bad = submit("--s3", "tiny", *JOB, "--model", "no_such_model_xyz", cwd=tmp_path)
+        # a job that fails on the master (a Spark setting its driver refuses; an unknown model
+        # is refused before launch): non-zero, its error shown, torn down
+        bad = submit("--s3", "tiny", *JOB, "--conf", "spark.speculation=true", cwd=tmp_path)
         assert bad.returncode == 1, bad.stderr[-3000:]
         error = [ln for ln in bad.stderr.splitlines() if ln.startswith("error: ")]
         assert len(error) == 1 and "failed:" in error[0], bad.stderr[-3000:]
-        assert "no_such_model_xyz" in error[0], error
+        assert "spark.speculation=true" in error[0], error
         assert "Traceback" not in bad.stderr
         _torn_down(name, tmp_path)
     group.stop()  # terminated instances answer no more: the next cluster's nodes are new ones
@@ -225,6 +226,9 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, before + stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "bootstrapping 2 nodes" in done.stderr and "master: spark-master done" in done.stderr
+    # what the driver does before round 1, from its log on the master
+    assert "driver: starting Spark" in done.stderr, done.stderr[-3000:]
+    assert re.search(r"driver: round 1 \(2 executors registered", done.stderr), done.stderr[-3000:]
     # one plain line per round (no TTY), each once though a round ran twice, the restart's
     # line, then the summary
     restarts = [ln for ln in done.stderr.splitlines() if ln.startswith("driver died")]
@@ -301,7 +305,9 @@ def test_preflight_refusals_launch_nothing(settings, bucket, tmp_path):
     s3.delete_object(Bucket=bucket, Key=shard)
     missing = submit("--s3", "tiny", *JOB, cwd=tmp_path, timeout=120)
     assert missing.returncode == 2, missing.stderr
-    assert missing.stderr.startswith(f"error: dataset s3://{bucket}/tiny: 1 shard(s)")
+    assert missing.stderr.startswith(
+        f"error: dataset s3://{bucket}/tiny does not match its manifest: "
+    )
     assert shard.split("/")[-1] in missing.stderr
     assert len(missing.stderr.splitlines()) == 1
     assert _live(name) == []

@@ -31,7 +31,7 @@ def run_cli(
         (["--model", "no_such_pkg.models:net"], "cannot import module 'no_such_pkg'"),
         (["--model", "tests.helpers:nothing"], "has no attribute 'nothing'"),
         (["--model", "tests.helpers:identical_samples"], "not a torch.nn.Module"),
-        (["--workers", "5000"], "--workers 5000 is more than the 1437 training samples"),
+        (["--workers", "5000"], "5000 Spark tasks are more than the 1437 training samples"),
         (["--tau", "0"], "invalid setting tau"),
         (["--model", "resnet18"], "model 'resnet18' cannot take inputs of shape (1, 8, 8)"),
         (["--resume"], "--resume needs --out"),

@@ -59,7 +59,7 @@ def test_each_epoch_deals_every_shard_to_exactly_one_partition():
 
 
 def test_fewer_shards_than_workers_names_the_fix():
-    with pytest.raises(SparknetError, match="fewer than --workers 9") as exc:
+    with pytest.raises(SparknetError, match="fewer than its 9 Spark tasks") as exc:
         epoch_shards(COUNTS, seed=0, epoch=0, workers=9, partition=0)
     assert "smaller --shard-mb" in str(exc.value)  # the flag `data shard` has
 

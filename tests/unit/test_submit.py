@@ -38,7 +38,10 @@ def test_progress_line_and_last_error() -> None:
         "round 3/10  loss 1.2346  acc 0.500  812 samples/s  cost $0.46"
     )
     del row["eval_accuracy"]
-    assert flow.progress_line(row, 10, None) == "round 3/10  loss 1.2346  812 samples/s  cost $?"
+    # a static cluster has no price: said in words, not `$?`
+    assert flow.progress_line(row, 10, None) == (
+        "round 3/10  loss 1.2346  812 samples/s  cost unknown"
+    )
     log = "starting\nerror: first\nround 1\nerror: model 'x' not found; check --model\n"
     assert flow.last_error(log) == "model 'x' not found; check --model"
     assert flow.last_error("Killed\n") is None
@@ -148,7 +151,7 @@ def _dataset(s3, bucket: str, shards: int = 2) -> str:
 
 def test_preflight_passes_a_whole_dataset_and_a_writable_prefix(s3, bucket) -> None:
     uri = _dataset(s3, bucket)
-    assert flow.check_dataset(flow.Dataset(uri)) == 2
+    assert len(flow.check_dataset(flow.Dataset(uri)).manifest.shards("train")) == 2
     prefix = flow.run_prefix(bucket, "c1", "R1")
     flow.check_writable(prefix, None)
     assert s3.list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0  # probe deleted
@@ -158,8 +161,12 @@ def test_preflight_names_a_missing_shard_and_an_unreadable_manifest(s3, bucket) 
     uri = _dataset(s3, bucket, shards=3)
     s3.delete_object(Bucket=bucket, Key="ds/train-000001.tar")
     with pytest.raises(
-        flow.PreflightFailed, match=r"1 shard\(s\) .* missing \(first: train-000001"
+        flow.PreflightFailed, match=f"^dataset {uri} does not match its manifest: train-000001"
     ):
+        flow.check_dataset(flow.Dataset(uri))
+    # `sparknet train`'s own check: every shard's size against the manifest, before launch
+    s3.put_object(Bucket=bucket, Key="ds/train-000001.tar", Body=b"abcd")
+    with pytest.raises(flow.PreflightFailed, match="train-000001.tar has 4 bytes, the manifest"):
         flow.check_dataset(flow.Dataset(uri))
     s3.put_object(Bucket=bucket, Key="ds/manifest.json", Body=b"{not json")
     with pytest.raises(flow.PreflightFailed, match=f"dataset {uri}: .*manifest"):
@@ -192,6 +199,8 @@ def test_a_bad_training_flag_or_provider_is_one_line_and_exit_2(tmp_path) -> Non
     from tests.conftest import SPARKNET
 
     SUBMIT = SPARKNET.with_name("sparknet-submit")
+
+    (tmp_path / "sparknet.yaml").write_text("clusters:\n  c1: {}\n")
 
     def submit(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -657,7 +666,7 @@ def test_preflight_of_a_made_cluster_needs_its_bucket_and_the_data_under_its_dat
     paid for is refused first, one line; the run prefix is the cluster's `cluster_runs_prefix`."""
     from sparknet.cluster.spec import ClusterSpec
 
-    uri = _dataset(s3, bucket)  # s3://BUCKET/ds
+    uri = _dataset(s3, bucket, shards=3)  # s3://BUCKET/ds: a shard for each of 3 Spark tasks
 
     def preflight(spec: ClusterSpec, reused: bool = False) -> tuple[str, str]:
         return flow.preflight(flow.Job(spec, reused, False, flow.Dataset(uri), TrainConfig()))

@@ -1,0 +1,380 @@
+"""The submitter seen as a user sees it: what is refused before anything is launched, a second
+submit of a cluster's name, what `attach` and `cluster down` say of a cluster and its jobs, and
+the messages (help, wrapping, the driver's start-up). sparknet-submit runs in process (typer's
+runner), against moto's EC2 and S3, with `up` and `down` replaced by recorders where a test
+must prove they were never reached."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from sparknet import jobs
+from sparknet import submit as flow
+from sparknet.cluster import lifecycle
+from sparknet.errors import SparknetError
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """The registry home (locks, job records) and the working dir under tmp_path."""
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list[str]:
+    """`up` and `down` of every cluster, recorded: `up` then fails (nothing is really
+    launched), `down` finds nothing."""
+    calls: list[str] = []
+
+    def up(spec, **kwargs):
+        calls.append(f"up {spec.name}")
+        raise SparknetError("up was called")
+
+    def down(spec, **kwargs):
+        calls.append(f"down {spec.name}")
+
+    monkeypatch.setattr(lifecycle, "up", up)
+    monkeypatch.setattr(lifecycle, "down", down)
+    return calls
+
+
+def _submit(*args: str):
+    from sparknet.cli.submit import submit_app
+
+    return CliRunner().invoke(submit_app, list(args))
+
+
+def _dataset(bucket: str, shards: int = 3, samples: int = 2) -> str:
+    """A shard dataset on moto's S3 under s3://BUCKET/ds: `shards` shards of `samples` each
+    (3 bytes, no sha256 metadata: what the size check reads)."""
+    import boto3
+
+    from sparknet.data.manifest import ClassInfo, Manifest, ShardInfo
+
+    s3 = boto3.client("s3")
+    infos = [
+        ShardInfo(name=f"train-{k:06d}.tar", samples=samples, bytes=3, sha256="0" * 64)
+        for k in range(shards)
+    ]
+    classes = [ClassInfo(index=k, wnid=f"n{k:08d}", name=f"c{k}") for k in range(2)]
+    manifest = Manifest(classes=classes, splits={"train": infos, "val": infos[:1]})
+    s3.put_object(Bucket=bucket, Key="ds/manifest.json", Body=manifest.dumps().encode())
+    for info in infos:
+        s3.put_object(Bucket=bucket, Key=f"ds/{info.name}", Body=b"abc")
+    return f"s3://{bucket}/ds"
+
+
+def _tagged(name: str) -> list[str]:
+    """Instances and security groups on moto's EC2 tagged with cluster `name`."""
+    import boto3
+
+    from sparknet.cluster.spec import TAG_CLUSTER
+
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    tag = [{"Name": f"tag:{TAG_CLUSTER}", "Values": [name]}]
+    found = [
+        i["InstanceId"]
+        for r in ec2.describe_instances(Filters=tag)["Reservations"]
+        for i in r["Instances"]
+    ]
+    return found + [
+        g["GroupId"] for g in ec2.describe_security_groups(Filters=tag)["SecurityGroups"]
+    ]
+
+
+# --- 7: what `sparknet train` checks before Spark starts, checked before anything is launched --
+
+
+def test_what_train_refuses_is_refused_before_anything_is_launched(
+    home, launches, bucket, tmp_path
+) -> None:
+    """An unknown --model, fewer train shards than the job's Spark tasks (one per GPU of every
+    node: `--workers 3` g5.xlarge instances and the master, 4), a shard whose size is not the
+    manifest's: one line each, exit 2, `up` never called, nothing on EC2, nothing written under
+    the runs prefix. The same job with none of these gets as far as `up`."""
+    import boto3
+
+    uri = _dataset(bucket)
+    (tmp_path / "sparknet.yaml").write_text(
+        f"clusters:\n  c1: {{bucket: {bucket}, data_prefix: ds/}}\n"
+    )
+    s3 = boto3.client("s3")
+    cases = [
+        (("--model", "resnet9000"), "error: unknown model 'resnet9000'"),
+        (("--workers", "3"), "error: the dataset has 3 train shards, fewer than its 4 Spark tasks"),
+    ]
+    for args, line in cases:
+        done = _submit("--s3", uri, *args)
+        assert (done.exit_code, done.stderr.splitlines()[-1:]) == (2, [done.stderr.strip()])
+        assert done.stderr.startswith(line), done.stderr
+    s3.put_object(Bucket=bucket, Key="ds/train-000001.tar", Body=b"abcd")
+    done = _submit("--s3", uri)
+    assert done.exit_code == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"error: dataset {uri} does not match its manifest: ")
+    assert "train-000001.tar has 4 bytes, the manifest says 3" in done.stderr
+    assert launches == [] and _tagged("c1") == []
+    assert s3.list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0
+    assert not (home / "jobs").exists()
+    s3.put_object(Bucket=bucket, Key="ds/train-000001.tar", Body=b"abc")
+    passed = _submit("--s3", uri)  # every check passes: on to `up` (a recorder that fails)
+    assert passed.stderr.splitlines()[-1] == "error: up was called", passed.stderr
+    assert launches == ["up c1", "down c1"]
+
+
+# --- 8: two submits of one cluster name ---------------------------------------------------------
+
+
+def _past_preflight(monkeypatch) -> None:
+    """flow.submit's checks of AWS and the data passed at once (what follows them is tested)."""
+    monkeypatch.setattr(flow, "preflight", lambda job: ("R1", "s3://b-b/runs/c1/R1/"))
+    monkeypatch.setattr(flow, "check_name_free", lambda spec, endpoint_url: None)
+    monkeypatch.setattr(flow, "check_gpu_counts", lambda spec, endpoint_url: None)
+
+
+def test_a_second_submit_of_a_name_is_refused_and_ends_nothing_of_the_first(
+    home, launches, monkeypatch, tmp_path
+) -> None:
+    """While a submit of c1 runs (its lock held), another is refused up front: exit 2, one
+    line, no `up`, no teardown, and no `sparknet cluster down c1` (which would end the first
+    one's job). A cluster that another `cluster up/down` holds is none of the submit's either:
+    refused as it is found, nothing taken down. Once the first ends, c1 is free again."""
+    import os
+
+    (tmp_path / "sparknet.yaml").write_text("clusters:\n  c1: {bucket: b-b}\n")
+    _past_preflight(monkeypatch)
+    with flow.submit_lock("c1"):
+        second = _submit("--s3", "s3://b-b/x")
+    assert second.exit_code == 2, second.stderr
+    assert second.stderr == (
+        f"error: cluster c1 is in use by another sparknet-submit on this machine (PID "
+        f"{os.getpid()}); wait for it to end, or give --name NEW to run on a cluster of its own\n"
+    )
+    assert launches == []
+
+    def busy(spec, **kwargs):
+        launches.append(f"up {spec.name}")
+        raise lifecycle.ClusterBusy(
+            "cluster c1 is busy: another `sparknet cluster up/down` (PID 1) is working on it; "
+            "wait for it to end, then run this again"
+        )
+
+    monkeypatch.setattr(lifecycle, "up", busy)
+    held = _submit("--s3", "s3://b-b/x")
+    assert held.exit_code == 2, held.stderr
+    assert held.stderr.splitlines()[-1].startswith("error: cluster c1 is busy: another")
+    assert "cluster down" not in held.stderr and "teardown" not in held.stderr
+    assert launches == ["up c1"]  # and no `down c1`
+
+
+# --- 11: attach on a made cluster; `cluster down` of one with a job -----------------------------
+
+
+class _Shell:
+    """A local shell standing in for a master's SSH connection (invoke's Context, as Fabric's
+    Connection runs commands), with the `close` a connection has."""
+
+    def __init__(self) -> None:
+        from invoke import Context
+
+        self.context = Context()
+
+    def run(self, *args, **kwargs):
+        return self.context.run(*args, **kwargs)
+
+    def close(self) -> None:
+        pass
+
+
+def _node(tmp_path):
+    from sparknet.cluster.nodes import Endpoint
+    from sparknet.cluster.plan import Node
+
+    return Node(Endpoint("master", "127.0.0.1", 22, "me"), "127.0.0.1", str(tmp_path / "m"), 0)
+
+
+def test_attach_to_an_ended_job_says_how_it_ended_and_that_its_cluster_is_still_up(
+    home, monkeypatch, tmp_path
+) -> None:
+    """A job that ended (succeeded after its 3 rounds) before `attach` came: one line says so,
+    its rounds are not replayed, the summary follows; the cluster its submit made is said to
+    be still up, with its cost so far and the autostop minutes that end it."""
+    from sparknet.cluster import nodes, provider
+    from sparknet.cluster.spec import ClusterSpec
+
+    node = _node(tmp_path)
+    job = tmp_path / "m" / "jobs" / "R1"
+    job.mkdir(parents=True)
+    (job / "driver.pid").write_text("999999999\n")
+    (job / "driver.rc").write_text("0\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rows = [
+        {"round": r, "loss": 1.0 / r, "samples": 10, "samples_per_s": 100.0,
+         "seconds": {"total": 0.1}}
+        for r in (1, 2, 3)
+    ]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record = jobs.JobRecord(
+        "R1", "c1", "us-east-1", f"{run_dir}/", str(job), time.time() - 60, 3, made=True
+    )
+    spec = ClusterSpec(name="c1", autostop_minutes=17)
+    master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    monkeypatch.setattr(jobs, "locate", lambda *a: jobs.Located(record, spec, master))
+    monkeypatch.setattr(nodes, "connect", lambda *a: _Shell())
+    monkeypatch.setattr(provider, "cost_so_far", lambda spec, endpoint_url: 1.234)
+    done = _submit("attach", "R1")
+    assert done.exit_code == 0, done.stderr
+    err = done.stderr.splitlines()
+    assert err[0] == "job R1 already ended (succeeded) after round 3 of 3"
+    assert not [ln for ln in err if ln.startswith("round ")]  # not replayed
+    assert err[-1] == (
+        "cluster c1 stays up (made by sparknet-submit; cost so far $1.23); its autostop timer "
+        "terminates it 17 minutes after its last job ends with no submitter attached "
+        "(`sparknet cluster down c1` ends it sooner)"
+    )
+    assert "run id: R1" in done.stdout and "estimated cost: $1.23" in done.stdout
+    assert (tmp_path / "runs" / "R1" / "metrics.jsonl").exists()
+
+
+def test_cluster_down_names_the_jobs_it_cancels_and_asks_on_a_terminal(home, monkeypatch) -> None:
+    """With job R1 running on the master: not on a terminal, `down` says it cancels R1 and
+    goes on; on a terminal it asks, and a no leaves everything as it is (exit 1); --yes
+    does not ask."""
+    from sparknet.cli import cluster as cli
+    from sparknet.cluster.lifecycle import DownReport
+
+    downs: list[str] = []
+
+    def down(spec, **kwargs):
+        downs.append(spec.name)
+        return DownReport(spec.name, spec.region, [], [], None)
+
+    monkeypatch.setattr(lifecycle, "down", down)
+    monkeypatch.setattr(cli, "_running_jobs", lambda spec, endpoint_url: ["R1"])
+    runner = CliRunner()
+    said = "cluster c1 runs job R1: taking it down cancels it (`sparknet-submit cancel RUN`"
+    script = runner.invoke(cli.cluster_app, ["down", "c1"])
+    assert script.exit_code == 0, script.stderr
+    assert said in script.stderr and downs == ["c1"]
+    monkeypatch.setattr(cli, "_on_terminal", lambda: True)
+    declined = runner.invoke(cli.cluster_app, ["down", "c1"], input="n\n")
+    assert declined.exit_code == 1 and downs == ["c1"], declined.stderr
+    assert "cancel it and take cluster c1 down? [y/N]" in declined.stderr
+    assert declined.stderr.splitlines()[-1].endswith(
+        "error: cluster c1 not taken down: job R1 runs on; `--yes` takes it down without asking"
+    )  # (the runner does not echo the answer's newline)
+    confirmed = runner.invoke(cli.cluster_app, ["down", "c1"], input="y\n")
+    assert confirmed.exit_code == 0 and downs == ["c1", "c1"], confirmed.stderr
+    yes = runner.invoke(cli.cluster_app, ["down", "c1", "--yes"])
+    assert yes.exit_code == 0 and "[y/N]" not in yes.stderr and downs == ["c1"] * 3
+
+
+def test_the_jobs_running_on_a_master_are_found_there(monkeypatch, tmp_path) -> None:
+    """`cluster down` asks the master which jobs' sessions are alive: a running one is named,
+    one that ended is not; a master that does not answer names none (down goes on)."""
+    import sys
+
+    from sparknet.cli import cluster as cli
+    from sparknet.cluster import nodes, provider
+    from sparknet.cluster.spec import ClusterSpec
+    from sparknet.config import TrainConfig
+
+    node = _node(tmp_path)
+    bin_dir = tmp_path / "m" / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "sparknet").write_text('#!/bin/sh\ncase "$*" in *J1*) sleep 60;; esac\n')
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    for exe in bin_dir.iterdir():
+        exe.chmod(0o755)
+    shell = _Shell()
+    for run_id in ("J1", "J2"):
+        flow.start_driver(shell, node, run_id, TrainConfig())
+    master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    monkeypatch.setattr(provider, "master_running", lambda spec, endpoint_url: True)
+    monkeypatch.setattr(flow, "master_of", lambda spec, endpoint_url: master)
+    monkeypatch.setattr(nodes, "connect", lambda *a: shell)
+    try:
+        deadline = time.monotonic() + 60  # J2's session ends at once, J1's runs on
+        while (found := cli._running_jobs(ClusterSpec(name="c1"), None)) != ["J1"]:
+            assert time.monotonic() < deadline, found
+            time.sleep(0.1)
+    finally:
+        jobs.cancel(shell, node, "J1", wait_s=5)
+
+    def unreachable(*args):
+        raise SparknetError("no route to host")
+
+    monkeypatch.setattr(nodes, "connect", unreachable)
+    assert cli._running_jobs(ClusterSpec(name="c1"), None) == []
+
+
+# --- 12: the messages ----------------------------------------------------------------------------
+
+
+def test_the_driver_says_what_it_does_before_its_first_round(tmp_path) -> None:
+    """Between "job started" and round 1, the submitter relays the driver's progress lines
+    from its log (starting Spark, its executors registered, ...), each once, and stops once
+    a round is done; other lines of the log (Spark's own) are not relayed."""
+    node = _node(tmp_path)
+    log = tmp_path / "m" / "jobs" / "S1" / "driver.log"
+    log.parent.mkdir(parents=True)
+    said: list[str] = []
+    status = flow.DriverStatus(_Shell(), node, "S1", said.append)
+    status()  # no log yet
+    log.write_text("starting Spark\n26/12/02 WARN NativeCodeLoader: no native library\n")
+    status()
+    status()
+    with log.open("a") as out:
+        out.write("round 1 (2 executors registered (2 cores))\nround 1 (starting Python workers)\n")
+    status()
+    with log.open("a") as out:
+        out.write("round 1/4  loss 2.3000  812 samples/s  1.0 s\nround 2 (something)\n")
+    status()
+    status()
+    assert said == [
+        "driver: starting Spark",
+        "driver: round 1 (2 executors registered (2 cores))",
+        "driver: round 1 (starting Python workers)",
+    ]
+
+
+def test_name_without_a_clusters_entry_says_so_and_lists_the_known_ones(
+    home, launches, tmp_path
+) -> None:
+    (tmp_path / "sparknet.yaml").write_text("clusters:\n  alpha: {}\n  beta: {}\n")
+    done = _submit("--s3", "s3://b-b/x", "--name", "gamma")
+    assert (done.exit_code, done.stderr) == (
+        2,
+        "error: --name gamma: no such entry in sparknet.yaml's clusters: "
+        "(known: alpha, beta); a cluster is made from its entry\n",
+    )
+    assert launches == []
+
+
+def test_help_shows_no_type_after_a_switch_and_workers_counts_instances() -> None:
+    from sparknet.cli import app as sparknet_app
+    from sparknet.cli.submit import submit_app
+
+    runner = CliRunner()
+    for app, args in ((submit_app, ["--help"]), (sparknet_app, ["cluster", "down", "--help"])):
+        shown = runner.invoke(app, args, env={"COLUMNS": "200"}).stdout
+        assert "--help" in shown and "<bool>" not in shown, shown
+        assert "<str>" in shown  # options that take a value keep theirs
+    shown = runner.invoke(submit_app, ["--help"], env={"COLUMNS": "200"}).stdout
+    assert "worker instances of the cluster to make (EC2 machines, not Spark tasks" in shown
+
+
+def test_a_long_line_to_a_file_is_not_wrapped(capsys) -> None:
+    """Progress and notes on stderr that is no terminal (a log file, CI): each line whole,
+    not cut at rich's 80 columns."""
+    from sparknet.cli.common import console
+
+    line = "error-like note naming s3://bucket/a/long/prefix/of/a/run " * 4
+    console.print(line.strip(), markup=False, highlight=False)
+    assert capsys.readouterr().err == line.strip() + "\n"
