@@ -17,6 +17,7 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,9 +273,12 @@ class SshNodes:
             server.stop()
 
 
-def start_nodes(workdir: Path, count: int, *, pin: bool = True) -> SshNodes:
+def start_nodes(
+    workdir: Path, count: int, *, pin: bool = True, env: Mapping[str, str] | None = None
+) -> SshNodes:
     """`count` sshd nodes under `workdir`, each with a fresh host key, all letting in one fresh
-    client key (`access.key_file`); with `pin`, their host keys are in `access.known_hosts`."""
+    client key (`access.key_file`); with `pin`, their host keys are in `access.known_hosts`;
+    their sessions get `env` too (`start_sshd`)."""
     client_private, client_public = nodes.new_ed25519()
     access = Access(workdir / "id_ed25519", workdir / "known_hosts")
     nodes.write_private_key(access.key_file, client_private)
@@ -282,7 +286,7 @@ def start_nodes(workdir: Path, count: int, *, pin: bool = True) -> SshNodes:
     host_keys = [nodes.new_ed25519() for _ in range(count)]
     try:
         for i, (private, _public) in enumerate(host_keys):
-            servers.append(start_sshd(workdir / f"node{i}", private, client_public + "\n"))
+            servers.append(start_sshd(workdir / f"node{i}", private, client_public + "\n", env=env))
     except BaseException:
         for server in servers:
             server.stop()
@@ -297,6 +301,119 @@ def start_nodes(workdir: Path, count: int, *, pin: bool = True) -> SshNodes:
             },
         )
     return group
+
+
+#: `systemctl` and `shutdown` on a rebooting node's PATH: a reboot leaves the request file
+#: (`{request}`) for the test's thread; `{hold}` keeps the command running until the node goes
+#: down under it, or returns at once (as systemd's `systemctl reboot` does)
+_REBOOT_TOOL = """#!/bin/sh
+case "$*" in reboot|"-r now") ;; *) echo "$0: no stand-in for: $*" >&2; exit 64;; esac
+touch {request}
+{hold}
+"""
+
+
+class RebootingNode:
+    """One loopback sshd node that reboots when told to (`systemctl reboot`, `shutdown -r now`:
+    stand-ins first on its sessions' PATH, in `bin`, where a test adds its own tools).
+
+    A thread here does the reboot, `lag_s` after the request (sshd still serves meanwhile, as on
+    a real node): every process of the node's sshd is killed, so each connection drops; the
+    boot id in `boot_id` (the node's /proc/sys/kernel/random/boot_id) changes; `down_s` later
+    the sshd starts again on its port with its host key, unless `back` is False (a node that
+    never comes back). `boots` counts the reboots."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        lag_s: float = 0.5,
+        down_s: float = 1.0,
+        back: bool = True,
+        hold: bool = False,
+    ) -> None:
+        self.bin = workdir / "bin"
+        self.bin.mkdir(parents=True)
+        self.boot_id = workdir / "boot_id"
+        self.boot_id.write_text(f"{uuid.uuid4()}\n")
+        self._request = workdir / "reboot-requested"
+        tool = _REBOOT_TOOL.format(request=self._request, hold="sleep 60" if hold else "")
+        for name in ("systemctl", "shutdown"):
+            (self.bin / name).write_text(tool)
+            (self.bin / name).chmod(0o755)
+        # SHLVL: bash reads no ~/.bashrc (it does for a command from sshd at level 1), so the
+        # reboot never kills a shell amid the login user's start-up files (a pyenv rehash there
+        # left its lock behind, and every later SSH session waited on it)
+        self._env = {
+            "PATH": f"{self.bin}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+            "SHLVL": "1",
+        }
+        self.group = start_nodes(workdir / "nodes", 1, env=self._env)
+        self.lag_s, self.down_s, self.back = lag_s, down_s, back
+        self.boots = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="reboots", daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self.group.endpoints[0]
+
+    @property
+    def access(self) -> Access:
+        return self.group.access
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.05):
+            if not self._request.exists():
+                continue
+            self._request.unlink()
+            if self._stop.wait(self.lag_s):
+                return
+            self._power_off()
+            self.boot_id.write_text(f"{uuid.uuid4()}\n")
+            self.boots += 1
+            if self._stop.wait(self.down_s) or not self.back:
+                return
+            old = self.group.servers[0]
+            private = old.host_key.read_text()
+            self.group.servers[0] = start_sshd(
+                old.dir, private, old.authorized_keys.read_text(), port=old.port, env=self._env
+            )
+
+    def _power_off(self) -> None:
+        """Stop the node's sshd and every process below it (each connection's own sshd runs in
+        a session of its own, which `Sshd.stop` does not reach): each connection drops."""
+        server = self.group.servers[0]
+        below = _descendants(server.proc.pid)
+        server.stop()
+        for pid in below:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._power_off()
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid`, by the parent ids in /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # ended meanwhile
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
 
 
 class MotoNodes:

@@ -135,7 +135,7 @@ def run_on_nodes(
         node = by_name[endpoint.name]
         try:
             facts = gather_facts(conn, node)
-            ctx = Context(plan, node, facts)
+            ctx = Context(plan, node, facts, access)
             return run_steps(node.name, steps_for(ctx), conn, say), facts
         except StepFailed as exc:
             return exc

@@ -8,7 +8,7 @@ import importlib.metadata
 from dataclasses import dataclass, field
 
 from sparknet.cluster.autostop import Settings as AutostopSettings
-from sparknet.cluster.nodes import Endpoint, node_layout
+from sparknet.cluster.nodes import Access, Endpoint, node_layout
 from sparknet.cluster.remote import Conn, q, succeeds
 from sparknet.cluster.spark_conf import (
     DEFAULT_PREFIX,
@@ -169,11 +169,15 @@ def parse_facts(text: str, prefix: str) -> Facts:
 
 @dataclass(frozen=True)
 class Context:
-    """One node's step inputs: the cluster plan, the node and its facts."""
+    """One node's step inputs: the cluster plan, the node and its facts, and how the node is
+    reached (a step that reboots the node connects to it again)."""
 
     plan: Plan
     node: Node
     facts: Facts
+    #: the cluster's key and pinned host keys; None: the node cannot be reached again (a
+    #: step that would reboot it says so instead)
+    access: Access | None = None
 
     @property
     def sudo(self) -> str:

@@ -6,8 +6,12 @@ submitter's pyspark, the sparknet wheel, and `spark-defaults.conf` with the clus
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 
+import fabric
+
+from sparknet.cluster import nodes
 from sparknet.cluster.plan import Context, Node
 from sparknet.cluster.remote import CommandFailed, Conn, q, run, succeeds, upload
 from sparknet.cluster.spark_conf import (
@@ -16,6 +20,7 @@ from sparknet.cluster.spark_conf import (
     spark_defaults,
     torch_index_url,
 )
+from sparknet.errors import SparknetError
 
 # --- steps ---------------------------------------------------------------------------------------
 
@@ -88,9 +93,34 @@ class OsPackages(Step):
         self.run(conn, f"{apt} update -qq && {apt} install -y -qq {q(*self.PACKAGES)}")
 
 
+#: what prints the node's boot id, new at every boot: how a reboot is told from a node that
+#: still answers from before it
+BOOT_ID = "cat /proc/sys/kernel/random/boot_id"
+#: how long the nvidia-driver step waits for a node it rebooted to answer over SSH again
+REBOOT_WAIT_S = 600.0
+#: seconds that replace REBOOT_WAIT_S (a test's node that never comes back fails in seconds)
+REBOOT_WAIT_ENV = "SPARKNET_REBOOT_WAIT_S"
+
+
+def reboot_wait_s() -> float:
+    """REBOOT_WAIT_S, or the seconds `REBOOT_WAIT_ENV` gives (a positive number)."""
+    text = os.environ.get(REBOOT_WAIT_ENV)
+    if not text:
+        return REBOOT_WAIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise SparknetError(f"{REBOOT_WAIT_ENV}={text!r}: give a positive number of seconds")
+    return value
+
+
 class NvidiaDriver(Step):
     """The NVIDIA driver, only on a node with GPUs whose `nvidia-smi` fails (the Deep Learning
-    AMIs have it). A fresh driver needs a reboot: the step then fails saying so."""
+    AMIs have it). A fresh driver loads at the next boot: the step reboots the node, waits for
+    it to answer again with its pinned host key (up to `reboot_wait_s`), and checks
+    `nvidia-smi` there; the bootstrap goes on over the new connection."""
 
     name = "nvidia-driver"
     timeout = 1800
@@ -113,12 +143,58 @@ class NvidiaDriver(Step):
             f"{apt} update -qq && {apt} install -y -qq ubuntu-drivers-common"
             f" && {s}ubuntu-drivers install --gpgpu",
         )
-        if not succeeds(conn, "nvidia-smi -L"):
+        if succeeds(conn, "nvidia-smi -L"):
+            return  # loaded without a reboot
+        self.reboot(conn)
+        try:
+            self.run(conn, "nvidia-smi -L")
+        except CommandFailed as exc:
+            raise CommandFailed(
+                "installed the NVIDIA driver and rebooted, but nvidia-smi still fails: the "
+                "driver does not load on this node (its `dmesg` says why); launch it from an "
+                "image with the driver (the Deep Learning AMI)",
+                exc.tail,
+            ) from None
+
+    def reboot(self, conn: Conn) -> None:
+        """Reboot the node and give `conn` a connection to it once it is back (`nodes.
+        reconnect_after_restart`): a new boot id, the same pinned host key."""
+        access = self.ctx.access
+        if access is None or not isinstance(conn, fabric.Connection):
             raise CommandFailed(
                 "installed the NVIDIA driver, but nvidia-smi fails until the node reboots: "
                 "reboot it, then run the bootstrap again",
                 [],
             )
+        wait = reboot_wait_s()
+        before = self.run(conn, BOOT_ID, timeout=60).strip()
+        s = self.ctx.sudo
+        command = f"{s}systemctl reboot" if self.ctx.facts.systemd else f"{s}shutdown -r now"
+        try:
+            self.run(conn, command, timeout=60)
+        except CommandFailed as exc:
+            # the node going down under it counts as sent: the connection dropped (no exit
+            # status came) or no answer in time; an exit code over a live connection does not
+            refused = exc.what.startswith("exited ") and exc.what != "exited -1"
+            if refused and conn.is_connected:
+                raise CommandFailed(
+                    f"`{command}` {exc.what}: the node did not reboot to load the NVIDIA driver",
+                    exc.tail,
+                ) from None
+
+        def restarted(fresh: fabric.Connection) -> bool:
+            return run(fresh, BOOT_ID, timeout=60).strip() not in ("", before)
+
+        try:
+            nodes.reconnect_after_restart(conn, self.ctx.node.endpoint, access, wait, restarted)
+        except nodes.NotBack as exc:
+            raise CommandFailed(
+                f"told to reboot to load the NVIDIA driver, the node was not back over SSH "
+                f"within {wait:g} s ({exc.why}); see its state and system log in the EC2 console, "
+                "then run the bootstrap again once it answers (or set "
+                f"{REBOOT_WAIT_ENV} to wait longer)",
+                [],
+            ) from None
 
 
 #: the .pth file that lets the node's venv see an existing env's packages (torch, CUDA)
