@@ -21,10 +21,8 @@ class Listener:
 
     @property
     def wildcard(self) -> bool:
-        """Listens on every interface (0.0.0.0, ::, or ::ffff:0.0.0.0)."""
-        ip = ipaddress.ip_address(self.address)
-        mapped = getattr(ip, "ipv4_mapped", None)
-        return ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
+        """Listens on every interface (0.0.0.0 or ::)."""
+        return ipaddress.ip_address(self.address).is_unspecified
 
     def __str__(self) -> str:
         return f"pid {self.pid} ({_name(self.pid)}) on {self.address}:{self.port}"
@@ -67,10 +65,12 @@ def listeners(pids: set[int]) -> list[Listener]:
 
 
 def _address(hex_address: str) -> str:
-    """/proc/net/tcp{,6}'s address: 32-bit words in host (little-endian) order."""
+    """/proc/net/tcp{,6}'s address (32-bit words in host, little-endian, order); an IPv4
+    address mapped into IPv6 (a JVM's sockets) as the IPv4 one."""
     raw = bytes.fromhex(hex_address)
     words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    return str(ipaddress.ip_address(words))
+    ip = ipaddress.ip_address(words)
+    return str(getattr(ip, "ipv4_mapped", None) or ip)
 
 
 def _name(pid: int) -> str:

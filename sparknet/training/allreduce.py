@@ -50,7 +50,7 @@ from sparknet.errors import PermanentTaskError, SparknetError
 from sparknet.training import checkpoint, device, netbind
 from sparknet.training.outer import OuterOptimizer
 from sparknet.training.report import eval_row, round_row
-from sparknet.training.session import is_local_master
+from sparknet.training.session import is_local_master, stopped_from_outside
 from sparknet.training.state import StateLayout
 from sparknet.training.transport import (
     TaskFault,
@@ -305,6 +305,8 @@ class AllReduceTransport:
                     raise StageFailed("the stage ended before its last round") from None
                 continue
             if kind == "failed":
+                if why := stopped_from_outside(self.sc, payload):  # no restart can help
+                    raise SparknetError(why) from payload
                 raise _failure(payload)
             if kind == "finished":
                 last_word = time.monotonic() + _LAST_WORD_S

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from py4j.protocol import Py4JError
+from pyspark import SparkContext
 from pyspark.errors import PySparkException
 from pyspark.sql import SparkSession
 
@@ -434,6 +436,54 @@ def _keep_sigint_handler():
             signal.signal(signal.SIGINT, before)
 
 
+#: contexts sparknet stopped itself (`stop_quietly`) while they still ran
+_STOPPED_HERE: weakref.WeakSet[SparkContext] = weakref.WeakSet()
+
+#: what Spark's standalone scheduler says when the master drops the application (killed on
+#: the master's UI, or failed there), in the job failures it causes
+_REMOVED = re.compile(r"Master removed our application: (\w+)")
+
+
+def stopped_from_outside(sc: SparkContext, exc: BaseException) -> str | None:
+    """One line for a run whose Spark application was ended under it, by the master (killed
+    there, or failed) or by anything else that stopped its context, not by sparknet; None
+    when it still runs, or sparknet stopped it. `exc` is what the run raised (a job's
+    failure, or a call into the stopped context): its text may name the master's reason.
+    From then on the JVM's stderr is muted: its threads print stack traces as it stops."""
+    removed = _REMOVED.search(_chain_text(exc))
+    if not removed:
+        if sc in _STOPPED_HERE:
+            return None
+        try:
+            if not sc._jsc.sc().isStopped():
+                return None
+        except Exception:  # the JVM is gone: stopped all the same
+            pass
+    for session, held in list(_JVM_STDERR.items()):
+        if session.sparkContext is sc:
+            held.release(show=False)
+    why = f"the master removed it: {removed.group(1)}" if removed else "its context stopped"
+    return (
+        f"Spark stopped the application while it ran ({why}): it was killed on the master or "
+        "given up there; to go on from the last checkpoint, run again with --resume"
+    )
+
+
+def _chain_text(exc: BaseException) -> str:
+    """The messages of `exc` and the exceptions behind it (a Py4J error's str asks the JVM,
+    which may be gone: skipped then)."""
+    parts, seen = [], set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        with contextlib.suppress(Exception):
+            parts.append(str(current))
+        with contextlib.suppress(Exception):
+            parts.append(str(getattr(current, "java_exception", "") or ""))
+        current = current.__cause__ or current.__context__
+    return "\n".join(parts)
+
+
 def stop_quietly(session: SparkSession) -> None:
     """Stop a session sparknet started, in one piece after an interrupt too: cancel what still
     runs, then mute the JVM's stderr, where stopping in the middle of a job prints stack traces
@@ -441,6 +491,9 @@ def stop_quietly(session: SparkSession) -> None:
     JVM may be gone already (SIGTERM to the process group): its py4j error must not replace
     the interrupt the user sees. The JVM's Python workers write to the same pipe: a worker whose
     task is cancelled while it sends its result prints a BrokenPipeError traceback there."""
+    with contextlib.suppress(Exception):
+        if not session.sparkContext._jsc.sc().isStopped():
+            _STOPPED_HERE.add(session.sparkContext)
     held = _JVM_STDERR.get(session)
     if held is not None:
         held.release(show=False)

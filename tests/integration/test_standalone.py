@@ -219,3 +219,77 @@ def test_a_lost_executor_and_its_successor_show_in_the_rounds(standalone, tmp_pa
     assert lost[0]["round"] <= joined[0]["round"]
     assert lost[0]["executors_lost"][0].endswith("@127.0.0.1")
     assert got[-1]["executors"] == 2
+
+
+def _master_ui(standalone) -> str:
+    """The master UI's address (the fixture lets the kernel choose its port)."""
+    import re
+
+    log = (standalone.log_dir / "master.log").read_text()
+    port = re.findall(r"MasterWebUI.*?started at https?://[^\s:]+:(\d+)", log)
+    assert port, log[-2000:]
+    return f"http://127.0.0.1:{port[-1]}"
+
+
+def _kill_app_from_the_master_ui(standalone, name: str) -> str:
+    """Kill the running application `name` as a user of the master's UI does (its kill link
+    posts the page's CSRF token); its id."""
+    import re
+    import urllib.parse
+    import urllib.request
+
+    ui = _master_ui(standalone)
+    with urllib.request.urlopen(f"{ui}/json/", timeout=10) as answer:
+        apps = [a for a in json.loads(answer.read())["activeapps"] if a["name"] == name]
+    assert len(apps) == 1, apps
+    with urllib.request.urlopen(f"{ui}/", timeout=10) as answer:
+        page = answer.read().decode()
+    token = re.search(
+        r'name="csrfToken"\s+value="([^"]*)"|value="([^"]*)"\s+name="csrfToken"', page
+    )
+    form = {"id": apps[0]["id"], "terminate": "true"}
+    if token:
+        form["csrfToken"] = token.group(1) or token.group(2)
+    data = urllib.parse.urlencode(form).encode()
+    urllib.request.urlopen(f"{ui}/app/kill/", data=data, timeout=10).close()
+    return apps[0]["id"]
+
+
+def test_an_app_killed_from_outside_ends_the_driver_in_one_line_and_it_binds_one_address(
+    standalone, tmp_path
+):
+    """`sparknet train --master spark://...` started as a user on a node starts it (no
+    SPARK_LOCAL_IP): while it runs, every socket its driver's JVM listens on is on the address
+    the master is reached from (RPC, block manager) or loopback (UI), none on every interface.
+    Then the application is killed on the master's UI: the driver ends with one `error:` line,
+    no Py4JJavaError traceback."""
+    import time
+
+    from tests.sockets import descendants, listeners
+
+    out = tmp_path / "killed"
+    args = [*RUN, "--master", standalone.master, "--out", str(out)]  # auto: allreduce
+    args[args.index("--rounds") + 1] = "400"
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_LOCAL_IP"}
+    proc = subprocess.Popen(
+        [str(SPARKNET), *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or len(rows(out)) < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+            time.sleep(0.2)
+        bound = listeners(descendants(proc.pid))
+        assert bound and {w.address for w in bound} == {"127.0.0.1"}, [str(w) for w in bound]
+        _kill_app_from_the_master_ui(standalone, "sparknet")
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: Spark stopped the application"), err[-3000:]
+    assert "Traceback" not in err and "Py4J" not in err and "\tat " not in err, err[-3000:]
+    assert "warning: the allreduce stage failed" not in err  # no restart on a dead context
