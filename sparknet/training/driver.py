@@ -35,6 +35,7 @@ from sparknet.training.session import (
     is_local_master,
     start_session,
     stop_quietly,
+    stopped_from_outside,
     user_modules,
 )
 from sparknet.training.state import StateLayout
@@ -347,6 +348,10 @@ def _start(
         with ExecutorWatchdog(spark.sparkContext, cfg.no_executor_timeout_s):
             result = _run(cfg, problem, begin, run, lock, spark, own_session, placed, on_row, warn)
         return result
+    except Exception as exc:  # the application ended under the run: one line, not a traceback
+        if spark is not None and (why := stopped_from_outside(spark.sparkContext, exc)):
+            raise SparknetError(why) from exc
+        raise
     finally:
         if placed is not None:
             placed.release()
