@@ -91,7 +91,6 @@ def submit(
     SIGTERM. --detach returns once the job runs; the cluster's autostop timer ends it after."""
     from sparknet import jobs
     from sparknet import submit as flow
-    from sparknet.cli.cluster import _cluster_spec
     from sparknet.cluster import repair
 
     if ctx.invoked_subcommand is not None:
@@ -110,7 +109,7 @@ def submit(
             workers=workers, instance_types=instance_type, spot=spot, provider=provider,
             autostop_minutes=autostop,
         )  # fmt: skip
-        spec = _cluster_spec(cluster_name, path, {} if cluster else flags)
+        spec = _instances_spec(cluster_name, path, {} if cluster else flags)
         if spec.provider == "static":
             _check_static(spec, instance_type, spot, autostop, keep, detach, cluster is not None)
         _check_autostop(spec, cluster is not None, keep)
@@ -271,6 +270,22 @@ def _named_cluster(name: str | None, path: Path | None) -> str | None:
             f"{', '.join(names) or 'none'}); a cluster is made from its entry"
         )
     return name
+
+
+def _instances_spec(name: str, path: Path | None, flags: dict[str, Any]):
+    """The cluster's spec (`sparknet cluster`'s `_cluster_spec`); a bad `--workers` is named
+    as the flag and what it counts, worker instances (not the Spark tasks of `--set workers`)."""
+    from sparknet.cli.cluster import _cluster_spec
+
+    try:
+        return _cluster_spec(name, path, flags)
+    except SparknetError as exc:
+        said = "invalid setting workers:"
+        if flags.get("workers") is None or said not in str(exc):
+            raise
+        raise SparknetError(
+            str(exc).replace(said, f"--workers {flags['workers']} (worker instances):", 1)
+        ) from exc
 
 
 def _only_cluster(path: Path | None) -> str:

@@ -357,6 +357,19 @@ def test_name_without_a_clusters_entry_says_so_and_lists_the_known_ones(
     assert launches == []
 
 
+def test_a_bad_workers_is_said_to_count_instances(home, launches, tmp_path) -> None:
+    """sparknet-submit's --workers counts worker instances (the Spark tasks are `--set
+    workers`): its refusal names the flag and what it counts."""
+    (tmp_path / "sparknet.yaml").write_text("clusters:\n  c1: {bucket: b-b}\n")
+    instances = _submit("--s3", "s3://b-b/x", "--name", "c1", "--workers", "1000")
+    assert (instances.exit_code, instances.stderr) == (
+        2,
+        "error: cluster c1: --workers 1000 (worker instances): Input should be less than or "
+        "equal to 250 (got 1000)\n",
+    )
+    assert launches == []
+
+
 def test_help_shows_no_type_after_a_switch_and_workers_counts_instances() -> None:
     from sparknet.cli import app as sparknet_app
     from sparknet.cli.submit import submit_app
