@@ -349,8 +349,8 @@ def reconnect_after_restart(
         try:
             fresh = connect(endpoint, access, min(left, RECONNECT_SLICE_S))
         except SparknetError as exc:
-            if exc.__cause__ is None or not _still_starting(exc.__cause__):
-                raise  # the node's answer: another host key, a refused login
+            if not _restarting(exc.__cause__):
+                raise  # the node's answer: another host key, an unknown host, a refused login
             why = describe(exc.__cause__)
             continue
         try:
@@ -363,6 +363,20 @@ def reconnect_after_restart(
         fresh.close()
         time.sleep(RETRY_S)
     raise SparknetError(f"{endpoint}: interrupted while waiting for it to restart")
+
+
+def _restarting(exc: BaseException | None) -> bool:
+    """A connection failed as one to a restarting node does: its sshd does not serve yet
+    (`_still_starting`), or the link died amid the handshake or the login as the old sshd went
+    down (paramiko: "transport shut down or saw EOF", "No existing session"). Never a host key
+    other than the pinned one, an unknown host, or a login the node refused."""
+    if exc is None or isinstance(exc, paramiko.BadHostKeyException):
+        return False
+    if isinstance(exc, paramiko.AuthenticationException):
+        return "transport shut down or saw EOF" in str(exc)
+    if "not found in known_hosts" in str(exc):
+        return False
+    return isinstance(exc, OSError | EOFError | paramiko.SSHException)
 
 
 # --- keys ------------------------------------------------------------------------------------

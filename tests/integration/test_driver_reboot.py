@@ -8,13 +8,14 @@ connection, changes its boot id and starts the sshd again. `apt-get`, `ubuntu-dr
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from sparknet.cluster import bootstrap as b
-from sparknet.cluster import steps
+from sparknet.cluster import nodes, steps
 from sparknet.cluster.plan import Context, Node, Plan
 from sparknet.cluster.remote import q, succeeds
 from sparknet.cluster.steps import NvidiaDriver, Step
@@ -113,3 +114,24 @@ def test_a_node_that_does_not_come_back_fails_in_one_line(rebooting, tmp_path, m
     )
     assert "run the bootstrap again once it answers" in line
     assert not (tmp_path / "prefix" / "after").exists()
+
+
+def test_the_wait_for_a_rebooted_node_ends_with_its_run(rebooting, tmp_path, monkeypatch):
+    """The bootstrap stops waiting (here its timeout; Ctrl-C does the same): the thread still
+    waiting for the node to come back ends too, not minutes later (Python waits for it at
+    exit)."""
+    monkeypatch.setenv(steps.REBOOT_WAIT_ENV, "600")
+    monkeypatch.setattr(nodes, "RECONNECT_SLICE_S", 0.5)
+    node = rebooting(lag_s=0.1, back=False)
+    gpu = Node(node.endpoint, address="127.0.0.1", prefix=str(tmp_path), gpus=1)
+    plan = Plan((gpu,), Wheel(Path("w.whl"), "1", "d"), "s" * 32)
+    before = set(threading.enumerate())
+    with pytest.raises(nodes.NodesFailed, match="master: still running after 2 s"):
+        b.run_on_nodes(
+            plan, node.access, plan.nodes, lambda ctx: [NvidiaDriver(ctx)], lambda _: None, 2
+        )
+    assert node.boots == 1  # it was waiting for the node, not stuck before the reboot
+    left = [t for t in threading.enumerate() if t not in before and t.name.startswith("sparknet")]
+    for thread in left:
+        thread.join(timeout=3)
+    assert not [t for t in left if t.is_alive()]
