@@ -126,9 +126,9 @@ def test_the_wait_for_a_rebooted_node_ends_with_its_run(rebooting, tmp_path, mon
     gpu = Node(node.endpoint, address="127.0.0.1", prefix=str(tmp_path), gpus=1)
     plan = Plan((gpu,), Wheel(Path("w.whl"), "1", "d"), "s" * 32)
     before = set(threading.enumerate())
-    with pytest.raises(nodes.NodesFailed, match="master: still running after 2 s"):
+    with pytest.raises(nodes.NodesFailed, match="master: still running after 3 s"):
         b.run_on_nodes(
-            plan, node.access, plan.nodes, lambda ctx: [NvidiaDriver(ctx)], lambda _: None, 2
+            plan, node.access, plan.nodes, lambda ctx: [NvidiaDriver(ctx)], lambda _: None, 3
         )
     assert node.boots == 1  # it was waiting for the node, not stuck before the reboot
     left = [t for t in threading.enumerate() if t not in before and t.name.startswith("sparknet")]
