@@ -365,7 +365,7 @@ def start_driver(
     """The job dir with the settings file, then the detached supervisor and driver."""
     jd = job_dir(node, run_id)
     try:
-        run(conn, f"mkdir -p {q(jd)}")
+        run(conn, f"umask 077 && mkdir -p {q(jd)}")  # the job's settings and logs: its user's
         upload(conn, cfg.to_yaml().encode(), f"{jd}/{JOB_CONFIG}", 0o600)
         run(conn, driver_command(node, run_id, max_restarts))
     except CommandFailed as exc:

@@ -265,7 +265,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sparknet", required=True, help="the node's `sparknet` executable")
     parser.add_argument("--state", type=Path, required=True, help="the autostop state dir")
     parser.add_argument("--activity", required=True, help="the job's activity file name")
-    parser.add_argument("--local-ip", default=None, help="SPARK_LOCAL_IP of the driver")
+    parser.add_argument(
+        "--local-ip", default=None,
+        help="the node's cluster address: the driver's RPC and block manager bind it (its UI "
+        "stays on 127.0.0.1)",
+    )  # fmt: skip
     parser.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS)
     args = parser.parse_args(argv)
     job_dir = args.job_dir.resolve()

@@ -12,7 +12,7 @@ import re
 import fabric
 
 from sparknet.cluster import nodes
-from sparknet.cluster.plan import Context, Node
+from sparknet.cluster.plan import JOBS_DIR, Context, Node
 from sparknet.cluster.remote import CommandFailed, Conn, q, run, succeeds, upload
 from sparknet.cluster.spark_conf import (
     GPU_DISCOVERY_SCRIPT,
@@ -45,28 +45,39 @@ class Step:
         return run(conn, command, timeout or self.timeout)
 
 
+#: the prefix's dirs only the node's user may enter (0700): the secret (conf), the daemons'
+#: logs (logs), the executors' stderr and files (work), the jobs' settings and driver logs
+#: (jobs); Spark's local dirs (cached blocks, shuffle files) too
+PRIVATE_DIRS = ("conf", "logs", "work", JOBS_DIR)
+
+
 class Dirs(Step):
-    """The prefix's tree, owned by the node's user; conf/ (the secret) only for that user."""
+    """The prefix's tree, owned by the node's user; conf/, logs/, work/, jobs/ and Spark's local
+    dirs only for that user."""
 
     name = "dirs"
 
     @property
     def dirs(self) -> list[str]:
         n = self.ctx.node
-        subdirs = (n.path(d) for d in ("conf", "logs", "run", "work", "dist"))
+        subdirs = (n.path(d) for d in ("conf", "logs", "run", "work", "dist", JOBS_DIR))
         return [n.prefix, *subdirs, *self.ctx.local_dirs]
+
+    @property
+    def private(self) -> list[str]:
+        return [*(self.ctx.node.path(d) for d in PRIVATE_DIRS), *self.ctx.local_dirs]
 
     def check(self, conn: Conn) -> bool:
         tests = " && ".join(f"[ -d {q(d)} ] && [ -w {q(d)} ]" for d in self.dirs)
-        conf = q(self.ctx.node.path("conf"))
-        return succeeds(conn, f'{tests} && [ "$(stat -c %a {conf})" = 700 ]')
+        modes = " && ".join(f'[ "$(stat -c %a {q(d)})" = 700 ]' for d in self.private)
+        return succeeds(conn, f"{tests} && {modes}")
 
     def apply(self, conn: Conn) -> None:
         s, user = self.ctx.sudo, self.ctx.facts.user
         self.run(
             conn,
             f"{s}mkdir -p {q(*self.dirs)} && {s}chown {q(user)} {q(*self.dirs)}"
-            f" && chmod 700 {q(self.ctx.node.path('conf'))}",
+            f" && chmod 700 {q(*self.private)}",
         )
 
 

@@ -29,8 +29,10 @@ from sparknet.cluster.health import Expected, require_healthy
 from sparknet.cluster.nodes import Access
 from sparknet.cluster.plan import Node, Plan
 from sparknet.cluster.spark_conf import Ports
+from sparknet.cluster.steps import PRIVATE_DIRS
 from sparknet.cluster.wheel import Wheel
 from sparknet.errors import SparknetError
+from tests.relay import DowngradeRelay
 from tests.sshd import SshNodes, free_port, start_nodes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,6 +158,13 @@ def test_the_secret_is_in_0600_files_only(cluster) -> None:
         assert secret not in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
 
 
+def test_the_nodes_logs_work_and_jobs_are_its_users_alone(cluster) -> None:
+    """Driver logs, executor stderr and the jobs' settings are nobody else's to read."""
+    for node in cluster.plan.nodes:
+        modes = {d: Path(node.path(d)).stat().st_mode & 0o777 for d in PRIVATE_DIRS}
+        assert modes == dict.fromkeys(("conf", "logs", "work", "jobs"), 0o700)
+
+
 def test_the_master_ui_listens_on_loopback_only_and_rpc_on_the_private_address(cluster) -> None:
     ports = cluster.plan.ports
     assert master_json(cluster.plan)["status"] == "ALIVE"
@@ -225,6 +234,41 @@ def test_a_job_without_the_secret_is_refused(cluster, tmp_path) -> None:
     state = master_json(plan)
     names = [a["name"] for a in state["activeapps"] + state["completedapps"]]
     assert "no-secret" not in names
+
+
+def test_a_relay_that_answers_the_first_auth_message_with_a_failure_gets_no_plaintext(
+    cluster, tmp_path
+) -> None:
+    """A man in the middle answers the driver's first authentication message with an
+    RpcFailure (Spark's default then falls back to SASL without encryption, and
+    RegisterApplication crosses in plaintext): with no SASL fallback the driver gives up on
+    that connection at once, and nothing readable crosses the relay."""
+    plan = cluster.plan
+    relay = DowngradeRelay((ADDRESSES[0], plan.ports.master))
+    proc = subprocess.Popen(
+        [plan.master.python, "-c", JOB, f"spark://127.0.0.1:{relay.port}", "downgraded"],
+        env=job_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 90
+        for line in proc.stdout:
+            seen.append(line)
+            if "Failed to connect to master" in line or "COUNT" in line:
+                break
+            if time.monotonic() > deadline:
+                break
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        relay.close()
+    assert relay.downgrades >= 1, "".join(seen[-20:])
+    assert any("Failed to connect to master" in line for line in seen), "".join(seen[-20:])
+    assert b"RegisterApplication" not in relay.seen and b"downgraded" not in relay.seen
+    state = master_json(plan)
+    assert "downgraded" not in [a["name"] for a in state["activeapps"] + state["completedapps"]]
 
 
 def test_a_second_bootstrap_applies_nothing_and_says_so(cluster) -> None:
