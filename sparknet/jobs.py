@@ -36,9 +36,11 @@ from sparknet.errors import SparknetError
 JOBS_DIR = "jobs"
 CANCELLED = JOB_CANCELLED
 #: the state of a job whose supervisor died and left its driver (or a child of it) running
-ORPHANED = "orphaned"
+ORPHANED = flow.ORPHANED
+#: the state of a job whose supervisor was killed (no exit code) and of which nothing is left
+KILLED = "killed"
 #: how long `cancel` waits for the driver's session to end before it kills it outright
-CANCEL_WAIT_S = 60.0
+CANCEL_WAIT_S = flow.CANCEL_WAIT_S
 #: what `list` shows for the jobs of a cluster without a running master
 GONE = "cluster gone"
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -202,38 +204,22 @@ def _record_from_master(
 
 def state_of(conn: Conn, node: Node, run_id: str) -> str:
     """running, succeeded, failed RC, cancelled, orphaned (its supervisor died, killed, and left
-    its driver running: `cancel` ends it), or `gone` (no job dir on this master: the cluster was
-    made again under the same name). An exit code wins over the cancel marker: a job that ended
-    on its own while a cancel came in ended as its code says."""
+    its driver running: the driver's death signal or `cancel` ends it), killed (its supervisor
+    died without an exit code, and nothing of the job is left), or `gone` (no job dir on this
+    master: the cluster was made again under the same name). An exit code wins over the cancel
+    marker: a job that ended on its own while a cancel came in ended as its code says."""
     jd = flow.job_dir(node, run_id)
     if not succeeds(conn, f"test -d {q(jd)}"):
         return "gone"
     rc = flow.driver_rc(conn, node, run_id)
     if rc is None:
         return "running"
-    how = run(conn, _how_it_ended(jd)).strip()
-    if how == ORPHANED:
-        return ORPHANED
-    if how == CANCELLED:
-        return CANCELLED
+    how = run(conn, flow.how_it_ended(jd)).strip()
+    if how in (ORPHANED, CANCELLED):
+        return how
+    if how != "rc":
+        return KILLED
     return "succeeded" if rc == 0 else f"failed {rc}"
-
-
-def _how_it_ended(jd: str) -> str:
-    """The shell command that says, of a job whose supervisor is gone, `rc` (it wrote its exit
-    code), `orphaned` (no code, but its process group still has a member), `cancelled` (the
-    marker) or nothing."""
-    rc, marker = q(f"{jd}/{flow.RC}"), q(f"{jd}/{CANCELLED}")
-    return (
-        f"if test -s {rc}; then echo rc; elif {_group_alive(jd)}; then echo {ORPHANED}; "
-        f"elif test -e {marker}; then echo {CANCELLED}; fi; true"
-    )
-
-
-def _group_alive(jd: str) -> str:
-    """The shell test that succeeds while any process of the job's session (its supervisor's
-    process group: the supervisor, the driver, their children) is alive."""
-    return f'kill -0 -- "-$(cat {q(jd + "/" + flow.PID)} 2>/dev/null)" 2>/dev/null'
 
 
 def ended_at(conn: Conn, node: Node, run_id: str) -> float | None:
@@ -244,21 +230,11 @@ def ended_at(conn: Conn, node: Node, run_id: str) -> float | None:
 
 
 def cancel(conn: Conn, node: Node, run_id: str, wait_s: float = CANCEL_WAIT_S) -> str | None:
-    """End the job's whole process session and wait until none of it is left (SIGKILL after
-    `wait_s`); None. It ends the session whenever any of it is alive, whatever the state says
-    (a driver whose supervisor was killed runs on: it holds the GPUs). A job none of whose
-    processes is left is left as it is: its state."""
-    jd = flow.job_dir(node, run_id)
-    if not succeeds(conn, _group_alive(jd)):
+    """End the job (`flow.cancel_job`: marked cancelled, its session ended and waited for,
+    SIGKILL after `wait_s`); None. A job none of whose processes is left is left as it is: its
+    state."""
+    if not flow.cancel_job(conn, node, run_id, wait_s):
         return state_of(conn, node, run_id)
-    run(conn, f"touch {q(jd + '/' + CANCELLED)}")
-    flow.cancel_driver(conn, node, run_id)
-    group = f'"-$(cat {q(jd + "/" + flow.PID)})"'
-    deadline = time.monotonic() + wait_s
-    while succeeds(conn, f"kill -0 -- {group} 2>/dev/null"):
-        if time.monotonic() > deadline:
-            run(conn, f"kill -KILL -- {group} 2>/dev/null; true")
-        time.sleep(0.5)
     return None
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparknet.cluster import autostop, instances, lifecycle, nodes, provider, repair
-from sparknet.cluster.plan import JOB_PID, JOBS_DIR, Node
+from sparknet.cluster.plan import JOB_CANCELLED, JOB_PID, JOBS_DIR, Node
 from sparknet.cluster.remote import CommandFailed, Conn, ConnectionLost, q, run, succeeds, upload
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import DatasetEntry, TrainConfig
@@ -38,9 +38,13 @@ Say = Callable[[str], None]
 
 #: seconds between two looks at the run prefix and the driver while the job runs
 POLL_S = 3.0
-#: how long `follow` tries to reach the master again after its SSH connection broke (a laptop
-#: asleep, a Wi-Fi change) before it gives the job up as out of reach
+#: how long `follow` tries to reach the master again after its SSH connection broke or went
+#: silent (a laptop asleep, a Wi-Fi change, a master that stopped answering) before it gives the
+#: job up as out of reach; `RECONNECT_ENV` sets other seconds
 GRACE_S = 300.0
+RECONNECT_ENV = "SPARKNET_RECONNECT_S"
+#: how long a cancel waits for the job's session to end before it kills what is left of it
+CANCEL_WAIT_S = 60.0
 #: the driver's files in its job dir on the master (PID: the supervisor's, whose session is
 #: the job's; the supervisor's `train.pid` names the `sparknet train` process running now)
 LOG, PID = "driver.log", JOB_PID
@@ -55,8 +59,8 @@ class JobFailed(SparknetError):
 
 
 class JobOutOfReach(SparknetError):
-    """The master did not answer over SSH for `GRACE_S`: the job may go on there (it outlives
-    the SSH session), so it is neither cancelled nor its cluster taken down."""
+    """The master did not answer over SSH for `reconnect_s()`: the job may go on there (it
+    outlives the SSH session), so it is neither cancelled nor its cluster taken down."""
 
 
 class SubmitBusy(PreflightFailed):
@@ -401,9 +405,74 @@ def driver_log(conn: Conn, node: Node, run_id: str, lines: int = 200) -> str:
 
 
 def cancel_driver(conn: Conn, node: Node, run_id: str) -> None:
-    """End the driver's whole session (its process group), best effort."""
-    pid = q(f"{job_dir(node, run_id)}/{PID}")
-    run(conn, f'p=$(cat {pid} 2>/dev/null) && kill -TERM -- "-$p" 2>/dev/null; true')
+    """Ask the job to end, best effort, without waiting: SIGTERM to its supervisor, which
+    passes it on to the driver (one signal: the driver stops its Spark in order; a signal to
+    the whole group would also reach its JVM, which then stops under it); to the whole
+    process group when the supervisor is gone (its driver left running)."""
+    run(conn, _signal_command(job_dir(node, run_id)))
+
+
+def stop_session(
+    conn: Conn, node: Node, run_id: str, wait_s: float | None = None, poll_s: float = 0.2
+) -> None:
+    """`cancel_driver`, then wait until no process of the job's session is left: SIGKILL to
+    the whole group once `wait_s` (default CANCEL_WAIT_S) has passed. One command on the node,
+    so a cancel costs one SSH round trip, not one per look."""
+    wait = CANCEL_WAIT_S if wait_s is None else wait_s
+    group = '"-$p"'
+    command = (
+        f"{_signal_command(job_dir(node, run_id))}; p=$(cat {q(job_dir(node, run_id) + '/' + PID)}"
+        f" 2>/dev/null) || exit 0; end=$(( $(date +%s) + {int(wait)} )); "
+        f"while kill -0 -- {group} 2>/dev/null; do "
+        f"[ $(date +%s) -ge $end ] && kill -KILL -- {group} 2>/dev/null; sleep {poll_s:g}; "
+        "done; true"
+    )
+    run(conn, command, timeout=wait + 60)
+
+
+def cancel_job(conn: Conn, node: Node, run_id: str, wait_s: float | None = None) -> bool:
+    """End the job as `sparknet-submit cancel` does: when any process of its session is alive
+    (whatever its state says: a driver whose supervisor was killed runs on, holding the
+    GPUs), mark it cancelled (the marker its state reads) and `stop_session`; whether there
+    was any. A job none of whose processes is left is left as it ended."""
+    jd = job_dir(node, run_id)
+    if not succeeds(conn, group_alive(jd)):
+        return False
+    run(conn, f"touch {q(jd + '/' + JOB_CANCELLED)}")
+    stop_session(conn, node, run_id, wait_s)
+    return True
+
+
+def _signal_command(jd: str) -> str:
+    """SIGTERM to the supervisor while it leads its process group (a pid only alive is not
+    proof: the number may be another process's by now), else to the group."""
+    pid = q(f"{jd}/{PID}")
+    return (
+        f'p=$(cat {pid} 2>/dev/null) && case "$p" in ""|*[!0-9]*) false;; esac && '
+        f'if kill -0 "$p" 2>/dev/null && [ "$(ps -o pgid= -p "$p" | tr -d " ")" = "$p" ]; '
+        f'then kill -TERM "$p"; else kill -TERM -- "-$p"; fi 2>/dev/null; true'
+    )
+
+
+def group_alive(jd: str) -> str:
+    """The shell test that succeeds while any process of the job's session (its supervisor's
+    process group: the supervisor, the driver, their children) is alive."""
+    return f'kill -0 -- "-$(cat {q(jd + "/" + PID)} 2>/dev/null)" 2>/dev/null'
+
+
+#: what `how_it_ended` says of a job whose supervisor left its driver (or a child) running
+ORPHANED = "orphaned"
+
+
+def how_it_ended(jd: str) -> str:
+    """The shell command that says, of a job whose supervisor is gone, `rc` (it wrote its exit
+    code), `orphaned` (no code, but its process group still has a member), `cancelled` (the
+    marker) or nothing (its supervisor was killed, and nothing of it is left)."""
+    rc, marker = q(f"{jd}/{RC}"), q(f"{jd}/{JOB_CANCELLED}")
+    return (
+        f"if test -s {rc}; then echo rc; elif {group_alive(jd)}; then echo {ORPHANED}; "
+        f"elif test -e {marker}; then echo {JOB_CANCELLED}; fi; true"
+    )
 
 
 def stamp_submitter(conn: Conn, node: Node) -> None:
@@ -435,47 +504,57 @@ def follow(
     prefix: str,
     endpoint_url: str | None,
     on_rows: Callable[[list[dict[str, Any]]], None],
-    poll_s: float = POLL_S,
+    poll_s: float | None = None,
     on_event: Callable[[dict[str, Any]], None] | None = None,
     on_tick: Callable[[], None] | None = None,
-    grace_s: float = GRACE_S,
+    grace_s: float | None = None,
 ) -> Outcome:
     """Poll metrics.jsonl in the run prefix and the driver on the master until it ends; new
     round rows go to `on_rows` (a round that a restarted driver runs again only once), new
     event rows (a restart) to `on_event`, in file order; the submitter's activity stamp is
     refreshed as it waits, and `on_tick` (the cluster's repair watch) is called every poll.
-    A broken SSH connection is opened again at each poll for `grace_s` (the job runs on
-    without it); past that, JobOutOfReach."""
+    A broken SSH connection, or one the master went silent on (every call on it has a
+    deadline: `nodes.connection`), is opened again at each poll for `grace_s` (default
+    `reconnect_s()`) from the first call that failed (the job runs on without it); past that,
+    JobOutOfReach. A job whose supervisor was killed (no exit code) is failed; what it left
+    running is stopped (`stop_session`), and the log's last `error:` line says so."""
+    grace = reconnect_s() if grace_s is None else grace_s
+    poll = POLL_S if poll_s is None else poll_s
     store = open_store(prefix, endpoint_url)
     seen = _Seen()
     last_stamp = 0.0
     lost_since: float | None = None
+    lost: ConnectionLost | None = None  # the first failure of a run of them: it says why
     while True:
+        asked = time.monotonic()
         try:
-            if time.monotonic() - last_stamp >= autostop.ACTIVITY_EVERY_S / 2:
+            if asked - last_stamp >= autostop.ACTIVITY_EVERY_S / 2:
                 stamp_submitter(conn, master.node)
                 last_stamp = time.monotonic()
             rc = driver_rc(conn, master.node, run_id)
+            why = _killed(conn, master.node, run_id) if rc == -1 else None
         except ConnectionLost as exc:
-            lost_since = lost_since or time.monotonic()
-            if time.monotonic() - lost_since >= grace_s:
+            lost_since, lost = lost_since or asked, lost or exc
+            if time.monotonic() - lost_since >= grace:
                 raise JobOutOfReach(
-                    f"no SSH connection to the master ({master.node.endpoint.host}) "
-                    f"for {grace_s:.0f} s ({exc}); job {run_id} may go on there: "
+                    f"no answer over SSH from the master ({master.node.endpoint.host}) "
+                    f"for {grace:g} s ({lost}); job {run_id} may go on there: "
                     f"`sparknet-submit attach {run_id}` follows it again"
                 ) from exc
             _drop(conn)
-            time.sleep(poll_s)
+            time.sleep(poll)
             continue
-        lost_since = None
+        lost_since, lost = None, None
         rows = read_metrics(store, events=True)
         seen.dispatch(rows, on_rows, on_event)
         if rc is not None:
             log = driver_log(conn, master.node, run_id) if rc != 0 else ""
+            if why:
+                log += f"error: {why}\n"
             return Outcome(rc, round_rows(rows), log)
         if on_tick is not None:
             on_tick()
-        time.sleep(poll_s)
+        time.sleep(poll)
 
 
 #: `sparknet train`'s progress lines in its log (stderr, not a terminal) before a round is done:
@@ -526,6 +605,41 @@ def ticks(*actions: Callable[[], None] | None) -> Callable[[], None]:
                 action()
 
     return tick
+
+
+def reconnect_s() -> float:
+    """GRACE_S, or the seconds `RECONNECT_ENV` gives (a positive number)."""
+    text = os.environ.get(RECONNECT_ENV)
+    if not text:
+        return GRACE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise SparknetError(f"{RECONNECT_ENV}={text!r}: give a positive number of seconds")
+    return value
+
+
+def _killed(conn: Conn, node: Node, run_id: str) -> str | None:
+    """Of a job that ended without an exit code (`driver_rc` -1): why, for its last `error:`
+    line, once what its supervisor left running (its driver: killed with it, the driver is
+    stopped by the death signal it has, see `sparknet.supervisor`) is gone too, stopped here
+    when need be; None for a malformed exit code (the code says it)."""
+    jd = job_dir(node, run_id)
+    how = run(conn, how_it_ended(jd)).strip()
+    if how == "rc":
+        return None
+    if succeeds(conn, f"test -e {q(jd + '/' + JOB_CANCELLED)}"):
+        return "the job was cancelled (`sparknet-submit cancel`)"
+    killed = (
+        "the job was killed on the master: its supervisor ended without an exit code (a kill "
+        "-9, the out-of-memory killer, the node restarted)"
+    )
+    if how == ORPHANED:
+        stop_session(conn, node, run_id)
+        return f"{killed}; the driver it left running was stopped"
+    return killed
 
 
 def _drop(conn: Conn) -> None:
@@ -634,6 +748,10 @@ class Result:
 
 def preflight(job: Job) -> tuple[str, str]:
     """Everything that costs nothing, in order; (run id, run prefix)."""
+    try:  # a bad setting of the SSH deadlines fails now, not once the job runs
+        reconnect_s(), nodes.silence_s()
+    except SparknetError as exc:
+        raise PreflightFailed(str(exc)) from exc
     source = check_dataset(job.dataset, job.cfg)
     if job.reused:
         reuse(job.spec, job.endpoint_url)
@@ -776,7 +894,8 @@ def _run_driver(
     say: Say,
     on_rows: Callable[[list[dict[str, Any]], float | None], None],
 ) -> Outcome:
-    """Start the driver and follow it; an interrupt or error of the submitter cancels it."""
+    """Start the driver and follow it; an interrupt or error of the submitter cancels it as
+    `sparknet-submit cancel` does (marked cancelled, waited for until its session is gone)."""
     conn = nodes.connect(master.node.endpoint, master.access)
     try:
         start_driver(conn, master.node, run_id, cfg, job.max_restarts)
@@ -802,16 +921,20 @@ def _run_driver(
         # connection: an interrupt in the middle of an SSH call can leave this one's transport
         # waiting forever to open its next channel (a submitter hung after SIGTERM so)
         conn.close()
-        _quietly(lambda: _cancel_over_a_new_connection(master, run_id))
+        _quietly(lambda: _cancel_over_a_new_connection(master, run_id, say))
         raise
     finally:
         conn.close()
 
 
-def _cancel_over_a_new_connection(master: Master, run_id: str) -> None:
+def _cancel_over_a_new_connection(master: Master, run_id: str, say: Say) -> None:
+    """`cancel_job`, saying so: the submitter waits until the job's session is gone (its
+    driver's Spark stopped), so a cluster that stays up has nothing of it left running."""
     conn = nodes.connect(master.node.endpoint, master.access)
     try:
-        cancel_driver(conn, master.node, run_id)
+        say(f"cancelling job {run_id}: waiting for its driver to stop")
+        if cancel_job(conn, master.node, run_id):
+            say(f"job {run_id} cancelled")
     finally:
         conn.close()
 
@@ -831,7 +954,8 @@ def start_detached(
         start_driver(conn, master.node, run_id, cfg, max_restarts)
         say(f"job {run_id} started on the master; run prefix {prefix}")
     except BaseException:
-        _quietly(lambda: cancel_driver(conn, master.node, run_id))
+        conn.close()  # as in `_run_driver`: this one may hang after an interrupt
+        _quietly(lambda: _cancel_over_a_new_connection(master, run_id, say))
         raise
     finally:
         conn.close()

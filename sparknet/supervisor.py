@@ -10,7 +10,8 @@ traceback exits 1) it restarts it, up to `--max-restarts` times, as `sparknet tr
 line in driver.log. Deliberate ends are final: 0, 2 (`sparknet train`'s one-line `error:` for a
 bad setting or a run error it diagnosed: a restart would only repeat it), 129/130/143 (SIGHUP,
 Ctrl-C, SIGTERM: somebody stopped it). A cancel (SIGTERM or SIGINT to the supervisor or its
-session) ends the driver and the supervisor, never a restart.
+session) ends the driver and the supervisor, never a restart. A supervisor that dies itself (a
+kill -9) takes the driver with it: the driver gets SIGTERM then (`dies_with`).
 
 Files in the job dir: `train.pid` (the driver now running: `kill -9 $(cat train.pid)` kills
 exactly the driver), `driver.rc` (the final exit code, as a shell reports it: 128 + the signal
@@ -24,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,7 +194,9 @@ class Supervisor:
     def _train(self, resume: bool) -> int:
         """Run the driver once; its return code (negative: killed by that signal)."""
         cmd = [self.sparknet, *self.job.train_args(resume)]
-        self.child = subprocess.Popen(cmd, cwd=self.job.dir, env=self.env)
+        self.child = subprocess.Popen(
+            cmd, cwd=self.job.dir, env=self.env, preexec_fn=dies_with(os.getpid())
+        )
         _write_atomic(self.job.dir / TRAIN_PID, f"{self.child.pid}\n")
         if self.cancelled:  # came while it started: it may have missed the signal
             self.cancel(self.cancelled)
@@ -214,6 +218,47 @@ class Supervisor:
             say(f"warning: could not record the restart in metrics.jsonl: {_one_line(exc)}")
         say(restart_line(event))
         return after is not None
+
+
+#: prctl(2)'s option that gives a process a signal for its parent's death
+PR_SET_PDEATHSIG = 1
+
+
+def dies_with(parent: int) -> Callable[[], None] | None:
+    """What the driver runs between fork and exec (`preexec_fn`): SIGTERM to it when the
+    supervisor (`parent`) dies, by whatever means (a kill -9, the OOM killer), so no driver
+    trains on, holding the GPUs and the cluster, with nobody to record its end or to restart
+    it; SIGTERM, not SIGKILL: it stops its Spark and keeps its last checkpoint, as on a cancel.
+    A supervisor already gone by then sends nothing: the child ends at once. None where prctl
+    is missing (not Linux): the submitter then ends what a killed supervisor left
+    (`submit.follow`).
+
+    prctl is looked up here, before the fork: the child only calls it (no import, no lookup
+    under locks another thread of the supervisor may hold)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    option, signum = ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM)
+
+    def set_death_signal() -> None:
+        prctl(option, signum)
+        if os.getppid() != parent:  # died before the line above: no signal will come
+            os._exit(128 + signal.SIGTERM)
+
+    return set_death_signal
+
+
+def _end_leftovers() -> None:
+    """SIGTERM to what is left of the job's process group once its driver ended (a child that
+    outlived it), the supervisor's own ignored: after the job nothing of it runs on, and a
+    cancel, which signals the supervisor alone, finds no straggler to wait for. Only as the
+    leader of its own group (`setsid` started it): never the group of whoever ran it else."""
+    if os.getpgrp() != os.getpid():
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with contextlib.suppress(OSError):
+        os.killpg(0, signal.SIGTERM)
 
 
 def say(line: str) -> None:
@@ -291,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             (job_dir / TRAIN_PID).unlink()
         if rc is not None:
             _write_atomic(job_dir / RC, f"{rc}\n")
+        _end_leftovers()
     return rc if rc is not None else 128 + (supervisor.cancelled or signal.SIGTERM)
 
 

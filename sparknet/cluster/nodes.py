@@ -47,6 +47,10 @@ T = TypeVar("T")
 
 #: how often `connect` tries again while a node does not accept connections yet (booting sshd)
 RETRY_S = 0.5
+#: how long a node may leave an open connection unanswered before the connection counts as lost
+#: (OpenSSH's ServerAliveInterval 15 x ServerAliveCountMax 3); `SILENCE_ENV` sets other seconds
+SILENCE_S = 45.0
+SILENCE_ENV = "SPARKNET_SSH_SILENCE_S"
 
 
 @dataclass(frozen=True)
@@ -116,12 +120,108 @@ def _fabric_config() -> fabric.Config:
     )
 
 
+def silence_s() -> float:
+    """SILENCE_S, or the seconds `SILENCE_ENV` gives (a positive number)."""
+    text = os.environ.get(SILENCE_ENV)
+    if not text:
+        return SILENCE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise SparknetError(f"{SILENCE_ENV}={text!r}: give a positive number of seconds")
+    return value
+
+
+def went_silent(conn: Any) -> float | None:
+    """The seconds of silence after which `_Keepalive` closed `conn`'s connection (the node
+    stopped answering on it); None while it answers, or when it ended otherwise."""
+    transport = getattr(conn, "transport", None)
+    return getattr(transport, _SILENT, None)
+
+
+#: the attribute `_Keepalive` sets on a transport it closed (on the transport: a connection
+#: may be handed another one, see `reconnect_after_restart`)
+_SILENT = "sparknet_silent_s"
+
+
+class _Keepalive:
+    """A deadline for every call on one SSH connection that holds when the node goes silent.
+
+    A peer that stops answering (its sshd stopped, a host frozen, a link that drops packets)
+    leaves an open TCP connection that never ends: paramiko waits on it without a deadline
+    (opening a channel, a command's start, its exit status), a command timeout does not cover
+    those, and TCP itself notices nothing (the peer's kernel acknowledges what it gets).
+    paramiko's own `set_keepalive` wants no reply, so it cannot tell either. So, as OpenSSH's
+    ServerAliveInterval does: every third of `silence_s` a keepalive that wants a reply; one
+    unanswered for `silence_s` closes the transport, which ends every wait on it (the calls
+    fail, and `went_silent` says why)."""
+
+    #: what OpenSSH's client sends (any server answers it, if only with a failure)
+    REQUEST = "keepalive@openssh.com"
+
+    def __init__(self, transport: paramiko.Transport, silence: float) -> None:
+        self.transport, self.silence = transport, silence
+        self.stopped = threading.Event()
+        threading.Thread(target=self._loop, name="sparknet-ssh-keepalive", daemon=True).start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(self.silence / 3):
+            if not self.transport.is_active():
+                return
+            answered = threading.Event()
+            threading.Thread(
+                target=self._ask, args=(answered,), name="sparknet-ssh-keepalive-ask", daemon=True
+            ).start()
+            if not answered.wait(self.silence) and not self.stopped.is_set():
+                setattr(self.transport, _SILENT, self.silence)
+                self.transport.close()
+                return
+
+    def _ask(self, answered: threading.Event) -> None:
+        # returns on the node's answer, or once the transport is closed
+        with contextlib.suppress(Exception):
+            self.transport.global_request(self.REQUEST, wait=True)
+        answered.set()
+
+
+class _Connection(fabric.Connection):
+    """Fabric's Connection whose every opening (its own reopening after a `close` too) is
+    watched by a `_Keepalive`."""
+
+    #: class attributes: invoke's Context stores the attributes it does not know in its config
+    _keepalive: _Keepalive | None = None
+
+    def open(self) -> Any:
+        result = super().open()
+        transport = self.client.get_transport()
+        if transport is not None and (
+            self._keepalive is None or self._keepalive.transport is not transport
+        ):
+            if self._keepalive is not None:
+                self._keepalive.stop()
+            self._keepalive = _Keepalive(transport, silence_s())
+        return result
+
+    def close(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.stop()
+        super().close()
+
+
 def connection(endpoint: Endpoint, access: Access, timeout: float = 20) -> fabric.Connection:
-    """An unopened Fabric Connection to `endpoint` that trusts only `access.known_hosts`.
+    """An unopened Fabric Connection to `endpoint` that trusts only `access.known_hosts`, each
+    of whose waits ends once the node is silent for `silence_s()` (`_Keepalive`; its banner,
+    login and channel openings within that too, and within `timeout`).
 
     Fabric sets `AutoAddPolicy` in its constructor; it is replaced before anything connects,
     and the user's known_hosts, agent and keys are not consulted."""
-    conn = fabric.Connection(
+    wait = min(timeout, silence_s())
+    conn = _Connection(
         endpoint.host,
         user=endpoint.user,
         port=endpoint.port,
@@ -131,6 +231,9 @@ def connection(endpoint: Endpoint, access: Access, timeout: float = 20) -> fabri
             "key_filename": [str(access.key_file)],
             "look_for_keys": False,
             "allow_agent": False,
+            "banner_timeout": wait,
+            "auth_timeout": wait,
+            "channel_timeout": silence_s(),
         },
     )
     conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import paramiko
 from invoke.exceptions import CommandTimedOut
 
+from sparknet.cluster.nodes import went_silent
 from sparknet.errors import SparknetError
 
 #: how many of a failed command's last output lines an error carries
@@ -42,8 +43,18 @@ class ConnectionLost(CommandFailed):
     have run at all. Raised in place of paramiko's and the socket's own errors, so a caller
     sees one SparknetError and can tell a lost link from a command that failed."""
 
-    def __init__(self, exc: BaseException) -> None:
-        super().__init__(f"SSH connection lost ({_describe(exc)})", [])
+    def __init__(self, exc: BaseException | str) -> None:
+        why = exc if isinstance(exc, str) else _describe(exc)
+        super().__init__(f"SSH connection lost ({why})", [])
+
+
+def _silent(conn: Conn) -> ConnectionLost | None:
+    """ConnectionLost naming the silence, when the keepalive closed the connection under the
+    call (the node stopped answering: see `nodes._Keepalive`); else None."""
+    seconds = went_silent(conn)
+    if seconds is None:
+        return None
+    return ConnectionLost(f"the node answered nothing for {seconds:g} s")
 
 
 #: what paramiko and the socket raise when the link to a node breaks or cannot be made
@@ -62,19 +73,22 @@ def tail_lines(*texts: str) -> list[str]:
 
 def run(conn: Conn, command: str, timeout: float = 60) -> str:
     """Run `command` on the node; its stdout. Non-zero exit or a timeout is CommandFailed, a
-    broken or refused SSH connection ConnectionLost."""
+    broken or refused SSH connection ConnectionLost, also one that went silent under the call
+    (its keepalive closed it: a command cut so reads as exit -1 or a timeout)."""
     try:
         result = conn.run(
             command, hide=True, warn=True, timeout=timeout, pty=False, in_stream=False
         )
     except CommandTimedOut as exc:
-        raise CommandFailed(
+        raise _silent(conn) or CommandFailed(
             f"timed out after {timeout:g} s", tail_lines(exc.result.stdout, exc.result.stderr)
         ) from None
     except SSH_ERRORS as exc:
-        raise ConnectionLost(exc) from exc
+        raise (_silent(conn) or ConnectionLost(exc)) from exc
     if result.exited != 0:
-        raise CommandFailed(f"exited {result.exited}", tail_lines(result.stdout, result.stderr))
+        raise _silent(conn) or CommandFailed(
+            f"exited {result.exited}", tail_lines(result.stdout, result.stderr)
+        )
     return result.stdout
 
 
@@ -112,8 +126,8 @@ def upload(conn: Conn, data: bytes, remote: str, mode: int, timeout: float = 300
         stdin.channel.shutdown_write()
         status = stdout.channel.recv_exit_status()
     except SSH_ERRORS as exc:
-        raise ConnectionLost(exc) from exc
+        raise (_silent(conn) or ConnectionLost(exc)) from exc
     if status != 0:
-        raise CommandFailed(
+        raise _silent(conn) or CommandFailed(
             f"writing {remote} exited {status}", tail_lines(stderr.read().decode(errors="replace"))
         )

@@ -173,6 +173,9 @@ def test_a_cancel_ends_the_supervisor_and_the_driver_without_a_restart(tmp_path)
     assert os.getsid(supervisor) == supervisor and os.getsid(train) == supervisor
     flow.cancel_driver(Context(), node, "R")
     _wait_for(lambda: _gone(supervisor) and _gone(train))
+    # the signal went to the supervisor alone; what the driver left (its `sleep`) went with the
+    # supervisor's end
+    _wait_for(lambda: _group(supervisor) == [])
     assert flow.driver_rc(Context(), node, "R") == -1  # cancelled: no exit code, as before
     assert len(_calls(tmp_path)) == 1 and _events(tmp_path / "run") == []
     assert "restart" not in (job / "driver.log").read_text()
@@ -238,19 +241,111 @@ def test_a_job_that_ends_as_a_cancel_comes_in_keeps_its_exit_code(tmp_path, body
     assert jobs.cancel(Context(), node, "R") == state  # nothing left to end
 
 
-def test_a_killed_supervisors_driver_is_orphaned_and_cancel_ends_it(tmp_path) -> None:
-    """SIGKILL to the supervisor alone leaves its driver running (in the job's process group):
-    the job is `orphaned`, not `failed -1`, and `cancel` ends the group, the driver with it."""
+def test_a_killed_supervisor_takes_its_driver_with_it_and_the_job_reads_killed(tmp_path) -> None:
+    """SIGKILL to the supervisor alone: its driver gets SIGTERM (its death signal) and ends,
+    rather than training on with nobody to restart it or record its end; the job reads
+    `killed`, in `list` and at the submitter (whose error line says why) alike."""
     from sparknet import jobs
 
-    node = _node(tmp_path, "sleep 60")
+    node = _node(tmp_path, "exec sleep 60")
+    job = _start(node, tmp_path, max_restarts=0)
+    _wait_for(lambda: (job / "train.pid").exists())
+    supervisor, train = int((job / "driver.pid").read_text()), int((job / "train.pid").read_text())
+    os.kill(supervisor, 9)
+    _wait_for(lambda: _gone(supervisor) and _gone(train), timeout=10)
+    assert jobs.state_of(Context(), node, "R") == jobs.KILLED
+    outcome = _follow(node, tmp_path)
+    assert outcome.rc == -1
+    assert flow.last_error(outcome.log) == (
+        "the job was killed on the master: its supervisor ended without an exit code (a kill "
+        "-9, the out-of-memory killer, the node restarted)"
+    )
+    assert jobs.cancel(Context(), node, "R") == jobs.KILLED  # nothing left to end
+
+
+def test_the_submitter_stops_a_driver_that_outlives_its_killed_supervisor(
+    tmp_path, monkeypatch
+) -> None:
+    """A driver that does not end on its death signal (here: it ignores SIGTERM) runs on,
+    `orphaned`: the attached submitter finds the supervisor gone without an exit code, ends
+    what is left (SIGKILL once the cancel's wait is over) and fails the job saying so; then
+    `list` reads `killed`, as the submitter said."""
+    from sparknet import jobs
+
+    node = _node(tmp_path, "trap '' TERM; exec sleep 60")
     job = _start(node, tmp_path, max_restarts=0)
     _wait_for(lambda: (job / "train.pid").exists())
     supervisor, train = int((job / "driver.pid").read_text()), int((job / "train.pid").read_text())
     os.kill(supervisor, 9)
     _wait_for(lambda: _gone(supervisor))
-    assert not _gone(train)
-    assert jobs.state_of(Context(), node, "R") == jobs.ORPHANED
-    assert jobs.cancel(Context(), node, "R", wait_s=5.0) is None
-    assert _gone(train)
-    assert jobs.state_of(Context(), node, "R") == "cancelled"
+    assert jobs.state_of(Context(), node, "R") == jobs.ORPHANED and not _gone(train)
+    monkeypatch.setattr(flow, "CANCEL_WAIT_S", 1.0)
+    outcome = _follow(node, tmp_path)
+    assert _gone(train) and _group(supervisor) == []
+    assert outcome.rc == -1
+    assert flow.last_error(outcome.log).endswith("; the driver it left running was stopped")
+    assert jobs.state_of(Context(), node, "R") == jobs.KILLED
+
+
+def test_an_interrupted_submit_cancels_its_job_and_waits_until_it_is_gone(
+    tmp_path, monkeypatch
+) -> None:
+    """Ctrl-C or SIGTERM on a submit whose cluster stays up (--cluster, --keep): the job is
+    marked `cancelled` (not `failed -1`), and when the submitter goes on nothing of it runs:
+    the driver, which takes a while to stop (its Spark), got one SIGTERM (through its
+    supervisor; not a second one, sent to the whole group, that also reaches its JVM)."""
+    from sparknet import jobs
+    from sparknet.cluster import nodes
+    from sparknet.cluster.spec import ClusterSpec
+
+    class Local(Context):
+        def close(self) -> None:
+            pass
+
+    signals = tmp_path / "signals"
+    stopping = f"trap 'echo TERM >> {signals}; sleep 1; exit 143' TERM"  # 1 s to stop
+    node = _node(tmp_path, f"{stopping}; sleep 60 & wait")
+    master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    monkeypatch.setattr(nodes, "connect", lambda endpoint, access: Local())
+    job = flow.Job(
+        ClusterSpec(name="c1"), True, False, flow.Dataset("s3://b-b/x"), TrainConfig(),
+        max_restarts=0,
+    )  # fmt: skip
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        if line.startswith("job K1 started"):
+            _wait_for(lambda: (tmp_path / "node" / "jobs" / "K1" / "train.pid").exists())
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        flow._run_driver(job, master, "K1", "p/", TrainConfig(), say, lambda rows, cost: None)
+    leader = int((tmp_path / "node" / "jobs" / "K1" / "driver.pid").read_text())
+    assert _group(leader) == []  # gone before the submitter went on: no wait here
+    assert jobs.state_of(Context(), node, "K1") == jobs.CANCELLED
+    assert signals.read_text() == "TERM\n"
+    assert said[1:] == ["cancelling job K1: waiting for its driver to stop", "job K1 cancelled"]
+    assert "Traceback" not in (tmp_path / "node" / "jobs" / "K1" / "driver.log").read_text()
+
+
+def _follow(node: Node, tmp_path: Path):
+    """`flow.follow` of job R, with the local shell as the master's SSH session."""
+    (tmp_path / "run").mkdir(exist_ok=True)
+    master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    return flow.follow(
+        Context(), master, "R", str(tmp_path / "run"), None, lambda rows: None, poll_s=0.05
+    )
+
+
+def _group(leader: int) -> list[int]:
+    """The live processes of the process group `leader` led (zombies are no one's)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == leader and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
