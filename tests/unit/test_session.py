@@ -255,3 +255,40 @@ def test_a_standalone_driver_binds_the_address_it_reaches_the_master_from(monkey
     assert bound("spark://127.0.0.2:7077,127.0.0.4:7077") == ["127.0.0.3", "127.0.0.3"]
     assert bound("spark://127.0.0.2:7077", {"spark.driver.host": "h"}) == ["h", None]
     assert bound("local[2]") == bound("yarn") == [None, None]
+
+
+class _StoppableContext:
+    """Just what `stopped_from_outside` asks a SparkContext: whether it is stopped."""
+
+    def __init__(self, stopped: bool) -> None:
+        self._jsc = self
+        self.stopped = stopped
+
+    def sc(self):
+        return self
+
+    def isStopped(self) -> bool:
+        return self.stopped
+
+
+def test_an_application_ended_from_outside_is_one_line_naming_why():
+    from sparknet.training import session
+
+    killed = RuntimeError("Job aborted: Master removed our application: KILLED")
+    line = session.stopped_from_outside(_StoppableContext(stopped=False), _wrapped(killed))
+    assert line.startswith("Spark stopped the application while it ran (the master removed it")
+    assert "--resume" in line
+    assert session.stopped_from_outside(_StoppableContext(stopped=False), RuntimeError("x")) is None
+    assert "its context stopped" in session.stopped_from_outside(
+        _StoppableContext(stopped=True), RuntimeError("x")
+    )
+    ours = _StoppableContext(stopped=True)
+    session._STOPPED_HERE.add(ours)  # sparknet stopped it (an interrupt, a failed stage)
+    assert session.stopped_from_outside(ours, RuntimeError("x")) is None
+
+
+def _wrapped(cause: BaseException) -> SparknetError:
+    try:
+        raise SparknetError("a Spark task failed after all retries") from cause
+    except SparknetError as exc:
+        return exc
