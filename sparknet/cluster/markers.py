@@ -28,8 +28,9 @@ MARKER, MARKER_LOCK = "owner.json", ".owner.lock"
 #: how long a command waits for another's hold on a host's marker lock (it holds it for
 #: milliseconds)
 LOCK_WAIT_S = 30
-#: the first line of a take's answer: the host was free (now ours), already ours, or another's
-TAKEN, MINE, HELD = "taken", "mine", "held"
+#: the first line of a take's answer: the host was free (now ours), already ours, another's, or
+#: had no install prefix (and none was made)
+TAKEN, MINE, HELD, ABSENT = "taken", "mine", "held", "absent"
 
 
 class HostHeld(SparknetError):
@@ -80,16 +81,22 @@ def _match(me: Holder) -> str:
     return json.dumps({"holder": me.key})[1:-1]
 
 
-def _locked(node: Node, body: str) -> str:
+def _locked(node: Node, body: str, make: bool = True) -> str:
     """`body` run on the node with the marker lock held (`$m` is the marker's path). A prefix
     that is not there yet is made for the login user (sudo -n where it is not root), as the
-    bootstrap's own dirs step would; one that is there is left as it is. A lock file the user
-    cannot write (another user's prefix) is locked read-only: the marker can still be read."""
+    bootstrap's own dirs step would, or, unless `make`, the answer is `ABSENT` and nothing
+    runs; one that is there is left as it is. A lock file the user cannot write (another
+    user's prefix) is locked read-only: the marker can still be read."""
     p = q(node.prefix)
     lock, marker = q(node.path(MARKER_LOCK)), q(node.path(MARKER))
+    made = (
+        f's=; [ "$(id -u)" = 0 ] || s=\'sudo -n\'; $s mkdir -p {p} && $s chown "$(id -un)" {p} '
+        "|| exit 1"
+        if make
+        else f"echo {ABSENT}; exit 0"
+    )
     return (
-        f"if [ ! -d {p} ]; then s=; [ \"$(id -u)\" = 0 ] || s='sudo -n'; $s mkdir -p {p} && "
-        f'$s chown "$(id -un)" {p} || exit 1; fi; '
+        f"if [ ! -d {p} ]; then {made}; fi; "
         "command -v flock >/dev/null || { echo 'flock (util-linux) is not installed' >&2; "
         "exit 1; }; "
         f"if [ -w {lock} ] || {{ [ ! -e {lock} ] && [ -w {p} ]; }}; then exec 9>>{lock}; "
@@ -99,16 +106,17 @@ def _locked(node: Node, body: str) -> str:
     )
 
 
-def take(conn: Conn, node: Node, me: Holder) -> tuple[str, Holder | None]:
+def take(conn: Conn, node: Node, me: Holder, make: bool = True) -> tuple[str, Holder | None]:
     """Take the host for `me` unless another cluster holds it: (TAKEN, None) where it was free
     (the marker is written now), (MINE, None) where `me` held it already, (HELD, holder) where
-    another does (nothing is written)."""
+    another does (nothing is written); unless `make`, (ABSENT, None) where the node has no
+    install prefix (nothing of sparknet's is there; none is made)."""
     body = (
         f'if [ -s "$m" ]; then if grep -qF {q(_match(me))} "$m"; then echo {MINE}; else '
         f'echo {HELD}; cat "$m"; fi; exit 0; fi; '
         f'printf "%s\\n" {q(me.to_json())} > "$m.new" && mv -f "$m.new" "$m" && echo {TAKEN}'
     )
-    first, _, rest = run(conn, _locked(node, body)).strip().partition("\n")
+    first, _, rest = run(conn, _locked(node, body, make)).strip().partition("\n")
     if first == HELD:
         return HELD, Holder.parse(rest) or Holder("?", "?", "", "")
     return first, None
@@ -117,7 +125,7 @@ def take(conn: Conn, node: Node, me: Holder) -> tuple[str, Holder | None]:
 def release(conn: Conn, node: Node, me: Holder) -> None:
     """Remove the host's marker when it is `me`'s (another's stays)."""
     body = f'if grep -qF {q(_match(me))} "$m" 2>/dev/null; then rm -f "$m"; fi; true'
-    run(conn, _locked(node, body))
+    run(conn, _locked(node, body, make=False))
 
 
 def take_all(

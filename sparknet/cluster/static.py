@@ -383,12 +383,14 @@ def down(
 
         def stop(endpoint: Endpoint, conn: Conn) -> None:
             node = next(n for n in planned if n.name == endpoint.name)
-            _verdict, other = markers.take(conn, node, me)  # a free host is held while it stops
+            # a free host is held while it stops; one without the prefix gets none made
+            verdict, other = markers.take(conn, node, me, make=False)
             if other is not None:
                 left[node.name] = other
                 return
             boot.stop_on(planned, node.name, conn)
-            markers.release(conn, node, me)
+            if verdict != markers.ABSENT:
+                markers.release(conn, node, me)
 
         try:
             nodes.run_all([n.endpoint for n in planned], reach, stop, 120)

@@ -11,6 +11,7 @@ worker, and each node's private address and install prefix come from the seam's
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import uuid
@@ -43,8 +44,14 @@ def cluster(sshd_nodes, tmp_path, monkeypatch):
         cli("down", name, cwd=tmp_path)
 
 
-def cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def cli(
+    *args: str, cwd: Path, timeout: float = 240, home: Path | None = None
+) -> subprocess.CompletedProcess:
+    """The CLI as a user runs it; `home`: another registry (SPARKNET_HOME), as of another
+    machine."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    if home is not None:
+        env["SPARKNET_HOME"] = str(home)
     env["AWS_ENDPOINT_URL"] = "http://127.0.0.1:9"  # nothing listens: any AWS call would fail
     return subprocess.run(
         [str(SPARKNET), "cluster", *args], cwd=cwd, env=env,
@@ -83,6 +90,11 @@ def test_up_status_and_down_of_a_static_cluster(cluster, tmp_path) -> None:
     ran = cli("ssh", name, "worker-1", "--", "echo", "on-worker", cwd=tmp_path)
     assert ran.returncode == 0 and ran.stdout.strip() == "on-worker", ran.stderr
 
+    # another registry (another machine, or SPARKNET_HOME) brings up another cluster on the
+    # same hosts: refused before anything runs there, naming the cluster that holds them; the
+    # first's daemons and secret stay as they are
+    _second_registry_is_refused(name, group, entry, tmp_path, pids)
+
     # a second up applies nothing
     again = cli("up", name, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -111,9 +123,34 @@ def test_up_status_and_down_of_a_static_cluster(cluster, tmp_path) -> None:
     assert not (tmp_path / "master" / "conf" / "spark-defaults.conf").exists()
     assert not lifecycle.secret_file(name).exists()
     assert name not in lifecycle.registered()
+    assert not list(tmp_path.glob("*/owner.json"))  # the hosts are given back
     gone = cli("status", name, cwd=tmp_path)
     assert gone.returncode == 1
     assert f"error: static cluster {name} is not up here (not registered)" in gone.stderr
+
+
+def _second_registry_is_refused(name: str, group, entry: dict, root: Path, pids: dict) -> None:
+    other = f"o{uuid.uuid4().hex[:8]}"
+    seam = json.loads((root / "endpoints.json").read_text())
+    for node in ADDRESSES:  # the same machines: the same install prefixes
+        seam[f"{other}/{node}/node"] = seam[f"{name}/{node}/node"]
+    (root / "endpoints.json").write_text(json.dumps(seam))
+    settings = yaml.safe_load((root / "sparknet.yaml").read_text())
+    settings["clusters"][other] = entry
+    (root / "sparknet.yaml").write_text(yaml.safe_dump(settings))
+    conf = root / "master" / "conf" / "spark-defaults.conf"
+    before = conf.read_bytes()
+    refused = cli("up", other, cwd=root, home=root / "other-home")
+    assert refused.returncode == 2, refused.stderr
+    first = group.servers[0]
+    assert refused.stderr.startswith(
+        f"error: {first.user}@127.0.0.1:{first.port} (master) is held by static cluster {name} "
+        "of the sparknet registry "
+    ), refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    assert daemon_pids(root, ADDRESSES) == pids
+    assert conf.read_bytes() == before
+    assert sorted(p.parent.name for p in root.glob("*/owner.json")) == ["master", "worker-1"]
 
 
 def test_an_unknown_host_is_refused_before_anything(cluster, tmp_path) -> None:

@@ -33,6 +33,10 @@ def test_take_mine_held_and_release(tmp_path) -> None:
     conn, node = invoke.Context(), _node(tmp_path)
     me = markers.Holder("lab", "a" * 16, "alice@laptop:/home/alice/.sparknet/clusters", "t0")
     other = markers.Holder("lab", "b" * 16, "bob@desk:/home/bob/.sparknet/clusters", "t1")
+    # `down`'s look at a host where nothing was ever installed makes nothing there
+    assert markers.take(conn, node, me, make=False) == (markers.ABSENT, None)
+    markers.release(conn, node, me)
+    assert not (tmp_path / "master").exists()
     assert markers.take(conn, node, me) == (markers.TAKEN, None)  # made the missing prefix too
     assert markers.take(conn, node, me) == (markers.MINE, None)
     # the same name in another registry is another cluster
