@@ -6,8 +6,9 @@
 # usage: scan.sh ROOT LOGIN_HOME [dir DIR | skip PATTERN]...
 #   ROOT        where the image's "/" is: empty on the builder itself, a directory in tests
 #   LOGIN_HOME  the home of the user the bake logs in as (as the builder sees it)
-#   dir DIR     a directory searched (its "/" and {prefix} resolved); ROOT/root, ROOT/home and
-#               ROOT/LOGIN_HOME always are
+#   dir DIR     a directory searched (its "/" and {prefix} resolved); every home always is:
+#               ROOT/root, ROOT/home (a home there that is a link: where it leads too),
+#               ROOT/LOGIN_HOME, and each user's of ROOT/etc/passwd but "/"
 #   skip PATTERN  a `find -path` pattern whose files are not looked at ("*" matches "/" too)
 #
 # Prints "PATH<TAB>WHY" for each file found, PATH as the image will have it (ROOT taken off), and
@@ -23,10 +24,24 @@ IFS='
 '
 dirs="$root/root
 $root/home"
+set +f
+for h in "$root"/home/*; do
+    if [ -L "$h" ]; then dirs="$dirs
+$h"; fi
+done
+set -f
 case $login_home in
     /?*) dirs="$dirs
 $root$login_home" ;;
 esac
+if [ -f "$root/etc/passwd" ]; then
+    while IFS=: read -r _user _pw _uid _gid _gecos h _shell; do
+        case $h in
+            /?*) dirs="$dirs
+$root$h" ;;
+        esac
+    done < "$root/etc/passwd"
+fi
 skips=
 while [ $# -ge 2 ]; do
     case $1 in

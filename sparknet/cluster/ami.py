@@ -85,8 +85,8 @@ class Image:
     truncate: tuple[str, ...] = ()
     #: directories whose whole contents go (dotfiles and subdirectories too), the directories kept
     clear: tuple[str, ...] = ()
-    #: globs relative to a home directory, removed in every home: root's, each of /home/*, and
-    #: the login user's
+    #: globs relative to a home directory, removed in every home: root's, each of /home/*, the
+    #: login user's and each user's of /etc/passwd (never through a link below the home)
     home: tuple[str, ...] = ()
     #: directories the scan searches (besides every home)
     scan: tuple[str, ...] = ()

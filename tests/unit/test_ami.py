@@ -225,6 +225,61 @@ def test_what_the_scan_finds_fails_the_bake_in_one_line_naming_the_files():
     assert "/opt/k5.pem" not in message and "scan_skip" in message
 
 
+def test_the_cleanup_follows_no_link_below_a_home_or_the_prefix(tmp_path: Path):
+    """A home's and the prefix's directories belong to their users, who may have made one a
+    link (`~/.ssh -> /`): root's clean-up once globbed through it and deleted what it leads to.
+    Now what lies behind such a link stays, and the clean-up fails naming it (the bake stops);
+    a link a glob names itself (`~/.cache`) is removed as a link."""
+    root, prefix, outside = tmp_path / "root", tmp_path / "prefix", tmp_path / "outside"
+    kept = plant(outside, ("etc/passwd", "bin/sh", "history.sqlite", "work.log"))
+    (root / "home/ubuntu/.ipython").mkdir(parents=True)
+    (root / "home/ubuntu/.ssh").symlink_to(outside)
+    (root / "home/ubuntu/.cache").symlink_to(outside)
+    (root / "home/ubuntu/.ipython/profile_x").symlink_to(outside)
+    (root / "root").mkdir()
+    (root / "root/.ssh").symlink_to(outside / "etc")
+    prefix.mkdir()
+    (prefix / "logs").symlink_to(outside / "bin")
+    (prefix / "work").symlink_to(outside)
+    command = ami.cleanup_command(ami.load_image(), str(prefix), str(root), "/home/ubuntu")
+    done = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+
+    assert [p for p in kept if not p.is_file()] == []
+    assert done.returncode == 1
+    said = done.stderr.splitlines()
+    assert "clean.sh: /home/ubuntu/.ssh/etc not removed: a symbolic link below /home/ubuntu " \
+        "leads there" in said, said  # fmt: skip
+    assert f"clean.sh: {prefix}/logs/sh not removed: a symbolic link below {prefix} leads there" \
+        in said, said  # fmt: skip
+    assert not (root / "home/ubuntu/.cache").is_symlink()  # the link itself: removed
+    assert (root / "home/ubuntu/.ssh").is_symlink()
+
+
+def test_every_home_of_etc_passwd_and_a_linked_home_are_cleaned_and_scanned(tmp_path: Path):
+    """Homes outside /home (a service user's under /var/lib, a user's on /data) and a /home entry
+    that is a link to one were neither cleaned nor scanned: their keys shipped in the image."""
+    root, prefix = tmp_path / "root", tmp_path / "prefix"
+    plant(root, ("etc/passwd",))
+    (root / "etc/passwd").write_text(
+        "root:x:0:0:root:/root:/bin/bash\nsvc:x:998:998::/var/lib/svc:/usr/sbin/nologin\n"
+        "bob:x:1001:1001::/data/bob:/bin/bash\nnobody:x:65534:65534::/nonexistent:/bin/false\n"
+        "daemon:x:1:1::/:/usr/sbin/nologin\n"
+    )
+    secrets = ("var/lib/svc/.aws/credentials", "data/bob/.ssh/id_ed25519", "data/carol/.netrc")
+    plant(root, secrets)
+    (root / "home").mkdir()
+    (root / "home/carol").symlink_to("../data/carol")
+    image = ami.load_image()
+    found = ami.scan_found(run_scan(image, prefix, root))
+    assert set(found) == {
+        "/var/lib/svc/.aws/credentials", "/data/bob/.ssh/id_ed25519", "/home/carol/.netrc",
+    }  # fmt: skip
+    command = ami.cleanup_command(image, str(prefix), str(root))
+    subprocess.run(["sh", "-c", command], check=True)
+    assert [rel for rel in secrets if (root / rel).exists()] == []
+    assert ami.scan_found(run_scan(image, prefix, root)) == {}
+
+
 @pytest.mark.parametrize("name", ["/aws/x", "awsx", "/ssm/x", "SSM-x", "a/b", "/x y", ""])
 def test_ssm_parameter_names_aws_refuses_are_refused(name: str):
     with pytest.raises(SparknetError, match="SSM parameter name"):
