@@ -106,6 +106,14 @@ class BootstrapSettings(BaseModel):
     master_ui_port: int = Field(8080, ge=1, le=65535)
     worker_ui_port: int = Field(8081, ge=0, le=65535, description="0: any free port")
 
+    @field_validator(
+        "worker_cores", "worker_memory_mb", "gpus_per_node", "master_port", "master_ui_port",
+        "worker_ui_port", mode="before",
+    )  # fmt: skip
+    @classmethod
+    def _numbers_not_bools(cls, value: Any) -> Any:
+        return _not_a_bool(value)
+
     @model_validator(mode="after")
     def _ports_apart(self) -> BootstrapSettings:
         """The master runs a worker too: two daemons on one port would not both start."""
@@ -204,6 +212,11 @@ class ClusterSpec(BaseModel):
         description="set by `up` from STS GetCallerIdentity (the caller's ARN) and tagged on "
         "every resource as sparknet:owner; not a user setting",
     )
+
+    @field_validator("workers", "root_volume_gb", "autostop_minutes", mode="before")
+    @classmethod
+    def _numbers_not_bools(cls, value: Any) -> Any:
+        return _not_a_bool(value)
 
     @field_validator("region")
     @classmethod
@@ -305,6 +318,14 @@ class ClusterSpec(BaseModel):
         return self
 
 
+def _not_a_bool(value: Any) -> Any:
+    """A number of the spec given as true/false (YAML's `yes`, `no`, `on`, `off` too) is refused,
+    not read as 1 or 0: `autostop_minutes: on` would stop the cluster after one idle minute."""
+    if isinstance(value, bool):
+        raise ValueError(f"a number, not {str(value).lower()}")
+    return value
+
+
 def _check_hosts(hosts: list[str]) -> None:
     """Each host an SSH address (``[user@]host[:port]``), none twice."""
     from sparknet.cluster.nodes import parse_address
@@ -374,7 +395,7 @@ _BUCKET_RESERVED_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-
 def check_bucket_name(bucket: str) -> str:
     """`bucket`, if S3 accepts it as a bucket name; else a ValueError that says why."""
     why = None
-    if not _BUCKET.match(bucket):
+    if not _BUCKET.fullmatch(bucket):
         why = "3-63 of a-z, 0-9, '.', '-', starting and ending with a letter or digit"
     elif ".." in bucket or ".-" in bucket or "-." in bucket:
         why = "no '..', '.-' or '-.'"

@@ -52,7 +52,7 @@ class S3Uri:
         if not uri.startswith("s3://"):
             raise SparknetError(f"{uri!r} is not an S3 URI; write it as s3://BUCKET/PREFIX")
         bucket, _, key = uri[len("s3://") :].partition("/")
-        if not _BUCKET.match(bucket):
+        if not _BUCKET.fullmatch(bucket):
             raise SparknetError(
                 f"{uri!r} has no valid bucket name ({bucket!r}): bucket names are 3-63 letters, "
                 "digits, dots or dashes; write it as s3://BUCKET/PREFIX"

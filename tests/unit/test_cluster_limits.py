@@ -88,6 +88,36 @@ def test_numbers_out_of_range_are_refused(settings, field) -> None:
     assert ".".join(map(str, problem["loc"])) == field
 
 
+@pytest.mark.parametrize("model", [ClusterSpec, BootstrapSettings])
+@pytest.mark.parametrize("value", [True, False])
+def test_no_number_of_a_cluster_spec_takes_true_or_false(model, value) -> None:
+    """YAML reads `yes`, `no`, `on`, `off` as true/false, which pydantic took as 1 and 0:
+    `autostop_minutes: on` was one idle minute, `workers: yes` one worker."""
+    for name in _numbers(model):
+        settings = {"name": "demo", name: value} if model is ClusterSpec else {name: value}
+        with pytest.raises(ValidationError, match=f"a number, not {str(value).lower()}") as err:
+            model(**settings)
+        (problem,) = err.value.errors()
+        assert problem["loc"] == (name,)
+
+
+def test_a_yes_for_a_number_in_the_settings_file_is_one_line_exit_2(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from sparknet.cli.cluster import cluster_app
+    from sparknet.cluster import lifecycle
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    (tmp_path / "sparknet.yaml").write_text("clusters:\n  c1: {autostop_minutes: on}\n")
+    done = CliRunner().invoke(cluster_app, ["up", "c1"])
+    assert done.exit_code == 2, done.stderr
+    assert done.stderr == (
+        "error: cluster c1: invalid setting autostop_minutes: a number, not true (got True)\n"
+    )
+
+
 def test_numbers_at_the_ends_of_their_ranges_are_accepted() -> None:
     low = ClusterSpec(name="demo", workers=0, autostop_minutes=0, root_volume_gb=8)
     high = ClusterSpec(name="demo", workers=MAX_WORKERS, autostop_minutes=10080,
@@ -133,16 +163,19 @@ def test_cluster_and_submit_flags_out_of_range_are_one_line_exit_2_before_anythi
         (cluster_app, ["up", "c1", "--workers", str(10**12)], "c1", "workers"),
         (cluster_app, ["up", "c1", "--autostop", "100000"], "c1", "autostop_minutes"),
         (cluster_app, ["up", "big"], "big", "autostop_minutes"),
-        (None, ["--s3", "s3://bkt/x", "--name", "c1", "--workers", str(10**12)], "c1", "workers"),
+        # sparknet-submit names its own flag and what it counts
+        (None, ["--s3", "s3://bkt/x", "--name", "c1", "--workers", str(10**12)], "c1",
+         f"--workers {10**12} (worker instances)"),
         (None, ["--s3", "s3://bkt/x", "--name", "big"], "big", "autostop_minutes"),
-    ]
+    ]  # fmt: skip
     for app, args, name, field in cases:
         if app is None:
             done = _submit_cli(tmp_path, monkeypatch, *args)
         else:
             done = CliRunner().invoke(app, args)
         assert done.exit_code == 2, (args, done.stderr)
-        line = f"error: cluster {name}: invalid setting {field}: Input should be less than or equal"
+        what = field if field.startswith("--") else f"invalid setting {field}"
+        line = f"error: cluster {name}: {what}: Input should be less than or equal"
         assert done.stderr.startswith(line), done.stderr
         assert len(done.stderr.splitlines()) == 1, done.stderr
     assert not (tmp_path / "home" / "clusters").exists() or not any(
@@ -273,6 +306,8 @@ def test_terraform_applies_the_same_prefix_rule(variables_module, data, runs, wh
 # -- s3:// URIs ---------------------------------------------------------------------------------
 
 BAD_URIS = [
+    "s3://bkt\n/datasets/",
+    "s3://bkt\n",
     "s3://bkt/../datasets/",
     "s3://bkt/runs/../datasets/x",
     "s3://bkt/./x",
@@ -286,11 +321,18 @@ BAD_URIS = [
 
 @pytest.mark.parametrize("uri", BAD_URIS)
 def test_s3_uris_with_dot_dotdot_or_empty_parts_are_refused_in_one_line(uri: str) -> None:
-    with pytest.raises(SparknetError, match="write it as s3://BUCKET/PREFIX with no") as err:
+    """A bucket name ending in a newline once passed (`$` matches before a final newline)."""
+    why = "no valid bucket name" if "\n" in uri else "write it as s3://BUCKET/PREFIX with no"
+    with pytest.raises(SparknetError, match=why) as err:
         S3Uri.parse(uri)
     assert "\n" not in str(err.value) and repr(uri) in str(err.value)
-    with pytest.raises(SparknetError, match="S3 takes literally"):
+    with pytest.raises(SparknetError, match=why):
         open_store(uri, "http://127.0.0.1:9")
+
+
+def test_a_bucket_name_ending_in_a_newline_is_refused_as_terraform_refuses_it() -> None:
+    with pytest.raises(ValidationError, match="is not an S3 bucket name"):
+        ClusterSpec(name="demo", bucket="sparknet-data\n")
 
 
 @pytest.mark.parametrize(
