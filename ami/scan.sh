@@ -8,7 +8,8 @@
 #   LOGIN_HOME  the home of the user the bake logs in as (as the builder sees it)
 #   dir DIR     a directory searched (its "/" and {prefix} resolved); every home always is:
 #               ROOT/root, ROOT/home (a home there that is a link: where it leads too),
-#               ROOT/LOGIN_HOME, and each user's of ROOT/etc/passwd but "/"
+#               ROOT/LOGIN_HOME, and each user's of ROOT/etc/passwd but "/" (nor one on /run,
+#               /dev, /proc or /sys, which the image does not hold)
 #   skip PATTERN  a `find -path` pattern whose files are not looked at ("*" matches "/" too)
 #
 # Prints "PATH<TAB>WHY" for each file found, PATH as the image will have it (ROOT taken off), and
@@ -37,6 +38,7 @@ esac
 if [ -f "$root/etc/passwd" ]; then
     while IFS=: read -r _user _pw _uid _gid _gecos h _shell; do
         case $h in
+            /run/* | /var/run/* | /dev | /dev/* | /proc/* | /sys/*) ;; # not in the image
             /?*) dirs="$dirs
 $root$h" ;;
         esac

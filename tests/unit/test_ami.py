@@ -263,10 +263,11 @@ def test_every_home_of_etc_passwd_and_a_linked_home_are_cleaned_and_scanned(tmp_
     (root / "etc/passwd").write_text(
         "root:x:0:0:root:/root:/bin/bash\nsvc:x:998:998::/var/lib/svc:/usr/sbin/nologin\n"
         "bob:x:1001:1001::/data/bob:/bin/bash\nnobody:x:65534:65534::/nonexistent:/bin/false\n"
-        "daemon:x:1:1::/:/usr/sbin/nologin\n"
+        "daemon:x:1:1::/:/usr/sbin/nologin\nsshd:x:105:65534::/run/sshd:/usr/sbin/nologin\n"
     )
     secrets = ("var/lib/svc/.aws/credentials", "data/bob/.ssh/id_ed25519", "data/carol/.netrc")
     plant(root, secrets)
+    plant(root, ("run/sshd/token",))  # a tmpfs: not in the image, not scanned
     (root / "home").mkdir()
     (root / "home/carol").symlink_to("../data/carol")
     image = ami.load_image()
