@@ -29,7 +29,7 @@ import tomllib
 from sparknet import aws, interrupts
 from sparknet.cluster import bootstrap, foundation, instances, nodes
 from sparknet.cluster.plan import Node, Plan
-from sparknet.cluster.remote import run
+from sparknet.cluster.remote import CommandFailed, run
 from sparknet.cluster.spark_conf import DEFAULT_PREFIX
 from sparknet.cluster.spec import DEFAULT_AMI_PARAMETER, TAG_ROLE, ClusterSpec, tag_value
 from sparknet.cluster.steps import PREPARE, Step
@@ -510,7 +510,11 @@ def _versions_and_clean(
     try:
         torch, cuda, found = nodes.run_all([node.endpoint], access, one, timeout=1500)[node.name]
     except nodes.NodesFailed as exc:
-        raise SparknetError(f"bake failed cleaning the builder: {exc}") from exc
+        # run_all's line says only the exit code: the script's last line says what it could not
+        # remove (or sudo that it asks for a password)
+        why = exc.failures.get(node.name)
+        last = f": {why.tail[-1].strip()}" if isinstance(why, CommandFailed) and why.tail else ""
+        raise SparknetError(f"bake failed cleaning the builder: {exc}{last}") from exc
     if found:
         raise scan_refusal(builder, found)
     return torch, cuda

@@ -255,6 +255,30 @@ def test_the_cleanup_follows_no_link_below_a_home_or_the_prefix(tmp_path: Path):
     assert (root / "home/ubuntu/.ssh").is_symlink()
 
 
+def test_a_failed_clean_up_says_why_in_its_one_line(monkeypatch):
+    """The bake's line once said only `master: exited 1`: now also clean.sh's last line."""
+    from sparknet.cluster import nodes
+    from sparknet.cluster.plan import Node, Plan
+    from sparknet.cluster.remote import CommandFailed
+
+    said = "clean.sh: /root/.ssh/x not removed: a symbolic link below /root leads there"
+
+    def failing(endpoints, *_args, **_kw):
+        raise nodes.NodesFailed(
+            "1 of 1 nodes failed: master: exited 1",
+            {"master": CommandFailed("exited 1", ["another line", said])},
+        )
+
+    monkeypatch.setattr(nodes, "run_all", failing)
+    node = Node(nodes.Endpoint("master", "127.0.0.1"))
+    plan = Plan((node,), None, "")  # type: ignore[arg-type]  # the wheel is not looked at
+    with pytest.raises(SparknetError) as err:
+        ami._versions_and_clean(plan, None, ami.load_image(), "/", "i-0123", print)
+    assert str(err.value) == (
+        f"bake failed cleaning the builder: 1 of 1 nodes failed: master: exited 1: {said}"
+    )
+
+
 def test_every_home_of_etc_passwd_and_a_linked_home_are_cleaned_and_scanned(tmp_path: Path):
     """Homes outside /home (a service user's under /var/lib, a user's on /data) and a /home entry
     that is a link to one were neither cleaned nor scanned: their keys shipped in the image."""
