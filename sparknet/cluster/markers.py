@@ -118,7 +118,8 @@ def take(conn: Conn, node: Node, me: Holder, make: bool = True) -> tuple[str, Ho
     )
     first, _, rest = run(conn, _locked(node, body, make)).strip().partition("\n")
     if first == HELD:
-        return HELD, Holder.parse(rest) or Holder("?", "?", "", "")
+        unread = Holder("(unknown)", "(unknown)", f"(its marker {node.path(MARKER)} does not read)")
+        return HELD, Holder.parse(rest) or unread
     return first, None
 
 

@@ -85,7 +85,7 @@ class ExecutorWatchdog:
                 if self.fired or time.monotonic() - since >= self.timeout_s:
                     self.fired = True
                     self.sc.cancelAllJobs()
-            except (Py4JError, PySparkException):  # the session is going away
+            except (Py4JError, PySparkException, AttributeError):  # the session is stopped
                 return
 
     def __exit__(

@@ -63,3 +63,18 @@ def test_off_at_zero_and_on_a_local_master(sc, monkeypatch) -> None:
         assert dog._thread is None and not dog.fired
     with pytest.raises(ValueError, match="timeout_s must be >= 0"):
         ExecutorWatchdog(sc, -1)
+
+
+def test_a_stopped_context_ends_the_watch_quietly(monkeypatch) -> None:
+    """The round loop stops its own session on a failure before the block ends: the watch then
+    ends without a traceback of its own."""
+    import threading
+    from types import SimpleNamespace
+
+    errors: list = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    stopped = SimpleNamespace(master="spark://10.0.0.5:7077", _jsc=None)  # as `sc.stop()` leaves
+    with ExecutorWatchdog(stopped, 5, poll_s=0.05) as dog:
+        time.sleep(0.3)
+        assert dog._thread is not None and not dog._thread.is_alive()
+    assert errors == []
