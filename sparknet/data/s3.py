@@ -29,6 +29,9 @@ READ_BUFFER = 1 << 20
 
 _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]$")
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: S3's longest key, in bytes of its UTF-8
+MAX_KEY_BYTES = 1024
 
 
 class MissingObjectError(SparknetError):
@@ -66,6 +69,20 @@ class S3Uri:
             raise SparknetError(
                 f"{uri!r} has {what} in its key, which S3 takes literally; write it as "
                 "s3://BUCKET/PREFIX with no '.', '..' or empty parts"
+            )
+        # `s3://b/data ` (a pasted space) is another prefix than `s3://b/data`, one no listing
+        # tells apart from it; a control character is no one's key
+        if _CONTROL.search(key):
+            raise SparknetError(f"{uri!r} has a control character in its key; remove it")
+        if any(part != part.strip() for part in parts):
+            raise SparknetError(
+                f"{uri!r} has a space at the start or end of a part of its key, which S3 keeps "
+                "as another prefix; remove it"
+            )
+        if len(key.encode()) > MAX_KEY_BYTES:
+            raise SparknetError(
+                f"the key of s3://{bucket}/{key[:40]}... is {len(key.encode())} bytes; S3 keys "
+                f"hold at most {MAX_KEY_BYTES}"
             )
         return cls(bucket, key)
 

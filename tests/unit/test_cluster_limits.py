@@ -330,6 +330,31 @@ def test_s3_uris_with_dot_dotdot_or_empty_parts_are_refused_in_one_line(uri: str
         open_store(uri, "http://127.0.0.1:9")
 
 
+@pytest.mark.parametrize(
+    ("uri", "why"),
+    [
+        ("s3://bkt/datasets/mnist ", "a space at the start or end of a part"),
+        ("s3://bkt/datasets/ mnist/", "a space at the start or end of a part"),
+        ("s3://bkt/datasets/mnist\n", "a control character"),
+        ("s3://bkt/data\tsets/", "a control character"),
+        ("s3://bkt/" + "é" * 513, "is 1026 bytes; S3 keys hold at most 1024"),
+    ],
+)
+def test_s3_uris_with_a_pasted_space_a_control_character_or_too_long_a_key_are_refused(
+    uri: str, why: str
+) -> None:
+    """`s3://b/datasets/mnist ` was the prefix `datasets/mnist /`, which an upload made and no
+    listing tells apart from `datasets/mnist/`."""
+    with pytest.raises(SparknetError, match=why) as err:
+        S3Uri.parse(uri)
+    assert "\n" not in str(err.value)
+
+
+def test_s3_uris_with_spaces_inside_parts_and_any_letters_parse() -> None:
+    assert S3Uri.parse("s3://bkt/my data/données/").key == "my data/données/"
+    assert S3Uri.parse("s3://bkt/" + "é" * 512).key == "é" * 512
+
+
 def test_a_bucket_name_ending_in_a_newline_is_refused_as_terraform_refuses_it() -> None:
     with pytest.raises(ValidationError, match="is not an S3 bucket name"):
         ClusterSpec(name="demo", bucket="sparknet-data\n")
