@@ -230,7 +230,8 @@ def check_jobs_unharmed(plan: Plan, access: Access) -> None:
     nothing: a repair does that while its job runs."""
     conn = nodes.connect(plan.master.endpoint, access)
     try:
-        jobs = [f"job {run_id}" for run_id in running_jobs(conn, plan.master)]
+        runs = running_jobs(conn, plan.master)
+        jobs = [f"job {run_id}" for run_id in runs]
         jobs = jobs or [f"application {app}" for app in _active_apps(conn, plan)]
     finally:
         conn.close()
@@ -239,10 +240,11 @@ def check_jobs_unharmed(plan: Plan, access: Access) -> None:
     harm = _restarts(plan, access)
     if harm:
         more = f" (and {len(jobs) - 1} more)" if len(jobs) > 1 else ""
+        how = f" (`sparknet-submit cancel {runs[0]}`)" if runs else ""
         raise JobRunning(
             f"{jobs[0]}{more} runs on the cluster, and this bootstrap would {'; '.join(harm)}: "
             "its executors would be killed and the job would wait for them forever; wait for "
-            "it to end or cancel it, or bootstrap with --force to go on anyway"
+            f"it to end or cancel it{how}, or bootstrap with --force to go on anyway"
         )
 
 

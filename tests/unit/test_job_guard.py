@@ -83,7 +83,10 @@ def test_a_new_master_under_a_running_job_is_refused_before_anything(cluster, jo
         "Spark master on master: its executors would be killed and the job would wait for "
         "them forever; "
     )
-    assert line.endswith("or bootstrap with --force to go on anyway")
+    assert line.endswith(
+        "wait for it to end or cancel it (`sparknet-submit cancel 20261202-210000-ab12`), or "
+        "bootstrap with --force to go on anyway"
+    )
     assert rounds == []
     assert sorted(p.name for p in prefix.iterdir()) == [JOBS_DIR]  # nothing made there
     assert job.poll() is None
