@@ -210,6 +210,13 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(
             _out, err = proc.communicate(timeout=300)
             assert proc.returncode == code, "".join(seen) + err
             assert f"error: interrupted{how}; teardown done" in err
+            # before the teardown the job was cancelled as `cancel` does, and waited for:
+            # marked, no exit code, its driver ended in order (no traceback in its log)
+            run = seen[-1].split()[1]
+            job = tmp_path / "master" / "jobs" / run
+            assert f"job {run} cancelled\n" in err, err
+            assert (job / "cancelled").exists() and not (job / "driver.rc").exists()
+            assert "Traceback" not in (job / "driver.log").read_text()
             _torn_down(name, tmp_path)
         group.stop()
     with group.watch(_client("ec2")):
