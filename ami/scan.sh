@@ -15,6 +15,8 @@
 # Prints "PATH<TAB>WHY" for each file found, PATH as the image will have it (ROOT taken off), and
 # exits 0 when it has looked (found or not). A file is reported if
 #   - it holds a PEM private key (a "-----BEGIN ... PRIVATE KEY" line; text files under 1 MiB),
+#   - or it holds an AWS secret access key set to its 40 characters (an ini or env file's
+#     aws_secret_access_key = ..., AWS_SECRET_ACCESS_KEY=..., JSON's "SecretAccessKey": "..."),
 #   - or its name is one a credential or a private key has (a list below; not *.pem: those
 #     under /etc/ssl are certificates, found by what they hold instead).
 set -u
@@ -67,6 +69,11 @@ report() { # PATHs on stdin, as the image has them, with WHY
 }
 
 pem='-----BEGIN [A-Z0-9 ]*PRIVATE KEY'
+# an AWS secret access key written out (an ini, env or JSON setting and its 40 characters), not a
+# mention of the name: AWS_SECRET_ACCESS_KEY="$SECRET" in a script is no secret
+name='(aws_secret_access_key|secretaccesskey|aws_secret_key)'
+value='[[:space:]]*[:=][[:space:]]*["'\'']?[A-Za-z0-9/+]{40}([^A-Za-z0-9/+]|$)'
+aws="$name[\"']?$value"
 for d in $(printf '%s\n' "$dirs" | sort -u); do
     [ -d "$d" ] || continue
     find -H "$d" -xdev \( "$@" \) -prune -o \( -type f -o -type l \) \( \
@@ -78,5 +85,7 @@ for d in $(printf '%s\n' "$dirs" | sort -u); do
         \) -print | report "a credential's or private key's name"
     find -H "$d" -xdev \( "$@" \) -prune -o -type f -size -1024k -print0 \
         | xargs -0 -r grep -l -I -s -e "$pem" -- | report "a PEM private key"
+    find -H "$d" -xdev \( "$@" \) -prune -o -type f -size -1024k -print0 \
+        | xargs -0 -r grep -l -I -s -i -E -e "$aws" -- | report "an AWS secret access key"
 done | sort -u
 exit 0

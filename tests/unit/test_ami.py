@@ -225,6 +225,29 @@ def test_what_the_scan_finds_fails_the_bake_in_one_line_naming_the_files():
     assert "/opt/k5.pem" not in message and "scan_skip" in message
 
 
+#: AWS's documentation's example secret access key (40 characters)
+EXAMPLE_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+
+
+def test_the_scan_finds_an_aws_secret_key_written_into_any_file(tmp_path: Path):
+    """An install step that writes the operator's AWS key into /etc/environment, a unit or a
+    shell's rc file shipped it in every node's image: only ~/.aws was cleaned, and the scan
+    looked only for PEM keys and names. A mention of the name with no key is no secret."""
+    root, prefix = tmp_path / "root", tmp_path / "prefix"
+    written = {
+        "etc/environment": f"AWS_SECRET_ACCESS_KEY={EXAMPLE_SECRET}\n",
+        "etc/systemd/system/app.service": f'Environment="AWS_SECRET_ACCESS_KEY={EXAMPLE_SECRET}"\n',
+        "home/u/.bashrc": f"export aws_secret_access_key='{EXAMPLE_SECRET}'\n",
+        "opt/app/session.json": f'{{"SecretAccessKey": "{EXAMPLE_SECRET}", "Expiration": 1}}\n',
+    }
+    for rel, text in written.items():
+        plant(root, (rel,), text)
+    plant(root, ("opt/app/run.sh",), 'AWS_SECRET_ACCESS_KEY="$SECRET" aws s3 ls\n')
+    plant(root, ("srv/x.cfg",), f"aws_secret_access_key = {EXAMPLE_SECRET}XY\n")  # 42: no key
+    found = ami.scan_found(run_scan(ami.load_image(), prefix, root))
+    assert found == {f"/{rel}": "an AWS secret access key" for rel in written}
+
+
 def test_the_cleanup_follows_no_link_below_a_home_or_the_prefix(tmp_path: Path):
     """A home's and the prefix's directories belong to their users, who may have made one a
     link (`~/.ssh -> /`): root's clean-up once globbed through it and deleted what it leads to.
