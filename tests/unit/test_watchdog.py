@@ -32,23 +32,23 @@ def _waiting_job(sc) -> None:
 def test_a_run_without_executors_stops_with_one_line(sc, monkeypatch) -> None:
     monkeypatch.setattr(watchdog, "executor_hosts", lambda _sc: {})  # every executor is gone
     started = time.monotonic()
-    dog = ExecutorWatchdog(_AsCluster(sc), 1.5, poll_s=0.2)
+    dog = ExecutorWatchdog(_AsCluster(sc), 0.5, poll_s=0.1)
     with pytest.raises(NoExecutors) as err, dog:
         _waiting_job(sc)
     took = time.monotonic() - started
     assert dog.fired
-    assert 1.5 <= took < 12, took  # cancelled, not waited out
+    assert 0.5 <= took < 12, took  # cancelled, not waited out
     line = str(err.value)
     assert "\n" not in line
-    assert line.startswith("no Spark executor for 1.5 s: the cluster lost every executor of ")
+    assert line.startswith("no Spark executor for 0.5 s: the cluster lost every executor of ")
     assert "no_executor_timeout_s" in line
     assert "cancelled" in str(err.value.__cause__)  # it was the cancel that ended the job
 
 
 def test_while_executors_are_there_it_never_fires(sc, monkeypatch) -> None:
     monkeypatch.setattr(watchdog, "executor_hosts", lambda _sc: {"0": "10.0.0.6"})
-    with ExecutorWatchdog(_AsCluster(sc), 0.5, poll_s=0.1) as dog:
-        assert sc.parallelize(range(4), 2).map(lambda x: time.sleep(0.3) or x).sum() == 6
+    with ExecutorWatchdog(_AsCluster(sc), 0.2, poll_s=0.05) as dog:
+        assert sc.parallelize(range(2), 2).map(lambda x: time.sleep(0.4) or x).sum() == 1
     assert not dog.fired
     # a failure of its own passes as it is
     with pytest.raises(ZeroDivisionError), ExecutorWatchdog(_AsCluster(sc), 0.5, poll_s=0.1):
