@@ -54,7 +54,7 @@ class Holder:
         return f"{self.registry}/{self.cluster}"
 
     def to_json(self) -> str:
-        """One line; ``holder`` first, the only field a host's shell compares (`_MATCH`)."""
+        """One line; ``holder`` first, the only field a host's shell compares (`_match`)."""
         fields = {"holder": self.key, "cluster": self.cluster, "registry": self.registry}
         return json.dumps({**fields, "where": self.where, "since": self.since})
 
