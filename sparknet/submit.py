@@ -782,8 +782,9 @@ class Ending:
 
 
 def submit_lock_path(name: str) -> Path:
-    """`<registry>/NAME.submit.lock`, beside the cluster's own `NAME.lock` (`up`/`down`)."""
-    return lifecycle.registry_dir() / f"{name}.submit.lock"
+    """`<registry home>/submits/NAME.lock` (beside `clusters/`, where a refused submit leaves
+    nothing)."""
+    return lifecycle.registry_dir().parent / "submits" / f"{name}.lock"
 
 
 @contextlib.contextmanager

@@ -114,13 +114,14 @@ def _jobs_on_a_kept_cluster(name: str, group, bucket: str, tmp_path: Path) -> No
     settings_file = tmp_path / "master" / "autostop" / "settings.json"
     assert json.loads(settings_file.read_text())["minutes"] == 7
 
-    # a failed job on the reused cluster: its error line, exit 1, and the cluster stays
+    # a failed job on the reused cluster (a Spark setting its driver refuses; an unknown model
+    # is refused before anything): its error line, exit 1, and the cluster stays
     bad = submit(
-        "--s3", "tiny", "--cluster", name, *JOB, "--model", "no_such_model_xyz", cwd=tmp_path
+        "--s3", "tiny", "--cluster", name, *JOB, "--conf", "spark.speculation=true", cwd=tmp_path
     )
     assert bad.returncode == 1, bad.stderr[-3000:]
     error = [ln for ln in bad.stderr.splitlines() if ln.startswith("error: ")]
-    assert len(error) == 1 and "no_such_model_xyz" in error[0], bad.stderr[-3000:]
+    assert len(error) == 1 and "spark.speculation=true" in error[0], bad.stderr[-3000:]
     assert len(_live(name)) == 2
 
     # detached: back while the job runs; its log and the list see it
