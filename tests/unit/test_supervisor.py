@@ -279,7 +279,7 @@ def test_the_submitter_stops_a_driver_that_outlives_its_killed_supervisor(
     os.kill(supervisor, 9)
     _wait_for(lambda: _gone(supervisor))
     assert jobs.state_of(Context(), node, "R") == jobs.ORPHANED and not _gone(train)
-    monkeypatch.setattr(flow, "CANCEL_WAIT_S", 1.0)
+    monkeypatch.setattr(flow, "CANCEL_WAIT_S", 0.0)  # SIGKILL right after the SIGTERM
     outcome = _follow(node, tmp_path)
     assert _gone(train) and _group(supervisor) == []
     assert outcome.rc == -1
