@@ -85,10 +85,13 @@ def _locked(node: Node, body: str, make: bool = True) -> str:
     """`body` run on the node with the marker lock held (`$m` is the marker's path). A prefix
     that is not there yet is made for the login user (sudo -n where it is not root), as the
     bootstrap's own dirs step would, or, unless `make`, the answer is `ABSENT` and nothing
-    runs; one that is there is left as it is. A lock file the user cannot write (another
-    user's prefix) is locked read-only: the marker can still be read."""
+    runs; one that is there is left as it is. The lock is the login user's alone (0600: another
+    local user could hold a lock it can open); one the user cannot write (another user's
+    prefix) is not taken: the marker, replaced in one rename, can still be read. A symbolic
+    link in the lock's place is refused, and none is ever written through."""
     p = q(node.prefix)
     lock, marker = q(node.path(MARKER_LOCK)), q(node.path(MARKER))
+    linked = q(f"{node.path(MARKER_LOCK)} is a symbolic link, not a lock of sparknet's: remove it")
     made = (
         f's=; [ "$(id -u)" = 0 ] || s=\'sudo -n\'; $s mkdir -p {p} && $s chown "$(id -un)" {p} '
         "|| exit 1"
@@ -99,9 +102,11 @@ def _locked(node: Node, body: str, make: bool = True) -> str:
         f"if [ ! -d {p} ]; then {made}; fi; "
         "command -v flock >/dev/null || { echo 'flock (util-linux) is not installed' >&2; "
         "exit 1; }; "
-        f"if [ -w {lock} ] || {{ [ ! -e {lock} ] && [ -w {p} ]; }}; then exec 9>>{lock}; "
-        f"else exec 9<{lock}; fi; "
-        f"flock -w {LOCK_WAIT_S} 9 || {{ echo 'its marker lock stays busy' >&2; exit 1; }}; "
+        f"if [ -L {lock} ]; then echo {linked} >&2; exit 1; fi; "
+        f"if [ -w {lock} ] || {{ [ ! -e {lock} ] && [ -w {p} ]; }}; then "
+        f"(umask 077; : >>{lock}) && [ ! -L {lock} ] && exec 9>>{lock} || exit 1; "
+        f"if [ -O {lock} ]; then chmod 600 {lock}; fi; "
+        f"flock -w {LOCK_WAIT_S} 9 || {{ echo 'its marker lock stays busy' >&2; exit 1; }}; fi; "
         f"m={marker}; {body}"
     )
 
@@ -114,7 +119,8 @@ def take(conn: Conn, node: Node, me: Holder, make: bool = True) -> tuple[str, Ho
     body = (
         f'if [ -s "$m" ]; then if grep -qF {q(_match(me))} "$m"; then echo {MINE}; else '
         f'echo {HELD}; cat "$m"; fi; exit 0; fi; '
-        f'printf "%s\\n" {q(me.to_json())} > "$m.new" && mv -f "$m.new" "$m" && echo {TAKEN}'
+        f'rm -f "$m.new" && (set -C; printf "%s\\n" {q(me.to_json())} > "$m.new") && '
+        f'chmod 644 "$m.new" && mv -f "$m.new" "$m" && echo {TAKEN}'
     )
     first, _, rest = run(conn, _locked(node, body, make)).strip().partition("\n")
     if first == HELD:

@@ -1,0 +1,69 @@
+"""A static host's marker against what another local user of the host, or a hand, leaves in
+the install prefix: a symbolic link where the marker's temp file or its lock goes is never
+written through, the lock is the login user's alone, and a marker that does not read keeps the
+cluster registered on `down`. The marker's shell runs for real in a local shell, as in
+test_markers.py."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import invoke
+import pytest
+
+from sparknet.cluster import markers
+from sparknet.cluster.nodes import Endpoint
+from sparknet.cluster.plan import Node
+from sparknet.cluster.remote import CommandFailed
+
+ME = markers.Holder("lab", "a" * 16, "alice@laptop:/home/alice/.sparknet/clusters", "t0")
+
+
+def _node(root: Path) -> Node:
+    (root / "master").mkdir(exist_ok=True)
+    return Node(Endpoint("master", "10.0.0.5"), prefix=str(root / "master"))
+
+
+def _victim(root: Path) -> Path:
+    victim = root / "victim"
+    victim.write_text("the user's own file\n")
+    return victim
+
+
+def test_a_link_at_the_markers_temp_file_is_not_written_through(tmp_path) -> None:
+    node, victim = _node(tmp_path), _victim(tmp_path)
+    os.symlink(victim, tmp_path / "master" / f"{markers.MARKER}.new")
+    assert markers.take(invoke.Context(), node, ME) == (markers.TAKEN, None)
+    assert victim.read_text() == "the user's own file\n"
+    marker = tmp_path / "master" / markers.MARKER
+    assert not marker.is_symlink() and markers.Holder.parse(marker.read_text()) == ME
+    assert stat.S_IMODE(marker.stat().st_mode) == 0o644  # others are told whose host it is
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_link_in_the_locks_place_is_refused(tmp_path, dangling) -> None:
+    node, victim = _node(tmp_path), _victim(tmp_path)
+    if dangling:
+        victim.unlink()
+    os.symlink(victim, tmp_path / "master" / markers.MARKER_LOCK)
+    with pytest.raises(CommandFailed) as err:
+        markers.take(invoke.Context(), node, ME)
+    assert "is a symbolic link, not a lock of sparknet's: remove it" in str(err.value) + "".join(
+        err.value.tail
+    )
+    assert victim.exists() is not dangling
+    assert not (tmp_path / "master" / markers.MARKER).exists()
+
+
+def test_the_lock_is_the_login_users_alone(tmp_path) -> None:
+    """A lock others can open, they can hold (flock on a read-only descriptor) and so stall
+    every up and down; one left 0644 by an older sparknet is made 0600."""
+    node = _node(tmp_path)
+    lock = tmp_path / "master" / markers.MARKER_LOCK
+    assert markers.take(invoke.Context(), node, ME)[0] == markers.TAKEN
+    assert stat.S_IMODE(lock.stat().st_mode) == 0o600
+    lock.chmod(0o644)
+    assert markers.take(invoke.Context(), node, ME)[0] == markers.MINE
+    assert stat.S_IMODE(lock.stat().st_mode) == 0o600
