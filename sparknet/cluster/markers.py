@@ -31,6 +31,8 @@ LOCK_WAIT_S = 30
 #: the first line of a take's answer: the host was free (now ours), already ours, another's, or
 #: had no install prefix (and none was made)
 TAKEN, MINE, HELD, ABSENT = "taken", "mine", "held", "absent"
+#: the cluster and registry of a holder whose marker does not read (`Holder.unread`)
+UNREAD = "(unknown)"
 
 
 class HostHeld(SparknetError):
@@ -48,6 +50,11 @@ class Holder:
     where: str = ""
     #: when it took the host (UTC, ISO 8601)
     since: str = ""
+
+    @property
+    def unread(self) -> bool:
+        """Whether this stands for a marker that does not read (whose it is, nobody knows)."""
+        return self.registry == UNREAD
 
     @property
     def key(self) -> str:
@@ -124,7 +131,7 @@ def take(conn: Conn, node: Node, me: Holder, make: bool = True) -> tuple[str, Ho
     )
     first, _, rest = run(conn, _locked(node, body, make)).strip().partition("\n")
     if first == HELD:
-        unread = Holder("(unknown)", "(unknown)", f"(its marker {node.path(MARKER)} does not read)")
+        unread = Holder(UNREAD, UNREAD, f"(its marker {node.path(MARKER)} does not read)")
         return HELD, Holder.parse(rest) or unread
     return first, None
 

@@ -385,6 +385,11 @@ def down(
             node = next(n for n in planned if n.name == endpoint.name)
             # a free host is held while it stops; one without the prefix gets none made
             verdict, other = markers.take(conn, node, me, make=False)
+            if other is not None and other.unread:  # it may be this cluster's: not given up
+                raise SparknetError(
+                    f"its marker {node.path(markers.MARKER)} does not read: Spark there may be "
+                    "this cluster's; remove the marker by hand if it is, or if nothing runs there"
+                )
             if other is not None:
                 left[node.name] = other
                 return
