@@ -204,24 +204,32 @@ def registry_lock() -> Iterator[None]:
 def registry_id() -> str:
     """This registry's id: random, made on first use and kept in the registry dir (one per
     SPARKNET_HOME), so a static host's marker tells this registry's clusters from another
-    machine's (or another SPARKNET_HOME's) of the same name."""
+    machine's (or another SPARKNET_HOME's) of the same name. It is written whole before it is
+    put in place (a link of a full temp file), so a crash never leaves a part of one; one that
+    does not read is one line saying how to mend it: a new id would leave the hosts this
+    registry holds to a registry that no longer exists."""
     path = registry_dir() / _REGISTRY_ID
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        for _ in range(50):  # another process made it a moment ago and may still be writing
-            text = path.read_text().strip()
-            if re.fullmatch(r"[0-9a-f]{16}", text):
-                return text
-            time.sleep(0.02)
+        if not path.exists() and not path.is_symlink():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".registry-id.") as new:
+                new.write(secrets.token_hex(8) + "\n")
+                new.flush()
+                with contextlib.suppress(FileExistsError):  # another process made it first
+                    os.link(new.name, path)
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
         raise SparknetError(
-            f"{path} does not hold a registry id (16 hex digits); remove it and run this again"
-        ) from None
-    made = secrets.token_hex(8)
-    with os.fdopen(fd, "w") as out:
-        out.write(made + "\n")
-    return made
+            f"cannot read this registry's id {path}: {getattr(exc, 'strerror', None) or exc}; "
+            "make it a readable file of yours again"
+        ) from exc
+    if not re.fullmatch(r"[0-9a-f]{16}", text):
+        raise SparknetError(
+            f"{path} does not hold a registry id (16 hex digits): write back the one this "
+            "registry's static hosts name (`registry` in the owner.json of their install "
+            "prefix), or remove it if no static cluster of this registry is up anywhere"
+        )
+    return text
 
 
 # --- the registry ------------------------------------------------------------------------------
