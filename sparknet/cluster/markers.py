@@ -75,8 +75,19 @@ class Holder:
         except (ValueError, KeyError, TypeError):
             return None
 
+    def former_self(self, me: Holder) -> bool:
+        """Whether this is `me` under the id its registry had before that id's file was lost
+        or remade: the same cluster of the same registry dir of the same user and machine."""
+        return (self.cluster, self.where) == (me.cluster, me.where) and self.key != me.key
+
     def describe(self, me: Holder) -> str:
         """Who this is, as a refusal names it to `me`."""
+        if self.former_self(me):
+            return (
+                f"this very cluster under its registry's former id {self.registry} (the id's "
+                f"file was remade: write {self.registry} back into .registry-id of "
+                f"{self.where.partition(':')[2]})"
+            )
         if self.registry == me.registry:
             return f"static cluster {self.cluster} registered here"
         where = f" {self.where}" if self.where else ""
@@ -158,6 +169,8 @@ def take_all(
         return fresh
     release_all([by_name[name] for name in fresh], access, me, timeout)
     node, holder = min(held, key=lambda pair: list(by_name).index(pair[0].name))
+    if holder.former_self(me):
+        raise HostHeld(f"{_host(node.endpoint)} ({node.name}) is held by {holder.describe(me)}")
     raise HostHeld(
         f"{_host(node.endpoint)} ({node.name}) is held by {holder.describe(me)} since "
         f"{holder.since or 'an unknown time'}; one machine runs one cluster's Spark: "

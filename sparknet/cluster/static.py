@@ -390,6 +390,8 @@ def down(
                     f"its marker {node.path(markers.MARKER)} does not read: Spark there may be "
                     "this cluster's; remove the marker by hand if it is, or if nothing runs there"
                 )
+            if other is not None and other.former_self(me):  # this cluster's: not given up
+                raise SparknetError(f"it is held by {other.describe(me)}")
             if other is not None:
                 left[node.name] = other
                 return

@@ -1,6 +1,8 @@
 """`down` of a static cluster where a host's marker does not read (emptied by a crash, edited
-by hand, another tool's file): the host is neither stopped nor given up for lost; the cluster
-stays registered, and the one line names the marker to look at."""
+by hand, another tool's file), or names this cluster under its registry's former id (the id's
+file was lost and made anew): the host is neither stopped nor given up as another cluster's;
+the cluster stays registered, and the one line names the marker to look at, or the id to
+write back."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import invoke
 import pytest
 
 from sparknet.cluster import lifecycle, markers, nodes, static
+from sparknet.errors import SparknetError
 from tests.unit.test_markers import _fake_worker, _node, _spec, hosts  # noqa: F401
 
 
@@ -42,3 +45,27 @@ def test_down_keeps_the_cluster_where_a_marker_does_not_read(hosts, monkeypatch)
     finally:
         mine.kill()
         mine.wait()
+
+
+def test_a_remade_registry_id_is_not_another_cluster(hosts, monkeypatch) -> None:  # noqa: F811
+    """The registry's id file was lost and made anew: its hosts' markers name the former id.
+    `down` neither leaves them running as another cluster's nor forgets the cluster, and both
+    `down` and `up` name the id to write back."""
+    lifecycle.save_entry(_spec(hosts), None)
+    before = static.holder("lab")
+    conn = invoke.Context()
+    assert markers.take(conn, _node(hosts, "master"), before)[0] == markers.TAKEN
+    (lifecycle.registry_dir() / ".registry-id").unlink()
+    assert static.holder("lab").registry != before.registry
+    with pytest.raises(SparknetError) as err:
+        static.down(_spec(hosts))
+    assert f"write {before.registry} back into .registry-id of {lifecycle.registry_dir()}" in str(
+        err.value
+    )
+    assert "lab" in lifecycle.registered()
+    assert markers.Holder.parse((hosts / "master" / markers.MARKER).read_text()) == before
+    monkeypatch.setattr(lifecycle, "carry", lambda spec, wheel_dir: None)
+    with pytest.raises(markers.HostHeld) as held:
+        static.up(_spec(hosts))
+    assert "\n" not in str(held.value)
+    assert f"write {before.registry} back into .registry-id" in str(held.value)
