@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sparknet.cluster import autostop, instances, lifecycle, nodes, provider, repair
+from sparknet.cluster import autostop, instances, lifecycle, nodes, provider, repair, steps
 from sparknet.cluster.plan import JOB_CANCELLED, JOB_PID, JOBS_DIR, Node
 from sparknet.cluster.remote import CommandFailed, Conn, ConnectionLost, q, run, succeeds, upload
 from sparknet.cluster.spec import ClusterSpec
@@ -608,17 +608,8 @@ def ticks(*actions: Callable[[], None] | None) -> Callable[[], None]:
 
 
 def reconnect_s() -> float:
-    """GRACE_S, or the seconds `RECONNECT_ENV` gives (a positive number)."""
-    text = os.environ.get(RECONNECT_ENV)
-    if not text:
-        return GRACE_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise SparknetError(f"{RECONNECT_ENV}={text!r}: give a positive number of seconds")
-    return value
+    """GRACE_S, or the seconds `RECONNECT_ENV` gives (`nodes.seconds_setting`)."""
+    return nodes.seconds_setting(RECONNECT_ENV, GRACE_S)
 
 
 def _killed(conn: Conn, node: Node, run_id: str) -> str | None:
@@ -749,7 +740,7 @@ class Result:
 def preflight(job: Job) -> tuple[str, str]:
     """Everything that costs nothing, in order; (run id, run prefix)."""
     try:  # a bad setting of the SSH deadlines fails now, not once the job runs
-        reconnect_s(), nodes.silence_s()
+        reconnect_s(), nodes.silence_s(), steps.reboot_wait_s()
     except SparknetError as exc:
         raise PreflightFailed(str(exc)) from exc
     source = check_dataset(job.dataset, job.cfg)
@@ -930,14 +921,22 @@ def _run_driver(
 
 def _cancel_over_a_new_connection(master: Master, run_id: str, say: Say) -> None:
     """`cancel_job`, saying so: the submitter waits until the job's session is gone (its
-    driver's Spark stopped), so a cluster that stays up has nothing of it left running."""
-    conn = nodes.connect(master.node.endpoint, master.access)
+    driver's Spark stopped), so a cluster that stays up has nothing of it left running. A
+    cancel that fails (the master out of reach) says so and how to end the job: it may run on.
+    """
     try:
-        say(f"cancelling job {run_id}: waiting for its driver to stop")
-        if cancel_job(conn, master.node, run_id):
-            say(f"job {run_id} cancelled")
-    finally:
-        conn.close()
+        conn = nodes.connect(master.node.endpoint, master.access)
+        try:
+            say(f"cancelling job {run_id}: waiting for its driver to stop")
+            if cancel_job(conn, master.node, run_id):
+                say(f"job {run_id} cancelled")
+        finally:
+            conn.close()
+    except Exception as exc:
+        say(
+            f"could not cancel job {run_id} ({_first(exc)}): it may still run on the master; "
+            f"`sparknet-submit cancel {run_id}` ends it"
+        )
 
 
 def start_detached(

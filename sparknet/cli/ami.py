@@ -86,9 +86,10 @@ def _settings(**given):
     """BakeSettings from the options given (None: the default); a one-line error for a value
     AWS would refuse."""
     from sparknet import aws
-    from sparknet.cluster import ami
+    from sparknet.cluster import ami, nodes
     from sparknet.cluster.spec import check_ssh_cidr
 
+    nodes.silence_s()  # a bad SSH wait setting fails before the builder is launched
     values = {k: v for k, v in given.items() if v is not None}
     aws.check_region(values["region"])
     if values.get("base_ami") and values.get("ami_parameter"):

@@ -53,9 +53,12 @@ def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_
     """
     from pydantic import ValidationError
 
+    from sparknet.cluster import nodes, steps
     from sparknet.cluster.lifecycle import registered
     from sparknet.cluster.spec import ClusterSpec
     from sparknet.config import describe_validation_error, read_section
+
+    nodes.silence_s(), steps.reboot_wait_s()  # a bad SSH wait setting fails before any launch
 
     base: dict[str, Any] = {}
     known = registered().get(name)

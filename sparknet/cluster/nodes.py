@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -120,18 +121,31 @@ def _fabric_config() -> fabric.Config:
     )
 
 
-def silence_s() -> float:
-    """SILENCE_S, or the seconds `SILENCE_ENV` gives (a positive number)."""
-    text = os.environ.get(SILENCE_ENV)
+#: the most seconds a wait's setting (`seconds_setting`) may give: a day. More is no deadline,
+#: and threading's waits overflow (a keepalive thread died so, leaving the connection unwatched)
+MAX_WAIT_S = 86400.0
+
+
+def seconds_setting(env: str, default: float) -> float:
+    """`default`, or the seconds the environment variable `env` gives: a positive number up to
+    MAX_WAIT_S, else a one-line SparknetError naming the variable."""
+    text = os.environ.get(env)
     if not text:
-        return SILENCE_S
+        return default
     try:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not 0 < value < float("inf"):
-        raise SparknetError(f"{SILENCE_ENV}={text!r}: give a positive number of seconds")
+    if not 0 < value <= MAX_WAIT_S:
+        raise SparknetError(
+            f"{env}={text!r}: give a positive number of seconds, at most {MAX_WAIT_S:g} (a day)"
+        )
     return value
+
+
+def silence_s() -> float:
+    """SILENCE_S, or the seconds `SILENCE_ENV` gives (`seconds_setting`)."""
+    return seconds_setting(SILENCE_ENV, SILENCE_S)
 
 
 def went_silent(conn: Any) -> float | None:
@@ -957,11 +971,21 @@ def ssh_command(endpoint: Endpoint, access: Access, *extra: str) -> list[str]:
     """The `ssh` command line that reaches `endpoint` as sparknet does: the cluster's key only
     (`IdentitiesOnly`, no agent), its known_hosts only, and a host whose key is not pinned
     there refused (`StrictHostKeyChecking=yes`). `-F none`: no ssh_config of the user's can
-    rename the node or add a proxy. `extra` goes before the destination (`-N`, `-L ...`)."""
+    rename the node or add a proxy. `extra` goes before the destination (`-N`, `-L ...`).
+    A node that goes silent ends it as it ends sparknet's own calls (`_Keepalive`): keepalives
+    every third of `silence_s()`, the third unanswered one closes it; a connection not made
+    within `silence_s()` (a listener that never sends the banner) fails too."""
+    silence = silence_s()
     return [
         "ssh",
         "-F",
         "none",
+        "-o",
+        f"ServerAliveInterval={max(1, math.ceil(silence / 3))}",
+        "-o",
+        "ServerAliveCountMax=3",
+        "-o",
+        f"ConnectTimeout={max(1, math.ceil(silence))}",
         "-i",
         str(access.key_file),
         "-o",

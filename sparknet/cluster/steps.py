@@ -6,7 +6,6 @@ submitter's pyspark, the sparknet wheel, and `spark-defaults.conf` with the clus
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 
 import fabric
@@ -20,7 +19,6 @@ from sparknet.cluster.spark_conf import (
     spark_defaults,
     torch_index_url,
 )
-from sparknet.errors import SparknetError
 
 # --- steps ---------------------------------------------------------------------------------------
 
@@ -114,17 +112,8 @@ REBOOT_WAIT_ENV = "SPARKNET_REBOOT_WAIT_S"
 
 
 def reboot_wait_s() -> float:
-    """REBOOT_WAIT_S, or the seconds `REBOOT_WAIT_ENV` gives (a positive number)."""
-    text = os.environ.get(REBOOT_WAIT_ENV)
-    if not text:
-        return REBOOT_WAIT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise SparknetError(f"{REBOOT_WAIT_ENV}={text!r}: give a positive number of seconds")
-    return value
+    """REBOOT_WAIT_S, or the seconds `REBOOT_WAIT_ENV` gives (`nodes.seconds_setting`)."""
+    return nodes.seconds_setting(REBOOT_WAIT_ENV, REBOOT_WAIT_S)
 
 
 class NvidiaDriver(Step):

@@ -1,0 +1,96 @@
+"""The SSH deadlines' settings and the paths around them that the silent-master work left open:
+`cluster ssh`/`tunnel` (the `ssh` binary) end on a silent node as sparknet's own calls do; a wait
+setting too large to be a deadline (threading's waits overflow) is refused; a bad setting is one
+line, exit 2, before `cluster up` launches anything; an interrupted submit whose cancel cannot
+reach the master says the job may run on and how to end it."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparknet import submit as flow
+from sparknet.cluster import lifecycle, nodes, steps
+from sparknet.cluster.nodes import Access, Endpoint
+from sparknet.errors import SparknetError
+
+SETTINGS = [
+    (nodes.SILENCE_ENV, nodes.silence_s),
+    (flow.RECONNECT_ENV, flow.reconnect_s),
+    (steps.REBOOT_WAIT_ENV, steps.reboot_wait_s),
+]
+
+
+def test_the_ssh_command_ends_on_a_silent_node(tmp_path, monkeypatch):
+    """OpenSSH without ServerAliveInterval waits forever on a node that stopped answering (and
+    without ConnectTimeout on a listener that never sends its banner)."""
+    monkeypatch.setenv(nodes.SILENCE_ENV, "30")
+    argv = nodes.ssh_command(Endpoint("master", "10.0.0.5", 22, "ubuntu"), Access(tmp_path / "id",
+                             tmp_path / "known_hosts"), "-N")  # fmt: skip
+    text = " ".join(argv)
+    for option in ("-o ServerAliveInterval=10", "-o ServerAliveCountMax=3",
+                   "-o ConnectTimeout=30"):  # fmt: skip
+        assert option in text
+    assert argv.index("-o") < argv.index("-N") < argv.index("ubuntu@10.0.0.5")
+
+
+@pytest.mark.parametrize(("env", "read"), SETTINGS)
+@pytest.mark.parametrize("value", ["1e11", "1e300", "inf", "nan", "0", "-1", "abc"])
+def test_a_wait_setting_that_is_no_deadline_is_refused(monkeypatch, env, read, value):
+    """1e11 s passed before and killed the keepalive thread (threading's wait overflows) with a
+    traceback, leaving the connection unwatched."""
+    monkeypatch.setenv(env, value)
+    with pytest.raises(SparknetError, match=f"^{env}=.*positive number of seconds, at most"):
+        read()
+
+
+@pytest.mark.parametrize(("env", "read"), SETTINGS)
+def test_a_wait_setting_up_to_a_day_is_taken(monkeypatch, env, read):
+    monkeypatch.setenv(env, "86400")
+    assert read() == 86400.0
+    monkeypatch.setenv(env, "1.5")
+    assert read() == 1.5
+
+
+@pytest.mark.parametrize("env", [nodes.SILENCE_ENV, steps.REBOOT_WAIT_ENV])
+def test_cluster_up_refuses_a_bad_wait_setting_before_launching(tmp_path, monkeypatch, env):
+    from typer.testing import CliRunner
+
+    from sparknet.cli.cluster import cluster_app
+
+    launched = []
+    monkeypatch.setattr(lifecycle, "up", lambda spec, **kw: launched.append(spec))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(env, "abc")
+    done = CliRunner().invoke(cluster_app, ["up", "c1"])
+    assert (done.exit_code, launched) == (2, [])
+    assert (
+        done.stderr
+        == f"error: {env}='abc': give a positive number of seconds, at most 86400 (a day)\n"
+    )
+
+
+def test_submit_preflight_refuses_a_bad_reboot_wait(monkeypatch):
+    """A submit that makes its cluster may reboot a node to load the NVIDIA driver."""
+    monkeypatch.setenv(steps.REBOOT_WAIT_ENV, "-1")
+    with pytest.raises(flow.PreflightFailed, match=steps.REBOOT_WAIT_ENV):
+        flow.preflight(object())  # refused before the job is looked at
+
+
+def test_a_cancel_that_cannot_reach_the_master_says_the_job_may_run_on(monkeypatch):
+    """An interrupted submit's cancel failed in silence: the user was told nothing of a driver
+    that may hold the cluster's GPUs on."""
+
+    def unreachable(endpoint, access, timeout=20):
+        raise SparknetError(f"{endpoint}: no SSH connection within 20 s (timed out)")
+
+    monkeypatch.setattr(nodes, "connect", unreachable)
+    master = flow.Master.__new__(flow.Master)
+    object.__setattr__(master, "node", type("N", (), {"endpoint": "master"})())
+    object.__setattr__(master, "access", None)
+    said: list[str] = []
+    flow._cancel_over_a_new_connection(master, "r1", said.append)
+    assert said == [
+        "could not cancel job r1 (master: no SSH connection within 20 s (timed out)): it may "
+        "still run on the master; `sparknet-submit cancel r1` ends it"
+    ]
