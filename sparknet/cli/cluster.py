@@ -337,15 +337,25 @@ def _confirm_jobs_end(spec, endpoint_url: str | None, yes: bool, debug: bool) ->
     )
     if yes or not _on_terminal():
         return
-    if not typer.confirm(f"cancel {them} and take cluster {spec.name} down?", err=True):
-        fail(
-            SparknetError(
-                f"cluster {spec.name} not taken down: job {', '.join(running)} runs on; "
-                "`--yes` takes it down without asking"
-            ),
-            debug,
-            1,
-        )
+    kept = f"cluster {spec.name} not taken down: job {', '.join(running)} runs on"
+    try:
+        answer = _ask(f"cancel {them} and take cluster {spec.name} down?")
+    except KeyboardInterrupt:  # at the question: nothing was done yet
+        print(file=sys.stderr)
+        fail(SparknetError(f"interrupted; {kept}"), debug, 130)
+    if answer is None:  # end of input (Ctrl-D): nobody answered
+        print(file=sys.stderr)
+        fail(SparknetError(f"no answer; {kept}; `--yes` takes it down without asking"), debug, 1)
+    if not answer:
+        fail(SparknetError(f"{kept}; `--yes` takes it down without asking"), debug, 1)
+
+
+def _ask(question: str) -> bool | None:
+    """`question [y/N]: ` on stderr and the answer from stdin: yes for y or yes, None at the end
+    of input (click's confirm says only `Aborted.` there and at Ctrl-C)."""
+    print(f"{question} [y/N]: ", end="", file=sys.stderr, flush=True)
+    line = sys.stdin.readline()
+    return line.strip().lower() in ("y", "yes") if line else None
 
 
 def _on_terminal() -> bool:

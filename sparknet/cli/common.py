@@ -42,6 +42,31 @@ def _flags_without_type() -> None:
 _flags_without_type()
 
 
+def _usage_error_in_one_line() -> None:
+    """A flag typer or click refuses (`--workers 2.5`, `--yes=1`, a misspelled option, a
+    missing argument) is one `error:` line naming the help to read, exit 2, as every other
+    refusal of bad input: typer's own is a usage line, a hint and a box wrapped at 80
+    columns, cut in the middle of the message in a log file."""
+    import click
+    import typer.rich_utils
+
+    boxed = typer.rich_utils.rich_format_error
+
+    def one_line(self: click.ClickException) -> None:
+        if self.__class__.__name__ == "NoArgsIsHelpError":  # the help is printed instead
+            return boxed(self)
+        text = " ".join(ln.strip() for ln in self.format_message().splitlines() if ln.strip())
+        ctx = getattr(self, "ctx", None)
+        if ctx is not None and ctx.command.get_help_option(ctx) is not None:
+            text += f" (`{ctx.command_path} {ctx.help_option_names[0]}`)"
+        print(f"error: {text}", file=sys.stderr)
+
+    typer.rich_utils.rich_format_error = one_line
+
+
+_usage_error_in_one_line()
+
+
 def fail(exc: BaseException, debug: bool, code: int = 2) -> None:
     """One line that says what to fix, exit `code`; the traceback only with --debug."""
     if debug:

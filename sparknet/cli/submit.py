@@ -92,6 +92,7 @@ def submit(
     from sparknet import jobs
     from sparknet import submit as flow
     from sparknet.cluster import repair
+    from sparknet.cluster.lifecycle import LockUnavailable
 
     if ctx.invoked_subcommand is not None:
         return
@@ -141,7 +142,7 @@ def submit(
         if isinstance(exc, flow.JobFailed | flow.TeardownFailed | flow.JobOutOfReach):
             fail(exc, debug, 1)
         if isinstance(exc, SparknetError):
-            bad_input = not started or isinstance(exc, flow.PreflightFailed)
+            bad_input = not started or isinstance(exc, flow.PreflightFailed | LockUnavailable)
             fail(exc, debug, 2 if bad_input else 1)
         raise
     if result.outcome is None:

@@ -48,6 +48,10 @@ class ClusterBusy(SparknetError):
     """Another `up` or `down` of the same cluster holds its lock on this machine."""
 
 
+class LockUnavailable(SparknetError):
+    """A lock file of this machine's could not be made (`held_lock`): the settings to fix."""
+
+
 class ClusterNotFound(SparknetError):
     """`down` of a name with no tagged resources in the region and no registry entry."""
 
@@ -145,10 +149,17 @@ def cluster_lock(name: str) -> Iterator[None]:
 def held_lock(path: Path, busy: Callable[[str], SparknetError]) -> Iterator[None]:
     """Hold the lock file `path` for the block, or raise `busy(holder's PID)` at once
     (`cluster_lock`'s mechanics, for any lock of one cluster's: `sparknet-submit` holds one of
-    its own for its whole life)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    its own for its whole life). A lock that cannot be made (its dir a file or not writable)
+    is one line naming it (LockUnavailable), before anything is done."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise LockUnavailable(
+                f"cannot take the lock {path}: {exc.strerror or exc}; make its directory "
+                f"writable, or set {HOME_ENV} to a directory of yours"
+            ) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -1,0 +1,108 @@
+"""Refusals of bad input that did not hold to the project's rule (one `error:` line, what to
+fix, exit 2 for bad input): typer's own usage errors, a submit lock that cannot be made, and
+`cluster down`'s question left unanswered or interrupted."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import typer.testing
+from typer.testing import CliRunner
+
+from sparknet.cluster import lifecycle
+from sparknet.errors import SparknetError
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "home"
+
+
+def _one_error_line(done) -> str:
+    assert done.exit_code == 2, done.output
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    return lines[0]
+
+
+def test_a_flag_typer_refuses_is_one_error_line_exit_2() -> None:
+    """A value of the wrong type, a value given to a switch, a misspelled option or command, a
+    missing argument: one `error:` line naming the help (typer's own is a usage line, a hint
+    and a box cut at 80 columns), exit 2, in every command."""
+    from sparknet.cli import app
+    from sparknet.cli.submit import submit_app
+
+    runner = CliRunner()
+    workers = _one_error_line(runner.invoke(submit_app, ["--s3", "s3://b-b/x", "--workers", "2.5"]))
+    assert workers.startswith("error: Invalid value for '--workers': ")
+    assert workers.endswith(" --help`)")  # (the runner names the program `root`)
+    for args, said in (
+        (["cluster", "down", "c1", "--yes=1"], "Option '--yes' does not take a value"),
+        (["cluster", "down", "c1", "--Yes"], "No such option: --Yes"),
+        (["cluster", "down"], "Missing argument 'name'"),
+        (["train", "--rounds", "x"], "Invalid value for '--rounds'"),
+    ):
+        assert said in _one_error_line(runner.invoke(app, args)), args
+    assert "Did you mean 'attach'" in _one_error_line(runner.invoke(submit_app, ["attch"]))
+
+
+def test_a_submit_lock_that_cannot_be_made_is_one_line_exit_2(tmp_path, monkeypatch) -> None:
+    """SPARKNET_HOME a file (or its submits/ not writable): one line naming the lock and the
+    setting, exit 2, and `up` never reached (it was a traceback, exit 1)."""
+    from sparknet.cli.submit import submit_app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").write_text("")
+    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    (tmp_path / "sparknet.yaml").write_text("clusters:\n  c1: {bucket: b-b}\n")
+    ups: list[str] = []
+    monkeypatch.setattr(lifecycle, "up", lambda spec, **kw: ups.append(spec.name))
+    line = _one_error_line(CliRunner().invoke(submit_app, ["--s3", "s3://b-b/x"]))
+    assert line == (
+        f"error: cannot take the lock {tmp_path}/home/submits/c1.lock: Not a directory; make "
+        "its directory writable, or set SPARKNET_HOME to a directory of yours"
+    )
+    assert ups == []
+    lock = lifecycle.held_lock(tmp_path / "home" / "x.lock", SparknetError)
+    with pytest.raises(lifecycle.LockUnavailable, match=r"cannot take the lock .*/home/x\.lock"):
+        lock.__enter__()
+
+
+class _CtrlC(io.BytesIO):
+    """A terminal whose user presses Ctrl-C at the question."""
+
+    def read(self, *args):
+        raise KeyboardInterrupt
+
+    read1 = readline = read
+
+    def readinto(self, buffer):
+        raise KeyboardInterrupt
+
+
+def test_cluster_down_question_unanswered_or_interrupted_is_one_line(home, monkeypatch) -> None:
+    """At `cluster down`'s question on a terminal: end of input (Ctrl-D) and Ctrl-C each leave
+    the cluster up with one `error:` line (exit 1; 130 for Ctrl-C), not click's `Aborted.`."""
+    from sparknet.cli import cluster as cli
+
+    downs: list[str] = []
+    monkeypatch.setattr(lifecycle, "down", lambda spec, **kw: downs.append(spec.name))
+    monkeypatch.setattr(cli, "_running_jobs", lambda spec, endpoint_url: ["R1"])
+    monkeypatch.setattr(cli, "_on_terminal", lambda: True)
+    runner = CliRunner()
+    eof = runner.invoke(cli.cluster_app, ["down", "c1"], input="")
+    assert eof.exit_code == 1, eof.output
+    assert eof.stderr.splitlines()[-1] == (
+        "error: no answer; cluster c1 not taken down: job R1 runs on; `--yes` takes it down "
+        "without asking"
+    )
+    monkeypatch.setattr(typer.testing, "make_input_stream", lambda input, charset: _CtrlC())
+    ctrl_c = runner.invoke(cli.cluster_app, ["down", "c1"])
+    assert ctrl_c.exit_code == 130, ctrl_c.output
+    assert ctrl_c.stderr.splitlines()[-1] == (
+        "error: interrupted; cluster c1 not taken down: job R1 runs on"
+    )
+    assert "Aborted" not in eof.stderr + ctrl_c.stderr and downs == []
