@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from sparknet.cluster import nodes
 from sparknet.cluster.nodes import Access, Endpoint
 from sparknet.cluster.plan import Node
 from sparknet.cluster.remote import Conn, q, run
-from sparknet.errors import SparknetError
+from sparknet.errors import InputError, SparknetError
 
 #: the marker and its lock, in the node's install prefix
 MARKER, MARKER_LOCK = "owner.json", ".owner.lock"
@@ -31,12 +31,20 @@ LOCK_WAIT_S = 30
 #: the first line of a take's answer: the host was free (now ours), already ours, another's, or
 #: had no install prefix (and none was made)
 TAKEN, MINE, HELD, ABSENT = "taken", "mine", "held", "absent"
+#: a take's verdict where the host is `me`'s already, as another node of the same cluster: one
+#: machine listed twice (`127.0.0.1` and `localhost`)
+TWICE = "twice"
 #: the cluster and registry of a holder whose marker does not read (`Holder.unread`)
 UNREAD = "(unknown)"
 
 
 class HostHeld(SparknetError):
     """A host of the cluster is held by another cluster (its marker names it)."""
+
+
+class SameMachine(InputError):
+    """Two hosts of the cluster are one machine (one install prefix, one marker), spelled two
+    ways: its Spark daemons and install would be made twice there."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,8 @@ class Holder:
     where: str = ""
     #: when it took the host (UTC, ISO 8601)
     since: str = ""
+    #: the node of the cluster the host is (a host's marker says it; not part of who holds it)
+    node: str = field(default="", compare=False)
 
     @property
     def unread(self) -> bool:
@@ -63,7 +73,8 @@ class Holder:
     def to_json(self) -> str:
         """One line; ``holder`` first, the only field a host's shell compares (`_match`)."""
         fields = {"holder": self.key, "cluster": self.cluster, "registry": self.registry}
-        return json.dumps({**fields, "where": self.where, "since": self.since})
+        node = {"node": self.node} if self.node else {}
+        return json.dumps({**fields, "where": self.where, "since": self.since, **node})
 
     @classmethod
     def parse(cls, text: str) -> Holder | None:
@@ -71,7 +82,7 @@ class Holder:
         try:
             raw = json.loads(text)
             return cls(str(raw["cluster"]), str(raw["registry"]), str(raw.get("where", "")),
-                       str(raw.get("since", "")))  # fmt: skip
+                       str(raw.get("since", "")), str(raw.get("node", "")))  # fmt: skip
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -132,18 +143,24 @@ def _locked(node: Node, body: str, make: bool = True) -> str:
 def take(conn: Conn, node: Node, me: Holder, make: bool = True) -> tuple[str, Holder | None]:
     """Take the host for `me` unless another cluster holds it: (TAKEN, None) where it was free
     (the marker is written now), (MINE, None) where `me` held it already, (HELD, holder) where
-    another does (nothing is written); unless `make`, (ABSENT, None) where the node has no
-    install prefix (nothing of sparknet's is there; none is made)."""
+    another does (nothing is written); (TWICE, holder) where `me` holds it as another node
+    (`holder.node`) of the cluster: the same machine spelled two ways; unless `make`, (ABSENT,
+    None) where the node has no install prefix (nothing of sparknet's is there; none is
+    made)."""
+    mine = replace(me, node=node.name)
     body = (
         f'if [ -s "$m" ]; then if grep -qF {q(_match(me))} "$m"; then echo {MINE}; else '
-        f'echo {HELD}; cat "$m"; fi; exit 0; fi; '
-        f'rm -f "$m.new" && (set -C; printf "%s\\n" {q(me.to_json())} > "$m.new") && '
+        f'echo {HELD}; fi; cat "$m"; exit 0; fi; '
+        f'rm -f "$m.new" && (set -C; printf "%s\\n" {q(mine.to_json())} > "$m.new") && '
         f'chmod 644 "$m.new" && mv -f "$m.new" "$m" && echo {TAKEN}'
     )
     first, _, rest = run(conn, _locked(node, body, make)).strip().partition("\n")
     if first == HELD:
         unread = Holder(UNREAD, UNREAD, f"(its marker {node.path(MARKER)} does not read)")
         return HELD, Holder.parse(rest) or unread
+    found = Holder.parse(rest) if first == MINE else None
+    if found is not None and found.node and found.node != node.name:
+        return TWICE, found
     return first, None
 
 
@@ -165,9 +182,16 @@ def take_all(
     )
     fresh = [name for name, (verdict, _) in answers.items() if verdict == TAKEN]
     held = [(by_name[name], h) for name, (verdict, h) in answers.items() if verdict == HELD]
-    if not held:
+    twice = [(by_name[name], h) for name, (verdict, h) in answers.items() if verdict == TWICE]
+    if not held and not twice:
         return fresh
     release_all([by_name[name] for name in fresh], access, me, timeout)
+    if twice:
+        node, holder = twice[0]
+        raise SameMachine(
+            f"{_host(node.endpoint)} ({node.name}) is the machine of {holder.node} too (one "
+            f"install prefix {node.prefix}, one marker): give each machine once in hosts"
+        )
     node, holder = min(held, key=lambda pair: list(by_name).index(pair[0].name))
     if holder.former_self(me):
         raise HostHeld(f"{_host(node.endpoint)} ({node.name}) is held by {holder.describe(me)}")

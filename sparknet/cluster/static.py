@@ -385,6 +385,8 @@ def down(
             node = next(n for n in planned if n.name == endpoint.name)
             # a free host is held while it stops; one without the prefix gets none made
             verdict, other = markers.take(conn, node, me, make=False)
+            if verdict == markers.TWICE:  # the machine of another node too: stopped as well
+                verdict, other = markers.MINE, None
             if other is not None and other.unread:  # it may be this cluster's: not given up
                 raise SparknetError(
                     f"its marker {node.path(markers.MARKER)} does not read: Spark there may be "

@@ -6,6 +6,7 @@ test_markers.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -13,10 +14,12 @@ from pathlib import Path
 import invoke
 import pytest
 
-from sparknet.cluster import markers
+from sparknet.cluster import lifecycle, markers, static
 from sparknet.cluster.nodes import Endpoint
 from sparknet.cluster.plan import Node
 from sparknet.cluster.remote import CommandFailed
+from sparknet.errors import InputError
+from tests.unit.test_markers import _spec, hosts  # noqa: F401
 
 ME = markers.Holder("lab", "a" * 16, "alice@laptop:/home/alice/.sparknet/clusters", "t0")
 
@@ -67,3 +70,25 @@ def test_the_lock_is_the_login_users_alone(tmp_path) -> None:
     lock.chmod(0o644)
     assert markers.take(invoke.Context(), node, ME)[0] == markers.MINE
     assert stat.S_IMODE(lock.stat().st_mode) == 0o600
+
+
+def test_one_machine_listed_twice_is_refused_before_anything_runs(hosts, monkeypatch) -> None:  # noqa: F811
+    """`hosts: [127.0.0.1, localhost]`: two spellings, one machine, one install prefix. The
+    second node finds the first's marker of its own cluster: refused in one line (exit 2),
+    nothing bootstrapped, the marker given back and no entry kept."""
+    root = hosts
+    one = {"prefix": str(root / "one")}
+    (root / "endpoints.json").write_text(
+        json.dumps({"lab/master/node": one, "lab/worker-1/node": one})
+    )
+    monkeypatch.setattr(lifecycle, "carry", lambda spec, wheel_dir: None)
+    ran: list[str] = []
+    monkeypatch.setattr(lifecycle, "bootstrap_locked", lambda *a, **k: ran.append("bootstrap"))
+    with pytest.raises(markers.SameMachine) as err:
+        static.up(_spec(root))
+    line = str(err.value)
+    assert isinstance(err.value, InputError) and "\n" not in line
+    assert "give each machine once in hosts" in line
+    assert ran == []
+    assert not (root / "one" / markers.MARKER).exists()
+    assert lifecycle.registered() == {}
