@@ -32,6 +32,7 @@ from sparknet.training.report import MetricsLog, eval_row, plot_curves, round_ro
 from sparknet.training.rundir import CONFIG_FILE, MODEL_FILE, Lock, RunDir
 from sparknet.training.session import (
     check_python_workers,
+    check_security_conf,
     is_local_master,
     start_session,
     stop_quietly,
@@ -89,6 +90,7 @@ def default_run_dir(cfg: TrainConfig) -> Path:
 
 def prepare(cfg: TrainConfig, source: Source) -> Problem:
     """Check the data against the settings and build the initial model on the driver."""
+    check_security_conf(cfg.master or "local", cfg.spark_conf)  # sparknet-submit: pre-launch
     source.check_workers(cfg.workers)
     num_classes = cfg.num_classes or source.num_classes
     if num_classes is None:

@@ -21,7 +21,7 @@ from pyspark import SparkContext
 from pyspark.errors import PySparkException
 from pyspark.sql import SparkSession
 
-from sparknet.cluster.spark_conf import RPC_HARDENING, UI_HOST, UI_READ_ONLY
+from sparknet.cluster.spark_conf import RPC_HARDENING, SECURITY, UI_HOST, UI_READ_ONLY
 from sparknet.errors import SparknetError
 
 #: Local mode retries nothing unless told to; a demanding user expects a flaky task to be retried.
@@ -95,7 +95,7 @@ def spark_settings(
     (`--conf`, the settings file's `spark:` section), which wins. A user setting that would
     break a run is refused with one line (SparknetError)."""
     conf = dict(conf or {})
-    _check_user_conf(master, conf, gpus_per_worker)
+    check_user_conf(master, conf, gpus_per_worker)
     memory_gb = driver_memory_gb()
     log4j = Path(__file__).with_name("log4j2.properties")
     settings = {
@@ -144,6 +144,11 @@ def driver_address(master: str) -> str | None:
     if not master.startswith("spark://"):
         return None
     if local := os.environ.get("SPARK_LOCAL_IP", "").strip():
+        if local in _WILDCARDS:
+            raise SparknetError(
+                f"SPARK_LOCAL_IP={local} listens on every interface: set it to this node's "
+                "cluster address, or unset it"
+            )
         return local
     first = master[len("spark://") :].split(",")[0]
     host, _, port = first.rpartition(":")
@@ -161,8 +166,48 @@ def _source_address(host: str, port: int) -> str | None:
         return None  # an unknown master: Spark's own error says so
 
 
-def _check_user_conf(master: str, conf: Mapping[str, str], gpus_per_worker: int) -> None:
-    """Refuse the few Spark settings that contradict a sparknet setting or break a run."""
+#: the cluster's Spark settings no user setting may talk down, each with what it would open
+#: (sparknet sets the first group on every driver; the cluster's daemons run with all of them)
+_HARDENED = {
+    "spark.network.crypto.saslFallback": "anyone on the path could strip the RPC encryption",
+    "spark.network.crypto.cipher": "an unauthenticated cipher lets the path rewrite RPC traffic",
+    "spark.network.crypto.authEngineVersion": "the old auth engine goes with the weak cipher",
+    **dict.fromkeys(UI_READ_ONLY, "anyone reaching a web UI could kill stages and the app"),
+}
+_CLUSTER_ONLY = dict.fromkeys(
+    ("spark.authenticate", "spark.network.crypto.enabled", "spark.io.encryption.enabled"),
+    "the cluster's Spark traffic or its spilled blocks would travel or sit in plaintext",
+)
+#: addresses that mean every interface
+_WILDCARDS = frozenset({"0.0.0.0", "::", "[::]", "0:0:0:0:0:0:0:0", "*", "0"})
+
+
+def check_security_conf(master: str, conf: Mapping[str, str]) -> None:
+    """Security by default with no way to talk it down: a user setting that weakens Spark's
+    RPC hardening or the read-only UIs (any master), turns authentication or encryption off (a
+    `spark://` cluster's), or binds the driver to every interface is refused."""
+    wanted = {**RPC_HARDENING, **UI_READ_ONLY}
+    if master.startswith("spark://"):
+        wanted |= {key: SECURITY[key] for key in _CLUSTER_ONLY}
+    reasons = {**_HARDENED, **_CLUSTER_ONLY}
+    for key, value in conf.items():
+        if key in wanted and value.strip().lower() != wanted[key].lower():
+            raise SparknetError(
+                f"Spark setting {key}={value}: {reasons[key]}; sparknet runs {wanted[key]} and "
+                "lets no setting change it: drop it"
+            )
+        if key in DRIVER_ADDRESS_KEYS and value.strip() in _WILDCARDS:
+            raise SparknetError(
+                f"Spark setting {key}={value} listens on every interface; drop it (sparknet "
+                "binds the driver to the node's cluster address) or give one of this machine's "
+                "addresses"
+            )
+
+
+def check_user_conf(master: str, conf: Mapping[str, str], gpus_per_worker: int) -> None:
+    """Refuse the few Spark settings that contradict a sparknet setting, break a run or talk
+    its security down."""
+    check_security_conf(master, conf)
     if "spark.master" in conf:
         raise SparknetError(
             f"Spark setting spark.master={conf['spark.master']}: choose the master with --master"

@@ -7,6 +7,7 @@ from sparknet.errors import SparknetError
 from sparknet.training import netbind, transport
 from sparknet.training.session import (
     STICKY_LOCALITY_WAIT,
+    check_security_conf,
     driver_address,
     driver_memory_gb,
     embedded_master,
@@ -292,3 +293,49 @@ def _wrapped(cause: BaseException) -> SparknetError:
         raise SparknetError("a Spark task failed after all retries") from cause
     except SparknetError as exc:
         return exc
+
+
+@pytest.mark.parametrize(
+    ("master", "key", "value"),
+    [
+        ("spark://10.0.0.1:7077", "spark.network.crypto.saslFallback", "true"),
+        ("local[2]", "spark.network.crypto.saslFallback", "True"),
+        ("yarn", "spark.network.crypto.cipher", "AES/CTR/NoPadding"),
+        ("spark://10.0.0.1:7077", "spark.network.crypto.authEngineVersion", "1"),
+        ("spark://10.0.0.1:7077", "spark.ui.killEnabled", "true"),
+        ("spark://10.0.0.1:7077", "spark.authenticate", "false"),
+        ("spark://10.0.0.1:7077", "spark.network.crypto.enabled", "false"),
+        ("spark://10.0.0.1:7077", "spark.io.encryption.enabled", "false"),
+        ("spark://10.0.0.1:7077", "spark.driver.bindAddress", "0.0.0.0"),
+        ("spark://10.0.0.1:7077", "spark.driver.host", "::"),
+        ("local[2]", "spark.driver.bindAddress", "0.0.0.0"),
+    ],
+)
+def test_no_user_setting_talks_the_security_down(monkeypatch, master, key, value):
+    """`--conf`, `--set spark_conf=...` and the settings file's `spark:` section all reach
+    `spark_settings` (and `driver.prepare`, which `sparknet-submit` runs before launching):
+    a setting that would undo the hardening is one line naming it, never applied."""
+    monkeypatch.delenv("SPARK_LOCAL_IP", raising=False)
+    with pytest.raises(SparknetError, match=f"^Spark setting {re.escape(key)}={re.escape(value)}"):
+        spark_settings(master, 2, {key: value})
+    with pytest.raises(SparknetError) as exc:
+        check_security_conf(master, {key: value})
+    assert "\n" not in str(exc.value) and "drop it" in str(exc.value)
+    # the same values as sparknet's own pass (spelt in any case); a user's own address too
+    same = {**RPC_HARDENING, **UI_READ_ONLY, "spark.authenticate": "TRUE"}
+    assert spark_settings(master, 2, {k: v.lower() for k, v in same.items()})
+    assert spark_settings(master, 2, {"spark.driver.bindAddress": "10.0.0.7"})
+
+
+def test_security_settings_a_local_or_yarn_master_leaves_to_spark_are_not_refused():
+    """Authentication and encryption are the `spark://` cluster's (its daemons need them);
+    a local or YARN driver never had them from sparknet."""
+    for master in ("local[2]", "yarn"):
+        assert spark_settings(master, 2, {"spark.authenticate": "false"})
+        assert spark_settings(master, 2, {"spark.io.encryption.enabled": "false"})
+
+
+def test_spark_local_ip_of_every_interface_is_refused(monkeypatch):
+    monkeypatch.setenv("SPARK_LOCAL_IP", "0.0.0.0")
+    with pytest.raises(SparknetError, match=r"^SPARK_LOCAL_IP=0\.0\.0\.0 listens on every"):
+        spark_settings("spark://10.0.0.1:7077", 2)

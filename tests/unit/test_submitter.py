@@ -108,6 +108,10 @@ def test_what_train_refuses_is_refused_before_anything_is_launched(
     cases = [
         (("--model", "resnet9000"), "error: unknown model 'resnet9000'"),
         (("--workers", "3"), "error: the dataset has 3 train shards, fewer than its 4 Spark tasks"),
+        (
+            ("--conf", "spark.network.crypto.saslFallback=true"),
+            "error: Spark setting spark.network.crypto.saslFallback=true: anyone on the path",
+        ),
     ]
     for args, line in cases:
         done = _submit("--s3", uri, *args)
