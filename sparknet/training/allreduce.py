@@ -177,16 +177,25 @@ class StageFailed(Exception):
         self.permanent = permanent
 
 
+#: how long a connection to the channel has to say its hello (rank 0 says it at once), and
+#: the most that hello may hold: what anyone else who reaches the port can hold up
+_HELLO_S = 30.0
+_HELLO_MAX = 4096
+
+
 class _Channel:
     """The driver's end of rank 0's socket: a listener on the driver's host that takes
-    connections carrying the stage's token and queues their messages."""
+    connections carrying the stage's token and queues their messages. Anyone who reaches the
+    port may connect: a connection whose first line is not a hello with the token (compared
+    in constant time), within `_HELLO_S` and `_HELLO_MAX` bytes, is closed unheard, without a
+    word on the driver's output."""
 
     def __init__(self, host: str, token: str, inbox: queue.Queue) -> None:
-        self.token = token
+        self.token = token.encode()
         self.inbox = inbox
         self.server = socket.create_server((host, 0))
         self.address = (host, self.server.getsockname()[1])
-        self._conns: list[socket.socket] = []
+        self._conns: set[socket.socket] = set()
         self._thread = threading.Thread(target=self._accept, name="sparknet-channel", daemon=True)
         self._thread.start()
 
@@ -196,26 +205,56 @@ class _Channel:
                 conn, _ = self.server.accept()
             except OSError:
                 return  # closed
-            self._conns.append(conn)
+            self._conns.add(conn)
             threading.Thread(target=self._read, args=(conn,), daemon=True).start()
 
     def _read(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError, ValueError):
             lines = conn.makefile("rb")
-            hello = json.loads(lines.readline() or b"{}")
-            if not hmac.compare_digest(str(hello.get("token", "")), self.token):
+            start = self._hello(conn, lines)
+            if start is None:
+                self._conns.discard(conn)
                 conn.close()
                 return
-            self.inbox.put(("message", {"start": int(hello["start"])}, conn))
+            self.inbox.put(("message", {"start": start}, conn))
             for line in lines:
-                self.inbox.put(("message", json.loads(line), conn))
+                message = json.loads(line)
+                if not isinstance(message, dict):
+                    break  # not rank 0's
+                self.inbox.put(("message", message, conn))
+
+    def _hello(self, conn: socket.socket, lines: Any) -> int | None:
+        """The round a rank 0 starts after, from its first line; None for anything else."""
+        late = threading.Timer(_HELLO_S, _shut, (conn,))  # one deadline, however it trickles
+        late.start()
+        try:
+            line = lines.readline(_HELLO_MAX)
+            hello = json.loads(line) if line.endswith(b"\n") else None
+        except (OSError, ValueError):
+            return None
+        finally:
+            late.cancel()
+        token = hello.get("token") if isinstance(hello, dict) else None
+        if not isinstance(token, str) or not hmac.compare_digest(
+            token.encode(errors="replace"), self.token
+        ):
+            return None
+        start = hello.get("start")
+        if not isinstance(start, int) or isinstance(start, bool):
+            return None
+        return start
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.server.close()
-        for conn in self._conns:
+        for conn in list(self._conns):
             with contextlib.suppress(OSError):
                 conn.close()
+
+
+def _shut(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
 
 
 class AllReduceTransport:
