@@ -272,6 +272,7 @@ def connect(endpoint: Endpoint, access: Access, timeout: float = 20) -> fabric.C
             return conn
         except (OSError, EOFError, paramiko.SSHException) as exc:
             conn.close()
+            exc = _unfinished(exc)
             if not _still_starting(exc):
                 raise _refused(endpoint, access, exc) from exc
             if time.monotonic() + RETRY_S >= deadline:
@@ -281,6 +282,18 @@ def connect(endpoint: Endpoint, access: Access, timeout: float = 20) -> fabric.C
                     "(on EC2: its security group)"
                 ) from exc
         time.sleep(RETRY_S)
+
+
+def _unfinished(exc: BaseException) -> BaseException:
+    """paramiko's "No existing session" for a handshake the node left unfinished (it sent its
+    banner, or only took the TCP connection, then went silent: paramiko's negotiation stops at
+    its timeout without an error, and only the host key check after it fails), told as what it
+    is, and as a node not serving yet; any other error as it is."""
+    if isinstance(exc, paramiko.SSHException) and str(exc) == "No existing session":
+        unfinished = EOFError("the node did not finish the SSH handshake (it went silent)")
+        unfinished.__cause__ = exc
+        return unfinished
+    return exc
 
 
 def _still_starting(exc: BaseException) -> bool:

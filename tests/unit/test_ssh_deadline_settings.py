@@ -6,6 +6,8 @@ reach the master says the job may run on and how to end it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from sparknet import submit as flow
@@ -94,3 +96,38 @@ def test_a_cancel_that_cannot_reach_the_master_says_the_job_may_run_on(monkeypat
         "could not cancel job r1 (master: no SSH connection within 20 s (timed out)): it may "
         "still run on the master; `sparknet-submit cancel r1` ends it"
     ]
+
+
+@pytest.mark.parametrize("banner", [b"", b"SSH-2.0-OpenSSH_9.6\r\n"])
+def test_a_node_silent_in_the_handshake_is_no_connection_within_the_timeout(tmp_path, banner):
+    """A listener that takes the TCP connection (and sends its banner, or not) then says
+    nothing: one line naming the unfinished handshake within the timeout (it was "SSH failed
+    (No existing session)", which names no cause)."""
+    import socket
+    import threading
+    import time
+
+    held: list[socket.socket] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                peer, _ = listener.accept()
+                held.append(peer)
+                peer.sendall(banner)
+
+    threading.Thread(target=serve, daemon=True).start()
+    (tmp_path / "known_hosts").write_text("")
+    endpoint = Endpoint("master", "127.0.0.1", listener.getsockname()[1], "u")
+    started = time.monotonic()
+    try:
+        with pytest.raises(SparknetError) as err:
+            nodes.connect(endpoint, Access(tmp_path / "id", tmp_path / "known_hosts"), 1)
+    finally:
+        listener.close()
+        for peer in held:
+            peer.close()
+    assert time.monotonic() - started < 3
+    assert str(err.value).startswith(f"{endpoint}: no SSH connection within 1 s (")
+    assert "did not finish the SSH handshake" in str(err.value) or "banner" in str(err.value)
