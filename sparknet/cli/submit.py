@@ -121,7 +121,7 @@ def submit(
         )  # fmt: skip
         report = _Report(console.is_terminal, cfg.rounds)
         ending = flow.Ending()
-        with interrupts(caught, note="still taking the cluster down; it ends by itself"):
+        with interrupts(caught, note=_second_signal_note(job)):
             started = True
             try:
                 result = flow.submit(
@@ -156,6 +156,20 @@ def submit(
         results.print(f"fetched {path}", markup=False, highlight=False, soft_wrap=True)
     if job.keep or job.reused:
         _say(flow.stays_up_line(job))
+
+
+def _second_signal_note(job) -> str:
+    """What a second Ctrl-C or SIGTERM prints while the first one's clean-up runs: the job's
+    cancel (waited for until its driver is gone) and, unless the cluster stays up (--cluster,
+    --keep), the teardown; it cannot cut them short."""
+    from sparknet import submit as flow
+
+    if flow.teardown_due(job):
+        return "still cancelling the job and taking the cluster down; it ends by itself"
+    return (
+        f"still cancelling the job (waiting for its driver to stop); cluster {job.spec.name} "
+        "stays up; it ends by itself"
+    )
 
 
 def _ended(exc: BaseException, ending) -> str:

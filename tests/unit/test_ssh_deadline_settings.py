@@ -131,3 +131,19 @@ def test_a_node_silent_in_the_handshake_is_no_connection_within_the_timeout(tmp_
     assert time.monotonic() - started < 3
     assert str(err.value).startswith(f"{endpoint}: no SSH connection within 1 s (")
     assert "did not finish the SSH handshake" in str(err.value) or "banner" in str(err.value)
+
+
+def test_a_second_signal_on_a_submit_that_keeps_its_cluster_does_not_say_it_goes_down():
+    """Ctrl-C twice on a --cluster or --keep submit: its note said "still taking the cluster
+    down" while the job's cancel ran and the cluster stayed up."""
+    from types import SimpleNamespace
+
+    from sparknet.cli.submit import _second_signal_note
+
+    spec = SimpleNamespace(name="gpu")
+    for reused, keep in ((True, False), (False, True)):
+        note = _second_signal_note(SimpleNamespace(spec=spec, reused=reused, keep=keep))
+        assert "taking the cluster down" not in note
+        assert note.startswith("still cancelling the job") and "cluster gpu stays up" in note
+    made = _second_signal_note(SimpleNamespace(spec=spec, reused=False, keep=False))
+    assert made == "still cancelling the job and taking the cluster down; it ends by itself"
