@@ -125,8 +125,9 @@ class TrainConfig(BaseModel):
         300.0,
         ge=0,
         le=7 * 24 * 3600,
-        description="on a cluster master: a run that has had no Spark executor for this many "
-        "seconds stops with one line saying so (Spark itself would wait forever); 0: never",
+        description="on a cluster master: a run whose Spark job has waited this many seconds "
+        "with no executor stops with one line saying so (Spark itself would wait forever); "
+        "0: never",
     )
     #: a test drill, not a user setting: never written to config.yaml (nor carried by --resume)
     fail_once: str | None = Field(
@@ -148,6 +149,15 @@ class TrainConfig(BaseModel):
                 str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in conf.items()
             }
         return conf
+
+    @field_validator("no_executor_timeout_s", mode="before")
+    @classmethod
+    def _seconds_not_a_bool(cls, value: Any) -> Any:
+        """YAML's `on`/`yes`/`true` is not a number of seconds (it read as 1: a run stopped
+        after a second of waiting for its executors)."""
+        if isinstance(value, bool):
+            raise ValueError(f"a number of seconds (0: never), not {str(value).lower()}")
+        return value
 
     @field_validator("out", mode="before")
     @classmethod

@@ -6,11 +6,12 @@ Spark itself waits without end for executors: a standalone master that died and 
 again has the workers kill the executors of every application it does not know, and the
 driver's job then waits for resources that never come, while the job's supervisor keeps the
 cluster's autostop timer from ever firing. The watchdog asks the driver's status store once a
-second (the live executors that run tasks, as `transport.executor_hosts`), and once none has
-been there for the whole time, cancels every job of the context (again each second, so a job
-a retry starts ends as well); the round loop's failure then leaves `ExecutorWatchdog`'s block
-as `NoExecutors`, whose one line names why. A local master has no executors to lose: no
-watchdog there.
+second (the live executors that run tasks, as `transport.executor_hosts`), and once a job has
+waited with none there for the whole time, cancels every job of the context (again each
+second, so a job a retry starts ends as well); the round loop's failure then leaves
+`ExecutorWatchdog`'s block as `NoExecutors`, whose one line names why. The time the driver
+works alone (start-up before the first job, a checkpoint) is not counted. A local master has
+no executors to lose: no watchdog there.
 """
 
 from __future__ import annotations
@@ -76,10 +77,14 @@ class ExecutorWatchdog:
         return self
 
     def _watch(self) -> None:
-        since = time.monotonic()  # none is counted as seen until the first look finds one
+        since = time.monotonic()
         while not self._stop.wait(self.poll_s):
             try:
-                if executor_hosts(self.sc) and not self.fired:
+                # only a job waits for executors: the time the driver works alone (the start-up
+                # before the first job, a checkpoint, dynamic allocation's idle release) is not
+                # counted, so it never cancels the next job of a cluster that is whole
+                waiting = bool(self.sc.statusTracker().getActiveJobsIds())
+                if (not waiting or executor_hosts(self.sc)) and not self.fired:
                     since = time.monotonic()
                     continue
                 if self.fired or time.monotonic() - since >= self.timeout_s:

@@ -78,3 +78,25 @@ def test_a_stopped_context_ends_the_watch_quietly(monkeypatch) -> None:
         time.sleep(0.3)
         assert dog._thread is not None and not dog._thread.is_alive()
     assert errors == []
+
+
+def test_time_without_a_job_is_not_counted(sc, monkeypatch) -> None:
+    """No executor while no job runs (the start-up before the first job, a checkpoint, dynamic
+    allocation's idle release) is not a job waiting for executors: the next job runs."""
+    monkeypatch.setattr(watchdog, "executor_hosts", lambda _sc: {})
+    with ExecutorWatchdog(_AsCluster(sc), 0.3, poll_s=0.05) as dog:
+        time.sleep(0.8)
+        assert sc.parallelize(range(2), 2).sum() == 1
+    assert not dog.fired
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_the_timeout_is_a_number_not_a_switch(value) -> None:
+    """`no_executor_timeout_s: on` (YAML's true) read as 1 s stopped runs at start-up."""
+    from pydantic import ValidationError
+
+    from sparknet.config import TrainConfig
+
+    with pytest.raises(ValidationError, match="a number of seconds"):
+        TrainConfig(no_executor_timeout_s=value)
+    assert TrainConfig(no_executor_timeout_s="0").no_executor_timeout_s == 0
