@@ -121,6 +121,9 @@ def spark_settings(
     }
     if (address := driver_address(master)) and not DRIVER_ADDRESS_KEYS & conf.keys():
         settings.update(dict.fromkeys(DRIVER_ADDRESS_KEYS, address))
+    elif address and "spark.driver.host" not in conf:  # the user's bindAddress alone: advertise
+        # it (Spark's default host would be the JVM's SPARK_LOCAL_IP, 127.0.0.1: `_ui_on_loopback`)
+        settings["spark.driver.host"] = conf["spark.driver.bindAddress"]
     if "spark.locality.wait" in conf:  # the user's wait for every level, this one included
         del settings["spark.locality.wait.process"]
     if is_local_master(master):

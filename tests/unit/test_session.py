@@ -255,6 +255,10 @@ def test_a_standalone_driver_binds_the_address_it_reaches_the_master_from(monkey
     monkeypatch.setenv("SPARK_LOCAL_IP", "127.0.0.3")
     assert bound("spark://127.0.0.2:7077,127.0.0.4:7077") == ["127.0.0.3", "127.0.0.3"]
     assert bound("spark://127.0.0.2:7077", {"spark.driver.host": "h"}) == ["h", None]
+    # a bindAddress alone is what the driver advertises too (the JVM's own default host would
+    # be loopback: it starts with SPARK_LOCAL_IP=127.0.0.1 for its UI)
+    given = {"spark.driver.bindAddress": "10.0.0.7"}
+    assert bound("spark://127.0.0.2:7077", given) == ["10.0.0.7", "10.0.0.7"]
     assert bound("local[2]") == bound("yarn") == [None, None]
 
 
