@@ -316,7 +316,7 @@ def _wrapped(cause: BaseException) -> SparknetError:
     ],
 )
 def test_no_user_setting_talks_the_security_down(monkeypatch, master, key, value):
-    """`--conf`, `--set spark_conf=...` and the settings file's `spark:` section all reach
+    """`--conf`, the settings file's `spark:` section and a resumed run's settings all reach
     `spark_settings` (and `driver.prepare`, which `sparknet-submit` runs before launching):
     a setting that would undo the hardening is one line naming it, never applied."""
     monkeypatch.delenv("SPARK_LOCAL_IP", raising=False)
