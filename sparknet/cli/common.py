@@ -17,8 +17,10 @@ from sparknet.interrupts import hold, holding
 
 #: progress and notes go to stderr; results (tables, summaries) to stdout. A line printed is
 #: never wrapped by rich (`soft_wrap`): a terminal wraps it as wide as it is, and a log file
-#: or a pipe (rich's 80 columns) keeps an error or a path whole on one line
-console = Console(stderr=True, soft_wrap=True)
+#: or a pipe (rich's 80 columns) keeps an error or a path whole on one line. Nor is a line read
+#: as markup: `cluster up`/`down`, `ami bake` and `bench` say what remote commands and AWS said
+#: (`[sudo] password`, `[i-0abc]`), which rich dropped, or failed on (`[/x]`: MarkupError)
+console = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
 results = Console()
 
 ConfigOption = typer.Option(None, "--config", help="settings YAML; default ./sparknet.yaml")

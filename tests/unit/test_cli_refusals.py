@@ -106,3 +106,13 @@ def test_cluster_down_question_unanswered_or_interrupted_is_one_line(home, monke
         "error: interrupted; cluster c1 not taken down: job R1 runs on"
     )
     assert "Aborted" not in eof.stderr + ctrl_c.stderr and downs == []
+
+
+def test_a_line_said_is_printed_as_it_is(capsys) -> None:
+    """What `cluster up`/`down`, `ami bake` and `bench` relay (remote output, AWS errors) goes
+    out as it came: rich's markup dropped `[sudo]` and raised MarkupError on `[/x]`."""
+    from sparknet.cli.common import console
+
+    line = "[sudo] password for ubuntu: [i-0abc] stopped; rm: cannot remove [/x]"
+    console.print(line)
+    assert capsys.readouterr().err == line + "\n"
