@@ -12,7 +12,7 @@ import fabric
 
 from sparknet.cluster import nodes
 from sparknet.cluster.plan import JOBS_DIR, Context, Node
-from sparknet.cluster.remote import CommandFailed, Conn, q, run, succeeds, upload
+from sparknet.cluster.remote import CommandFailed, Conn, ConnectionLost, q, run, succeeds, upload
 from sparknet.cluster.spark_conf import (
     GPU_DISCOVERY_SCRIPT,
     java_major,
@@ -148,6 +148,13 @@ class NvidiaDriver(Step):
         self.reboot(conn)
         try:
             self.run(conn, "nvidia-smi -L")
+        except ConnectionLost as exc:  # not the driver's fault: the node went away again
+            raise CommandFailed(
+                f"the node rebooted to load the NVIDIA driver and answered, then its SSH "
+                f"connection was lost before nvidia-smi could be checked ({exc.what}); run the "
+                "bootstrap again once it answers",
+                exc.tail,
+            ) from None
         except CommandFailed as exc:
             raise CommandFailed(
                 "installed the NVIDIA driver and rebooted, but nvidia-smi still fails: the "

@@ -13,6 +13,7 @@ import pytest
 from sparknet import submit as flow
 from sparknet.cluster import lifecycle, nodes, steps
 from sparknet.cluster.nodes import Access, Endpoint
+from sparknet.cluster.remote import CommandFailed
 from sparknet.errors import SparknetError
 
 SETTINGS = [
@@ -147,3 +148,37 @@ def test_a_second_signal_on_a_submit_that_keeps_its_cluster_does_not_say_it_goes
         assert note.startswith("still cancelling the job") and "cluster gpu stays up" in note
     made = _second_signal_note(SimpleNamespace(spec=spec, reused=False, keep=False))
     assert made == "still cancelling the job and taking the cluster down; it ends by itself"
+
+
+def test_a_node_lost_again_after_its_reboot_is_not_a_driver_that_does_not_load(monkeypatch):
+    """A node that rebooted for its NVIDIA driver, answered, and went away again (a second
+    reboot, a dropped link) under the nvidia-smi check: it was told as a driver that does not
+    load ("launch it from an image with the driver"), the wrong advice."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from sparknet.cluster.plan import Context, Facts, Node, Plan
+    from sparknet.cluster.steps import NvidiaDriver
+    from sparknet.cluster.wheel import Wheel
+
+    class Conn:
+        rebooted = False
+
+        def run(self, command, **_kw):
+            if command == "nvidia-smi -L":
+                if self.rebooted:
+                    raise OSError("Connection reset by peer")
+                return SimpleNamespace(exited=9, stdout="", stderr="no driver")
+            return SimpleNamespace(exited=0, stdout="", stderr="")
+
+    node = Node(Endpoint("master", "h"), gpus=1)
+    facts = Facts("ubuntu", 1000, 8, 1 << 24, True, ())
+    step = NvidiaDriver(Context(Plan((node,), Wheel(Path("w.whl"), "1", "d"), "s"), node, facts))
+    monkeypatch.setattr(step, "reboot", lambda conn: setattr(conn, "rebooted", True))
+    with pytest.raises(CommandFailed) as err:
+        step.apply(Conn())
+    assert err.value.what.startswith(
+        "the node rebooted to load the NVIDIA driver and answered, then its SSH connection was "
+        "lost before nvidia-smi could be checked (SSH connection lost ("
+    )
+    assert "does not load" not in err.value.what
