@@ -13,6 +13,7 @@ same name in two registries is two clusters.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -175,11 +176,29 @@ def take_all(
 ) -> list[str]:
     """Take every host for `me`, or none; the names of the nodes this call took (the others
     were `me`'s already). A host another cluster holds is a HostHeld naming it (the first, in
-    host order), and the hosts this call took are given back first."""
+    host order), and the hosts this call took are given back first, as they are where a host
+    cannot be reached or the call is interrupted.
+
+    The first host in address order is taken alone before the others: of two `up`s of the
+    same hosts at once (two registries), the one that takes it goes on and the other is refused
+    with nothing taken (taken all at once, each could take some and both be refused)."""
     by_name = {n.name: n for n in planned}
-    answers = nodes.run_all(
-        [n.endpoint for n in planned], access, lambda e, c: take(c, by_name[e.name], me), timeout
-    )
+    answers: dict[str, tuple[str, Holder | None]] = {}
+
+    def one(endpoint: Endpoint, conn: Conn) -> tuple[str, Holder | None]:
+        answers[endpoint.name] = take(conn, by_name[endpoint.name], me)
+        return answers[endpoint.name]
+
+    first = min(planned, key=lambda n: (n.endpoint.host, n.endpoint.port, n.prefix))
+    try:
+        for batch in ([first], [n for n in planned if n is not first]):
+            if batch and all(verdict in (TAKEN, MINE) for verdict, _ in answers.values()):
+                nodes.run_all([n.endpoint for n in batch], access, one, timeout)
+    except BaseException:
+        fresh = [by_name[name] for name, (verdict, _) in answers.items() if verdict == TAKEN]
+        with contextlib.suppress(Exception):
+            release_all(fresh, access, me, timeout)
+        raise
     fresh = [name for name, (verdict, _) in answers.items() if verdict == TAKEN]
     held = [(by_name[name], h) for name, (verdict, h) in answers.items() if verdict == HELD]
     twice = [(by_name[name], h) for name, (verdict, h) in answers.items() if verdict == TWICE]

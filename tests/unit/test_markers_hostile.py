@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 from pathlib import Path
 
 import invoke
@@ -92,3 +93,68 @@ def test_one_machine_listed_twice_is_refused_before_anything_runs(hosts, monkeyp
     assert ran == []
     assert not (root / "one" / markers.MARKER).exists()
     assert lifecycle.registered() == {}
+
+
+def _concurrent_run_all(endpoints, access, fn, timeout, **kw):
+    """`nodes.run_all` as it runs: every host at once (a local shell each)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not endpoints:
+        return {}
+    with ThreadPoolExecutor(len(endpoints)) as pool:
+        futures = {e.name: pool.submit(fn, e, invoke.Context()) for e in endpoints}
+    return {name: f.result() for name, f in futures.items()}
+
+
+def test_of_two_ups_of_the_same_hosts_at_once_one_goes_on(tmp_path, monkeypatch) -> None:
+    """Two registries take the same three hosts at the same instant: one holds them all and the
+    other is refused; never both refused (each having taken some, then given them back)."""
+    from sparknet.cluster import nodes
+
+    monkeypatch.setattr(nodes, "run_all", _concurrent_run_all)
+    planned = [
+        Node(Endpoint(name, f"10.0.0.{k + 5}"), prefix=str(tmp_path / name))
+        for k, name in enumerate(("master", "worker-1", "worker-2"))
+    ]
+    for attempt in range(12):
+        for node in planned:
+            (Path(node.prefix) / markers.MARKER).unlink(missing_ok=True)
+        outcome: dict[str, str] = {}
+
+        def up(me: markers.Holder, outcome: dict[str, str] = outcome) -> None:
+            try:
+                markers.take_all(planned, None, me)
+                outcome[me.cluster] = "up"
+            except markers.HostHeld:
+                outcome[me.cluster] = "refused"
+
+        racers = [
+            threading.Thread(target=up, args=(markers.Holder(c, c * 16),)) for c in ("a", "b")
+        ]
+        for t in racers:
+            t.start()
+        for t in racers:
+            t.join(60)
+        assert sorted(outcome.values()) == ["refused", "up"], (attempt, outcome)
+
+
+def test_a_host_that_cannot_be_reached_gives_back_the_hosts_taken(tmp_path, monkeypatch) -> None:
+    """worker-1 does not answer: the master, taken a moment before, is given back (a marker
+    of an `up` that failed before it began would refuse every other registry's)."""
+    from sparknet.cluster import nodes
+
+    def run_all(endpoints, access, fn, timeout, **kw):
+        out = {e.name: fn(e, invoke.Context()) for e in endpoints if e.name != "worker-1"}
+        if any(e.name == "worker-1" for e in endpoints):
+            failures = {"worker-1": OSError("connection refused")}
+            raise nodes.NodesFailed(nodes._failed_line(endpoints, failures), failures)
+        return out
+
+    monkeypatch.setattr(nodes, "run_all", run_all)
+    planned = [
+        Node(Endpoint(name, f"10.0.0.{k + 5}"), prefix=str(tmp_path / name))
+        for k, name in enumerate(("master", "worker-1"))
+    ]
+    with pytest.raises(nodes.NodesFailed):
+        markers.take_all(planned, None, ME)
+    assert not (tmp_path / "master" / markers.MARKER).exists()
