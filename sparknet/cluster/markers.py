@@ -179,9 +179,9 @@ def take_all(
     host order), and the hosts this call took are given back first, as they are where a host
     cannot be reached or the call is interrupted.
 
-    The first host in address order is taken alone before the others: of two `up`s of the
-    same hosts at once (two registries), the one that takes it goes on and the other is refused
-    with nothing taken (taken all at once, each could take some and both be refused)."""
+    The master's host is taken alone before the others: of two `up`s of the same hosts at once
+    (two registries), the one that takes it goes on and the other is refused with nothing taken
+    (taken all at once, each could take some and both be refused)."""
     by_name = {n.name: n for n in planned}
     answers: dict[str, tuple[str, Holder | None]] = {}
 
@@ -189,7 +189,7 @@ def take_all(
         answers[endpoint.name] = take(conn, by_name[endpoint.name], me)
         return answers[endpoint.name]
 
-    first = min(planned, key=lambda n: (n.endpoint.host, n.endpoint.port, n.prefix))
+    first = planned[0]
     try:
         for batch in ([first], [n for n in planned if n is not first]):
             if batch and all(verdict in (TAKEN, MINE) for verdict, _ in answers.values()):
@@ -217,8 +217,9 @@ def take_all(
     raise HostHeld(
         f"{_host(node.endpoint)} ({node.name}) is held by {holder.describe(me)} since "
         f"{holder.since or 'an unknown time'}; one machine runs one cluster's Spark: "
-        f"`sparknet cluster down {holder.cluster}` where it is registered frees it, or choose "
-        "other hosts"
+        f"`sparknet cluster down {holder.cluster}` where it is registered frees it (where it "
+        f"is registered nowhere now, remove {node.path(MARKER)} on the host once nothing of "
+        "it runs there), or choose other hosts"
     )
 
 

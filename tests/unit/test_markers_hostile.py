@@ -158,3 +158,16 @@ def test_a_host_that_cannot_be_reached_gives_back_the_hosts_taken(tmp_path, monk
     with pytest.raises(nodes.NodesFailed):
         markers.take_all(planned, None, ME)
     assert not (tmp_path / "master" / markers.MARKER).exists()
+
+
+def test_a_refusal_says_where_the_marker_is(hosts, monkeypatch) -> None:  # noqa: F811
+    """Where the holding registry is gone (a laptop lost, an `up` killed and its home wiped),
+    `sparknet cluster down` there cannot free the host: the line names the marker to remove."""
+    monkeypatch.setattr(lifecycle, "carry", lambda spec, wheel_dir: None)
+    gone = markers.Holder("lab", "f" * 16, "bob@lost-laptop:/home/bob/.sparknet/clusters", "t1")
+    master = Node(Endpoint("master", "10.0.0.5"), prefix=str(hosts / "master"))
+    assert markers.take(invoke.Context(), master, gone)[0] == markers.TAKEN
+    with pytest.raises(markers.HostHeld) as err:
+        static.up(_spec(hosts, "other"))
+    assert f"remove {hosts / 'master' / markers.MARKER} on the host once nothing" in str(err.value)
+    assert "\n" not in str(err.value)
