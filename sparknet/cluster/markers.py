@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -79,12 +80,18 @@ class Holder:
 
     @classmethod
     def parse(cls, text: str) -> Holder | None:
-        """The marker's text as a Holder; None for an empty or unreadable one."""
+        """The marker's text as a Holder; None for an empty or unreadable one. Its fields are
+        another's words, said in a refusal: control characters (a line break, a terminal's
+        escape) become `?`, and each is cut at 200 characters."""
+
+        def said(value: object) -> str:
+            return re.sub(r"[\x00-\x1f\x7f-\x9f]", "?", str(value))[:200]
+
         try:
             raw = json.loads(text)
-            return cls(str(raw["cluster"]), str(raw["registry"]), str(raw.get("where", "")),
-                       str(raw.get("since", "")), str(raw.get("node", "")))  # fmt: skip
-        except (ValueError, KeyError, TypeError):
+            return cls(said(raw["cluster"]), said(raw["registry"]), said(raw.get("where", "")),
+                       said(raw.get("since", "")), said(raw.get("node", "")))  # fmt: skip
+        except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
     def former_self(self, me: Holder) -> bool:

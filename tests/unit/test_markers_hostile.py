@@ -171,3 +171,17 @@ def test_a_refusal_says_where_the_marker_is(hosts, monkeypatch) -> None:  # noqa
         static.up(_spec(hosts, "other"))
     assert f"remove {hosts / 'master' / markers.MARKER} on the host once nothing" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_markers_words_cannot_break_the_refusals_one_line(hosts, monkeypatch) -> None:  # noqa: F811
+    """A marker is another's text: a line break or a terminal escape in it is not repeated."""
+    monkeypatch.setattr(lifecycle, "carry", lambda spec, wheel_dir: None)
+    (hosts / "master").mkdir()
+    planted = {"holder": "x/lab", "cluster": "lab\nerror: all good", "registry": "x",
+               "where": "\x1b]0;pwned\x07bob@desk:/b"}  # fmt: skip
+    (hosts / "master" / markers.MARKER).write_text(json.dumps(planted) + "\n")
+    with pytest.raises(markers.HostHeld) as err:
+        static.up(_spec(hosts, "other"))
+    line = str(err.value)
+    assert "\n" not in line and "\x1b" not in line and "\x07" not in line
+    assert "static cluster lab?error: all good of the sparknet registry ?]0;pwned?bob@desk" in line
