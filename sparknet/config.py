@@ -281,7 +281,7 @@ def load_datasets(config_file: Path | None) -> dict[str, DatasetEntry]:
             out[str(name)] = DatasetEntry.model_validate(entry)
         except ValidationError as exc:
             raise SparknetError(
-                f"{config_file}: datasets.{name}: {describe_validation_error(exc)}"
+                f"{config_file}: datasets.{name}: {describe_validation_error(exc, DatasetEntry)}"
             ) from exc
     return out
 
@@ -378,17 +378,32 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-def describe_validation_error(exc: ValidationError) -> str:
-    """The first problem of a pydantic error as one line: `field: message (got value)`."""
+def describe_validation_error(exc: ValidationError, model: type | None = None) -> str:
+    """The first problem of a pydantic error as one line: `field: message (got value)`. An
+    unknown setting of `model` (a cluster's, a dataset's) lists the known ones; without one
+    (the training settings) it names `sparknet train --help`."""
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
     if not loc:  # a check across settings (e.g. outer and outer_lr)
         return f"invalid settings: {msg}"
     if err["type"] == "extra_forbidden":
+        known = _known_settings(model, err["loc"][:-1]) if model is not None else None
+        if known is not None:
+            return f"unknown setting '{loc}' (known: {', '.join(known)})"
         return f"unknown setting '{loc}'; see `sparknet train --help` for the settings"
     got = f" (got {err['input']!r})" if err["loc"] and err["type"] != "missing" else ""
     return f"invalid setting {loc}: {msg}{got}"
+
+
+def _known_settings(model: type, parents: tuple[Any, ...]) -> list[str] | None:
+    """The field names of `model`'s part at `parents` (`bootstrap`: its settings'); None
+    where a part is not a settings model of its own."""
+    for part in parents:
+        field = getattr(model, "model_fields", {}).get(part)
+        model = getattr(field, "annotation", None)
+    fields = getattr(model, "model_fields", None)
+    return sorted(fields) if isinstance(fields, dict) else None
 
 
 def load_train_config(

@@ -86,7 +86,9 @@ def _cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_
     try:
         spec = ClusterSpec.model_validate(base)
     except ValidationError as exc:
-        raise SparknetError(f"cluster {name}: {describe_validation_error(exc)}") from exc
+        raise SparknetError(
+            f"cluster {name}: {describe_validation_error(exc, ClusterSpec)}"
+        ) from exc
     return spec.model_copy(update={"name": name})
 
 

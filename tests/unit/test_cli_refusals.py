@@ -116,3 +116,23 @@ def test_a_line_said_is_printed_as_it_is(capsys) -> None:
     line = "[sudo] password for ubuntu: [i-0abc] stopped; rm: cannot remove [/x]"
     console.print(line)
     assert capsys.readouterr().err == line + "\n"
+
+
+def test_an_unknown_setting_of_a_cluster_or_dataset_lists_the_known_ones(home, tmp_path) -> None:
+    """A misspelled key of a `clusters:` or `datasets:` entry named `sparknet train --help`,
+    whose settings are other ones: the line lists the entry's own (a nested one's too)."""
+    from sparknet.cli.cluster import _cluster_spec
+    from sparknet.config import load_datasets
+
+    yaml = tmp_path / "sparknet.yaml"
+    yaml.write_text("clusters:\n  c1: {ssh_user: x}\n  c2: {bootstrap: {foo: 1}}\n")
+    with pytest.raises(SparknetError) as bad:
+        _cluster_spec("c1", yaml, {})
+    assert str(bad.value).startswith("cluster c1: unknown setting 'ssh_user' (known: ")
+    assert "autostop_minutes, availability_zones, bootstrap, bucket" in str(bad.value)
+    with pytest.raises(SparknetError, match=r"'bootstrap\.foo' \(known: gpus_per_node, "):
+        _cluster_spec("c2", yaml, {})
+    yaml.write_text("datasets:\n  d: {uri: s3://a-b/c, nope: 1}\n")
+    with pytest.raises(SparknetError) as bad:
+        load_datasets(yaml)
+    assert str(bad.value).endswith("datasets.d: unknown setting 'nope' (known: endpoint_url, uri)")
