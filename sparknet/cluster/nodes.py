@@ -117,8 +117,21 @@ def _fabric_config() -> fabric.Config:
             "forward_agent": False,
             "gateway": None,
             "run": {"in_stream": False},
+            "runners": {"remote": _Remote},
         },
     )
+
+
+class _Remote(fabric.runners.Remote):
+    """Fabric's runner of a remote command, whose Ctrl-C (or SIGTERM: the CLI raises both as
+    KeyboardInterrupt) ends the wait at once: the channel is closed, then the interrupt raised.
+    Fabric's own raises it only after joining its output threads, which wait for the command
+    to end (up to its timeout, or the keepalive's deadline on a silent node)."""
+
+    def send_interrupt(self, interrupt: KeyboardInterrupt) -> None:
+        with contextlib.suppress(Exception):
+            self.channel.close()
+        raise interrupt
 
 
 #: the most seconds a wait's setting (`seconds_setting`) may give: a day. More is no deadline,
