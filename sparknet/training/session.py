@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -273,18 +275,43 @@ def start_session(
         builder = builder.config(key, value)
     if is_local_master(master) or master.startswith("local-cluster"):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # everything stays on loopback
+    if private := private_local_dir(settings):
+        builder = builder.config("spark.local.dir", private)
     jvm_stderr = _HeldStderr()
-    with _gateway_killed_on_failure(jvm_stderr):
-        try:
-            with _keep_sigint_handler(), _ui_on_loopback(master):
-                session = builder.getOrCreate()
-        except (PySparkException, Py4JError) as exc:
-            raise SparknetError(_start_failure(master, conf or {}, exc, jvm_stderr)) from exc
-        session.sparkContext.setLogLevel("FATAL")  # failures reach the user as SparknetError
+    try:
+        with _gateway_killed_on_failure(jvm_stderr):
+            try:
+                with _keep_sigint_handler(), _ui_on_loopback(master):
+                    session = builder.getOrCreate()
+            except (PySparkException, Py4JError) as exc:
+                raise SparknetError(_start_failure(master, conf or {}, exc, jvm_stderr)) from exc
+            session.sparkContext.setLogLevel("FATAL")  # failures reach the user as SparknetError
+    except BaseException:
+        if private:
+            shutil.rmtree(private, ignore_errors=True)
+        raise
+    if private:
+        _LOCAL_DIRS[session] = private
+        atexit.register(shutil.rmtree, private, True)  # a session stopped without stop_quietly
     _quiet_accumulator_server(session.sparkContext)
     jvm_stderr.release(show=True)
     _JVM_STDERR[session] = jvm_stderr
     return session
+
+
+#: the private local dir of each session sparknet started (`private_local_dir`), removed at stop
+_LOCAL_DIRS: weakref.WeakKeyDictionary[SparkSession, str] = weakref.WeakKeyDictionary()
+
+
+def private_local_dir(settings: Mapping[str, str]) -> str | None:
+    """A new dir only this user may enter (0700) for the driver's Spark local dir, unless the
+    user chose one (`spark.local.dir`, SPARK_LOCAL_DIRS): Spark makes its `blockmgr-*` (cached
+    and spilled blocks: training data, weights) and `spark-*` (the files a job ships) with the
+    umask's modes, 0755, right in /tmp, where another user of the host could read them.
+    Executors of a cluster keep their worker's own dirs (SPARK_EXECUTOR_DIRS wins)."""
+    if "spark.local.dir" in settings or os.environ.get("SPARK_LOCAL_DIRS", "").strip():
+        return None
+    return tempfile.mkdtemp(prefix="sparknet-spark-")
 
 
 @contextlib.contextmanager
@@ -551,6 +578,8 @@ def stop_quietly(session: SparkSession) -> None:
         jvm.System.setErr(jvm.java.io.PrintStream(jvm.java.io.OutputStream.nullOutputStream()))
     with contextlib.suppress(Exception):
         session.stop()
+    if (private := _LOCAL_DIRS.pop(session, None)) is not None:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 #: how long the probe job may take: it starts every executor's Python workers, which import

@@ -1,4 +1,5 @@
 import re
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from sparknet.training.session import (
     driver_address,
     driver_memory_gb,
     embedded_master,
+    private_local_dir,
     spark_settings,
     spark_warnings,
     task_cpus,
@@ -343,3 +345,15 @@ def test_spark_local_ip_of_every_interface_is_refused(monkeypatch):
     monkeypatch.setenv("SPARK_LOCAL_IP", "0.0.0.0")
     with pytest.raises(SparknetError, match=r"^SPARK_LOCAL_IP=0\.0\.0\.0 listens on every"):
         spark_settings("spark://10.0.0.1:7077", 2)
+
+
+def test_the_driver_gets_a_private_local_dir_unless_the_user_chose_one(monkeypatch):
+    monkeypatch.delenv("SPARK_LOCAL_DIRS", raising=False)
+    made = private_local_dir({"spark.app.name": "sparknet"})
+    try:
+        assert made and Path(made).stat().st_mode & 0o777 == 0o700
+    finally:
+        Path(made).rmdir()
+    assert private_local_dir({"spark.local.dir": "/scratch"}) is None
+    monkeypatch.setenv("SPARK_LOCAL_DIRS", "/scratch")
+    assert private_local_dir({}) is None
