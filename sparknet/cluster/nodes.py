@@ -300,13 +300,19 @@ def connect(endpoint: Endpoint, access: Access, timeout: float = 20) -> fabric.C
 def _unfinished(exc: BaseException) -> BaseException:
     """paramiko's "No existing session" for a handshake the node left unfinished (it sent its
     banner, or only took the TCP connection, then went silent: paramiko's negotiation stops at
-    its timeout without an error, and only the host key check after it fails), told as what it
-    is, and as a node not serving yet; any other error as it is."""
+    its timeout without an error, and only the host key check after it fails), and its
+    "Authentication timeout." for a login it left unanswered, told as what they are, and as a
+    node not serving yet; any other error as it is."""
     if isinstance(exc, paramiko.SSHException) and str(exc) == "No existing session":
         unfinished = EOFError("the node did not finish the SSH handshake (it went silent)")
-        unfinished.__cause__ = exc
-        return unfinished
-    return exc
+    elif isinstance(exc, paramiko.AuthenticationException) and "timeout" in str(exc):
+        # not a refused login (no answer is no refusal): a node slow to log in (at boot, its
+        # PAM or logind not up yet) is tried again, a reboot's wait goes on
+        unfinished = EOFError("the node did not answer the login in time (it went silent)")
+    else:
+        return exc
+    unfinished.__cause__ = exc
+    return unfinished
 
 
 def _still_starting(exc: BaseException) -> bool:

@@ -182,3 +182,63 @@ def test_a_node_lost_again_after_its_reboot_is_not_a_driver_that_does_not_load(m
         "lost before nvidia-smi could be checked (SSH connection lost ("
     )
     assert "does not load" not in err.value.what
+
+
+def test_a_node_silent_at_the_login_is_not_a_refused_login(tmp_path):
+    """A node that finishes the handshake with its pinned key and then leaves the login
+    unanswered (at boot: its PAM or logind not up yet) was "login refused for key ...; check
+    key_file", and a rebooted node's wait gave up at once; it is a node that does not serve
+    yet: tried again until the timeout, and named as silent."""
+    import socket
+    import subprocess
+    import threading
+    import time
+
+    import paramiko
+
+    for name in ("host", "id"):
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)],
+            check=True,
+        )
+    host_key = paramiko.Ed25519Key.from_private_key_file(str(tmp_path / "host"))
+    release = threading.Event()
+
+    class Silent(paramiko.ServerInterface):
+        def get_allowed_auths(self, username):
+            return "publickey"
+
+        def check_auth_publickey(self, username, key):
+            release.wait(10)  # no answer while the client waits
+            return paramiko.AUTH_FAILED
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    transports: list[paramiko.Transport] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                peer, _ = listener.accept()
+                transport = paramiko.Transport(peer)
+                transport.add_server_key(host_key)
+                transports.append(transport)
+                transport.start_server(server=Silent())
+
+    threading.Thread(target=serve, daemon=True).start()
+    public = (tmp_path / "host.pub").read_text().split()
+    (tmp_path / "known_hosts").write_text(f"[127.0.0.1]:{port} {public[0]} {public[1]}\n")
+    endpoint = Endpoint("master", "127.0.0.1", port, "u")
+    started = time.monotonic()
+    try:
+        with pytest.raises(SparknetError) as err:
+            nodes.connect(endpoint, Access(tmp_path / "id", tmp_path / "known_hosts"), 1.5)
+    finally:
+        release.set()
+        listener.close()
+        for transport in transports:
+            transport.close()
+    assert time.monotonic() - started < 4
+    assert str(err.value).startswith(
+        f"{endpoint}: no SSH connection within 1.5 s (the node did not answer the login in time"
+    )
