@@ -790,8 +790,12 @@ def submit_lock(name: str) -> Iterator[None]:
             f"{holder}); wait for it to end, or give --name NEW to run on a cluster of its own"
         )
 
-    with lifecycle.held_lock(submit_lock_path(name), busy):
-        yield
+    path = submit_lock_path(name)
+    with lifecycle.held_lock(path, busy):
+        try:
+            yield
+        finally:  # removed while held, as `remove_lock` does: no file left per name tried
+            path.unlink(missing_ok=True)
 
 
 def submit(

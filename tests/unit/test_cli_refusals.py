@@ -136,3 +136,40 @@ def test_an_unknown_setting_of_a_cluster_or_dataset_lists_the_known_ones(home, t
     with pytest.raises(SparknetError) as bad:
         load_datasets(yaml)
     assert str(bad.value).endswith("datasets.d: unknown setting 'nope' (known: endpoint_url, uri)")
+
+
+def test_a_submit_lock_leaves_no_file_and_a_killed_holder_blocks_nothing(home) -> None:
+    """The submit lock's file goes with its holder (one was left under submits/ for every
+    cluster name ever tried); one a killed submit left (kill -9) refuses nobody."""
+    import subprocess
+    import sys
+
+    from sparknet import submit as flow
+
+    path = flow.submit_lock_path("c1")
+    with flow.submit_lock("c1"):
+        assert path.exists()
+        with (
+            pytest.raises(flow.SubmitBusy, match="another sparknet-submit"),
+            flow.submit_lock("c1"),
+        ):
+            pass
+    assert not path.exists() and list(path.parent.iterdir()) == []
+    code = (
+        "from sparknet import submit as f\n"
+        "with f.submit_lock('c1'):\n print(1, flush=True)\n input()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout.readline() == b"1\n"
+        with pytest.raises(flow.SubmitBusy, match=f"PID {holder.pid}"), flow.submit_lock("c1"):
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    assert path.exists()  # what kill -9 left
+    with flow.submit_lock("c1"):
+        pass
+    assert not path.exists()
