@@ -190,7 +190,15 @@ class NvidiaDriver(Step):
                 ) from None
 
         def restarted(fresh: fabric.Connection) -> bool:
-            return run(fresh, BOOT_ID, timeout=60).strip() not in ("", before)
+            try:
+                return run(fresh, BOOT_ID, timeout=60).strip() not in ("", before)
+            except ConnectionLost:
+                raise  # the old sshd going down under it: not back yet
+            except CommandFailed as exc:  # it answers: say so, and what failed
+                last = f": {exc.tail[-1].strip()}" if exc.tail else ""
+                raise CommandFailed(
+                    f"it answers, but `{BOOT_ID}` {exc.what}{last}", exc.tail
+                ) from None
 
         try:
             nodes.reconnect_after_restart(conn, self.ctx.node.endpoint, access, wait, restarted)

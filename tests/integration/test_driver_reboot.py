@@ -135,3 +135,29 @@ def test_the_wait_for_a_rebooted_node_ends_with_its_run(rebooting, tmp_path, mon
     for thread in left:
         thread.join(timeout=3)
     assert not [t for t in left if t.is_alive()]
+
+
+def test_a_node_back_whose_boot_id_cannot_be_read_is_named_so(rebooting, tmp_path, monkeypatch):
+    """A node that comes back from its reboot but whose boot id cannot be read: the one line
+    says it answers and what failed (it said "not back over SSH within ... (exited 1)")."""
+    monkeypatch.setenv(steps.REBOOT_WAIT_ENV, "1")
+    node = rebooting(lag_s=0.1, down_s=0.2)
+    # readable before the reboot (the step notes it), unreadable on the next boot
+    first = tmp_path / "first-boot"
+    monkeypatch.setattr(
+        steps,
+        "BOOT_ID",
+        f"[ -e {q(str(first))} ] || cat {q(str(node.boot_id))} > {q(str(first))}; "
+        f'[ "$(cat {q(str(node.boot_id))})" = "$(cat {q(str(first))})" ] || '
+        "{ echo 'cat: boot_id: Permission denied' >&2; exit 1; }; "
+        f"cat {q(str(node.boot_id))}",
+    )
+    try:
+        bootstrap_driver(node, tmp_path / "prefix")
+        raise AssertionError("the bootstrap went on")
+    except b.BootstrapFailed as exc:
+        line = str(exc)
+    assert node.boots == 1
+    assert "\n" not in line
+    assert "(it answers, but `" in line
+    assert "exited 1: cat: boot_id: Permission denied)" in line
