@@ -206,7 +206,11 @@ class _Channel:
             except OSError:
                 return  # closed
             self._conns.add(conn)
-            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+            try:
+                threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+            except RuntimeError:  # no thread left (a flood of connections): this one goes
+                self._conns.discard(conn)
+                conn.close()
 
     def _read(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -226,11 +230,11 @@ class _Channel:
     def _hello(self, conn: socket.socket, lines: Any) -> int | None:
         """The round a rank 0 starts after, from its first line; None for anything else."""
         late = threading.Timer(_HELLO_S, _shut, (conn,))  # one deadline, however it trickles
-        late.start()
         try:
+            late.start()
             line = lines.readline(_HELLO_MAX)
             hello = json.loads(line) if line.endswith(b"\n") else None
-        except (OSError, ValueError):
+        except (OSError, ValueError, RuntimeError):  # RuntimeError: no thread for the deadline
             return None
         finally:
             late.cancel()

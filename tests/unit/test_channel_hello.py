@@ -102,3 +102,33 @@ def test_rank_zero_s_hello_and_rows_are_heard(channel):
         second[2].sendall(b"ok\n")
         assert sock.recv(3) == b"ok\n"
     assert raised == []
+
+
+def test_a_driver_out_of_threads_drops_the_connection_and_keeps_listening(channel, monkeypatch):
+    """A flood of connections that leaves no thread to start: each is closed, no traceback,
+    and rank 0's hello is heard once threads are back."""
+    made, inbox, raised = channel
+
+    thread, timer = threading.Thread, threading.Timer
+
+    class NoThread(thread):
+        def start(self):
+            raise RuntimeError("can't start new thread")
+
+    class NoTimer(timer):
+        def start(self):
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading, "Thread", NoThread)  # each connection's reader
+    with socket.create_connection(made.address) as sock:
+        assert _closed_within(sock, 1.0)
+    monkeypatch.setattr(threading, "Thread", thread)
+    monkeypatch.setattr(threading, "Timer", NoTimer)  # the hello's deadline
+    with socket.create_connection(made.address) as sock:
+        sock.sendall(json.dumps({"token": TOKEN, "start": 1}).encode() + b"\n")
+        assert _closed_within(sock, 1.0)
+    monkeypatch.setattr(threading, "Timer", timer)
+    with socket.create_connection(made.address) as sock:
+        sock.sendall(json.dumps({"token": TOKEN, "start": 2}).encode() + b"\n")
+        assert inbox.get(timeout=2)[1] == {"start": 2}
+    assert raised == []
