@@ -329,7 +329,10 @@ def _confirm_jobs_end(spec, endpoint_url: str | None, yes: bool, debug: bool) ->
     when the user says so (exit 1 otherwise). Not on a terminal (a script, CI, a clean-up),
     `down` goes on after the line: a teardown that waits for an answer nobody gives would
     leave the cluster billed."""
-    running = _running_jobs(spec, endpoint_url)
+    try:
+        running = _running_jobs(spec, endpoint_url)
+    except KeyboardInterrupt:  # while the master is asked: nothing was done yet
+        fail(SparknetError(f"interrupted; cluster {spec.name} not taken down"), debug, 130)
     if not running:
         return
     them = "it" if len(running) == 1 else "them"

@@ -107,6 +107,17 @@ def test_cluster_down_question_unanswered_or_interrupted_is_one_line(home, monke
     )
     assert "Aborted" not in eof.stderr + ctrl_c.stderr and downs == []
 
+    def interrupted(spec, endpoint_url):
+        raise KeyboardInterrupt  # Ctrl-C while the master is asked for its jobs
+
+    monkeypatch.setattr(cli, "_running_jobs", interrupted)
+    asking = runner.invoke(cli.cluster_app, ["down", "c1"])
+    assert (asking.exit_code, asking.stderr) == (
+        130,
+        "error: interrupted; cluster c1 not taken down\n",
+    )
+    assert downs == []
+
 
 def test_a_line_said_is_printed_as_it_is(capsys) -> None:
     """What `cluster up`/`down`, `ami bake` and `bench` relay (remote output, AWS errors) goes
