@@ -183,6 +183,12 @@ _CLUSTER_ONLY = dict.fromkeys(
     ("spark.authenticate", "spark.network.crypto.enabled", "spark.io.encryption.enabled"),
     "the cluster's Spark traffic or its spilled blocks would travel or sit in plaintext",
 )
+#: Spark settings that hold a credential (never the value in a message: the name alone)
+_CREDENTIAL = re.compile(
+    r"^spark\.authenticate\.secret$|\.(secret|access|session)\.(key|token)$|password$"
+    r"|oauthtoken$|AWS_(SECRET_ACCESS_KEY|SESSION_TOKEN|ACCESS_KEY_ID)$",
+    re.IGNORECASE,
+)
 #: addresses that mean every interface
 _WILDCARDS = frozenset({"0.0.0.0", "::", "[::]", "0:0:0:0:0:0:0:0", "*", "0"})
 
@@ -191,6 +197,12 @@ def check_security_conf(master: str, conf: Mapping[str, str]) -> None:
     """Security by default with no way to talk it down: a user setting that weakens Spark's
     RPC hardening or the read-only UIs (any master), turns authentication or encryption off (a
     `spark://` cluster's), or binds the driver to every interface is refused."""
+    if held := next((key for key in conf if _CREDENTIAL.search(key)), None):
+        raise SparknetError(
+            f"Spark setting {held} holds a credential, which the run's config.yaml (and a "
+            "submitted job's settings) would keep: drop it (a cluster's Spark secret is on its "
+            "nodes; AWS credentials come from the AWS chain or the instance profile)"
+        )
     wanted = {**RPC_HARDENING, **UI_READ_ONLY}
     if master.startswith("spark://"):
         wanted |= {key: SECURITY[key] for key in _CLUSTER_ONLY}

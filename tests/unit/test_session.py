@@ -357,3 +357,25 @@ def test_the_driver_gets_a_private_local_dir_unless_the_user_chose_one(monkeypat
     assert private_local_dir({"spark.local.dir": "/scratch"}) is None
     monkeypatch.setenv("SPARK_LOCAL_DIRS", "/scratch")
     assert private_local_dir({}) is None
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "spark.authenticate.secret",
+        "spark.hadoop.fs.s3a.secret.key",
+        "spark.hadoop.fs.s3a.access.key",
+        "spark.hadoop.fs.s3a.session.token",
+        "spark.executorEnv.AWS_SECRET_ACCESS_KEY",
+        "spark.ssl.keyStorePassword",
+    ],
+)
+def test_a_credential_in_a_spark_setting_is_refused_without_echoing_it(key):
+    """`--conf` and `spark:` settings are recorded in the run's config.yaml (on S3 too)."""
+    with pytest.raises(SparknetError, match=f"^Spark setting {re.escape(key)} holds a credential"):
+        spark_settings("spark://10.0.0.1:7077", 2, {key: "Zm9vYmFyc2VjcmV0"})
+    with pytest.raises(SparknetError) as exc:
+        check_security_conf("local[2]", {key: "Zm9vYmFyc2VjcmV0"})
+    assert "Zm9vYmFyc2VjcmV0" not in str(exc.value)
+    for fine in ("spark.authenticate.secret.file", "spark.hadoop.fs.s3a.aws.credentials.provider"):
+        assert spark_settings("spark://10.0.0.1:7077", 2, {fine: "x"})[fine] == "x"
