@@ -137,11 +137,13 @@ class _Remote(fabric.runners.Remote):
 #: the most seconds a wait's setting (`seconds_setting`) may give: a day. More is no deadline,
 #: and threading's waits overflow (a keepalive thread died so, leaving the connection unwatched)
 MAX_WAIT_S = 86400.0
+#: the fewest: less is no wait (a silence of 1 ms closed every connection as it opened)
+MIN_WAIT_S = 1.0
 
 
 def seconds_setting(env: str, default: float) -> float:
-    """`default`, or the seconds the environment variable `env` gives: a positive number up to
-    MAX_WAIT_S, else a one-line SparknetError naming the variable."""
+    """`default`, or the seconds the environment variable `env` gives: a number from MIN_WAIT_S
+    to MAX_WAIT_S, else a one-line SparknetError naming the variable."""
     text = os.environ.get(env)
     if not text:
         return default
@@ -149,9 +151,10 @@ def seconds_setting(env: str, default: float) -> float:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not 0 < value <= MAX_WAIT_S:
+    if not MIN_WAIT_S <= value <= MAX_WAIT_S:
         raise SparknetError(
-            f"{env}={text!r}: give a positive number of seconds, at most {MAX_WAIT_S:g} (a day)"
+            f"{env}={text!r}: give a number of seconds from {MIN_WAIT_S:g} to {MAX_WAIT_S:g} "
+            "(a day)"
         )
     return value
 
