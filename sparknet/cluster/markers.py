@@ -128,7 +128,8 @@ def _locked(node: Node, body: str, make: bool = True) -> str:
     link in the lock's place is refused, and none is ever written through."""
     p = q(node.prefix)
     lock, marker = q(node.path(MARKER_LOCK)), q(node.path(MARKER))
-    linked = q(f"{node.path(MARKER_LOCK)} is a symbolic link, not a lock of sparknet's: remove it")
+    linked = q(f"{node.path(MARKER_LOCK)} is not a plain file (a link, a pipe), not a lock of "
+               "sparknet's: remove it")  # fmt: skip
     made = (
         f's=; [ "$(id -u)" = 0 ] || s=\'sudo -n\'; $s mkdir -p {p} && $s chown "$(id -un)" {p} '
         "|| exit 1"
@@ -139,7 +140,8 @@ def _locked(node: Node, body: str, make: bool = True) -> str:
         f"if [ ! -d {p} ]; then {made}; fi; "
         "command -v flock >/dev/null || { echo 'flock (util-linux) is not installed' >&2; "
         "exit 1; }; "
-        f"if [ -L {lock} ]; then echo {linked} >&2; exit 1; fi; "
+        f"if [ -L {lock} ] || {{ [ -e {lock} ] && [ ! -f {lock} ]; }}; then echo {linked} >&2; "
+        "exit 1; fi; "
         f"if [ -w {lock} ] || {{ [ ! -e {lock} ] && [ -w {p} ]; }}; then "
         f"(umask 077; : >>{lock}) && [ ! -L {lock} ] && exec 9>>{lock} || exit 1; "
         f"if [ -O {lock} ]; then chmod 600 {lock}; fi; "
@@ -157,6 +159,7 @@ def take(conn: Conn, node: Node, me: Holder, make: bool = True) -> tuple[str, Ho
     made)."""
     mine = replace(me, node=node.name)
     body = (
+        f'if [ -L "$m" ] || {{ [ -e "$m" ] && [ ! -f "$m" ]; }}; then echo {HELD}; exit 0; fi; '
         f'if [ -s "$m" ]; then if grep -qF {q(_match(me))} "$m"; then echo {MINE}; else '
         f'echo {HELD}; fi; cat "$m"; exit 0; fi; '
         f'rm -f "$m.new" && (set -C; printf "%s\\n" {q(mine.to_json())} > "$m.new") && '
@@ -174,7 +177,10 @@ def take(conn: Conn, node: Node, me: Holder, make: bool = True) -> tuple[str, Ho
 
 def release(conn: Conn, node: Node, me: Holder) -> None:
     """Remove the host's marker when it is `me`'s (another's stays)."""
-    body = f'if grep -qF {q(_match(me))} "$m" 2>/dev/null; then rm -f "$m"; fi; true'
+    body = (
+        f'if [ -f "$m" ] && [ ! -L "$m" ] && grep -qF {q(_match(me))} "$m" 2>/dev/null; then '
+        'rm -f "$m"; fi; true'
+    )
     run(conn, _locked(node, body, make=False))
 
 

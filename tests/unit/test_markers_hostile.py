@@ -10,6 +10,7 @@ import json
 import os
 import stat
 import threading
+import time
 from pathlib import Path
 
 import invoke
@@ -54,9 +55,9 @@ def test_a_link_in_the_locks_place_is_refused(tmp_path, dangling) -> None:
     os.symlink(victim, tmp_path / "master" / markers.MARKER_LOCK)
     with pytest.raises(CommandFailed) as err:
         markers.take(invoke.Context(), node, ME)
-    assert "is a symbolic link, not a lock of sparknet's: remove it" in str(err.value) + "".join(
-        err.value.tail
-    )
+    assert "is not a plain file (a link, a pipe), not a lock of sparknet's: remove it" in str(
+        err.value
+    ) + "".join(err.value.tail)
     assert victim.exists() is not dangling
     assert not (tmp_path / "master" / markers.MARKER).exists()
 
@@ -185,3 +186,32 @@ def test_a_markers_words_cannot_break_the_refusals_one_line(hosts, monkeypatch) 
     line = str(err.value)
     assert "\n" not in line and "\x1b" not in line and "\x07" not in line
     assert "static cluster lab?error: all good of the sparknet registry ?]0;pwned?bob@desk" in line
+
+
+def test_a_pipe_in_the_locks_place_is_refused_not_waited_on(tmp_path) -> None:
+    """Opening a pipe to write waits for a reader forever: a pipe is no lock."""
+    node = _node(tmp_path)
+    os.mkfifo(tmp_path / "master" / markers.MARKER_LOCK, 0o666)
+    started = time.monotonic()
+    with pytest.raises(CommandFailed):
+        markers.take(invoke.Context(), node, ME)
+    assert time.monotonic() - started < 10
+
+
+def test_a_marker_that_is_a_link_or_a_pipe_is_nobodys_to_take_or_follow(tmp_path) -> None:
+    """A link in the marker's place (to a file that even holds this cluster's words) is not
+    taken for this cluster's, nor written or removed through; a pipe is not read."""
+    node, victim = _node(tmp_path), _victim(tmp_path)
+    victim.write_text(ME.to_json() + "\n")
+    marker = tmp_path / "master" / markers.MARKER
+    os.symlink(victim, marker)
+    verdict, holder = markers.take(invoke.Context(), node, ME)
+    assert verdict == markers.HELD and holder is not None and holder.unread
+    markers.release(invoke.Context(), node, ME)
+    assert marker.is_symlink() and victim.read_text() == ME.to_json() + "\n"
+    marker.unlink()
+    os.mkfifo(marker)
+    started = time.monotonic()
+    assert markers.take(invoke.Context(), node, ME)[0] == markers.HELD
+    markers.release(invoke.Context(), node, ME)
+    assert time.monotonic() - started < 10
