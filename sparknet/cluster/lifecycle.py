@@ -433,6 +433,23 @@ class _Made:
     key_pair: str | None = None
 
 
+def check_before_up(spec: ClusterSpec, ec2: Any, ssm: Any) -> str:
+    """What `up` checks before it writes or launches anything (region, zones, instance types,
+    key pair and file, the AMI and its root volume); the AMI to launch. `sparknet-submit`'s
+    preflight runs it too, before it says it brings a cluster up."""
+    _check_region(spec)
+    instances.check_zones(ec2, spec.availability_zones)
+    instances.check_offered(
+        ec2, [spec.master_type, *spec.instance_types], spec.availability_zones or None
+    )
+    instances.check_key_pair(ec2, spec.key_name)
+    if spec.key_name:
+        nodes.check_key_file(nodes.access_for(spec))
+    ami = images.ami_for(spec, ec2, ssm)
+    instances.check_ami(ec2, ami, spec.root_volume_gb)
+    return ami
+
+
 def up(
     spec: ClusterSpec,
     *,
@@ -459,16 +476,7 @@ def up(
     ssm = instances.ssm_client(spec.region, endpoint_url)
     # everything that can fail without cost fails first, and before the lock, whose file is the
     # first thing `up` writes
-    _check_region(spec)
-    instances.check_zones(ec2, spec.availability_zones)
-    instances.check_offered(
-        ec2, [spec.master_type, *spec.instance_types], spec.availability_zones or None
-    )
-    instances.check_key_pair(ec2, spec.key_name)
-    if spec.key_name:
-        nodes.check_key_file(nodes.access_for(spec))
-    ami = images.ami_for(spec, ec2, ssm)
-    instances.check_ami(ec2, ami, spec.root_volume_gb)
+    ami = check_before_up(spec, ec2, ssm)
     cidr = spec.allowed_cidr or instances.caller_cidr()
     spec = spec.model_copy(update={"owner": caller_owner(spec.region, endpoint_url)})
     if not any_owner:

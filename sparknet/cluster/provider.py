@@ -51,16 +51,16 @@ def check_running(spec: ClusterSpec, endpoint_url: str | None) -> None:
 
 
 def check_launch(spec: ClusterSpec, endpoint_url: str | None) -> None:
-    """What can fail before `up` costs or starts anything, checked without writing: the
-    instance types offered in the region (and zones); a static cluster's name, hosts, key and
-    the hosts' keys."""
+    """What can fail before `up` costs or starts anything, checked without writing: `up`'s own
+    checks (`lifecycle.check_before_up`: types, zones, key, the AMI); a static cluster's name,
+    hosts, key and the hosts' keys."""
     if is_static(spec):
         static.preflight(spec)
         return
-    instances.check_offered(
+    lifecycle.check_before_up(
+        spec,
         instances.ec2_client(spec.region, endpoint_url),
-        [spec.master_type, *spec.instance_types],
-        spec.availability_zones or None,
+        instances.ssm_client(spec.region, endpoint_url),
     )
 
 

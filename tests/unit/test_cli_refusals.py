@@ -184,3 +184,28 @@ def test_a_submit_lock_leaves_no_file_and_a_killed_holder_blocks_nothing(home) -
     with flow.submit_lock("c1"):
         pass
     assert not path.exists()
+
+
+def test_a_submit_whose_ami_does_not_resolve_is_refused_before_up(
+    home, bucket, tmp_path, monkeypatch
+) -> None:
+    """`cluster up` refuses an AMI parameter that does not exist before anything is made; a
+    submit said `bringing cluster c1 up`, then `taking cluster c1 down`, exit 1. Now its
+    preflight runs up's own checks: one line, exit 2, up never called, nothing written."""
+    import boto3
+
+    from sparknet.cli.submit import submit_app
+    from tests.unit.test_submitter import _dataset
+
+    uri = _dataset(bucket)
+    (tmp_path / "sparknet.yaml").write_text(
+        f"clusters:\n  c1: {{bucket: {bucket}, data_prefix: ds/, ami_parameter: /no/such}}\n"
+    )
+    calls: list[str] = []
+    monkeypatch.setattr(lifecycle, "up", lambda spec, **kw: calls.append(f"up {spec.name}"))
+    monkeypatch.setattr(lifecycle, "down", lambda spec, **kw: calls.append(f"down {spec.name}"))
+    line = _one_error_line(CliRunner().invoke(submit_app, ["--s3", uri]))
+    assert line.startswith("error: SSM parameter /no/such does not exist in us-east-1"), line
+    assert calls == []
+    s3 = boto3.client("s3")
+    assert s3.list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0

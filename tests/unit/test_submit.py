@@ -664,6 +664,8 @@ def test_preflight_of_a_made_cluster_needs_its_bucket_and_the_data_under_its_dat
     """The node role reads only s3://BUCKET/DATA_PREFIX and writes only the cluster's runs
     prefix (no `bucket:`: no S3 at all), so a submit that would fail once the cluster is up and
     paid for is refused first, one line; the run prefix is the cluster's `cluster_runs_prefix`."""
+    import boto3
+
     from sparknet.cluster.spec import ClusterSpec
 
     uri = _dataset(s3, bucket, shards=3)  # s3://BUCKET/ds: a shard for each of 3 Spark tasks
@@ -680,7 +682,11 @@ def test_preflight_of_a_made_cluster_needs_its_bucket_and_the_data_under_its_dat
     with pytest.raises(flow.PreflightFailed, match="is outside"):  # a prefix match, as IAM's
         preflight(ClusterSpec(name="c1", bucket=bucket, data_prefix="dsx/"))
     assert s3.list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0  # nothing written
-    spec = ClusterSpec(name="c1", bucket=bucket, data_prefix="ds/", runs_prefix="team/runs/")
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]  # up's AMI check passes
+    spec = ClusterSpec(
+        name="c1", bucket=bucket, data_prefix="ds/", runs_prefix="team/runs/", ami=ami
+    )
     run_id, prefix = preflight(spec)
     assert prefix == f"s3://{bucket}/team/runs/c1/{run_id}/"
     assert prefix.startswith(f"s3://{bucket}/{spec.cluster_runs_prefix}")

@@ -101,8 +101,10 @@ def test_what_train_refuses_is_refused_before_anything_is_launched(
     import boto3
 
     uri = _dataset(bucket)
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]  # up's AMI check passes
     (tmp_path / "sparknet.yaml").write_text(
-        f"clusters:\n  c1: {{bucket: {bucket}, data_prefix: ds/}}\n"
+        f"clusters:\n  c1: {{bucket: {bucket}, data_prefix: ds/, ami: {ami}}}\n"
     )
     s3 = boto3.client("s3")
     cases = [
