@@ -934,6 +934,8 @@ def _cancel_over_a_new_connection(master: Master, run_id: str, say: Say) -> None
             say(f"cancelling job {run_id}: waiting for its driver to stop")
             if cancel_job(conn, master.node, run_id):
                 say(f"job {run_id} cancelled")
+            else:  # its driver had not started, or ended: nothing of it runs
+                say(f"job {run_id}: nothing of it runs on the master")
         finally:
             conn.close()
     except Exception as exc:

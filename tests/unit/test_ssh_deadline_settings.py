@@ -241,3 +241,24 @@ def test_a_node_silent_at_the_login_is_not_a_refused_login(tmp_path):
     assert str(err.value).startswith(
         f"{endpoint}: no SSH connection within 1.5 s (the node did not answer the login in time"
     )
+
+
+def test_a_cancel_that_finds_nothing_running_says_so(monkeypatch):
+    """An interrupt before the driver started (or after it ended): the submitter said it was
+    "waiting for its driver to stop" and then nothing."""
+
+    class Conn:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(nodes, "connect", lambda endpoint, access, timeout=20: Conn())
+    monkeypatch.setattr(flow, "cancel_job", lambda conn, node, run_id, wait_s=None: False)
+    master = flow.Master.__new__(flow.Master)
+    object.__setattr__(master, "node", type("N", (), {"endpoint": "master"})())
+    object.__setattr__(master, "access", None)
+    said: list[str] = []
+    flow._cancel_over_a_new_connection(master, "r1", said.append)
+    assert said == [
+        "cancelling job r1: waiting for its driver to stop",
+        "job r1: nothing of it runs on the master",
+    ]
