@@ -13,7 +13,6 @@ A lost master is no loss this module repairs: the driver runs there, and with it
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,17 +164,8 @@ CHECK_EVERY_ENV = "SPARKNET_REPAIR_CHECK_S"
 
 
 def check_every_s() -> float:
-    """CHECK_EVERY_S, or the seconds `CHECK_EVERY_ENV` gives (a positive number)."""
-    text = os.environ.get(CHECK_EVERY_ENV)
-    if not text:
-        return CHECK_EVERY_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise SparknetError(f"{CHECK_EVERY_ENV}={text!r}: give a positive number of seconds")
-    return value
+    """CHECK_EVERY_S, or the seconds `CHECK_EVERY_ENV` gives (`nodes.seconds_setting`)."""
+    return nodes.seconds_setting(CHECK_EVERY_ENV, CHECK_EVERY_S)
 
 
 class Watch:

@@ -69,7 +69,7 @@ def test_submit_on_static_hosts_trains_and_stops_spark(static_settings, bucket, 
         "--autostop=30": f"--autostop: EC2 flags, not for static cluster {name}",
         "--detach": f"--detach on static cluster {name}, which this submit brings up",
         f"--name={name}u": "no host key for worker-2 (root@127.0.0.1:1) in ",
-        "": "SPARKNET_REPAIR_CHECK_S='abc': give a positive number of seconds",
+        "": "SPARKNET_REPAIR_CHECK_S='abc': give a number of seconds from 1 to 86400",
     }
     for flag, why in refusals.items():
         env = {**os.environ, "SPARKNET_REPAIR_CHECK_S": "abc" if not flag else "30"}
