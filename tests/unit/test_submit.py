@@ -166,7 +166,7 @@ def test_preflight_names_a_missing_shard_and_an_unreadable_manifest(s3, bucket) 
         flow.check_dataset(flow.Dataset(uri))
     # `sparknet train`'s own check: every shard's size against the manifest, before launch
     s3.put_object(Bucket=bucket, Key="ds/train-000001.tar", Body=b"abcd")
-    with pytest.raises(flow.PreflightFailed, match="train-000001.tar has 4 bytes, the manifest"):
+    with pytest.raises(flow.PreflightFailed, match=r"train-000001\.tar has 4 bytes, the manifest"):
         flow.check_dataset(flow.Dataset(uri))
     s3.put_object(Bucket=bucket, Key="ds/manifest.json", Body=b"{not json")
     with pytest.raises(flow.PreflightFailed, match=f"dataset {uri}: .*manifest"):
