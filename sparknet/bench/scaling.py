@@ -175,14 +175,24 @@ def round_overhead(runs: Sequence[Measured], C: float) -> float:
 
 
 def measure_costs(runs: Sequence[Measured]) -> Costs:
-    """C from the runs with one worker (`step_slope`); S at each measured K from its own
-    runs (`round_overhead`), and for the K not measured the largest measured K's (2 here)."""
+    """C from the runs with one worker (`step_slope`, else `per_step` where there is no slope
+    or it leaves a K a sync of no time); S at each measured K from its own runs
+    (`round_overhead`), and for the K not measured the largest measured K's (2 here)."""
     single = [m for m in runs if m.workers == 1]
-    slope = step_slope(single)
-    C = slope if slope is not None else per_step(single)
     ks = sorted({m.workers for m in runs})
-    by_k = {k: round_overhead([m for m in runs if m.workers == k], C) for k in ks}
-    return Costs(C, by_k, C_is_slope=slope is not None)
+
+    def overheads(C: float) -> dict[int, float]:
+        return {k: round_overhead([m for m in runs if m.workers == k], C) for k in ks}
+
+    slope = step_slope(single)
+    if slope is not None:
+        by_k = overheads(slope)
+        # a slope that leaves some K no time to sync was steepened by noise (a busy machine
+        # slowed K=1's longer rounds): the workers' own step timers are the safer C then
+        if min(by_k.values()) > 0:
+            return Costs(slope, by_k)
+    C = per_step(single)
+    return Costs(C, overheads(C), C_is_slope=False)
 
 
 def grid(
@@ -291,8 +301,8 @@ def model_notes(costs: Costs, cores: int, measured_ks: Sequence[int], rounds: in
         + (
             "what one more step adds to a round (the slope of round seconds over tau)"
             if costs.C_is_slope
-            else "compute seconds over steps (no slope over tau: one tau, or taus too close "
-            "for the noise)"
+            else "compute seconds over steps (no slope over tau: one tau, taus too close for "
+            "the noise, or a slope so steep that a K was left no time to sync)"
         )
         + f" in the K=1 runs ({MODEL} on {DATA}, batch {BATCH}, one of {cores} cores per "
         "worker, as at every measured K)",

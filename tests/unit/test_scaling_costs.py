@@ -32,3 +32,15 @@ def test_a_slope_lost_in_noise_falls_back_to_compute_over_steps():
     assert not costs.C_is_slope
     step = costs.C
     assert step == pytest.approx((0.006 + 0.008) / 6)
+
+
+def test_a_slope_that_leaves_a_k_no_sync_falls_back_to_compute_over_steps():
+    """K=1's longer rounds slowed by a busy machine: the slope (30 ms a step) would make K=2's
+    rounds (25 and 45 ms at tau 1 and 2) cost less than their steps; C is compute over steps
+    and every S stays above zero (the run CI once refused with S < 0)."""
+    runs = [_run(1, 1, [0.010] * 2, [0.004] * 2), _run(1, 2, [0.040] * 2, [0.008] * 2)]
+    runs += [_run(2, 1, [0.025] * 2, [0.004] * 2), _run(2, 2, [0.045] * 2, [0.008] * 2)]
+    costs = measure_costs(runs)
+    assert not costs.C_is_slope
+    assert pytest.approx(0.024 / 6) == costs.C
+    assert costs.S_by_k == pytest.approx({1: 0.025 - 1.5 * 0.004, 2: 0.035 - 1.5 * 0.004})
