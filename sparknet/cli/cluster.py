@@ -304,7 +304,7 @@ def cluster_down(
 
     caught = Caught()
     spec = _on_cluster(lambda spec: spec, name, region, config, debug)
-    _confirm_jobs_end(spec, endpoint_url, yes, debug)
+    _confirm_jobs_end(spec, endpoint_url, yes, debug, any_owner)
     static = spec.provider == "static"
     finish = f"`sparknet cluster down {name}" + ("`" if static else f" --region {spec.region}`")
     note = f"taking {name} down to the end so nothing is left half-deleted; again to stop it"
@@ -324,13 +324,15 @@ def cluster_down(
     print(f"cluster {name} is down")
 
 
-def _confirm_jobs_end(spec, endpoint_url: str | None, yes: bool, debug: bool) -> None:
+def _confirm_jobs_end(
+    spec, endpoint_url: str | None, yes: bool, debug: bool, any_owner: bool
+) -> None:
     """Name the jobs that `down` of `spec` cancels; on a terminal, without --yes, go on only
     when the user says so (exit 1 otherwise). Not on a terminal (a script, CI, a clean-up),
     `down` goes on after the line: a teardown that waits for an answer nobody gives would
     leave the cluster billed."""
     try:
-        running = _running_jobs(spec, endpoint_url)
+        running = _running_jobs(spec, endpoint_url, any_owner)
     except KeyboardInterrupt:  # while the master is asked: nothing was done yet
         fail(SparknetError(f"interrupted; cluster {spec.name} not taken down"), debug, 130)
     if not running:
@@ -368,19 +370,31 @@ def _on_terminal() -> bool:
     return sys.stdin.isatty() and sys.stderr.isatty()
 
 
-def _running_jobs(spec, endpoint_url: str | None) -> list[str]:
+#: seconds `down` gives the master to answer which jobs run there before it goes on without
+#: naming them (a master that is running but unreachable is taken down all the same)
+JOBS_ASK_S = 10.0
+
+
+def _running_jobs(spec, endpoint_url: str | None, any_owner: bool = False) -> list[str]:
     """The run ids of the sparknet-submit jobs whose session is alive on the cluster's master;
     none where it has no running master or it does not answer (`down` ends what runs there
-    all the same)."""
+    all the same). Asked only of a cluster bootstrapped from here (its secret is here, as for
+    any job submitted from here) and, unless `any_owner`, the caller's own: `down` refuses
+    another principal's cluster, and logs in to nothing of theirs before it does."""
     from sparknet import submit as flow
-    from sparknet.cluster import nodes, provider
+    from sparknet.cluster import lifecycle, nodes, provider
     from sparknet.cluster.bootstrap import running_jobs
 
+    if not lifecycle.secret_file(spec.name).is_file():
+        return []
     try:
         if not provider.master_running(spec, endpoint_url):
             return []
+        if not any_owner and not provider.is_static(spec):
+            owner = lifecycle.caller_owner(spec.region, endpoint_url)
+            lifecycle.check_owner(spec, owner, endpoint_url)
         master = flow.master_of(spec, endpoint_url)
-        conn = nodes.connect(master.node.endpoint, master.access)
+        conn = nodes.connect(master.node.endpoint, master.access, timeout=JOBS_ASK_S)
         try:
             return running_jobs(conn, master.node)
         finally:

@@ -90,7 +90,7 @@ def test_cluster_down_question_unanswered_or_interrupted_is_one_line(home, monke
 
     downs: list[str] = []
     monkeypatch.setattr(lifecycle, "down", lambda spec, **kw: downs.append(spec.name))
-    monkeypatch.setattr(cli, "_running_jobs", lambda spec, endpoint_url: ["R1"])
+    monkeypatch.setattr(cli, "_running_jobs", lambda *args: ["R1"])
     monkeypatch.setattr(cli, "_on_terminal", lambda: True)
     runner = CliRunner()
     eof = runner.invoke(cli.cluster_app, ["down", "c1"], input="")
@@ -107,7 +107,7 @@ def test_cluster_down_question_unanswered_or_interrupted_is_one_line(home, monke
     )
     assert "Aborted" not in eof.stderr + ctrl_c.stderr and downs == []
 
-    def interrupted(spec, endpoint_url):
+    def interrupted(*args):
         raise KeyboardInterrupt  # Ctrl-C while the master is asked for its jobs
 
     monkeypatch.setattr(cli, "_running_jobs", interrupted)

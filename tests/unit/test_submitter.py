@@ -262,7 +262,7 @@ def test_cluster_down_names_the_jobs_it_cancels_and_asks_on_a_terminal(home, mon
         return DownReport(spec.name, spec.region, [], [], None)
 
     monkeypatch.setattr(lifecycle, "down", down)
-    monkeypatch.setattr(cli, "_running_jobs", lambda spec, endpoint_url: ["R1"])
+    monkeypatch.setattr(cli, "_running_jobs", lambda *args: ["R1"])
     runner = CliRunner()
     said = "cluster c1 runs job R1: taking it down cancels it (`sparknet-submit cancel RUN`"
     script = runner.invoke(cli.cluster_app, ["down", "c1"])
@@ -281,13 +281,13 @@ def test_cluster_down_names_the_jobs_it_cancels_and_asks_on_a_terminal(home, mon
     assert yes.exit_code == 0 and "[y/N]" not in yes.stderr and downs == ["c1"] * 3
 
 
-def test_the_jobs_running_on_a_master_are_found_there(monkeypatch, tmp_path) -> None:
+def test_the_jobs_running_on_a_master_are_found_there(home, monkeypatch, tmp_path) -> None:
     """`cluster down` asks the master which jobs' sessions are alive: a running one is named,
     one that ended is not; a master that does not answer names none (down goes on)."""
     import sys
 
     from sparknet.cli import cluster as cli
-    from sparknet.cluster import nodes, provider
+    from sparknet.cluster import lifecycle, nodes, provider
     from sparknet.cluster.spec import ClusterSpec
     from sparknet.config import TrainConfig
 
@@ -304,20 +304,33 @@ def test_the_jobs_running_on_a_master_are_found_there(monkeypatch, tmp_path) -> 
     master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
     monkeypatch.setattr(provider, "master_running", lambda spec, endpoint_url: True)
     monkeypatch.setattr(flow, "master_of", lambda spec, endpoint_url: master)
-    monkeypatch.setattr(nodes, "connect", lambda *a: shell)
+    monkeypatch.setattr(nodes, "connect", lambda *a, **k: shell)
+    spec = ClusterSpec(name="c1")
+    mine = (spec, None, True)  # any owner: no AWS here to read owner tags from
+    assert cli._running_jobs(*mine) == []  # not bootstrapped from here: nothing asked
+    lifecycle.secret_file("c1").parent.mkdir(parents=True, exist_ok=True)
+    lifecycle.secret_file("c1").write_text("s")
     try:
         deadline = time.monotonic() + 60  # J2's session ends at once, J1's runs on
-        while (found := cli._running_jobs(ClusterSpec(name="c1"), None)) != ["J1"]:
+        while (found := cli._running_jobs(*mine)) != ["J1"]:
             assert time.monotonic() < deadline, found
             time.sleep(0.1)
     finally:
         jobs.cancel(shell, node, "J1", wait_s=5)
 
-    def unreachable(*args):
+    def unreachable(*args, **kwargs):
         raise SparknetError("no route to host")
 
     monkeypatch.setattr(nodes, "connect", unreachable)
-    assert cli._running_jobs(ClusterSpec(name="c1"), None) == []
+    assert cli._running_jobs(*mine) == []
+
+    def theirs(spec, owner, endpoint_url=None):
+        raise lifecycle.NotYours("cluster c1 in us-east-1 belongs to bob")
+
+    monkeypatch.setattr(nodes, "connect", lambda *a, **k: pytest.fail("logged in to theirs"))
+    monkeypatch.setattr(lifecycle, "caller_owner", lambda region, endpoint_url: "me")
+    monkeypatch.setattr(lifecycle, "check_owner", theirs)
+    assert cli._running_jobs(spec, None) == []  # down refuses it; nothing of theirs asked
 
 
 # --- 12: the messages ----------------------------------------------------------------------------
