@@ -42,6 +42,10 @@ class TrainConfig(BaseModel):
 
     model: str = Field("cnn", description="mlp, cnn, a torchvision model name, or module:factory")
     num_classes: int | None = Field(None, ge=2, description="default: taken from the dataset")
+    extra_classes: bool = Field(
+        False,
+        description="allow num_classes above the dataset's class count (outputs no label uses)",
+    )
     data: str = Field(
         "digits",
         description="digits, module:factory, a dataset name from `datasets:`, s3://..., a local "

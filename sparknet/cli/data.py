@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
+from rich.text import Text
 
 from sparknet.cli.common import ConfigOption, DebugOption, EndpointOption, console, fail
 from sparknet.config import find_config_file, load_datasets
@@ -44,33 +55,94 @@ def _bytes_progress(description: str) -> Progress:
     )
 
 
+class _ImagesPerSecond(ProgressColumn):
+    """images/s over rich's recent window (the whole phase of a resumed run would count the
+    images it took from the last run at thousands per second)."""
+
+    def render(self, task) -> Text:
+        return Text(f"{task.speed:,.0f} images/s" if task.speed else "")
+
+
+#: seconds between progress lines when stderr is not a terminal (a log keeps each line)
+LOG_EVERY_S = 60.0
+
+
+class _ShardProgress:
+    """The `data shard` progress: a bar per phase (images, images/s, ETA) on a terminal, else a
+    line per phase every LOG_EVERY_S seconds, so a run under nohup shows it is alive."""
+
+    def __init__(self) -> None:
+        self.bar = Progress(
+            TextColumn("[bold]{task.description:<5}"), MofNCompleteColumn(), BarColumn(),
+            _ImagesPerSecond(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+            console=console, disable=not console.is_terminal,
+        )  # fmt: skip
+        self.tasks: dict[str, TaskID] = {}
+        self.logged: dict[str, tuple[float, int]] = {}
+
+    def __enter__(self) -> _ShardProgress:
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if phase not in self.tasks:
+            self.tasks[phase] = self.bar.add_task(phase, total=total)
+        self.bar.update(self.tasks[phase], completed=done, total=total)
+        if console.is_terminal:
+            return
+        now = time.monotonic()
+        if phase not in self.logged:  # where it starts: a resumed run has checked some already
+            self.logged[phase] = (now, done)
+            print(f"{phase}: {done}/{total} images", file=sys.stderr)
+            return
+        start, start_done = self.logged[phase]
+        if done < total and now - start < LOG_EVERY_S:
+            return
+        rate = (done - start_done) / max(now - start, 1e-9)
+        eta = f", eta {_duration((total - done) / rate)}" if rate > 0 and done < total else ""
+        print(f"{phase}: {done}/{total} images, {rate:,.0f} images/s{eta}", file=sys.stderr)
+        self.logged[phase] = (now, done)
+
+
+def _duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{max(minutes, 1)}m"
+
+
 @data_app.command("shard")
 def data_shard(
-    src: Path = typer.Argument(..., help="ImageNet tree: train/<wnid>/*.JPEG and val/"),
+    src: Path = typer.Argument(
+        ..., help="ImageNet: train/<wnid>/*.JPEG and val/, or the dir of the downloaded tars"
+    ),
     dest: Path = typer.Argument(..., help="directory for the shards and manifest.json"),
     shard_mb: int = typer.Option(256, "--shard-mb", min=1, help="target shard size (MiB)"),
     seed: int = typer.Option(0, help="seed of the shuffle that mixes classes across shards"),
     processes: int | None = typer.Option(
-        None, help="writer processes; default: one thread per core (no process start-up cost)"
+        None, min=1, help="processes that decode-check and write; default: one thread per core"
     ),
+    classes: str | None = typer.Option(
+        None, help="keep only these classes: a file of wnids (one a line) or wnid,wnid,..."
+    ),
+    max_side: int | None = typer.Option(
+        None, "--max-side", min=32, help="store images shrunk so the longer side is at most this"
+    ),
+    quality: int = typer.Option(90, min=1, max=100, help="JPEG quality of shrunk images"),
     debug: bool = DebugOption,
 ) -> None:
     """Write WebDataset tar shards and manifest.json; a re-run keeps shards already written."""
-    from sparknet.data.shards import write_dataset
+    from sparknet.data.imagenet import read_class_list
+    from sparknet.data.shards import Resize, write_dataset
 
     try:
-        with Progress(
-            TextColumn("[bold]shards"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
-            console=console, disable=not console.is_terminal,
-        ) as progress:  # fmt: skip
-            bar = progress.add_task("shard", total=None)
-
-            def on_progress(done: int, total: int) -> None:
-                progress.update(bar, completed=done, total=total)
-
+        wanted = read_class_list(classes) if classes is not None else None
+        resize = Resize(max_side, quality) if max_side is not None else None
+        with _ShardProgress() as progress:
             report = write_dataset(
                 src, dest, shard_bytes=shard_mb << 20, seed=seed, processes=processes,
-                on_progress=on_progress,
+                classes=wanted, resize=resize, on_progress=progress,
             )  # fmt: skip
     except SparknetError as exc:
         fail(exc, debug)
@@ -80,11 +152,15 @@ def data_shard(
     splits = ", ".join(f"{k}: {len(v)} shards, {sum(s.samples for s in v)} images"
                        for k, v in m.splits.items())  # fmt: skip
     removed = f", {len(report.removed)} old removed" if report.removed else ""
+    subset = f" (of {m.subset_of}, indexed 0..{m.num_classes - 1})" if m.subset_of else ""
     print(
-        f"{dest}: {m.num_classes} classes; {splits}; "
+        f"{dest}: {m.num_classes} classes{subset}; {splits}; "
         f"{len(report.written)} written, {len(report.reused)} kept{removed}"
     )
-    _print_rejected(m.rejected, src, dest)
+    if report.other_classes_val:
+        print(f"{report.other_classes_val} val images of other classes were left out")
+    _print_rejected(report.rejected, src, dest, "images do not decode and were left out")
+    _print_rejected(report.skipped, src, dest, "files are not .JPEG/.jpg and were skipped")
     for warning in report.warnings:
         print(warning, file=sys.stderr)
 
@@ -93,14 +169,11 @@ def data_shard(
 SHOWN_REJECTS = 10
 
 
-def _print_rejected(rejected: list, src: Path, dest: Path) -> None:
-    """Name the images left out because they do not decode (all are in the manifest, by their
-    path relative to `src`)."""
+def _print_rejected(rejected: list, src: Path, dest: Path, what: str) -> None:
+    """Name the files left out (all are in the manifest, by their path relative to `src`)."""
     if not rejected:
         return
-    print(
-        f"{len(rejected)} images do not decode and were left out (listed in {dest}/manifest.json):"
-    )
+    print(f"{len(rejected)} {what} (listed in {dest}/manifest.json):")
     for r in rejected[:SHOWN_REJECTS]:
         print(f"  {src / r.path}: {r.reason}")
     if len(rejected) > SHOWN_REJECTS:

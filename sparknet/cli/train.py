@@ -52,6 +52,9 @@ def train(
     set_: list[str] = typer.Option([], "--set", help="key=value, repeatable"),
     model: str | None = typer.Option(None, help="mlp, cnn, a torchvision name, or module:factory"),
     num_classes: int | None = typer.Option(None, help="default: from the dataset"),
+    extra_classes: bool | None = typer.Option(
+        None, "--extra-classes", help="allow --num-classes above the dataset's classes"
+    ),
     data: str | None = typer.Option(
         None,
         help="digits, module:factory, a name from sparknet.yaml's datasets:, s3://bucket/prefix, "

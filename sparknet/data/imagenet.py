@@ -1,10 +1,13 @@
 """ImageNet (ILSVRC2012) on disk: find its images and labels, decode them, and transform them.
 
-`scan` reads the two layouts people actually have: the classic one (`train/<wnid>/*.JPEG`, val
-sorted into `val/<wnid>/`) and Kaggle's (`ILSVRC/Data/CLS-LOC/...` with a flat `val/` labelled
-by `LOC_val_solution.csv`). The class list always comes from train/: class index = position of
-the wnid in sorted order, the convention torchvision's ImageFolder and every ImageNet checkpoint
-use, so indices agree with pretrained models. Any other tree of `train/<class>/*.jpg` works too.
+`scan` reads what people actually have: the extracted tree (`train/<wnid>/*.JPEG`, val sorted
+into `val/<wnid>/` as torchvision's ImageNet leaves it, or flat), Kaggle's (`ILSVRC/Data/
+CLS-LOC/...`, flat `val/` labelled by `LOC_val_solution.csv`), the downloads of image-net.org as
+they come (`ILSVRC2012_img_train.tar`, `ILSVRC2012_img_val.tar`, the devkit: see `ilsvrc`), and
+a half-extracted train/ of `<wnid>.tar` files. The class list comes from train: class index =
+position of the wnid in sorted order, the convention torchvision's ImageFolder and every ImageNet
+checkpoint use, so indices agree with pretrained models. A subset of classes (`classes`) is
+indexed 0..N-1 in its own sorted order. Any other tree of `train/<class>/*.jpg` works too.
 
 torchvision is imported lazily: scanning and shard writing (many processes) never need torch.
 """
@@ -17,13 +20,15 @@ import os
 import re
 import warnings
 from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, NamedTuple
 
 from PIL import Image
 
-from sparknet.data.manifest import ClassInfo
+from sparknet.data import ilsvrc
+from sparknet.data.manifest import ClassInfo, RejectedImage
 from sparknet.errors import SparknetError
 
 if TYPE_CHECKING:
@@ -38,85 +43,134 @@ IMAGE_SUFFIXES = frozenset({".jpeg", ".jpg"})
 KAGGLE_DATA = Path("ILSVRC", "Data", "CLS-LOC")
 SYNSET_MAPPING = "LOC_synset_mapping.txt"
 WORDS = "words.txt"
+#: torchvision's ImageNet writes (wnid -> class words, val wnids) here with torch.save
+TORCHVISION_META = "meta.bin"
 VAL_SOLUTION = "LOC_val_solution.csv"
 #: the eval resize keeps ImageNet's standard 224/256 crop ratio at any image size
 EVAL_CROP_RATIO = 224 / 256
+SKIPPED_REASON = "skipped: not a .JPEG/.jpg file name"
 
 
 @dataclass(frozen=True)
 class SourceImage:
-    """One image file and its class index; `key` is its WebDataset sample key (unique, no dots)."""
+    """One image and its class index; `key` is its WebDataset sample key (unique, no dots).
+
+    `name` is how the manifest and messages call it, relative to the source (a tar member's is
+    `<tar>/<member>`). A tar member's bytes are `size` bytes of `path` from `offset`.
+    """
 
     path: Path
     label: int
     key: str
+    name: str = ""
+    offset: int | None = None
+    size: int | None = None
+
+    def read_bytes(self) -> bytes:
+        if self.offset is None or self.size is None:
+            return self.path.read_bytes()
+        return ilsvrc.read_range(self.path, self.offset, self.size)
 
 
 @dataclass(frozen=True)
 class ImageTree:
-    """What `scan` found: the class list (index = position) and each split's images, sorted."""
+    """What `scan` found: the class list (index = position), each split's images (sorted), the
+    files left out for their names (`skipped`), and the val images of classes not kept."""
 
     classes: list[ClassInfo]
     splits: dict[str, list[SourceImage]]
+    skipped: list[RejectedImage] = field(default_factory=list)
+    other_classes_val: int = 0
+    #: how many classes the source's train has; more than `classes` for a subset
+    source_classes: int = 0
 
     @property
     def num_classes(self) -> int:
         return len(self.classes)
 
 
-def scan(src: Path) -> ImageTree:
-    """The classes and images under `src`: the dir holding train/ (and val/), or Kaggle's root.
+class _Found(NamedTuple):
+    """An image before it has a label and key: where its bytes are and its name in the source."""
 
-    Raises a one-line SparknetError saying what to fix for a missing SRC, no train/, an empty class
-    dir, or val images that cannot be labelled with a train class.
+    path: Path
+    name: str
+    offset: int | None = None
+    size: int | None = None
+
+
+def scan(src: Path, classes: list[str] | None = None) -> ImageTree:
+    """The classes and images under `src`: a dir holding train/ (and val/), Kaggle's root, or the
+    dir holding the official ILSVRC2012 downloads. `classes` keeps only those wnids, in train and
+    val alike (val images of the others are counted in `other_classes_val`).
+
+    Raises a one-line SparknetError saying what to fix for a missing SRC, no train, an empty
+    class, an unknown class in `classes`, or val images that cannot be labelled.
     """
     src = Path(src)
     if not src.is_dir():
         raise SparknetError(
             f"{src} does not exist or is not a directory: pass the directory that holds train/ "
-            f"and val/ (or the Kaggle ImageNet root, with {KAGGLE_DATA}/)"
+            f"and val/, the one holding {ilsvrc.TRAIN_TAR}, or the Kaggle ImageNet root"
         )
     data = _data_root(src)
     meta_dirs = _meta_dirs(src, data)
-    train_dir = data / "train"
-    wnids = _subdirs(train_dir)
-    if not wnids:
-        raise SparknetError(
-            f"{train_dir} has no class directories: put each class's images in train/<wnid>/"
-        )
-    names = _class_names(meta_dirs)
-    classes = [ClassInfo(index=i, wnid=w, name=names.get(w)) for i, w in enumerate(wnids)]
+    devkit_path = ilsvrc.find_devkit(src)
+    devkit = ilsvrc.read_devkit(devkit_path) if devkit_path is not None else None
+    skipped: list[RejectedImage] = []
+    train_classes = _train_classes(src, data)
+    wnids = _kept(sorted(train_classes), classes, src)
     index = {w: i for i, w in enumerate(wnids)}
-
-    labelled: dict[str, list[tuple[Path, int]]] = {
-        "train": [(p, index[w]) for w in wnids for p in _class_images(train_dir / w)]
-    }
-    val_dir = data / "val"
-    if val_dir.is_dir():
-        val = _scan_val(val_dir, index, meta_dirs)
-        if val:
-            labelled["val"] = val
+    names = devkit.names if devkit is not None else _class_names(meta_dirs)
+    labelled: dict[str, list[tuple[_Found, int]]] = {"train": []}
+    for w in wnids:
+        images = _images(train_classes[w](), "train", skipped)
+        if not images:
+            raise SparknetError(
+                f"{_where(src, data, w)} has no images (*.JPEG/*.jpg): add its images or remove it"
+            )
+        labelled["train"].extend((f, index[w]) for f in images)
+    val, other = _scan_val(src, data, meta_dirs, devkit, index, set(train_classes), classes)
+    if val:
+        labelled["val"] = val
     return ImageTree(
-        classes=classes, splits={split: _with_keys(pairs) for split, pairs in labelled.items()}
+        classes=[ClassInfo(index=i, wnid=w, name=names.get(w)) for i, w in enumerate(wnids)],
+        splits={split: _with_keys(pairs) for split, pairs in labelled.items()},
+        skipped=skipped,
+        other_classes_val=other,
+        source_classes=len(train_classes),
     )
 
 
-def _data_root(src: Path) -> Path:
-    """The directory holding train/: `src` itself, or Kaggle's `ILSVRC/Data/CLS-LOC` under it."""
+def _where(src: Path, data: Path | None, wnid: str) -> str:
+    """How an error names the place class `wnid` comes from."""
+    if data is not None and (data / "train" / wnid).is_dir():
+        return f"class directory {data / 'train' / wnid}"
+    return (
+        f"class tar {wnid}.tar in {data / 'train' if data is not None else src / ilsvrc.TRAIN_TAR}"
+    )
+
+
+def _data_root(src: Path) -> Path | None:
+    """The directory holding train/: `src` itself, or Kaggle's `ILSVRC/Data/CLS-LOC` under it;
+    None when train comes from the train tar in `src`."""
     if (src / "train").is_dir():
         return src
     if (src / KAGGLE_DATA / "train").is_dir():
         return src / KAGGLE_DATA
+    if (src / ilsvrc.TRAIN_TAR).is_file():
+        return None
     raise SparknetError(
-        f"no train/ directory in {src}: pass the directory that holds train/ and val/ "
-        f"(or the Kaggle ImageNet root, with {KAGGLE_DATA}/train/)"
+        f"no train/ directory or {ilsvrc.TRAIN_TAR} in {src}: pass the directory that holds "
+        f"train/ and val/, the one holding the ImageNet downloads ({ilsvrc.TRAIN_TAR}, "
+        f"{ilsvrc.VAL_TAR}, {ilsvrc.DEVKIT_TAR}), or the Kaggle ImageNet root (with "
+        f"{KAGGLE_DATA}/train/)"
     )
 
 
-def _meta_dirs(src: Path, data: Path) -> list[Path]:
+def _meta_dirs(src: Path, data: Path | None) -> list[Path]:
     """Where the label files may be: SRC, the data root, and the Kaggle root above CLS-LOC."""
-    dirs = [src, data]
-    if data.parts[-3:] == KAGGLE_DATA.parts:
+    dirs = [src] if data is None else [src, data]
+    if data is not None and data.parts[-3:] == KAGGLE_DATA.parts:
         dirs.append(data.parents[2])
     unique: list[Path] = []
     for d in dirs:
@@ -130,7 +184,11 @@ def _find(meta_dirs: list[Path], name: str) -> Path | None:
 
 
 def _class_names(meta_dirs: list[Path]) -> dict[str, str]:
-    """wnid -> human-readable name from Kaggle's `LOC_synset_mapping.txt` or `words.txt`."""
+    """wnid -> human-readable name from torchvision's `meta.bin`, Kaggle's
+    `LOC_synset_mapping.txt` or `words.txt` (the devkit's meta.mat comes before all three)."""
+    meta_bin = _find(meta_dirs, TORCHVISION_META)
+    if meta_bin is not None:
+        return _torchvision_names(meta_bin)
     mapping = _find(meta_dirs, SYNSET_MAPPING)
     words = _find(meta_dirs, WORDS)
     if mapping is not None:
@@ -142,6 +200,21 @@ def _class_names(meta_dirs: list[Path]) -> dict[str, str]:
     else:
         return {}
     return {p[0].strip(): p[1].strip() for p in pairs if len(p) == 2 and p[1].strip()}
+
+
+def _torchvision_names(path: Path) -> dict[str, str]:
+    """torchvision's `meta.bin`: `torch.save((wnid -> tuple of words, val wnids))`. Loaded with
+    weights_only (plain containers and strings only: a pickle must not run code)."""
+    import torch  # only for this file; scanning otherwise never needs torch
+
+    try:
+        wnid_to_words, _ = torch.load(path, weights_only=True)
+        return {str(w): ", ".join(str(x) for x in words) for w, words in wnid_to_words.items()}
+    except Exception as exc:  # torch.load raises many types for a foreign or damaged file
+        raise SparknetError(
+            f"{path} is not torchvision's ImageNet meta.bin ({type(exc).__name__}): remove it "
+            "or let torchvision write it again"
+        ) from None
 
 
 def _utf8(directory: Path, name: str) -> str:
@@ -157,81 +230,225 @@ def _utf8(directory: Path, name: str) -> str:
     return name
 
 
-def _subdirs(directory: Path) -> list[str]:
-    """The sorted names of `directory`'s class directories (hidden ones are not classes)."""
-    return sorted(
-        _utf8(directory, e.name)
-        for e in os.scandir(directory)
+def _train_classes(src: Path, data: Path | None) -> dict[str, Callable[[], list[_Found]]]:
+    """wnid -> a function listing that class's files: class dirs and `<wnid>.tar` files in
+    train/ (a half-extracted download), or the synset tars inside the train tar. Listing is
+    deferred so that a subset of classes reads only its own."""
+    if data is None:
+        tar = src / ilsvrc.TRAIN_TAR
+        out: dict[str, Callable[[], list[_Found]]] = {}
+        for inner in ilsvrc.tar_members(tar):
+            wnid, suffix = os.path.splitext(PurePosixPath(inner.name).name)
+            if suffix != ".tar" or not wnid:
+                continue
+            out[wnid] = lambda inner=inner: [
+                _Found(tar, f"{ilsvrc.TRAIN_TAR}/{inner.name}/{m.name}", m.offset, m.size)
+                for m in ilsvrc.nested_members(tar, inner)
+            ]
+        if not out:
+            raise SparknetError(
+                f"{tar} holds no <wnid>.tar files: it is not ImageNet's train tar; download "
+                f"{ilsvrc.TRAIN_TAR} again"
+            )
+        return out
+    train = data / "train"
+    dirs = {
+        _utf8(train, e.name): e.path
+        for e in os.scandir(train)
         if e.is_dir() and not e.name.startswith(".")
-    )
+    }
+    tars = {
+        _utf8(train, e.name)[: -len(".tar")]: e.path
+        for e in os.scandir(train)
+        if e.name.endswith(".tar") and not e.name.startswith(".") and e.is_file()
+    }
+    both = sorted(set(dirs) & set(tars))
+    if both:
+        raise SparknetError(
+            f"{train} has both {both[0]}/ and {both[0]}.tar: an extraction stopped half way? "
+            "Remove the one that is not complete"
+        )
+    if not dirs and not tars:
+        raise SparknetError(
+            f"{train} has no class directories: put each class's images in train/<wnid>/"
+        )
+    out = {w: (lambda p=Path(p): _dir_files(src, p)) for w, p in dirs.items()}
+    for w, p in tars.items():
+        out[w] = lambda p=Path(p): [
+            _Found(p, f"{_rel(src, p)}/{m.name}", m.offset, m.size) for m in ilsvrc.tar_members(p)
+        ]
+    return out
 
 
-def _is_image(entry: os.DirEntry[str]) -> bool:
-    return (
-        not entry.name.startswith(".")
-        and os.path.splitext(entry.name)[1].lower() in IMAGE_SUFFIXES
-        and entry.is_file()
-    )
+def _rel(src: Path, path: Path | str) -> str:
+    return Path(os.path.relpath(path, src)).as_posix()
 
 
-def _images_in(directory: Path) -> list[Path]:
+def _dir_files(src: Path, directory: Path) -> list[_Found]:
+    """The regular files of a directory (hidden ones are no one's images), sorted by name."""
     return [
-        directory / name
-        for name in sorted(_utf8(directory, e.name) for e in os.scandir(directory) if _is_image(e))
+        _Found(directory / name, _rel(src, directory / name))
+        for name in sorted(
+            _utf8(directory, e.name)
+            for e in os.scandir(directory)
+            if not e.name.startswith(".") and e.is_file()
+        )
     ]
 
 
-def _class_images(directory: Path) -> list[Path]:
-    images = _images_in(directory)
-    if not images:
+def _images(found: list[_Found], split: str, skipped: list[RejectedImage]) -> list[_Found]:
+    """The JPEGs of `found`, sorted by name; any other file is added to `skipped` (a `.png` or
+    `.JPEG.bak` is not read, and the user should know how many were not)."""
+    out = []
+    for f in sorted(found, key=lambda f: f.name):
+        base = PurePosixPath(f.name).name
+        if os.path.splitext(base)[1].lower() in IMAGE_SUFFIXES:
+            out.append(f)
+        elif not base.startswith("."):
+            skipped.append(RejectedImage(split=split, path=f.name, reason=SKIPPED_REASON))
+    return out
+
+
+def read_class_list(value: str) -> list[str]:
+    """`--classes`: a file with one wnid per line (blank lines and `#` comments ignored), or
+    wnids separated by commas."""
+    path = Path(value)
+    if path.is_file():
+        lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+        wnids = [w for w in lines if w]
+    elif os.sep in value or (value.endswith(".txt") and "," not in value):
+        raise SparknetError(f"--classes file {value} does not exist: give a file or wnid,wnid,...")
+    else:
+        wnids = [w.strip() for w in value.split(",") if w.strip()]
+    if not wnids:
+        raise SparknetError(f"--classes {value!r} names no class: give wnid,wnid,... or a file")
+    return wnids
+
+
+def _kept(wnids: list[str], classes: list[str] | None, src: Path) -> list[str]:
+    """The classes to shard, sorted: all of train's, or `classes` when every one is in train."""
+    if classes is None:
+        return wnids
+    have = set(wnids)
+    unknown = sorted(set(classes) - have)
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise SparknetError(
-            f"class directory {directory} has no images (*.JPEG/*.jpg): add its images or remove it"
+            f"--classes names {unknown[0]}{more}, which is not a train class of {src} "
+            f"({len(wnids)} classes): fix the list"
         )
-    return images
+    return sorted(set(classes))
 
 
 def _scan_val(
-    val_dir: Path, index: dict[str, int], meta_dirs: list[Path]
-) -> list[tuple[Path, int]]:
-    """val/<wnid>/* when val/ has class dirs; otherwise a flat val/ labelled by Kaggle's CSV."""
-    subdirs = _subdirs(val_dir)
-    if subdirs:
-        out = []
-        for w in subdirs:
-            if w not in index:
-                raise SparknetError(
-                    f"validation directory {val_dir / w} is not a class in train/ "
-                    f"({len(index)} classes): remove it or add train/{w}/"
-                )
-            out.extend((p, index[w]) for p in _class_images(val_dir / w))
-        return out
-    flat = _images_in(val_dir)
-    if not flat:
-        return []
-    solution_path = _find(meta_dirs, VAL_SOLUTION)
-    if solution_path is None:
-        where = " or ".join(str(d) for d in meta_dirs)
-        raise SparknetError(
-            f"{val_dir} holds images directly but no {VAL_SOLUTION} labels them (looked in "
-            f"{where}): put Kaggle's {VAL_SOLUTION} in {meta_dirs[0]}, "
-            "or sort the images into val/<wnid>/"
+    src: Path,
+    data: Path | None,
+    meta_dirs: list[Path],
+    devkit: ilsvrc.Devkit | None,
+    index: dict[str, int],
+    train_wnids: set[str],
+    classes: list[str] | None,
+) -> tuple[list[tuple[_Found, int]], int]:
+    """Val's (image, label) pairs and how many val images of classes not kept were left out.
+
+    val/<wnid>/* when val/ has class dirs; a flat val/ labelled by Kaggle's CSV or the devkit; or
+    the val tar labelled by the devkit."""
+    val_dir = data / "val" if data is not None else None
+    if val_dir is not None and val_dir.is_dir():
+        subdirs = sorted(
+            _utf8(val_dir, e.name)
+            for e in os.scandir(val_dir)
+            if e.is_dir() and not e.name.startswith(".")
         )
-    solution = _read_val_solution(solution_path)
-    out = []
-    for path in flat:
-        w = solution.get(path.stem)
+        if subdirs:
+            return _val_class_dirs(src, val_dir, subdirs, index, train_wnids, classes)
+        flat = _images(_dir_files(src, val_dir), "val", [])
+        where = str(val_dir)
+    elif (src / ilsvrc.VAL_TAR).is_file():
+        tar = src / ilsvrc.VAL_TAR
+        found = [
+            _Found(tar, f"{ilsvrc.VAL_TAR}/{m.name}", m.offset, m.size)
+            for m in ilsvrc.tar_members(tar)
+        ]
+        flat, where = _images(found, "val", []), str(tar)
+    else:
+        return [], 0
+    if not flat:
+        return [], 0
+    label_of, source = _flat_val_labels(src, meta_dirs, devkit, where)
+    pairs, other = [], []
+    for f in flat:
+        stem = PurePosixPath(f.name).stem
+        w = label_of(stem)
         if w is None:
             raise SparknetError(
-                f"validation image {path} is not in {solution_path}: "
-                "remove the image or use the CSV that came with it"
+                f"validation image {src / f.name} is not labelled by {source}: remove the "
+                "image or use the labels that came with it"
             )
-        if w not in index:
+        if w in index:
+            pairs.append((f, index[w]))
+        else:
+            other.append((f, w))
+    if other and classes is None:
+        f, w = other[0]
+        raise SparknetError(
+            f"{len(other)} of {len(flat)} validation images are labelled with classes that are "
+            f"not in train (e.g. {src / f.name}: {w}, by {source}): pass --classes with the "
+            "classes to keep (a file of wnids, or wnid,wnid,...) to leave the others out, or "
+            f"add their train images"
+        )
+    return pairs, len(other)
+
+
+def _flat_val_labels(
+    src: Path, meta_dirs: list[Path], devkit: ilsvrc.Devkit | None, where: str
+) -> tuple[Callable[[str], str | None], str]:
+    """stem -> wnid for flat val images, and what labels them: Kaggle's CSV, else the devkit."""
+    solution_path = _find(meta_dirs, VAL_SOLUTION)
+    if solution_path is not None:
+        return _read_val_solution(solution_path).get, str(solution_path)
+    if devkit is not None:
+        wnids = devkit.val_wnids
+
+        def from_devkit(stem: str) -> str | None:
+            n = ilsvrc.val_number(stem)
+            return wnids[n - 1] if n is not None and 1 <= n <= len(wnids) else None
+
+        return from_devkit, devkit.where
+    looked = " or ".join(str(d) for d in meta_dirs)
+    raise SparknetError(
+        f"{where} holds val images directly but nothing labels them (looked in {looked} for "
+        f"{ilsvrc.DEVKIT_TAR} and {VAL_SOLUTION}): put the ILSVRC2012 devkit ({ilsvrc.DEVKIT_TAR})"
+        f" in {src}, or sort the images into val/<wnid>/"
+    )
+
+
+def _val_class_dirs(
+    src: Path,
+    val_dir: Path,
+    subdirs: list[str],
+    index: dict[str, int],
+    train_wnids: set[str],
+    classes: list[str] | None,
+) -> tuple[list[tuple[_Found, int]], int]:
+    out, other = [], 0
+    for w in subdirs:
+        if w not in train_wnids:
             raise SparknetError(
-                f"validation image {path} is labelled {w} in {solution_path}, which is not a "
-                f"class in train/ ({len(index)} classes): add train/{w}/ or remove the image"
+                f"validation directory {val_dir / w} is not a class in train/ "
+                f"({len(train_wnids)} classes): remove it or add train/{w}/"
             )
-        out.append((path, index[w]))
-    return out
+        images = _images(_dir_files(src, val_dir / w), "val", [])
+        if w not in index:
+            other += len(images)
+            continue
+        if not images:
+            raise SparknetError(
+                f"class directory {val_dir / w} has no images (*.JPEG/*.jpg): add its images "
+                "or remove it"
+            )
+        out.extend((f, index[w]) for f in images)
+    return out, other
 
 
 def _read_val_solution(path: Path) -> dict[str, str]:
@@ -261,19 +478,20 @@ def _read_val_solution(path: Path) -> dict[str, str]:
 _NOT_KEY = re.compile(r"[^A-Za-z0-9_-]")
 
 
-def _with_keys(labelled: list[tuple[Path, int]]) -> list[SourceImage]:
+def _with_keys(labelled: list[tuple[_Found, int]]) -> list[SourceImage]:
     """Give every image of a split a sample key unique within the split.
 
     The key is the file stem with anything but letters, digits, `_` and `-` replaced by `_`:
     WebDataset splits a member name at its first dot, and ImageNet's stems are unique already.
     Stems that clash (e.g. `train/cat/1.jpg` and `train/dog/1.jpg` in a non-ImageNet tree) get
-    their class directory as a prefix, and anything still clashing a counter, in path order.
+    their class directory (or tar) as a prefix, and anything still clashing a counter, in order.
     """
-    keys = [_NOT_KEY.sub("_", path.stem) for path, _ in labelled]
+    names = [PurePosixPath(f.name) for f, _ in labelled]
+    keys = [_NOT_KEY.sub("_", name.stem) for name in names]
     clashes = Counter(keys)
     keys = [
-        _NOT_KEY.sub("_", f"{path.parent.name}_{path.stem}") if clashes[key] > 1 else key
-        for key, (path, _) in zip(keys, labelled, strict=True)
+        _NOT_KEY.sub("_", f"{name.parent.name}_{name.stem}") if clashes[key] > 1 else key
+        for key, name in zip(keys, names, strict=True)
     ]
     clashes, taken = Counter(keys), set(keys)
     for n, key in enumerate(keys):
@@ -284,20 +502,30 @@ def _with_keys(labelled: list[tuple[Path, int]]) -> list[SourceImage]:
             keys[n] = f"{key}_{suffix}"
             taken.add(keys[n])
     return [
-        SourceImage(path=path, label=label, key=key)
-        for (path, label), key in zip(labelled, keys, strict=True)
+        SourceImage(f.path, label, key, f.name, f.offset, f.size)
+        for (f, label), key in zip(labelled, keys, strict=True)
     ]
 
 
-def image_problem(data: bytes) -> str | None:
-    """Why `data` is not an image training can decode (one line), or None when it is.
+class ImageCheck(NamedTuple):
+    """What the decode check found: why the image cannot be used (None when it can), and its
+    size in pixels (0 x 0 when it does not decode)."""
+
+    problem: str | None
+    width: int = 0
+    height: int = 0
+
+
+def inspect_image(data: bytes) -> ImageCheck:
+    """Whether `data` is an image training can decode (the reason in one line when not), and its
+    size.
 
     `verify` checks the file's structure and `load` decodes every pixel, which is what finds a
     truncated or garbled JPEG; `data shard` calls this on every image so that a bad file is named
     once, at shard time, instead of being skipped silently on every epoch.
     """
     if not data:
-        return "empty file"
+        return ImageCheck("empty file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. corrupt EXIF: a warning, the pixels are fine
@@ -305,9 +533,30 @@ def image_problem(data: bytes) -> str | None:
                 image.verify()
             with Image.open(io.BytesIO(data)) as image:
                 image.load()
+                width, height = image.size
     except Exception as exc:  # PIL raises many types for bad data (OSError, SyntaxError, ...)
-        return _without_addresses(" ".join(str(exc).split())) or type(exc).__name__
-    return None
+        return ImageCheck(_without_addresses(" ".join(str(exc).split())) or type(exc).__name__)
+    return ImageCheck(None, width, height)
+
+
+def shrink(data: bytes, max_side: int, quality: int) -> bytes:
+    """`data` re-encoded as an RGB JPEG whose longer side is `max_side`, when it is longer;
+    otherwise `data` as it is (no second lossy encoding for nothing).
+
+    `thumbnail` decodes at libjpeg's reduced DCT scale first (`draft`) and then resamples with
+    antialiasing from at least twice the target, so a 500x375 photo costs a fraction of a full
+    decode. EXIF orientation is not applied, as torchvision's loader does not apply it.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Image.open(io.BytesIO(data)) as image:
+            if max(image.size) <= max_side:
+                return data
+            image.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
+            rgb = image if image.mode == "RGB" else image.convert("RGB")
+            out = io.BytesIO()
+            rgb.save(out, format="JPEG", quality=quality)
+    return out.getvalue()
 
 
 def _without_addresses(reason: str) -> str:

@@ -8,9 +8,12 @@ position to a shard without opening any, and `verify` checks bytes against it.
 Shard members are `<key>.jpg` (encoded image bytes) and `<key>.cls` (the class index, ASCII).
 
 Format versions: 1 has classes and splits. 2 adds `rejected`, the source images `data shard` left
-out because they do not decode. A manifest is written as version 2 only when it has rejected
-images, so a clean dataset stays readable by sparknet releases that know only version 1 (they
-refuse version 2 with a one-line error, as they would any manifest they cannot read).
+out (they do not decode, or their names are not JPEGs'). 3 adds `subset_of` (the dataset holds
+some of its source's classes, indexed 0..N-1 in sorted-wnid order, not the source's indices) and
+`max_side`/`quality` (images longer than max_side were stored shrunk to it). A
+manifest is written at the lowest version that holds what it has, so a plain dataset stays
+readable by sparknet releases that know only version 1 (they refuse a later version with a
+one-line error, as they would any manifest they cannot read).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ FORMAT = "sparknet-shards"
 VERSION = 1
 #: the version of a manifest that lists rejected images
 VERSION_REJECTED = 2
+#: the version of a manifest of a class subset or of shrunk images
+VERSION_SUBSET = 3
 #: a shard's file name: `<split>-<6-digit index>.tar`
 SHARD_PATTERN = r"^[a-z]+-\d{6}\.tar$"
 
@@ -83,15 +88,28 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["sparknet-shards"] = FORMAT
-    version: Literal[1, 2] = VERSION
+    version: Literal[1, 2, 3] = VERSION
     classes: list[ClassInfo]
     splits: dict[str, list[ShardInfo]]
     rejected: list[RejectedImage] = Field(default_factory=list)
+    #: how many classes the source has when this dataset holds only some of them: class indices
+    #: then run 0..N-1 over the kept classes, not the source's (e.g. ImageNet-1k's) indices
+    subset_of: int | None = Field(None, ge=2)
+    #: `data shard --max-side`: images longer than this were stored shrunk to it, as JPEGs of
+    #: `quality`
+    max_side: int | None = Field(None, ge=1)
+    quality: int | None = Field(None, ge=1, le=100)
 
     @model_validator(mode="after")
     def _version_follows_content(self) -> Manifest:
-        """Version 2 exactly when there are rejected images (see the module docstring)."""
-        object.__setattr__(self, "version", VERSION_REJECTED if self.rejected else VERSION)
+        """The lowest version that holds what this manifest has (see the module docstring)."""
+        if self.subset_of is not None or self.max_side is not None:
+            version = VERSION_SUBSET
+        elif self.rejected:
+            version = VERSION_REJECTED
+        else:
+            version = VERSION
+        object.__setattr__(self, "version", version)
         return self
 
     @property
@@ -109,7 +127,10 @@ class Manifest(BaseModel):
         return sum(s.samples for s in self.shards(split))
 
     def dumps(self) -> str:
-        exclude = None if self.rejected else {"rejected"}  # a version 1 reader forbids the key
+        # an older reader forbids keys it does not know: leave out the empty ones
+        exclude = {
+            k for k in ("rejected", "subset_of", "max_side", "quality") if not getattr(self, k)
+        }
         return json.dumps(self.model_dump(mode="json", exclude=exclude), indent=1) + "\n"
 
     @classmethod

@@ -36,7 +36,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from sparknet.data.imagenet import ImageTree, SourceImage, image_problem, scan
+from sparknet.data.imagenet import ImageTree, SourceImage, inspect_image, scan, shrink
 from sparknet.data.manifest import (
     MANIFEST_NAME,
     SHARD_PATTERN,
@@ -63,6 +63,38 @@ _SHARD = re.compile(SHARD_PATTERN)
 FILE_MODE = 0o644
 #: decode-check results of an earlier run, so a re-run decodes only new or changed images
 CHECKS_NAME = ".sparknet-checks.json"
+#: decode-check results as they come (one JSON line each), so an interrupted or killed run keeps
+#: what it checked; folded into CHECKS_NAME when the check phase ends
+JOURNAL_NAME = ".sparknet-checks.jsonl"
+#: images handed to the check pool at a time: bounds memory (1.3M futures would be gigabytes)
+#: and what Ctrl-C waits for
+CHECK_BATCH = 256
+#: how on_progress names its phases; both count images
+CHECK, WRITE = "check", "write"
+
+
+#: the smallest `--max-side`: below it crops would be upscaled at any usual training size
+MIN_SIDE = 32
+#: JPEG quality of images `--max-side` re-encodes (FFCV's and most fast recipes' choice)
+DEFAULT_QUALITY = 90
+
+
+@dataclass(frozen=True)
+class Resize:
+    """`--max-side`: images whose longer side is over `max_side` are stored shrunk to it (as
+    JPEGs of `quality`); smaller ones keep their bytes. Decoding a 256-px image costs a fraction
+    of a 500x375 one, on every epoch, for a crop that ends at 224 px anyway."""
+
+    max_side: int
+    quality: int = DEFAULT_QUALITY
+
+    def estimate(self, size: int, width: int, height: int) -> int:
+        """About how many bytes an image of `size` bytes takes once shrunk: JPEG bytes go
+        roughly with pixels. Shards are planned on this, so they come out near the target."""
+        longest = max(width, height)
+        if longest <= self.max_side:
+            return size
+        return max(1, int(size * (self.max_side / longest) ** 2))
 
 
 @dataclass(frozen=True)
@@ -77,6 +109,7 @@ class ShardPlan:
     name: str
     images: list[SourceImage]
     fingerprint: str
+    resize: Resize | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +123,11 @@ class WriteReport:
     reused: list[str]
     removed: list[str]
     warnings: list[str] = field(default_factory=list)
+    #: images that do not decode, and files left out for their names (both are in the manifest)
+    rejected: list[RejectedImage] = field(default_factory=list)
+    skipped: list[RejectedImage] = field(default_factory=list)
+    #: val images of classes that `classes` did not keep
+    other_classes_val: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,10 +159,37 @@ def _file_key(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
-def _fingerprint(images: list[SourceImage], stats: list[os.stat_result]) -> str:
+def _source_keys(images: list[SourceImage]) -> list[list[int]]:
+    """Each image's `_file_key`, and for a tar member its offset and size too (the tar is stat'ed
+    once, not once per member)."""
+    stats: dict[Path, list[int]] = {}
+    out = []
+    for image in images:
+        if image.offset is None:
+            out.append(_file_key(_stat(image)))
+            continue
+        if image.path not in stats:
+            stats[image.path] = _file_key(_stat(image))
+        out.append([*stats[image.path], image.offset, image.size or 0])
+    return out
+
+
+def _stat(image: SourceImage) -> os.stat_result:
+    try:
+        return os.stat(image.path)
+    except OSError as exc:
+        raise SparknetError(
+            f"cannot read {image.path} ({exc.strerror or exc}): replace it or remove it, "
+            "then run again"
+        ) from exc
+
+
+def _fingerprint(images: list[SourceImage], keys: list[list[int]], resize: Resize | None) -> str:
     digest = hashlib.sha256()
-    for image, st in zip(images, stats, strict=True):
-        digest.update(f"{image.key}\t{image.label}\t{_file_key(st)}\n".encode())
+    if resize is not None:  # shrunk images are other bytes: another setting rewrites the shard
+        digest.update(f"max_side={resize.max_side} quality={resize.quality}\n".encode())
+    for image, key in zip(images, keys, strict=True):
+        digest.update(f"{image.key}\t{image.label}\t{key}\n".encode())
     return digest.hexdigest()
 
 
@@ -154,7 +219,13 @@ def _even_cut(tar_sizes: np.ndarray, room: int) -> list[tuple[int, int]]:
 
 
 def plan_shards(
-    images: list[SourceImage], *, split: str, seed: int, target_bytes: int
+    images: list[SourceImage],
+    *,
+    split: str,
+    seed: int,
+    target_bytes: int,
+    resize: Resize | None = None,
+    pixels: dict[SourceImage, tuple[int, int]] | None = None,
 ) -> list[ShardPlan]:
     """Shuffle a split's images with `seed` and cut them into shards of about `target_bytes`.
 
@@ -168,10 +239,19 @@ def plan_shards(
         return []
     order = np.random.default_rng([seed, zlib.crc32(split.encode())]).permutation(len(images))
     shuffled = [images[i] for i in order]
-    stats = [os.stat(image.path) for image in shuffled]
+    keys = _source_keys(shuffled)
+    sizes = [
+        image.size if image.size is not None else key[0]
+        for image, key in zip(shuffled, keys, strict=True)
+    ]
+    if resize is not None and pixels is not None:
+        sizes = [
+            resize.estimate(size, *pixels.get(image, (0, 0)))
+            for size, image in zip(sizes, shuffled, strict=True)
+        ]
     groups = _even_cut(
         np.array(
-            [_tar_bytes(st.st_size, image.key) for st, image in zip(stats, shuffled, strict=True)]
+            [_tar_bytes(size, image.key) for size, image in zip(sizes, shuffled, strict=True)]
         ),
         room=max(1, target_bytes - TAR_TAIL),
     )
@@ -179,7 +259,8 @@ def plan_shards(
         ShardPlan(
             name=f"{split}-{number:06d}.tar",
             images=shuffled[lo:hi],
-            fingerprint=_fingerprint(shuffled[lo:hi], stats[lo:hi]),
+            fingerprint=_fingerprint(shuffled[lo:hi], keys[lo:hi], resize),
+            resize=resize,
         )
         for number, (lo, hi) in enumerate(groups)
     ]
@@ -218,7 +299,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 def _read_image(image: SourceImage) -> bytes:
     try:
-        return image.path.read_bytes()
+        return image.read_bytes()
     except OSError as exc:
         fix = "fix its permissions" if exc.errno == errno.EACCES else "replace it"
         raise SparknetError(
@@ -254,6 +335,8 @@ def write_shard(plan: ShardPlan, dest_dir: Path) -> ShardResult:
             with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                 for image in plan.images:
                     data = _read_image(image)
+                    if plan.resize is not None:
+                        data = shrink(data, plan.resize.max_side, plan.resize.quality)
                     _add_member(tar, f"{image.key}.cls", str(image.label).encode())
                     _add_member(tar, f"{image.key}.jpg", data)
             raw.flush()
@@ -346,59 +429,148 @@ class CheckedTree:
     good: dict[str, list[SourceImage]]
     rejected: list[RejectedImage]
     changed: int = 0
+    #: (width, height) of every image that decodes
+    pixels: dict[SourceImage, tuple[int, int]] = field(default_factory=dict)
 
 
 def _load_checks(dest: Path, src: Path) -> dict[str, list]:
-    """An earlier run's decode checks of this source: relative path -> [*_file_key, problem]."""
+    """Earlier runs' decode checks of this source: relative path -> [*source key, problem], from
+    the last finished check phase and then the journal of an interrupted one."""
+    where = str(src.resolve())
+    known: dict[str, list] = {}
     try:
         record = json.loads((dest / CHECKS_NAME).read_text())
-        if record["src"] == str(src.resolve()):
-            return {str(k): list(v) for k, v in record["images"].items()}
+        if record["src"] == where:
+            known = {str(k): list(v) for k, v in record["images"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
-    return {}
-
-
-def _check_image(image: SourceImage, rel: str, known: dict[str, list]) -> list:
-    """[*_file_key, problem] of one image: from `known` when the file has not changed since,
-    else decoded now (`image_problem`)."""
     try:
-        st = os.stat(image.path)
-    except OSError as exc:
-        raise SparknetError(
-            f"cannot read {image.path} ({exc.strerror or exc}): replace it or remove it, "
-            "then run again"
-        ) from exc
-    key = _file_key(st)
-    hit = known.get(rel)
-    if hit is not None and hit[:-1] == key:
-        return hit
-    return [*key, image_problem(_read_image(image))]
+        with open(dest / JOURNAL_NAME, encoding="utf-8") as f:
+            if json.loads(f.readline() or "{}").get("src") != where:
+                return known
+            for line in f:
+                try:
+                    rel, check = json.loads(line)
+                    known[str(rel)] = list(check)
+                except (ValueError, TypeError):
+                    continue  # the line a kill cut short
+    except (OSError, ValueError, AttributeError):
+        pass
+    return known
 
 
-def check_images(tree: ImageTree, src: Path, dest: Path, threads: int) -> CheckedTree:
+class _Journal:
+    """Appends each decode check as it is made (a line each, flushed), so an interrupted run —
+    Ctrl-C, `kill -9`, a crash — keeps every image it checked and the next run starts there."""
+
+    def __init__(self, dest: Path, src: Path) -> None:
+        self.path = dest / JOURNAL_NAME
+        where = str(src.resolve())
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                same = json.loads(f.readline() or "{}").get("src") == where
+        except (OSError, ValueError, AttributeError):
+            same = False
+        self.file = open(self.path, "a" if same else "w", encoding="utf-8", buffering=1)  # noqa: SIM115
+        os.fchmod(self.file.fileno(), FILE_MODE)
+        if not same:
+            self.file.write(json.dumps({"src": where}) + "\n")
+
+    def add(self, rel: str, check: list) -> None:
+        self.file.write(json.dumps([rel, check]) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _inspect(image: SourceImage) -> tuple[str | None, int, int]:
+    """Why one image cannot be trained on (None when it can) and its size (runs in the pool)."""
+    return tuple(inspect_image(_read_image(image)))  # type: ignore[return-value]
+
+
+def _batches(items: list, size: int) -> Iterator[list]:
+    for lo in range(0, len(items), size):
+        yield items[lo : lo + size]
+
+
+def _checked(
+    images: list[SourceImage], processes: int | None
+) -> Iterator[tuple[str | None, int, int]]:
+    """`_inspect` of each image, in order: on one thread per core, or on `processes` processes.
+
+    Handed over CHECK_BATCH images at a time, so an interrupted run stops within one batch."""
+    if not images:
+        return
+    if processes is not None and processes > 1:
+        with _pool_ignoring_sigint(processes) as pool:
+            for batch in _batches(images, CHECK_BATCH):
+                yield from pool.imap(_inspect, batch, chunksize=8)
+        return
+    threads = 1 if processes == 1 else _threads(len(images))
+    if threads == 1:
+        yield from map(_inspect, images)
+        return
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="sparknet-check")
+    try:
+        for batch in _batches(images, CHECK_BATCH):
+            yield from pool.map(_inspect, batch)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def check_images(
+    tree: ImageTree,
+    src: Path,
+    dest: Path,
+    processes: int | None,
+    on_progress: Callable[[str, int, int], None] | None = None,
+) -> CheckedTree:
     """Decode-check every image before any shard is planned, so shards hold only images training
-    can decode and no shard is planned around images that will be left out. The results are kept
-    in `dest` (CHECKS_NAME): a re-run decodes only new or changed files.
+    can decode and no shard is planned around images that will be left out. Each result is
+    journaled in `dest` as it comes and all of them kept there (CHECKS_NAME) at the end: a re-run,
+    after an interrupted or a finished run, decodes only images not checked yet or changed since.
 
     A split with no image that decodes is refused in one line (it would make empty shards)."""
     known = _load_checks(dest, src)
     images = [
         (split, image) for split, split_images in tree.splits.items() for image in split_images
     ]
-    rels = [Path(os.path.relpath(image.path, src)).as_posix() for _, image in images]
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="sparknet-check") as pool:
-        checks = list(
-            pool.map(lambda i: _check_image(images[i][1], rels[i], known), range(len(rels)))
-        )
+    rels = [image.name or _rel(src, image.path) for _, image in images]
+    keys = _source_keys([image for _, image in images])
+    checks: list[list | None] = [None] * len(images)
+    for i, (rel, key) in enumerate(zip(rels, keys, strict=True)):
+        hit = known.get(rel)
+        if hit is not None and hit[:-3] == key:  # [*key, problem, width, height]
+            checks[i] = hit
+    # in file order: a tar (or a disk) read front to back, not in the order of the labels
+    todo = sorted(
+        (i for i, check in enumerate(checks) if check is None),
+        key=lambda i: (str(images[i][1].path), images[i][1].offset or 0),
+    )
+    done = len(images) - len(todo)
+    report = on_progress or (lambda phase, done, total: None)
+    report(CHECK, done, len(images))
+    journal = _Journal(dest, src)
+    try:
+        problems = _checked([images[i][1] for i in todo], processes)
+        for n, (i, result) in enumerate(zip(todo, problems, strict=True), start=1):
+            checks[i] = [*keys[i], *result]
+            journal.add(rels[i], checks[i])
+            if n % 64 == 0 or n == len(todo):
+                report(CHECK, done + n, len(images))
+    finally:
+        journal.close()
     record = {"src": str(src.resolve()), "images": dict(zip(rels, checks, strict=True))}
     _atomic_write_text(dest / CHECKS_NAME, json.dumps(record) + "\n")
+    (dest / JOURNAL_NAME).unlink(missing_ok=True)
     good: dict[str, list[SourceImage]] = {split: [] for split in tree.splits}
     rejected: list[RejectedImage] = []
+    pixels: dict[SourceImage, tuple[int, int]] = {}
     for (split, image), rel, check in zip(images, rels, checks, strict=True):
-        problem = check[-1]
+        problem, width, height = check[-3:] if check is not None else ("not checked", 0, 0)
         if problem is None:
             good[split].append(image)
+            pixels[image] = (width, height)
         else:
             rejected.append(RejectedImage(split=split, path=rel, reason=problem))
     for split, split_images in good.items():
@@ -409,7 +581,11 @@ def check_images(tree: ImageTree, src: Path, dest: Path, threads: int) -> Checke
                 f"tried, e.g. {first.path}: {first.reason}): replace the damaged files"
             )
     changed = len(set(rels) ^ set(known)) if known else 0
-    return CheckedTree(good, rejected, changed)
+    return CheckedTree(good, rejected, changed, pixels)
+
+
+def _rel(src: Path, path: Path) -> str:
+    return Path(os.path.relpath(path, src)).as_posix()
 
 
 def _empty_classes(tree: ImageTree, checked: CheckedTree) -> list[str]:
@@ -535,25 +711,34 @@ def write_dataset(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     seed: int = 0,
     processes: int | None = None,
-    on_progress: Callable[[int, int], None] | None = None,
+    classes: list[str] | None = None,
+    resize: Resize | None = None,
+    on_progress: Callable[[str, int, int], None] | None = None,
 ) -> WriteReport:
     """Scan `src`, write every split's shards into `dest` and then `manifest.json`.
 
     Shards already written by an earlier run with the same plan and intact bytes are kept
     (`reused`); shards of an old plan that this one does not name are removed (`removed`).
-    Images that do not decode are left out and listed in the manifest's `rejected`.
+    Images that do not decode are left out and listed in the manifest's `rejected`, as are files
+    whose names are not JPEGs (`skipped`). `classes` keeps only those wnids (indexed 0..N-1);
+    `resize` stores big images shrunk.
     Any old manifest is removed first, so `dest` reads as unfinished until this run completes.
-    `processes` None writes with one thread per core; a number uses that many processes (for
-    machines with many cores, where tar writing under the GIL would cap threads).
-    `on_progress(done, total)` counts shards, starting at 0.
+    `processes` None checks and writes with one thread per core; a number uses that many
+    processes for both. `on_progress(phase, done, total)` counts images of the "check" phase
+    (decoding every image), then of the "write" phase (as each shard is finished).
     """
     if processes is not None and processes < 1:
         raise SparknetError(f"processes must be at least 1, got {processes}")
+    if resize is not None and not (resize.max_side >= MIN_SIDE and 1 <= resize.quality <= 100):
+        raise SparknetError(
+            f"--max-side must be at least {MIN_SIDE} and --quality 1..100, got "
+            f"{resize.max_side} and {resize.quality}"
+        )
     src = Path(src)
-    tree = scan(src)
+    tree = scan(src, classes)
     dest = Path(dest)
     try:
-        return _write_dataset(tree, src, dest, shard_bytes, seed, processes, on_progress)
+        return _write_dataset(tree, src, dest, shard_bytes, seed, processes, resize, on_progress)
     except OSError as exc:
         raise _os_error(exc, dest) from None  # from None: the chained trace would print it twice
 
@@ -565,14 +750,23 @@ def _write_dataset(
     shard_bytes: int,
     seed: int,
     processes: int | None,
-    on_progress: Callable[[int, int], None] | None,
+    resize: Resize | None,
+    on_progress: Callable[[str, int, int], None] | None,
 ) -> WriteReport:
     """`write_dataset` once the source is scanned; may raise OSError about the destination."""
     dest.mkdir(parents=True, exist_ok=True)
+    report = on_progress or (lambda phase, done, total: None)
     with _dest_lock(dest):
-        checked = check_images(tree, src, dest, processes or _threads(os.cpu_count() or 1))
+        checked = check_images(tree, src, dest, processes, report)
         plans = {
-            split: plan_shards(images, split=split, seed=seed, target_bytes=shard_bytes)
+            split: plan_shards(
+                images,
+                split=split,
+                seed=seed,
+                target_bytes=shard_bytes,
+                resize=resize,
+                pixels=checked.pixels,
+            )
             for split, images in checked.good.items()
         }
         jobs = [(plan, dest) for split_plans in plans.values() for plan in split_plans]
@@ -580,14 +774,16 @@ def _write_dataset(
         _remove_stale_temps(dest)
 
         results: dict[str, ShardResult] = {}
+        total = sum(len(plan.images) for plan, _ in jobs)
+        written = 0
 
         def record(result: ShardResult) -> None:
+            nonlocal written
             results[result.info.name] = result
-            if on_progress is not None:
-                on_progress(len(results), len(jobs))
+            written += result.info.samples
+            report(WRITE, written, total)
 
-        if on_progress is not None:
-            on_progress(0, len(jobs))
+        report(WRITE, 0, total)
         workers = min(processes or _threads(len(jobs)), len(jobs))
         if processes is None and workers > 1:
             # threads by default: decoding, hashing and file I/O release the GIL, and a thread
@@ -612,7 +808,10 @@ def _write_dataset(
                 split: [results[p.name].info for p in split_plans]
                 for split, split_plans in plans.items()
             },
-            rejected=checked.rejected,
+            rejected=[*checked.rejected, *tree.skipped],
+            subset_of=tree.source_classes if tree.num_classes < tree.source_classes else None,
+            max_side=resize.max_side if resize is not None else None,
+            quality=resize.quality if resize is not None else None,
         )
         _atomic_write_text(dest / MANIFEST_NAME, manifest.dumps())
         names = [plan.name for plan, _ in jobs]
@@ -625,4 +824,7 @@ def _write_dataset(
                 *_empty_classes(tree, checked),
                 *_reshuffled(checked.changed, [n for n in names if not results[n].kept], names),
             ],
+            rejected=checked.rejected,
+            skipped=tree.skipped,
+            other_classes_val=tree.other_classes_val,
         )

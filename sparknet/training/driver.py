@@ -88,10 +88,36 @@ def default_run_dir(cfg: TrainConfig) -> Path:
     return Path("runs") / f"{slug(cfg.model)}-{slug(cfg.data)}-{stamp}"
 
 
+def check_num_classes(cfg: TrainConfig, source: Source) -> None:
+    """--num-classes against the classes the dataset says it has, before Spark starts: fewer
+    would fail at the first batch with a high label, after every retry (minutes in); more gives
+    a head whose extra outputs no label reaches, which is what a subset (ImageNet-100, indexed
+    0..99) trained with ImageNet-1k's 1000 looks like, so it needs `--extra-classes`."""
+    have = source.num_classes
+    want = cfg.num_classes
+    if want is None or have is None or want == have:
+        return
+    labels = f"its labels run 0..{have - 1}"
+    subset_of = getattr(getattr(source, "manifest", None), "subset_of", None)
+    if subset_of:
+        labels += f": a subset of {subset_of} classes, indexed in its own order"
+    if want < have:
+        raise SparknetError(
+            f"--num-classes {want} is fewer than the {have} classes of {cfg.data} ({labels}); "
+            f"pass --num-classes {have} or leave it out"
+        )
+    if not cfg.extra_classes:
+        raise SparknetError(
+            f"--num-classes {want}, but {cfg.data} has {have} classes ({labels}); leave it out, "
+            f"or add --extra-classes for a {want}-way head anyway"
+        )
+
+
 def prepare(cfg: TrainConfig, source: Source) -> Problem:
     """Check the data against the settings and build the initial model on the driver."""
     check_security_conf(cfg.master or "local", cfg.spark_conf)  # sparknet-submit: pre-launch
     source.check_workers(cfg.workers)
+    check_num_classes(cfg, source)
     num_classes = cfg.num_classes or source.num_classes
     if num_classes is None:
         raise SparknetError(f"cannot tell how many classes {cfg.data!r} has; pass --num-classes")

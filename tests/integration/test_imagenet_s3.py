@@ -139,7 +139,9 @@ def _bad_dataset(tree: Path, dest: Path, monkeypatch) -> tuple[Path, str]:
     victim = sorted((src / "train").rglob("*.JPEG"))[7]
     corrupt_jpeg(victim)
     out = dest / "shards"
-    monkeypatch.setattr(shards_module, "image_problem", lambda data: None)
+    from sparknet.data.imagenet import ImageCheck
+
+    monkeypatch.setattr(shards_module, "inspect_image", lambda data: ImageCheck(None, 1, 1))
     write_dataset(src, out, shard_bytes=SHARD_BYTES, seed=0, processes=1)
     manifest = Manifest.loads((out / MANIFEST_NAME).read_text(), "manifest")
     cut = manifest.splits["train"][1]

@@ -160,9 +160,9 @@ def _empty_class_dir(root: Path) -> Path:
         (lambda root: root / "missing", "does not exist"),
         (_no_train, "no train/ directory"),
         (_val_dir_not_a_class, "n09999999 is not a class in train/"),
-        (_csv_wnid_not_a_class, "labelled n09999999 in"),
-        (_flat_val_without_csv, "no LOC_val_solution.csv labels them"),
-        (_flat_val_image_not_in_csv, "ILSVRC2012_val_00009999.JPEG is not in"),
+        (_csv_wnid_not_a_class, "1 of 2 validation images are labelled with classes that are not"),
+        (_flat_val_without_csv, "holds val images directly but nothing labels them"),
+        (_flat_val_image_not_in_csv, "ILSVRC2012_val_00009999.JPEG is not labelled by"),
         (_empty_class_dir, "n00000005 has no images"),
     ],
     ids=[

@@ -41,7 +41,7 @@ class Written:
     tree: ImageTree
     target: int
     report: WriteReport
-    progress: list[tuple[int, int]]
+    progress: list[tuple[str, int, int]]
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +53,14 @@ def written(tmp_path_factory) -> Written:
     tree = scan(src)
     source_bytes = sum(os.path.getsize(i.path) for i in tree.splits["train"])
     target = int(source_bytes * TARGET_FRACTION)
-    progress: list[tuple[int, int]] = []
+    progress: list[tuple[str, int, int]] = []
     report = write_dataset(
         src,
         dest,
         shard_bytes=target,
         seed=3,
         processes=1,
-        on_progress=lambda done, total: progress.append((done, total)),
+        on_progress=lambda phase, done, total: progress.append((phase, done, total)),
     )
     return Written(src, dest, tree, target, report, progress)
 
@@ -121,9 +121,19 @@ def test_the_manifest_matches_the_files(written):
     assert not [n for n in os.listdir(written.dest) if n.endswith(".tmp")]
 
 
-def test_progress_counts_shards_from_zero_to_all(written):
-    total = len(written.report.written)
-    assert written.progress == [(n, total) for n in range(total + 1)]
+def test_progress_counts_images_checked_then_written_from_zero_to_all(written):
+    """Images, not shards: a full ImageNet run is hours, and images/s and its ETA need a count
+    that moves. The check phase reports every 64 images and its last; the write phase each
+    shard as it is finished."""
+    images = sum(len(v) for v in written.tree.splits.values())
+    check = [p for p in written.progress if p[0] == "check"]
+    write = [p for p in written.progress if p[0] == "write"]
+    assert written.progress == check + write  # all checking before any writing
+    assert [c[1] for c in check] == [0, *range(64, images, 64), images]
+    assert {c[2] for c in check} == {images}
+    per_shard = [s.samples for v in written.report.manifest.splits.values() for s in v]
+    assert [w[1] for w in write] == [sum(per_shard[:n]) for n in range(len(per_shard) + 1)]
+    assert {w[2] for w in write} == {images}
 
 
 def test_a_rerun_reuses_every_shard_and_rewrites_a_damaged_one(written, tmp_path):
@@ -385,7 +395,7 @@ def test_an_image_overwritten_with_its_mtime_kept_is_decode_checked_again(tmp_pa
 
 
 def test_a_directory_where_the_checks_file_goes_is_named_not_the_temp(tmp_path):
-    from sparknet.data.shards import CHECKS_NAME
+    from sparknet.data.shards import CHECKS_NAME, JOURNAL_NAME
 
     src, dest = tmp_path / "src", tmp_path / "dest"
     make_tree(src, classes=2, train_per_class=2, val_per_class=1, size=(32, 24))
@@ -395,7 +405,10 @@ def test_a_directory_where_the_checks_file_goes_is_named_not_the_temp(tmp_path):
     text = str(info.value)
     assert f"cannot write {dest / CHECKS_NAME} " in text and "directory" in text, text
     assert ".tmp" not in text and "\n" not in text
-    assert sorted(p.name for p in dest.iterdir()) == [CHECKS_NAME, ".sparknet-shard.lock"]
+    # the checks made are kept in the journal, for the run after the directory is moved away
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        [CHECKS_NAME, JOURNAL_NAME, ".sparknet-shard.lock"]
+    )
 
 
 @pytest.mark.parametrize("split", ["train", "val"])
