@@ -227,11 +227,10 @@ def memory_path(
     return len(jpegs), sum(len(d) for d in jpegs)
 
 
-def loader_from_memory(
-    jpegs: list[bytes], seeds: list[int], transform: Callable, batch_size: int
-) -> Counted:
+def loader_from_memory(jpegs: list[bytes], seeds: list[int], batch_size: int) -> Counted:
     """The same samples through sparknet's DataLoader (`decoded_batches`), handed over from memory
     in batches: the loader and the collate without any shard stream."""
+    from sparknet.data.imagenet import TrainDecoder
     from sparknet.data.loader import decoded_batches
 
     steps = (
@@ -240,7 +239,7 @@ def loader_from_memory(
     )
     images = sum(
         int(batch.x.shape[0])
-        for batch in decoded_batches(steps, transform, min_size=IMAGE_SIZE, workers=0)
+        for batch in decoded_batches(steps, TrainDecoder(IMAGE_SIZE), workers=0)
     )
     return images, 0
 
@@ -329,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from torchvision.transforms import v2
 
-    from sparknet.data.imagenet import IMAGENET_MEAN, IMAGENET_STD, train_transform
+    from sparknet.data.imagenet import IMAGENET_MEAN, IMAGENET_STD
     from sparknet.data.loader import derived_seed
     from sparknet.data.shards import write_dataset
     from sparknet.data.sources import ShardSource
@@ -396,7 +395,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # runs the same crop and flip per image and scales + normalizes once per batch.
             transform = v2.Compose(
                 [
-                    train_transform(IMAGE_SIZE),
+                    v2.RandomResizedCrop(IMAGE_SIZE, antialias=True),
+                    v2.RandomHorizontalFlip(),
+                    v2.ToImage(),
                     v2.ToDtype(torch.float32, scale=True),
                     v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
                 ]
@@ -434,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     ordered[part(k)], seeds[part(k)], transform, b
                 ),
                 "sparknet's DataLoader, items from memory": lambda rep, k: loader_from_memory(
-                    ordered[part(k)], seeds[part(k)], train_transform(IMAGE_SIZE), b
+                    ordered[part(k)], seeds[part(k)], b
                 ),
                 "sparknet round over the local shard dir": lambda rep, k: sparknet_round(
                     local_source, f"local-{rep}", k, b

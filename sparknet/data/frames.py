@@ -62,7 +62,7 @@ class FrameSource(Source):
             inputs = flat.astype(np.float32, copy=False).reshape(-1, *self.input_shape)
         return labels.astype(np.int64), inputs
 
-    def _batches(self, steps: Iterator[np.ndarray], labels, inputs, transform, g0: int,
+    def _batches(self, steps: Iterator[np.ndarray], labels, inputs, decode, g0: int,
                  inp: TaskInput) -> Iterator:  # fmt: skip
         from sparknet.data.loader import Batch, decoded_batches, derived_seed
 
@@ -78,13 +78,10 @@ class FrameSource(Source):
                     for j, i in enumerate(idx)
                 ]
 
-        yield from decoded_batches(
-            items(), transform, min_size=self.image_size, workers=self.loader_workers,
-            cores=inp.threads,
-        )  # fmt: skip
+        yield from decoded_batches(items(), decode, workers=self.loader_workers, cores=inp.threads)
 
     def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
-        from sparknet.data.imagenet import train_transform
+        from sparknet.data.imagenet import TrainDecoder
 
         labels, inputs = self._columns(inp.rows)
         if len(labels) == 0:
@@ -93,19 +90,19 @@ class FrameSource(Source):
             batch_positions(inp.seed, inp.partition, len(labels), rnd * tau + s, batch_size)
             for s in range(tau)
         )
-        transform = train_transform(self.image_size) if self.kind == "image" else None
-        yield from self._batches(steps, labels, inputs, transform, rnd * tau, inp)
+        decode = TrainDecoder(self.image_size) if self.kind == "image" else None
+        yield from self._batches(steps, labels, inputs, decode, rnd * tau, inp)
 
     def eval_batches(self, inp: TaskInput) -> Iterator:
-        from sparknet.data.imagenet import eval_transform
+        from sparknet.data.imagenet import EvalDecoder
 
         labels, inputs = self._columns(inp.rows)
         steps = (
             np.arange(s, min(s + EVAL_BATCH, len(labels)))
             for s in range(0, len(labels), EVAL_BATCH)
         )
-        transform = eval_transform(self.image_size) if self.kind == "image" else None
-        yield from self._batches(steps, labels, inputs, transform, 0, inp)
+        decode = EvalDecoder(self.image_size) if self.kind == "image" else None
+        yield from self._batches(steps, labels, inputs, decode, 0, inp)
 
 
 @dataclass

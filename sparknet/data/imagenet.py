@@ -580,19 +580,60 @@ def decode_image(data: bytes, min_size: int | None = None) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def train_transform(image_size: int) -> Compose:
-    """ImageNet training augmentation: random-resized crop and flip, to a uint8 CHW tensor.
+class TrainDecoder:
+    """Encoded bytes to a uint8 CHW tensor with ImageNet's training augmentation (random-resized
+    crop to `size`, horizontal flip), decoding a JPEG only as finely as the crop needs.
+
+    The crop is drawn from the image's header first (PIL opens lazily; the same rule and random
+    draws as torchvision's RandomResizedCrop), then the JPEG is decoded at the smallest of
+    libjpeg's 1/2, 1/4, 1/8 DCT scales at which the crop still has at least `size` pixels a
+    side: a large crop of a large photo costs a fraction of a full decode, and no crop is ever
+    upsampled more than after a full decode. Crop and resize are one antialiased PIL resize.
 
     Scaling to float and normalizing happen once per batch (`normalize`), not per image: one
     vectorised op instead of a few per image, and a quarter of the bytes through the DataLoader's
     worker queues. All randomness is drawn from torch's global CPU generator, so seeding it
     before each sample makes its augmentation reproducible (a retried task sees the same crops).
     """
-    from torchvision.transforms import v2
 
-    return v2.Compose(
-        [v2.RandomResizedCrop(image_size, antialias=True), v2.RandomHorizontalFlip(), v2.ToImage()]
-    )
+    SCALE = (0.08, 1.0)
+    RATIO = (3 / 4, 4 / 3)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        import torch
+        from torchvision.transforms import RandomResizedCrop
+        from torchvision.transforms.v2.functional import pil_to_tensor
+
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        top, left, h, w = RandomResizedCrop.get_params(image, self.SCALE, self.RATIO)
+        reduce = 1
+        while reduce < 8 and min(h, w) >= 2 * reduce * self.size:
+            reduce *= 2
+        if reduce > 1:  # draft picks the largest scale with both sides >= the requested ones
+            image.draft("RGB", (-(-width // reduce), -(-height // reduce)))
+        sx, sy = width / image.size[0], height / image.size[1]
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        box = (left / sx, top / sy, (left + w) / sx, (top + h) / sy)
+        out = rgb.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box)
+        if torch.rand(1) < 0.5:  # RandomHorizontalFlip's draw
+            out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return pil_to_tensor(out)
+
+
+class EvalDecoder:
+    """Encoded bytes to a uint8 CHW tensor for evaluation: decoded at the smallest JPEG scale
+    that still covers the eval resize, then `eval_transform`."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.transform = eval_transform(size)
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        return self.transform(decode_image(data, eval_resize(self.size)))
 
 
 def eval_resize(image_size: int) -> int:

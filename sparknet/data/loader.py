@@ -37,27 +37,23 @@ def derived_seed(*keys: int) -> int:
 class DecodeDataset(Dataset):
     """Maps an item handed over by the batch sampler to (tensor, label), or None if corrupt."""
 
-    def __init__(self, transform: Callable, min_size: int | None) -> None:
-        self.transform = transform
-        self.min_size = min_size
+    def __init__(self, decode: Callable[[bytes], torch.Tensor]) -> None:
+        self.decode = decode
 
     def __len__(self) -> int:  # items arrive from the sampler; there is no index space
         return 0
 
     def __getitem__(self, item: Item):
-        from sparknet.data.imagenet import decode_image
-
         if item is None:
             return None
         data, label, seed = item
-        try:
-            image = decode_image(data, self.min_size)
-        except Exception:  # corrupt or truncated encoding: skipped and counted by the collate
-            return None
-        # only the CPU generator the transforms draw from: `torch.manual_seed` also queues
+        # only the CPU generator the augmentation draws from: `torch.manual_seed` also queues
         # CUDA/XPU/MTIA seeding with a captured stack trace, ~0.4 ms per call
         torch.default_generator.manual_seed(seed)
-        return self.transform(image), label
+        try:
+            return self.decode(data), label
+        except Exception:  # corrupt or truncated encoding: skipped and counted by the collate
+            return None
 
 
 def collate_skipping(samples: list) -> Batch:
@@ -88,21 +84,21 @@ def default_loader_workers(cores: int) -> int:
 
 def decoded_batches(
     steps: Iterable[list[Item]],
-    transform: Callable,
+    decode: Callable[[bytes], torch.Tensor],
     *,
-    min_size: int | None,
     workers: int | None,
     cores: int = 1,
 ) -> Iterator[Batch]:
-    """Decode each step's items in `workers` processes (0: in this thread; None: the default
-    for a task of `cores` CPUs); batches in order, as normalized float32."""
+    """Decode each step's items with `decode` (e.g. `TrainDecoder`) in `workers` processes (0: in
+    this thread; None: the default for a task of `cores` CPUs); batches in order, as normalized
+    float32."""
     from sparknet.data.imagenet import normalize
 
     if workers is None:
         workers = default_loader_workers(cores)
 
     loader = DataLoader(
-        DecodeDataset(transform, min_size),
+        DecodeDataset(decode),
         batch_sampler=steps,
         collate_fn=collate_skipping,
         num_workers=workers,

@@ -313,7 +313,7 @@ class ShardSource(Source):
         return open_verified(self.store, info, cache)
 
     def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
-        from sparknet.data.imagenet import train_transform
+        from sparknet.data.imagenet import TrainDecoder
         from sparknet.data.loader import decoded_batches, derived_seed
 
         shards = self.manifest.shards(self.TRAIN)
@@ -341,13 +341,13 @@ class ShardSource(Source):
             keep_cursor(key, cursor)  # the whole round was read: the next round continues here
 
         batches = decoded_batches(
-            prefetch(steps(), depth=2), train_transform(self.image_size),
-            min_size=self.image_size, workers=self.loader_workers, cores=inp.threads,
+            prefetch(steps(), depth=2), TrainDecoder(self.image_size),
+            workers=self.loader_workers, cores=inp.threads,
         )  # fmt: skip
         yield from batches
 
     def eval_batches(self, inp: TaskInput) -> Iterator:
-        from sparknet.data.imagenet import eval_resize, eval_transform
+        from sparknet.data.imagenet import EvalDecoder
         from sparknet.data.loader import decoded_batches
 
         if not _split_samples(self.manifest, self.EVAL):  # missing or empty: like no val
@@ -370,10 +370,9 @@ class ShardSource(Source):
             if chunk:
                 yield chunk
 
-        transform = eval_transform(self.image_size)
         yield from decoded_batches(
-            prefetch(steps(), depth=2), transform,
-            min_size=eval_resize(self.image_size), workers=self.loader_workers, cores=inp.threads,
+            prefetch(steps(), depth=2), EvalDecoder(self.image_size),
+            workers=self.loader_workers, cores=inp.threads,
         )  # fmt: skip
 
 

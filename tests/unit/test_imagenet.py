@@ -16,11 +16,11 @@ from sparknet.data.imagenet import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     KAGGLE_DATA,
+    TrainDecoder,
     decode_image,
     eval_transform,
     normalize,
     scan,
-    train_transform,
 )
 from sparknet.errors import SparknetError
 from tests.imagenet_tree import class_name, corrupt_jpeg, make_tree, render
@@ -230,19 +230,59 @@ def test_eval_transform_gives_a_square_uint8_image_that_normalize_scales():
     torch.testing.assert_close(batch[1], reference)
 
 
-def test_train_transform_is_deterministic_under_a_fixed_torch_seed():
-    image = Image.open(io.BytesIO(_jpeg((100, 60)))).convert("RGB")
-    transform = train_transform(24)
+def test_the_train_decoder_is_deterministic_under_a_fixed_torch_seed():
+    decode, data = TrainDecoder(24), _jpeg((100, 60))
 
     def sample(seed: int) -> torch.Tensor:
         torch.default_generator.manual_seed(seed)
-        return transform(image)
+        return decode(data)
 
     first = sample(7)
     assert first.shape == (3, 24, 24)
     assert first.dtype == torch.uint8
     assert torch.equal(first, sample(7))
     assert any(not torch.equal(first, sample(s)) for s in range(8, 12))
+
+
+def test_the_train_decoder_makes_torchvisions_crops_and_flips():
+    """Same draws as RandomResizedCrop + RandomHorizontalFlip on the fully decoded image: where
+    the crop allows no reduced decode (small output), the pixels agree to rounding."""
+    data = _jpeg((160, 120))
+    full = decode_image(data)
+    recipe = v2.Compose(
+        [v2.RandomResizedCrop(32, antialias=True), v2.RandomHorizontalFlip(), v2.ToImage()]
+    )
+    for seed in range(20):
+        torch.default_generator.manual_seed(seed)
+        ours = TrainDecoder(32)(data)
+        torch.default_generator.manual_seed(seed)
+        theirs = recipe(full)
+        diff = (ours.int() - theirs.int()).abs().float().mean()
+        assert diff < 3.0, (seed, diff)  # the same crop and flip; another resize kernel's rounding
+
+
+def test_the_train_decoder_decodes_big_crops_at_reduced_scale_only(monkeypatch):
+    """A crop with 4x the output's pixels a side decodes at 1/4 scale; a small crop in full."""
+    data = _jpeg((640, 480))
+    from PIL.JpegImagePlugin import JpegImageFile
+
+    drafts: list = []
+    real = JpegImageFile.draft
+
+    def spy(self, mode, size):
+        drafts.append(size)
+        return real(self, mode, size)
+
+    monkeypatch.setattr(JpegImageFile, "draft", spy)
+    for seed in range(30):
+        torch.default_generator.manual_seed(seed)
+        assert TrainDecoder(56)(data).shape == (3, 56, 56)
+    assert drafts and all(size[0] in (320, 160, 80) for size in drafts)  # 1/2, 1/4, 1/8
+    drafts.clear()
+    for seed in range(30):
+        torch.default_generator.manual_seed(seed)
+        TrainDecoder(400)(data)  # no crop is 800 px a side
+    assert drafts == []
 
 
 @pytest.mark.parametrize("what", ["image", "class"])

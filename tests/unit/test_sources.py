@@ -107,5 +107,5 @@ def test_an_unset_loader_worker_count_decodes_in_the_task_on_one_core(monkeypatc
         return real(*args, **kwargs)
 
     monkeypatch.setattr(loader, "DataLoader", spy)  # records the choice; the loader is real
-    list(loader.decoded_batches([[None]], lambda x: x, min_size=None, workers=None, cores=1))
+    list(loader.decoded_batches([[None]], lambda x: x, workers=None, cores=1))
     assert seen == [0]

@@ -137,7 +137,7 @@ def test_batches_are_a_pure_function_of_round_whatever_was_read_before(tmp_path,
     source = ShardSource(LocalStore(tmp_path), manifest, 8, 0, None, 0)
     seen: list = []
 
-    def fake_decoded(steps, transform, *, min_size, workers, cores):
+    def fake_decoded(steps, decode, *, workers, cores):
         for items in steps:
             seen.append([None if i is None else (i[0], i[2]) for i in items])
             yield None
