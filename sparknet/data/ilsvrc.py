@@ -77,8 +77,8 @@ def _members(fileobj, base: int, where: str, end: int) -> list[Member]:
     try:
         with tarfile.open(fileobj=fileobj, mode="r:") as tar:
             for info in tar:
-                if info.isfile():
-                    out.append(Member(info.name, base + info.offset_data, info.size))
+                if info.isfile():  # links and devices are nobody's images
+                    out.append(Member(_utf8(info.name, where), base + info.offset_data, info.size))
     except tarfile.TarError as exc:
         if "unexpected end" in str(exc):  # tarfile's words for a header cut short
             raise SparknetError(
@@ -90,6 +90,19 @@ def _members(fileobj, base: int, where: str, end: int) -> list[Member]:
             f"{where} ends inside {out[-1].name}: the download is incomplete; finish or repeat it"
         )
     return out
+
+
+def _utf8(name: str, where: str) -> str:
+    """A member name the manifest (JSON) can hold: tarfile decodes other bytes to lone
+    surrogates, which no reader could load back."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise SparknetError(
+            f"{where} holds {shown}, whose name is not valid UTF-8: repack it without that file"
+        ) from None
+    return name
 
 
 def tar_members(path: Path) -> list[Member]:

@@ -734,11 +734,26 @@ def write_dataset(
             f"--max-side must be at least {MIN_SIDE} and --quality 1..100, got "
             f"{resize.max_side} and {resize.quality}"
         )
-    src = Path(src)
-    tree = scan(src, classes)
-    dest = Path(dest)
+    src, dest = Path(src), Path(dest)
+    if not src.is_dir():
+        scan(src, classes)  # its one-line error, before DEST is made
+    new = not dest.exists()
     try:
-        return _write_dataset(tree, src, dest, shard_bytes, seed, processes, resize, on_progress)
+        dest.mkdir(parents=True, exist_ok=True)
+        # the lock first: indexing the official train tar reads a million headers, which a
+        # second run into the same DEST should not do before it is refused
+        with _dest_lock(dest):
+            try:
+                tree = scan(src, classes)
+            except SparknetError:
+                if new:  # a bad SRC leaves no DEST behind
+                    (dest / LOCK_NAME).unlink(missing_ok=True)
+                    with contextlib.suppress(OSError):
+                        dest.rmdir()
+                raise
+            return _write_dataset(
+                tree, src, dest, shard_bytes, seed, processes, resize, on_progress
+            )
     except OSError as exc:
         raise _os_error(exc, dest) from None  # from None: the chained trace would print it twice
 
@@ -753,78 +768,77 @@ def _write_dataset(
     resize: Resize | None,
     on_progress: Callable[[str, int, int], None] | None,
 ) -> WriteReport:
-    """`write_dataset` once the source is scanned; may raise OSError about the destination."""
-    dest.mkdir(parents=True, exist_ok=True)
+    """`write_dataset` once the source is scanned, under DEST's lock; may raise OSError about
+    the destination."""
     report = on_progress or (lambda phase, done, total: None)
-    with _dest_lock(dest):
-        checked = check_images(tree, src, dest, processes, report)
-        plans = {
-            split: plan_shards(
-                images,
-                split=split,
-                seed=seed,
-                target_bytes=shard_bytes,
-                resize=resize,
-                pixels=checked.pixels,
-            )
-            for split, images in checked.good.items()
-        }
-        jobs = [(plan, dest) for split_plans in plans.values() for plan in split_plans]
-        (dest / MANIFEST_NAME).unlink(missing_ok=True)
-        _remove_stale_temps(dest)
-
-        results: dict[str, ShardResult] = {}
-        total = sum(len(plan.images) for plan, _ in jobs)
-        written = 0
-
-        def record(result: ShardResult) -> None:
-            nonlocal written
-            results[result.info.name] = result
-            written += result.info.samples
-            report(WRITE, written, total)
-
-        report(WRITE, 0, total)
-        workers = min(processes or _threads(len(jobs)), len(jobs))
-        if processes is None and workers > 1:
-            # threads by default: decoding, hashing and file I/O release the GIL, and a thread
-            # costs nothing to start, where each spawned process pays ~0.5 s of CPU to start
-            # Python and its imports (measured on 2 busy cores: 2 processes lost to 1, 2 threads
-            # used the CPU of 1)
-            with ThreadPoolExecutor(workers, thread_name_prefix="sparknet-shard") as pool:
-                for result in pool.map(_ensure_shard, jobs):
-                    record(result)
-        elif workers <= 1:
-            for job in jobs:
-                record(_ensure_shard(job))
-        else:
-            with _pool_ignoring_sigint(workers) as pool:
-                for result in pool.imap_unordered(_ensure_shard, jobs):
-                    record(result)
-
-        removed = _remove_orphans(dest, {plan.name for plan, _ in jobs})
-        manifest = Manifest(
-            classes=tree.classes,
-            splits={
-                split: [results[p.name].info for p in split_plans]
-                for split, split_plans in plans.items()
-            },
-            rejected=[*checked.rejected, *tree.skipped],
-            subset_of=tree.source_classes if tree.num_classes < tree.source_classes else None,
-            max_side=resize.max_side if resize is not None else None,
-            quality=resize.quality if resize is not None else None,
+    checked = check_images(tree, src, dest, processes, report)
+    plans = {
+        split: plan_shards(
+            images,
+            split=split,
+            seed=seed,
+            target_bytes=shard_bytes,
+            resize=resize,
+            pixels=checked.pixels,
         )
-        _atomic_write_text(dest / MANIFEST_NAME, manifest.dumps())
-        names = [plan.name for plan, _ in jobs]
-        return WriteReport(
-            manifest=manifest,
-            written=[n for n in names if not results[n].kept],
-            reused=[n for n in names if results[n].kept],
-            removed=removed,
-            warnings=[
-                *_empty_classes(tree, checked),
-                *_reshuffled(checked.changed, [n for n in names if not results[n].kept], names),
-            ],
-            rejected=checked.rejected,
-            skipped=tree.skipped,
-            other_classes_val=tree.other_classes_val,
-        )
+        for split, images in checked.good.items()
+    }
+    jobs = [(plan, dest) for split_plans in plans.values() for plan in split_plans]
+    (dest / MANIFEST_NAME).unlink(missing_ok=True)
+    _remove_stale_temps(dest)
+
+    results: dict[str, ShardResult] = {}
+    total = sum(len(plan.images) for plan, _ in jobs)
+    written = 0
+
+    def record(result: ShardResult) -> None:
+        nonlocal written
+        results[result.info.name] = result
+        written += result.info.samples
+        report(WRITE, written, total)
+
+    report(WRITE, 0, total)
+    workers = min(processes or _threads(len(jobs)), len(jobs))
+    if processes is None and workers > 1:
+        # threads by default: decoding, hashing and file I/O release the GIL, and a thread
+        # costs nothing to start, where each spawned process pays ~0.5 s of CPU to start
+        # Python and its imports (measured on 2 busy cores: 2 processes lost to 1, 2 threads
+        # used the CPU of 1)
+        with ThreadPoolExecutor(workers, thread_name_prefix="sparknet-shard") as pool:
+            for result in pool.map(_ensure_shard, jobs):
+                record(result)
+    elif workers <= 1:
+        for job in jobs:
+            record(_ensure_shard(job))
+    else:
+        with _pool_ignoring_sigint(workers) as pool:
+            for result in pool.imap_unordered(_ensure_shard, jobs):
+                record(result)
+
+    removed = _remove_orphans(dest, {plan.name for plan, _ in jobs})
+    manifest = Manifest(
+        classes=tree.classes,
+        splits={
+            split: [results[p.name].info for p in split_plans]
+            for split, split_plans in plans.items()
+        },
+        rejected=[*checked.rejected, *tree.skipped],
+        subset_of=tree.source_classes if tree.num_classes < tree.source_classes else None,
+        max_side=resize.max_side if resize is not None else None,
+        quality=resize.quality if resize is not None else None,
+    )
+    _atomic_write_text(dest / MANIFEST_NAME, manifest.dumps())
+    names = [plan.name for plan, _ in jobs]
+    return WriteReport(
+        manifest=manifest,
+        written=[n for n in names if not results[n].kept],
+        reused=[n for n in names if results[n].kept],
+        removed=removed,
+        warnings=[
+            *_empty_classes(tree, checked),
+            *_reshuffled(checked.changed, [n for n in names if not results[n].kept], names),
+        ],
+        rejected=checked.rejected,
+        skipped=tree.skipped,
+        other_classes_val=tree.other_classes_val,
+    )

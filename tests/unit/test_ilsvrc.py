@@ -359,3 +359,26 @@ def test_max_side_shards_are_planned_near_the_target(tmp_path):
     sizes = np.array([s.bytes for s in report.manifest.shards("train")])
     assert len(sizes) >= 2
     assert sizes.max() <= 60_000 * 1.3 and sizes.mean() >= 60_000 * 0.5, sizes
+
+
+def test_a_bad_source_leaves_no_destination_behind(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / TRAIN_TAR).write_bytes(b"")
+    for src in (tmp_path / "missing", tmp_path / "src"):
+        with pytest.raises(SparknetError):
+            write_dataset(src, tmp_path / "new" / "ds")
+        assert not (tmp_path / "new" / "ds").exists()
+
+
+def test_a_member_name_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    src = tmp_path / "src"
+    (src / "train").mkdir(parents=True)
+    tar_path = src / "train" / "n00000001.tar"
+    with tarfile.open(tar_path, "w", format=tarfile.GNU_FORMAT, encoding="latin-1") as tar:
+        data = _encode(render(1, split="train", i=0, size=(32, 24), seed=0))
+        info = tarfile.TarInfo("caf\xe9.JPEG")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(SparknetError, match="whose name is not valid UTF-8") as e:
+        scan(src)
+    assert "\n" not in str(e.value)
