@@ -129,7 +129,9 @@ def scan(src: Path, classes: list[str] | None = None) -> ImageTree:
                 f"{_where(src, data, w)} has no images (*.JPEG/*.jpg): add its images or remove it"
             )
         labelled["train"].extend((f, index[w]) for f in images)
-    val, other = _scan_val(src, data, meta_dirs, devkit, index, set(train_classes), classes)
+    val, other = _scan_val(
+        src, data, meta_dirs, devkit, index, set(train_classes), classes, skipped
+    )
     if val:
         labelled["val"] = val
     return ImageTree(
@@ -153,11 +155,12 @@ def _where(src: Path, data: Path | None, wnid: str) -> str:
 def _data_root(src: Path) -> Path | None:
     """The directory holding train/: `src` itself, or Kaggle's `ILSVRC/Data/CLS-LOC` under it;
     None when train comes from the train tar in `src`."""
-    if (src / "train").is_dir():
-        return src
+    tar = (src / ilsvrc.TRAIN_TAR).is_file()
+    if (src / "train").is_dir() and not (tar and _nothing_in(src / "train")):
+        return src  # an empty train/ beside the tar is where someone meant to extract it
     if (src / KAGGLE_DATA / "train").is_dir():
         return src / KAGGLE_DATA
-    if (src / ilsvrc.TRAIN_TAR).is_file():
+    if tar:
         return None
     raise SparknetError(
         f"no train/ directory or {ilsvrc.TRAIN_TAR} in {src}: pass the directory that holds "
@@ -165,6 +168,10 @@ def _data_root(src: Path) -> Path | None:
         f"{ilsvrc.VAL_TAR}, {ilsvrc.DEVKIT_TAR}), or the Kaggle ImageNet root (with "
         f"{KAGGLE_DATA}/train/)"
     )
+
+
+def _nothing_in(directory: Path) -> bool:
+    return not any(not e.name.startswith(".") for e in os.scandir(directory))
 
 
 def _meta_dirs(src: Path, data: Path | None) -> list[Path]:
@@ -348,12 +355,14 @@ def _scan_val(
     index: dict[str, int],
     train_wnids: set[str],
     classes: list[str] | None,
+    skipped: list[RejectedImage],
 ) -> tuple[list[tuple[_Found, int]], int]:
     """Val's (image, label) pairs and how many val images of classes not kept were left out.
 
     val/<wnid>/* when val/ has class dirs; a flat val/ labelled by Kaggle's CSV or the devkit; or
     the val tar labelled by the devkit."""
     val_dir = data / "val" if data is not None else None
+    flat: list[_Found] = []
     if val_dir is not None and val_dir.is_dir():
         subdirs = sorted(
             _utf8(val_dir, e.name)
@@ -361,18 +370,16 @@ def _scan_val(
             if e.is_dir() and not e.name.startswith(".")
         )
         if subdirs:
-            return _val_class_dirs(src, val_dir, subdirs, index, train_wnids, classes)
-        flat = _images(_dir_files(src, val_dir), "val", [])
+            return _val_class_dirs(src, val_dir, subdirs, index, train_wnids, classes, skipped)
+        flat = _images(_dir_files(src, val_dir), "val", skipped)
         where = str(val_dir)
-    elif (src / ilsvrc.VAL_TAR).is_file():
+    if (not flat) and (src / ilsvrc.VAL_TAR).is_file():  # no val/, or an empty one
         tar = src / ilsvrc.VAL_TAR
         found = [
             _Found(tar, f"{ilsvrc.VAL_TAR}/{m.name}", m.offset, m.size)
             for m in ilsvrc.tar_members(tar)
         ]
-        flat, where = _images(found, "val", []), str(tar)
-    else:
-        return [], 0
+        flat, where = _images(found, "val", skipped), str(tar)
     if not flat:
         return [], 0
     label_of, source = _flat_val_labels(src, meta_dirs, devkit, where)
@@ -430,6 +437,7 @@ def _val_class_dirs(
     index: dict[str, int],
     train_wnids: set[str],
     classes: list[str] | None,
+    skipped: list[RejectedImage],
 ) -> tuple[list[tuple[_Found, int]], int]:
     out, other = [], 0
     for w in subdirs:
@@ -438,10 +446,10 @@ def _val_class_dirs(
                 f"validation directory {val_dir / w} is not a class in train/ "
                 f"({len(train_wnids)} classes): remove it or add train/{w}/"
             )
-        images = _images(_dir_files(src, val_dir / w), "val", [])
         if w not in index:
-            other += len(images)
+            other += len(_images(_dir_files(src, val_dir / w), "val", []))
             continue
+        images = _images(_dir_files(src, val_dir / w), "val", skipped)
         if not images:
             raise SparknetError(
                 f"class directory {val_dir / w} has no images (*.JPEG/*.jpg): add its images "

@@ -382,3 +382,24 @@ def test_a_member_name_that_is_not_utf8_is_refused_naming_it(tmp_path):
     with pytest.raises(SparknetError, match="whose name is not valid UTF-8") as e:
         scan(src)
     assert "\n" not in str(e.value)
+
+
+def test_empty_train_and_val_dirs_beside_the_tars_do_not_hide_them(downloads, tmp_path):
+    """Someone made train/ and val/ to extract into, then did not: the tars are read."""
+    src = tmp_path / "dl"
+    src.mkdir()
+    for name in (TRAIN_TAR, VAL_TAR, DEVKIT_TAR):
+        os.symlink(downloads.dl / name, src / name)
+    (src / "train").mkdir()
+    (src / "val").mkdir()
+    tree = scan(src)
+    assert _labels(tree.splits["val"]) == _labels(scan(downloads.folders).splits["val"])
+    assert len(tree.splits["train"]) == len(scan(downloads.folders).splits["train"])
+
+
+def test_val_files_that_are_not_jpegs_are_skipped_too(tmp_path):
+    src = tmp_path / "src"
+    wnids = make_tree(src, classes=2, train_per_class=2, val_per_class=1, size=(32, 24))
+    (src / "val" / wnids[0] / "x.png").write_bytes(b"not read")
+    tree = scan(src)
+    assert [(r.split, r.path) for r in tree.skipped] == [("val", f"val/{wnids[0]}/x.png")]
