@@ -68,7 +68,7 @@ CHECKS_NAME = ".sparknet-checks.json"
 JOURNAL_NAME = ".sparknet-checks.jsonl"
 #: images handed to the check pool at a time: bounds memory (1.3M futures would be gigabytes)
 #: and what Ctrl-C waits for
-CHECK_BATCH = 256
+CHECK_BATCH = 1024
 #: how on_progress names its phases; both count images
 CHECK, WRITE = "check", "write"
 
@@ -433,9 +433,10 @@ class CheckedTree:
     pixels: dict[SourceImage, tuple[int, int]] = field(default_factory=dict)
 
 
-def _load_checks(dest: Path, src: Path) -> dict[str, list]:
-    """Earlier runs' decode checks of this source: relative path -> [*source key, problem], from
-    the last finished check phase and then the journal of an interrupted one."""
+def _load_checks(dest: Path, src: Path) -> tuple[dict[str, list], set[str]]:
+    """Earlier runs' decode checks of this source: relative path -> [*source key, problem,
+    width, height], from the last finished check phase and then the journal of an interrupted
+    one; and the paths the last finished phase saw (what "added or removed since" compares to)."""
     where = str(src.resolve())
     known: dict[str, list] = {}
     try:
@@ -444,10 +445,11 @@ def _load_checks(dest: Path, src: Path) -> dict[str, list]:
             known = {str(k): list(v) for k, v in record["images"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
+    finished = set(known)
     try:
         with open(dest / JOURNAL_NAME, encoding="utf-8") as f:
             if json.loads(f.readline() or "{}").get("src") != where:
-                return known
+                return known, finished
             for line in f:
                 try:
                     rel, check = json.loads(line)
@@ -456,7 +458,7 @@ def _load_checks(dest: Path, src: Path) -> dict[str, list]:
                     continue  # the line a kill cut short
     except (OSError, ValueError, AttributeError):
         pass
-    return known
+    return known, finished
 
 
 class _Journal:
@@ -531,7 +533,7 @@ def check_images(
     after an interrupted or a finished run, decodes only images not checked yet or changed since.
 
     A split with no image that decodes is refused in one line (it would make empty shards)."""
-    known = _load_checks(dest, src)
+    known, finished = _load_checks(dest, src)
     images = [
         (split, image) for split, split_images in tree.splits.items() for image in split_images
     ]
@@ -580,7 +582,7 @@ def check_images(
                 f"no image of the {split} split of {src} decodes ({len(tree.splits[split])} "
                 f"tried, e.g. {first.path}: {first.reason}): replace the damaged files"
             )
-    changed = len(set(rels) ^ set(known)) if known else 0
+    changed = len(set(rels) ^ finished) if finished else 0
     return CheckedTree(good, rejected, changed, pixels)
 
 

@@ -268,6 +268,7 @@ def test_an_interrupted_check_resumes_where_it_stopped(downloads, tmp_path, monk
     total = report.manifest.samples("train") + report.manifest.samples("val") + 2  # 2 broken
     assert len(calls) == total - 10  # the 10 checked before Ctrl-C are not decoded again
     assert not (dest / JOURNAL_NAME).exists()  # folded into the checks file
+    assert not [w for w in report.warnings if "added or removed" in w]  # nothing was
 
 
 def test_a_killed_check_keeps_what_it_checked(downloads, tmp_path):
