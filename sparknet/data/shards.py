@@ -653,21 +653,35 @@ def reading_lock(src: Path) -> Iterator[None]:
 def _pool_ignoring_sigint(workers: int) -> Iterator[multiprocessing.pool.Pool]:
     """A spawned pool whose processes leave Ctrl-C (sent to the whole foreground group) to the
     parent, which stops the pool and prints one line; each worker would otherwise print its own
-    KeyboardInterrupt traceback. The processes are started while SIGINT is ignored: an ignored
-    signal stays ignored across exec, so they ignore it from their first instruction on, imports
-    included. The parent's handler is back before any job runs."""
+    KeyboardInterrupt traceback.
+
+    The processes are started while this thread blocks SIGINT: a blocked signal stays blocked
+    across exec, so they never see it, imports included. A Ctrl-C in the meantime is not lost
+    (as it would be with SIGINT ignored): another thread may take it, so a handler notes it, and
+    it is raised once the pool is up and in the `with`, so the pool is terminated."""
     # spawn, not fork: the caller may hold threads (Spark, torch) that fork would break
     ctx = multiprocessing.get_context("spawn")
     if threading.current_thread() is not threading.main_thread():  # cannot touch handlers
         with ctx.Pool(workers) as pool:
             yield pool
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # it unblocks SIGINT when it starts itself
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         pool = ctx.Pool(workers)
-    finally:
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         signal.signal(signal.SIGINT, previous)
+        raise
     with pool:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending Ctrl-C: noted now
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            raise KeyboardInterrupt
         yield pool
 
 

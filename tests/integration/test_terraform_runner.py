@@ -210,10 +210,16 @@ def test_an_interrupt_stops_terraform_gracefully_and_releases_the_state_lock(tmp
             time.sleep(0.1)
         os.kill(os.getpid(), signal.SIGINT)
 
-    threading.Thread(target=interrupt_once_started, daemon=True).start()
-    started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        runner.apply({})
+    # Python's own SIGINT handler, whatever an earlier test in this worker process left (a
+    # SparkContext installs one of its own): what a `kill PID` meets in the CLI
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt_once_started, daemon=True).start()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            runner.apply({})
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert marker.exists()
     assert time.monotonic() - started < 50  # the provisioner was stopped, not sat out
     assert not (runner.state_dir / ".terraform.tfstate.lock.info").exists()
