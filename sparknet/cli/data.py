@@ -121,7 +121,10 @@ def data_shard(
     shard_mb: int = typer.Option(256, "--shard-mb", min=1, help="target shard size (MiB)"),
     seed: int = typer.Option(0, help="seed of the shuffle that mixes classes across shards"),
     processes: int | None = typer.Option(
-        None, min=1, help="processes that decode-check and write; default: one thread per core"
+        None,
+        min=1,
+        help="processes that decode-check and write; default: every core, threads for a "
+        "source under 10,000 images, processes for a bigger one",
     ),
     classes: str | None = typer.Option(
         None, help="keep only these classes: a file of wnids (one a line) or wnid,wnid,..."

@@ -509,3 +509,20 @@ def test_a_rerun_after_images_were_added_or_removed_warns_that_shards_were_rewri
     assert warning.startswith("warning: 1 source images were added or removed since the last run")
     total = len(again.written) + len(again.reused)
     assert again.written and f"{len(again.written)} of {total} shards were rewritten" in warning
+
+
+def test_the_default_uses_threads_for_a_small_source_and_processes_for_a_big_one(monkeypatch):
+    """From the figures in PROCESS_MIN_IMAGES's comment: a pool's start-up is paid back only
+    over many images; `--processes N` means N processes for both phases, 1 serially."""
+    from sparknet.data.shards import MAX_DEFAULT_PROCESSES, PROCESS_MIN_IMAGES, _workers
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert _workers(None, PROCESS_MIN_IMAGES - 1, 50) == ("threads", 4)
+    assert _workers(None, PROCESS_MIN_IMAGES, 50) == ("processes", 4)
+    assert _workers(None, 10**6, 3) == ("processes", 3)  # never more workers than jobs
+    assert _workers(None, 10**6, 1) == ("threads", 1)
+    assert _workers(2, 10, 50) == ("processes", 2) and _workers(1, 10**6, 50) == ("threads", 1)
+    monkeypatch.setattr(os, "cpu_count", lambda: 96)
+    assert _workers(None, 10**6, 5000) == ("processes", MAX_DEFAULT_PROCESSES)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert _workers(None, 10**6, 5000) == ("threads", 1)
