@@ -596,7 +596,8 @@ class TrainDecoder:
     draws as torchvision's RandomResizedCrop), then the JPEG is decoded at the smallest of
     libjpeg's 1/2, 1/4, 1/8 DCT scales at which the crop still has at least `size` pixels a
     side: a large crop of a large photo costs a fraction of a full decode, and no crop is ever
-    upsampled more than after a full decode. Crop and resize are one antialiased PIL resize.
+    upsampled more than after a full decode. The crop is resized by torch's vectorised uint8
+    bilinear kernel (antialiased, as torchvision's transform is).
 
     Scaling to float and normalizing happen once per batch (`normalize`), not per image: one
     vectorised op instead of a few per image, and a quarter of the bytes through the DataLoader's
@@ -613,7 +614,7 @@ class TrainDecoder:
     def __call__(self, data: bytes) -> torch.Tensor:
         import torch
         from torchvision.transforms import RandomResizedCrop
-        from torchvision.transforms.v2.functional import pil_to_tensor
+        from torchvision.transforms.v2 import functional as F
 
         image = Image.open(io.BytesIO(data))
         width, height = image.size
@@ -625,11 +626,16 @@ class TrainDecoder:
             image.draft("RGB", (-(-width // reduce), -(-height // reduce)))
         sx, sy = width / image.size[0], height / image.size[1]
         rgb = image if image.mode == "RGB" else image.convert("RGB")
-        box = (left / sx, top / sy, (left + w) / sx, (top + h) / sy)
-        out = rgb.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box)
+        pixels = F.pil_to_tensor(rgb)
+        y0, x0 = round(top / sy), round(left / sx)
+        crop = pixels[
+            :, y0 : max(y0 + 1, round((top + h) / sy)), x0 : max(x0 + 1, round((left + w) / sx))
+        ]
+        # torch's uint8 bilinear kernel (antialiased, vectorised): 1.5-2.5x PIL's resize here
+        out = F.resize(crop, [self.size, self.size], antialias=True)
         if torch.rand(1) < 0.5:  # RandomHorizontalFlip's draw
-            out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        return pil_to_tensor(out)
+            out = out.flip(-1)
+        return out
 
 
 class EvalDecoder:
