@@ -130,18 +130,26 @@ def data_shard(
         None, help="keep only these classes: a file of wnids (one a line) or wnid,wnid,..."
     ),
     max_side: int | None = typer.Option(
-        None, "--max-side", min=32, help="store images shrunk so the longer side is at most this"
+        None,
+        "--max-side",
+        min=32,
+        max=65500,
+        help="store images shrunk so the longer side is at most this",
     ),
-    quality: int = typer.Option(90, min=1, max=100, help="JPEG quality of shrunk images"),
+    quality: int | None = typer.Option(
+        None, min=1, max=100, help="JPEG quality of shrunk images (with --max-side); default 90"
+    ),
     debug: bool = DebugOption,
 ) -> None:
     """Write WebDataset tar shards and manifest.json; a re-run keeps shards already written."""
     from sparknet.data.imagenet import read_class_list
-    from sparknet.data.shards import Resize, write_dataset
+    from sparknet.data.shards import DEFAULT_QUALITY, Resize, write_dataset
 
     try:
         wanted = read_class_list(classes) if classes is not None else None
-        resize = Resize(max_side, quality) if max_side is not None else None
+        if quality is not None and max_side is None:
+            raise SparknetError("--quality is the quality of images --max-side shrinks: add it")
+        resize = Resize(max_side, quality or DEFAULT_QUALITY) if max_side is not None else None
         with _ShardProgress() as progress:
             report = write_dataset(
                 src, dest, shard_bytes=shard_mb << 20, seed=seed, processes=processes,

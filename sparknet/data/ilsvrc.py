@@ -74,22 +74,36 @@ def _members(fileobj, base: int, where: str, end: int) -> list[Member]:
     """The regular-file members of the tar read from `fileobj`, whose byte 0 is `base` in the file
     on disk; one line when it is not a tar or is cut short (`end`: the bytes the file has)."""
     out = []
+    seen: set[str] = set()
     try:
         with tarfile.open(fileobj=fileobj, mode="r:") as tar:
             for info in tar:
-                if info.isfile():  # links and devices are nobody's images
-                    out.append(Member(_utf8(info.name, where), base + info.offset_data, info.size))
+                if not info.isfile():  # links and devices are nobody's images
+                    continue
+                if info.name in seen:  # the second copy would be read twice, or replace one
+                    raise SparknetError(
+                        f"{where} holds {info.name} twice: it is not as downloaded; download it "
+                        "again"
+                    )
+                seen.add(info.name)
+                out.append(Member(_utf8(info.name, where), base + info.offset_data, info.size))
     except tarfile.TarError as exc:
         if "unexpected end" in str(exc):  # tarfile's words for a header cut short
             raise SparknetError(
                 f"{where} ends inside a member: the download is incomplete; finish or repeat it"
             ) from None
-        raise SparknetError(f"{where} is not a readable tar ({exc}): download it again") from None
+        raise SparknetError(
+            f"{where} is not a readable tar ({_one_line(exc)}): download it again"
+        ) from None
     if out and out[-1].offset + out[-1].size > end:
         raise SparknetError(
             f"{where} ends inside {out[-1].name}: the download is incomplete; finish or repeat it"
         )
     return out
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _utf8(name: str, where: str) -> str:
@@ -169,7 +183,9 @@ def _devkit_files(path: Path) -> tuple[bytes, bytes]:
                     if info.isfile() and info.name.endswith("/" + name):
                         found[name] = tar.extractfile(info).read()  # type: ignore[union-attr]
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise SparknetError(f"{path} is not a readable tar.gz ({exc}): download it again") from None
+        raise SparknetError(
+            f"{path} is not a readable tar.gz ({_one_line(exc)}): download it again"
+        ) from None
     missing = [name for name in wanted if name not in found]
     if missing:
         raise SparknetError(
@@ -195,13 +211,17 @@ def read_devkit(path: Path) -> Devkit:
         leaves = [int(n) == 0 for n in synsets["num_children"]]
     except Exception as exc:  # scipy raises many types for a damaged .mat
         raise SparknetError(
-            f"{path}: {META_MAT} cannot be read ({type(exc).__name__}: {exc}): download the "
-            "devkit again"
+            f"{path}: {META_MAT} cannot be read ({type(exc).__name__}: {_one_line(exc)}): "
+            "download the devkit again"
         ) from None
     id_to_wnid = {i: w for i, w, leaf in zip(ids, wnids, leaves, strict=True) if leaf}
     names = {w: n for w, n, leaf in zip(wnids, words, leaves, strict=True) if leaf}
     val_wnids = []
-    for n, line in enumerate(truth_bytes.decode("ascii", "replace").split(), start=1):
+    lines = truth_bytes.decode("ascii", "replace").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    for n, raw in enumerate(lines, start=1):
+        line = raw.strip()
         wnid = id_to_wnid.get(int(line)) if line.isdigit() else None
         if wnid is None:
             raise SparknetError(

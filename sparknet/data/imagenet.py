@@ -248,6 +248,11 @@ def _train_classes(src: Path, data: Path | None) -> dict[str, Callable[[], list[
             wnid, suffix = os.path.splitext(PurePosixPath(inner.name).name)
             if suffix != ".tar" or not wnid:
                 continue
+            if wnid in out:  # two tars of one class: one would replace the other's images
+                raise SparknetError(
+                    f"{tar} holds two tars of class {wnid} (the second is {inner.name}): it is "
+                    f"not as downloaded; download {ilsvrc.TRAIN_TAR} again"
+                )
             out[wnid] = lambda inner=inner: [
                 _Found(tar, f"{ilsvrc.TRAIN_TAR}/{inner.name}/{m.name}", m.offset, m.size)
                 for m in ilsvrc.nested_members(tar, inner)
@@ -320,13 +325,22 @@ def read_class_list(value: str) -> list[str]:
     """`--classes`: a file with one wnid per line (blank lines and `#` comments ignored), or
     wnids separated by commas."""
     path = Path(value)
+    if path.is_dir():
+        raise SparknetError(f"--classes {value} is a directory: give a file of wnids or wnid,...")
     if path.is_file():
-        lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
-        wnids = [w for w in lines if w]
+        try:
+            text = path.read_text(encoding="utf-8-sig")  # a BOM is not part of the first wnid
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SparknetError(
+                f"--classes file {value} cannot be read as UTF-8 text ({exc.__class__.__name__}):"
+                " give a text file of wnids, one a line"
+            ) from None
+        lines = (line.split("#", 1)[0] for line in text.splitlines())
+        wnids = [w for line in lines for w in line.replace(",", " ").split()]
     elif os.sep in value or (value.endswith(".txt") and "," not in value):
         raise SparknetError(f"--classes file {value} does not exist: give a file or wnid,wnid,...")
     else:
-        wnids = [w.strip() for w in value.split(",") if w.strip()]
+        wnids = value.replace(",", " ").split()
     if not wnids:
         raise SparknetError(f"--classes {value!r} names no class: give wnid,wnid,... or a file")
     return wnids

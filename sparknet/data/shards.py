@@ -773,6 +773,7 @@ def write_dataset(
     src, dest = Path(src), Path(dest)
     if not src.is_dir():
         scan(src, classes)  # its one-line error, before DEST is made
+    _check_not_inside(src, dest)
     new = not dest.exists()
     try:
         dest.mkdir(parents=True, exist_ok=True)
@@ -792,6 +793,20 @@ def write_dataset(
             )
     except OSError as exc:
         raise _os_error(exc, dest) from None  # from None: the chained trace would print it twice
+
+
+def _check_not_inside(src: Path, dest: Path) -> None:
+    """DEST inside SRC's train/ or val/ would be read as a class dir (of shards) by every run."""
+    from sparknet.data.imagenet import KAGGLE_DATA
+
+    target = dest.resolve()
+    for split in ("train", "val"):
+        for where in (src / split, src / KAGGLE_DATA / split):
+            if where.is_dir() and target.is_relative_to(where.resolve()):
+                raise SparknetError(
+                    f"{dest} is inside {where}, where every directory is read as a class: "
+                    "give a DEST outside it"
+                )
 
 
 def _write_dataset(

@@ -404,3 +404,86 @@ def test_val_files_that_are_not_jpegs_are_skipped_too(tmp_path):
     (src / "val" / wnids[0] / "x.png").write_bytes(b"not read")
     tree = scan(src)
     assert [(r.split, r.path) for r in tree.skipped] == [("val", f"val/{wnids[0]}/x.png")]
+
+
+def _retar(src: Path, dest: Path, extra: list[tuple[str, bytes]]) -> None:
+    """A copy of the tar `src` with `extra` members appended."""
+    with tarfile.open(src) as old, tarfile.open(dest, "w", format=tarfile.GNU_FORMAT) as new:
+        for m in old:
+            new.addfile(m, old.extractfile(m))
+        for name, data in extra:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            new.addfile(info, io.BytesIO(data))
+
+
+def test_a_class_or_image_twice_in_a_tar_is_refused_not_merged(downloads, tmp_path):
+    """Probe finding: a second `n...0.tar` (even under another dir) replaced the first one's
+    images with another class's, labelled wrongly, exit 0."""
+    with tarfile.open(downloads.dl / TRAIN_TAR) as tar:
+        other = tar.extractfile(f"{downloads.wnids[1]}.tar").read()
+    for name in (f"sub/{downloads.wnids[0]}.tar", f"{downloads.wnids[0]}.tar"):
+        src = tmp_path / name.replace("/", "_")
+        src.mkdir()
+        _retar(downloads.dl / TRAIN_TAR, src / TRAIN_TAR, [(name, other)])
+        with pytest.raises(
+            SparknetError, match=r"download (it|ILSVRC2012_img_train\.tar) again"
+        ) as e:
+            scan(src)
+        assert "twice" in str(e.value) or "two tars of class" in str(e.value)
+    src = tmp_path / "valdup"
+    src.mkdir()
+    os.symlink(downloads.dl / TRAIN_TAR, src / TRAIN_TAR)
+    os.symlink(downloads.dl / DEVKIT_TAR, src / DEVKIT_TAR)
+    _retar(downloads.dl / VAL_TAR, src / VAL_TAR, [("ILSVRC2012_val_00000001.JPEG", b"x")])
+    with pytest.raises(SparknetError, match=r"holds ILSVRC2012_val_00000001\.JPEG twice"):
+        scan(src)
+
+
+def test_a_damaged_devkit_is_one_line_that_still_says_what_to_do(downloads, tmp_path):
+    src = tmp_path / "dk"
+    src.mkdir()
+    os.symlink(downloads.dl / TRAIN_TAR, src / TRAIN_TAR)
+    for data in (b"\x1f\x8b garbage", b""):
+        (src / DEVKIT_TAR).write_bytes(data)
+        with pytest.raises(SparknetError) as e:
+            scan(src)
+        assert "\n" not in str(e.value) and str(e.value).endswith("download it again")
+
+
+def test_classes_files_and_lists_are_read_as_people_write_them(tmp_path):
+    from sparknet.data.imagenet import read_class_list
+
+    f = tmp_path / "c.txt"
+    f.write_bytes("\ufeffn01 n02,n03\r\n# comment\r\nn04 # four\r\n".encode())
+    assert read_class_list(str(f)) == ["n01", "n02", "n03", "n04"]
+    assert read_class_list("n01 n02, n03") == ["n01", "n02", "n03"]
+    f.write_bytes(b"\xff\xfen01")
+    with pytest.raises(SparknetError, match="cannot be read as UTF-8 text"):
+        read_class_list(str(f))
+    with pytest.raises(SparknetError, match="is a directory"):
+        read_class_list(str(tmp_path))
+
+
+def test_a_dest_inside_the_sources_train_dir_is_refused(tmp_path):
+    src = tmp_path / "src"
+    make_tree(src, classes=2, train_per_class=2, val_per_class=1, size=(32, 24))
+    with pytest.raises(SparknetError, match="give a DEST outside it"):
+        write_dataset(src, src / "train" / "shards")
+    assert not (src / "train" / "shards").exists()
+
+
+def test_quality_needs_max_side_and_max_side_has_a_ceiling(tmp_path):
+    src = tmp_path / "src"
+    make_tree(src, classes=2, train_per_class=2, val_per_class=1, size=(32, 24))
+    for args, needle in (
+        (["--quality", "5"], "--quality is the quality of images --max-side shrinks"),
+        (["--max-side", "99999999999"], "--max-side"),
+    ):
+        done = subprocess.run(
+            [str(SPARKNET), "data", "shard", str(src), str(tmp_path / "ds"), *args],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        lines = done.stderr.splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], done.stderr
+    assert not (tmp_path / "ds").exists()
