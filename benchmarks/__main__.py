@@ -18,7 +18,15 @@ from rich.table import Table
 
 from benchmarks._common import BUSY_FRACTION, RESULTS_DIR, busy_fraction, read_results
 
-BENCHMARKS = ("throughput", "sync_cost", "data_stream", "images_per_core", "precision", "startup")
+BENCHMARKS = (
+    "throughput",
+    "sync_cost",
+    "data_stream",
+    "images_per_core",
+    "shard_workers",
+    "precision",
+    "startup",
+)
 
 
 def _fmt(value: float) -> str:
