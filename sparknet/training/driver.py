@@ -92,21 +92,23 @@ def check_num_classes(cfg: TrainConfig, source: Source) -> None:
     """--num-classes against the classes the dataset says it has, before Spark starts: fewer
     would fail at the first batch with a high label, after every retry (minutes in); more gives
     a head whose extra outputs no label reaches, which is what a subset (ImageNet-100, indexed
-    0..99) trained with ImageNet-1k's 1000 looks like, so it needs `--extra-classes`."""
+    0..99) trained with ImageNet-1k's 1000 looks like, so a shard dataset (whose manifest lists
+    its classes) needs `--extra-classes` for it."""
     have = source.num_classes
     want = cfg.num_classes
     if want is None or have is None or want == have:
         return
     labels = f"its labels run 0..{have - 1}"
-    subset_of = getattr(getattr(source, "manifest", None), "subset_of", None)
-    if subset_of:
-        labels += f": a subset of {subset_of} classes, indexed in its own order"
+    manifest = getattr(source, "manifest", None)
+    if manifest is not None and manifest.subset_of:
+        labels += f": a subset of {manifest.subset_of} classes, indexed in its own order"
     if want < have:
         raise SparknetError(
             f"--num-classes {want} is fewer than the {have} classes of {cfg.data} ({labels}); "
             f"pass --num-classes {have} or leave it out"
         )
-    if not cfg.extra_classes:
+    # a dataset without a manifest only shows its highest label, not how many classes it has
+    if manifest is not None and not cfg.extra_classes:
         raise SparknetError(
             f"--num-classes {want}, but {cfg.data} has {have} classes ({labels}); leave it out, "
             f"or add --extra-classes for a {want}-way head anyway"

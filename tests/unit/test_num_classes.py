@@ -58,3 +58,17 @@ def test_train_refuses_before_spark_starts_in_one_line(subset):
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --num-classes 2 is fewer"), lines
     assert not (subset / "run").exists()
+
+
+def test_a_tensor_dataset_may_have_more_classes_than_its_highest_label_shows():
+    """Without a manifest the class count is a guess from the labels (max + 1): more is fine,
+    fewer still fails before Spark starts."""
+    from sparknet.data.sources import TensorSource
+
+    source = TensorSource.load("tests.helpers:identical_samples")
+    check_num_classes(TrainConfig(data="tests.helpers:identical_samples", num_classes=10), source)
+    have = source.num_classes
+    with pytest.raises(SparknetError, match="is fewer than"):
+        check_num_classes(
+            TrainConfig(data="tests.helpers:identical_samples", num_classes=have - 1), source
+        )
