@@ -112,6 +112,27 @@ class Frames:
     train: object  # pyspark.sql.DataFrame
     eval: object | None
 
+    def by_rank(self, partitions: int):
+        """An RDD of `partitions` partitions whose partition k holds frame partition k's rows of
+        both frames, for a barrier stage whose rank k trains on what task k of a `spark`
+        transport job would (`mapInArrow` over the persisted frame); unpack with `rank_rows`.
+
+        A DataFrame cannot run a barrier stage over two frames at once, so each frame's
+        partitions travel as Arrow IPC blobs, one per record batch, through one shuffle whose
+        partitioner is the identity: exact, unlike a hash of the partition number. The shuffle
+        runs once per stage (its output is reused when the stage runs again), not per round."""
+        tagged = [
+            _blobs(frame, split)
+            for split, frame in enumerate((self.train, self.eval))
+            if frame is not None
+        ]
+        blobs = tagged[0] if len(tagged) == 1 else tagged[0].unionByName(tagged[1])
+        return (
+            blobs.rdd.map(lambda r: (r[0], (r[1], r[2], r[3])))
+            .partitionBy(partitions, lambda k: k)
+            .values()
+        )
+
     def release(self) -> None:
         """Drop the persisted blocks; a no-op once the session is gone (and its blocks with it)."""
         for df in (self.train, self.eval):
@@ -119,6 +140,49 @@ class Frames:
                 # the session may be stopped already (Ctrl-C): then its blocks went with it
                 with contextlib.suppress(Exception):
                     df.unpersist()
+
+
+#: what a frame's partition travels as to its rank: one row per Arrow record batch
+_BLOB_SCHEMA = "partition int, split int, seq int, payload binary"
+
+
+def _blobs(frame, split: int):
+    """`frame`'s record batches as Arrow IPC blobs, tagged with their partition and order."""
+
+    def run(batches: Iterator) -> Iterator:
+        import pyarrow as pa
+        from pyspark import TaskContext
+
+        index = TaskContext.get().partitionId()
+        schema = pa.schema(
+            [("partition", pa.int32()), ("split", pa.int32()), ("seq", pa.int32()),
+             ("payload", pa.binary())]
+        )  # fmt: skip
+        for seq, batch in enumerate(batches):
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, batch.schema) as writer:
+                writer.write_batch(batch)
+            row = {"partition": [index], "split": [split], "seq": [seq],
+                   "payload": [sink.getvalue().to_pybytes()]}  # fmt: skip
+            yield pa.RecordBatch.from_pydict(row, schema)
+
+    return frame.mapInArrow(run, _BLOB_SCHEMA)
+
+
+def rank_rows(items: Iterator) -> tuple[list, list]:
+    """(train, eval) record batches of one `Frames.by_rank` partition, each in its frame's
+    order (a shuffle read interleaves the blocks of different map tasks); eval is empty without
+    an eval frame, and for a partition the eval frame left empty."""
+    import pyarrow as pa
+
+    got: dict[int, list] = {0: [], 1: []}
+    for split, seq, payload in items:
+        got[split].append((seq, payload))
+
+    def batches(blobs: list) -> list:
+        return [pa.ipc.open_stream(payload).read_next_batch() for _, payload in sorted(blobs)]
+
+    return batches(got[0]), batches(got[1])
 
 
 def read_frame(spark, spec: str):

@@ -45,6 +45,7 @@ from pyspark import BarrierTaskContext, SparkContext, SparkFiles
 from pyspark.errors import PySparkException
 
 from sparknet import interrupts
+from sparknet.data.frames import Frames, rank_rows
 from sparknet.data.store import open_store
 from sparknet.errors import PermanentTaskError, SparknetError
 from sparknet.training import checkpoint, device, netbind
@@ -148,6 +149,8 @@ class StagePlan:
     cores: dict[str, int]
     task_cpus: int
     gpus: int
+    #: False for a DataFrame run without an eval frame (as under the spark transport)
+    evaluates: bool = True
 
 
 @dataclass
@@ -266,10 +269,12 @@ class AllReduceTransport:
 
     name = "allreduce"
 
-    def __init__(self, sc: SparkContext, partitions: int) -> None:
+    def __init__(self, sc: SparkContext, partitions: int, frames: Frames | None = None) -> None:
+        """`frames`: a DataFrame run's persisted frames, whose partition k rank k trains on."""
         self.sc = sc
         self.partitions = partitions
         self.local = is_local_master(sc.master)
+        self.frames = frames
 
     def executors(self) -> dict[str, str]:
         """{executor id: host} on a cluster master; empty on a local one."""
@@ -311,6 +316,7 @@ class AllReduceTransport:
             base, weights, elapsed_s, channel.address, token, restart,
             self._cores_by_address(), conf_int(self.sc, "spark.task.cpus", 1),
             conf_int(self.sc, "spark.executor.resource.gpu.amount", 0),
+            evaluates=self.frames is None or self.frames.eval is not None,
         )  # fmt: skip
         group = f"sparknet-allreduce-{uuid.uuid4().hex[:12]}"
         job = threading.Thread(
@@ -331,8 +337,11 @@ class AllReduceTransport:
     def _run_job(self, plan: StagePlan, group: str, inbox: queue.Queue) -> None:
         try:
             self.sc.setJobGroup(group, "sparknet allreduce stage", interruptOnCancel=True)
-            tasks = self.sc.parallelize(range(self.partitions), self.partitions)
-            tasks.barrier().mapPartitions(_stage_task(plan)).collect()
+            if self.frames is None:
+                tasks = self.sc.parallelize(range(self.partitions), self.partitions)
+            else:
+                tasks = self.frames.by_rank(self.partitions)
+            tasks.barrier().mapPartitions(_stage_task(plan, self.frames is not None)).collect()
             inbox.put(("finished", None, None))
         except BaseException as exc:
             inbox.put(("failed", exc, None))
@@ -393,12 +402,17 @@ def _failure(exc: BaseException) -> BaseException:
 # ---- the stage, as a rank runs it -------------------------------------------------------------
 
 
-def _stage_task(plan: StagePlan):
-    def run(rows: Iterator) -> Iterator[int]:
-        for _ in rows:
-            pass
+def _stage_task(plan: StagePlan, frames: bool):
+    """A rank's task; with `frames` its items are its partition's Arrow blobs of both frames,
+    read once and kept for the whole stage."""
+
+    def run(items: Iterator) -> Iterator[int]:
+        rows = rank_rows(items) if frames else None
+        if rows is None:
+            for _ in items:
+                pass
         ctx = BarrierTaskContext.get()
-        _Rank(plan, ctx).run()
+        _Rank(plan, ctx, rows).run()
         yield ctx.partitionId()
 
     return run
@@ -480,9 +494,13 @@ class _Round:
 
 
 class _Rank:
-    def __init__(self, plan: StagePlan, ctx: BarrierTaskContext) -> None:
+    def __init__(
+        self, plan: StagePlan, ctx: BarrierTaskContext, rows: tuple[list, list] | None
+    ) -> None:
         self.plan = plan
         self.ctx = ctx
+        #: (train, eval) record batches of a DataFrame run's partition; None: the source reads
+        self.rows, self.eval_rows = rows if rows is not None else (None, None)
         self.rank = ctx.partitionId()
         self.world = len(ctx.getTaskInfos())
         self.cfg = plan.base.cfg
@@ -546,7 +564,7 @@ class _Rank:
             theta = mean if live.weights is not None else outer.step(mean)
             row = round_row(done, [e.report for e in everyone], time.perf_counter() - t0, 0.0)
             row["seconds"]["exchange"] = exchange_s
-            if checkpoint.due(cfg.eval_every, done, cfg.rounds):
+            if plan.evaluates and checkpoint.due(cfg.eval_every, done, cfg.rounds):
                 eval_task = replace(task, integers=integers, checkpoint_dir=None)
                 row.update(eval_row(self._evaluate(eval_task, theta, threads)))
             if channel is None:
@@ -565,7 +583,7 @@ class _Rank:
         try:
             contrib = train_partition(
                 task, theta, self.rank, attempt=attempt, threads=threads,
-                local_dir=local_dir, live=live,
+                local_dir=local_dir, rows=self.rows, live=live,
             )  # fmt: skip
             return contrib, None
         except InjectedFailure:
@@ -593,7 +611,7 @@ class _Rank:
     def _evaluate(self, task: RoundTask, theta: np.ndarray, threads: int) -> EvalResult:
         import torch.distributed as dist
 
-        ev = evaluate_partition(task, theta, self.rank, threads=threads)
+        ev = evaluate_partition(task, theta, self.rank, threads=threads, rows=self.eval_rows)
         sums = torch.tensor(
             [ev.loss_sum, ev.correct, ev.correct5, ev.count, ev.skipped], dtype=torch.float64
         )

@@ -300,8 +300,6 @@ def train(
         cfg = cfg.model_copy(update={"out": str(default_run_dir(cfg))})
     if frames is None and is_frame_spec(cfg.data):
         frames = FrameInput()
-    if frames is not None and (cfg.transport == "allreduce" or cfg.compress != "none"):
-        raise SparknetError(_allreduce_refusal(None, cfg, True, False) or "")
     run = RunDir.open(cfg.out, cfg.endpoint_url)
     rundir.check_out(run)
     with rundir.locked(run) as lock:
@@ -364,7 +362,7 @@ def _start(
             status("waiting for Spark's executors")
             if cores := wait_for_executors(spark.sparkContext, cfg.workers):
                 status(f"{len(cores)} executors registered ({sum(cores.values())} cores)")
-        cfg = _resolve_transport(cfg, spark, frames is not None, run.on_s3)  # refusals first
+        cfg = _resolve_transport(cfg, spark, run.on_s3)  # refusals first
         status("starting Python workers")
         data = None if frames is not None or cfg.data in (datasets or {}) else cfg.data
         check_python_workers(spark, cfg.workers, user_modules(cfg.model, data))
@@ -393,15 +391,15 @@ def _start(
                     raise  # once every file is written, a signal while Spark stops is no failure
 
 
-def _resolve_transport(cfg: TrainConfig, spark, frames: bool, run_on_s3: bool) -> TrainConfig:
+def _resolve_transport(cfg: TrainConfig, spark, run_on_s3: bool) -> TrainConfig:
     """The transport that runs, recorded in the run's config.yaml: `auto` is `allreduce` on a
-    cluster master whose executors give every worker a task slot at once (not for a DataFrame),
+    cluster master whose executors give every worker a task slot at once (DataFrames too),
     or wherever it can run when `compress` asks for it; else `spark`. An `allreduce` that
     cannot run is an error saying why."""
     if cfg.transport == "spark":
         return cfg
     sc = spark.sparkContext
-    why = _allreduce_refusal(sc, cfg, frames, run_on_s3)
+    why = _allreduce_refusal(sc, cfg, run_on_s3)
     wanted = cfg.transport == "allreduce" or cfg.compress != "none"
     if why is not None and wanted:
         raise SparknetError(why)
@@ -410,14 +408,9 @@ def _resolve_transport(cfg: TrainConfig, spark, frames: bool, run_on_s3: bool) -
     return cfg.model_copy(update={"transport": "spark"})
 
 
-def _allreduce_refusal(sc, cfg: TrainConfig, frames: bool, run_on_s3: bool) -> str | None:
+def _allreduce_refusal(sc, cfg: TrainConfig, run_on_s3: bool) -> str | None:
     from sparknet.training import allreduce
 
-    if frames:
-        return (
-            "the allreduce transport trains on shard, built-in and factory datasets, not on "
-            "DataFrames (yet): use the spark transport, without --compress"
-        )
     why = allreduce.why_not(sc, cfg.workers, run_on_s3)
     if why is None:
         return None
@@ -551,7 +544,7 @@ def _run(
             cfg, problem, run, lock, spark, own_session, metrics, events, on_round, warn
         )  # fmt: skip
         if cfg.transport == "allreduce":
-            model_bytes = _allreduce_rounds(loop, begin)
+            model_bytes = _allreduce_rounds(loop, begin, placed)
         else:
             model_bytes = _spark_rounds(loop, begin, placed)
     finally:
@@ -620,14 +613,14 @@ def _spark_rounds(loop: _Loop, begin: _Begin, placed: Frames | None) -> bytes:
     return checkpoint.state_dict_bytes(layout.unflatten(theta, integers))
 
 
-def _allreduce_rounds(loop: _Loop, begin: _Begin) -> bytes:
+def _allreduce_rounds(loop: _Loop, begin: _Begin, placed: Frames | None) -> bytes:
     """The rounds as one barrier stage (the `allreduce` transport). A failed stage runs again
     from the last complete checkpoint, at most `allreduce.RESTARTS` times; returns the final
     weights (the last round always ends with a checkpoint) as model.safetensors bytes."""
     from sparknet.training.allreduce import RESTARTS, AllReduceTransport, Diverged, StageFailed
 
     cfg, run = loop.cfg, loop.run
-    transport = AllReduceTransport(loop.spark.sparkContext, cfg.workers)
+    transport = AllReduceTransport(loop.spark.sparkContext, cfg.workers, placed)
     base = RoundTask(
         cfg, loop.problem.source, uuid.uuid4().hex[:12], begin.rounds, begin.layout,
         begin.integers, loop.problem.num_classes, loop.problem.source.input_shape,

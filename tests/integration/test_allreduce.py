@@ -168,13 +168,6 @@ def test_divergence_names_the_round_the_worker_and_the_last_good_checkpoint(spar
     assert warned == []
 
 
-def test_a_dataframe_with_allreduce_is_refused_before_spark_starts(tmp_path):
-    cfg = TrainConfig(out=tmp_path / "df", transport="allreduce", data="parquet:/no/such")
-    with pytest.raises(SparknetError, match="not on DataFrames"):
-        train(cfg)  # no session: one would be started after the checks
-    assert not (tmp_path / "df").exists()
-
-
 def _mean_rank(rank: int, port: int, got) -> None:
     """One rank of the test below: 2 plain gloo processes, pieces of at least 2 floats."""
     import torch
