@@ -168,7 +168,8 @@ def standalone(moto_endpoint, tmp_path_factory) -> Standalone:
 #: once; every other module is a unit of its own, so a module-scoped fixture (a Terraform apply,
 #: a built wheel) is made once
 STANDALONE_MODULES = frozenset(
-    f"tests/integration/test_{name}.py" for name in ("standalone", "spark_submit", "run_dir_s3")
+    f"tests/integration/test_{name}.py"
+    for name in ("standalone", "spark_submit", "run_dir_s3", "bench_distributor")
 )
 
 

@@ -58,6 +58,19 @@ def worker_batch(cfg: TrainConfig, dataset: TensorDataset, partition: int, globa
     return dataset.tensors[0][idx], dataset.tensors[1][idx]
 
 
+def double_batch_reference(cfg: TrainConfig, steps: int, lr: float) -> dict[str, torch.Tensor]:
+    """Plain SGD (no momentum) for `steps` steps, each on workers 0 and 1's batches together:
+    what K=2 with gradients averaged every step (tau=1, or DDP) must equal."""
+    train_set, _ = digits()
+    model = initial_model(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        x0, y0 = worker_batch(cfg, train_set, 0, step)
+        x1, y1 = worker_batch(cfg, train_set, 1, step)
+        sgd_step(model, opt, torch.cat([x0, x1]), torch.cat([y0, y1]))
+    return model.state_dict()
+
+
 def assert_state_close(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     assert got.keys() == want.keys()
     for k in want:

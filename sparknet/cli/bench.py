@@ -1,6 +1,7 @@
-"""`sparknet bench sync|scaling|convergence`: the paper's analysis as measurements on this
-machine. Each prints its table, writes `<name>.json`, `<name>.csv` and a plot into `--out`, and
-asserts nothing: a goal missed is a line in the report."""
+"""`sparknet bench sync|scaling|convergence|peers`: the paper's analysis as measurements on
+this machine, and sparknet against TorchDistributor and plain PyTorch. Each prints its table,
+writes `<name>.json`, `<name>.csv` and a plot into `--out`, and asserts nothing: a goal missed
+is a line in the report."""
 
 from __future__ import annotations
 
@@ -83,6 +84,14 @@ def _names(text: str, what: str, allowed: tuple[str, ...]) -> list[str]:
     if [v for v in values if v not in allowed]:
         raise SparknetError(f"{what} takes any of {', '.join(allowed)}, got {text!r}") from None
     return _once(values, what)
+
+
+def _links(links: list) -> list:
+    names = [link.name for link in links]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise SparknetError(f"--links lists {', '.join(twice)} more than once")
+    return links
 
 
 def _one(text: str, what: str, allowed: tuple[str, ...]) -> str:
@@ -211,5 +220,56 @@ def convergence(
             out=_out_dir(out),
             on_status=console.print,
         )
+
+    _run(make, debug)
+
+
+@bench_app.command("peers")
+def peers(
+    data: str = typer.Option("digits,imagenet-like", help="digits, imagenet-like, or both"),
+    links: str = typer.Option(
+        "unshaped,10gbit:0.5ms,10gbit:10ms,1gbit:0.5ms,1gbit:10ms,100mbit:0.5ms,100mbit:10ms",
+        help="emulated links (RATE:DELAY, or unshaped), comma-separated",
+    ),
+    contenders: str = typer.Option(
+        "allreduce,spark,distributor,plain",
+        help="allreduce and spark (sparknet's transports), distributor (TorchDistributor on the "
+        "cluster), distributor-local (its local_mode), plain (one PyTorch process)",
+    ),
+    tau: str = typer.Option("1,10,50", help="sparknet's tau values"),
+    outer: str = typer.Option("average,nesterov", help="sparknet's outer optimizers (allreduce)"),
+    workers: int = typer.Option(2, help="K: Spark workers, each in its own namespace"),
+    threads: int = typer.Option(1, help="torch threads (and Spark cores) per worker"),
+    batch_size: int = typer.Option(32, help="samples per step per worker"),
+    budget_s: float = typer.Option(30.0, help="seconds of training each contender gets"),
+    reps: int = typer.Option(1, help="runs of each contender, in rotated order"),
+    seed: int = typer.Option(0, help="the seed every contender starts from"),
+    out: Path = OutOption,
+    debug: bool = DebugOption,
+) -> None:
+    """sparknet (both transports, each tau and outer optimizer) against TorchDistributor (DDP)
+    and plain PyTorch: samples/s, bytes on the wire per sample, seconds to a target accuracy
+    and the accuracy reached in a fixed time, on emulated links (network namespaces and tc)."""
+    from sparknet.bench import links as lab
+    from sparknet.bench import peers as bench
+
+    def make():
+        outers = _names(outer, "--outer", ("average", "nesterov"))
+        kinds = _names(contenders, "--contenders", bench.KINDS)
+        if not math.isfinite(budget_s) or budget_s <= 0:
+            raise SparknetError(f"--budget-s takes a number of seconds > 0, got {budget_s:g}")
+        plan = bench.Plan(
+            datasets=_names(data, "--data", bench.DATASETS),
+            links=_links(lab.parse_links(links)),
+            contenders=bench.contenders_of(kinds, _ints(tau, "--tau"), outers),
+            workers=_at_least(workers, 2, "--workers"),
+            threads=_at_least(threads, 1, "--threads"),
+            batch_size=_at_least(batch_size, 1, "--batch-size"),
+            budget_s=budget_s,
+            reps=_at_least(reps, 1, "--reps"),
+            seed=seed,
+            out=_out_dir(out),
+        )
+        return bench.run(plan, on_status=console.print)
 
     _run(make, debug)

@@ -86,22 +86,24 @@ _LAST_WORD_S = 10.0
 # ---- where a barrier stage can run ------------------------------------------------------------
 
 
-def why_not(sc: SparkContext, partitions: int, run_on_s3: bool) -> str | None:
+def why_not(sc: SparkContext, partitions: int, every_node_writes: bool) -> str | None:
     """Why a barrier stage of `partitions` tasks cannot run on this session, or None when it
     can: every task needs a slot at once; Spark refuses barrier stages under dynamic
     allocation; and rank 0, on some executor, writes the checkpoints, so the run dir must be
-    one every node reaches (S3, or this machine's disk when every executor runs here). Waits
-    for a cluster's executors first (as the spark transport does)."""
+    one every node reaches (`every_node_writes`: S3, or a filesystem every node mounts; else
+    this machine's disk when every executor runs here). Waits for a cluster's executors first
+    (as the spark transport does)."""
     if dynamic_allocation(sc):
         return "Spark's dynamic allocation is on (barrier stages need a fixed set of executors)"
     cores = wait_for_executors(sc, partitions)
     driver = sc.getConf().get("spark.driver.host", "127.0.0.1")
-    if not run_on_s3 and not is_local_master(sc.master):
+    if not every_node_writes and not is_local_master(sc.master):
         elsewhere = sorted(h for h in set(executor_hosts(sc).values()) if not _here(h, driver))
         if elsewhere:
             return (
                 f"its workers write the checkpoints and the run dir is on this machine's disk, "
-                f"which {elsewhere[0]} cannot reach: use an s3:// --out"
+                f"which {elsewhere[0]} cannot reach: use an s3:// --out (or set shared_out "
+                "when every node mounts it)"
             )
     task_cpus = conf_int(sc, "spark.task.cpus", 1)
     gpus = conf_int(sc, "spark.executor.resource.gpu.amount", 0)

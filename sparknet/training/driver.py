@@ -362,7 +362,7 @@ def _start(
             status("waiting for Spark's executors")
             if cores := wait_for_executors(spark.sparkContext, cfg.workers):
                 status(f"{len(cores)} executors registered ({sum(cores.values())} cores)")
-        cfg = _resolve_transport(cfg, spark, run.on_s3)  # refusals first
+        cfg = _resolve_transport(cfg, spark, run.on_s3 or cfg.shared_out)  # refusals first
         status("starting Python workers")
         data = None if frames is not None or cfg.data in (datasets or {}) else cfg.data
         check_python_workers(spark, cfg.workers, user_modules(cfg.model, data))
@@ -391,7 +391,7 @@ def _start(
                     raise  # once every file is written, a signal while Spark stops is no failure
 
 
-def _resolve_transport(cfg: TrainConfig, spark, run_on_s3: bool) -> TrainConfig:
+def _resolve_transport(cfg: TrainConfig, spark, every_node_writes: bool) -> TrainConfig:
     """The transport that runs, recorded in the run's config.yaml: `auto` is `allreduce` on a
     cluster master whose executors give every worker a task slot at once (DataFrames too),
     or wherever it can run when `compress` asks for it; else `spark`. An `allreduce` that
@@ -399,7 +399,7 @@ def _resolve_transport(cfg: TrainConfig, spark, run_on_s3: bool) -> TrainConfig:
     if cfg.transport == "spark":
         return cfg
     sc = spark.sparkContext
-    why = _allreduce_refusal(sc, cfg, run_on_s3)
+    why = _allreduce_refusal(sc, cfg, every_node_writes)
     wanted = cfg.transport == "allreduce" or cfg.compress != "none"
     if why is not None and wanted:
         raise SparknetError(why)
@@ -408,10 +408,10 @@ def _resolve_transport(cfg: TrainConfig, spark, run_on_s3: bool) -> TrainConfig:
     return cfg.model_copy(update={"transport": "spark"})
 
 
-def _allreduce_refusal(sc, cfg: TrainConfig, run_on_s3: bool) -> str | None:
+def _allreduce_refusal(sc, cfg: TrainConfig, every_node_writes: bool) -> str | None:
     from sparknet.training import allreduce
 
-    why = allreduce.why_not(sc, cfg.workers, run_on_s3)
+    why = allreduce.why_not(sc, cfg.workers, every_node_writes)
     if why is None:
         return None
     asked = "--transport allreduce" if cfg.transport == "allreduce" else "--compress"

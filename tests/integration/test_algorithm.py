@@ -17,6 +17,7 @@ from sparknet.training.worker import task_seed
 from tests.helpers import (
     assert_state_close,
     assert_state_equal,
+    double_batch_reference,
     failed_tasks,
     identical_samples,
     initial_model,
@@ -51,14 +52,7 @@ def test_tau1_two_workers_equal_one_worker_with_double_batch(spark, tmp_path, tr
         seed=3,
     )
     got = run(spark, tmp_path, **cfg.model_dump(exclude={"out"}))
-    train_set, _ = digits()
-    model = initial_model(cfg)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(cfg.rounds):
-        x0, y0 = worker_batch(cfg, train_set, 0, step)
-        x1, y1 = worker_batch(cfg, train_set, 1, step)
-        sgd_step(model, opt, torch.cat([x0, x1]), torch.cat([y0, y1]))
-    assert_state_close(got, model.state_dict())
+    assert_state_close(got, double_batch_reference(cfg, cfg.rounds, lr=0.1))
 
 
 @pytest.mark.parametrize(("transport", "workers"), [("spark", 3), ("allreduce", 2)])
