@@ -89,6 +89,7 @@ bench: install
 	$(VENV)/bin/sparknet bench sync --out benchmarks/results
 	$(VENV)/bin/sparknet bench scaling --out benchmarks/results
 	$(VENV)/bin/sparknet bench convergence --out benchmarks/results
+	$(VENV)/bin/sparknet bench peers --data imagenet-like --links unshaped,10gbit,1gbit,100mbit --budget-s 10 --out benchmarks/results
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) *.egg-info .pytest_cache .ruff_cache

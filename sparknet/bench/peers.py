@@ -318,14 +318,14 @@ def plot(outcomes: list[dict[str, Any]], dataset: str, links: list[Link], path: 
     fig, axes = plt.subplots(
         rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False, sharey=True
     )
+    labels = list(dict.fromkeys(o["contender"] for o in outcomes))
+    colors = {label: plt.get_cmap("tab20")(i % 20) for i, label in enumerate(labels)}
     for ax, name in zip(axes.flat, names, strict=False):
         for o in outcomes:
-            if o["link"] == name and o["dataset"] == dataset and o["rep"] == 0:
-                points = [(t, acc) for t, _n, acc in o["curve"] if not math.isnan(acc)]
-                if not points:
-                    continue
+            if o["link"] == name and o["dataset"] == dataset and o["rep"] == 0 and o["curve"]:
+                t, _n, acc = zip(*o["curve"], strict=True)
                 style = "-" if o["kind"] in ("allreduce", "spark") else "--"
-                ax.plot(*zip(*points, strict=True), style, label=o["contender"], linewidth=1.2)
+                ax.plot(t, acc, style, label=o["contender"], color=colors[o["contender"]], lw=1.2)
         ax.axhline(RECIPES[dataset].target, color="grey", linestyle=":", linewidth=1)
         ax.set_title(name)
         ax.set_xlabel("seconds of training")
@@ -333,7 +333,8 @@ def plot(outcomes: list[dict[str, Any]], dataset: str, links: list[Link], path: 
     for ax in axes.flat[len(names) :]:
         ax.set_visible(False)
     axes[0][0].set_ylabel(f"test accuracy ({dataset})")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, bbox_to_anchor=(0.5, -0.02))
-    fig.subplots_adjust(bottom=0.22 if rows == 1 else 0.12)
-    return save_figure(fig, path)
+    handles, names_shown = axes.flat[0].get_legend_handles_labels()
+    fig.tight_layout()
+    fig.legend(handles, names_shown, loc="upper center", ncol=3, fontsize=8,
+               bbox_to_anchor=(0.5, 0.0))  # fmt: skip
+    return save_figure(fig, path)  # its bbox_inches="tight" takes the legend in
