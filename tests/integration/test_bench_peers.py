@@ -19,17 +19,14 @@ from tests.conftest import REPO, SPARKNET
 LAB = pytest.mark.skipif(why_no_namespaces() is not None, reason=f"{why_no_namespaces()}")
 
 
-def _lab_leftovers(pid: int) -> list[str]:
-    """Namespaces, links and processes a `bench peers` of process `pid` made (named snb<pid>)."""
+def _lab_leftovers(pid: int, out) -> list[str]:
+    """Namespaces and links a `bench peers` of process `pid` made (named snb<pid>...), and any
+    process still running inside them or on its `out` dir (its driver, Spark, torchrun)."""
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     left = [n for n in (names + links).split() if n.startswith(f"snb{pid}")]
-    for proc in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.split(
-        "\n"
-    ):
-        if f"snb{pid}n" in proc or "sparknet.bench.peers_run" in proc:
-            left.append(proc)
-    return left
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return left + [p for p in ps.splitlines() if f"snb{pid}n" in p or str(out) in p]
 
 
 def _peers(tmp_path, *args: str) -> subprocess.Popen:
@@ -67,7 +64,7 @@ def test_peers_writes_every_contenders_rows_and_leaves_no_lab(tmp_path):
     with (out / "peers.csv").open() as fh:
         assert {r["contender"] for r in csv.DictReader(fh)} == set(rows)
     assert (out / "peers-digits.png").read_bytes()[:4] == b"\x89PNG"
-    assert _lab_leftovers(proc.pid) == []
+    assert _lab_leftovers(proc.pid, tmp_path) == []
 
 
 @LAB
@@ -81,12 +78,12 @@ def test_ctrl_c_mid_run_exits_130_and_removes_the_lab(tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()
         time.sleep(0.5)
     time.sleep(20)  # into the runs: Spark's master, workers and the driver are up
-    assert _lab_leftovers(proc.pid), "the lab was up"
+    assert _lab_leftovers(proc.pid, tmp_path), "the lab was up"
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 130
     text = (tmp_path / "log").read_text()
     assert text.strip().splitlines()[-1].startswith("error: interrupted"), text[-2000:]
-    assert _lab_leftovers(proc.pid) == []
+    assert _lab_leftovers(proc.pid, tmp_path) == []
 
 
 @pytest.mark.parametrize(
