@@ -73,6 +73,12 @@ DEFAULT_LINKS: tuple[Link, ...] = (
 )
 
 
+#: the slowest link a lab makes: below it a run of the benchmark takes hours
+MIN_RATE_BIT = 10**6
+#: the most Spark workers a lab holds (a namespace each, plus the driver's)
+MAX_WORKERS = 64
+
+
 def parse_links(text: str) -> list[Link]:
     """Links from `unshaped,1gbit:0.5ms,100mbit` (no delay: 0 ms; a Link.name such as
     `1gbit-0.5ms` reads too); SparknetError otherwise."""
@@ -81,8 +87,10 @@ def parse_links(text: str) -> list[Link]:
         match = _LINK_TEXT.fullmatch(item)
         if item == "unshaped":
             links.append(Link(None, 0.0))
-        elif match and float(match[1]) > 0:
+        elif match and float(match[1]) * _UNITS[match[2]] >= MIN_RATE_BIT:
             links.append(Link(round(float(match[1]) * _UNITS[match[2]]), float(match[3] or 0)))
+        elif match:
+            raise SparknetError(f"bad link {item!r}: the slowest link a lab makes is 1mbit")
         else:
             raise SparknetError(f"bad link {item!r}: {_ACCEPTED}")
     return links
@@ -107,12 +115,12 @@ def _ip(*args: str, check: bool = True) -> str:
 
 def _probe(*commands: tuple[str, ...]) -> str | None:
     """Run commands (NS: the namespace) in a throw-away namespace; None, or the first error."""
-    name = f"snbprobe{os.getpid()}"
+    name = f"snb{os.getpid()}n999"  # named as a lab's node: a killed probe's is swept too
     try:
-        _ip("ip", "netns", "add", name)
-    except SparknetError as exc:
-        return f"ip netns add failed: {exc}"
-    try:
+        try:
+            _ip("ip", "netns", "add", name)
+        except SparknetError as exc:
+            return f"ip netns add failed: {exc}"
         for command in commands:
             _ip(*(name if arg == "NS" else arg for arg in command))
         return None
@@ -271,6 +279,14 @@ def sweep_leftovers(tag: str = "snb") -> list[str]:
 _OPEN: set[tuple[str, int]] = set()
 
 
+def die_with_parent() -> None:
+    """In a child before its exec: SIGKILL when the process that started it dies (Linux's
+    PR_SET_PDEATHSIG, kept across the exec of `ip netns exec` and of what it runs)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
     """Ctrl-C (and SIGTERM under the CLI's handler) waits until the block ends, so a clean-up
@@ -292,13 +308,31 @@ def _signals_held() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _lock() -> Iterator[None]:
+def _lock(wait_s: float = 120.0) -> Iterator[None]:
     """One lab at a time picks its /24 and puts its addresses up (held across both: a lab's
-    addresses show only inside its namespaces, so two labs could pick the same one)."""
-    folder = Path("/run/lock") if Path("/run/lock").is_dir() else Path(tempfile.gettempdir())
-    with (folder / "sparknet-netlab.lock").open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    addresses show only inside its namespaces, so two labs could pick the same one). The lock
+    lives in a root-only dir and is opened without following links: a world-writable lock dir
+    would let any user hold it forever, or plant a link that root then creates a file through."""
+    folder = Path("/run/sparknet")
+    folder.mkdir(mode=0o700, exist_ok=True)
+    if folder.is_symlink() or folder.stat().st_uid != 0 or folder.stat().st_mode & 0o077:
+        raise SparknetError(f"{folder} must be a dir only root can write: remove it")
+    fd = os.open(folder / "netlab.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise SparknetError(
+                        f"another lab held {folder}/netlab.lock for {wait_s:g} s; try again"
+                    ) from None
+                time.sleep(0.2)
         yield
+    finally:
+        os.close(fd)
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
@@ -434,9 +468,14 @@ class NetLab:
         self, node: LabNode, argv: list[str], env: dict[str, str] | None = None, **kw: Any
     ) -> subprocess.Popen:
         """Start `argv` inside `node`'s namespace (`ip netns exec`), in a session of its own;
-        the lab ends its process group on exit. `env` adds to the environment (`node_env`)."""
+        the lab ends its process group on exit, and the kernel kills it when this process dies
+        without an exit (kill -9): a lab's leftovers then are its namespaces, for the next
+        lab's sweep, not a cluster training on. `env` adds to the environment (`node_env`)."""
         ns_argv = ["ip", "netns", "exec", node.namespace, *argv]
-        proc = subprocess.Popen(ns_argv, env=self.node_env(node, env), start_new_session=True, **kw)
+        proc = subprocess.Popen(
+            ns_argv, env=self.node_env(node, env), start_new_session=True,
+            preexec_fn=die_with_parent, **kw,
+        )  # fmt: skip
         self._procs.append(proc)
         return proc
 

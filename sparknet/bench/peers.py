@@ -20,6 +20,8 @@ budget; per link and dataset, sparknet's best against TorchDistributor and the i
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -28,13 +30,13 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sparknet.bench.convergence import DATASETS, RECIPES
-from sparknet.bench.links import Link, NetLab, why_no_delay, why_no_namespaces
+from sparknet.bench.links import Link, NetLab, die_with_parent, why_no_delay, why_no_namespaces
 from sparknet.bench.peers_run import KINDS, Contender, PeersSpec, Settings
 from sparknet.bench.report import BenchReport, pyplot, save_figure
 from sparknet.errors import SparknetError
@@ -50,8 +52,9 @@ COLUMNS = [
 #: the issue's goals: sparknet's best seconds to the target over TorchDistributor's, by rate
 #: (None: unshaped); rates without a goal are reported without one
 GOALS: dict[int | None, float] = {None: 1.0, 10**9: 0.5, 10**8: 0.2}
-#: how long one link's runs may take beyond their budgets (Spark and torchrun start-ups, evals)
-SLACK_S = 600.0
+#: how long one link's runs may take beyond their budgets: each run's own start (a warm-up
+#: round, TorchDistributor's ~25 s of torchrun) and evaluations, and the link's Spark start
+RUN_SLACK_S, SLACK_S = 120.0, 600.0
 
 
 @dataclass(frozen=True)
@@ -99,9 +102,18 @@ def run(plan: Plan, on_status: Status = lambda _t: None) -> BenchReport:
             "every contender but plain PyTorch is slowed by that"
         )
     outcomes: list[dict[str, Any]] = []
-    for i, link in enumerate(links, 1):
-        on_status(f"link {i}/{len(links)}: {link.name}")
-        outcomes += _one_link(plan, link, why is None, on_status)
+    with _only_run(plan.out):
+        for i, link in enumerate(links, 1):
+            on_status(f"link {i}/{len(links)}: {link.name}")
+            try:
+                outcomes += _one_link(plan, link, why is None, on_status)
+            except SparknetError as exc:  # the other links' figures still count
+                if len(links) == 1:
+                    raise
+                notes.append(f"{link.name}: not measured: {exc}")
+                on_status(f"  {notes[-1]}")
+        if not outcomes:
+            raise SparknetError(f"no link was measured: {'; '.join(notes[-len(links) :])}")
     rows = table(outcomes, plan)
     notes += goal_notes(rows, links, plan)
     report = BenchReport(
@@ -117,6 +129,20 @@ def run(plan: Plan, on_status: Status = lambda _t: None) -> BenchReport:
     for dataset in plan.datasets:
         report.files.append(plot(outcomes, dataset, links, plan.out / f"peers-{dataset}.png"))
     return report
+
+
+@contextlib.contextmanager
+def _only_run(out: Path) -> Iterator[None]:
+    """This run alone writes into `out`: two would share their runs' specs and results."""
+    with (out / ".peers.lock").open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SparknetError(
+                f"another `sparknet bench peers` writes into {out}: wait for it, or pass "
+                "another --out"
+            ) from None
+        yield
 
 
 def _plan_doc(plan: Plan) -> dict[str, Any]:
@@ -145,8 +171,12 @@ def _one_link(plan: Plan, link: Link, lab: bool, on_status: Status) -> list[dict
         PeersSpec(master=master, counters=None, **common).dump(spec_path)
         with log.open("w") as out:
             child = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )  # a session of its own: Ctrl-C reaches this process only, which ends it
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )  # fmt: skip  (its own session: Ctrl-C reaches this process only, which ends it)
         try:
             _follow(child, results, log, plan, on_status)
         finally:
@@ -170,7 +200,7 @@ def _follow(
     """Wait for the child, saying each run's outcome as its line lands; a failed child is one
     error line with the last line of its log."""
     runs = len(plan.datasets) * plan.reps * len(plan.contenders)
-    deadline = time.monotonic() + runs * plan.budget_s * 2 + SLACK_S
+    deadline = time.monotonic() + runs * (plan.budget_s * 2 + RUN_SLACK_S) + SLACK_S
     said = 0
     while True:
         code = child.poll()

@@ -53,7 +53,8 @@ def _floats(text: str, what: str) -> list[float]:
 def _once(values: list, what: str) -> list:
     twice = sorted({v for v in values if values.count(v) > 1})
     if twice:
-        raise SparknetError(f"{what} lists {', '.join(f'{v:g}' for v in twice)} more than once")
+        said = ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in twice)
+        raise SparknetError(f"{what} lists {said} more than once")
     return values
 
 
@@ -61,6 +62,12 @@ def _at_least(value: int, low: int, what: str) -> int:
     """A count option checked like the others (typer's own check prints a usage box)."""
     if value < low:
         raise SparknetError(f"{what} takes a whole number >= {low}, got {value}")
+    return value
+
+
+def _within(value: int, low: int, high: int, what: str) -> int:
+    if not low <= value <= high:
+        raise SparknetError(f"{what} takes a whole number from {low} to {high}, got {value}")
     return value
 
 
@@ -262,12 +269,12 @@ def peers(
             datasets=_names(data, "--data", bench.DATASETS),
             links=_links(lab.parse_links(links)),
             contenders=bench.contenders_of(kinds, _ints(tau, "--tau"), outers),
-            workers=_at_least(workers, 2, "--workers"),
+            workers=_within(workers, 2, lab.MAX_WORKERS, "--workers"),
             threads=_at_least(threads, 1, "--threads"),
             batch_size=_at_least(batch_size, 1, "--batch-size"),
             budget_s=budget_s,
             reps=_at_least(reps, 1, "--reps"),
-            seed=seed,
+            seed=_at_least(seed, 0, "--seed"),
             out=_out_dir(out),
         )
         return bench.run(plan, on_status=console.print)

@@ -85,7 +85,10 @@ class FrameSource(Source):
 
         labels, inputs = self._columns(inp.rows)
         if len(labels) == 0:
-            raise SparknetError(f"partition {inp.partition} of {self.name} has no rows")
+            raise SparknetError(
+                f"partition {inp.partition} of {self.name} has no rows (its rows did not spread "
+                "over every worker): give it more rows or pass fewer --workers"
+            )
         steps = (
             batch_positions(inp.seed, inp.partition, len(labels), rnd * tau + s, batch_size)
             for s in range(tau)
@@ -370,9 +373,19 @@ def prepare_frames(
     )
 
     def place(df):
-        # float labels (checked integral) travel as integers, like the rest
+        # float labels (checked integral) travel as integers, like the rest. A shuffle read
+        # takes its blocks in whatever order they arrive (on a cluster, from several
+        # executors): each partition is sorted back into the frame's own row order, or the same
+        # frame would train a different model each time it is placed (a resume, a second fit)
         columns = [F.col(label_col).cast("long").alias(label_col), col]
-        return df.select(*columns).repartition(workers).persist(StorageLevel.MEMORY_AND_DISK)
+        order = F.monotonically_increasing_id().alias("_sparknet_row")
+        return (
+            df.select(*columns, order)
+            .repartition(workers)
+            .sortWithinPartitions("_sparknet_row")
+            .drop("_sparknet_row")
+            .persist(StorageLevel.MEMORY_AND_DISK)
+        )
 
     train = place(train_df)
     return source, Frames(train, place(eval_df) if eval_df is not None else None)

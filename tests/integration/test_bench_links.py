@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,10 +147,15 @@ def test_parse_links_reads_rates_and_delays_and_names_them():
     )
 
 
+@pytest.mark.parametrize("text", ["unshaped,0mbit", "999kbit", "0.5mbit"])
+def test_parse_links_refuses_a_rate_below_one_mbit(text):
+    with pytest.raises(SparknetError, match=r"the slowest link a lab makes is 1mbit$"):
+        parse_links(text)
+
+
 @pytest.mark.parametrize(
     "text, item",
-    [("1gbps", "1gbps"), ("", ""), ("unshaped,0mbit", "0mbit"), ("1gbit:10", "1gbit:10"),
-     ("unshaped:1ms", "unshaped:1ms")],
+    [("1gbps", "1gbps"), ("", ""), ("1gbit:10", "1gbit:10"), ("unshaped:1ms", "unshaped:1ms")],
 )  # fmt: skip
 def test_parse_links_refuses_bad_text_saying_what_it_accepts(text, item):
     with pytest.raises(SparknetError) as err:
@@ -271,13 +277,18 @@ def test_sweep_removes_what_a_killed_process_left_and_spares_live_labs():
         child.kill()
         child.wait(timeout=30)
         dead = f"{TAG}{child.pid}"
-        assert leftovers(dead) and alive(sleeper)
+        # what the lab started dies with it (the kernel's parent-death signal); its namespaces
+        # and links stay for a sweep
+        deadline = time.monotonic() + 10
+        while alive(sleeper) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert leftovers(dead) and not alive(sleeper)
         other = f"{TAG}x{child.pid}n0"  # another tag's, of the same dead pid
         subprocess.run(["ip", "netns", "add", other], check=True)
         try:
             removed = sweep_leftovers(TAG)
             assert {f"{dead}n0", f"{dead}n1", f"{dead}h0", f"{dead}h1", f"{dead}b"} <= set(removed)
-            assert leftovers(dead) == [] and not alive(sleeper)
+            assert leftovers(dead) == []
             # neither a live owner's lab nor a name without the tag is touched
             assert f"{live.nodes[0].namespace} " in "\n".join(leftovers(f"{TAG}{os.getpid()}"))
             assert other in subprocess.run(["ip", "netns", "list"], capture_output=True,

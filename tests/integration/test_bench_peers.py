@@ -93,7 +93,13 @@ def test_ctrl_c_mid_run_exits_130_and_removes_the_lab(tmp_path):
         (["--links", "1gbit,1gbit:0ms"], "error: --links lists 1gbit-0ms more than once"),
         (["--contenders", "horovod"], "error: --contenders takes any of allreduce, spark, "),
         (["--budget-s", "0"], "error: --budget-s takes a number of seconds > 0, got 0"),
-        (["--workers", "1"], "error: --workers takes a whole number >= 2, got 1"),
+        (["--workers", "1"], "error: --workers takes a whole number from 2 to 64, got 1"),
+        (
+            ["--links", "0.5mbit"],
+            "error: bad link '0.5mbit': the slowest link a lab makes is 1mbit",
+        ),
+        (["--data", "digits,digits"], "error: --data lists digits more than once"),
+        (["--seed", "-1"], "error: --seed takes a whole number >= 0, got -1"),
     ],
 )
 def test_peers_refuses_bad_options_in_one_line(tmp_path, args, message):
