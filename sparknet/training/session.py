@@ -412,21 +412,43 @@ def _java_message(exc: Exception) -> str | None:
 _JVM_STDERR: weakref.WeakKeyDictionary[SparkSession, _HeldStderr] = weakref.WeakKeyDictionary()
 
 
+#: the first line of a Java stack trace printed outside log4j (`printStackTrace`, Scala's
+#: default reporter, the JVM's uncaught-exception handler): a fully qualified exception class
+_JAVA_TRACE = re.compile(
+    rb'^(?:Exception in thread "[^"]*" )?'
+    rb"(?:[a-z_][\w$]*\.)+[A-Z][\w$]*(?:Exception|Error)(?::|\s*$)"
+)
+#: the lines that go on a Java stack trace
+_JAVA_TRACE_BODY = (b"\tat ", b"\t... ", b"Caused by: ", b"\tSuppressed: ", b"\t\t")
+
+
 class _HeldStderr:
     """The gateway JVM's stderr, held while the session starts: a setting Spark refuses prints a
     Java stack trace there that the one-line error says already. Shown once the session is up,
-    or when a failure is not explained by it."""
+    or when a failure is not explained by it. Once shown, Java stack traces are left out: with
+    log4j at fatal, the only ones printed are races of a context stopping (a callback rejected
+    by a pool that just ended, when the master kills the application); what failed reaches the
+    user as sparknet's one line."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: list[bytes] | None = []
         self._show = True
+        self._in_trace = False
+        self._after_frame = False
         self.closed = threading.Event()  # the JVM closed its stderr (it exited)
 
     def write(self, line: bytes) -> None:
         with self._lock:
             if self._held is not None:
                 self._held.append(line)
+                return
+            # a Python traceback's last line (`torch.OutOfMemoryError: ...`) reads like a Java
+            # trace's first: it follows the traceback's frames, indented by spaces
+            header = not self._after_frame and bool(_JAVA_TRACE.match(line))
+            self._after_frame = line.startswith(b"  ")
+            self._in_trace = header or (self._in_trace and line.startswith(_JAVA_TRACE_BODY))
+            if self._in_trace:
                 return
         if self._show:
             with contextlib.suppress(OSError):

@@ -225,6 +225,43 @@ def test_stopping_a_session_mutes_what_its_python_workers_still_print(capfd):
     assert err == "round 1 shown\n"
 
 
+def test_a_java_trace_printed_while_the_context_stops_is_left_out(capfd):
+    """When the master kills the application, the JVM's context stops before the run's Python
+    side hears of it, and Scala's default reporter prints a RejectedExecutionException (a
+    callback handed to a pool that just ended) with `printStackTrace`, outside log4j. Those
+    lines are left out; the round lines around them and a Python worker's traceback (whose
+    last line reads like a Java trace's first) stay."""
+    from sparknet.training import session
+
+    held = session._HeldStderr()
+    held.release(show=True)
+    for line in (
+        b"round 108/400  loss 0.1707\n",
+        b"java.util.concurrent.RejectedExecutionException: Task scala.concurrent.impl.Promise$T"
+        b"ransformation@1 rejected from java.util.concurrent.ThreadPoolExecutor@2[Terminated, "
+        b"pool size = 0, active threads = 0, queued tasks = 0, completed tasks = 6]\n",
+        b"\tat java.base/java.util.concurrent.ThreadPoolExecutor.reject(ThreadPoolExecutor.j"
+        b"ava:833)\n",
+        b"\tat org.apache.spark.rpc.netty.NettyRpcEnv.org$apache$spark$rpc$netty$NettyRpcEnv$$onFa"
+        b"ilure$1(NettyRpcEnv.scala:217)\n",
+        b"Caused by: java.lang.InterruptedException\n",
+        b"\t... 12 more\n",
+        b'Exception in thread "dispatcher-event-loop-1" java.lang.IllegalStateException: stopped\n',
+        b"\tat org.apache.spark.rpc.netty.Dispatcher.postMessage(Dispatcher.scala:1)\n",
+        b"round 109/400  loss 0.0485\n",
+        b"Traceback (most recent call last):\n",
+        b'  File "worker.py", line 1, in step\n',
+        b"    loss.backward()\n",
+        b"torch.OutOfMemoryError: CUDA out of memory\n",
+    ):
+        held.write(line)
+    assert capfd.readouterr().err == (
+        "round 108/400  loss 0.1707\nround 109/400  loss 0.0485\n"
+        'Traceback (most recent call last):\n  File "worker.py", line 1, in step\n'
+        "    loss.backward()\ntorch.OutOfMemoryError: CUDA out of memory\n"
+    )
+
+
 @pytest.mark.parametrize("master", ["local[2]", "spark://127.0.0.1:7077", "yarn"])
 def test_every_driver_keeps_rpc_encryption_from_being_talked_down_and_its_ui_from_killing(master):
     """As the cluster's daemons run (spark-defaults.conf): the executors get these from the
