@@ -80,16 +80,18 @@ ami: install
 		$(if $(BASE_AMI),--base-ami $(BASE_AMI)) $(if $(BUILDER_TYPE),--instance-type $(BUILDER_TYPE))
 
 lint: install
-	$(VENV)/bin/ruff check sparknet tests benchmarks
-	$(VENV)/bin/ruff format --check sparknet tests benchmarks
+	$(VENV)/bin/ruff check sparknet tests
+	$(VENV)/bin/ruff format --check sparknet tests
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
-# the engine's figures, then the paper's analysis (`sparknet bench`: sync, scaling, convergence)
+# the engine's figures, then the paper's analysis (sync, scaling, convergence, peers), all into
+# bench/ (`sparknet bench --help`)
 bench: install
-	$(PY) -m benchmarks
-	$(VENV)/bin/sparknet bench sync --out benchmarks/results
-	$(VENV)/bin/sparknet bench scaling --out benchmarks/results
-	$(VENV)/bin/sparknet bench convergence --out benchmarks/results
-	$(VENV)/bin/sparknet bench peers --data imagenet-like --links unshaped,10gbit,1gbit,100mbit --budget-s 10 --out benchmarks/results
+	$(VENV)/bin/sparknet bench all
+	$(VENV)/bin/sparknet bench sync
+	$(VENV)/bin/sparknet bench scaling
+	$(VENV)/bin/sparknet bench convergence
+	$(VENV)/bin/sparknet bench peers --data imagenet-like --links unshaped,10gbit,1gbit,100mbit --budget-s 10
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) *.egg-info .pytest_cache .ruff_cache

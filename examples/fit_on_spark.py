@@ -1,5 +1,5 @@
-"""Train on a Spark cluster you already have: `spark-submit` this script (see the README section
-"On a Spark cluster you already have").
+"""Train on a Spark cluster you already have: `spark-submit` this script (see
+docs/spark-cluster.md, "On a Spark cluster you already have").
 
     PYSPARK_DRIVER_PYTHON=env/bin/python PYSPARK_PYTHON=./env/bin/python \
         spark-submit --master spark://HOST:7077 --archives sparknet-env.tar.gz#env \

@@ -9,9 +9,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from sparknet.config import load_train_config, read_run_config
+from sparknet.config import load_train_config
 from sparknet.errors import SparknetError
-from sparknet.training.driver import FrameInput, RunResult, train
+from sparknet.training.driver import RunResult, train
+from sparknet.training.problem import FrameInput
+from sparknet.training.rundir import read_run_config
 
 #: a CLI flag in a message, and the value that follows it (a number, a path, a placeholder)
 _FLAG = re.compile(r"--([a-z][a-z0-9-]*)(?: ([0-9/.~'][^\s;:,]*|[A-Z]+\b))?")

@@ -325,10 +325,10 @@ def _read_yaml_section(path: Path, section: str) -> dict[str, Any]:
         raise SparknetError(
             f"config file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
         ) from exc
-    return _yaml_section(text, path, section)
+    return yaml_section(text, path, section)
 
 
-def _yaml_section(text: str, path: Path | str, section: str) -> dict[str, Any]:
+def yaml_section(text: str, path: Path | str, section: str) -> dict[str, Any]:
     """A section of settings-file text read from `path` (named in the errors)."""
     try:
         doc = yaml.safe_load(text) or {}
@@ -451,36 +451,3 @@ def load_train_config(
         return TrainConfig(**merged)
     except ValidationError as exc:
         raise SparknetError(describe_validation_error(exc)) from exc
-
-
-def read_run_config(run_dir: str | Path, endpoint_url: str | None = None) -> dict[str, Any]:
-    """The `train:` section of the settings a `--resume` continues: those its newest complete
-    checkpoint was made with (the run dir's `config.yaml` may already hold the changes of an
-    `--allow-change` resume that was interrupted before its first checkpoint). `run_dir` is a
-    local dir or an s3:// URI."""
-    from sparknet.data.store import MissingObjectError, open_store
-    from sparknet.training import checkpoint  # torch: only when a run dir is read
-
-    store = open_store(str(run_dir), endpoint_url)
-    last = checkpoint.latest(store)
-    names = [f"{checkpoint.name(last)}/{checkpoint.CONFIG}"] if last is not None else []
-    for name in [*names, "config.yaml"]:
-        try:
-            data = store.read_bytes(name)
-        except MissingObjectError:
-            continue
-        where = f"{run_dir}/{name}"
-        try:
-            text = data.decode()
-        except UnicodeDecodeError as exc:
-            raise SparknetError(
-                f"config file {where} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
-            ) from exc
-        section = _yaml_section(text, where, "train")
-        # the transport that ran is the run's record, not a setting to keep: unless the resume
-        # names one, `auto` decides again where it runs now (the weights are the same up to
-        # float rounding either way)
-        if isinstance(section, dict):
-            section.pop("transport", None)
-        return section
-    raise SparknetError(f"{run_dir} has no config.yaml: it is not a sparknet run dir")

@@ -1,4 +1,4 @@
-"""Synthetic ImageNet-layout trees for tests and benchmarks: real JPEGs, fake wnids, learnable.
+"""Synthetic ImageNet-layout trees for the tests: real JPEGs, fake wnids, learnable.
 
 Every class has its own colour, stripe orientation and stripe period; each image adds a random
 stripe phase, brightness, colour jitter and noise. That is easy for a small CNN at 32x32 to learn

@@ -1,7 +1,7 @@
 """A stand-in for EC2's instance metadata service (IMDSv2), for the spot interruption notice.
 
 Nothing real can run here: IMDS is a link-local service of an EC2 host, and moto has none. This
-one answers what `sparknet.cluster.spot` asks, as AWS documents it: a PUT of
+one answers what `sparknet.cluster.aws.spot` asks, as AWS documents it: a PUT of
 ``/latest/api/token`` with a TTL header gives a token, and a GET of
 ``/latest/meta-data/spot/instance-action`` with that token gives the notice (404 while there is
 none, 401 without a valid token). One server on a loopback port serves several instances, each

@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparknet.cluster import nodes
-from sparknet.cluster.nodes import Access, Endpoint
-from sparknet.cluster.spot import ENDPOINT_ENV
+from sparknet.cluster import seam, sshkeys
+from sparknet.cluster.address import Endpoint
+from sparknet.cluster.aws import keys
+from sparknet.cluster.aws.spot import ENDPOINT_ENV
+from sparknet.cluster.nodes import Access
 from tests.imds import ImdsStandIn
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -111,7 +113,7 @@ def static_cluster_entry(
     nodes, over the repo's .venv with 1 core and 1 GiB per worker, on free ports (`bootstrap`
     adds settings); and the seam file ``root/endpoints.json`` giving each node its address
     from `addresses` and its install prefix ``root/<node>`` (two nodes on one host need their
-    own): point `nodes.ENDPOINTS_ENV` at it."""
+    own): point `seam.ENDPOINTS_ENV` at it."""
     layout = {
         f"{name}/{node}/node": {"address": address, "prefix": str(root / node)}
         for node, address in addresses.items()
@@ -279,11 +281,11 @@ def start_nodes(
     """`count` sshd nodes under `workdir`, each with a fresh host key, all letting in one fresh
     client key (`access.key_file`); with `pin`, their host keys are in `access.known_hosts`;
     their sessions get `env` too (`start_sshd`)."""
-    client_private, client_public = nodes.new_ed25519()
+    client_private, client_public = sshkeys.new_ed25519()
     access = Access(workdir / "id_ed25519", workdir / "known_hosts")
-    nodes.write_private_key(access.key_file, client_private)
+    sshkeys.write_private_key(access.key_file, client_private)
     servers: list[Sshd] = []
-    host_keys = [nodes.new_ed25519() for _ in range(count)]
+    host_keys = [sshkeys.new_ed25519() for _ in range(count)]
     try:
         for i, (private, _public) in enumerate(host_keys):
             servers.append(start_sshd(workdir / f"node{i}", private, client_public + "\n", env=env))
@@ -293,7 +295,7 @@ def start_nodes(
         raise
     group = SshNodes(servers, access, host_keys, client_public)
     if pin:
-        nodes.pin(
+        sshkeys.pin(
             access.known_hosts,
             {
                 ep.address: public
@@ -418,7 +420,7 @@ def _descendants(pid: int) -> list[int]:
 
 class MotoNodes:
     """Loopback sshd nodes standing in for the instances of cluster `cluster` on moto, through
-    the seam of `nodes.py` (the `nodes.ENDPOINTS_ENV` file, which CLI subprocesses see too).
+    the seam of `seam.py` (its `ENDPOINTS_ENV` file, which CLI subprocesses see too).
 
     Each node's port is fixed before anything launches (the master's and `workers` workers';
     `reserve` adds more), so `up` pins and finds each node's address at once. `serve` then
@@ -465,10 +467,10 @@ class MotoNodes:
     def serve(self, ec2) -> dict[str, Sshd]:
         """An sshd for each live instance of the cluster (a new one where the instance behind a
         node name changed); the servers by node name."""
-        from sparknet.cluster import instances
+        from sparknet.cluster.aws import instances
 
         with self._lock:
-            named = nodes.node_names(instances.find(ec2, self.cluster))
+            named = seam.node_names(instances.find(ec2, self.cluster))
             self.reserve([name for name, _ in named])
             for name, inst in named:
                 if self.serving.get(name) == inst.id and name in self.servers:
@@ -526,7 +528,7 @@ def _what_cloud_init_installs(ec2, instance_id: str) -> tuple[str, str]:
     instance, read back from moto."""
     import yaml
 
-    user_data = nodes.user_data_of(ec2, instance_id)
+    user_data = keys.user_data_of(ec2, instance_id)
     config = yaml.safe_load(user_data) if user_data.startswith("#cloud-config") else None
     if not config or "ssh_keys" not in config:
         raise RuntimeError(f"{instance_id} has no host key in its user data")

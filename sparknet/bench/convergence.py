@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from sparknet.bench.report import BenchReport, pyplot, save_figure
+from sparknet.bench.common import BenchReport, pyplot, save_figure
 from sparknet.config import NESTEROV_DEFAULT_LR, NESTEROV_DEFAULT_MOMENTUM, TrainConfig
 
 #: the names `--data` takes, in the order they are run
@@ -361,7 +361,8 @@ def run(
 ) -> BenchReport:
     """Run every setting on one local Spark session (runs under `out/runs/`), then write
     `convergence.json`, `convergence.csv` and `convergence.png` into `out`."""
-    from sparknet.training.session import embedded_master, start_session, stop_quietly
+    from sparknet.training.session import start_session, stop_quietly
+    from sparknet.training.spark_settings import embedded_master
 
     settings = settings_of(datasets, workers, taus, outers)
     check_workers({s.dataset for s in settings}, workers)

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sparknet.bench.common import BenchReport, pyplot, save_figure
 from sparknet.bench.convergence import DATASETS, RECIPES
 from sparknet.bench.links import Link, NetLab, die_with_parent, why_no_delay, why_no_namespaces
 from sparknet.bench.peers_run import KINDS, Contender, PeersSpec, Settings
-from sparknet.bench.report import BenchReport, pyplot, save_figure
 from sparknet.errors import SparknetError
 
 Status = Callable[[str], None]

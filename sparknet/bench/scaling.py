@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparknet.bench.report import BenchReport, pyplot, save_figure
+from sparknet.bench.common import BenchReport, pyplot, save_figure
 from sparknet.config import TrainConfig
 from sparknet.errors import SparknetError
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from torch import nn
 
+from sparknet.bench.common import BenchReport, pyplot, save_figure
 from sparknet.bench.gloo import gloo_all_reduce
-from sparknet.bench.report import BenchReport, pyplot, save_figure
 from sparknet.config import TrainConfig
 
 NAME = "sync"

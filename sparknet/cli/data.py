@@ -143,7 +143,8 @@ def data_shard(
 ) -> None:
     """Write WebDataset tar shards and manifest.json; a re-run keeps shards already written."""
     from sparknet.data.imagenet import read_class_list
-    from sparknet.data.shards import DEFAULT_QUALITY, Resize, write_dataset
+    from sparknet.data.shard_plan import DEFAULT_QUALITY, Resize
+    from sparknet.data.shards import write_dataset
 
     try:
         wanted = read_class_list(classes) if classes is not None else None

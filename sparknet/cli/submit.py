@@ -1,5 +1,6 @@
-"""`sparknet-submit`: one training job on a cluster, end to end (the flow is `sparknet.submit`),
-and the jobs it started: `attach`, `logs`, `cancel`, `list` (`sparknet.jobs`).
+"""`sparknet-submit`: one training job on a cluster, end to end (the flow is
+`sparknet.jobs.submit`), and the jobs it started: `attach`, `logs`, `cancel`, `list`
+(`sparknet.cli.jobs`, registered here on the same app).
 
 The training flags are `sparknet train`'s own parameters, taken from its signature (one
 definition, the same help); `--workers` here counts worker instances, as `cluster up`'s does.
@@ -10,15 +11,15 @@ from __future__ import annotations
 
 import inspect
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from sparknet.cli import jobs
 from sparknet.cli import train as train_command
 from sparknet.cli.common import Caught, console, fail, first_line, interrupts, results
+from sparknet.cli.jobs import Report, say
 from sparknet.config import find_config_file, load_datasets, load_train_config
 from sparknet.errors import SparknetError
 
@@ -32,10 +33,6 @@ submit_app = typer.Typer(
 NOT_SHARED = frozenset(
     {"config", "data", "workers", "out", "resume", "allow_change", "master", "endpoint_url"}
 )
-
-
-def _say(line: str) -> None:
-    console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def submit(
@@ -89,10 +86,12 @@ def submit(
     it, follow its rounds, fetch curves.png and metrics.jsonl into runs/RUN/, and take the
     cluster down (unless --keep, --detach or --cluster) after success, failure, Ctrl-C or
     SIGTERM. --detach returns once the job runs; the cluster's autostop timer ends it after."""
-    from sparknet import jobs
-    from sparknet import submit as flow
     from sparknet.cluster import repair
-    from sparknet.cluster.lifecycle import LockUnavailable
+    from sparknet.cluster.registry import LockUnavailable
+    from sparknet.jobs import records
+    from sparknet.jobs import submit as flow
+    from sparknet.jobs.follow import JobOutOfReach, summary_lines
+    from sparknet.jobs.preflight import Job, PreflightFailed, resolve_dataset
 
     if ctx.invoked_subcommand is not None:
         return
@@ -104,7 +103,7 @@ def submit(
         _check_flags(s3, cluster, name, keep, autostop)
         path = find_config_file(config)
         cfg = load_train_config(config_file=path, sets=sets, flags=training, conf=conf)
-        dataset = flow.resolve_dataset(s3, load_datasets(path), endpoint_url)
+        dataset = resolve_dataset(s3, load_datasets(path), endpoint_url)
         cluster_name = cluster or _named_cluster(name, path) or _only_cluster(path)
         flags = dict(
             workers=workers, instance_types=instance_type, spot=spot, provider=provider,
@@ -115,18 +114,18 @@ def submit(
             _check_static(spec, instance_type, spot, autostop, keep, detach, cluster is not None)
         _check_autostop(spec, cluster is not None, keep)
         repair.check_every_s()  # a bad setting fails now, not once the job runs
-        job = flow.Job(
+        job = Job(
             spec, cluster is not None, keep, dataset, cfg, endpoint_url, detach=detach,
             max_restarts=max_restarts,
         )  # fmt: skip
-        report = _Report(console.is_terminal, cfg.rounds)
+        report = Report(console.is_terminal, cfg.rounds)
         ending = flow.Ending()
         with interrupts(caught, note=_second_signal_note(job)):
             started = True
             try:
                 result = flow.submit(
-                    job, say=_say, on_rows=report.rows,
-                    on_job=lambda *a: jobs.save(jobs.record_of(job, *a)), ending=ending,
+                    job, say=say, on_rows=report.rows,
+                    on_job=lambda *a: records.save(records.record_of(job, *a)), ending=ending,
                 )  # fmt: skip
             finally:
                 report.stop()
@@ -139,30 +138,30 @@ def submit(
             fail(SparknetError(f"interrupted{how}{_ended(exc, ending)}"), debug, 128 + signum)
         if isinstance(after, SparknetError):
             fail(SparknetError(f"{first_line(after)}; then {exc}"), debug, 1)
-        if isinstance(exc, flow.JobFailed | flow.TeardownFailed | flow.JobOutOfReach):
+        if isinstance(exc, flow.JobFailed | flow.TeardownFailed | JobOutOfReach):
             fail(exc, debug, 1)
         if isinstance(exc, SparknetError):
-            bad_input = not started or isinstance(exc, flow.PreflightFailed | LockUnavailable)
+            bad_input = not started or isinstance(exc, PreflightFailed | LockUnavailable)
             fail(exc, debug, 2 if bad_input else 1)
         raise
     if result.outcome is None:
         _print_detached(job, result.run_id, result.prefix)
         return
-    for line in flow.summary_lines(
+    for line in summary_lines(
         result.run_id, result.prefix, result.outcome.rows, result.wall_s, result.cost
     ):
         results.print(line, markup=False, highlight=False, soft_wrap=True)
     for path in result.fetched:
         results.print(f"fetched {path}", markup=False, highlight=False, soft_wrap=True)
     if job.keep or job.reused:
-        _say(flow.stays_up_line(job))
+        say(flow.stays_up_line(job))
 
 
 def _second_signal_note(job) -> str:
     """What a second Ctrl-C or SIGTERM prints while the first one's clean-up runs: the job's
     cancel (waited for until its driver is gone) and, unless the cluster stays up (--cluster,
     --keep), the teardown; it cannot cut them short."""
-    from sparknet import submit as flow
+    from sparknet.jobs import submit as flow
 
     if flow.teardown_due(job):
         return "still cancelling the job and taking the cluster down; it ends by itself"
@@ -174,7 +173,7 @@ def _second_signal_note(job) -> str:
 
 def _ended(exc: BaseException, ending) -> str:
     """What an interrupted submit says became of the cluster: down only when it is."""
-    from sparknet import submit as flow
+    from sparknet.jobs import submit as flow
 
     if isinstance(exc, flow.TeardownFailed):
         return f"; {exc}"
@@ -187,7 +186,7 @@ def _check_flags(
     s3: str | None, cluster: str | None, name: str | None, keep: bool, autostop: int | None
 ) -> None:
     """The flags' combinations that are refused before anything is read or asked of AWS."""
-    from sparknet.submit import PreflightFailed
+    from sparknet.jobs.preflight import PreflightFailed
 
     if s3 is None:
         raise PreflightFailed(
@@ -217,7 +216,7 @@ def _check_static(
     """EC2's flags are refused on a static cluster even where they say the default (they would
     be ignored), and so is --detach on one the submit makes without --keep: with no autostop
     timer, Spark would run on its hosts after the job until `sparknet cluster down`."""
-    from sparknet.submit import PreflightFailed
+    from sparknet.jobs.preflight import PreflightFailed
 
     given = [
         flag for flag, value in
@@ -241,7 +240,7 @@ def _check_autostop(spec, reused: bool, keep: bool) -> None:
     """A cluster this submit makes, with its autostop timer off (the flag or the settings'
     `autostop_minutes: 0`) and no --keep: a detached job, a job out of reach or a failed
     teardown would leave it running until `sparknet cluster down`."""
-    from sparknet.submit import PreflightFailed
+    from sparknet.jobs.preflight import PreflightFailed
 
     if not reused and not keep and spec.autostop_minutes == 0:
         raise PreflightFailed(
@@ -255,13 +254,13 @@ def _print_detached(job, run_id: str, prefix: str) -> None:
     ends the cluster."""
     for line in (f"run id: {run_id}", f"run prefix: {prefix}"):
         results.print(line, markup=False, highlight=False, soft_wrap=True)
-    _say(
+    say(
         f"job {run_id} runs detached: `sparknet-submit attach {run_id}` follows it, "
         f"`sparknet-submit logs {run_id}` shows its log, `sparknet-submit cancel {run_id}` ends it"
     )
-    from sparknet.submit import stays_up_line
+    from sparknet.jobs.submit import stays_up_line
 
-    _say(stays_up_line(job))
+    say(stays_up_line(job))
 
 
 def _named_cluster(name: str | None, path: Path | None) -> str | None:
@@ -273,7 +272,7 @@ def _named_cluster(name: str | None, path: Path | None) -> str | None:
         return None
     names = sorted(read_section(path, "clusters")) if path is not None else []
     if name not in names:
-        from sparknet.submit import PreflightFailed
+        from sparknet.jobs.preflight import PreflightFailed
 
         if path is None:
             raise PreflightFailed(
@@ -288,12 +287,12 @@ def _named_cluster(name: str | None, path: Path | None) -> str | None:
 
 
 def _instances_spec(name: str, path: Path | None, flags: dict[str, Any]):
-    """The cluster's spec (`sparknet cluster`'s `_cluster_spec`); a bad `--workers` is named
+    """The cluster's spec (`sparknet cluster`'s `cluster_spec`); a bad `--workers` is named
     as the flag and what it counts, worker instances (not the Spark tasks of `--set workers`)."""
-    from sparknet.cli.cluster import _cluster_spec
+    from sparknet.cli.cluster.options import cluster_spec
 
     try:
-        return _cluster_spec(name, path, flags)
+        return cluster_spec(name, path, flags)
     except SparknetError as exc:
         said = "invalid setting workers:"
         if flags.get("workers") is None or said not in str(exc):
@@ -310,7 +309,7 @@ def _only_cluster(path: Path | None) -> str:
 
     names = sorted(read_section(path, "clusters")) if path is not None else []
     if len(names) != 1:
-        from sparknet.submit import PreflightFailed
+        from sparknet.jobs.preflight import PreflightFailed
 
         have = ", ".join(names) or "none"
         raise PreflightFailed(
@@ -341,262 +340,10 @@ def _with_training_flags(func):
 
 submit_app.callback(invoke_without_command=True)(_with_training_flags(submit))
 
-
-class _Report:
-    """Round progress: a bar on a terminal, else one plain line per round."""
-
-    def __init__(self, live: bool, total: int) -> None:
-        self.live, self.total = live, total
-        self.progress = Progress(
-            TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(),
-            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
-        )  # fmt: skip
-        self.bar = self.progress.add_task("job", total=total, info="starting")
-        if live:
-            self.progress.start()
-
-    def rows(self, rows: list[dict[str, Any]], cost: float | None) -> None:
-        from sparknet.submit import progress_line
-
-        for row in rows:
-            line = progress_line(row, self.total, cost)
-            if self.live:
-                self.progress.update(self.bar, completed=row["round"], info=line)
-            else:
-                train_command._line(line)
-
-    def stop(self) -> None:
-        if self.live:
-            self.progress.stop()
-
-
-# --- the jobs started: attach, logs, cancel, list ------------------------------------------------
-
-RunArgument = typer.Argument(..., metavar="RUN", help="run id (printed by sparknet-submit)")
-ClusterOption = typer.Option(
-    None, "--cluster", help="look for RUN on this cluster's master (a job started elsewhere)"
-)
-JobsEndpointOption = typer.Option(None, help="AWS endpoint (moto); default: the job's record's")
-JobsConfigOption = typer.Option(None, "--config", help="settings YAML; default ./sparknet.yaml")
-JobsDebugOption = typer.Option(False, help="show tracebacks")
-
-
-def _spec_of(config: Path | None):
-    """How `sparknet.jobs` gets a cluster's spec: the registry's, else the settings file's
-    entry, in the job's region."""
-    from sparknet.cli.cluster import _cluster_spec
-
-    return lambda name, region: _cluster_spec(name, config, {"region": region} if region else {})
-
-
-def _located(run_id: str, cluster: str | None, endpoint_url, config, debug: bool):
-    """The job and a connection to its master; exit 2 for a run nobody knows or whose
-    cluster is gone (or bad settings), 1 when the master does not answer."""
-    from sparknet import jobs
-    from sparknet.cluster import nodes
-
-    try:
-        found = jobs.locate(run_id, cluster, _spec_of(config), endpoint_url)
-    except SparknetError as exc:
-        fail(exc, debug, 2)
-    try:
-        conn = nodes.connect(found.master.node.endpoint, found.master.access)
-        if jobs.state_of(conn, found.master.node, run_id) == "gone":
-            conn.close()
-            fail(
-                jobs.UnknownRun(
-                    f"no job {run_id} on cluster {found.spec.name}'s master (the cluster was "
-                    "made again since the job ran)"
-                ),
-                debug,
-                2,
-            )
-    except SparknetError as exc:
-        fail(exc, debug, 1)
-    return found, conn
-
-
-@submit_app.command("attach")
-def attach(
-    run_id: str = RunArgument,
-    cluster: str | None = ClusterOption,
-    endpoint_url: str | None = JobsEndpointOption,
-    config: Path | None = JobsConfigOption,
-    debug: bool = JobsDebugOption,
-) -> None:
-    """Follow a job as an attached submit does: its rounds so far, then each new one, the
-    summary, and curves.png and metrics.jsonl into runs/RUN/ (a job that already ended: how
-    it ended, without its rounds). A cluster the job's submit made is said to be still up, with
-    its cost and what ends it. Ctrl-C or SIGTERM only detach: the job goes on (exit 130 /
-    143)."""
-    import time
-
-    from sparknet import jobs
-    from sparknet import submit as flow
-    from sparknet.cluster import provider, repair
-
-    try:
-        repair.check_every_s()  # a bad setting fails before anything is asked
-    except SparknetError as exc:
-        fail(exc, debug, 2)
-    found, conn = _located(run_id, cluster, endpoint_url, config, debug)
-    rec, node = found.record, found.master.node
-    endpoint = endpoint_url or rec.endpoint_url
-    report = _Report(console.is_terminal, rec.rounds)
-    caught = Caught()
-    try:
-        with interrupts(caught):
-            state = jobs.state_of(conn, node, run_id)
-            if state not in ("running", jobs.ORPHANED):  # an orphan's driver runs on
-                outcome = _ended_outcome(conn, found, run_id, state)
-            else:
-                _say(
-                    f"attached to job {run_id} on cluster {rec.cluster}; Ctrl-C detaches "
-                    "(it goes on)"
-                )
-                try:
-                    outcome = flow.follow(
-                        conn, found.master, run_id, rec.prefix, rec.s3_endpoint_url,
-                        lambda rows: report.rows(rows, provider.cost_so_far(found.spec, endpoint)),
-                        on_event=lambda event: _say(flow.restart_line(event)),
-                        on_tick=flow.ticks(
-                            flow.DriverStatus(conn, node, run_id, _say),
-                            repair.Watch(found.spec, endpoint_url=endpoint, say=_say),
-                        ),
-                    )  # fmt: skip
-                finally:
-                    report.stop()
-                state = jobs.state_of(conn, node, run_id)
-            ended = jobs.ended_at(conn, node, run_id) or time.time()
-            cost = provider.cost_so_far(found.spec, endpoint)
-            fetched = flow.fetch_results(rec.prefix, rec.s3_endpoint_url, Path("runs") / run_id)
-    except KeyboardInterrupt:
-        signum = caught.signum or signal.SIGINT
-        print(
-            f"detached from job {run_id}: it goes on on cluster {rec.cluster}; "
-            f"`sparknet-submit attach {run_id}` follows it again",
-            file=sys.stderr,
-        )
-        raise typer.Exit(128 + signum) from None
-    except SparknetError as exc:
-        fail(exc, debug, 1)
-    finally:
-        conn.close()
-    still_up = _still_up(rec, found.spec, cost)
-    if state == "cancelled":
-        still_up()
-        fail(SparknetError(f"job {run_id} was cancelled"), debug, 1)
-    if outcome.rc != 0:
-        why = flow.last_error(outcome.log) or f"the driver exited {outcome.rc}"
-        log = f"{flow.job_dir(node, run_id)}/{flow.LOG}"
-        still_up()
-        fail(flow.JobFailed(f"job {run_id} failed: {why} (log: {log} on the master)"), debug, 1)
-    for line in flow.summary_lines(run_id, rec.prefix, outcome.rows, ended - rec.started, cost):
-        results.print(line, markup=False, highlight=False, soft_wrap=True)
-    for path in fetched:
-        results.print(f"fetched {path}", markup=False, highlight=False, soft_wrap=True)
-    still_up()
-
-
-def _ended_outcome(conn, found, run_id: str, state: str):
-    """The outcome of a job that ended before `attach` came: said in one line (how, after how
-    many rounds), its rounds not replayed."""
-    from sparknet import submit as flow
-    from sparknet.data.store import open_store
-    from sparknet.training.report import read_metrics
-
-    rec, node = found.record, found.master.node
-    rc = flow.driver_rc(conn, node, run_id)
-    rows = read_metrics(open_store(rec.prefix, rec.s3_endpoint_url))
-    done = max((row["round"] for row in rows), default=0)
-    _say(f"job {run_id} already ended ({state}) after round {done} of {rec.rounds}")
-    return flow.Outcome(rc, rows, flow.driver_log(conn, node, run_id) if rc else "")
-
-
-def _still_up(rec, spec, cost: float | None):
-    """What `attach` says last of a cluster that the job's submit made (and that runs: the job
-    was just asked of its master): it is still up, its cost so far, and what ends it."""
-    from sparknet import submit as flow
-
-    def say() -> None:
-        if rec.made:
-            usd = "unknown" if cost is None else f"${cost:.2f}"
-            _say(flow.up_line(spec, f"made by sparknet-submit; cost so far {usd}"))
-
-    return say
-
-
-@submit_app.command("logs")
-def logs(
-    run_id: str = RunArgument,
-    follow: bool = typer.Option(False, "--follow", "-f", help="go on until the job ends"),
-    lines: int = typer.Option(200, "--lines", "-n", min=1, help="the log's last N lines"),
-    cluster: str | None = ClusterOption,
-    endpoint_url: str | None = JobsEndpointOption,
-    config: Path | None = JobsConfigOption,
-    debug: bool = JobsDebugOption,
-) -> None:
-    """The driver's log on the master: its last --lines, and with --follow what it adds until
-    the job ends (Ctrl-C stops following; the job goes on)."""
-    from sparknet import jobs
-
-    found, conn = _located(run_id, cluster, endpoint_url, config, debug)
-    caught = Caught()
-
-    def write(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-    try:
-        with interrupts(caught):
-            jobs.print_log(conn, found.master.node, run_id, lines, follow, write)
-    except KeyboardInterrupt:
-        raise typer.Exit(128 + (caught.signum or signal.SIGINT)) from None
-    except SparknetError as exc:
-        fail(exc, debug, 1)
-    finally:
-        conn.close()
-
-
-@submit_app.command("cancel")
-def cancel(
-    run_id: str = RunArgument,
-    cluster: str | None = ClusterOption,
-    endpoint_url: str | None = JobsEndpointOption,
-    config: Path | None = JobsConfigOption,
-    debug: bool = JobsDebugOption,
-) -> None:
-    """End the job: its driver's whole process session on the master, waited for until none
-    of it is left. A job that already ended stays as it ended (exit 0 both)."""
-    from sparknet import jobs
-
-    found, conn = _located(run_id, cluster, endpoint_url, config, debug)
-    try:
-        before = jobs.cancel(conn, found.master.node, run_id)
-    except SparknetError as exc:
-        fail(exc, debug, 1)
-    finally:
-        conn.close()
-    if before is None:
-        _say(f"job {run_id} cancelled: its driver's session on the master is gone")
-    else:
-        _say(f"job {run_id} already ended: {before}")
-
-
-@submit_app.command("list")
-def list_jobs(
-    endpoint_url: str | None = JobsEndpointOption,
-    config: Path | None = JobsConfigOption,
-    debug: bool = JobsDebugOption,
-) -> None:
-    """The jobs this machine started or attached to, one per line: run id, cluster, state
-    (running, succeeded, failed RC, cancelled, or `cluster gone`), started (UTC)."""
-    from sparknet import jobs
-
-    try:
-        listed = jobs.listing(_spec_of(config), endpoint_url)
-    except SparknetError as exc:
-        fail(exc, debug, 1)
-    for item in listed:
-        rec = item.record
-        print(f"{rec.run_id}\t{rec.cluster}\t{item.state}\t{rec.started_text()}")
+for _name, _command in (
+    ("attach", jobs.attach),
+    ("logs", jobs.logs),
+    ("cancel", jobs.cancel),
+    ("list", jobs.list_jobs),
+):
+    submit_app.command(_name)(_command)

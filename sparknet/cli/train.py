@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from sparknet.cli.common import Caught, console, fail, interrupts, quiet_py4j, results
-from sparknet.config import find_config_file, load_datasets, load_train_config, read_run_config
+from sparknet.config import find_config_file, load_datasets, load_train_config
 from sparknet.errors import SparknetError
 
 
@@ -126,6 +126,8 @@ def train(
         if resume:
             if out is None:
                 raise SparknetError("--resume needs --out, the run dir to continue")
+            from sparknet.training.rundir import read_run_config  # torch: only for a resume
+
             base = read_run_config(out, endpoint_url)
         config = find_config_file(config)
         cfg = load_train_config(config_file=config, sets=set_, flags=flags, base=base, conf=conf)

@@ -23,27 +23,28 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import botocore.exceptions as bx
 import tomllib
 
 from sparknet import aws, interrupts
-from sparknet.cluster import bootstrap, foundation, instances, nodes
-from sparknet.cluster.plan import Node, Plan
+from sparknet.cluster import address, nodes, registry, seam, sshkeys
+from sparknet.cluster.aws import instances, keys, launcher, preflight
+from sparknet.cluster.aws.boto3_foundation import ensure_boto3
+from sparknet.cluster.aws.boto3_teardown import destroy_boto3
+from sparknet.cluster.aws.images import RECORD_PARAMETER, ROLE_AMI, check_parameter_name, record
+from sparknet.cluster.aws.owner import caller_owner
 from sparknet.cluster.remote import CommandFailed, run
-from sparknet.cluster.spark_conf import DEFAULT_PREFIX
+from sparknet.cluster.spark import bootstrap
+from sparknet.cluster.spark.plan import Node, Plan
+from sparknet.cluster.spark.spark_conf import DEFAULT_PREFIX
+from sparknet.cluster.spark.steps import PREPARE, Step
+from sparknet.cluster.spark.wheel import Wheel, build_wheel, source_checkout
 from sparknet.cluster.spec import DEFAULT_AMI_PARAMETER, TAG_ROLE, ClusterSpec, tag_value
-from sparknet.cluster.steps import PREPARE, Step
-from sparknet.cluster.wheel import Wheel, build_wheel, source_checkout
 from sparknet.errors import InputError, SparknetError
 
 Say = Callable[[str], None]
 
 #: the image's definition, in the checkout (beside pyproject.toml)
 IMAGE_FILE = Path("ami") / "image.toml"
-#: the SSM parameter that holds the id of the newest baked AMI of a region
-RECORD_PARAMETER = "/sparknet/ami/latest"
-#: the `sparknet:role` of a baked image
-ROLE_AMI = "ami"
 #: steps that must not run on a builder: the secret and the daemons belong to one cluster
 NOT_BAKED = frozenset({"spark-conf", "spark-master", "spark-worker"})
 #: the scripts the builder runs, beside image.toml: the clean-up, then the scan for secrets
@@ -204,78 +205,6 @@ def scan_refusal(builder: str, found: dict[str, str]) -> SparknetError:
     )
 
 
-# --- where the baked AMI is found --------------------------------------------------------------
-
-
-def record(ssm: Any, image_id: str, parameter: str = RECORD_PARAMETER) -> None:
-    """Record `image_id` as the region's newest baked AMI."""
-    check_parameter_name(parameter)
-    with aws.aws_call("PutParameter", aws.region_of(ssm)):
-        ssm.put_parameter(
-            Name=parameter,
-            Value=image_id,
-            Type="String",
-            Overwrite=True,
-            Description="the newest AMI `sparknet ami bake` made",
-        )
-
-
-def check_parameter_name(name: str) -> str:
-    """`name`, if SSM accepts it (1-2048 of a-zA-Z0-9_.-/, not beginning with aws or ssm, which
-    AWS reserves; moto refuses only aws); a one-line error otherwise."""
-    bare = name.lstrip("/").lower()
-    if (
-        not re.fullmatch(r"[A-Za-z0-9_./-]{1,2048}", name)
-        or bare.startswith(("aws", "ssm"))
-        or ("/" in name and not name.startswith("/"))
-    ):
-        raise InputError(
-            f"SSM parameter name {name!r}: use a-z A-Z 0-9 _ . - /, a leading / for a path, "
-            "and no aws or ssm at its start"
-        )
-    return name
-
-
-def baked_ami(ec2: Any, ssm: Any, parameter: str = RECORD_PARAMETER) -> str | None:
-    """The region's newest baked AMI that is still available: the recorded one, else (no
-    record, or its image deregistered) the newest of the caller's images tagged
-    `sparknet:role=ami`; None when there is none."""
-    region = aws.region_of(ssm)
-    recorded = None
-    try:
-        recorded = str(ssm.get_parameter(Name=parameter)["Parameter"]["Value"])
-    except bx.ClientError as exc:
-        if aws.error_code(exc) != "ParameterNotFound":
-            raise aws.describe_error(exc, f"reading SSM parameter {parameter} in {region}") from exc
-    except bx.BotoCoreError as exc:
-        raise aws.describe_error(exc, f"reading SSM parameter {parameter} in {region}") from exc
-    with aws.aws_call("DescribeImages", region):
-        if recorded and instances.AMI_ID.fullmatch(recorded):
-            found = ec2.describe_images(Filters=[{"Name": "image-id", "Values": [recorded]}])[
-                "Images"
-            ]
-            if any(i.get("State") == "available" for i in found):
-                return recorded
-        found = ec2.describe_images(
-            Owners=["self"],
-            Filters=[
-                {"Name": f"tag:{TAG_ROLE}", "Values": [ROLE_AMI]},
-                {"Name": "state", "Values": ["available"]},
-            ],
-        )["Images"]
-    newest = max(found, key=lambda i: i.get("CreationDate", ""), default=None)
-    return str(newest["ImageId"]) if newest else None
-
-
-def ami_for(spec: ClusterSpec, ec2: Any, ssm: Any, parameter: str = RECORD_PARAMETER) -> str:
-    """The AMI `cluster up` launches: the spec's `ami`, else its own `ami_parameter` when the
-    user set one, else the region's baked AMI (`baked_ami`), else the default parameter's Deep
-    Learning AMI. A cluster from a baked AMI finds the install steps done."""
-    if spec.ami or spec.ami_parameter != DEFAULT_AMI_PARAMETER:
-        return instances.resolve_ami(spec, ssm)
-    return baked_ami(ec2, ssm, parameter) or instances.resolve_ami(spec, ssm)
-
-
 # --- the bake ------------------------------------------------------------------------------------
 
 
@@ -345,8 +274,8 @@ def bake(
     image = image or load_image()
     spec, base = _builder_spec(settings)
     ec2 = instances.ec2_client(spec.region, settings.endpoint_url)
-    instances.check_offered(ec2, [settings.instance_type])
-    instances.check_ami(ec2, base, spec.root_volume_gb)
+    preflight.check_offered(ec2, [settings.instance_type])
+    preflight.check_ami(ec2, base, spec.root_volume_gb)
     check_parameter_name(settings.record_parameter)
     gpus = gpu_count(ec2, settings.instance_type)
     with tempfile.TemporaryDirectory(prefix="sparknet-bake-") as tmp:
@@ -373,8 +302,6 @@ def bake(
 
 def _builder_spec(settings: BakeSettings) -> tuple[ClusterSpec, str]:
     """The builder's one-node cluster spec, and the base AMI id (resolved from the parameter)."""
-    from sparknet.cluster import lifecycle
-
     ssm = instances.ssm_client(settings.region, settings.endpoint_url)
     spec = ClusterSpec(
         name=bake_name(), region=settings.region, workers=0,
@@ -382,8 +309,8 @@ def _builder_spec(settings: BakeSettings) -> tuple[ClusterSpec, str]:
         ami=settings.base_ami, ami_parameter=settings.ami_parameter,
         root_volume_gb=settings.root_volume_gb, allowed_cidr=settings.allowed_cidr,
     )  # fmt: skip
-    base = instances.resolve_ami(spec, ssm)
-    owner = lifecycle.caller_owner(settings.region, settings.endpoint_url)
+    base = preflight.resolve_ami(spec, ssm)
+    owner = caller_owner(settings.region, settings.endpoint_url)
     return spec.model_copy(update={"ami": base, "owner": owner}), base
 
 
@@ -410,27 +337,27 @@ def _bake(
     delay_s: float,
 ) -> Baked:
     """Launch the builder, install, clean, stop, image, tag and record."""
-    cidr = spec.allowed_cidr or instances.caller_cidr()
+    cidr = spec.allowed_cidr or preflight.caller_cidr()
     say(f"builder {spec.name}: network and key pair")
-    net = foundation.ensure_boto3(
+    net = ensure_boto3(
         spec, allowed_cidr=cidr, endpoint_url=settings.endpoint_url, created=made.created
     )
     with interrupts.deferred():  # an imported key pair is known to the clean-up at once
-        made.key_pair = nodes.ensure_key_pair(ec2, spec, say)
+        made.key_pair = keys.ensure_key_pair(ec2, spec, say)
     say(f"launching the builder ({settings.instance_type}) from {base}")
-    user_data = nodes.host_key_user_data()[0]
-    launched = instances.launch(
+    user_data = keys.host_key_user_data()[0]
+    launched = launcher.launch(
         ec2, spec, role="master", count=1, spot=False, instance_types=[settings.instance_type],
         subnet_by_az=net.subnet_by_az, security_group_id=net.security_group_id,
         instance_profile_arn=net.instance_profile_arn, ami=base,
-        client_token_prefix=spec.name, key_name=nodes.key_pair_name(spec.name),
+        client_token_prefix=spec.name, key_name=keys.key_pair_name(spec.name),
         user_data=user_data,
     )  # fmt: skip
     made.builder = launched[0].id
     ready = instances.wait_ready(ec2, [made.builder], timeout_s, delay_s=delay_s)
-    access = nodes.access_for(spec)
-    nodes.pin_cluster(ec2, spec.name, ready, access.known_hosts)
-    (endpoint,) = nodes.endpoints(spec.name, ready)
+    access = sshkeys.access_for(spec)
+    keys.pin_cluster(ec2, spec.name, ready, access.known_hosts)
+    (endpoint,) = seam.endpoints(spec.name, ready)
     node = Node(endpoint, prefix=settings.prefix, gpus=gpus)
     plan = Plan((node,), wheel, "", python_env=settings.python_env)
     _install(plan, access, image, made.builder, say, timeout_s)
@@ -499,7 +426,7 @@ def _versions_and_clean(
     def as_root(command: str) -> str:
         return f'if [ "$(id -u)" = 0 ]; then {command}; else sudo -n {command}; fi'
 
-    def one(_endpoint: nodes.Endpoint, conn: Any) -> tuple[str, str, dict[str, str]]:
+    def one(_endpoint: address.Endpoint, conn: Any) -> tuple[str, str, dict[str, str]]:
         out = run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(_TORCH_VERSIONS)}")
         torch, cuda = [*out.split(), "none", "none"][:2]
         run(conn, as_root(cleanup_command(image, node.prefix, root)), timeout=300)
@@ -620,12 +547,10 @@ def _clean_up(
         undo.append((f"deleting {what}", what, step))
     if made.created:
         what = f"the builder's network ({len(made.created)} resources)"
-        destroy = partial(
-            foundation.destroy_boto3, spec, endpoint_url=endpoint_url, only=made.created
-        )
+        destroy = partial(destroy_boto3, spec, endpoint_url=endpoint_url, only=made.created)
         undo.append((f"removing {what}", what, destroy))
-    what = f"the builder's key files in {nodes.cluster_dir(spec.name)}"
-    undo.append(("", what, partial(nodes.forget_local, spec.name)))
+    what = f"the builder's key files in {registry.cluster_dir(spec.name)}"
+    undo.append(("", what, partial(registry.forget_local, spec.name)))
     failed = []
     for line, what, step in undo:  # each one whatever the others did: leave as little as possible
         if line:
@@ -649,7 +574,7 @@ def _clean_up(
 def _terminate_builder(ec2: Any, bake: str, builder: str | None, say: Say, delay_s: float) -> None:
     """Terminate the builder, and any instance launched under the bake's ClientToken (a launch
     whose answer a Ctrl-C cut off), and wait until they are gone."""
-    ids = {i.id for i in instances.launched_with(ec2, bake, bake)}
+    ids = {i.id for i in launcher.launched_with(ec2, bake, bake)}
     ids |= {builder} if builder else set()
     if ids:
         say(f"terminating the builder {', '.join(sorted(ids))}")

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from sparknet.cluster import nodes
-from sparknet.cluster.nodes import Access, Endpoint
-from sparknet.cluster.plan import Node
+from sparknet.cluster.address import Endpoint
+from sparknet.cluster.nodes import Access
 from sparknet.cluster.remote import Conn, q, run
+from sparknet.cluster.spark.plan import Node
 from sparknet.errors import InputError, SparknetError
 
 #: the marker and its lock, in the node's install prefix

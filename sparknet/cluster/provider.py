@@ -9,9 +9,10 @@ import contextlib
 from collections.abc import Callable
 from datetime import datetime, timezone
 
-from sparknet.cluster import instances, lifecycle, static
+from sparknet.cluster import lifecycle, sparkops, static
+from sparknet.cluster.aws import instances
 from sparknet.cluster.nodes import Access
-from sparknet.cluster.plan import Node
+from sparknet.cluster.spark.plan import Node
 from sparknet.cluster.spec import ClusterSpec
 
 Say = Callable[[str], None]
@@ -94,7 +95,7 @@ def nodes_of(spec: ClusterSpec, endpoint_url: str | None) -> tuple[Access, list[
         return access, static.plan_nodes(spec, access)
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     found = [i for i in instances.find(ec2, spec.name) if i.state == "running"]
-    return lifecycle.reach(spec, ec2, found), lifecycle.plan_nodes(spec, ec2, found)
+    return sparkops.reach(spec, ec2, found), sparkops.plan_nodes(spec, ec2, found)
 
 
 def cost_so_far(spec: ClusterSpec, endpoint_url: str | None) -> float | None:

@@ -17,10 +17,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sparknet.cluster import instances, lifecycle, nodes, provider, spot, static
-from sparknet.cluster.health import ClusterHealth
-from sparknet.cluster.instances import Instance
+from sparknet.cluster import address, lifecycle, nodes, provider, registry, seam, sparkops, static
+from sparknet.cluster.aws import instances, spot
+from sparknet.cluster.aws.instances import Instance
 from sparknet.cluster.remote import q, run
+from sparknet.cluster.spark.health import ClusterHealth
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
 
@@ -66,7 +67,7 @@ def losses(spec: ClusterSpec, *, endpoint_url: str | None = None) -> Losses:
             f"{missing} of {spec.workers} worker instances are gone"
         ]
     try:
-        health = lifecycle.spark_health(spec, live, endpoint_url=endpoint_url)
+        health = sparkops.spark_health(spec, live, endpoint_url=endpoint_url)
     except SparknetError as exc:
         return Losses(True, (f"the master takes no connection ({str(exc).splitlines()[0]})",))
     if (silent := _master_silent(health)) is not None:
@@ -110,19 +111,21 @@ def spot_notices(
     instances that has one, asked over SSH of each node's own metadata service; and one line
     per node that could not be asked (it counts as unnoticed: if it is going, EC2's state or
     the Spark master says so soon)."""
-    ids = {n: i.id for n, i in nodes.node_names(running) if i.role == "worker" and i.spot}
+    ids = {n: i.id for n, i in seam.node_names(running) if i.role == "worker" and i.spot}
     if not ids:
         return {}, []
     found: dict[str, spot.Notice] = {}
     try:
         ec2 = instances.ec2_client(spec.region, endpoint_url)
-        access = lifecycle.reach(spec, ec2, running)
-        plan = {n.name: n for n in lifecycle.plan_nodes(spec, ec2, running)}
+        access = sparkops.reach(spec, ec2, running)
+        plan = {n.name: n for n in sparkops.plan_nodes(spec, ec2, running)}
     except SparknetError as exc:
         return found, [f"the workers ({str(exc).splitlines()[0]})"]
 
-    def ask(endpoint: nodes.Endpoint, conn) -> None:
-        out = run(conn, f"{q(plan[endpoint.name].python)} -m sparknet.cluster.spot", NOTICE_CHECK_S)
+    def ask(endpoint: address.Endpoint, conn) -> None:
+        out = run(
+            conn, f"{q(plan[endpoint.name].python)} -m sparknet.cluster.aws.spot", NOTICE_CHECK_S
+        )
         try:
             notice = spot.parse(out)
         except ValueError as exc:
@@ -193,7 +196,7 @@ class Watch:
             return
         try:
             # the cluster as `up` last made it: a settings file edited since must not resize it
-            spec = lifecycle.registered().get(self.spec.name, self.spec)
+            spec = registry.registered().get(self.spec.name, self.spec)
             found = losses(spec, endpoint_url=self.endpoint_url)
             for line in found.unchecked:
                 node = line.split(" ", 1)[0]

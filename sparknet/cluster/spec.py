@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sparknet import aws
+from sparknet.cluster.address import parse_address
 from sparknet.errors import SparknetError
 
 #: every AWS resource sparknet makes carries both tags; `down` and `sweep` find resources by them
@@ -328,8 +329,6 @@ def _not_a_bool(value: Any) -> Any:
 
 def _check_hosts(hosts: list[str]) -> None:
     """Each host an SSH address (``[user@]host[:port]``), none twice."""
-    from sparknet.cluster.nodes import parse_address
-
     seen: dict[tuple[str, int], str] = {}
     for k, text in enumerate(hosts):
         name = "master" if k == 0 else f"worker-{k}"

@@ -31,12 +31,22 @@ from pathlib import Path
 
 import paramiko
 
-from sparknet.cluster import bootstrap as boot
-from sparknet.cluster import lifecycle, markers, nodes
-from sparknet.cluster.health import ClusterHealth, Expected, cluster_health
-from sparknet.cluster.nodes import Access, Endpoint
-from sparknet.cluster.plan import Node, laid_out
+from sparknet.cluster import (
+    address,
+    inventory,
+    lifecycle,
+    markers,
+    nodes,
+    registry,
+    sparkops,
+    sshkeys,
+)
+from sparknet.cluster.address import Endpoint
+from sparknet.cluster.nodes import Access
 from sparknet.cluster.remote import Conn, run
+from sparknet.cluster.spark import bootstrap as boot
+from sparknet.cluster.spark.health import ClusterHealth, Expected, cluster_health
+from sparknet.cluster.spark.plan import Node, laid_out
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
 
@@ -63,12 +73,12 @@ def endpoints(spec: ClusterSpec) -> list[Endpoint]:
     ``user@`` is logged in to as the local user, as `ssh` does."""
     names = ["master"] + [f"worker-{k}" for k in range(1, len(spec.hosts))]
     user = getpass.getuser()
-    return [nodes.parse_address(n, h, user) for n, h in zip(names, spec.hosts, strict=True)]
+    return [address.parse_address(n, h, user) for n, h in zip(names, spec.hosts, strict=True)]
 
 
 def registered_spec(name: str) -> ClusterSpec | None:
     """The static cluster `name` as `up` registered it here; None when it is not."""
-    known = lifecycle.registered().get(name)
+    known = registry.registered().get(name)
     return known if known is not None and known.provider == "static" else None
 
 
@@ -139,10 +149,10 @@ def access(spec: ClusterSpec) -> Access:
     each host's keys from `trusted_keys_files`; a one-line error naming every host that has none
     there, and how to add it, before anything connects (the cluster's file then holds only the
     keys that were found: a key the user removed is not kept)."""
-    found = nodes.access_for(spec)
-    nodes.check_key_file(found)
+    found = sshkeys.access_for(spec)
+    sshkeys.check_key_file(found)
     pins = _trusted_pins(spec)
-    nodes.pin(found.known_hosts, pins, only=True)
+    sshkeys.pin(found.known_hosts, pins, only=True)
     _check_all_trusted(spec, pins)
     return found
 
@@ -152,7 +162,7 @@ def preflight(spec: ClusterSpec) -> None:
     each host's key), writing nothing: a submit asks it before it starts anything."""
     _check_not_ec2(spec)
     _check_hosts(spec)
-    nodes.check_key_file(nodes.access_for(spec))
+    sshkeys.check_key_file(sshkeys.access_for(spec))
     _check_all_trusted(spec, _trusted_pins(spec))
 
 
@@ -214,9 +224,9 @@ def _where(endpoint: Endpoint) -> tuple[str, int]:
 def _check_not_ec2(spec: ClusterSpec) -> None:
     """Refuse a static cluster under the name of an EC2 cluster this machine runs: they would
     share one registry entry, and the EC2 one would be left to its tags."""
-    known = lifecycle.registered().get(spec.name)
+    known = registry.registered().get(spec.name)
     if known is not None and known.provider != "static":
-        raise lifecycle.OtherRegion(
+        raise inventory.OtherRegion(
             f"cluster {spec.name} is an EC2 cluster here ({known.region}); take it down first "
             f"(`sparknet cluster down {spec.name}`) or choose another name"
         )
@@ -237,7 +247,7 @@ def _check_hosts(spec: ClusterSpec) -> None:
                 f"only be added after those: `sparknet cluster down {spec.name}` first to change "
                 "them"
             )
-    for name, other in lifecycle.registered().items():
+    for name, other in registry.registered().items():
         if name == spec.name or other.provider != "static":
             continue
         shared = sorted(set(want) & {_where(e) for e in endpoints(other)})
@@ -276,29 +286,29 @@ def up(
     reach = access(spec)
     found = endpoints(spec)
     with (
-        lifecycle.cluster_lock(spec.name),
+        registry.cluster_lock(spec.name),
         tempfile.TemporaryDirectory(prefix="sparknet-wheel-") as tmp,
     ):
         had_entry = registered_spec(spec.name) is not None
         try:
-            with lifecycle.registry_lock():  # again: another `up` may have registered since
+            with registry.registry_lock():  # again: another `up` may have registered since
                 _check_not_ec2(spec)
                 _check_hosts(spec)
-                lifecycle.save_entry(spec, None)
+                registry.save_entry(spec, None)
             if not bootstrap:
                 return found
             me = holder(spec.name)
             fresh = markers.take_all(_nodes(spec), reach, me)
             try:
-                carried = lifecycle.carry(spec, Path(tmp))
+                carried = sparkops.carry(spec, Path(tmp))
             except BaseException:
                 if not had_entry:
                     markers.release_all([n for n in _nodes(spec) if n.name in fresh], reach, me)
                 raise
         except BaseException:
             if not had_entry:  # nothing ran on any host: as if this `up` never was
-                lifecycle.forget_entry(spec.name, spec.region)
-                lifecycle.remove_lock(spec.name)
+                registry.forget_entry(spec.name, spec.region)
+                registry.remove_lock(spec.name)
             raise
         say(f"static cluster {spec.name}: {len(found)} hosts")
         stay = (
@@ -306,7 +316,7 @@ def up(
             f"{spec.name}` stops what started"
         )
         try:
-            report = lifecycle.bootstrap_locked(
+            report = sparkops.bootstrap_locked(
                 spec, plan_nodes(spec, reach), reach, say, carried, force
             )
         except KeyboardInterrupt as exc:
@@ -315,8 +325,8 @@ def up(
             raise  # refused before anything changed
         except SparknetError as exc:
             first, *rest = str(exc).splitlines() or [type(exc).__name__]
-            raise lifecycle.BootstrapIncomplete("\n".join([f"{first}; {stay}", *rest])) from exc
-    lifecycle.say_report(report, say)
+            raise sparkops.BootstrapIncomplete("\n".join([f"{first}; {stay}", *rest])) from exc
+    sparkops.say_report(report, say)
     return found
 
 
@@ -324,9 +334,9 @@ def holder(name: str) -> markers.Holder:
     """Cluster `name` of this registry as its hosts' markers name it: the registry's id, and
     the user, machine and dir of the registry (what another user is told of whose hosts
     they are)."""
-    where = f"{getpass.getuser()}@{socket.gethostname()}:{lifecycle.registry_dir()}"
+    where = f"{getpass.getuser()}@{socket.gethostname()}:{registry.registry_dir()}"
     since = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return markers.Holder(name, lifecycle.registry_id(), where, since)
+    return markers.Holder(name, registry.registry_id(), where, since)
 
 
 # --- status and down -----------------------------------------------------------------------------
@@ -354,7 +364,7 @@ def health(spec: ClusterSpec) -> ClusterHealth:
     fixed = spec.bootstrap.gpus_per_node
     expected = [Expected(n.name, n.rpc_host, spec.bootstrap.worker_cores, fixed) for n in planned]
     return cluster_health(
-        planned[0], lifecycle.ports_of(spec), expected, reach, connect_timeout=STATUS_CONNECT_S
+        planned[0], sparkops.ports_of(spec), expected, reach, connect_timeout=STATUS_CONNECT_S
     )
 
 
@@ -377,7 +387,7 @@ def down(
     spec = current(spec)
     reach = access(spec)
     me = holder(spec.name)
-    with lifecycle.cluster_lock(spec.name):
+    with registry.cluster_lock(spec.name):
         planned = _nodes(spec)
         left: dict[str, markers.Holder] = {}
 
@@ -417,7 +427,7 @@ def down(
             say(f"{name}: Spark there is not this cluster's, left alone: {other.describe(me)}")
         stopped = [n.name for n in planned if n.name not in failed and n.name not in left]
         say(f"stopped Spark on {len(stopped)} of {len(planned)} hosts")
-        nodes.forget_local(spec.name)
-        lifecycle.forget_entry(spec.name, spec.region)
-        lifecycle.remove_lock(spec.name)
+        registry.forget_local(spec.name)
+        registry.forget_entry(spec.name, spec.region)
+        registry.remove_lock(spec.name)
     return stopped

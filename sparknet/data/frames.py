@@ -81,7 +81,7 @@ class FrameSource(Source):
         yield from decoded_batches(items(), decode, workers=self.loader_workers, cores=inp.threads)
 
     def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
-        from sparknet.data.imagenet import TrainDecoder
+        from sparknet.data.decode import TrainDecoder
 
         labels, inputs = self._columns(inp.rows)
         if len(labels) == 0:
@@ -97,7 +97,7 @@ class FrameSource(Source):
         yield from self._batches(steps, labels, inputs, decode, rnd * tau, inp)
 
     def eval_batches(self, inp: TaskInput) -> Iterator:
-        from sparknet.data.imagenet import EvalDecoder
+        from sparknet.data.decode import EvalDecoder
 
         labels, inputs = self._columns(inp.rows)
         steps = (

@@ -92,7 +92,7 @@ def decoded_batches(
     """Decode each step's items with `decode` (e.g. `TrainDecoder`) in `workers` processes (0: in
     this thread; None: the default for a task of `cores` CPUs); batches in order, as normalized
     float32."""
-    from sparknet.data.imagenet import normalize
+    from sparknet.data.decode import normalize
 
     if workers is None:
         workers = default_loader_workers(cores)

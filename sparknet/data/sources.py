@@ -313,7 +313,7 @@ class ShardSource(Source):
         return open_verified(self.store, info, cache)
 
     def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
-        from sparknet.data.imagenet import TrainDecoder
+        from sparknet.data.decode import TrainDecoder
         from sparknet.data.loader import decoded_batches, derived_seed
 
         shards = self.manifest.shards(self.TRAIN)
@@ -347,7 +347,7 @@ class ShardSource(Source):
         yield from batches
 
     def eval_batches(self, inp: TaskInput) -> Iterator:
-        from sparknet.data.imagenet import EvalDecoder
+        from sparknet.data.decode import EvalDecoder
         from sparknet.data.loader import decoded_batches
 
         if not _split_samples(self.manifest, self.EVAL):  # missing or empty: like no val

@@ -19,6 +19,8 @@ A failed stage (a dead rank, a lost executor) is run again from the last complet
 to `RESTARTS` times; the restarted stage reads its inner states from that checkpoint, exactly as
 a `--resume` would. A worker's own permanent fault (unreadable data) and divergence end the run
 without a restart.
+
+This module is the driver's side; what each rank runs is `allreduce_rank`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
-import os
 import queue
 import re
 import secrets
@@ -35,50 +36,33 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 from py4j.protocol import Py4JError
-from pyspark import BarrierTaskContext, SparkContext, SparkFiles
+from pyspark import SparkContext
 from pyspark.errors import PySparkException
 
 from sparknet import interrupts
-from sparknet.data.frames import Frames, rank_rows
-from sparknet.data.store import open_store
-from sparknet.errors import PermanentTaskError, SparknetError
-from sparknet.training import checkpoint, device, netbind
-from sparknet.training.outer import OuterOptimizer
-from sparknet.training.report import eval_row, round_row
-from sparknet.training.session import is_local_master, stopped_from_outside
-from sparknet.training.state import StateLayout
+from sparknet.data.frames import Frames
+from sparknet.errors import SparknetError
+from sparknet.training.allreduce_rank import StagePlan, stage_task
+from sparknet.training.session import stopped_from_outside
+from sparknet.training.spark_settings import is_local_master
 from sparknet.training.transport import (
-    TaskFault,
-    array_of,
     conf_int,
     describe_task_failure,
     dynamic_allocation,
     executor_hosts,
     in_band,
     task_slots,
-    threads_per_task,
     wait_for_executors,
 )
-from sparknet.training.worker import (
-    EvalResult,
-    InjectedFailure,
-    LiveInner,
-    RoundTask,
-    WorkerReport,
-    evaluate_partition,
-    train_partition,
-)
+from sparknet.training.worker import RoundTask
 
 #: how many times a failed stage is run again from the last checkpoint
 RESTARTS = 3
-#: what the update travels as under `compress`
-_WIRE = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: how long the driver waits for rank 0's last message once the stage's job has ended
 _LAST_WORD_S = 10.0
 
@@ -134,25 +118,6 @@ def _address_of(host: str) -> str | None:
 
 
 # ---- the stage, as the driver sees it -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """What every rank of a stage starts from; shipped inside the tasks."""
-
-    base: RoundTask  # round: the first round the stage runs
-    weights: Any  # a broadcast of (theta, outer momentum or None), both in band
-    elapsed_s: float
-    channel: tuple[str, int]
-    token: str
-    #: the driver's restart count: the fault drill fires in the first stage only
-    restart: int
-    #: executor "host:port" -> cores, for each rank's torch threads (empty on a local master)
-    cores: dict[str, int]
-    task_cpus: int
-    gpus: int
-    #: False for a DataFrame run without an eval frame (as under the spark transport)
-    evaluates: bool = True
 
 
 @dataclass
@@ -343,7 +308,7 @@ class AllReduceTransport:
                 tasks = self.sc.parallelize(range(self.partitions), self.partitions)
             else:
                 tasks = self.frames.by_rank(self.partitions)
-            tasks.barrier().mapPartitions(_stage_task(plan, self.frames is not None)).collect()
+            tasks.barrier().mapPartitions(stage_task(plan, self.frames is not None)).collect()
             inbox.put(("finished", None, None))
         except BaseException as exc:
             inbox.put(("failed", exc, None))
@@ -399,259 +364,3 @@ def _failure(exc: BaseException) -> BaseException:
         return StageFailed(describe_task_failure(exc), permanent=True)  # type: ignore[arg-type]
     cause = next((words for mark, words in _CAUSES if mark in text), None)
     return StageFailed(cause or describe_task_failure(exc))  # type: ignore[arg-type]
-
-
-# ---- the stage, as a rank runs it -------------------------------------------------------------
-
-
-def _stage_task(plan: StagePlan, frames: bool):
-    """A rank's task; with `frames` its items are its partition's Arrow blobs of both frames,
-    read once and kept for the whole stage."""
-
-    def run(items: Iterator) -> Iterator[int]:
-        rows = rank_rows(items) if frames else None
-        if rows is None:
-            for _ in items:
-                pass
-        ctx = BarrierTaskContext.get()
-        _Rank(plan, ctx, rows).run()
-        yield ctx.partitionId()
-
-    return run
-
-
-def _rank_threads(plan: StagePlan, ctx: BarrierTaskContext) -> int:
-    """Torch threads for this rank: its executor's cores over the stage's tasks there; on a
-    local master the task's own cpus."""
-    addresses = [info.address for info in ctx.getTaskInfos()]
-    mine = addresses[ctx.partitionId()]
-    if mine not in plan.cores:
-        return max(1, ctx.cpus())
-    return threads_per_task(plan.cores[mine], addresses.count(mine), plan.task_cpus, plan.gpus)
-
-
-def _backend(on: torch.device) -> str:
-    """NCCL for the update on GPUs (gloo for the small host-side exchanges), gloo on CPUs."""
-    return "cpu:gloo,cuda:nccl" if on.type == "cuda" else "gloo"
-
-
-def _process_group(ctx: BarrierTaskContext, on: torch.device) -> None:
-    """The default process group over the stage's tasks, made with one allGather: rank 0
-    opens a TCPStore on its node's address and that address and port go round (~25 ms, not
-    the default init's rendezvous of a second or more). The store and gloo listen on the
-    node's cluster address (the one its executor advertises) only: neither is authenticated
-    nor encrypted (`netbind`)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # a cancelled stage's, in a reused Python worker
-        dist.destroy_process_group()
-    rank, infos = ctx.partitionId(), ctx.getTaskInfos()
-    world = len(infos)
-    mine = netbind.listen_address(_host_of(infos[rank].address))
-    netbind.bind_collectives(mine)
-    store = netbind.store_server(mine, world) if rank == 0 else None
-    said = ctx.allGather(f"{mine} {store.port}" if store is not None else "")[0]
-    host, port = said.rsplit(" ", 1)
-    if store is None:
-        store = dist.TCPStore(host, int(port), world, False)
-    dist.init_process_group(_backend(on), store=store, rank=rank, world_size=world)
-
-
-def _host_of(address: str) -> str:
-    """The host of an executor's `host:port` (`[v6]:port` too)."""
-    return address.rsplit(":", 1)[0].strip("[]")
-
-
-class _ToDriver:
-    """Rank 0's end of the channel."""
-
-    def __init__(self, plan: StagePlan, start: int) -> None:
-        self.sock = socket.create_connection(plan.channel, timeout=60)
-        self.sock.settimeout(None)  # an ack waits as long as the driver takes to record a row
-        self.lines = self.sock.makefile("rb")
-        self._send({"token": plan.token, "start": start})
-
-    def _send(self, message: dict[str, Any]) -> None:
-        self.sock.sendall(json.dumps(message).encode() + b"\n")
-
-    def row(self, row: dict[str, Any], ack: bool) -> None:
-        self._send({"row": row, "ack": ack})
-        if ack and self.lines.readline().strip() != b"ok":
-            raise ConnectionError("the driver went away before recording a round")
-
-    def say(self, **message: Any) -> None:
-        self._send(message)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
-
-@dataclass
-class _Round:
-    """What every rank learns of a round from the others."""
-
-    report: WorkerReport | None
-    fault: str | None
-
-
-class _Rank:
-    def __init__(
-        self, plan: StagePlan, ctx: BarrierTaskContext, rows: tuple[list, list] | None
-    ) -> None:
-        self.plan = plan
-        self.ctx = ctx
-        #: (train, eval) record batches of a DataFrame run's partition; None: the source reads
-        self.rows, self.eval_rows = rows if rows is not None else (None, None)
-        self.rank = ctx.partitionId()
-        self.world = len(ctx.getTaskInfos())
-        self.cfg = plan.base.cfg
-
-    def run(self) -> None:
-        import torch.distributed as dist
-
-        cfg, plan = self.cfg, self.plan
-        on = device.task_device(cfg.device)
-        threads = _rank_threads(plan, self.ctx)
-        _process_group(self.ctx, on)
-        channel = _ToDriver(plan, plan.base.round) if self.rank == 0 else None
-        try:
-            self._rounds(on, threads, channel)
-            if channel is not None:
-                channel.say(done=True)
-        finally:
-            if channel is not None:
-                channel.close()
-            dist.destroy_process_group()
-
-    def _rounds(self, on: torch.device, threads: int, channel: _ToDriver | None) -> None:
-        import torch.distributed as dist
-
-        cfg, plan, base = self.cfg, self.plan, self.plan.base
-        theta0, momentum = plan.weights.value
-        layout = base.layout
-        outer = OuterOptimizer(
-            array_of(theta0), cfg.outer_lr, cfg.outer_momentum, layout.buffer_mask()
-        )
-        if momentum is not None:
-            outer.load_momentum_buffer(array_of(momentum))
-        theta, integers = outer.theta.numpy(), base.integers
-        store = open_store(base.run_dir, cfg.endpoint_url)
-        live = LiveInner(average_in_place=cfg.outer == "average" and cfg.compress == "none")
-        local_dir = SparkFiles.getRootDirectory()
-        attempt = plan.restart + self.ctx.attemptNumber()
-        t_start = time.perf_counter()
-        for r in range(base.round, cfg.rounds):
-            done = r + 1
-            due = checkpoint.due(cfg.checkpoint_every, done, cfg.rounds)
-            stage_dir = checkpoint.begin(store, done) if due else None
-            task = replace(base, round=r, integers=integers, checkpoint_dir=stage_dir)
-            t0 = time.perf_counter()
-            contrib, fault = self._train(task, theta, attempt, threads, local_dir, live)
-            t_exchange = time.perf_counter()
-            everyone: list[Any] = [None] * self.world
-            report = contrib.reports[0] if contrib is not None else None
-            dist.all_gather_object(everyone, _Round(report, fault))
-            if self._stopped(everyone, done, channel):
-                return
-            assert contrib is not None
-            if live.weights is not None:  # plain averaging: the weights, in the model's buffer
-                summed = live.weights
-            else:
-                assert contrib.delta_sum is not None
-                summed = torch.from_numpy(contrib.delta_sum)
-            mean = _mean(summed, self.world, cfg.compress, on).numpy()
-            integers = _from_rank0(contrib.integers, layout)
-            exchange_s = time.perf_counter() - t_exchange
-            theta = mean if live.weights is not None else outer.step(mean)
-            row = round_row(done, [e.report for e in everyone], time.perf_counter() - t0, 0.0)
-            row["seconds"]["exchange"] = exchange_s
-            if plan.evaluates and checkpoint.due(cfg.eval_every, done, cfg.rounds):
-                eval_task = replace(task, integers=integers, checkpoint_dir=None)
-                row.update(eval_row(self._evaluate(eval_task, theta, threads)))
-            if channel is None:
-                continue
-            row["elapsed_s"] = plan.elapsed_s + time.perf_counter() - t_start
-            channel.row(row, ack=due)
-            if due:
-                checkpoint.write(
-                    store, done, layout, theta, integers, outer.momentum_buffer,
-                    row["elapsed_s"], cfg.to_yaml(),
-                )  # fmt: skip
-
-    def _train(self, task, theta, attempt, threads, local_dir, live):
-        """(this rank's contribution, None) or (None, its permanent fault). The fault drill
-        kills the rank's process: under this transport it stands for a dead rank."""
-        try:
-            contrib = train_partition(
-                task, theta, self.rank, attempt=attempt, threads=threads,
-                local_dir=local_dir, rows=self.rows, live=live,
-            )  # fmt: skip
-            return contrib, None
-        except InjectedFailure:
-            os._exit(17)
-        except PermanentTaskError as exc:
-            return None, TaskFault.of(self.rank, exc).message
-
-    def _stopped(self, everyone: list, done: int, channel: _ToDriver | None) -> bool:
-        """Whether a rank's fault or divergence ends the run here (every rank sees the same)."""
-        faults = [e.fault for e in everyone if e.fault is not None]
-        diverged = [e.report for e in everyone if e.report is not None and e.report.diverged]
-        if not faults and not diverged:
-            return False
-        if channel is not None:
-            if faults:
-                channel.say(fault=faults[0])
-            else:
-                bad = diverged[0]
-                channel.say(
-                    diverged=f"training diverged at round {done}, worker {bad.partition}: "
-                    f"{bad.diverged}; lower --lr or check the data"
-                )
-        return True
-
-    def _evaluate(self, task: RoundTask, theta: np.ndarray, threads: int) -> EvalResult:
-        import torch.distributed as dist
-
-        ev = evaluate_partition(task, theta, self.rank, threads=threads, rows=self.eval_rows)
-        sums = torch.tensor(
-            [ev.loss_sum, ev.correct, ev.correct5, ev.count, ev.skipped], dtype=torch.float64
-        )
-        dist.all_reduce(sums)
-        loss, correct, correct5, count, skipped = sums.tolist()
-        return EvalResult(loss, int(correct), int(correct5), int(count), int(skipped))
-
-
-#: a host buffer is all-reduced in up to this many pieces, each divided while gloo sums the
-#: next, of at least `_PIECE_MIN` floats (below that a piece's fixed cost outweighs the overlap)
-_PIECES, _PIECE_MIN = 4, 4 << 20
-
-
-def _mean(flat: torch.Tensor, world: int, compress: str, on: torch.device) -> torch.Tensor:
-    """`flat` (on the host) <- its mean over the ranks, in place; on the wire as `compress`
-    says. A host buffer goes in pieces, each all-reduced on gloo's own threads, so dividing one
-    overlaps summing the next (at 100 MB the division alone is a pass of ~4 ms)."""
-    import torch.distributed as dist
-
-    wire = _WIRE[compress]
-    if wire is None and on.type != "cuda":
-        n = max(1, min(_PIECES, flat.numel() // _PIECE_MIN))
-        pieces = [(piece, dist.all_reduce(piece, async_op=True)) for piece in flat.chunk(n)]
-        for piece, work in pieces:
-            work.wait()
-            piece.div_(world)
-        return flat
-    buf = flat.to(device=on, dtype=wire or flat.dtype)
-    dist.all_reduce(buf)
-    return flat.copy_(buf.to(device="cpu", dtype=flat.dtype)).div_(world)
-
-
-def _from_rank0(integers: dict[str, np.ndarray] | None, layout: StateLayout) -> dict:
-    """Rank 0's integer buffers (num_batches_tracked), on every rank: worker 0's value."""
-    import torch.distributed as dist
-
-    if all(e.offset >= 0 for e in layout.entries):
-        return {}
-    box = [integers]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -12,7 +12,7 @@ pyarrow): this module imports neither.
 
 Not sparknet's default: the import then happens once, serially, when Spark starts the executor's
 first Python worker, instead of in every worker in parallel during round 1. With 2 workers on 2
-cores that made the time to the end of round 1 1.6 s longer (benchmarks/startup.py); it pays
+cores that made the time to the end of round 1 1.6 s longer (`sparknet bench startup`); it pays
 where workers outnumber free cores, or are forked again later (Spark stops a Python worker idle
 for a minute), and it lets the workers share torch's memory.
 """

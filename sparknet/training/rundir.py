@@ -26,10 +26,10 @@ from typing import Any
 
 import botocore.exceptions as bx
 
-from sparknet.config import TrainConfig, read_run_config
+from sparknet.config import TrainConfig, yaml_section
 from sparknet.data import s3
 from sparknet.data.s3 import S3Uri
-from sparknet.data.store import S3Store, Store, open_store
+from sparknet.data.store import MissingObjectError, S3Store, Store, open_store
 from sparknet.errors import SparknetError
 from sparknet.training import checkpoint
 from sparknet.training.report import CURVES, METRICS
@@ -54,6 +54,36 @@ _RUN_EXTRAS = re.compile(
     r"^\.(config\.yaml|metrics\.jsonl|model\.safetensors|curves\.png)(\..+)?\.tmp(\.png)?$"
     r"|^events\.out\.tfevents\."
 )
+
+
+def read_run_config(run_dir: str | Path, endpoint_url: str | None = None) -> dict[str, Any]:
+    """The `train:` section of the settings a `--resume` continues: those its newest complete
+    checkpoint was made with (the run dir's `config.yaml` may already hold the changes of an
+    `--allow-change` resume that was interrupted before its first checkpoint). `run_dir` is a
+    local dir or an s3:// URI."""
+    store = open_store(str(run_dir), endpoint_url)
+    last = checkpoint.latest(store)
+    names = [f"{checkpoint.name(last)}/{checkpoint.CONFIG}"] if last is not None else []
+    for name in [*names, "config.yaml"]:
+        try:
+            data = store.read_bytes(name)
+        except MissingObjectError:
+            continue
+        where = f"{run_dir}/{name}"
+        try:
+            text = data.decode()
+        except UnicodeDecodeError as exc:
+            raise SparknetError(
+                f"config file {where} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
+            ) from exc
+        section = yaml_section(text, where, "train")
+        # the transport that ran is the run's record, not a setting to keep: unless the resume
+        # names one, `auto` decides again where it runs now (the weights are the same up to
+        # float rounding either way)
+        if isinstance(section, dict):
+            section.pop("transport", None)
+        return section
+    raise SparknetError(f"{run_dir} has no config.yaml: it is not a sparknet run dir")
 
 
 def is_run_entry(name: str) -> bool:

@@ -14,7 +14,7 @@ here maps over one cached K-partition "anchor" RDD made once per run: block k si
 executor, the scheduler prefers that executor for task k (PROCESS_LOCAL), and the session waits
 for it rather than giving up after 3 s (`session.STICKY_LOCALITY_WAIT`). A lost executor takes
 its blocks with it: the task runs elsewhere (a counted inner-state miss), recomputes block k
-there, and stays there for the rest of the run (README: "Sticky partitions").
+there, and stays there for the rest of the run (docs/how-it-works.md: "How it works").
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pyspark import SparkContext, SparkFiles, StorageLevel, TaskContext
 from pyspark.errors import PySparkException
 
 from sparknet.errors import PermanentTaskError, SparknetError
-from sparknet.training.session import is_local_master
+from sparknet.training.spark_settings import is_local_master
 
 R = TypeVar("R")
 

@@ -24,7 +24,7 @@ from py4j.protocol import Py4JError
 from pyspark.errors import PySparkException
 
 from sparknet.errors import SparknetError
-from sparknet.training.session import is_local_master
+from sparknet.training.spark_settings import is_local_master
 from sparknet.training.transport import executor_hosts
 
 #: how often the status store is asked

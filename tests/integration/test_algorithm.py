@@ -10,9 +10,10 @@ import pytest
 import torch
 import yaml
 
-from sparknet.config import TrainConfig, load_train_config, read_run_config
+from sparknet.config import TrainConfig, load_train_config
 from sparknet.data.sources import digits
 from sparknet.training.driver import train
+from sparknet.training.rundir import read_run_config
 from sparknet.training.worker import task_seed
 from tests.helpers import (
     assert_state_close,

@@ -16,10 +16,11 @@ import pytest
 import yaml
 from PIL import Image
 
-from sparknet.config import TrainConfig, load_train_config, read_run_config
+from sparknet.config import TrainConfig, load_train_config
 from sparknet.data.sources import digits
 from sparknet.training.driver import train
 from sparknet.training.report import read_metrics
+from sparknet.training.rundir import read_run_config
 from tests.helpers import assert_state_close, assert_state_equal, load_run_model
 
 SETTINGS = dict(model="mlp", workers=2, tau=3, batch_size=16, momentum=0.9, seed=5)

@@ -1,5 +1,5 @@
 """The AMI bake on moto: the builder instance is mapped to a loopback sshd node through the seam
-of nodes.py (`moto_nodes`, host key read back from the builder's user data), so the key pair,
+of seam.py (`moto_nodes`, host key read back from the builder's user data), so the key pair,
 the pinned host key and the install steps run over real SSH; moto's CreateImage is available
 at once.
 
@@ -26,12 +26,14 @@ import boto3
 import pytest
 from typer.testing import CliRunner
 
-from sparknet.cluster import ami, bootstrap, lifecycle
-from sparknet.cluster.nodes import Endpoint
-from sparknet.cluster.plan import FACTS, Context, Node, Plan, parse_facts
+from sparknet.cluster import ami, lifecycle, registry
+from sparknet.cluster.address import Endpoint
+from sparknet.cluster.aws import images
 from sparknet.cluster.remote import run
+from sparknet.cluster.spark import bootstrap
+from sparknet.cluster.spark.plan import FACTS, Context, Node, Plan, parse_facts
+from sparknet.cluster.spark.wheel import Wheel, build_wheel
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
-from sparknet.cluster.wheel import Wheel, build_wheel
 from sparknet.errors import SparknetError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,7 +84,7 @@ def moto_tags_snapshots(moto_endpoint, monkeypatch):
 def moto_bake(moto_endpoint, moto_nodes, moto_tags_snapshots, tmp_path, monkeypatch):
     """The bake's registry under tmp_path, its builder's name fixed and served by a loopback
     sshd while the block runs."""
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     name = f"bake-test-{uuid.uuid4().hex[:8]}"
     monkeypatch.setattr(ami, "bake_name", lambda: name)
     ec2 = boto3.client("ec2", region_name=REGION)
@@ -163,7 +165,7 @@ def assert_builder_gone(bake: Bake) -> None:
     assert ec2.describe_key_pairs(Filters=by_tag)["KeyPairs"] == []
     assert ec2.describe_security_groups(Filters=by_tag)["SecurityGroups"] == []
     assert ec2.describe_vpcs(Filters=by_tag)["Vpcs"] == []
-    assert not (lifecycle.registry_dir() / name / "id_ed25519").exists()
+    assert not (registry.registry_dir() / name / "id_ed25519").exists()
 
 
 def test_bake_makes_a_tagged_image_with_the_steps_done_and_removes_the_builder(
@@ -194,10 +196,10 @@ def test_bake_makes_a_tagged_image_with_the_steps_done_and_removes_the_builder(
     # recorded: what `cluster up` launches (ami_for) is the baked image
     ssm = boto3.client("ssm", region_name=REGION)
     assert ssm.get_parameter(Name=moto_bake.parameter)["Parameter"]["Value"] == baked.image_id
-    assert ami.baked_ami(ec2, ssm, moto_bake.parameter) == baked.image_id
-    assert ami.ami_for(ClusterSpec(name="c1"), ec2, ssm, moto_bake.parameter) == baked.image_id
+    assert images.baked_ami(ec2, ssm, moto_bake.parameter) == baked.image_id
+    assert images.ami_for(ClusterSpec(name="c1"), ec2, ssm, moto_bake.parameter) == baked.image_id
     own = ClusterSpec(name="c1", ami=moto_bake.base)  # the spec's own AMI comes first
-    assert ami.ami_for(own, ec2, ssm, moto_bake.parameter) == moto_bake.base
+    assert images.ami_for(own, ec2, ssm, moto_bake.parameter) == moto_bake.base
     assert_builder_gone(moto_bake)
 
     # the clean-up: keys, credentials, caches, histories, logs, temporary files and state gone;
@@ -279,7 +281,7 @@ def test_a_bake_whose_final_clean_up_fails_prints_its_image_and_what_is_left(
     moto_bake, moto_endpoint, tmp_path, monkeypatch
 ):
     from sparknet.cli import app
-    from sparknet.cluster import instances
+    from sparknet.cluster.aws import instances
 
     ec2 = moto_bake.ec2
     real_terminate = instances.terminate
@@ -403,7 +405,7 @@ def bake_cli(*args: str, env: dict[str, str]) -> subprocess.Popen:
 def test_cli_bake_exits_2_for_bad_input_and_1_for_an_aws_failure(moto_endpoint, tmp_path):
     from tests.sshd import free_port
 
-    env = {**os.environ, lifecycle.HOME_ENV: str(tmp_path / "home")}
+    env = {**os.environ, registry.HOME_ENV: str(tmp_path / "home")}
     missing = bake_cli("--base-ami", "ami-0123456789abcdef0", "--endpoint-url", moto_endpoint,
                        env=env)  # fmt: skip
     _, err = missing.communicate(timeout=120)
@@ -429,7 +431,7 @@ def test_cli_bake_stopped_by_sigterm_exits_143_and_removes_what_it_made(
     home = tmp_path / "home"
     ec2 = boto3.client("ec2", region_name=REGION)
     base = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    env = {**os.environ, lifecycle.HOME_ENV: str(home)}
+    env = {**os.environ, registry.HOME_ENV: str(home)}
     proc = bake_cli("--base-ami", base, "--endpoint-url", moto_endpoint, env=env)
     try:
         lines = []
@@ -459,10 +461,10 @@ def test_cluster_up_launches_the_recorded_baked_ami(moto_endpoint, tmp_path, mon
     its SSM record is written by hand), in a region no other test uses, so the record is this
     test's alone."""
     region = "ca-central-1"
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     ec2 = boto3.client("ec2", region_name=region)
     baked = ec2.describe_images(Owners=["amazon"])["Images"][1]["ImageId"]
-    ami.record(boto3.client("ssm", region_name=region), baked)
+    images.record(boto3.client("ssm", region_name=region), baked)
     spec = ClusterSpec(
         name=f"b{uuid.uuid4().hex[:8]}", region=region, workers=0, master_type="m5.large",
         instance_types=["m5.large"], allowed_cidr="203.0.113.9/32", root_volume_gb=120,

@@ -1,5 +1,5 @@
 """The autostop timer's check against moto's server, run as on the master: the real
-`python -m sparknet.cluster.autostop check` as a subprocess over a state dir, with the
+`python -m sparknet.cluster.aws.autostop check` as a subprocess over a state dir, with the
 default credential chain and AWS_ENDPOINT_URL pointing at moto (on a node: the instance
 role's credentials and AWS's endpoint). Idleness is made by setting mtimes, not by waiting."""
 
@@ -13,8 +13,8 @@ import time
 import uuid
 from pathlib import Path
 
-from sparknet.cluster import autostop
-from sparknet.cluster.autostop import Settings
+from sparknet.cluster.aws import autostop
+from sparknet.cluster.aws.autostop import Settings
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE
 
 REGION = "us-east-1"
@@ -57,7 +57,7 @@ def state_dir(tmp_path: Path, cluster: str, idle_s: float) -> Path:
 
 def check(d: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "sparknet.cluster.autostop", "check", "--state", str(d)],
+        [sys.executable, "-m", "sparknet.cluster.aws.autostop", "check", "--state", str(d)],
         env=os.environ.copy(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 
@@ -107,7 +107,7 @@ def test_an_unreachable_aws_is_one_log_line_and_exit_1(moto_endpoint, tmp_path) 
     d = state_dir(tmp_path, name, idle_s=90)
     env = {**os.environ, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
     done = subprocess.run(
-        [sys.executable, "-m", "sparknet.cluster.autostop", "check", "--state", str(d)],
+        [sys.executable, "-m", "sparknet.cluster.aws.autostop", "check", "--state", str(d)],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 1, done.stderr

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from sparknet.cluster import bootstrap as b
-from sparknet.cluster.health import Expected, require_healthy
 from sparknet.cluster.nodes import Access
-from sparknet.cluster.plan import Node, Plan
-from sparknet.cluster.spark_conf import Ports
-from sparknet.cluster.steps import PRIVATE_DIRS
-from sparknet.cluster.wheel import Wheel
+from sparknet.cluster.spark import bootstrap as b
+from sparknet.cluster.spark.health import Expected, require_healthy
+from sparknet.cluster.spark.plan import Node, Plan
+from sparknet.cluster.spark.spark_conf import Ports
+from sparknet.cluster.spark.steps import PRIVATE_DIRS
+from sparknet.cluster.spark.wheel import Wheel
 from sparknet.errors import SparknetError
 from tests.relay import DowngradeRelay
 from tests.sshd import SshNodes, free_port, start_nodes

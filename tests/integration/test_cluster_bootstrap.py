@@ -1,5 +1,5 @@
 """`sparknet cluster up` end to end: moto's instances are loopback sshd nodes (the seam of
-`nodes.py`, each sshd serving the host key sparknet put in its instance's user data), and `up`
+`seam.py`, each sshd serving the host key sparknet put in its instance's user data), and `up`
 ends with a real Spark standalone cluster on them, started over SSH, that a `sparknet train`
 on the master node runs on. The CLI runs as a subprocess, as a user runs it.
 
@@ -48,9 +48,9 @@ def cluster(moto_endpoint, moto_nodes, tmp_path, monkeypatch):
     under tmp_path, and its two nodes mapped to loopback sshd nodes with their own addresses
     and prefixes; its worker is a spot instance, and each node's metadata service is the
     stand-in of tests/imds.py (`group.imds`). Whatever is left is taken down at the end."""
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
 
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     ami = _ec2().describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     import boto3
 
@@ -67,7 +67,7 @@ def cluster(moto_endpoint, moto_nodes, tmp_path, monkeypatch):
         layout[f"{name}/{node}/node"] = {"address": address, "prefix": str(tmp_path / node)}
     group.file.write_text(json.dumps(layout))
     yield name, group, entry
-    if lifecycle.registered().get(name) is not None:
+    if registry.registered().get(name) is not None:
         cli("down", name, cwd=tmp_path)
     imds.close()
 
@@ -89,7 +89,8 @@ def cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProc
 
 
 def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, tmp_path) -> None:
-    from sparknet.cluster import instances, lifecycle, nodes, repair
+    from sparknet.cluster import registry, repair, sparkops
+    from sparknet.cluster.aws import instances, keys
     from sparknet.cluster.spec import ClusterSpec
 
     name, group, entry = cluster
@@ -109,7 +110,7 @@ def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, 
     pids = daemon_pids(tmp_path, ADDRESSES)
     assert sorted(pids) == ["master/master", "master/worker", "worker-1/worker"]
     # the cluster's secret: 0600 in the registry dir, the one the nodes' Spark runs with
-    secret_file = lifecycle.secret_file(name)
+    secret_file = registry.secret_file(name)
     assert secret_file.stat().st_mode & 0o777 == 0o600
     conf = (tmp_path / "master" / "conf" / "spark-defaults.conf").read_text()
     assert f"spark.authenticate.secret {secret_file.read_text().strip()}\n" in conf
@@ -126,9 +127,10 @@ def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, 
     # GPUs from the instance type where the spec does not say (g5.xlarge: one A10G)
     spec = ClusterSpec.model_validate({**entry, "name": name, "bootstrap": {}})
     ec2 = _ec2()
-    assert [n.gpus for n in lifecycle.plan_nodes(spec, ec2, instances.find(ec2, name))] == [1, 1]
+    assert [n.gpus for n in sparkops.plan_nodes(spec, ec2, instances.find(ec2, name))] == [1, 1]
 
-    # a job as the README tells users: on the master node, its venv's sparknet, no secret given
+    # a job as docs/clusters.md tells users: on the master node, its venv's sparknet, no secret
+    # given
     out_dir = tmp_path / "run"
     train = cli(
         "ssh", name, "--", "env", f"SPARK_LOCAL_IP={ADDRESSES['master']}",
@@ -166,7 +168,7 @@ def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, 
 
     # a worker's Spark daemon killed: a loss the repair sees, and `up`'s code restarts it alone
     # (the cluster as registered, its autostop off included)
-    spec = lifecycle.registered()[name]
+    spec = registry.registered()[name]
     assert repair.losses(spec) == repair.Losses(False, ())
     os.kill(pids["worker-1/worker"], signal.SIGKILL)
     lost = _until(lambda: repair.losses(spec).lines)
@@ -222,7 +224,7 @@ def test_up_bootstraps_a_healthy_cluster_that_trains_and_down_stops_it(cluster, 
         assert not Path(f"/proc/{pid}").exists()
     assert _autostop_pid(tmp_path) is None
     assert not ec2.describe_key_pairs(
-        Filters=[{"Name": "key-name", "Values": [nodes.key_pair_name(name)]}]
+        Filters=[{"Name": "key-name", "Values": [keys.key_pair_name(name)]}]
     )["KeyPairs"]
     assert not secret_file.exists()
 
@@ -237,7 +239,8 @@ def test_a_failed_bootstrap_keeps_the_instances_and_says_how_to_go_on(cluster, t
     """The master's prefix lies under a plain file: its first step fails. The instances stay
     (and the registry entry), the error says so in its first line; a `cluster bootstrap` after
     the fix finishes the cluster."""
-    from sparknet.cluster import instances, lifecycle
+    from sparknet.cluster import registry
+    from sparknet.cluster.aws import instances
 
     name, group, _entry = cluster
     (tmp_path / "master").write_text("not a directory")
@@ -255,7 +258,7 @@ def test_a_failed_bootstrap_keeps_the_instances_and_says_how_to_go_on(cluster, t
     )
     assert "Traceback" not in up.stderr
     assert len(instances.find(_ec2(), name)) == 2
-    assert name in lifecycle.registered()
+    assert name in registry.registered()
     # fixed: the bootstrap alone finishes the cluster
     (tmp_path / "master").unlink()
     group.serve(_ec2())
@@ -286,7 +289,7 @@ def test_ctrl_c_during_the_bootstrap_keeps_the_cluster_registered(cluster, tmp_p
     instances stay (billed) and how to go on, and `status` shows them."""
     import signal
 
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
 
     name, group, _entry = cluster
     with group.watch(_ec2()):
@@ -306,6 +309,6 @@ def test_ctrl_c_during_the_bootstrap_keeps_the_cluster_registered(cluster, tmp_p
         "error: interrupted during the bootstrap; the cluster's 2 instances stay up and "
         "registered (and are billed)" in err
     )
-    assert name in lifecycle.registered()
+    assert name in registry.registered()
     shown = cli("status", name, cwd=tmp_path)
     assert shown.returncode == 0 and shown.stdout.count("\ti-") == 2, shown.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from sparknet.cluster import lifecycle
+from sparknet.cluster import inventory, lifecycle, registry
 from sparknet.cluster.spec import TAG_OWNER, ClusterSpec
 from tests.conftest import SPARKNET
 from tests.integration import test_lifecycle
@@ -39,7 +39,7 @@ def _retag_owner(spec: ClusterSpec, owner: str, endpoint: str) -> None:
     ec2 = boto3.client("ec2", region_name=REGION)
     iam = boto3.client("iam", region_name=REGION)
     tag = {"Key": TAG_OWNER, "Value": owner}
-    for item in lifecycle.tagged_clusters(REGION, endpoint_url=endpoint)[spec.name].items:
+    for item in inventory.tagged_clusters(REGION, endpoint_url=endpoint)[spec.name].items:
         kind, _, ident = item.partition(":")
         if kind == "iam-role":
             iam.tag_role(RoleName=ident, Tags=[tag])
@@ -71,7 +71,7 @@ def test_up_and_down_refuse_a_cluster_of_that_name_owned_by_another(spec, moto_e
     one line (exit 1) naming bob; `--any-owner` is the explicit way through."""
     _up(spec.model_copy(update={"workers": 1}), moto_endpoint)
     _retag_owner(spec, BOB, moto_endpoint)
-    for path in lifecycle.registry_dir().glob("*.json"):
+    for path in registry.registry_dir().glob("*.json"):
         path.unlink()
     _settings_file(spec, tmp_path, instance_types=["g4dn.xlarge"])
     before = _left(spec)
@@ -99,7 +99,7 @@ def test_up_and_down_refuse_a_cluster_of_that_name_owned_by_another(spec, moto_e
 def _fake_terraform_state(spec: ClusterSpec) -> Path:
     """A local Terraform state of `spec` that holds resources (as `up` leaves it), without
     applying anything: what `down` and `up` look for."""
-    state_dir = lifecycle.terraform_state_dir(spec)
+    state_dir = inventory.terraform_state_dir(spec)
     state_dir.mkdir(parents=True)
     (state_dir / "terraform.tfstate").write_text(json.dumps({"resources": [{"type": "aws_vpc"}]}))
     (state_dir / "variables.tfvars.json").write_text(json.dumps({"region": spec.region}))
@@ -114,7 +114,7 @@ def test_terraform_state_is_kept_per_region_and_down_in_another_region_is_refuse
     nothing (it used to destroy the us-east-1 state, IAM role included)."""
     tf = spec.model_copy(update={"foundation": "terraform", "bucket": "probe-tf-data"})
     west = tf.model_copy(update={"region": "us-west-2"})
-    assert lifecycle.terraform_state_dir(tf) != lifecycle.terraform_state_dir(west)
+    assert inventory.terraform_state_dir(tf) != inventory.terraform_state_dir(west)
     state = _fake_terraform_state(tf)
     held = state.read_text()
 
@@ -142,7 +142,7 @@ def test_up_of_a_name_running_in_another_region_is_refused(spec, moto_endpoint, 
     west = boto3.client("ec2", region_name="us-west-2")
     tag = [{"Name": "tag:sparknet:cluster", "Values": [spec.name]}]
     assert west.describe_vpcs(Filters=tag)["Vpcs"] == []
-    assert lifecycle.registered()[spec.name].region == REGION
+    assert registry.registered()[spec.name].region == REGION
     for command in ("status", "down"):
         done = cli(command, spec.name, "--region", "us-west-2", cwd=tmp_path)
         assert done.returncode == 1, done.stderr
@@ -274,7 +274,7 @@ def test_sweep_goes_past_a_name_sparknet_no_longer_accepts_and_says_what_it_dele
     old = f"Old_{spec.name}"
     vpc = _tagged_vpc(old)
     info = _up(spec.model_copy(update={"workers": 1}), moto_endpoint)
-    for path in lifecycle.registry_dir().glob("*.json"):
+    for path in registry.registry_dir().glob("*.json"):
         path.unlink()
 
     swept = cli("sweep", "--region", REGION, "--yes", cwd=tmp_path)
@@ -289,7 +289,7 @@ def test_sweep_goes_past_a_name_sparknet_no_longer_accepts_and_says_what_it_dele
 
 
 def test_down_of_a_tagged_name_sparknet_no_longer_accepts(moto_endpoint, tmp_path, monkeypatch):
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     old = f"Old_Cluster_{os.getpid()}"
     vpc = _tagged_vpc(old)
     gone = cli("down", old, "--region", REGION, cwd=tmp_path)
@@ -303,7 +303,7 @@ def test_list_and_down_find_a_cluster_left_with_only_an_endpoint_or_a_profile(
 ):
     """A cluster whose only remains are its S3 gateway endpoint, or an instance profile whose
     role is gone: `list` shows it and `down` removes it (it used to say "no cluster")."""
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     ec2 = boto3.client("ec2", region_name=REGION)
     iam = boto3.client("iam", region_name=REGION)
     tag = f"e{os.getpid()}"
@@ -330,7 +330,7 @@ def test_list_and_down_find_a_cluster_left_with_only_an_endpoint_or_a_profile(
     assert f"deleted instance-profile:{profile}" in gone.stdout
     with pytest.raises(iam.exceptions.NoSuchEntityException):
         iam.get_instance_profile(InstanceProfileName=profile)
-    found = lifecycle.tagged_clusters(REGION, endpoint_url=moto_endpoint)
+    found = inventory.tagged_clusters(REGION, endpoint_url=moto_endpoint)
     assert tag not in found and profile_only not in found
     ec2.delete_vpc(VpcId=vpc)
 
@@ -338,13 +338,13 @@ def test_list_and_down_find_a_cluster_left_with_only_an_endpoint_or_a_profile(
 def test_list_shows_only_the_regions_clusters(spec, moto_endpoint, tmp_path):
     """A cluster registered here in us-west-2 is not one of us-east-1's ("0 instances ...
     registered")."""
-    lifecycle.save_entry(spec.model_copy(update={"region": "us-west-2"}), moto_endpoint)
+    registry.save_entry(spec.model_copy(update={"region": "us-west-2"}), moto_endpoint)
     listed = cli("list", "--region", REGION, cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr
     assert spec.name not in listed.stdout
     west = cli("list", "--region", "us-west-2", cwd=tmp_path)
     assert f"{spec.name}\t0 instances" in west.stdout and "\tregistered" in west.stdout
-    for path in lifecycle.registry_dir().glob("*.json"):
+    for path in registry.registry_dir().glob("*.json"):
         path.unlink()
 
 
@@ -387,7 +387,7 @@ def test_wrong_zones_or_key_pair_are_one_short_line_before_anything_is_made(
     line = _one_line(done.stderr)
     assert says in line and len(line) < 300, line
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
-    assert not lifecycle.registry_dir().exists() or not list(lifecycle.registry_dir().iterdir())
+    assert not registry.registry_dir().exists() or not list(registry.registry_dir().iterdir())
 
 
 # --- 4: `up` with fewer workers ------------------------------------------------------------------
@@ -406,7 +406,7 @@ def test_up_with_fewer_workers_terminates_the_newest_surplus(spec, moto_endpoint
     now = lifecycle.status(spec, endpoint_url=moto_endpoint)
     assert [w.id for w in now.workers] == [w.id for w in first.workers]
     assert now.master.id == first.master.id
-    assert lifecycle.registered()[spec.name].workers == 1
+    assert registry.registered()[spec.name].workers == 1
 
 
 def test_sweep_goes_past_a_cluster_whose_down_fails_with_any_error(
@@ -425,7 +425,7 @@ def test_sweep_goes_past_a_cluster_whose_down_fails_with_any_error(
     broken = f"a{spec.name}"
     vpc = _tagged_vpc(broken)
     _up(spec.model_copy(update={"workers": 0}), moto_endpoint)
-    for path in lifecycle.registry_dir().glob("*.json"):
+    for path in registry.registry_dir().glob("*.json"):
         path.unlink()
     real_down = lifecycle.down
 

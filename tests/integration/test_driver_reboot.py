@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from sparknet.cluster import bootstrap as b
-from sparknet.cluster import nodes, steps
-from sparknet.cluster.plan import Context, Node, Plan
+from sparknet.cluster import nodes
 from sparknet.cluster.remote import q, succeeds
-from sparknet.cluster.steps import NvidiaDriver, Step
-from sparknet.cluster.wheel import Wheel
+from sparknet.cluster.spark import bootstrap as b
+from sparknet.cluster.spark import steps
+from sparknet.cluster.spark.plan import Context, Node, Plan
+from sparknet.cluster.spark.steps import NvidiaDriver, Step
+from sparknet.cluster.spark.wheel import Wheel
 from tests.sshd import RebootingNode
 
 #: the node's tools, as shell; {boot_id} is the node's boot id file, {installed} the boot id at

@@ -62,8 +62,10 @@ def test_bad_frames_fail_before_training_naming_fit_arguments(
 
 
 def test_fit_resume_continues_from_the_stored_settings_and_says_which_round(spark, tmp_path):
-    from sparknet.config import load_train_config, read_run_config
-    from sparknet.training.driver import FrameInput, train
+    from sparknet.config import load_train_config
+    from sparknet.training.driver import train
+    from sparknet.training.problem import FrameInput
+    from sparknet.training.rundir import read_run_config
 
     df, out = _frame(spark, ROWS), tmp_path / "run"
     sparknet.fit(df, out=out, **{**SMALL, "tau": 2})

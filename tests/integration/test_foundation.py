@@ -11,13 +11,10 @@ import boto3
 import botocore.exceptions
 import pytest
 
-from sparknet.cluster import foundation
-from sparknet.cluster.foundation import (
-    destroy_boto3,
-    ensure_boto3,
-    node_role_name,
-    security_group_name,
-)
+from sparknet.cluster.aws import boto3_foundation, boto3_teardown, foundation
+from sparknet.cluster.aws.boto3_foundation import ensure_boto3
+from sparknet.cluster.aws.boto3_teardown import destroy_boto3
+from sparknet.cluster.aws.foundation import node_role_name, security_group_name
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
 
@@ -171,7 +168,7 @@ def test_destroy_leaves_nothing_with_the_cluster_tag(spec, moto_endpoint):
 def test_terraform_path_maps_module_outputs_to_the_foundation(moto_endpoint, tmp_path):
     """The Terraform foundation for real, on a provider-free stand-in for infra/ (the AWS provider
     cannot be downloaded here) with infra/'s inputs and outputs; the network is moto's."""
-    from sparknet.cluster.foundation import destroy_terraform, ensure_terraform
+    from sparknet.cluster.aws.terraform_foundation import destroy_terraform, ensure_terraform
     from tests.conftest import REPO
 
     ec2 = boto3.client("ec2", region_name=REGION)
@@ -209,7 +206,7 @@ def test_terraform_path_maps_module_outputs_to_the_foundation(moto_endpoint, tmp
 
 
 def test_terraform_foundation_needs_a_bucket(tmp_path):
-    from sparknet.cluster.foundation import terraform_variables
+    from sparknet.cluster.aws.terraform_foundation import terraform_variables
     from sparknet.errors import SparknetError
 
     with pytest.raises(SparknetError, match="needs `bucket`"):
@@ -219,7 +216,7 @@ def test_terraform_foundation_needs_a_bucket(tmp_path):
 def test_terraform_backend_of_the_spec_holds_the_state(moto_endpoint, tmp_path):
     """`terraform_backend` settings go to `init -backend-config`: here the stand-in's local
     backend pointed at a path of the user's, so the cluster's own state dir stays empty."""
-    from sparknet.cluster.foundation import destroy_terraform, ensure_terraform
+    from sparknet.cluster.aws.terraform_foundation import destroy_terraform, ensure_terraform
     from tests.conftest import REPO
 
     ec2 = boto3.client("ec2", region_name=REGION)
@@ -255,10 +252,10 @@ def test_a_bucket_name_taken_elsewhere_is_one_line(spec, moto_endpoint, code, st
     account here, so botocore's Stubber gives that answer on the real client."""
     from botocore.stub import Stubber
 
-    from sparknet.cluster.foundation import _Boto3Foundation
+    from sparknet.cluster.aws.boto3_foundation import Boto3Foundation
     from sparknet.errors import SparknetError
 
-    f = _Boto3Foundation(spec, moto_endpoint)
+    f = Boto3Foundation(spec, moto_endpoint)
     with Stubber(f.s3) as stub:
         stub.add_client_error("head_bucket", service_error_code=code, http_status_code=status)
         with pytest.raises(SparknetError) as info:
@@ -335,20 +332,18 @@ def test_a_failed_ensure_still_tells_the_caller_what_it_made(spec, moto_endpoint
             GroupName=security_group_name(spec), Description="x", VpcId=kwargs["params"]["VpcId"]
         )
 
-    from sparknet.cluster import foundation
-
-    real = foundation._Boto3Foundation.security_group
+    real = boto3_foundation.Boto3Foundation.security_group
 
     def racing(self, vpc, allowed_cidr):
         squat(params={"VpcId": vpc})
         return real(self, vpc, allowed_cidr)
 
-    foundation._Boto3Foundation.security_group = racing
+    boto3_foundation.Boto3Foundation.security_group = racing
     try:
         with pytest.raises(SparknetError, match="CreateSecurityGroup"):
             ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint, created=created)
     finally:
-        foundation._Boto3Foundation.security_group = real
+        boto3_foundation.Boto3Foundation.security_group = real
     assert [c.split(":")[0] for c in created] == [
         "vpc",
         "internet-gateway",
@@ -464,7 +459,7 @@ def test_a_users_own_bucket_is_left_as_it_is(moto_endpoint):
 def test_egress_is_the_shared_rule_and_stray_egress_goes(spec, moto_endpoint):
     """AWS's default allow-all egress gives way to the rules file's described rule, as
     Terraform's group has it; an egress rule added by hand is revoked by the next ensure."""
-    from sparknet.cluster.rules import security_group_rules
+    from sparknet.cluster.aws.rules import security_group_rules
 
     f = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
     ec2 = boto3.client("ec2", region_name=REGION)
@@ -484,7 +479,7 @@ def test_egress_is_the_shared_rule_and_stray_egress_goes(spec, moto_endpoint):
 
 
 def test_network_has_the_shared_zone_count_and_an_s3_endpoint(spec, moto_endpoint):
-    from sparknet.cluster.rules import network
+    from sparknet.cluster.aws.rules import network
 
     f = ensure_boto3(spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
     ec2 = boto3.client("ec2", region_name=REGION)
@@ -534,9 +529,9 @@ def test_zones_are_asked_for_regular_zones_only(spec, moto_endpoint):
     """Local and wavelength zones lack most GPU types: the zone query asks for zone-type
     availability-zone, as infra/'s data source does. moto has no local zones, so the request
     the real client sends is what is checked."""
-    from sparknet.cluster.foundation import _Boto3Foundation
+    from sparknet.cluster.aws.boto3_foundation import Boto3Foundation
 
-    f = _Boto3Foundation(spec, moto_endpoint)
+    f = Boto3Foundation(spec, moto_endpoint)
     sent: list[dict] = []
     f.ec2.meta.events.register(
         "provide-client-params.ec2.DescribeAvailabilityZones",
@@ -562,7 +557,7 @@ def test_a_vpc_delete_waits_while_aws_answers_dependency_violation(moto_endpoint
     seconds after an endpoint or instance lets go: the delete is retried until it passes."""
     import threading
 
-    monkeypatch.setattr(foundation, "DEPENDENCY_WAIT_S", 60.0)
+    monkeypatch.setattr(boto3_teardown, "DEPENDENCY_WAIT_S", 60.0)
     ec2 = boto3.client("ec2", region_name=REGION)
     vpc, subnet = _vpc_with_subnet(ec2)
     spec = ClusterSpec(name=f"d{uuid.uuid4().hex[:8]}", region=REGION)
@@ -582,7 +577,7 @@ def test_a_vpc_delete_waits_while_aws_answers_dependency_violation(moto_endpoint
 def test_a_dependency_that_never_goes_fails_in_one_line_after_the_deadline(
     moto_endpoint, monkeypatch
 ):
-    monkeypatch.setattr(foundation, "DEPENDENCY_WAIT_S", 1.0)
+    monkeypatch.setattr(boto3_teardown, "DEPENDENCY_WAIT_S", 1.0)
     ec2 = boto3.client("ec2", region_name=REGION)
     vpc, subnet = _vpc_with_subnet(ec2)
     spec = ClusterSpec(name=f"d{uuid.uuid4().hex[:8]}", region=REGION)
@@ -597,11 +592,11 @@ def test_a_security_group_still_in_use_is_retried(moto_endpoint, monkeypatch):
     """moto deletes a group at once even where AWS says "has a dependent object" for a while
     after its instances terminate, so this one answer is stubbed (the first DeleteSecurityGroup
     fails as AWS's does); the retry then deletes the real group on moto."""
-    monkeypatch.setattr(foundation, "DEPENDENCY_WAIT_S", 30.0)
+    monkeypatch.setattr(boto3_teardown, "DEPENDENCY_WAIT_S", 30.0)
     ec2 = boto3.client("ec2", region_name=REGION)
     vpc, subnet = _vpc_with_subnet(ec2)
     group = ec2.create_security_group(GroupName="busy", Description="busy", VpcId=vpc)["GroupId"]
-    real = foundation._Boto3Foundation.__init__
+    real = boto3_foundation.Boto3Foundation.__init__
     refusals = []
 
     def init(self, *args, **kwargs):
@@ -620,7 +615,7 @@ def test_a_security_group_still_in_use_is_retried(moto_endpoint, monkeypatch):
 
         self.ec2.delete_security_group = busy_once
 
-    monkeypatch.setattr(foundation._Boto3Foundation, "__init__", init)
+    monkeypatch.setattr(boto3_foundation.Boto3Foundation, "__init__", init)
     spec = ClusterSpec(name=f"d{uuid.uuid4().hex[:8]}", region=REGION)
     only = [f"security-group:{group}", f"subnet:{subnet}", f"vpc:{vpc}"]
     assert destroy_boto3(spec, endpoint_url=moto_endpoint, only=only) == only
@@ -653,13 +648,13 @@ def test_without_a_bucket_the_node_role_has_no_s3_statement(moto_endpoint):
 def test_check_removed_names_what_is_still_tagged(moto_endpoint):
     """What a clean-up asks before it says "removed": a tagged VPC left is named, in one line."""
     spec = ClusterSpec(name=f"r{uuid.uuid4().hex[:8]}", region=REGION)
-    foundation.check_removed(spec, endpoint_url=moto_endpoint)  # nothing there: no complaint
+    boto3_teardown.check_removed(spec, endpoint_url=moto_endpoint)  # nothing there: no complaint
     ec2 = boto3.client("ec2", region_name=REGION)
     vpc = ec2.create_vpc(
         CidrBlock="10.94.0.0/16",
         TagSpecifications=[{"ResourceType": "vpc", "Tags": foundation.tags(spec)}],
     )["Vpc"]["VpcId"]
     with pytest.raises(SparknetError, match=rf"still has vpc:{vpc} after the destroy") as err:
-        foundation.check_removed(spec, endpoint_url=moto_endpoint)
+        boto3_teardown.check_removed(spec, endpoint_url=moto_endpoint)
     assert "\n" not in str(err.value)
     assert destroy_boto3(spec, endpoint_url=moto_endpoint) == [f"vpc:{vpc}"]

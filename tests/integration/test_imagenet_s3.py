@@ -132,16 +132,16 @@ def _bad_dataset(tree: Path, dest: Path, monkeypatch) -> tuple[Path, str]:
     """A copy of the shards with one corrupt JPEG and one shard cut inside its last member,
     its manifest updated to the cut bytes: what an older sparknet or another tool may write
     (`data shard` itself now leaves undecodable images out, so its check is switched off)."""
-    import sparknet.data.shards as shards_module
+    from sparknet.data import shard_checks
 
     src = dest / "tree"
     shutil.copytree(tree, src)
     victim = sorted((src / "train").rglob("*.JPEG"))[7]
     corrupt_jpeg(victim)
     out = dest / "shards"
-    from sparknet.data.imagenet import ImageCheck
+    from sparknet.data.decode import ImageCheck
 
-    monkeypatch.setattr(shards_module, "inspect_image", lambda data: ImageCheck(None, 1, 1))
+    monkeypatch.setattr(shard_checks, "inspect_image", lambda data: ImageCheck(None, 1, 1))
     write_dataset(src, out, shard_bytes=SHARD_BYTES, seed=0, processes=1)
     manifest = Manifest.loads((out / MANIFEST_NAME).read_text(), "manifest")
     cut = manifest.splits["train"][1]

@@ -20,7 +20,7 @@ import boto3
 import botocore.exceptions as bx
 import pytest
 
-from sparknet.cluster import instances
+from sparknet.cluster.aws import instances, launcher, preflight, prices
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
 
@@ -99,7 +99,7 @@ def spec(ec2: Any) -> Iterator[ClusterSpec]:
 
 
 def launch(ec2: Any, spec: ClusterSpec, network: Network, **overrides: Any) -> list[Any]:
-    """`instances.launch` with the test network and worker defaults."""
+    """`launcher.launch` with the test network and worker defaults."""
     args: dict[str, Any] = {
         "role": "worker",
         "count": 2,
@@ -112,7 +112,7 @@ def launch(ec2: Any, spec: ClusterSpec, network: Network, **overrides: Any) -> l
         "client_token_prefix": f"{spec.name}-1",
     }
     args.update(overrides)
-    return instances.launch(ec2, spec, **args)
+    return launcher.launch(ec2, spec, **args)
 
 
 def describe(ec2: Any, ids: list[str]) -> list[dict[str, Any]]:
@@ -269,7 +269,7 @@ def test_type_not_offered_is_rejected_before_any_launch(
 
 
 def test_check_offered_keeps_given_az_order(ec2: Any):
-    offered = instances.check_offered(
+    offered = preflight.check_offered(
         ec2, ["g5.xlarge", "g4dn.xlarge"], ["us-east-1b", "us-east-1a"]
     )
 
@@ -279,7 +279,7 @@ def test_check_offered_keeps_given_az_order(ec2: Any):
 def test_check_offered_names_the_azs_that_offer_a_type(ec2: Any):
     # moto offers p4d.24xlarge in us-east-1a..d only
     with pytest.raises(SparknetError) as err:
-        instances.check_offered(ec2, ["p4d.24xlarge"], ["us-east-1e", "us-east-1f"])
+        preflight.check_offered(ec2, ["p4d.24xlarge"], ["us-east-1e", "us-east-1f"])
 
     assert_one_line(err.value, "p4d.24xlarge", "only in us-east-1a", "us-east-1e, us-east-1f")
 
@@ -288,7 +288,7 @@ def test_a_profile_not_yet_visible_to_ec2_is_waited_for(
     ec2: Any, spec: ClusterSpec, network, monkeypatch
 ):
     # IAM propagation delay, injected like the capacity errors: moto sees new profiles at once
-    monkeypatch.setattr(instances, "PROFILE_RETRY_S", FAST)
+    monkeypatch.setattr(launcher, "PROFILE_RETRY_S", FAST)
     calls = fail_first(ec2, monkeypatch, ["InvalidParameterValue"] * 2)
 
     workers = launch(ec2, spec, network)
@@ -379,12 +379,12 @@ def test_resolve_ami_reads_the_parameter_unless_an_ami_is_given(moto_endpoint, n
     ssm = instances.ssm_client(REGION, moto_endpoint)
     base = ClusterSpec(name="amitest", ami_parameter=AMI_PARAMETER)
 
-    assert instances.resolve_ami(base, ssm) == network.ami
-    assert instances.resolve_ami(base.model_copy(update={"ami": "ami-12345678"}), ssm) == (
+    assert preflight.resolve_ami(base, ssm) == network.ami
+    assert preflight.resolve_ami(base.model_copy(update={"ami": "ami-12345678"}), ssm) == (
         "ami-12345678"
     )
     with pytest.raises(SparknetError) as err:
-        instances.resolve_ami(base.model_copy(update={"ami_parameter": "/test/missing"}), ssm)
+        preflight.resolve_ami(base.model_copy(update={"ami_parameter": "/test/missing"}), ssm)
     assert_one_line(err.value, "/test/missing", "does not exist", REGION, "pass --ami")
 
 
@@ -418,38 +418,38 @@ def checkip_server() -> Iterator[Callable[[bytes], str]]:
 
 
 def test_caller_cidr_is_the_checkip_answer_as_a_slash_32(checkip_server, monkeypatch):
-    monkeypatch.setenv(instances.CHECKIP_ENV, checkip_server(b"203.0.113.7\n"))
+    monkeypatch.setenv(preflight.CHECKIP_ENV, checkip_server(b"203.0.113.7\n"))
 
-    assert instances.caller_cidr() == "203.0.113.7/32"
+    assert preflight.caller_cidr() == "203.0.113.7/32"
 
 
 def test_caller_cidr_says_pass_allowed_cidr_when_unusable(checkip_server, monkeypatch):
-    monkeypatch.setenv(instances.CHECKIP_ENV, checkip_server(b"<html>captive portal</html>"))
+    monkeypatch.setenv(preflight.CHECKIP_ENV, checkip_server(b"<html>captive portal</html>"))
     with pytest.raises(SparknetError) as err:
-        instances.caller_cidr()
+        preflight.caller_cidr()
     assert_one_line(err.value, "--allowed-cidr")
 
     with socket.socket() as sock:  # a port nobody listens on: bound, then closed
         sock.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}/"
-    monkeypatch.setenv(instances.CHECKIP_ENV, closed)
+    monkeypatch.setenv(preflight.CHECKIP_ENV, closed)
     with pytest.raises(SparknetError) as err:
-        instances.caller_cidr(timeout=1)
+        preflight.caller_cidr(timeout=1)
     assert_one_line(err.value, closed, "--allowed-cidr")
 
 
 def test_hourly_price_from_the_table_and_spot_history(ec2: Any):
-    assert instances.hourly_price("g5.xlarge") == pytest.approx(1.006)
-    assert instances.hourly_price("g4dn.xlarge", ec2=ec2) == pytest.approx(0.526)
-    assert instances.hourly_price("zz9.gigantic") is None
-    assert instances.hourly_price("g5.xlarge", spot=True) is None  # spot needs a client
+    assert prices.hourly_price("g5.xlarge") == pytest.approx(1.006)
+    assert prices.hourly_price("g4dn.xlarge", ec2=ec2) == pytest.approx(0.526)
+    assert prices.hourly_price("zz9.gigantic") is None
+    assert prices.hourly_price("g5.xlarge", spot=True) is None  # spot needs a client
     other = instances.ec2_client("eu-west-1", ec2.meta.endpoint_url)
-    assert instances.hourly_price("g5.xlarge", ec2=other) is None  # the table is us-east-1
+    assert prices.hourly_price("g5.xlarge", ec2=other) is None  # the table is us-east-1
 
     history = ec2.describe_spot_price_history(InstanceTypes=["g5.xlarge"], AvailabilityZone=AZS[0])[
         "SpotPriceHistory"
     ]
-    spot = instances.hourly_price("g5.xlarge", True, AZS[0], ec2)
+    spot = prices.hourly_price("g5.xlarge", True, AZS[0], ec2)
     if history:
         newest = max(history, key=lambda h: h["Timestamp"])
         assert spot == pytest.approx(float(newest["SpotPrice"]))
@@ -489,10 +489,10 @@ def test_malformed_region_is_one_line():
 
 def test_client_token_prefix_is_bounded():
     with pytest.raises(ValueError, match="client_token_prefix"):
-        instances.client_token(
+        launcher.client_token(
             "x" * 60, role="worker", instance_type="g5.xlarge", az="a", spot=False, count=1
         )
-    token = instances.client_token(
+    token = launcher.client_token(
         "c-1", role="worker", instance_type="g5.xlarge", az="a", spot=False, count=1
     )
     assert token.startswith("c-1-") and len(token) <= 64

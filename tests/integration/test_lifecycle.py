@@ -16,8 +16,9 @@ import pytest
 import yaml
 from botocore.exceptions import ClientError
 
-from sparknet.cluster import instances, lifecycle
-from sparknet.cluster.foundation import node_role_name
+from sparknet.cluster import inventory, lifecycle, registry
+from sparknet.cluster.aws import instances, preflight
+from sparknet.cluster.aws.foundation import node_role_name
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
 from sparknet.errors import SparknetError
 from tests.conftest import REPO, SPARKNET
@@ -28,7 +29,7 @@ AMI_PARAMETER = "/test/sparknet/lifecycle-ami"
 
 @pytest.fixture
 def spec(moto_endpoint, tmp_path, monkeypatch):
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     ec2 = boto3.client("ec2", region_name=REGION)
     ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     boto3.client("ssm", region_name=REGION).put_parameter(
@@ -52,7 +53,7 @@ def another_ami() -> str:
     return next(
         i["ImageId"]
         for i in images
-        if i["ImageId"] != default and instances.AMI_ID.fullmatch(i["ImageId"])
+        if i["ImageId"] != default and preflight.AMI_ID.fullmatch(i["ImageId"])
     )
 
 
@@ -95,7 +96,7 @@ def test_up_makes_master_and_workers_and_twice_changes_nothing(spec, moto_endpoi
     assert all(r["MetadataOptions"]["HttpTokens"] == "required" for r in raws)
     again = _up(spec, moto_endpoint)
     assert sorted(i.id for i in again.instances) == sorted(i.id for i in info.instances)
-    assert spec.name in lifecycle.registered()
+    assert spec.name in registry.registered()
 
 
 def test_down_leaves_nothing_with_the_cluster_tag(spec, moto_endpoint):
@@ -105,7 +106,7 @@ def test_down_leaves_nothing_with_the_cluster_tag(spec, moto_endpoint):
     assert any(d.startswith("vpc:") for d in report.deleted)
     assert report.cost_usd is not None and report.cost_usd >= 0
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
-    assert spec.name not in lifecycle.registered()
+    assert spec.name not in registry.registered()
 
 
 def _failing_launches(monkeypatch, codes: dict[int, str]) -> list[dict]:
@@ -145,7 +146,7 @@ def test_an_error_at_the_third_launch_removes_everything_up_made(spec, moto_endp
     subnets = [c["NetworkInterfaces"][0]["SubnetId"] for c in calls[1:]]
     assert subnets[0] != subnets[1]  # the third launch was the fallback to another AZ
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
-    assert spec.name not in lifecycle.registered()
+    assert spec.name not in registry.registered()
 
 
 @pytest.mark.parametrize(
@@ -180,7 +181,7 @@ def _kinds(items: list[str]) -> dict[str, int]:
 
 def test_orphans_list_every_tagged_resource_of_clusters_nobody_wants(spec, moto_endpoint):
     _up(spec, moto_endpoint)
-    found = lifecycle.orphans(REGION, set(), endpoint_url=moto_endpoint)
+    found = inventory.orphans(REGION, set(), endpoint_url=moto_endpoint)
     kinds = _kinds(found[spec.name].items)
     # every resource carries the owner tag: moto's default caller made them all
     assert found[spec.name].owners == {"arn:aws:sts::123456789012:user/moto"}
@@ -188,7 +189,7 @@ def test_orphans_list_every_tagged_resource_of_clusters_nobody_wants(spec, moto_
     assert (kinds["vpc"], kinds["security-group"], kinds["internet-gateway"]) == (1, 1, 1)
     assert kinds["subnet"] >= 2 and kinds["route-table"] == 1
     assert (kinds["iam-role"], kinds["instance-profile"]) == (1, 1)
-    assert spec.name not in lifecycle.orphans(REGION, {spec.name}, endpoint_url=moto_endpoint)
+    assert spec.name not in inventory.orphans(REGION, {spec.name}, endpoint_url=moto_endpoint)
 
 
 def cli(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -200,7 +201,7 @@ def cli(*args: str, cwd) -> subprocess.CompletedProcess:
 
 def test_down_works_from_tags_alone_after_the_registry_is_lost(spec, moto_endpoint, tmp_path):
     _up(spec, moto_endpoint)
-    shutil.rmtree(lifecycle.registry_dir())
+    shutil.rmtree(registry.registry_dir())
     gone = cli("down", spec.name, "--region", REGION, cwd=tmp_path)
     assert gone.returncode == 0, gone.stderr
     assert gone.stdout.count("terminated instance:") == 3 and "deleted vpc:" in gone.stdout
@@ -212,7 +213,7 @@ def test_sweep_lists_then_deletes_a_forgotten_clusters_foundation(spec, moto_end
     _up(spec, moto_endpoint)
     ec2 = instances.ec2_client(REGION, moto_endpoint)
     instances.terminate_cluster(ec2, spec.name, delay_s=0.2)
-    shutil.rmtree(lifecycle.registry_dir())
+    shutil.rmtree(registry.registry_dir())
 
     listed = cli("sweep", "--region", REGION, cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr
@@ -225,7 +226,7 @@ def test_sweep_lists_then_deletes_a_forgotten_clusters_foundation(spec, moto_end
     assert swept.returncode == 0, swept.stderr
     assert f"took {spec.name} down" in swept.stdout
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}
-    assert spec.name not in lifecycle.orphans(REGION, set(), endpoint_url=moto_endpoint)
+    assert spec.name not in inventory.orphans(REGION, set(), endpoint_url=moto_endpoint)
 
 
 def _settings_file(spec: ClusterSpec, folder, **entry) -> str:

@@ -17,8 +17,9 @@ from datetime import timedelta
 import boto3
 import pytest
 
-from sparknet.cluster import instances, lifecycle
-from sparknet.cluster.foundation import node_role_name
+from sparknet.cluster import inventory, lifecycle, registry
+from sparknet.cluster.aws import instances, launcher, prices
+from sparknet.cluster.aws.foundation import node_role_name
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
 from tests.conftest import SPARKNET
@@ -95,7 +96,7 @@ def test_a_second_concurrent_up_refuses_at_once_naming_the_first_and_deletes_not
     assert refused_in < 30  # at once: no AWS call, only Python's start-up
     assert first.returncode == 0, err
     assert _left(spec) == INTACT
-    assert spec.name in lifecycle.registered()
+    assert spec.name in registry.registered()
     assert out.count("i-") == 3
 
 
@@ -123,23 +124,23 @@ def test_the_lock_refuses_while_held_and_is_free_after_its_holder_is_killed(
     _up(spec, moto_endpoint)
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time\nfrom sparknet.cluster import lifecycle\n"
-         f"with lifecycle.cluster_lock({spec.name!r}):\n    print('held', flush=True)\n"
+         "import sys, time\nfrom sparknet.cluster import registry\n"
+         f"with registry.cluster_lock({spec.name!r}):\n    print('held', flush=True)\n"
          "    time.sleep(60)\n"],
         env=os.environ.copy(), stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert holder.stdout.readline().strip() == "held"
-    with pytest.raises(lifecycle.ClusterBusy, match=f"PID {holder.pid}"):
+    with pytest.raises(registry.ClusterBusy, match=f"PID {holder.pid}"):
         lifecycle.down(spec, endpoint_url=moto_endpoint)
     assert _left(spec) == INTACT
     with (
-        pytest.raises(lifecycle.ClusterBusy, match=f"PID {holder.pid}"),
-        lifecycle.cluster_lock(spec.name),
+        pytest.raises(registry.ClusterBusy, match=f"PID {holder.pid}"),
+        registry.cluster_lock(spec.name),
     ):
         pass
     holder.kill()
     holder.wait(timeout=30)
-    with lifecycle.cluster_lock(spec.name):
+    with registry.cluster_lock(spec.name):
         pass  # free again
 
 
@@ -176,7 +177,7 @@ def test_a_failed_up_removes_only_what_it_made_not_what_another_up_added(
     assert ec2.describe_security_groups(GroupIds=[other["group"]])["SecurityGroups"]
     tag = [{"Name": f"tag:{TAG_CLUSTER}", "Values": [spec.name]}]
     assert ec2.describe_vpcs(Filters=tag)["Vpcs"] == []  # this run's foundation went
-    assert spec.name not in lifecycle.registered()
+    assert spec.name not in registry.registered()
 
 
 def test_ctrl_c_after_a_launch_whose_answer_was_lost_still_removes_its_instances(
@@ -184,7 +185,7 @@ def test_ctrl_c_after_a_launch_whose_answer_was_lost_still_removes_its_instances
 ):
     """Ctrl-C lands after RunInstances launched the workers but before `launch` returned their
     ids to `up`: the clean-up finds them by this run's own ClientToken prefix."""
-    real_launch = instances.launch
+    real_launch = launcher.launch
 
     def launch_then_interrupt(*args, **kwargs):
         launched = real_launch(*args, **kwargs)
@@ -192,7 +193,7 @@ def test_ctrl_c_after_a_launch_whose_answer_was_lost_still_removes_its_instances
             raise KeyboardInterrupt
         return launched
 
-    monkeypatch.setattr(instances, "launch", launch_then_interrupt)
+    monkeypatch.setattr(launcher, "launch", launch_then_interrupt)
     with pytest.raises(SparknetError, match="interrupted"):
         _up(spec, moto_endpoint)
     assert _left(spec) == GONE
@@ -221,7 +222,7 @@ def test_up_tags_what_it_makes_with_the_callers_identity(spec, moto_endpoint):
     assert [_tags(v)[TAG_OWNER] for v in volumes["Volumes"]] == [MOTO_USER] * 3
     assert [_tags(v)[TAG_OWNER] for v in vpcs] == [MOTO_USER]
     assert _tags({"Tags": role})[TAG_OWNER] == MOTO_USER
-    assert lifecycle.registered()[spec.name].owner == MOTO_USER
+    assert registry.registered()[spec.name].owner == MOTO_USER
 
 
 def test_owner_in_the_clusters_section_is_refused(spec, tmp_path):
@@ -270,7 +271,7 @@ def test_sweep_touches_only_the_callers_clusters_unless_all_owners(
         TagSpecifications=[{"ResourceType": "instance", "Tags": [
             {"Key": TAG_CLUSTER, "Value": old}, {"Key": TAG_ROLE, "Value": "master"}]}],
     )  # fmt: skip
-    for path in lifecycle.registry_dir().glob("*.json"):
+    for path in registry.registry_dir().glob("*.json"):
         path.unlink()  # all three forgotten here
 
     try:
@@ -297,7 +298,7 @@ def test_sweep_touches_only_the_callers_clusters_unless_all_owners(
         assert instances.find(ec2, old) == []
     finally:
         for name in (theirs.name, old):
-            if name in lifecycle.tagged_clusters(REGION, endpoint_url=moto_endpoint):
+            if name in inventory.tagged_clusters(REGION, endpoint_url=moto_endpoint):
                 lifecycle.down(spec.model_copy(update={"name": name}), endpoint_url=moto_endpoint)
 
 
@@ -363,7 +364,7 @@ def test_down_prices_each_instances_life_from_what_ran(spec, moto_endpoint):
     found = instances.find(ec2, spec.name)
     two_hours_on = max(i.launched_at for i in found) + timedelta(hours=2)
     lives_h = [(two_hours_on - i.launched_at).total_seconds() / 3600 for i in found]
-    per = instances.hourly_costs(ec2, found)
+    per = prices.hourly_costs(ec2, found)
     expected = sum(per[i.id].total * h for i, h in zip(found, lives_h, strict=True))
     assert lifecycle.lifetime_cost(ec2, found, two_hours_on) == pytest.approx(expected)
     assert expected == pytest.approx(2 * (COMPUTE + EBS + IPV4), rel=0.01)
@@ -398,7 +399,7 @@ def test_up_ami_flag_and_status_into_a_pipe_keep_whole_instance_ids(spec, moto_e
     raws = ec2.describe_instances(InstanceIds=[i.id for i in found])["Reservations"]
     assert {i["ImageId"] for r in raws for i in r["Instances"]} == {ami}
     assert (
-        json.loads((lifecycle.registry_dir() / f"{spec.name}.json").read_text())["spec"]["ami"]
+        json.loads((registry.registry_dir() / f"{spec.name}.json").read_text())["spec"]["ami"]
         == ami
     )
 
@@ -429,7 +430,7 @@ def test_up_with_a_wrong_ami_is_one_line_and_creates_nothing(spec, tmp_path, ami
     line = _one_line(done.stderr)
     assert ami in line and says in line
     assert _left(spec) == GONE
-    assert spec.name not in lifecycle.registered()
+    assert spec.name not in registry.registered()
 
 
 @pytest.mark.parametrize(
@@ -465,5 +466,5 @@ def test_a_signal_right_after_a_create_call_leaves_nothing_behind(
         _up(spec, moto_endpoint)
     assert sent == [operation] and caught.signum == signal.SIGINT
     assert _left(spec) == GONE
-    left = lifecycle.tagged_clusters(REGION, endpoint_url=moto_endpoint).get(spec.name)
+    left = inventory.tagged_clusters(REGION, endpoint_url=moto_endpoint).get(spec.name)
     assert left is None or not left.items, left

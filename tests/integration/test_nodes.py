@@ -11,8 +11,10 @@ import time
 
 import pytest
 
-from sparknet.cluster import nodes
-from sparknet.cluster.nodes import Access, Endpoint
+from sparknet.cluster import nodes, openssh, seam, sshkeys
+from sparknet.cluster.address import Endpoint
+from sparknet.cluster.aws import keys
+from sparknet.cluster.nodes import Access
 from sparknet.errors import SparknetError
 from tests.sshd import start_sshd
 
@@ -43,8 +45,8 @@ def test_a_changed_host_key_is_refused_in_one_line(sshd_nodes, tmp_path):
     group = sshd_nodes(1)
     endpoint = group.endpoints[0]
     # the pin is another key than the one the node serves: a replaced or impersonated node
-    _, other_public = nodes.new_ed25519()
-    nodes.pin(group.access.known_hosts, {endpoint.address: other_public})
+    _, other_public = sshkeys.new_ed25519()
+    sshkeys.pin(group.access.known_hosts, {endpoint.address: other_public})
     with pytest.raises(SparknetError) as caught:
         nodes.connect(endpoint, group.access, timeout=10)
     message = str(caught.value)
@@ -71,7 +73,7 @@ def test_a_changed_host_key_is_refused_in_one_line(sshd_nodes, tmp_path):
 def test_a_wrong_client_key_is_refused_in_one_line(sshd_nodes, tmp_path):
     group = sshd_nodes(1)
     stranger = tmp_path / "stranger"
-    nodes.write_private_key(stranger, nodes.new_ed25519()[0])
+    sshkeys.write_private_key(stranger, sshkeys.new_ed25519()[0])
     access = Access(stranger, group.access.known_hosts)
     with pytest.raises(SparknetError, match=r"^master \(.*login refused for key") as caught:
         nodes.connect(group.endpoints[0], access, timeout=10)
@@ -111,7 +113,7 @@ def test_connect_waits_through_a_starting_sshd_that_closes_connections(sshd_node
     closer.bind(("127.0.0.1", 0))
     closer.listen(8)
     endpoint = dataclasses.replace(group.endpoints[0], port=closer.getsockname()[1])
-    nodes.pin(group.access.known_hosts, {endpoint.address: group.host_keys[0][1]})
+    sshkeys.pin(group.access.known_hosts, {endpoint.address: group.host_keys[0][1]})
     closer.settimeout(0.1)
     kinds: list[str] = []
 
@@ -162,8 +164,8 @@ def test_run_all_runs_on_every_node_at_once(sshd_nodes):
 def test_run_all_names_each_failed_node(sshd_nodes):
     group = sshd_nodes(3)
     # worker-2's host key is not the pinned one
-    _, other_public = nodes.new_ed25519()
-    nodes.pin(group.access.known_hosts, {group.endpoints[2].address: other_public})
+    _, other_public = sshkeys.new_ed25519()
+    sshkeys.pin(group.access.known_hosts, {group.endpoints[2].address: other_public})
 
     def step(endpoint: Endpoint, conn) -> str:
         code = 3 if endpoint.name == "worker-1" else 0
@@ -248,7 +250,7 @@ def test_the_ssh_command_reaches_a_node_from_a_registry_path_with_a_space(sshd_n
     shutil.copy(group.access.known_hosts, spaced / "known_hosts")
     shutil.copy(group.access.key_file, spaced / "id_ed25519")
     access = Access(spaced / "id_ed25519", spaced / "known_hosts")
-    argv = nodes.ssh_command(group.endpoints[0], access, "-o", "BatchMode=yes")
+    argv = openssh.ssh_command(group.endpoints[0], access, "-o", "BatchMode=yes")
     done = subprocess.run([*argv, "echo", "pinned"], capture_output=True, text=True, timeout=30)
     assert (done.returncode, done.stdout) == (0, "pinned\n"), done.stderr
 
@@ -267,10 +269,10 @@ def spec(moto_endpoint, tmp_path, monkeypatch):
 
     import boto3
 
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import lifecycle, registry
     from sparknet.cluster.spec import ClusterSpec
 
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     ec2 = boto3.client("ec2", region_name=REGION)
     ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     boto3.client("ssm", region_name=REGION).put_parameter(
@@ -301,7 +303,7 @@ def _ec2():
 def test_up_imports_a_tagged_key_pair_and_pins_each_nodes_host_key(spec, moto_endpoint, moto_nodes):
     import yaml
 
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import lifecycle, registry
     from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE
 
     group = moto_nodes(spec.name, spec.workers)
@@ -313,15 +315,15 @@ def test_up_imports_a_tagged_key_pair_and_pins_each_nodes_host_key(spec, moto_en
     tags = {t["Key"]: t["Value"] for t in pair["Tags"]}
     assert tags[TAG_CLUSTER] == spec.name and tags[TAG_ROLE] == "foundation"
     assert tags[TAG_OWNER] == "arn:aws:sts::123456789012:user/moto"
-    access = nodes.access_for(spec)
-    assert access.key_file == lifecycle.registry_dir() / spec.name / "id_ed25519"
+    access = sshkeys.access_for(spec)
+    assert access.key_file == registry.registry_dir() / spec.name / "id_ed25519"
     assert access.key_file.stat().st_mode & 0o777 == 0o600
     public = access.key_file.with_name("id_ed25519.pub").read_text().split()[:2]
     assert pair["PublicKey"].split()[:2] == public
     # every instance launched with the key pair and a host key of its own launch request
     found = instances_of(ec2, spec.name)
     assert {i["KeyName"] for i in found} == {f"sparknet-{spec.name}"}
-    user_data = {i["InstanceId"]: nodes.user_data_of(ec2, i["InstanceId"]) for i in found}
+    user_data = {i["InstanceId"]: keys.user_data_of(ec2, i["InstanceId"]) for i in found}
     configs = {iid: yaml.safe_load(text) for iid, text in user_data.items()}
     for text, config in zip(user_data.values(), configs.values(), strict=True):
         assert text.startswith("#cloud-config\n")
@@ -336,7 +338,7 @@ def test_up_imports_a_tagged_key_pair_and_pins_each_nodes_host_key(spec, moto_en
     assert len(pinned) == 3
     # and the pins are the ones the nodes present: every node answers over SSH
     group.serve(ec2)
-    endpoints = nodes.endpoints(
+    endpoints = seam.endpoints(
         spec.name, lifecycle.status(spec, endpoint_url=moto_endpoint).instances
     )
     names = nodes.run_all(
@@ -353,7 +355,7 @@ def test_up_imports_a_tagged_key_pair_and_pins_each_nodes_host_key(spec, moto_en
 
 
 def instances_of(ec2, cluster: str) -> list[dict]:
-    from sparknet.cluster.instances import LIVE_STATES
+    from sparknet.cluster.aws.instances import LIVE_STATES
     from sparknet.cluster.spec import TAG_CLUSTER
 
     filters = [
@@ -368,7 +370,7 @@ def instances_of(ec2, cluster: str) -> list[dict]:
 def test_a_second_up_keeps_the_key_pair_and_the_pins(spec, moto_endpoint, moto_nodes):
     moto_nodes(spec.name, spec.workers)
     _up(spec, moto_endpoint)
-    access = nodes.access_for(spec)
+    access = sshkeys.access_for(spec)
     key, pins = access.key_file.read_text(), access.known_hosts.read_text()
     pair_id = _ec2().describe_key_pairs(KeyNames=[f"sparknet-{spec.name}"])["KeyPairs"][0]
     _up(spec, moto_endpoint)
@@ -385,15 +387,15 @@ def test_a_node_replaced_with_another_host_key_is_refused(spec, moto_endpoint, m
     _up(spec, moto_endpoint)
     ec2 = _ec2()
     found = instances_of(ec2, spec.name)
-    authorized = nodes.access_for(spec).key_file.with_name("id_ed25519.pub").read_text()
-    impostor = start_sshd(group.workdir / "impostor", nodes.new_ed25519()[0], authorized,
+    authorized = sshkeys.access_for(spec).key_file.with_name("id_ed25519.pub").read_text()
+    impostor = start_sshd(group.workdir / "impostor", sshkeys.new_ed25519()[0], authorized,
                           port=group.ports["master"])  # fmt: skip
     try:
-        from sparknet.cluster import instances
+        from sparknet.cluster.aws import instances
 
-        endpoint = nodes.endpoints(spec.name, [instances.Instance.from_ec2(found[0])])[0]
+        endpoint = seam.endpoints(spec.name, [instances.Instance.from_ec2(found[0])])[0]
         with pytest.raises(SparknetError) as caught:
-            nodes.connect(endpoint, nodes.access_for(spec), timeout=10)
+            nodes.connect(endpoint, sshkeys.access_for(spec), timeout=10)
         assert "\n" not in str(caught.value) and "host key changed" in str(caught.value)
     finally:
         impostor.stop()
@@ -404,13 +406,14 @@ def test_down_and_sweep_delete_the_key_pair_by_its_tag_with_the_registry_lost(
 ):
     import shutil
 
-    from sparknet.cluster import instances, lifecycle
+    from sparknet.cluster import inventory, registry
+    from sparknet.cluster.aws import instances
 
     _up(spec, moto_endpoint)
     ec2 = instances.ec2_client(REGION, moto_endpoint)
     instances.terminate_cluster(ec2, spec.name, delay_s=0.2)
-    shutil.rmtree(lifecycle.registry_dir())
-    found = lifecycle.orphans(REGION, set(), endpoint_url=moto_endpoint)
+    shutil.rmtree(registry.registry_dir())
+    found = inventory.orphans(REGION, set(), endpoint_url=moto_endpoint)
     assert f"key-pair:sparknet-{spec.name}" in found[spec.name].items
     swept = cli("sweep", "--region", REGION, "--yes", cwd=tmp_path)
     assert swept.returncode == 0, swept.stderr
@@ -463,9 +466,9 @@ def test_cli_ssh_takes_its_options_after_the_name(moto_endpoint, tmp_path, monke
     """`cluster ssh NAME --region R` (options after NAME, before `--`) is read as the option:
     the cluster is looked for in R (and --debug shows the traceback); an unknown option there
     is one line naming the options."""
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
 
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     config = tmp_path / "sparknet.yaml"
     config.write_text("clusters: {}\n")
     done = cli("ssh", "nosuch", "--region", "eu-west-3", f"--config={config}", "--debug",
@@ -484,10 +487,10 @@ def test_cli_up_refuses_a_secret_others_can_read_before_launching(spec, tmp_path
     secret others can read is one line and no instance was ever launched (nor billed)."""
     import yaml
 
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
     from sparknet.cluster.spec import TAG_CLUSTER
 
-    secret = lifecycle.secret_file(spec.name)
+    secret = registry.secret_file(spec.name)
     secret.parent.mkdir(parents=True, exist_ok=True)
     secret.write_text("ab" * 32 + "\n")
     secret.chmod(0o644)
@@ -504,7 +507,7 @@ def test_cli_up_refuses_a_secret_others_can_read_before_launching(spec, tmp_path
     )["Reservations"]
     assert found == []
     # nothing else was written: the registry dir holds the user's secret only, no lock file
-    assert sorted(p.name for p in lifecycle.registry_dir().rglob("*") if p.is_file()) == [
+    assert sorted(p.name for p in registry.registry_dir().rglob("*") if p.is_file()) == [
         "spark-secret"
     ]
 
@@ -513,8 +516,8 @@ def test_cli_ssh_refuses_a_changed_host_key(spec, moto_endpoint, moto_nodes, tmp
     group = moto_nodes(spec.name, spec.workers)
     spec = spec.model_copy(update={"workers": 0})
     _up(spec, moto_endpoint)
-    authorized = nodes.access_for(spec).key_file.with_name("id_ed25519.pub").read_text()
-    impostor = start_sshd(group.workdir / "impostor", nodes.new_ed25519()[0], authorized,
+    authorized = sshkeys.access_for(spec).key_file.with_name("id_ed25519.pub").read_text()
+    impostor = start_sshd(group.workdir / "impostor", sshkeys.new_ed25519()[0], authorized,
                           port=group.ports["master"])  # fmt: skip
     try:
         done = cli("ssh", spec.name, "--", "echo", "hi", cwd=tmp_path)
@@ -564,9 +567,9 @@ def test_the_users_own_key_pair_is_used_and_never_deleted(
 
     group = moto_nodes(spec.name, 0)
     ec2 = _ec2()
-    private, public = nodes.new_ed25519()
+    private, public = sshkeys.new_ed25519()
     key_file = tmp_path / "mine"
-    nodes.write_private_key(key_file, private)
+    sshkeys.write_private_key(key_file, private)
     name = f"mine-{spec.name}"
     ec2.import_key_pair(KeyName=name, PublicKeyMaterial=public.encode())
     spec = spec.model_copy(update={"workers": 0, "key_name": name, "key_file": str(key_file)})
@@ -583,7 +586,7 @@ def test_the_users_own_key_pair_is_used_and_never_deleted(
         Filters=[{"Name": "key-name", "Values": [f"sparknet-{spec.name}"]}]
     )["KeyPairs"]
     group.serve(ec2)
-    conn = nodes.connect(group_endpoint(spec, moto_endpoint), nodes.access_for(spec), 10)
+    conn = nodes.connect(group_endpoint(spec, moto_endpoint), sshkeys.access_for(spec), 10)
     try:
         assert conn.run("echo mine", hide=True).stdout == "mine\n"
     finally:
@@ -596,7 +599,7 @@ def test_the_users_own_key_pair_is_used_and_never_deleted(
 def group_endpoint(spec, moto_endpoint) -> Endpoint:
     from sparknet.cluster import lifecycle
 
-    return nodes.endpoints(spec.name, lifecycle.status(spec, endpoint_url=moto_endpoint).instances)[
+    return seam.endpoints(spec.name, lifecycle.status(spec, endpoint_url=moto_endpoint).instances)[
         0
     ]
 
@@ -672,7 +675,7 @@ def test_a_failed_up_removes_the_key_pair_and_key_it_made(spec, moto_endpoint, m
     key pair this `up` imported goes with everything else it made, and so does the local key."""
     from botocore.exceptions import ClientError
 
-    from sparknet.cluster import instances
+    from sparknet.cluster.aws import instances
     from sparknet.cluster.spec import TAG_CLUSTER
 
     real = instances.ec2_client
@@ -699,7 +702,7 @@ def test_a_failed_up_removes_the_key_pair_and_key_it_made(spec, moto_endpoint, m
     assert calls[0]["UserData"] != calls[1]["UserData"]  # the master's host key is its own
     tagged = [{"Name": f"tag:{TAG_CLUSTER}", "Values": [spec.name]}]
     assert not _ec2().describe_key_pairs(Filters=tagged)["KeyPairs"]
-    assert not nodes.access_for(spec).key_file.exists()
+    assert not sshkeys.access_for(spec).key_file.exists()
 
 
 def test_nodes_served_while_up_runs_answer_at_once(spec, moto_endpoint, moto_nodes):
@@ -709,7 +712,7 @@ def test_nodes_served_while_up_runs_answer_at_once(spec, moto_endpoint, moto_nod
     with group.watch(_ec2()):
         info = _up(spec, moto_endpoint)
         out = nodes.run_all(
-            nodes.endpoints(spec.name, info.instances), nodes.access_for(spec),
+            seam.endpoints(spec.name, info.instances), sshkeys.access_for(spec),
             lambda ep, c: c.run("true", hide=True).exited, timeout=30,
         )  # fmt: skip
     assert out == {"master": 0, "worker-1": 0, "worker-2": 0}

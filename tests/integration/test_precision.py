@@ -12,8 +12,9 @@ import subprocess
 import pytest
 import torch
 
-from sparknet.config import TrainConfig, load_train_config, read_run_config
+from sparknet.config import TrainConfig, load_train_config
 from sparknet.training.driver import train
+from sparknet.training.rundir import read_run_config
 from tests.conftest import REPO, SPARKNET
 from tests.helpers import load_run_model
 

@@ -7,10 +7,11 @@ import warnings
 
 import pytest
 
-from sparknet.config import TrainConfig, load_train_config, read_run_config
+from sparknet.config import TrainConfig, load_train_config
 from sparknet.errors import SparknetError
 from sparknet.training.driver import train
 from sparknet.training.report import read_metrics
+from sparknet.training.rundir import read_run_config
 from tests.helpers import failed_tasks
 
 SMALL = {"model": "mlp", "workers": 2, "tau": 1, "batch_size": 8, "eval_every": 0}

@@ -11,11 +11,12 @@ import subprocess
 import boto3
 import pytest
 
-from sparknet.config import TrainConfig, load_train_config, read_run_config
+from sparknet.config import TrainConfig, load_train_config
 from sparknet.errors import SparknetError
 from sparknet.training import rundir
 from sparknet.training.driver import train
 from sparknet.training.report import read_metrics
+from sparknet.training.rundir import read_run_config
 from tests.conftest import REPO, SPARKNET
 
 #: sgd with momentum and inner_state keep: a resume is exact only if the workers' states are too
@@ -321,15 +322,15 @@ def test_a_lock_left_by_a_dead_process_of_this_host_is_taken_over_at_once(bucket
 def test_a_killed_runs_event_temp_dir_is_reused_and_removed_by_the_next(bucket, moto_endpoint):
     """An S3 run dir's local event dir is one per run dir: a run killed before removing it
     (its writer left open, the dir left) leaves it to the next run, which cleans it."""
-    from sparknet.training.driver import _RunEvents
+    from sparknet.training.rounds import RunEvents
 
     run = rundir.RunDir.open(f"s3://{bucket}/runs/k")
     cfg = TrainConfig(**SMALL)
-    killed = _RunEvents(run, cfg, 0)
+    killed = RunEvents(run, cfg, 0)
     killed.round({"round": 1, "loss": 1.0})
     left = killed.temp
     assert left is not None and left.is_dir()
-    nxt = _RunEvents(run, cfg, 1)
+    nxt = RunEvents(run, cfg, 1)
     assert nxt.temp == left
     nxt.close()
     killed.log.close()

@@ -1,5 +1,6 @@
-"""Bring your own Spark: `spark-submit` of a script calling `sparknet.fit`, as the README's
-"On a Spark cluster you already have" section shows, against the shared standalone cluster."""
+"""Bring your own Spark: `spark-submit` of a script calling `sparknet.fit`, as
+docs/spark-cluster.md ("On a Spark cluster you already have") shows, against the shared
+standalone cluster."""
 
 from __future__ import annotations
 

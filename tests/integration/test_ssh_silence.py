@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from sparknet import submit as flow
 from sparknet.cluster import nodes, remote
-from sparknet.cluster.plan import Node
+from sparknet.cluster.spark.plan import Node
+from sparknet.jobs import driver, follow
+from sparknet.jobs import submit as flow
 
 
 def _children(pid: int) -> list[int]:
@@ -107,7 +108,7 @@ def test_a_submit_whose_master_goes_silent_exits_1_naming_attach_within_the_wind
     from typer.testing import CliRunner
 
     from sparknet.cli.submit import submit_app
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import lifecycle, registry
 
     group = sshd_nodes(1)
     endpoint = group.endpoints[0]
@@ -118,7 +119,9 @@ def test_a_submit_whose_master_goes_silent_exits_1_naming_attach_within_the_wind
     (venv / "sparknet").write_text("#!/bin/sh\nexec sleep 60\n")  # a driver that trains on
     for f in ("python", "sparknet"):
         (venv / f).chmod(0o755)
-    master = flow.Master(Node(endpoint, "127.0.0.1", str(root), 0), group.access, "spark://x:1", 1)
+    master = driver.Master(
+        Node(endpoint, "127.0.0.1", str(root), 0), group.access, "spark://x:1", 1
+    )
     prefix = tmp_path / "prefix"
     prefix.mkdir()
     monkeypatch.setattr(flow, "preflight", lambda job: ("R1", f"{prefix}/"))
@@ -127,10 +130,10 @@ def test_a_submit_whose_master_goes_silent_exits_1_naming_attach_within_the_wind
     monkeypatch.setattr(lifecycle, "up", lambda spec, **kwargs: None)
     monkeypatch.setattr(lifecycle, "down", lambda spec, **kwargs: pytest.fail("taken down"))
     monkeypatch.setattr(flow, "master_of", lambda spec, endpoint_url: master)
-    monkeypatch.setattr(flow, "POLL_S", 0.2)
+    monkeypatch.setattr(follow, "POLL_S", 0.2)
     monkeypatch.setenv(nodes.SILENCE_ENV, "1")
-    monkeypatch.setenv(flow.RECONNECT_ENV, "2")
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(follow.RECONNECT_ENV, "2")
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     monkeypatch.chdir(tmp_path)

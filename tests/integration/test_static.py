@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparknet.cluster.nodes import ENDPOINTS_ENV
+from sparknet.cluster.seam import ENDPOINTS_ENV
 from tests.conftest import SPARKNET
 from tests.sshd import daemon_pids, static_cluster_entry
 
@@ -31,16 +31,16 @@ ADDRESSES = {"master": "127.0.0.2", "worker-1": "127.0.0.3"}
 def cluster(sshd_nodes, tmp_path, monkeypatch):
     """A static cluster's name in ./sparknet.yaml (cwd tmp_path) over two loopback sshd nodes,
     its registry under tmp_path; taken down at the end if a test left it up."""
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
 
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     group = sshd_nodes(2)
     name = f"s{uuid.uuid4().hex[:8]}"
     entry = {"provider": "static", **static_cluster_entry(group, name, ADDRESSES, tmp_path)}
     monkeypatch.setenv(ENDPOINTS_ENV, str(tmp_path / "endpoints.json"))
     (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump({"clusters": {name: entry}}))
     yield name, group, entry
-    if lifecycle.registered().get(name) is not None:
+    if registry.registered().get(name) is not None:
         cli("down", name, cwd=tmp_path)
 
 
@@ -60,7 +60,7 @@ def cli(
 
 
 def test_up_status_and_down_of_a_static_cluster(cluster, tmp_path) -> None:
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
 
     name, group, entry = cluster
     master_url = f"spark://{ADDRESSES['master']}:{entry['bootstrap']['master_port']}"
@@ -78,7 +78,7 @@ def test_up_status_and_down_of_a_static_cluster(cluster, tmp_path) -> None:
     assert f"cluster {name} is up;" in up.stdout
     pids = daemon_pids(tmp_path, ADDRESSES)
     assert sorted(pids) == ["master/master", "master/worker", "worker-1/worker"]
-    assert lifecycle.registered()[name].provider == "static"
+    assert registry.registered()[name].provider == "static"
 
     shown = cli("status", name, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
@@ -121,8 +121,8 @@ def test_up_status_and_down_of_a_static_cluster(cluster, tmp_path) -> None:
     assert all(s.proc.poll() is None for s in group.servers)
     assert (tmp_path / "master" / "venv" / "bin" / "python").exists()
     assert not (tmp_path / "master" / "conf" / "spark-defaults.conf").exists()
-    assert not lifecycle.secret_file(name).exists()
-    assert name not in lifecycle.registered()
+    assert not registry.secret_file(name).exists()
+    assert name not in registry.registered()
     assert not list(tmp_path.glob("*/owner.json"))  # the hosts are given back
     gone = cli("status", name, cwd=tmp_path)
     assert gone.returncode == 1
@@ -156,7 +156,7 @@ def _second_registry_is_refused(name: str, group, entry: dict, root: Path, pids:
 def test_an_unknown_host_is_refused_before_anything(cluster, tmp_path) -> None:
     """A host whose key the user's known_hosts lacks: one line naming it, exit 2, nothing
     registered, no connection made (the sshd logged none but the fixture's own)."""
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
 
     name, group, _entry = cluster
     lines = group.access.known_hosts.read_text().splitlines()
@@ -168,7 +168,7 @@ def test_an_unknown_host_is_refused_before_anything(cluster, tmp_path) -> None:
         f"error: no host key for worker-1 ({worker.user}@127.0.0.1:{worker.port}) in "
     )
     assert len(up.stderr.strip().splitlines()) == 1
-    assert name not in lifecycle.registered()
+    assert name not in registry.registered()
     log = group.servers[0].log.read_text()
     assert log.count("Connection from") == 0  # (the fixture reads sshd's log, connects not)
 
@@ -179,7 +179,7 @@ def test_a_dead_host_edited_hosts_and_forgetting_it(cluster, tmp_path) -> None:
     `up` refuses the edit and `down` still fails naming the host (exit 1, the cluster stays
     registered); `down --forget-unreachable` forgets it. `list` shows the static cluster with
     no AWS reachable."""
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
 
     name, group, entry = cluster
     up = cli("up", name, "--no-bootstrap", cwd=tmp_path)
@@ -209,10 +209,10 @@ def test_a_dead_host_edited_hosts_and_forgetting_it(cluster, tmp_path) -> None:
     assert down.returncode == 1, down.stderr
     assert "could not stop Spark on every host (1 of 2 nodes failed: worker-1" in down.stderr
     assert "--forget-unreachable" in down.stderr
-    assert name in lifecycle.registered()
+    assert name in registry.registered()
 
     down = cli("down", name, "--forget-unreachable", cwd=tmp_path)
     assert down.returncode == 0, down.stderr
     assert "stopped Spark on master\n" in down.stdout
     assert "forgetting without stopping Spark there: 1 of 2 nodes failed: worker-1" in down.stderr
-    assert name not in lifecycle.registered()
+    assert name not in registry.registered()

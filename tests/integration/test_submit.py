@@ -1,5 +1,5 @@
 """`sparknet-submit` end to end, as a user runs it (a subprocess): moto's server is the cloud,
-moto's instances are loopback sshd nodes (the seam of `nodes.py`, as in
+moto's instances are loopback sshd nodes (the seam of `seam.py`, as in
 test_cluster_bootstrap.py), the bootstrap starts a real Spark standalone cluster on them, and a
 tiny sharded dataset (40 small images) lies in moto's S3.
 
@@ -68,9 +68,9 @@ def dataset(shards, bucket) -> str:
 def settings(moto_endpoint, dataset, bucket, tmp_path, monkeypatch):
     """./sparknet.yaml (cwd tmp_path) with one `clusters:` entry (the dataset's bucket, its data
     prefix `tiny/`) and the dataset `tiny`; the registry under tmp_path. The cluster name."""
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
 
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     ami = _client("ec2").describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     _client("ssm").put_parameter(Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True)
     name = f"s{uuid.uuid4().hex[:8]}"
@@ -88,20 +88,20 @@ def submit(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedP
 
 
 def _live(name: str) -> list:
-    from sparknet.cluster import instances
+    from sparknet.cluster.aws import instances
 
     return [i for i in instances.find(_client("ec2"), name) if i.state != "terminated"]
 
 
 def _torn_down(name: str, root: Path) -> None:
     """No instance of the cluster left, no Spark daemon alive on the nodes, no key pair."""
-    from sparknet.cluster import nodes
+    from sparknet.cluster.aws import keys
 
     assert _live(name) == []
     for pid in daemon_pids(root, ADDRESSES).values():
         assert not Path(f"/proc/{pid}").exists()
     pairs = _client("ec2").describe_key_pairs(
-        Filters=[{"Name": "key-name", "Values": [nodes.key_pair_name(name)]}]
+        Filters=[{"Name": "key-name", "Values": [keys.key_pair_name(name)]}]
     )["KeyPairs"]
     assert pairs == []
 

@@ -35,10 +35,10 @@ ADDRESSES = {"master": "127.0.0.6", "worker-1": "127.0.0.7"}
 def static_settings(moto_endpoint, dataset, sshd_nodes, tmp_path, monkeypatch):  # noqa: F811
     """./sparknet.yaml (cwd tmp_path) with the hosts of a cluster (its `provider` left to the
     flag) and the dataset `tiny`; the registry under tmp_path. The name and the nodes."""
-    from sparknet.cluster import lifecycle
-    from sparknet.cluster.nodes import ENDPOINTS_ENV
+    from sparknet.cluster import registry
+    from sparknet.cluster.seam import ENDPOINTS_ENV
 
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     group = sshd_nodes(2)  # after moto: the hosts' sessions get its endpoint
     name = f"t{uuid.uuid4().hex[:8]}"
     entry = static_cluster_entry(group, name, ADDRESSES, tmp_path, gpus_per_node=0)
@@ -48,15 +48,15 @@ def static_settings(moto_endpoint, dataset, sshd_nodes, tmp_path, monkeypatch): 
     doc = {"clusters": {name: entry, f"{name}u": unknown}, "datasets": {"tiny": {"uri": dataset}}}
     (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump(doc))
     yield name
-    if lifecycle.registered().get(name) is not None:
+    if registry.registered().get(name) is not None:
         from sparknet.cluster import static
 
-        static.down(lifecycle.registered()[name])
+        static.down(registry.registered()[name])
 
 
 @pytest.mark.slow
 def test_submit_on_static_hosts_trains_and_stops_spark(static_settings, bucket, tmp_path):
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
 
     name = static_settings
     # refused before anything starts or is written, one line each, exit 2: EC2 settings on a
@@ -120,7 +120,7 @@ def test_submit_on_static_hosts_trains_and_stops_spark(static_settings, bucket, 
     assert [r["executors"] for r in rows] == [2, 2]
     assert sorted(pids) == ["master/master", "master/worker", "worker-1/worker"]
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids.values())
-    assert name not in lifecycle.registered()
+    assert name not in registry.registered()
     assert (tmp_path / "worker-1" / "venv" / "bin" / "python").exists()
     assert (
         _client("ec2").describe_instances(

@@ -23,14 +23,12 @@ from typing import Any
 import boto3
 import pytest
 
-from sparknet.cluster.foundation import (
-    destroy_boto3,
-    ensure_boto3,
-    node_role_name,
-    terraform_variables,
-)
+from sparknet.cluster.aws.boto3_foundation import ensure_boto3
+from sparknet.cluster.aws.boto3_teardown import destroy_boto3
+from sparknet.cluster.aws.foundation import node_role_name
+from sparknet.cluster.aws.terraform import TerraformRunner
+from sparknet.cluster.aws.terraform_foundation import terraform_variables
 from sparknet.cluster.spec import INFRA_DIR, TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec
-from sparknet.cluster.terraform import TerraformRunner
 
 PLUGIN_DIR = Path(os.environ.get("SPARKNET_TF_PLUGIN_DIR") or "/opt/tf-plugins")
 REGION = "us-east-1"

@@ -18,15 +18,16 @@ import boto3
 import pytest
 import yaml
 
-from sparknet.cluster import foundation, lifecycle
-from sparknet.cluster.foundation import (
+from sparknet.cluster import registry
+from sparknet.cluster.aws import foundation
+from sparknet.cluster.aws.boto3_foundation import permissions
+from sparknet.cluster.aws.boto3_teardown import destroy_boto3
+from sparknet.cluster.aws.foundation import node_role_name
+from sparknet.cluster.aws.terraform_foundation import (
     PLUGIN_DIR_ENV,
     TERRAFORM_KINDS,
-    destroy_boto3,
     destroy_terraform,
     ensure_terraform,
-    node_role_name,
-    permissions,
 )
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
 from tests.conftest import SPARKNET
@@ -40,7 +41,7 @@ OWNER = "arn:aws:iam::123456789012:user/alice"
 def tf_spec(moto_endpoint, tmp_path, monkeypatch):
     """A fresh terraform-foundation cluster; whatever a test leaves of it is removed by tag."""
     monkeypatch.setenv(PLUGIN_DIR_ENV, str(PLUGIN_DIR))
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     name = f"t{uuid.uuid4().hex[:8]}"
     spec = ClusterSpec(
         name=name, region=REGION, bucket=f"{name}-data", foundation="terraform", owner=OWNER

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sparknet.cluster.terraform import TerraformRunner, first_error
+from sparknet.cluster.aws.terraform import TerraformRunner, first_error
 from sparknet.errors import SparknetError
 
 MODULE = Path(__file__).resolve().parents[1] / "terraform_module"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparknet.errors import PermanentTaskError, SparknetError
-from sparknet.training.session import _collect_within, check_python_workers, user_modules
+from sparknet.training.probe import _collect_within, check_python_workers, user_modules
 from sparknet.training.transport import (
     SparkTransport,
     TaskFault,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sparknet.cluster.wheel import build_wheel
+from sparknet.cluster.spark.wheel import build_wheel
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ CHECK = """
 import sys
 from pathlib import Path
 import sparknet
-from sparknet.cluster import rules
+from sparknet.cluster.aws import rules
 from sparknet.cluster.spec import INFRA_DIR
 here = Path(sparknet.__file__).resolve()
 assert here.is_relative_to(Path(sys.argv[1]).resolve()), here

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sparknet.cluster import ami, bootstrap
+from sparknet.cluster import ami
+from sparknet.cluster.aws import images
+from sparknet.cluster.spark import bootstrap
 from sparknet.errors import SparknetError
 
 
@@ -280,9 +282,9 @@ def test_the_cleanup_follows_no_link_below_a_home_or_the_prefix(tmp_path: Path):
 
 def test_a_failed_clean_up_says_why_in_its_one_line(monkeypatch):
     """The bake's line once said only `master: exited 1`: now also clean.sh's last line."""
-    from sparknet.cluster import nodes
-    from sparknet.cluster.plan import Node, Plan
+    from sparknet.cluster import address, nodes
     from sparknet.cluster.remote import CommandFailed
+    from sparknet.cluster.spark.plan import Node, Plan
 
     said = "clean.sh: /root/.ssh/x not removed: a symbolic link below /root leads there"
 
@@ -293,7 +295,7 @@ def test_a_failed_clean_up_says_why_in_its_one_line(monkeypatch):
         )
 
     monkeypatch.setattr(nodes, "run_all", failing)
-    node = Node(nodes.Endpoint("master", "127.0.0.1"))
+    node = Node(address.Endpoint("master", "127.0.0.1"))
     plan = Plan((node,), None, "")  # type: ignore[arg-type]  # the wheel is not looked at
     with pytest.raises(SparknetError) as err:
         ami._versions_and_clean(plan, None, ami.load_image(), "/", "i-0123", print)
@@ -331,8 +333,8 @@ def test_every_home_of_etc_passwd_and_a_linked_home_are_cleaned_and_scanned(tmp_
 @pytest.mark.parametrize("name", ["/aws/x", "awsx", "/ssm/x", "SSM-x", "a/b", "/x y", ""])
 def test_ssm_parameter_names_aws_refuses_are_refused(name: str):
     with pytest.raises(SparknetError, match="SSM parameter name"):
-        ami.check_parameter_name(name)
-    assert ami.check_parameter_name("/sparknet/ami/latest") == "/sparknet/ami/latest"
+        images.check_parameter_name(name)
+    assert images.check_parameter_name("/sparknet/ami/latest") == "/sparknet/ami/latest"
 
 
 def test_an_image_name_keeps_to_awss_characters():

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sparknet.cluster import autostop
-from sparknet.cluster.autostop import Settings
+from sparknet.cluster.aws import autostop
+from sparknet.cluster.aws.autostop import Settings
 
 NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 
@@ -195,7 +195,7 @@ def test_activity_command_touches_a_file_in_the_activity_dir(tmp_path) -> None:
 
 def test_check_of_a_dir_that_is_not_there_is_one_line_exit_2(tmp_path) -> None:
     got = subprocess.run(
-        [sys.executable, "-m", "sparknet.cluster.autostop", "check", "--state",
+        [sys.executable, "-m", "sparknet.cluster.aws.autostop", "check", "--state",
          str(tmp_path / "none")],
         capture_output=True, text=True,
     )  # fmt: skip
@@ -225,12 +225,12 @@ def test_a_cluster_whose_instances_autostop_ended_says_down_cleans_up(
     """The timer terminates instances only: a cluster with none live but its registry entry
     (or foundation) left shows in `cluster status` and `cluster list` as terminated, with the
     `down` that removes the rest (moto: the registry entry stands for what is left)."""
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
     from sparknet.cluster.spec import ClusterSpec
     from tests.conftest import SPARKNET
 
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
-    lifecycle.save_entry(ClusterSpec(name="idle1", region="us-east-1"), moto_endpoint)
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
+    registry.save_entry(ClusterSpec(name="idle1", region="us-east-1"), moto_endpoint)
     where = ["--region", "us-east-1", "--endpoint-url", moto_endpoint]
     note = "terminated (autostop?); `sparknet cluster down idle1` cleans up"
 

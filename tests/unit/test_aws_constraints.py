@@ -27,15 +27,15 @@ import hcl2
 import pytest
 
 from sparknet import aws
-from sparknet.cluster import foundation, instances
-from sparknet.cluster.foundation import (
+from sparknet.cluster.aws import boto3_foundation, foundation, instances
+from sparknet.cluster.aws.foundation import (
     NODE_POLICY,
     node_role_description,
     node_role_name,
     security_group_description,
     security_group_name,
 )
-from sparknet.cluster.rules import security_group_rules
+from sparknet.cluster.aws.rules import security_group_rules
 from sparknet.cluster.spec import INFRA_DIR, ClusterSpec, check_bucket_name, tag_value
 
 #: a rule's description: the UserIdGroupPair set (no `&`), which the IpRange set contains
@@ -77,7 +77,7 @@ def test_security_group_rule_descriptions(source: str) -> None:
     sent = [
         pair["Description"]
         for direction in ("ingress", "egress")
-        for perm in foundation.permissions(direction, "sg-0123456789abcdef0", source)
+        for perm in boto3_foundation.permissions(direction, "sg-0123456789abcdef0", source)
         for pair in perm.get("IpRanges", []) + perm.get("UserIdGroupPairs", [])
     ]
     assert len(sent) == len(security_group_rules())
@@ -89,7 +89,9 @@ def test_security_group_rule_descriptions(source: str) -> None:
 def test_the_ssh_rule_description_is_true_for_any_allowed_source(source: str) -> None:
     """It names the source it opens to (issue 9 probe 14e: "the operator address only" was
     false for a /16), and claims nothing about who is behind it."""
-    (ssh,) = [p for p in foundation.permissions("ingress", "sg-1", source) if p.get("FromPort")]
+    (ssh,) = [
+        p for p in boto3_foundation.permissions("ingress", "sg-1", source) if p.get("FromPort")
+    ]
     (opened,) = ssh["IpRanges"]
     assert opened["CidrIp"] == source and source in opened["Description"]
     assert "operator" not in opened["Description"] and "address" not in opened["Description"]
@@ -112,7 +114,7 @@ def foundation_tags(spec: ClusterSpec) -> list[dict[str, str]]:
     """Every tag set the boto3 foundation and the instances send, with the longest names."""
     names = [f"sparknet-{spec.name}", f"sparknet-{spec.name}-{spec.region}a"]
     sets = [foundation.tags(spec), *(foundation.tags(spec, n) for n in names)]
-    sets += [instances._tags(spec, role) for role in ("master", "worker")]
+    sets += [instances.role_tags(spec, role) for role in ("master", "worker")]
     return [tag for tags in sets for tag in tags]
 
 

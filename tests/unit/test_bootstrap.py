@@ -13,15 +13,15 @@ from pathlib import Path
 import invoke
 import pytest
 
-from sparknet.cluster import bootstrap as b
-from sparknet.cluster import spark_conf as sc
-from sparknet.cluster.daemons import MASTER_CLASS, WORKER_CLASS, Master, Worker
-from sparknet.cluster.health import ClusterHealth, Expected, WorkerState, judge
-from sparknet.cluster.nodes import Endpoint
-from sparknet.cluster.plan import Context, Facts, Node, Plan, parse_facts
+from sparknet.cluster.address import Endpoint
 from sparknet.cluster.remote import q, succeeds, upload
-from sparknet.cluster.steps import Step
-from sparknet.cluster.wheel import Wheel
+from sparknet.cluster.spark import bootstrap as b
+from sparknet.cluster.spark import spark_conf as sc
+from sparknet.cluster.spark.daemons import MASTER_CLASS, WORKER_CLASS, Master, Worker
+from sparknet.cluster.spark.health import ClusterHealth, Expected, WorkerState, judge
+from sparknet.cluster.spark.plan import Context, Facts, Node, Plan, parse_facts
+from sparknet.cluster.spark.steps import Step
+from sparknet.cluster.spark.wheel import Wheel
 from sparknet.errors import SparknetError
 
 # --- the GPU discovery script ---------------------------------------------------------------
@@ -448,8 +448,8 @@ def test_on_a_systemd_node_the_worker_is_a_unit_restarted_with_sudo() -> None:
 def test_on_a_systemd_master_the_autostop_timer_is_a_unit_with_its_settings() -> None:
     """The timer's settings go to the state dir, the old deadline file first goes (the step
     waits for the new timer's first check), and the unit runs the timer's loop."""
-    from sparknet.cluster.autostop import Settings
-    from sparknet.cluster.daemons import Autostop
+    from sparknet.cluster.aws.autostop import Settings
+    from sparknet.cluster.spark.daemons import Autostop
 
     ctx = systemd_master()
     settings = Settings("exp1", "eu-west-1", 45)
@@ -464,7 +464,7 @@ def test_on_a_systemd_master_the_autostop_timer_is_a_unit_with_its_settings() ->
     lines = conn.files["/opt/sparknet/run/sparknet-autostop.service"].decode().splitlines()
     assert "User=ubuntu" in lines
     assert (
-        "ExecStart=/opt/sparknet/venv/bin/python -m sparknet.cluster.autostop run --state "
+        "ExecStart=/opt/sparknet/venv/bin/python -m sparknet.cluster.aws.autostop run --state "
         "/opt/sparknet/autostop"
     ) in lines
     assert "sudo -n systemctl restart sparknet-autostop.service" in conn.commands[-2]

@@ -10,13 +10,13 @@ import pytest
 import typer.testing
 from typer.testing import CliRunner
 
-from sparknet.cluster import lifecycle
+from sparknet.cluster import lifecycle, registry
 from sparknet.errors import SparknetError
 
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     return tmp_path / "home"
 
@@ -56,7 +56,7 @@ def test_a_submit_lock_that_cannot_be_made_is_one_line_exit_2(tmp_path, monkeypa
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "home").write_text("")
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     (tmp_path / "sparknet.yaml").write_text("clusters:\n  c1: {bucket: b-b}\n")
     ups: list[str] = []
     monkeypatch.setattr(lifecycle, "up", lambda spec, **kw: ups.append(spec.name))
@@ -66,8 +66,8 @@ def test_a_submit_lock_that_cannot_be_made_is_one_line_exit_2(tmp_path, monkeypa
         "its directory writable, or set SPARKNET_HOME to a directory of yours"
     )
     assert ups == []
-    lock = lifecycle.held_lock(tmp_path / "home" / "x.lock", SparknetError)
-    with pytest.raises(lifecycle.LockUnavailable, match=r"cannot take the lock .*/home/x\.lock"):
+    lock = registry.held_lock(tmp_path / "home" / "x.lock", SparknetError)
+    with pytest.raises(registry.LockUnavailable, match=r"cannot take the lock .*/home/x\.lock"):
         lock.__enter__()
 
 
@@ -86,21 +86,21 @@ class _CtrlC(io.BytesIO):
 def test_cluster_down_question_unanswered_or_interrupted_is_one_line(home, monkeypatch) -> None:
     """At `cluster down`'s question on a terminal: end of input (Ctrl-D) and Ctrl-C each leave
     the cluster up with one `error:` line (exit 1; 130 for Ctrl-C), not click's `Aborted.`."""
-    from sparknet.cli import cluster as cli
+    from sparknet.cli.cluster import cluster_app, life
 
     downs: list[str] = []
     monkeypatch.setattr(lifecycle, "down", lambda spec, **kw: downs.append(spec.name))
-    monkeypatch.setattr(cli, "_running_jobs", lambda *args: ["R1"])
-    monkeypatch.setattr(cli, "_on_terminal", lambda: True)
+    monkeypatch.setattr(life, "_running_jobs", lambda *args: ["R1"])
+    monkeypatch.setattr(life, "_on_terminal", lambda: True)
     runner = CliRunner()
-    eof = runner.invoke(cli.cluster_app, ["down", "c1"], input="")
+    eof = runner.invoke(cluster_app, ["down", "c1"], input="")
     assert eof.exit_code == 1, eof.output
     assert eof.stderr.splitlines()[-1] == (
         "error: no answer; cluster c1 not taken down: job R1 runs on; `--yes` takes it down "
         "without asking"
     )
     monkeypatch.setattr(typer.testing, "make_input_stream", lambda input, charset: _CtrlC())
-    ctrl_c = runner.invoke(cli.cluster_app, ["down", "c1"])
+    ctrl_c = runner.invoke(cluster_app, ["down", "c1"])
     assert ctrl_c.exit_code == 130, ctrl_c.output
     assert ctrl_c.stderr.splitlines()[-1] == (
         "error: interrupted; cluster c1 not taken down: job R1 runs on"
@@ -110,8 +110,8 @@ def test_cluster_down_question_unanswered_or_interrupted_is_one_line(home, monke
     def interrupted(*args):
         raise KeyboardInterrupt  # Ctrl-C while the master is asked for its jobs
 
-    monkeypatch.setattr(cli, "_running_jobs", interrupted)
-    asking = runner.invoke(cli.cluster_app, ["down", "c1"])
+    monkeypatch.setattr(life, "_running_jobs", interrupted)
+    asking = runner.invoke(cluster_app, ["down", "c1"])
     assert (asking.exit_code, asking.stderr) == (
         130,
         "error: interrupted; cluster c1 not taken down\n",
@@ -132,17 +132,17 @@ def test_a_line_said_is_printed_as_it_is(capsys) -> None:
 def test_an_unknown_setting_of_a_cluster_or_dataset_lists_the_known_ones(home, tmp_path) -> None:
     """A misspelled key of a `clusters:` or `datasets:` entry named `sparknet train --help`,
     whose settings are other ones: the line lists the entry's own (a nested one's too)."""
-    from sparknet.cli.cluster import _cluster_spec
+    from sparknet.cli.cluster.options import cluster_spec
     from sparknet.config import load_datasets
 
     yaml = tmp_path / "sparknet.yaml"
     yaml.write_text("clusters:\n  c1: {ssh_user: x}\n  c2: {bootstrap: {foo: 1}}\n")
     with pytest.raises(SparknetError) as bad:
-        _cluster_spec("c1", yaml, {})
+        cluster_spec("c1", yaml, {})
     assert str(bad.value).startswith("cluster c1: unknown setting 'ssh_user' (known: ")
     assert "autostop_minutes, availability_zones, bootstrap, bucket" in str(bad.value)
     with pytest.raises(SparknetError, match=r"'bootstrap\.foo' \(known: gpus_per_node, "):
-        _cluster_spec("c2", yaml, {})
+        cluster_spec("c2", yaml, {})
     yaml.write_text("datasets:\n  d: {uri: s3://a-b/c, nope: 1}\n")
     with pytest.raises(SparknetError) as bad:
         load_datasets(yaml)
@@ -155,7 +155,7 @@ def test_a_submit_lock_leaves_no_file_and_a_killed_holder_blocks_nothing(home) -
     import subprocess
     import sys
 
-    from sparknet import submit as flow
+    from sparknet.jobs import submit as flow
 
     path = flow.submit_lock_path("c1")
     with flow.submit_lock("c1"):
@@ -167,7 +167,7 @@ def test_a_submit_lock_leaves_no_file_and_a_killed_holder_blocks_nothing(home) -
             pass
     assert not path.exists() and list(path.parent.iterdir()) == []
     code = (
-        "from sparknet import submit as f\n"
+        "from sparknet.jobs import submit as f\n"
         "with f.submit_lock('c1'):\n print(1, flush=True)\n input()"
     )
     holder = subprocess.Popen(

@@ -18,7 +18,7 @@ import hcl2
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from sparknet.cluster import foundation, rules
+from sparknet.cluster.aws import boto3_foundation, rules, terraform_foundation
 from sparknet.cluster.spec import (
     INFRA_DIR,
     MAX_WORKERS,
@@ -37,7 +37,8 @@ from sparknet.data.store import open_store
 from sparknet.errors import SparknetError
 from tests.unit.test_submit import _submit_cli
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+#: the page that documents clusters: (its "Ranges" paragraph)
+CLUSTERS_DOC = Path(__file__).resolve().parents[2] / "docs" / "clusters.md"
 
 # -- numbers: each has a range ------------------------------------------------------------------
 
@@ -105,10 +106,10 @@ def test_a_yes_for_a_number_in_the_settings_file_is_one_line_exit_2(tmp_path, mo
     from typer.testing import CliRunner
 
     from sparknet.cli.cluster import cluster_app
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     (tmp_path / "sparknet.yaml").write_text("clusters:\n  c1: {autostop_minutes: on}\n")
     done = CliRunner().invoke(cluster_app, ["up", "c1"])
@@ -149,10 +150,10 @@ def test_cluster_and_submit_flags_out_of_range_are_one_line_exit_2_before_anythi
     from typer.testing import CliRunner
 
     from sparknet.cli.cluster import cluster_app
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
 
@@ -183,8 +184,8 @@ def test_cluster_and_submit_flags_out_of_range_are_one_line_exit_2_before_anythi
     )
 
 
-def test_readme_states_the_ranges() -> None:
-    text = " ".join(README.read_text().split())
+def test_the_clusters_doc_states_the_ranges() -> None:
+    text = " ".join(CLUSTERS_DOC.read_text().split())
     for words in (
         "`workers` 0-250",
         "`autostop_minutes` 0-10080",
@@ -239,11 +240,11 @@ def test_both_foundations_refuse_overlapping_prefixes_before_any_call(data) -> N
     the boto3 one before its first AWS call, Terraform's before its inputs are written."""
     spec = ClusterSpec(name="demo", bucket="sparknet-data").model_copy(update={"data_prefix": data})
     with pytest.raises(SparknetError, match=r"^cluster demo: data_prefix"):
-        foundation.ensure_boto3(
+        boto3_foundation.ensure_boto3(
             spec, allowed_cidr="203.0.113.7/32", endpoint_url="http://127.0.0.1:9"
         )
     with pytest.raises(SparknetError, match=r"^cluster demo: data_prefix"):
-        foundation.terraform_variables(spec, "203.0.113.7/32")
+        terraform_foundation.terraform_variables(spec, "203.0.113.7/32")
 
 
 def _variable(name: str) -> dict[str, Any]:

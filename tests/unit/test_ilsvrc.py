@@ -19,10 +19,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sparknet.data import shards as shards_module
-from sparknet.data.imagenet import decode_image, inspect_image, scan
+from sparknet.data import shard_checks, shard_files
+from sparknet.data.decode import decode_image, inspect_image
+from sparknet.data.imagenet import scan
 from sparknet.data.manifest import MANIFEST_NAME, Manifest
-from sparknet.data.shards import JOURNAL_NAME, Resize, write_dataset
+from sparknet.data.shard_checks import JOURNAL_NAME
+from sparknet.data.shard_plan import Resize
+from sparknet.data.shards import write_dataset
 from sparknet.errors import SparknetError
 from tests.conftest import SPARKNET
 from tests.ilsvrc_downloads import DEVKIT_TAR, TRAIN_TAR, VAL_TAR, make_downloads
@@ -258,7 +261,7 @@ def test_an_interrupted_check_resumes_where_it_stopped(downloads, tmp_path, monk
             raise KeyboardInterrupt
         return inspect_image(data)
 
-    monkeypatch.setattr(shards_module, "inspect_image", counting)
+    monkeypatch.setattr(shard_checks, "inspect_image", counting)
     with pytest.raises(KeyboardInterrupt):
         write_dataset(downloads.dl, dest, shard_bytes=30_000, processes=1)
     assert not (dest / MANIFEST_NAME).exists()
@@ -277,9 +280,9 @@ def test_a_killed_check_keeps_what_it_checked(downloads, tmp_path):
     dest = tmp_path / "ds"
     script = (
         "import sys, time\n"
-        "from sparknet.data import shards\n"
-        "real = shards.inspect_image\n"
-        "shards.inspect_image = lambda d: (time.sleep(0.05), real(d))[1]\n"
+        "from sparknet.data import shard_checks, shards\n"
+        "real = shard_checks.inspect_image\n"
+        "shard_checks.inspect_image = lambda d: (time.sleep(0.05), real(d))[1]\n"
         f"shards.write_dataset({str(downloads.dl)!r}, {str(dest)!r}, shard_bytes=30000,"
         " processes=1)\n"
     )
@@ -297,24 +300,24 @@ def test_a_killed_check_keeps_what_it_checked(downloads, tmp_path):
     kept = (dest / JOURNAL_NAME).read_text().count("\n") - 1  # the header line
     assert kept > 10
     calls: list[int] = []
-    real = shards_module.inspect_image
+    real = shard_checks.inspect_image
 
     def counting(data: bytes):
         calls.append(1)
         return real(data)
 
-    shards_module.inspect_image = counting
+    shard_checks.inspect_image = counting
     try:
         report = write_dataset(downloads.dl, dest, shard_bytes=30_000, processes=1)
     finally:
-        shards_module.inspect_image = real
+        shard_checks.inspect_image = real
     total = report.manifest.samples("train") + report.manifest.samples("val") + 2
     assert len(calls) == total - kept
 
 
 def test_an_interrupted_write_keeps_the_shards_it_finished(downloads, tmp_path, monkeypatch):
     dest = tmp_path / "ds"
-    real = shards_module.write_shard
+    real = shard_files.write_shard
     done: list[str] = []
 
     def stop_at_the_third(plan, dest_dir):
@@ -323,10 +326,10 @@ def test_an_interrupted_write_keeps_the_shards_it_finished(downloads, tmp_path, 
         done.append(plan.name)
         return real(plan, dest_dir)
 
-    monkeypatch.setattr(shards_module, "write_shard", stop_at_the_third)
+    monkeypatch.setattr(shard_files, "write_shard", stop_at_the_third)
     with pytest.raises(KeyboardInterrupt):
         write_dataset(downloads.dl, dest, shard_bytes=30_000, processes=1)
-    monkeypatch.setattr(shards_module, "write_shard", real)
+    monkeypatch.setattr(shard_files, "write_shard", real)
     report = write_dataset(downloads.dl, dest, shard_bytes=30_000, processes=1)
     assert report.reused == done and len(report.written) > 0
 

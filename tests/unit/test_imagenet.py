@@ -12,16 +12,15 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from sparknet.data.imagenet import (
+from sparknet.data.decode import (
     IMAGENET_MEAN,
     IMAGENET_STD,
-    KAGGLE_DATA,
     TrainDecoder,
     decode_image,
     eval_transform,
     normalize,
-    scan,
 )
+from sparknet.data.imagenet import KAGGLE_DATA, scan
 from sparknet.errors import SparknetError
 from tests.imagenet_tree import class_name, corrupt_jpeg, make_tree, render
 

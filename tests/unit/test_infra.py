@@ -15,8 +15,8 @@ from typing import Any
 import hcl2
 import pytest
 
-from sparknet.cluster import rules
-from sparknet.cluster.rules import policy_document, security_group_rules
+from sparknet.cluster.aws import rules
+from sparknet.cluster.aws.rules import policy_document, security_group_rules
 from sparknet.cluster.spec import INFRA_DIR, TAG_CLUSTER, TAG_OWNER, TAG_ROLE
 from sparknet.errors import SparknetError
 
@@ -198,8 +198,8 @@ def test_network_is_made_only_without_a_given_vpc(module) -> None:
 def test_boto3_network_is_the_one_terraform_makes(module, tmp_path) -> None:
     """Both backends take the VPC range, subnet size, zone count and zone type from
     rules/network.json, and cut the same per-AZ subnets."""
-    from sparknet.cluster.foundation import subnet_cidr
-    from sparknet.cluster.rules import NETWORK_FILE, network
+    from sparknet.cluster.aws.foundation import subnet_cidr
+    from sparknet.cluster.aws.rules import NETWORK_FILE, network
 
     (local_sets,) = [block for block in module["locals"] if "network" in block]
     assert local_sets["network"] == '${jsondecode(file("${path.module}/rules/network.json"))}'

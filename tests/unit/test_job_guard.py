@@ -15,12 +15,12 @@ from pathlib import Path
 import invoke
 import pytest
 
-from sparknet.cluster import bootstrap as boot
 from sparknet.cluster import nodes
-from sparknet.cluster.daemons import WORKER_CLASS, Master
-from sparknet.cluster.nodes import Endpoint
-from sparknet.cluster.plan import JOB_PID, JOBS_DIR, Node, Plan
-from sparknet.cluster.wheel import Wheel
+from sparknet.cluster.address import Endpoint
+from sparknet.cluster.spark import bootstrap as boot
+from sparknet.cluster.spark.daemons import WORKER_CLASS, Master
+from sparknet.cluster.spark.plan import JOB_PID, JOBS_DIR, Node, Plan
+from sparknet.cluster.spark.wheel import Wheel
 
 
 class _Local(invoke.Context):

@@ -16,10 +16,10 @@ from pathlib import Path
 import invoke
 import pytest
 
-from sparknet.cluster import lifecycle, markers, nodes, static
-from sparknet.cluster.daemons import WORKER_CLASS
-from sparknet.cluster.nodes import Endpoint
-from sparknet.cluster.plan import Node
+from sparknet.cluster import markers, nodes, registry, seam, sparkops, sshkeys, static
+from sparknet.cluster.address import Endpoint
+from sparknet.cluster.spark.daemons import WORKER_CLASS
+from sparknet.cluster.spark.plan import Node
 from sparknet.cluster.spec import ClusterSpec
 
 HOSTS = ["10.0.0.5", "10.0.0.6"]
@@ -72,10 +72,10 @@ def test_of_many_takers_at_once_exactly_one_takes_the_host(tmp_path) -> None:
 def hosts(tmp_path, monkeypatch):
     """Two hosts (prefixes under tmp_path, reached through a local shell) whose keys the
     user's known_hosts holds; the registry under tmp_path/home."""
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     key = tmp_path / "id"
-    nodes.write_private_key(key, nodes.new_ed25519()[0])
-    kind, blob = nodes.new_ed25519()[1].split()[:2]
+    sshkeys.write_private_key(key, sshkeys.new_ed25519()[0])
+    kind, blob = sshkeys.new_ed25519()[1].split()[:2]
     (tmp_path / "known_hosts").write_text("".join(f"{h} {kind} {blob}\n" for h in HOSTS))
     layout = {
         f"{cluster}/{node}/node": {"prefix": str(tmp_path / node)}
@@ -83,7 +83,7 @@ def hosts(tmp_path, monkeypatch):
         for node in ("master", "worker-1")
     }
     (tmp_path / "endpoints.json").write_text(json.dumps(layout))
-    monkeypatch.setenv(nodes.ENDPOINTS_ENV, str(tmp_path / "endpoints.json"))
+    monkeypatch.setenv(seam.ENDPOINTS_ENV, str(tmp_path / "endpoints.json"))
 
     def run_all(endpoints, access, fn, timeout, **kw):  # each "host" in a local shell
         return {e.name: fn(e, invoke.Context()) for e in endpoints}
@@ -114,7 +114,7 @@ def _fake_worker(root: Path, node: str) -> subprocess.Popen:
 def test_down_stops_only_the_hosts_its_marker_holds(hosts, monkeypatch) -> None:
     """Another registry's cluster took worker-1 (its marker is there): `down` stops Spark on
     the master only, removes its own marker there, and leaves worker-1's worker and marker."""
-    lifecycle.save_entry(_spec(hosts), None)
+    registry.save_entry(_spec(hosts), None)
     me = static.holder("lab")
     other = markers.Holder("other", "f" * 16, "bob@desk:/b", "t1")
     conn = invoke.Context()
@@ -134,7 +134,7 @@ def test_down_stops_only_the_hosts_its_marker_holds(hosts, monkeypatch) -> None:
                             "cluster other of the sparknet registry bob@desk:/b")
             for line in said
         ), said  # fmt: skip
-        assert "lab" not in lifecycle.registered()
+        assert "lab" not in registry.registered()
     finally:
         for proc in (mine, theirs):
             proc.kill()
@@ -146,12 +146,12 @@ def test_up_of_hosts_another_registry_holds_is_refused_naming_it(hosts, monkeypa
     cluster lab holds: one line naming lab and its registry, nothing run, nothing kept (the
     free host it took meanwhile is given back, no entry, no lock)."""
     conn = invoke.Context()
-    monkeypatch.setattr(lifecycle, "carry", lambda spec, wheel_dir: None)
+    monkeypatch.setattr(sparkops, "carry", lambda spec, wheel_dir: None)
     ran: list[str] = []
-    monkeypatch.setattr(lifecycle, "bootstrap_locked", lambda *a, **k: ran.append("bootstrap"))
+    monkeypatch.setattr(sparkops, "bootstrap_locked", lambda *a, **k: ran.append("bootstrap"))
     lab = static.holder("lab")
     assert markers.take(conn, _node(hosts, "worker-1"), lab)[0] == markers.TAKEN
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(hosts / "other-home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(hosts / "other-home"))
     with pytest.raises(markers.HostHeld) as err:
         static.up(_spec(hosts, "other"))
     line = str(err.value)
@@ -165,7 +165,7 @@ def test_up_of_hosts_another_registry_holds_is_refused_naming_it(hosts, monkeypa
     assert ran == []
     assert not (hosts / "master" / markers.MARKER).exists()  # taken, then given back
     assert markers.Holder.parse((hosts / "worker-1" / markers.MARKER).read_text()) == lab
-    assert lifecycle.registered() == {}
+    assert registry.registered() == {}
     assert not (hosts / "other-home" / "clusters" / "other.lock").exists()
 
 
@@ -174,7 +174,7 @@ def test_two_ups_of_different_names_at_once_cannot_both_register_one_host(
 ) -> None:
     """The one-cluster-per-host check and the entry's write happen under the registry's lock:
     a second `up` that checks while the first is writing its entry waits, then sees it."""
-    real_save = lifecycle.save_entry
+    real_save = registry.save_entry
     saving, second_done = threading.Event(), threading.Event()
 
     def slow_save(spec, endpoint_url) -> None:
@@ -183,7 +183,7 @@ def test_two_ups_of_different_names_at_once_cannot_both_register_one_host(
             second_done.wait(0.5)  # the old code let the second `up` finish meanwhile
         real_save(spec, endpoint_url)
 
-    monkeypatch.setattr(lifecycle, "save_entry", slow_save)
+    monkeypatch.setattr(registry, "save_entry", slow_save)
     first = threading.Thread(target=static.up, args=(_spec(hosts),), kwargs={"bootstrap": False})
     first.start()
     assert saving.wait(10)
@@ -198,5 +198,5 @@ def test_two_ups_of_different_names_at_once_cannot_both_register_one_host(
         second_done.set()
         first.join(10)
     assert time.monotonic() - started >= 0.3  # it waited for the first's entry
-    assert sorted(lifecycle.registered()) == ["lab"]
+    assert sorted(registry.registered()) == ["lab"]
     assert not (hosts / "home" / "clusters" / "other.lock").exists()

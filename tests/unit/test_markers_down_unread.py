@@ -9,7 +9,7 @@ from __future__ import annotations
 import invoke
 import pytest
 
-from sparknet.cluster import lifecycle, markers, nodes, static
+from sparknet.cluster import markers, nodes, registry, sparkops, static
 from sparknet.errors import SparknetError
 from tests.unit.test_markers import _fake_worker, _node, _spec, hosts  # noqa: F401
 
@@ -27,7 +27,7 @@ def test_down_keeps_the_cluster_where_a_marker_does_not_read(hosts, monkeypatch)
         return out
 
     monkeypatch.setattr(nodes, "run_all", run_all)
-    lifecycle.save_entry(_spec(hosts), None)
+    registry.save_entry(_spec(hosts), None)
     me = static.holder("lab")
     conn = invoke.Context()
     for name in ("master", "worker-1"):
@@ -40,7 +40,7 @@ def test_down_keeps_the_cluster_where_a_marker_does_not_read(hosts, monkeypatch)
         line = str(err.value)
         assert "\n" not in line
         assert f"its marker {hosts / 'worker-1' / markers.MARKER} does not read" in line
-        assert "lab" in lifecycle.registered()  # still there to be stopped
+        assert "lab" in registry.registered()  # still there to be stopped
         assert mine.poll() is None
     finally:
         mine.kill()
@@ -51,20 +51,20 @@ def test_a_remade_registry_id_is_not_another_cluster(hosts, monkeypatch) -> None
     """The registry's id file was lost and made anew: its hosts' markers name the former id.
     `down` neither leaves them running as another cluster's nor forgets the cluster, and both
     `down` and `up` name the id to write back."""
-    lifecycle.save_entry(_spec(hosts), None)
+    registry.save_entry(_spec(hosts), None)
     before = static.holder("lab")
     conn = invoke.Context()
     assert markers.take(conn, _node(hosts, "master"), before)[0] == markers.TAKEN
-    (lifecycle.registry_dir() / ".registry-id").unlink()
+    (registry.registry_dir() / ".registry-id").unlink()
     assert static.holder("lab").registry != before.registry
     with pytest.raises(SparknetError) as err:
         static.down(_spec(hosts))
-    assert f"write {before.registry} back into .registry-id of {lifecycle.registry_dir()}" in str(
+    assert f"write {before.registry} back into .registry-id of {registry.registry_dir()}" in str(
         err.value
     )
-    assert "lab" in lifecycle.registered()
+    assert "lab" in registry.registered()
     assert markers.Holder.parse((hosts / "master" / markers.MARKER).read_text()) == before
-    monkeypatch.setattr(lifecycle, "carry", lambda spec, wheel_dir: None)
+    monkeypatch.setattr(sparkops, "carry", lambda spec, wheel_dir: None)
     with pytest.raises(markers.HostHeld) as held:
         static.up(_spec(hosts))
     assert "\n" not in str(held.value)

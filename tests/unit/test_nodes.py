@@ -1,5 +1,6 @@
-"""nodes.py without a network: addresses, node names, the seam's override file, the cloud-init
-host key, known_hosts pinning, key rules, and the `ssh` command line."""
+"""nodes.py, seam.py, sshkeys.py and openssh.py without a network: addresses, node names, the
+seam's override file, the cloud-init host key, known_hosts pinning, key rules, and the `ssh`
+command line."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from sparknet.cli.cluster import _split_command
-from sparknet.cluster import nodes
-from sparknet.cluster.instances import Instance
-from sparknet.cluster.nodes import Access, Endpoint
+from sparknet.cli.cluster.ssh import _split_command
+from sparknet.cluster import address, nodes, openssh, seam, sshkeys
+from sparknet.cluster.address import Endpoint
+from sparknet.cluster.aws import keys
+from sparknet.cluster.aws.instances import Instance
+from sparknet.cluster.nodes import Access
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
 
@@ -26,19 +29,19 @@ def inst(iid: str, role: str, ip: str | None = "198.51.100.1", minutes: int = 0)
 
 
 def test_parse_address_takes_user_host_and_port():
-    assert nodes.parse_address("worker-1", "root@10.1.2.3:2222") == Endpoint(
+    assert address.parse_address("worker-1", "root@10.1.2.3:2222") == Endpoint(
         "worker-1", "10.1.2.3", 2222, "root"
     )
-    assert nodes.parse_address("master", "box.example.com") == Endpoint(
+    assert address.parse_address("master", "box.example.com") == Endpoint(
         "master", "box.example.com", 22, "ubuntu"
     )
-    assert nodes.parse_address("m", "ubuntu@ip-10-0-0-5.ec2.internal").host == (
+    assert address.parse_address("m", "ubuntu@ip-10-0-0-5.ec2.internal").host == (
         "ip-10-0-0-5.ec2.internal"
     )
-    assert nodes.parse_address("m", "node7:2201").host == "node7"
+    assert address.parse_address("m", "node7:2201").host == "node7"
     for bad in ("root@", "a@b@c", "host:0", "host:70000", "host:port", "two words"):
         with pytest.raises(SparknetError, match="is not an SSH address"):
-            nodes.parse_address("master", bad)
+            address.parse_address("master", bad)
 
 
 @pytest.mark.parametrize(
@@ -67,7 +70,7 @@ def test_parse_address_takes_user_host_and_port():
 )
 def test_parse_address_takes_only_an_ipv4_address_or_a_host_name(bad):
     with pytest.raises(SparknetError) as caught:
-        nodes.parse_address("worker-2", bad)
+        address.parse_address("worker-2", bad)
     assert str(caught.value) == f"worker-2: {bad!r} is not an SSH address (user@host:port)"
     assert "\n" not in str(caught.value)
 
@@ -75,7 +78,7 @@ def test_parse_address_takes_only_an_ipv4_address_or_a_host_name(bad):
 @pytest.mark.parametrize("text", ["::1", "[::1]:22", "root@[fe80::1]", "2001:db8::7", "[::1]"])
 def test_an_ipv6_address_is_refused_as_such(text):
     with pytest.raises(SparknetError) as caught:
-        nodes.parse_address("master", text)
+        address.parse_address("master", text)
     assert str(caught.value) == (
         f"master: {text!r}: IPv6 addresses are not supported (give an IPv4 address or a host name)"
     )
@@ -89,54 +92,54 @@ def test_endpoint_address_is_known_hosts_form():
 def test_workers_are_named_by_launch_time_then_id():
     found = [inst("i-c", "worker", minutes=1), inst("i-b", "worker"), inst("i-a", "worker"),
              inst("i-m", "master", minutes=5)]  # fmt: skip
-    named = [(name, i.id) for name, i in nodes.node_names(found)]
+    named = [(name, i.id) for name, i in seam.node_names(found)]
     assert named == [("master", "i-m"), ("worker-1", "i-a"), ("worker-2", "i-b"),
                      ("worker-3", "i-c")]  # fmt: skip
 
 
 def test_the_seam_is_the_public_ip_unless_the_override_file_names_the_node(tmp_path, monkeypatch):
     found = [inst("i-m", "master", "198.51.100.7"), inst("i-w", "worker", "198.51.100.8")]
-    monkeypatch.delenv(nodes.ENDPOINTS_ENV, raising=False)
-    assert nodes.endpoints("c1", found) == [
+    monkeypatch.delenv(seam.ENDPOINTS_ENV, raising=False)
+    assert seam.endpoints("c1", found) == [
         Endpoint("master", "198.51.100.7"),
         Endpoint("worker-1", "198.51.100.8"),
     ]
     override = tmp_path / "endpoints.json"
     override.write_text(json.dumps({"c1/worker-1": "root@127.0.0.1:2201", "i-m": "127.0.0.1:2200"}))
-    monkeypatch.setenv(nodes.ENDPOINTS_ENV, str(override))
-    assert nodes.endpoints("c1", found) == [
+    monkeypatch.setenv(seam.ENDPOINTS_ENV, str(override))
+    assert seam.endpoints("c1", found) == [
         Endpoint("master", "127.0.0.1", 2200, "ubuntu"),
         Endpoint("worker-1", "127.0.0.1", 2201, "root"),
     ]
     # another cluster's entries do not apply
-    assert nodes.endpoints("c2", found)[1] == Endpoint("worker-1", "198.51.100.8")
+    assert seam.endpoints("c2", found)[1] == Endpoint("worker-1", "198.51.100.8")
 
 
 def test_a_node_without_a_public_ip_is_one_line(monkeypatch):
-    monkeypatch.delenv(nodes.ENDPOINTS_ENV, raising=False)
+    monkeypatch.delenv(seam.ENDPOINTS_ENV, raising=False)
     with pytest.raises(SparknetError, match=r"^master \(i-m, running\) has no public IP address"):
-        nodes.endpoints("c1", [inst("i-m", "master", None)])
+        seam.endpoints("c1", [inst("i-m", "master", None)])
 
 
 def test_pick_names_the_nodes_there_are():
     found = [Endpoint("master", "h"), Endpoint("worker-1", "h")]
-    assert nodes.pick(found, "worker-1") is found[1]
+    assert seam.pick(found, "worker-1") is found[1]
     with pytest.raises(SparknetError, match=r"^no node 'worker-2'; the cluster's nodes: master"):
-        nodes.pick(found, "worker-2")
+        seam.pick(found, "worker-2")
     with pytest.raises(SparknetError, match=r"^no node 'mastr' \(master or worker-N\)"):
-        nodes.pick(found, "mastr")
+        seam.pick(found, "mastr")
 
 
 def test_a_pending_worker_keeps_no_one_from_the_master(monkeypatch):
     """`cluster ssh` picks its node before it asks for an address: a worker still pending (no
     public IP yet) is an error only for a user who asks for that worker."""
-    monkeypatch.delenv(nodes.ENDPOINTS_ENV, raising=False)
+    monkeypatch.delenv(seam.ENDPOINTS_ENV, raising=False)
     found = [inst("i-m", "master"), inst("i-w", "worker", None, minutes=1)]
-    assert nodes.endpoint_named("c1", found, "master") == Endpoint("master", "198.51.100.1")
+    assert seam.endpoint_named("c1", found, "master") == Endpoint("master", "198.51.100.1")
     with pytest.raises(SparknetError, match=r"^worker-1 \(i-w, running\) has no public IP"):
-        nodes.endpoint_named("c1", found, "worker-1")
+        seam.endpoint_named("c1", found, "worker-1")
     with pytest.raises(SparknetError, match=r"^no node 'worker-2'; the cluster's nodes: master, "):
-        nodes.endpoint_named("c1", found, "worker-2")
+        seam.endpoint_named("c1", found, "worker-2")
 
 
 def test_pinning_skips_a_node_with_no_address_yet(monkeypatch, tmp_path):
@@ -145,59 +148,59 @@ def test_pinning_skips_a_node_with_no_address_yet(monkeypatch, tmp_path):
     import base64
     from types import SimpleNamespace
 
-    monkeypatch.delenv(nodes.ENDPOINTS_ENV, raising=False)
-    text, public = nodes.host_key_user_data()
+    monkeypatch.delenv(seam.ENDPOINTS_ENV, raising=False)
+    text, public = keys.host_key_user_data()
     data = {"Value": base64.b64encode(text.encode()).decode()}
     ec2 = SimpleNamespace(
         meta=SimpleNamespace(region_name="us-east-1"),
         describe_instance_attribute=lambda **kw: {"UserData": data},
     )
     found = [inst("i-m", "master"), inst("i-w", "worker", None, minutes=1)]
-    assert nodes.pin_cluster(ec2, "c1", found, tmp_path / "known_hosts") == []
+    assert keys.pin_cluster(ec2, "c1", found, tmp_path / "known_hosts") == []
     assert (tmp_path / "known_hosts").read_text() == f"198.51.100.1 {public}\n"
 
 
 def test_host_key_user_data_is_cloud_config_with_only_that_key():
-    text, public = nodes.host_key_user_data()
+    text, public = keys.host_key_user_data()
     assert text.startswith("#cloud-config\n")
     config = yaml.safe_load(text)
     assert config["ssh_deletekeys"] is True and config["ssh_genkeytypes"] == []
     assert config["ssh_keys"]["ed25519_public"] == public and public.startswith("ssh-ed25519 ")
     assert config["ssh_keys"]["ed25519_private"].startswith("-----BEGIN OPENSSH PRIVATE KEY")
-    assert nodes.host_public_key(text) == public
+    assert keys.host_public_key(text) == public
     assert len(text.encode()) < 16 * 1024  # EC2's user data limit
     # two calls, two keys
-    assert nodes.host_key_user_data()[1] != public
+    assert keys.host_key_user_data()[1] != public
 
 
 def test_user_data_without_a_host_key_has_none():
-    assert nodes.host_public_key("") is None
-    assert nodes.host_public_key("#!/bin/sh\necho hi\n") is None
-    assert nodes.host_public_key("#cloud-config\npackages: [git]\n") is None
-    assert nodes.host_public_key("#cloud-config\n: [\n") is None
+    assert keys.host_public_key("") is None
+    assert keys.host_public_key("#!/bin/sh\necho hi\n") is None
+    assert keys.host_public_key("#cloud-config\npackages: [git]\n") is None
+    assert keys.host_public_key("#cloud-config\n: [\n") is None
 
 
 def test_pin_replaces_an_address_and_keeps_the_others(tmp_path):
     known = tmp_path / "known_hosts"
-    a, b, c = (nodes.new_ed25519()[1] for _ in range(3))
-    nodes.pin(known, {"10.0.0.1": a, "[127.0.0.1]:2222": b})
-    nodes.pin(known, {"10.0.0.1": c})
+    a, b, c = (sshkeys.new_ed25519()[1] for _ in range(3))
+    sshkeys.pin(known, {"10.0.0.1": a, "[127.0.0.1]:2222": b})
+    sshkeys.pin(known, {"10.0.0.1": c})
     lines = known.read_text().splitlines()
     assert lines == [f"[127.0.0.1]:2222 {b}", f"10.0.0.1 {c}"]
-    nodes.pin(known, {"10.0.0.9": a}, only=True)
+    sshkeys.pin(known, {"10.0.0.9": a}, only=True)
     assert known.read_text().splitlines() == [f"10.0.0.9 {a}"]
 
 
 def test_a_private_key_is_0600_from_the_start(tmp_path):
     path = tmp_path / "d" / "id_ed25519"
-    nodes.write_private_key(path, nodes.new_ed25519()[0])
+    sshkeys.write_private_key(path, sshkeys.new_ed25519()[0])
     assert path.stat().st_mode & 0o777 == 0o600
-    nodes.check_key_file(Access(path, tmp_path / "kh"))
+    sshkeys.check_key_file(Access(path, tmp_path / "kh"))
     path.chmod(0o644)
     with pytest.raises(SparknetError, match=r"readable by others \(mode 644\); chmod 600"):
-        nodes.check_key_file(Access(path, tmp_path / "kh"))
+        sshkeys.check_key_file(Access(path, tmp_path / "kh"))
     with pytest.raises(SparknetError, match="cannot be read"):
-        nodes.check_key_file(Access(tmp_path / "missing", tmp_path / "kh"))
+        sshkeys.check_key_file(Access(tmp_path / "missing", tmp_path / "kh"))
 
 
 def private_key(kind: str, password: bytes | None = None, fmt: str = "OpenSSH") -> str:
@@ -225,11 +228,11 @@ def test_a_key_file_is_loaded_and_one_with_a_passphrase_is_one_line(tmp_path, ki
     """sparknet uses no SSH agent: a key it cannot open by itself would fail at every node
     later, with paramiko's words; it is refused before any node is asked, saying what to do."""
     path = tmp_path / "id"
-    nodes.write_private_key(path, private_key(kind, fmt=fmt))
-    nodes.check_key_file(Access(path, tmp_path / "kh"))
-    nodes.write_private_key(path, private_key(kind, b"correct horse", fmt))
+    sshkeys.write_private_key(path, private_key(kind, fmt=fmt))
+    sshkeys.check_key_file(Access(path, tmp_path / "kh"))
+    sshkeys.write_private_key(path, private_key(kind, b"correct horse", fmt))
     with pytest.raises(SparknetError) as caught:
-        nodes.check_key_file(Access(path, tmp_path / "kh"))
+        sshkeys.check_key_file(Access(path, tmp_path / "kh"))
     assert str(caught.value) == (
         f"key file {path} is protected by a passphrase, and sparknet uses no SSH agent: give a "
         "key without a passphrase (e.g. one made for the cluster)"
@@ -241,9 +244,9 @@ def test_a_key_file_is_loaded_and_one_with_a_passphrase_is_one_line(tmp_path, ki
 )
 def test_a_key_file_that_is_not_a_private_key_is_one_line(tmp_path, text):
     path = tmp_path / "id.pub"
-    nodes.write_private_key(path, text)
+    sshkeys.write_private_key(path, text)
     with pytest.raises(SparknetError) as caught:
-        nodes.check_key_file(Access(path, tmp_path / "kh"))
+        sshkeys.check_key_file(Access(path, tmp_path / "kh"))
     assert str(caught.value) == (
         f"key file {path} is not an ed25519, ECDSA or RSA private key; set key_file to the "
         "private key (not its .pub)"
@@ -251,11 +254,11 @@ def test_a_key_file_that_is_not_a_private_key_is_one_line(tmp_path, text):
 
 
 def test_key_pair_names_follow_ec2s_rule():
-    assert nodes.key_pair_name("c1") == "sparknet-c1"
-    assert nodes.check_key_name("k" * 255) == "k" * 255
+    assert keys.key_pair_name("c1") == "sparknet-c1"
+    assert keys.check_key_name("k" * 255) == "k" * 255
     for bad in ("", "k" * 256, "schlüssel"):
         with pytest.raises(SparknetError, match="1-255 ASCII"):
-            nodes.check_key_name(bad)
+            keys.check_key_name(bad)
 
 
 def test_key_name_and_key_file_go_together():
@@ -270,9 +273,9 @@ def test_key_name_and_key_file_go_together():
 def test_access_is_the_users_key_file_or_sparknets(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARKNET_HOME", str(tmp_path))
     monkeypatch.setenv("HOME", str(tmp_path / "me"))
-    own = nodes.access_for(ClusterSpec(name="c1", key_name="mine", key_file="~/.ssh/mine"))
+    own = sshkeys.access_for(ClusterSpec(name="c1", key_name="mine", key_file="~/.ssh/mine"))
     assert own.key_file == tmp_path / "me" / ".ssh" / "mine"
-    made = nodes.access_for(ClusterSpec(name="c1"))
+    made = sshkeys.access_for(ClusterSpec(name="c1"))
     assert made.key_file == tmp_path / "clusters" / "c1" / "id_ed25519"
     assert made.known_hosts == own.known_hosts == tmp_path / "clusters" / "c1" / "known_hosts"
 
@@ -280,7 +283,7 @@ def test_access_is_the_users_key_file_or_sparknets(tmp_path, monkeypatch):
 def test_the_ssh_command_trusts_only_the_clusters_key_and_pins(tmp_path):
     known_hosts = tmp_path / "my registry" / "known_hosts"  # a space: quoted for OpenSSH
     access = Access(tmp_path / "id", known_hosts)
-    argv = nodes.ssh_command(Endpoint("worker-1", "10.0.0.5", 2222, "root"), access, "-N")
+    argv = openssh.ssh_command(Endpoint("worker-1", "10.0.0.5", 2222, "root"), access, "-N")
     text = " ".join(argv)
     assert argv[0] == "ssh" and argv[-1] == "root@10.0.0.5"
     for option in ("-F none", f"-i {tmp_path / 'id'}", "-o StrictHostKeyChecking=yes",
@@ -328,15 +331,15 @@ def test_concurrent_pins_and_key_writes_do_not_collide(tmp_path):
     import threading
 
     known_hosts, key = tmp_path / "known_hosts", tmp_path / "id_ed25519"
-    _, public = nodes.new_ed25519()
-    private = nodes.new_ed25519()[0]
+    _, public = sshkeys.new_ed25519()
+    private = sshkeys.new_ed25519()[0]
     errors: list[BaseException] = []
 
     def writer(k: int) -> None:
         try:
             for i in range(50):
-                nodes.pin(known_hosts, {f"[127.0.0.1]:{1000 * k + i}": public})
-                nodes.write_private_key(key, private)
+                sshkeys.pin(known_hosts, {f"[127.0.0.1]:{1000 * k + i}": public})
+                sshkeys.write_private_key(key, private)
         except BaseException as exc:  # any error is the failure reported below
             errors.append(exc)
 

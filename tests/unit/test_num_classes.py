@@ -11,7 +11,7 @@ from sparknet.config import TrainConfig
 from sparknet.data.shards import write_dataset
 from sparknet.data.sources import shard_source
 from sparknet.errors import SparknetError
-from sparknet.training.driver import check_num_classes
+from sparknet.training.problem import check_num_classes
 from tests.conftest import SPARKNET
 from tests.imagenet_tree import make_tree
 

@@ -8,20 +8,20 @@ import threading
 
 import pytest
 
-from sparknet.cluster import lifecycle
+from sparknet.cluster import registry
 from sparknet.errors import SparknetError
 
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
-    return lifecycle.registry_dir()
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
+    return registry.registry_dir()
 
 
 def test_many_at_once_get_one_id_and_leave_no_temp_file(home) -> None:
     got: list[str] = []
     threads = [
-        threading.Thread(target=lambda: got.append(lifecycle.registry_id())) for _ in range(8)
+        threading.Thread(target=lambda: got.append(registry.registry_id())) for _ in range(8)
     ]
     for t in threads:
         t.start()
@@ -41,7 +41,7 @@ def test_an_id_that_cannot_be_read_is_one_line(home, damage) -> None:
     else:
         path.write_bytes(b"\xff\xfe\x00id")
     with pytest.raises(SparknetError) as err:
-        lifecycle.registry_id()
+        registry.registry_id()
     assert str(err.value).startswith(f"cannot read this registry's id {path}: ")
     assert "\n" not in str(err.value)
 
@@ -50,7 +50,7 @@ def test_a_damaged_id_says_to_write_back_the_hosts_id(home) -> None:
     home.mkdir(parents=True)
     (home / ".registry-id").write_text("edited by hand\n")
     with pytest.raises(SparknetError) as err:
-        lifecycle.registry_id()
+        registry.registry_id()
     line = str(err.value)
     assert "write back the one this registry's static hosts name" in line
     assert "remove it and run this again" not in line

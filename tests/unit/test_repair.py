@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparknet.cluster import lifecycle, repair
+from sparknet.cluster import lifecycle, registry, repair
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
 
@@ -15,7 +15,7 @@ SPEC = ClusterSpec(name="w1")
 
 @pytest.fixture
 def said(monkeypatch, tmp_path) -> list[str]:
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path))  # no registered clusters
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path))  # no registered clusters
     return []
 
 

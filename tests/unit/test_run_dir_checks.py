@@ -96,7 +96,8 @@ def test_resume_changes_that_change_nothing_for_the_data_are_not_changes():
     """digits: 10 classes from the dataset, and no images to crop: `--num-classes 10` and
     `--image-size 32` on a resume are what ran already; `--lr` is a change."""
     from sparknet.data.sources import resolve_source
-    from sparknet.training.driver import _effective, prepare
+    from sparknet.training.driver import _effective
+    from sparknet.training.problem import prepare
 
     cfg = TrainConfig(data="digits", **SMALL)
     problem = prepare(cfg, resolve_source(cfg, None))

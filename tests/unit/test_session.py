@@ -3,20 +3,20 @@ from pathlib import Path
 
 import pytest
 
-from sparknet.cluster.spark_conf import RPC_HARDENING, UI_READ_ONLY
 from sparknet.errors import SparknetError
+from sparknet.spark_security import RPC_HARDENING, UI_READ_ONLY
 from sparknet.training import netbind, transport
-from sparknet.training.session import (
+from sparknet.training.probe import user_modules
+from sparknet.training.session import private_local_dir
+from sparknet.training.spark_settings import (
     STICKY_LOCALITY_WAIT,
     check_security_conf,
     driver_address,
     driver_memory_gb,
     embedded_master,
-    private_local_dir,
     spark_settings,
     spark_warnings,
     task_cpus,
-    user_modules,
 )
 from sparknet.training.transport import partition_threads, threads_per_task
 
@@ -210,11 +210,12 @@ def test_stopping_a_session_mutes_what_its_python_workers_still_print(capfd):
     worker's traceback (BrokenPipeError from a cancelled task) is not shown. A stand-in for
     the session: stopping one that has no JVM is quiet too, which is the point here."""
     from sparknet.training import session
+    from sparknet.training.jvm_stderr import HeldStderr
 
     class NoJvm:
         """Every attribute stop_quietly reaches for is missing, as in a session whose JVM died."""
 
-    held = session._HeldStderr()
+    held = HeldStderr()
     held.release(show=True)
     stand_in = NoJvm()
     session._JVM_STDERR[stand_in] = held
@@ -231,9 +232,9 @@ def test_a_java_trace_printed_while_the_context_stops_is_left_out(capfd):
     callback handed to a pool that just ended) with `printStackTrace`, outside log4j. Those
     lines are left out; the round lines around them and a Python worker's traceback (whose
     last line reads like a Java trace's first) stay."""
-    from sparknet.training import session
+    from sparknet.training.jvm_stderr import HeldStderr
 
-    held = session._HeldStderr()
+    held = HeldStderr()
     held.release(show=True)
     for line in (
         b"round 108/400  loss 0.1707\n",

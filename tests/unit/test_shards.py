@@ -18,13 +18,9 @@ from PIL import Image
 
 from sparknet.data.imagenet import ImageTree, SourceImage, scan
 from sparknet.data.manifest import MANIFEST_NAME, Manifest, sha256_file
-from sparknet.data.shards import (
-    ShardPlan,
-    WriteReport,
-    plan_shards,
-    write_dataset,
-    write_shard,
-)
+from sparknet.data.shard_files import write_shard
+from sparknet.data.shard_plan import ShardPlan, plan_shards
+from sparknet.data.shards import WriteReport, write_dataset
 from sparknet.errors import SparknetError
 from tests.imagenet_tree import corrupt_jpeg, make_tree
 
@@ -395,7 +391,7 @@ def test_an_image_overwritten_with_its_mtime_kept_is_decode_checked_again(tmp_pa
 
 
 def test_a_directory_where_the_checks_file_goes_is_named_not_the_temp(tmp_path):
-    from sparknet.data.shards import CHECKS_NAME, JOURNAL_NAME
+    from sparknet.data.shard_checks import CHECKS_NAME, JOURNAL_NAME
 
     src, dest = tmp_path / "src", tmp_path / "dest"
     make_tree(src, classes=2, train_per_class=2, val_per_class=1, size=(32, 24))
@@ -514,15 +510,16 @@ def test_a_rerun_after_images_were_added_or_removed_warns_that_shards_were_rewri
 def test_the_default_uses_threads_for_a_small_source_and_processes_for_a_big_one(monkeypatch):
     """From the figures in PROCESS_MIN_IMAGES's comment: a pool's start-up is paid back only
     over many images; `--processes N` means N processes for both phases, 1 serially."""
-    from sparknet.data.shards import MAX_DEFAULT_PROCESSES, PROCESS_MIN_IMAGES, _workers
+    from sparknet.data.shard_pool import MAX_DEFAULT_PROCESSES, PROCESS_MIN_IMAGES, phase_workers
 
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    assert _workers(None, PROCESS_MIN_IMAGES - 1, 50) == ("threads", 4)
-    assert _workers(None, PROCESS_MIN_IMAGES, 50) == ("processes", 4)
-    assert _workers(None, 10**6, 3) == ("processes", 3)  # never more workers than jobs
-    assert _workers(None, 10**6, 1) == ("threads", 1)
-    assert _workers(2, 10, 50) == ("processes", 2) and _workers(1, 10**6, 50) == ("threads", 1)
+    assert phase_workers(None, PROCESS_MIN_IMAGES - 1, 50) == ("threads", 4)
+    assert phase_workers(None, PROCESS_MIN_IMAGES, 50) == ("processes", 4)
+    assert phase_workers(None, 10**6, 3) == ("processes", 3)  # never more workers than jobs
+    assert phase_workers(None, 10**6, 1) == ("threads", 1)
+    assert phase_workers(2, 10, 50) == ("processes", 2)
+    assert phase_workers(1, 10**6, 50) == ("threads", 1)
     monkeypatch.setattr(os, "cpu_count", lambda: 96)
-    assert _workers(None, 10**6, 5000) == ("processes", MAX_DEFAULT_PROCESSES)
+    assert phase_workers(None, 10**6, 5000) == ("processes", MAX_DEFAULT_PROCESSES)
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
-    assert _workers(None, 10**6, 5000) == ("threads", 1)
+    assert phase_workers(None, 10**6, 5000) == ("threads", 1)

@@ -1,4 +1,4 @@
-"""The spot interruption notice as a node reads it (`sparknet.cluster.spot`), against the
+"""The spot interruption notice as a node reads it (`sparknet.cluster.aws.spot`), against the
 stand-in metadata service of tests/imds.py (IMDS runs only on EC2 hosts: nothing real answers
 here), and the loss check's interval setting."""
 
@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from sparknet.cluster import repair, spot
+from sparknet.cluster import repair
+from sparknet.cluster.aws import spot
 from sparknet.errors import SparknetError
 from tests.imds import ImdsStandIn
 from tests.sshd import free_port
@@ -68,7 +69,7 @@ def test_the_node_command_prints_the_notice_as_json(imds) -> None:
     def node(instance: str) -> subprocess.CompletedProcess:
         env = {"PATH": "/usr/bin:/bin", spot.ENDPOINT_ENV: instance}
         return subprocess.run(
-            [sys.executable, "-m", "sparknet.cluster.spot"], env=env, capture_output=True,
+            [sys.executable, "-m", "sparknet.cluster.aws.spot"], env=env, capture_output=True,
             text=True, timeout=60,
         )  # fmt: skip
 

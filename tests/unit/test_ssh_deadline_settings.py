@@ -10,15 +10,18 @@ import contextlib
 
 import pytest
 
-from sparknet import submit as flow
-from sparknet.cluster import lifecycle, nodes, steps
-from sparknet.cluster.nodes import Access, Endpoint
+from sparknet.cluster import lifecycle, nodes, openssh, registry
+from sparknet.cluster.address import Endpoint
+from sparknet.cluster.nodes import Access
 from sparknet.cluster.remote import CommandFailed
+from sparknet.cluster.spark import steps
 from sparknet.errors import SparknetError
+from sparknet.jobs import driver, follow, preflight
+from sparknet.jobs import submit as flow
 
 SETTINGS = [
     (nodes.SILENCE_ENV, nodes.silence_s),
-    (flow.RECONNECT_ENV, flow.reconnect_s),
+    (follow.RECONNECT_ENV, follow.reconnect_s),
     (steps.REBOOT_WAIT_ENV, steps.reboot_wait_s),
 ]
 
@@ -27,7 +30,7 @@ def test_the_ssh_command_ends_on_a_silent_node(tmp_path, monkeypatch):
     """OpenSSH without ServerAliveInterval waits forever on a node that stopped answering (and
     without ConnectTimeout on a listener that never sends its banner)."""
     monkeypatch.setenv(nodes.SILENCE_ENV, "30")
-    argv = nodes.ssh_command(Endpoint("master", "10.0.0.5", 22, "ubuntu"), Access(tmp_path / "id",
+    argv = openssh.ssh_command(Endpoint("master", "10.0.0.5", 22, "ubuntu"), Access(tmp_path / "id",
                              tmp_path / "known_hosts"), "-N")  # fmt: skip
     text = " ".join(argv)
     for option in ("-o ServerAliveInterval=10", "-o ServerAliveCountMax=3",
@@ -65,7 +68,7 @@ def test_cluster_up_refuses_a_bad_wait_setting_before_launching(tmp_path, monkey
     launched = []
     monkeypatch.setattr(lifecycle, "up", lambda spec, **kw: launched.append(spec))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     monkeypatch.setenv(env, "abc")
     done = CliRunner().invoke(cluster_app, ["up", "c1"])
     assert (done.exit_code, launched) == (2, [])
@@ -75,8 +78,8 @@ def test_cluster_up_refuses_a_bad_wait_setting_before_launching(tmp_path, monkey
 def test_submit_preflight_refuses_a_bad_reboot_wait(monkeypatch):
     """A submit that makes its cluster may reboot a node to load the NVIDIA driver."""
     monkeypatch.setenv(steps.REBOOT_WAIT_ENV, "-1")
-    with pytest.raises(flow.PreflightFailed, match=steps.REBOOT_WAIT_ENV):
-        flow.preflight(object())  # refused before the job is looked at
+    with pytest.raises(preflight.PreflightFailed, match=steps.REBOOT_WAIT_ENV):
+        preflight.preflight(object())  # refused before the job is looked at
 
 
 def test_a_cancel_that_cannot_reach_the_master_says_the_job_may_run_on(monkeypatch):
@@ -87,7 +90,7 @@ def test_a_cancel_that_cannot_reach_the_master_says_the_job_may_run_on(monkeypat
         raise SparknetError(f"{endpoint}: no SSH connection within 20 s (timed out)")
 
     monkeypatch.setattr(nodes, "connect", unreachable)
-    master = flow.Master.__new__(flow.Master)
+    master = driver.Master.__new__(driver.Master)
     object.__setattr__(master, "node", type("N", (), {"endpoint": "master"})())
     object.__setattr__(master, "access", None)
     said: list[str] = []
@@ -156,9 +159,9 @@ def test_a_node_lost_again_after_its_reboot_is_not_a_driver_that_does_not_load(m
     from pathlib import Path
     from types import SimpleNamespace
 
-    from sparknet.cluster.plan import Context, Facts, Node, Plan
-    from sparknet.cluster.steps import NvidiaDriver
-    from sparknet.cluster.wheel import Wheel
+    from sparknet.cluster.spark.plan import Context, Facts, Node, Plan
+    from sparknet.cluster.spark.steps import NvidiaDriver
+    from sparknet.cluster.spark.wheel import Wheel
 
     class Conn:
         rebooted = False
@@ -253,7 +256,7 @@ def test_a_cancel_that_finds_nothing_running_says_so(monkeypatch):
 
     monkeypatch.setattr(nodes, "connect", lambda endpoint, access, timeout=20: Conn())
     monkeypatch.setattr(flow, "cancel_job", lambda conn, node, run_id, wait_s=None: False)
-    master = flow.Master.__new__(flow.Master)
+    master = driver.Master.__new__(driver.Master)
     object.__setattr__(master, "node", type("N", (), {"endpoint": "master"})())
     object.__setattr__(master, "access", None)
     said: list[str] = []

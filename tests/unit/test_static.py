@@ -10,16 +10,16 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from sparknet.cluster import lifecycle, nodes, static
+from sparknet.cluster import registry, sshkeys, static
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
 
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     key = tmp_path / "id"
-    nodes.write_private_key(key, nodes.new_ed25519()[0])
+    sshkeys.write_private_key(key, sshkeys.new_ed25519()[0])
     return tmp_path
 
 
@@ -32,7 +32,7 @@ def _spec(home, hosts, known_hosts) -> ClusterSpec:
 
 def _key() -> tuple[str, str]:
     """(key type, base64) of a fresh ed25519 public key."""
-    kind, blob = nodes.new_ed25519()[1].split()[:2]
+    kind, blob = sshkeys.new_ed25519()[1].split()[:2]
     return kind, blob
 
 
@@ -65,9 +65,9 @@ def test_a_host_without_a_key_is_refused_and_nothing_is_written(home) -> None:
     assert "\n" not in line
     assert line.startswith(f"no host key for worker-1 ({getpass.getuser()}@10.0.0.6:2222) in ")
     assert "`ssh -F none -p 2222 " in line
-    assert lifecycle.registered() == {}  # no registry entry, no lock
+    assert registry.registered() == {}  # no registry entry, no lock
     assert not list((home / "home" / "clusters").glob("*.lock"))
-    assert nodes.access_for(spec).known_hosts.read_text() == f"10.0.0.5 {a[0]} {a[1]}\n"
+    assert sshkeys.access_for(spec).known_hosts.read_text() == f"10.0.0.5 {a[0]} {a[1]}\n"
 
 
 def test_an_unreadable_known_hosts_is_one_line(home) -> None:
@@ -122,7 +122,7 @@ def test_a_host_of_another_static_cluster_is_refused(home) -> None:
     a = _key()
     source = home / "known_hosts"
     source.write_text(f"10.0.0.5 {a[0]} {a[1]}\n10.0.0.6 {a[0]} {a[1]}\n")
-    lifecycle.save_entry(_spec(home, ["10.0.0.5"], source), None)
+    registry.save_entry(_spec(home, ["10.0.0.5"], source), None)
     other = _spec(home, ["10.0.0.6", "root@10.0.0.5:22"], source).model_copy(update={"name": "lab"})
     with pytest.raises(static.HostsChanged, match=r"^10.0.0.5:22 is a host of static cluster"):
         static.up(other)
@@ -131,7 +131,7 @@ def test_a_host_of_another_static_cluster_is_refused(home) -> None:
 def test_settings_paths_are_relative_to_the_settings_file_and_providers_do_not_mix(
     home, monkeypatch
 ) -> None:
-    from sparknet.cli.cluster import _cluster_spec
+    from sparknet.cli.cluster.options import cluster_spec
 
     settings = home / "conf" / "sparknet.yaml"
     settings.parent.mkdir()
@@ -140,24 +140,24 @@ def test_settings_paths_are_relative_to_the_settings_file_and_providers_do_not_m
         "    key_file: keys/id\n    known_hosts: ../kh\n"
     )
     monkeypatch.chdir("/")
-    spec = _cluster_spec("onprem", settings, {})
+    spec = cluster_spec("onprem", settings, {})
     assert spec.key_file == str(home / "conf" / "keys" / "id")
     assert spec.known_hosts == str(home / "kh")
     # an EC2 cluster registered under the name: the settings' static one is refused
-    lifecycle.save_entry(ClusterSpec(name="onprem"), None)
+    registry.save_entry(ClusterSpec(name="onprem"), None)
     mixed = r"registered here as an EC2 cluster \(provider: aws\), but .* says provider: static"
     with pytest.raises(SparknetError, match=mixed):
-        _cluster_spec("onprem", settings, {})
+        cluster_spec("onprem", settings, {})
 
 
 def test_no_driver_is_installed_on_a_machine_of_the_users() -> None:
     """A static host that should offer GPUs but whose nvidia-smi fails: the step stops with one
     line and runs nothing (an EC2 node of sparknet's would get the driver)."""
-    from sparknet.cluster.nodes import Endpoint
-    from sparknet.cluster.plan import Context, Facts, Node, Plan
+    from sparknet.cluster.address import Endpoint
     from sparknet.cluster.remote import CommandFailed
-    from sparknet.cluster.steps import NvidiaDriver
-    from sparknet.cluster.wheel import Wheel
+    from sparknet.cluster.spark.plan import Context, Facts, Node, Plan
+    from sparknet.cluster.spark.steps import NvidiaDriver
+    from sparknet.cluster.spark.wheel import Wheel
 
     class Refusing:
         def __init__(self) -> None:

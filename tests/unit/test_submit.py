@@ -7,8 +7,9 @@ import inspect
 
 import pytest
 
-from sparknet import submit as flow
 from sparknet.config import DatasetEntry, TrainConfig
+from sparknet.jobs import driver, follow, preflight
+from sparknet.jobs import submit as flow
 
 
 def test_a_dataset_name_resolves_through_datasets_and_a_uri_as_is() -> None:
@@ -16,35 +17,39 @@ def test_a_dataset_name_resolves_through_datasets_and_a_uri_as_is() -> None:
         "imagenet": DatasetEntry(uri="s3://data-bkt/imagenet/", endpoint_url="http://m:1"),
         "local": DatasetEntry(uri="/data/tiny"),
     }
-    assert flow.resolve_dataset("imagenet", datasets) == flow.Dataset(
+    assert preflight.resolve_dataset("imagenet", datasets) == preflight.Dataset(
         "s3://data-bkt/imagenet", "http://m:1"
     )
-    assert flow.resolve_dataset("s3://other-bkt/x/", datasets) == flow.Dataset("s3://other-bkt/x")
-    with pytest.raises(flow.PreflightFailed, match=r"no such dataset .*\(known: imagenet, local\)"):
-        flow.resolve_dataset("imagenet1k", datasets)
-    with pytest.raises(flow.PreflightFailed, match="is /data/tiny, not on S3"):
-        flow.resolve_dataset("local", datasets)
+    assert preflight.resolve_dataset("s3://other-bkt/x/", datasets) == preflight.Dataset(
+        "s3://other-bkt/x"
+    )
+    with pytest.raises(
+        preflight.PreflightFailed, match=r"no such dataset .*\(known: imagenet, local\)"
+    ):
+        preflight.resolve_dataset("imagenet1k", datasets)
+    with pytest.raises(preflight.PreflightFailed, match="is /data/tiny, not on S3"):
+        preflight.resolve_dataset("local", datasets)
 
 
 def test_run_prefix_and_run_id() -> None:
-    run = flow.new_run_id(now=0)
+    run = preflight.new_run_id(now=0)
     assert run.startswith("19700101-000000-") and len(run) == len("19700101-000000-abcd")
-    assert flow.run_prefix("bkt", "c1", run) == f"s3://bkt/runs/c1/{run}/"
+    assert preflight.run_prefix("bkt", "c1", run) == f"s3://bkt/runs/c1/{run}/"
 
 
 def test_progress_line_and_last_error() -> None:
     row = {"round": 3, "loss": 1.23456, "samples_per_s": 812.4, "eval_accuracy": 0.5}
-    assert flow.progress_line(row, 10, 0.4567) == (
+    assert follow.progress_line(row, 10, 0.4567) == (
         "round 3/10  loss 1.2346  acc 0.500  812 samples/s  cost $0.46"
     )
     del row["eval_accuracy"]
     # a static cluster has no price: said in words, not `$?`
-    assert flow.progress_line(row, 10, None) == (
+    assert follow.progress_line(row, 10, None) == (
         "round 3/10  loss 1.2346  812 samples/s  cost unknown"
     )
     log = "starting\nerror: first\nround 1\nerror: model 'x' not found; check --model\n"
-    assert flow.last_error(log) == "model 'x' not found; check --model"
-    assert flow.last_error("Killed\n") is None
+    assert follow.last_error(log) == "model 'x' not found; check --model"
+    assert follow.last_error("Killed\n") is None
 
 
 def _fake_node(tmp_path, train_script: str):
@@ -52,8 +57,8 @@ def _fake_node(tmp_path, train_script: str):
     and a `venv/bin/python` that is this venv's (it runs the job's supervisor)."""
     import sys
 
-    from sparknet.cluster.nodes import Endpoint
-    from sparknet.cluster.plan import Node
+    from sparknet.cluster.address import Endpoint
+    from sparknet.cluster.spark.plan import Node
 
     sparknet = tmp_path / "venv" / "bin" / "sparknet"
     sparknet.parent.mkdir(parents=True)
@@ -88,7 +93,7 @@ def test_the_driver_starts_detached_and_returns_at_once(tmp_path) -> None:
     node = _fake_node(tmp_path, "echo training; sleep 60")
     cfg = TrainConfig()
     started = time.monotonic()
-    flow.start_driver(Context(), node, "R1", cfg)
+    driver.start_driver(Context(), node, "R1", cfg)
     assert time.monotonic() - started < 10
     job = tmp_path / "jobs" / "R1"
     pid = int((job / "driver.pid").read_text())
@@ -97,10 +102,10 @@ def test_the_driver_starts_detached_and_returns_at_once(tmp_path) -> None:
     activity = tmp_path / "autostop" / "activity" / "job-R1"
     _wait_for(activity.exists)
     _wait_for(lambda: "training" in (job / "driver.log").read_text())
-    assert flow.driver_rc(Context(), node, "R1") is None
-    flow.cancel_driver(Context(), node, "R1")
+    assert driver.driver_rc(Context(), node, "R1") is None
+    driver.cancel_driver(Context(), node, "R1")
     _wait_for(lambda: subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode)
-    assert flow.driver_rc(Context(), node, "R1") == -1  # killed: no rc file, counts as failed
+    assert driver.driver_rc(Context(), node, "R1") == -1  # killed: no rc file, counts as failed
 
 
 def test_a_finished_driver_leaves_its_exit_code_and_removes_its_stamp(tmp_path) -> None:
@@ -108,11 +113,11 @@ def test_a_finished_driver_leaves_its_exit_code_and_removes_its_stamp(tmp_path) 
 
     # exit 2: `sparknet train`'s own error line, a deliberate end (no restart)
     node = _fake_node(tmp_path, "echo 'error: model not found'; exit 2")
-    flow.start_driver(Context(), node, "R2", TrainConfig())
+    driver.start_driver(Context(), node, "R2", TrainConfig())
     job = tmp_path / "jobs" / "R2"
     _wait_for(lambda: (job / "driver.rc").exists())
-    assert flow.driver_rc(Context(), node, "R2") == 2
-    assert flow.last_error(flow.driver_log(Context(), node, "R2")) == "model not found"
+    assert driver.driver_rc(Context(), node, "R2") == 2
+    assert follow.last_error(driver.driver_log(Context(), node, "R2")) == "model not found"
     assert not (tmp_path / "autostop" / "activity" / "job-R2").exists()
     assert (tmp_path / "autostop" / "activity").is_dir()
 
@@ -151,9 +156,9 @@ def _dataset(s3, bucket: str, shards: int = 2) -> str:
 
 def test_preflight_passes_a_whole_dataset_and_a_writable_prefix(s3, bucket) -> None:
     uri = _dataset(s3, bucket)
-    assert len(flow.check_dataset(flow.Dataset(uri)).manifest.shards("train")) == 2
-    prefix = flow.run_prefix(bucket, "c1", "R1")
-    flow.check_writable(prefix, None)
+    assert len(preflight.check_dataset(preflight.Dataset(uri)).manifest.shards("train")) == 2
+    prefix = preflight.run_prefix(bucket, "c1", "R1")
+    preflight.check_writable(prefix, None)
     assert s3.list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0  # probe deleted
 
 
@@ -161,35 +166,37 @@ def test_preflight_names_a_missing_shard_and_an_unreadable_manifest(s3, bucket) 
     uri = _dataset(s3, bucket, shards=3)
     s3.delete_object(Bucket=bucket, Key="ds/train-000001.tar")
     with pytest.raises(
-        flow.PreflightFailed, match=f"^dataset {uri} does not match its manifest: train-000001"
+        preflight.PreflightFailed, match=f"^dataset {uri} does not match its manifest: train-000001"
     ):
-        flow.check_dataset(flow.Dataset(uri))
+        preflight.check_dataset(preflight.Dataset(uri))
     # `sparknet train`'s own check: every shard's size against the manifest, before launch
     s3.put_object(Bucket=bucket, Key="ds/train-000001.tar", Body=b"abcd")
-    with pytest.raises(flow.PreflightFailed, match=r"train-000001\.tar has 4 bytes, the manifest"):
-        flow.check_dataset(flow.Dataset(uri))
+    with pytest.raises(
+        preflight.PreflightFailed, match=r"train-000001\.tar has 4 bytes, the manifest"
+    ):
+        preflight.check_dataset(preflight.Dataset(uri))
     s3.put_object(Bucket=bucket, Key="ds/manifest.json", Body=b"{not json")
-    with pytest.raises(flow.PreflightFailed, match=f"dataset {uri}: .*manifest"):
-        flow.check_dataset(flow.Dataset(uri))
-    with pytest.raises(flow.PreflightFailed, match=f"dataset s3://{bucket}/nothing-here: "):
-        flow.check_dataset(flow.Dataset(f"s3://{bucket}/nothing-here"))
+    with pytest.raises(preflight.PreflightFailed, match=f"dataset {uri}: .*manifest"):
+        preflight.check_dataset(preflight.Dataset(uri))
+    with pytest.raises(preflight.PreflightFailed, match=f"dataset s3://{bucket}/nothing-here: "):
+        preflight.check_dataset(preflight.Dataset(f"s3://{bucket}/nothing-here"))
 
 
 def test_preflight_refuses_an_unwritable_prefix(moto_endpoint) -> None:
     with pytest.raises(
-        flow.PreflightFailed, match="run prefix s3://no-such-bkt-x/runs/c/R/ is not"
+        preflight.PreflightFailed, match="run prefix s3://no-such-bkt-x/runs/c/R/ is not"
     ):
-        flow.check_writable(flow.run_prefix("no-such-bkt-x", "c", "R"), None)
+        preflight.check_writable(preflight.run_prefix("no-such-bkt-x", "c", "R"), None)
 
 
 def test_a_reused_cluster_stays_and_a_made_one_goes_unless_keep() -> None:
     from sparknet.cluster.spec import ClusterSpec
 
     spec = ClusterSpec(name="c1")
-    job = flow.Job(spec, False, False, flow.Dataset("s3://b-b/x"), None)  # type: ignore[arg-type]
+    job = preflight.Job(spec, False, False, preflight.Dataset("s3://b-b/x"), None)  # type: ignore[arg-type]
     assert flow.teardown_due(job)
-    assert not flow.teardown_due(flow.Job(spec, False, True, job.dataset, None))  # type: ignore[arg-type]
-    assert not flow.teardown_due(flow.Job(spec, True, False, job.dataset, None))  # type: ignore[arg-type]
+    assert not flow.teardown_due(preflight.Job(spec, False, True, job.dataset, None))  # type: ignore[arg-type]
+    assert not flow.teardown_due(preflight.Job(spec, True, False, job.dataset, None))  # type: ignore[arg-type]
 
 
 def test_a_bad_training_flag_or_provider_is_one_line_and_exit_2(tmp_path) -> None:
@@ -223,39 +230,39 @@ def test_a_bad_training_flag_or_provider_is_one_line_and_exit_2(tmp_path) -> Non
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     """The registry home (and so the job records) under tmp_path."""
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
 
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     return tmp_path / "home"
 
 
 def _record(run_id: str, started: float, cluster: str = "c1"):
-    from sparknet import jobs
+    from sparknet.jobs import records
 
-    return jobs.JobRecord(
+    return records.JobRecord(
         run_id, cluster, "us-east-1", f"s3://b-b/runs/{cluster}/{run_id}/", f"/opt/jobs/{run_id}",
         started, 2, None, "http://127.0.0.1:1",
     )  # fmt: skip
 
 
 def test_job_records_are_written_atomically_and_read_back_oldest_first(home) -> None:
-    from sparknet import jobs
+    from sparknet.jobs import records
 
     newer, older = _record("20261201-120000-aaaa", 200.0), _record("20261201-110000-bbbb", 100.0)
-    assert jobs.save(newer) == home / "jobs" / "20261201-120000-aaaa.json"
-    jobs.save(older)
+    assert records.save(newer) == home / "jobs" / "20261201-120000-aaaa.json"
+    records.save(older)
     assert sorted(p.name for p in (home / "jobs").iterdir()) == [
         "20261201-110000-bbbb.json",
         "20261201-120000-aaaa.json",
     ]  # fmt: skip  (no temp file left)
-    assert jobs.load(newer.run_id) == newer
-    assert jobs.records() == [older, newer]
+    assert records.load(newer.run_id) == newer
+    assert records.records() == [older, newer]
     (home / "jobs" / "20261201-130000-cccc.json").write_text("{half")
-    assert jobs.load("20261201-130000-cccc") is None  # unreadable: skipped, not fatal
-    assert jobs.records() == [older, newer]
-    assert jobs.load("20990101-000000-dddd") is None
-    with pytest.raises(jobs.UnknownRun, match="is not a run id"):
-        jobs.load("../clusters/c1")
+    assert records.load("20261201-130000-cccc") is None  # unreadable: skipped, not fatal
+    assert records.records() == [older, newer]
+    assert records.load("20990101-000000-dddd") is None
+    with pytest.raises(records.UnknownRun, match="is not a run id"):
+        records.load("../clusters/c1")
 
 
 def test_a_jobs_state_from_its_job_dir_and_cancel_ends_its_whole_session(tmp_path) -> None:
@@ -266,31 +273,31 @@ def test_a_jobs_state_from_its_job_dir_and_cancel_ends_its_whole_session(tmp_pat
 
     from invoke import Context
 
-    from sparknet import jobs
+    from sparknet.jobs import records
 
     node = _fake_node(
         tmp_path, 'case "$*" in *J1*) trap "" TERM; sleep 60;; *J2*) exit 0;; *) exit 3;; esac'
     )
     conn = Context()
     for run_id in ("J1", "J2", "J3"):
-        flow.start_driver(conn, node, run_id, TrainConfig())
+        driver.start_driver(conn, node, run_id, TrainConfig())
     _wait_for(lambda: (tmp_path / "jobs" / "J2" / "driver.rc").exists())
     _wait_for(lambda: (tmp_path / "jobs" / "J3" / "driver.rc").exists())
-    assert jobs.state_of(conn, node, "J1") == "running"
-    assert jobs.state_of(conn, node, "J2") == "succeeded"
-    assert jobs.state_of(conn, node, "J3") == "failed 3"
-    assert jobs.state_of(conn, node, "J4") == "gone"
+    assert records.state_of(conn, node, "J1") == "running"
+    assert records.state_of(conn, node, "J2") == "succeeded"
+    assert records.state_of(conn, node, "J3") == "failed 3"
+    assert records.state_of(conn, node, "J4") == "gone"
     leader = int((tmp_path / "jobs" / "J1" / "driver.pid").read_text())
-    assert jobs.cancel(conn, node, "J1", wait_s=1.0) is None
+    assert records.cancel(conn, node, "J1", wait_s=1.0) is None
     alive = [
         p for p in os.listdir("/proc")
         if p.isdigit() and _pgrp(p) == leader
     ]  # fmt: skip
     assert alive == []
-    assert jobs.state_of(conn, node, "J1") == "cancelled"
-    assert jobs.cancel(conn, node, "J1") == "cancelled"  # already ended: left as it is
-    assert jobs.cancel(conn, node, "J2") == "succeeded"
-    assert not (tmp_path / "jobs" / "J2" / jobs.CANCELLED).exists()
+    assert records.state_of(conn, node, "J1") == "cancelled"
+    assert records.cancel(conn, node, "J1") == "cancelled"  # already ended: left as it is
+    assert records.cancel(conn, node, "J2") == "succeeded"
+    assert not (tmp_path / "jobs" / "J2" / records.CANCELLED).exists()
 
 
 def _pgrp(pid: str) -> int | None:
@@ -305,33 +312,33 @@ def _pgrp(pid: str) -> int | None:
 def test_logs_prints_the_last_lines_then_follows_to_the_end(tmp_path) -> None:
     from invoke import Context
 
-    from sparknet import jobs
+    from sparknet.jobs import records
 
     node = _fake_node(tmp_path, "for i in 1 2 3; do echo line $i; done; sleep 1; echo last")
-    flow.start_driver(Context(), node, "L1", TrainConfig())
+    driver.start_driver(Context(), node, "L1", TrainConfig())
     _wait_for(lambda: "line 3" in (tmp_path / "jobs" / "L1" / "driver.log").read_text())
     got: list[str] = []
-    jobs.print_log(Context(), node, "L1", 2, False, got.append)
+    records.print_log(Context(), node, "L1", 2, False, got.append)
     assert "".join(got) == "line 2\nline 3\n"
     got.clear()
-    jobs.print_log(Context(), node, "L1", 1, True, got.append, poll_s=0.1)
+    records.print_log(Context(), node, "L1", 1, True, got.append, poll_s=0.1)
     assert "".join(got) == "line 3\nlast\n"
 
 
 def test_list_shows_the_jobs_of_a_cluster_without_a_master_as_gone(home, moto_endpoint) -> None:
     """No instance of c1 on moto: its jobs are `cluster gone`, oldest first; nothing else is
     asked of it (no SSH)."""
-    from sparknet import jobs
     from sparknet.cluster.spec import ClusterSpec
+    from sparknet.jobs import records
 
-    jobs.save(_record("20261201-120000-aaaa", 200.0))
-    jobs.save(_record("20261201-110000-bbbb", 100.0))
-    listed = jobs.listing(lambda name, region: ClusterSpec(name=name, region=region))
+    records.save(_record("20261201-120000-aaaa", 200.0))
+    records.save(_record("20261201-110000-bbbb", 100.0))
+    listed = records.listing(lambda name, region: ClusterSpec(name=name, region=region))
     assert [(item.record.run_id, item.state) for item in listed] == [
-        ("20261201-110000-bbbb", jobs.GONE), ("20261201-120000-aaaa", jobs.GONE),
+        ("20261201-110000-bbbb", records.GONE), ("20261201-120000-aaaa", records.GONE),
     ]  # fmt: skip
-    with pytest.raises(jobs.ClusterGone, match="cluster c1 has no running master"):
-        jobs.locate("20261201-120000-aaaa", None, lambda n, r: ClusterSpec(name=n, region=r))
+    with pytest.raises(records.ClusterGone, match="cluster c1 has no running master"):
+        records.locate("20261201-120000-aaaa", None, lambda n, r: ClusterSpec(name=n, region=r))
 
 
 def _submit_cli(tmp_path, monkeypatch, *args: str):
@@ -341,10 +348,10 @@ def _submit_cli(tmp_path, monkeypatch, *args: str):
     from typer.testing import CliRunner
 
     from sparknet.cli.submit import submit_app
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import registry
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     return CliRunner().invoke(submit_app, list(args))
@@ -396,7 +403,7 @@ def test_a_detached_submit_prints_its_run_and_what_ends_the_cluster(capsys) -> N
     from sparknet.cluster.spec import ClusterSpec
 
     spec = ClusterSpec(name="c1", autostop_minutes=17)
-    made = flow.Job(spec, False, False, flow.Dataset("s3://b-b/x"), None, detach=True)  # type: ignore[arg-type]
+    made = preflight.Job(spec, False, False, preflight.Dataset("s3://b-b/x"), None, detach=True)  # type: ignore[arg-type]
     _print_detached(made, "R1", "s3://b-b/runs/c1/R1/")
     out, err = capsys.readouterr()
     assert out == "run id: R1\nrun prefix: s3://b-b/runs/c1/R1/\n"
@@ -404,7 +411,7 @@ def test_a_detached_submit_prints_its_run_and_what_ends_the_cluster(capsys) -> N
     assert "its autostop timer terminates it 17 minutes after its last job ends" in " ".join(
         err.split()
     )
-    _print_detached(flow.Job(spec, True, False, made.dataset, None, detach=True), "R2", "p")  # type: ignore[arg-type]
+    _print_detached(preflight.Job(spec, True, False, made.dataset, None, detach=True), "R2", "p")  # type: ignore[arg-type]
     assert "stays up (reused with --cluster); its autostop timer terminates it 17 minutes" in (
         " ".join(capsys.readouterr().err.split())
     )
@@ -413,8 +420,8 @@ def test_a_detached_submit_prints_its_run_and_what_ends_the_cluster(capsys) -> N
 def test_a_detached_job_keeps_its_cluster_but_a_failed_detach_tears_it_down() -> None:
     from sparknet.cluster.spec import ClusterSpec
 
-    job = flow.Job(
-        ClusterSpec(name="c1"), False, False, flow.Dataset("s3://b-b/x"), None, detach=True
+    job = preflight.Job(
+        ClusterSpec(name="c1"), False, False, preflight.Dataset("s3://b-b/x"), None, detach=True
     )  # type: ignore[arg-type]
     assert not flow.teardown_due(job, detached=True)  # the driver runs: autostop ends it later
     assert flow.teardown_due(job, detached=False)  # failed before the driver started
@@ -438,16 +445,16 @@ def test_a_submit_that_makes_its_cluster_refuses_a_name_that_already_runs(moto_e
         ImageId=ami, InstanceType="t3.micro", MinCount=1, MaxCount=1, TagSpecifications=tags
     )["Instances"][0]["InstanceId"]
     try:
-        with pytest.raises(flow.PreflightFailed) as refused:
-            flow.check_name_free(ClusterSpec(name="taken-c"), moto_endpoint)
+        with pytest.raises(preflight.PreflightFailed) as refused:
+            preflight.check_name_free(ClusterSpec(name="taken-c"), moto_endpoint)
         assert str(refused.value) == (
             "cluster taken-c already runs; pass --cluster taken-c to reuse it, or --name NEW "
             "to make another"
         )
-        flow.check_name_free(ClusterSpec(name="free-c"), moto_endpoint)
+        preflight.check_name_free(ClusterSpec(name="free-c"), moto_endpoint)
     finally:
         ec2.terminate_instances(InstanceIds=[made])
-    flow.check_name_free(ClusterSpec(name="taken-c"), moto_endpoint)
+    preflight.check_name_free(ClusterSpec(name="taken-c"), moto_endpoint)
 
 
 def test_ssh_errors_of_a_command_are_connection_lost_not_paramikos() -> None:
@@ -501,20 +508,20 @@ def test_follow_survives_an_ssh_drop_and_gives_a_job_out_of_reach_up_after_the_g
     from invoke import Context
 
     node = _fake_node(tmp_path, "sleep 2; exit 0")
-    master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
-    flow.start_driver(Context(), node, "S1", TrainConfig())
+    master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    driver.start_driver(Context(), node, "S1", TrainConfig())
     runs = tmp_path / "prefix"
     runs.mkdir()
     conn = _Dropping(down=range(2, 8))
-    outcome = flow.follow(conn, master, "S1", str(runs), None, lambda rows: None, poll_s=0.1)
+    outcome = follow.follow(conn, master, "S1", str(runs), None, lambda rows: None, poll_s=0.1)
     assert outcome.rc == 0 and conn.closed >= 1 and conn.calls > 8
 
-    flow.start_driver(Context(), _fake_node_again(tmp_path, node), "S2", TrainConfig())
+    driver.start_driver(Context(), _fake_node_again(tmp_path, node), "S2", TrainConfig())
     down = _Dropping(down=range(2, 10**6))
-    with pytest.raises(flow.JobOutOfReach, match="`sparknet-submit attach S2` follows it again"):
-        flow.follow(down, master, "S2", str(runs), None, lambda rows: None, 0.05, grace_s=0.5)
-    assert flow.driver_rc(Context(), node, "S2") is None  # it runs on: nothing cancelled it
-    flow.cancel_driver(Context(), node, "S2")
+    with pytest.raises(follow.JobOutOfReach, match="`sparknet-submit attach S2` follows it again"):
+        follow.follow(down, master, "S2", str(runs), None, lambda rows: None, 0.05, grace_s=0.5)
+    assert driver.driver_rc(Context(), node, "S2") is None  # it runs on: nothing cancelled it
+    driver.cancel_driver(Context(), node, "S2")
 
 
 def _fake_node_again(tmp_path, node):
@@ -526,15 +533,15 @@ def _fake_node_again(tmp_path, node):
 def test_a_malformed_exit_code_is_a_failure_not_a_traceback(tmp_path) -> None:
     from invoke import Context
 
-    from sparknet import jobs
+    from sparknet.jobs import records
 
     node = _fake_node(tmp_path, "exit 0")
     job = tmp_path / "jobs" / "M1"
     job.mkdir(parents=True)
     (job / "driver.rc").write_text("12x\n")
-    assert flow.driver_rc(Context(), node, "M1") == -1
-    assert jobs.state_of(Context(), node, "M1") == "failed -1"
-    assert flow.parse_rc(" 3\n") == 3
+    assert driver.driver_rc(Context(), node, "M1") == -1
+    assert records.state_of(Context(), node, "M1") == "failed -1"
+    assert driver.parse_rc(" 3\n") == 3
 
 
 def test_logs_follow_counts_bytes_so_invalid_utf8_shifts_nothing(tmp_path) -> None:
@@ -542,13 +549,13 @@ def test_logs_follow_counts_bytes_so_invalid_utf8_shifts_nothing(tmp_path) -> No
     still begin right after it, not 2 bytes further."""
     from invoke import Context
 
-    from sparknet import jobs
+    from sparknet.jobs import records
 
     node = _fake_node(tmp_path, r"echo start; sleep 1; printf 'x\377y\n'; sleep 1; echo 'line two'")
-    flow.start_driver(Context(), node, "U1", TrainConfig())
+    driver.start_driver(Context(), node, "U1", TrainConfig())
     _wait_for(lambda: "start" in (tmp_path / "jobs" / "U1" / "driver.log").read_text())
     got: list[str] = []
-    jobs.print_log(Context(), node, "U1", 1, True, got.append, poll_s=0.1)
+    records.print_log(Context(), node, "U1", 1, True, got.append, poll_s=0.1)
     assert "".join(got) == "start\nx\ufffdy\nline two\n"
 
 
@@ -569,9 +576,11 @@ def test_ctrl_c_right_after_the_driver_starts_cancels_it(tmp_path, monkeypatch) 
             pass
 
     node = _fake_node(tmp_path, "sleep 60")
-    master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
     monkeypatch.setattr(nodes, "connect", lambda endpoint, access: Local())
-    job = flow.Job(ClusterSpec(name="c1"), True, False, flow.Dataset("s3://b-b/x"), TrainConfig())
+    job = preflight.Job(
+        ClusterSpec(name="c1"), True, False, preflight.Dataset("s3://b-b/x"), TrainConfig()
+    )
 
     def say(line: str) -> None:
         if line.startswith("job K1 started"):
@@ -653,7 +662,7 @@ def test_submit_refusals_of_name_with_cluster_and_autostop_0_in_the_settings(
 
 
 def test_endpoint_url_reaches_a_bare_s3_uri() -> None:
-    assert flow.resolve_dataset("s3://b-b/x/", {}, "http://127.0.0.1:5") == flow.Dataset(
+    assert preflight.resolve_dataset("s3://b-b/x/", {}, "http://127.0.0.1:5") == preflight.Dataset(
         "s3://b-b/x", "http://127.0.0.1:5"
     )
 
@@ -670,27 +679,32 @@ def test_preflight_of_a_made_cluster_needs_its_bucket_and_the_data_under_its_dat
 
     uri = _dataset(s3, bucket, shards=3)  # s3://BUCKET/ds: a shard for each of 3 Spark tasks
 
-    def preflight(spec: ClusterSpec, reused: bool = False) -> tuple[str, str]:
-        return flow.preflight(flow.Job(spec, reused, False, flow.Dataset(uri), TrainConfig()))
+    def checked(spec: ClusterSpec, reused: bool = False) -> tuple[str, str]:
+        return preflight.preflight(
+            preflight.Job(spec, reused, False, preflight.Dataset(uri), TrainConfig())
+        )
 
-    with pytest.raises(flow.PreflightFailed, match=r"^cluster c1 has no `bucket:` in its"):
-        preflight(ClusterSpec(name="c1"))
+    with pytest.raises(preflight.PreflightFailed, match=r"^cluster c1 has no `bucket:` in its"):
+        checked(ClusterSpec(name="c1"))
     with pytest.raises(
-        flow.PreflightFailed, match=f"^dataset {uri} is outside s3://{bucket}/datasets/, the only"
+        preflight.PreflightFailed,
+        match=f"^dataset {uri} is outside s3://{bucket}/datasets/, the only",
     ):
-        preflight(ClusterSpec(name="c1", bucket=bucket))
-    with pytest.raises(flow.PreflightFailed, match="is outside"):  # a prefix match, as IAM's
-        preflight(ClusterSpec(name="c1", bucket=bucket, data_prefix="dsx/"))
+        checked(ClusterSpec(name="c1", bucket=bucket))
+    with pytest.raises(preflight.PreflightFailed, match="is outside"):  # a prefix match, as IAM's
+        checked(ClusterSpec(name="c1", bucket=bucket, data_prefix="dsx/"))
     assert s3.list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0  # nothing written
     ec2 = boto3.client("ec2", region_name="us-east-1")
     ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]  # up's AMI check passes
     spec = ClusterSpec(
         name="c1", bucket=bucket, data_prefix="ds/", runs_prefix="team/runs/", ami=ami
     )
-    run_id, prefix = preflight(spec)
+    run_id, prefix = checked(spec)
     assert prefix == f"s3://{bucket}/team/runs/c1/{run_id}/"
     assert prefix.startswith(f"s3://{bucket}/{spec.cluster_runs_prefix}")
-    assert flow.runs_bucket(ClusterSpec(name="c1"), flow.Dataset(uri), reused=True) == bucket
+    assert (
+        preflight.runs_bucket(ClusterSpec(name="c1"), preflight.Dataset(uri), reused=True) == bucket
+    )
 
 
 def test_the_gpus_of_a_job_are_every_spark_worker_nodes_and_mixed_counts_are_refused(
@@ -699,18 +713,20 @@ def test_the_gpus_of_a_job_are_every_spark_worker_nodes_and_mixed_counts_are_ref
     """Every node runs a Spark worker, the master too: tasks are the sum of their GPUs, one
     count per node; a CPU master with GPU workers is refused before launch (moto's EC2 knows
     the types' GPUs, as AWS's DescribeInstanceTypes does), and on a running cluster alike."""
-    from sparknet.cluster.nodes import Endpoint
-    from sparknet.cluster.plan import Node
+    from sparknet.cluster.address import Endpoint
+    from sparknet.cluster.spark.plan import Node
     from sparknet.cluster.spec import ClusterSpec
 
     node = Node(Endpoint("master", "127.0.0.1", 22, "me"), "127.0.0.1", "/opt/sparknet", 4)
-    four = flow.Master(node, None, "spark://x:7077", 2, (4, 4))  # type: ignore[arg-type]
-    cfg = flow.job_config(TrainConfig(), flow.Dataset("s3://b-b/x"), "s3://b-b/r/", four)
+    four = driver.Master(node, None, "spark://x:7077", 2, (4, 4))  # type: ignore[arg-type]
+    cfg = preflight.job_config(TrainConfig(), preflight.Dataset("s3://b-b/x"), "s3://b-b/r/", four)
     assert (cfg.gpus_per_worker, cfg.workers) == (4, 8)
-    mixed = flow.Master(node, None, "spark://x:7077", 3, (0, 1, 1))  # type: ignore[arg-type]
-    with pytest.raises(flow.PreflightFailed, match=r"cluster c1's nodes have different GPU"):
-        flow.job_config(TrainConfig(), flow.Dataset("s3://b-b/x"), "s3://b-b/r/", mixed, "c1")
+    mixed = driver.Master(node, None, "spark://x:7077", 3, (0, 1, 1))  # type: ignore[arg-type]
+    with pytest.raises(preflight.PreflightFailed, match=r"cluster c1's nodes have different GPU"):
+        preflight.job_config(
+            TrainConfig(), preflight.Dataset("s3://b-b/x"), "s3://b-b/r/", mixed, "c1"
+        )
     cpu_master = ClusterSpec(name="c1", master_type="m5.xlarge", instance_types=["g5.xlarge"])
-    with pytest.raises(flow.PreflightFailed, match=r"\(g5.xlarge: 1, m5.xlarge: 0\)"):
-        flow.check_gpu_counts(cpu_master, moto_endpoint)
-    flow.check_gpu_counts(ClusterSpec(name="c1"), moto_endpoint)  # g5.xlarge everywhere
+    with pytest.raises(preflight.PreflightFailed, match=r"\(g5.xlarge: 1, m5.xlarge: 0\)"):
+        preflight.check_gpu_counts(cpu_master, moto_endpoint)
+    preflight.check_gpu_counts(ClusterSpec(name="c1"), moto_endpoint)  # g5.xlarge everywhere

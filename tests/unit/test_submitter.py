@@ -12,16 +12,16 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from sparknet import jobs
-from sparknet import submit as flow
-from sparknet.cluster import lifecycle
+from sparknet.cluster import inventory, lifecycle, registry
 from sparknet.errors import SparknetError
+from sparknet.jobs import driver, follow, records
+from sparknet.jobs import submit as flow
 
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     """The registry home (locks, job records) and the working dir under tmp_path."""
-    monkeypatch.setenv(lifecycle.HOME_ENV, str(tmp_path / "home"))
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     return tmp_path / "home"
 
@@ -165,7 +165,7 @@ def test_a_second_submit_of_a_name_is_refused_and_ends_nothing_of_the_first(
 
     def busy(spec, **kwargs):
         launches.append(f"up {spec.name}")
-        raise lifecycle.ClusterBusy(
+        raise registry.ClusterBusy(
             "cluster c1 is busy: another `sparknet cluster up/down` (PID 1) is working on it; "
             "wait for it to end, then run this again"
         )
@@ -198,8 +198,8 @@ class _Shell:
 
 
 def _node(tmp_path):
-    from sparknet.cluster.nodes import Endpoint
-    from sparknet.cluster.plan import Node
+    from sparknet.cluster.address import Endpoint
+    from sparknet.cluster.spark.plan import Node
 
     return Node(Endpoint("master", "127.0.0.1", 22, "me"), "127.0.0.1", str(tmp_path / "m"), 0)
 
@@ -226,12 +226,12 @@ def test_attach_to_an_ended_job_says_how_it_ended_and_that_its_cluster_is_still_
         for r in (1, 2, 3)
     ]  # fmt: skip
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    record = jobs.JobRecord(
+    record = records.JobRecord(
         "R1", "c1", "us-east-1", f"{run_dir}/", str(job), time.time() - 60, 3, made=True
     )
     spec = ClusterSpec(name="c1", autostop_minutes=17)
-    master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
-    monkeypatch.setattr(jobs, "locate", lambda *a: jobs.Located(record, spec, master))
+    master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    monkeypatch.setattr(records, "locate", lambda *a: records.Located(record, spec, master))
     monkeypatch.setattr(nodes, "connect", lambda *a: _Shell())
     monkeypatch.setattr(provider, "cost_so_far", lambda spec, endpoint_url: 1.234)
     done = _submit("attach", "R1")
@@ -252,7 +252,7 @@ def test_cluster_down_names_the_jobs_it_cancels_and_asks_on_a_terminal(home, mon
     """With job R1 running on the master: not on a terminal, `down` says it cancels R1 and
     goes on; on a terminal it asks, and a no leaves everything as it is (exit 1); --yes
     does not ask."""
-    from sparknet.cli import cluster as cli
+    from sparknet.cli.cluster import cluster_app, life
     from sparknet.cluster.lifecycle import DownReport
 
     downs: list[str] = []
@@ -262,22 +262,22 @@ def test_cluster_down_names_the_jobs_it_cancels_and_asks_on_a_terminal(home, mon
         return DownReport(spec.name, spec.region, [], [], None)
 
     monkeypatch.setattr(lifecycle, "down", down)
-    monkeypatch.setattr(cli, "_running_jobs", lambda *args: ["R1"])
+    monkeypatch.setattr(life, "_running_jobs", lambda *args: ["R1"])
     runner = CliRunner()
     said = "cluster c1 runs job R1: taking it down cancels it (`sparknet-submit cancel RUN`"
-    script = runner.invoke(cli.cluster_app, ["down", "c1"])
+    script = runner.invoke(cluster_app, ["down", "c1"])
     assert script.exit_code == 0, script.stderr
     assert said in script.stderr and downs == ["c1"]
-    monkeypatch.setattr(cli, "_on_terminal", lambda: True)
-    declined = runner.invoke(cli.cluster_app, ["down", "c1"], input="n\n")
+    monkeypatch.setattr(life, "_on_terminal", lambda: True)
+    declined = runner.invoke(cluster_app, ["down", "c1"], input="n\n")
     assert declined.exit_code == 1 and downs == ["c1"], declined.stderr
     assert "cancel it and take cluster c1 down? [y/N]" in declined.stderr
     assert declined.stderr.splitlines()[-1].endswith(
         "error: cluster c1 not taken down: job R1 runs on; `--yes` takes it down without asking"
     )  # (the runner does not echo the answer's newline)
-    confirmed = runner.invoke(cli.cluster_app, ["down", "c1"], input="y\n")
+    confirmed = runner.invoke(cluster_app, ["down", "c1"], input="y\n")
     assert confirmed.exit_code == 0 and downs == ["c1", "c1"], confirmed.stderr
-    yes = runner.invoke(cli.cluster_app, ["down", "c1", "--yes"])
+    yes = runner.invoke(cluster_app, ["down", "c1", "--yes"])
     assert yes.exit_code == 0 and "[y/N]" not in yes.stderr and downs == ["c1"] * 3
 
 
@@ -286,8 +286,9 @@ def test_the_jobs_running_on_a_master_are_found_there(home, monkeypatch, tmp_pat
     one that ended is not; a master that does not answer names none (down goes on)."""
     import sys
 
-    from sparknet.cli import cluster as cli
-    from sparknet.cluster import lifecycle, nodes, provider
+    from sparknet.cli.cluster import life
+    from sparknet.cluster import nodes, provider, registry
+    from sparknet.cluster.aws import owner
     from sparknet.cluster.spec import ClusterSpec
     from sparknet.config import TrainConfig
 
@@ -300,37 +301,37 @@ def test_the_jobs_running_on_a_master_are_found_there(home, monkeypatch, tmp_pat
         exe.chmod(0o755)
     shell = _Shell()
     for run_id in ("J1", "J2"):
-        flow.start_driver(shell, node, run_id, TrainConfig())
-    master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+        driver.start_driver(shell, node, run_id, TrainConfig())
+    master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
     monkeypatch.setattr(provider, "master_running", lambda spec, endpoint_url: True)
-    monkeypatch.setattr(flow, "master_of", lambda spec, endpoint_url: master)
+    monkeypatch.setattr(driver, "master_of", lambda spec, endpoint_url: master)
     monkeypatch.setattr(nodes, "connect", lambda *a, **k: shell)
     spec = ClusterSpec(name="c1")
     mine = (spec, None, True)  # any owner: no AWS here to read owner tags from
-    assert cli._running_jobs(*mine) == []  # not bootstrapped from here: nothing asked
-    lifecycle.secret_file("c1").parent.mkdir(parents=True, exist_ok=True)
-    lifecycle.secret_file("c1").write_text("s")
+    assert life._running_jobs(*mine) == []  # not bootstrapped from here: nothing asked
+    registry.secret_file("c1").parent.mkdir(parents=True, exist_ok=True)
+    registry.secret_file("c1").write_text("s")
     try:
         deadline = time.monotonic() + 60  # J2's session ends at once, J1's runs on
-        while (found := cli._running_jobs(*mine)) != ["J1"]:
+        while (found := life._running_jobs(*mine)) != ["J1"]:
             assert time.monotonic() < deadline, found
             time.sleep(0.1)
     finally:
-        jobs.cancel(shell, node, "J1", wait_s=5)
+        records.cancel(shell, node, "J1", wait_s=5)
 
     def unreachable(*args, **kwargs):
         raise SparknetError("no route to host")
 
     monkeypatch.setattr(nodes, "connect", unreachable)
-    assert cli._running_jobs(*mine) == []
+    assert life._running_jobs(*mine) == []
 
     def theirs(spec, owner, endpoint_url=None):
-        raise lifecycle.NotYours("cluster c1 in us-east-1 belongs to bob")
+        raise inventory.NotYours("cluster c1 in us-east-1 belongs to bob")
 
     monkeypatch.setattr(nodes, "connect", lambda *a, **k: pytest.fail("logged in to theirs"))
-    monkeypatch.setattr(lifecycle, "caller_owner", lambda region, endpoint_url: "me")
-    monkeypatch.setattr(lifecycle, "check_owner", theirs)
-    assert cli._running_jobs(spec, None) == []  # down refuses it; nothing of theirs asked
+    monkeypatch.setattr(owner, "caller_owner", lambda region, endpoint_url: "me")
+    monkeypatch.setattr(inventory, "check_owner", theirs)
+    assert life._running_jobs(spec, None) == []  # down refuses it; nothing of theirs asked
 
 
 # --- 12: the messages ----------------------------------------------------------------------------
@@ -344,7 +345,7 @@ def test_the_driver_says_what_it_does_before_its_first_round(tmp_path) -> None:
     log = tmp_path / "m" / "jobs" / "S1" / "driver.log"
     log.parent.mkdir(parents=True)
     said: list[str] = []
-    status = flow.DriverStatus(_Shell(), node, "S1", said.append)
+    status = follow.DriverStatus(_Shell(), node, "S1", said.append)
     status()  # no log yet
     log.write_text("starting Spark\n26/12/02 WARN NativeCodeLoader: no native library\n")
     status()

@@ -1,8 +1,9 @@
-"""The job's supervisor on the master (`sparknet.supervisor`), started by `start_driver` exactly as
-on a node, and the readers of metrics.jsonl's event rows. No Spark: a local shell stands in for
-the node's SSH session (the same command, the same pipes), and a fake `venv/bin/sparknet` for the
-driver (a mock: the real one needs Spark; the end-to-end test in tests/integration/test_submit.py
-kills a real one). The node's `venv/bin/python` is this venv's."""
+"""The job's supervisor on the master (`sparknet.jobs.supervisor`), started by `start_driver`
+exactly as on a node, and the readers of metrics.jsonl's event rows. No Spark: a local shell
+stands in for the node's SSH session (the same command, the same pipes), and a fake
+`venv/bin/sparknet` for the driver (a mock: the real one needs Spark; the end-to-end test in
+tests/integration/test_submit.py kills a real one). The node's `venv/bin/python` is this
+venv's."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from pathlib import Path
 import pytest
 from invoke import Context
 
-from sparknet import submit as flow
-from sparknet.cluster.nodes import Endpoint
-from sparknet.cluster.plan import Node
+from sparknet.cluster.address import Endpoint
+from sparknet.cluster.spark.plan import Node
 from sparknet.config import TrainConfig
 from sparknet.data.store import open_store
-from sparknet.supervisor import restart_line
+from sparknet.jobs import driver, follow, preflight
+from sparknet.jobs import submit as flow
+from sparknet.jobs.supervisor import restart_line
 from sparknet.training.report import MetricsLog, plot_curves, read_metrics, round_rows
 
 #: a fake driver in Python (this venv's): rounds 1..3, each row then its checkpoint's manifest,
@@ -69,7 +71,7 @@ def _node(tmp_path: Path, train: str, *, shell: bool = True) -> Node:
 def _start(node: Node, tmp_path: Path, max_restarts: int) -> Path:
     """The detached supervisor of job R with run prefix tmp_path/run; the job dir."""
     cfg = TrainConfig(out=str(tmp_path / "run"))
-    flow.start_driver(Context(), node, "R", cfg, max_restarts=max_restarts)
+    driver.start_driver(Context(), node, "R", cfg, max_restarts=max_restarts)
     return Path(node.path("jobs", "R"))
 
 
@@ -102,10 +104,10 @@ def test_a_killed_driver_resumes_from_its_checkpoint_and_the_submitter_sees_one_
     )
     node = _node(tmp_path, train, shell=False)
     job = _start(node, tmp_path, max_restarts=2)
-    master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
     shown: list[int] = []
     events: list[dict] = []
-    outcome = flow.follow(
+    outcome = follow.follow(
         Context(), master, "R", str(out), None,
         lambda rows: shown.extend(r["round"] for r in rows), poll_s=0.05, on_event=events.append,
     )  # fmt: skip
@@ -134,14 +136,14 @@ def test_a_killed_driver_resumes_from_its_checkpoint_and_the_submitter_sees_one_
 def test_a_driver_that_dies_every_time_is_restarted_max_restarts_times(tmp_path) -> None:
     node = _node(tmp_path, "kill -9 $$")
     job = _start(node, tmp_path, max_restarts=2)
-    _wait_for(lambda: flow.driver_rc(Context(), node, "R") is not None)
-    assert flow.driver_rc(Context(), node, "R") == 137  # 128 + SIGKILL, as a shell says
+    _wait_for(lambda: driver.driver_rc(Context(), node, "R") is not None)
+    assert driver.driver_rc(Context(), node, "R") == 137  # 128 + SIGKILL, as a shell says
     # no checkpoint: every restart starts over with the job's settings
     assert _calls(tmp_path) == [f"train --config {job}/job.yaml"] * 3
     assert [(e["attempt"], e["after_round"]) for e in _events(tmp_path / "run")] == [(1, 0), (2, 0)]
-    log = flow.driver_log(Context(), node, "R")
+    log = driver.driver_log(Context(), node, "R")
     assert "driver died (killed by SIGKILL); restart 2/2 from the start" in log
-    assert flow.last_error(log) == (
+    assert follow.last_error(log) == (
         "the driver died (killed by SIGKILL) after 2 restarts; --max-restarts 2 used up"
     )
 
@@ -159,8 +161,8 @@ def test_a_driver_that_dies_every_time_is_restarted_max_restarts_times(tmp_path)
 def test_which_ends_are_restarted(tmp_path, body, max_restarts, calls, rc) -> None:
     node = _node(tmp_path, body)
     _start(node, tmp_path, max_restarts=max_restarts)
-    _wait_for(lambda: flow.driver_rc(Context(), node, "R") is not None)
-    assert flow.driver_rc(Context(), node, "R") == rc
+    _wait_for(lambda: driver.driver_rc(Context(), node, "R") is not None)
+    assert driver.driver_rc(Context(), node, "R") == rc
     assert len(_calls(tmp_path)) == calls
     assert len(_events(tmp_path / "run")) == calls - 1
 
@@ -171,12 +173,12 @@ def test_a_cancel_ends_the_supervisor_and_the_driver_without_a_restart(tmp_path)
     _wait_for(lambda: (job / "train.pid").exists())
     supervisor, train = int((job / "driver.pid").read_text()), int((job / "train.pid").read_text())
     assert os.getsid(supervisor) == supervisor and os.getsid(train) == supervisor
-    flow.cancel_driver(Context(), node, "R")
+    driver.cancel_driver(Context(), node, "R")
     _wait_for(lambda: _gone(supervisor) and _gone(train))
     # the signal went to the supervisor alone; what the driver left (its `sleep`) went with the
     # supervisor's end
     _wait_for(lambda: _group(supervisor) == [])
-    assert flow.driver_rc(Context(), node, "R") == -1  # cancelled: no exit code, as before
+    assert driver.driver_rc(Context(), node, "R") == -1  # cancelled: no exit code, as before
     assert len(_calls(tmp_path)) == 1 and _events(tmp_path / "run") == []
     assert "restart" not in (job / "driver.log").read_text()
     assert not (tmp_path / "node" / "autostop" / "activity" / "job-R").exists()
@@ -206,8 +208,8 @@ def test_the_jobs_stamps_keep_a_one_minute_autostop_from_ending_a_running_job(
     """The timer's worst case: a check just before the supervisor's next touch, even one touch
     late, still finds the deadline of `autostop_minutes: 1` ahead (a touch every minute let such
     a check terminate a running job); and the stamping thread does touch at that period."""
-    from sparknet import supervisor
-    from sparknet.cluster import autostop
+    from sparknet.cluster.aws import autostop
+    from sparknet.jobs import supervisor
 
     state = tmp_path / "autostop"
     state.mkdir()
@@ -230,22 +232,22 @@ def test_the_jobs_stamps_keep_a_one_minute_autostop_from_ending_a_running_job(
 def test_a_job_that_ends_as_a_cancel_comes_in_keeps_its_exit_code(tmp_path, body, state) -> None:
     """`cancel` writes its marker before its kill: a job that ended on its own at that moment
     wrote its exit code, and that code (not the marker) says how it ended."""
-    from sparknet import jobs
+    from sparknet.jobs import records
 
     node = _node(tmp_path, body)
     job = _start(node, tmp_path, max_restarts=0)
     supervisor = int((job / "driver.pid").read_text())
     _wait_for(lambda: (job / "driver.rc").exists() and _gone(supervisor))
-    (job / jobs.CANCELLED).touch()
-    assert jobs.state_of(Context(), node, "R") == state
-    assert jobs.cancel(Context(), node, "R") == state  # nothing left to end
+    (job / records.CANCELLED).touch()
+    assert records.state_of(Context(), node, "R") == state
+    assert records.cancel(Context(), node, "R") == state  # nothing left to end
 
 
 def test_a_killed_supervisor_takes_its_driver_with_it_and_the_job_reads_killed(tmp_path) -> None:
     """SIGKILL to the supervisor alone: its driver gets SIGTERM (its death signal) and ends,
     rather than training on with nobody to restart it or record its end; the job reads
     `killed`, in `list` and at the submitter (whose error line says why) alike."""
-    from sparknet import jobs
+    from sparknet.jobs import records
 
     node = _node(tmp_path, "exec sleep 60")
     job = _start(node, tmp_path, max_restarts=0)
@@ -253,14 +255,14 @@ def test_a_killed_supervisor_takes_its_driver_with_it_and_the_job_reads_killed(t
     supervisor, train = int((job / "driver.pid").read_text()), int((job / "train.pid").read_text())
     os.kill(supervisor, 9)
     _wait_for(lambda: _gone(supervisor) and _gone(train), timeout=10)
-    assert jobs.state_of(Context(), node, "R") == jobs.KILLED
+    assert records.state_of(Context(), node, "R") == records.KILLED
     outcome = _follow(node, tmp_path)
     assert outcome.rc == -1
-    assert flow.last_error(outcome.log) == (
+    assert follow.last_error(outcome.log) == (
         "the job was killed on the master: its supervisor ended without an exit code (a kill "
         "-9, the out-of-memory killer, the node restarted)"
     )
-    assert jobs.cancel(Context(), node, "R") == jobs.KILLED  # nothing left to end
+    assert records.cancel(Context(), node, "R") == records.KILLED  # nothing left to end
 
 
 def test_the_submitter_stops_a_driver_that_outlives_its_killed_supervisor(
@@ -270,7 +272,7 @@ def test_the_submitter_stops_a_driver_that_outlives_its_killed_supervisor(
     `orphaned`: the attached submitter finds the supervisor gone without an exit code, ends
     what is left (SIGKILL once the cancel's wait is over) and fails the job saying so; then
     `list` reads `killed`, as the submitter said."""
-    from sparknet import jobs
+    from sparknet.jobs import records
 
     node = _node(tmp_path, "trap '' TERM; exec sleep 60")
     job = _start(node, tmp_path, max_restarts=0)
@@ -278,13 +280,13 @@ def test_the_submitter_stops_a_driver_that_outlives_its_killed_supervisor(
     supervisor, train = int((job / "driver.pid").read_text()), int((job / "train.pid").read_text())
     os.kill(supervisor, 9)
     _wait_for(lambda: _gone(supervisor))
-    assert jobs.state_of(Context(), node, "R") == jobs.ORPHANED and not _gone(train)
-    monkeypatch.setattr(flow, "CANCEL_WAIT_S", 0.0)  # SIGKILL right after the SIGTERM
+    assert records.state_of(Context(), node, "R") == records.ORPHANED and not _gone(train)
+    monkeypatch.setattr(driver, "CANCEL_WAIT_S", 0.0)  # SIGKILL right after the SIGTERM
     outcome = _follow(node, tmp_path)
     assert _gone(train) and _group(supervisor) == []
     assert outcome.rc == -1
-    assert flow.last_error(outcome.log).endswith("; the driver it left running was stopped")
-    assert jobs.state_of(Context(), node, "R") == jobs.KILLED
+    assert follow.last_error(outcome.log).endswith("; the driver it left running was stopped")
+    assert records.state_of(Context(), node, "R") == records.KILLED
 
 
 def test_an_interrupted_submit_cancels_its_job_and_waits_until_it_is_gone(
@@ -294,9 +296,9 @@ def test_an_interrupted_submit_cancels_its_job_and_waits_until_it_is_gone(
     marked `cancelled` (not `failed -1`), and when the submitter goes on nothing of it runs:
     the driver, which takes a while to stop (its Spark), got one SIGTERM (through its
     supervisor; not a second one, sent to the whole group, that also reaches its JVM)."""
-    from sparknet import jobs
     from sparknet.cluster import nodes
     from sparknet.cluster.spec import ClusterSpec
+    from sparknet.jobs import records
 
     class Local(Context):
         def close(self) -> None:
@@ -305,10 +307,10 @@ def test_an_interrupted_submit_cancels_its_job_and_waits_until_it_is_gone(
     signals = tmp_path / "signals"
     stopping = f"trap 'echo TERM >> {signals}; sleep 1; exit 143' TERM"  # 1 s to stop
     node = _node(tmp_path, f"{stopping}; sleep 60 & wait")
-    master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
     monkeypatch.setattr(nodes, "connect", lambda endpoint, access: Local())
-    job = flow.Job(
-        ClusterSpec(name="c1"), True, False, flow.Dataset("s3://b-b/x"), TrainConfig(),
+    job = preflight.Job(
+        ClusterSpec(name="c1"), True, False, preflight.Dataset("s3://b-b/x"), TrainConfig(),
         max_restarts=0,
     )  # fmt: skip
     said: list[str] = []
@@ -323,17 +325,17 @@ def test_an_interrupted_submit_cancels_its_job_and_waits_until_it_is_gone(
         flow._run_driver(job, master, "K1", "p/", TrainConfig(), say, lambda rows, cost: None)
     leader = int((tmp_path / "node" / "jobs" / "K1" / "driver.pid").read_text())
     assert _group(leader) == []  # gone before the submitter went on: no wait here
-    assert jobs.state_of(Context(), node, "K1") == jobs.CANCELLED
+    assert records.state_of(Context(), node, "K1") == records.CANCELLED
     assert signals.read_text() == "TERM\n"
     assert said[1:] == ["cancelling job K1: waiting for its driver to stop", "job K1 cancelled"]
     assert "Traceback" not in (tmp_path / "node" / "jobs" / "K1" / "driver.log").read_text()
 
 
 def _follow(node: Node, tmp_path: Path):
-    """`flow.follow` of job R, with the local shell as the master's SSH session."""
+    """`follow.follow` of job R, with the local shell as the master's SSH session."""
     (tmp_path / "run").mkdir(exist_ok=True)
-    master = flow.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
-    return flow.follow(
+    master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    return follow.follow(
         Context(), master, "R", str(tmp_path / "run"), None, lambda rows: None, poll_s=0.05
     )
 

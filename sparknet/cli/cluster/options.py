@@ -1,0 +1,126 @@
+"""What every `sparknet cluster` command shares: its common options, the spec of the cluster it
+names (the registry's, the settings file's, the flags), and how it fails (the exit code says
+whether the command or the cluster's state was wrong).
+
+Apart from the commands, which are grouped by what they do (life.py, inventory.py, ssh.py):
+`sparknet-submit` resolves a cluster's spec the same way (`cluster_spec`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from sparknet.cli.common import Caught, fail, signal_exit
+from sparknet.config import find_config_file
+from sparknet.errors import SparknetError
+
+RegionOption = typer.Option(None, help="AWS region; default: the cluster's, else us-east-1")
+AnyOwnerOption = typer.Option(
+    False, "--any-owner", help="act on the cluster even if its sparknet:owner tag names another"
+)
+
+
+#: a valid name that stands in while a spec named by a tag is validated (`cluster_spec`)
+_STAND_IN = "removal"
+
+
+def cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_name: bool = False):
+    """The spec of cluster `name`: the registry's, else `clusters:` in the settings file, plus
+    flags; a one-line error when the result is invalid.
+
+    `any_name`: `down` and `sweep` remove by tag, and a tag may carry a name sparknet no longer
+    accepts (an older sparknet's, or a person's): everything else is validated, the name is not.
+    """
+    from pydantic import ValidationError
+
+    from sparknet.cluster import nodes
+    from sparknet.cluster.registry import registered
+    from sparknet.cluster.spark import steps
+    from sparknet.cluster.spec import ClusterSpec
+    from sparknet.config import describe_validation_error, read_section
+
+    nodes.silence_s(), steps.reboot_wait_s()  # a bad SSH wait setting fails before any launch
+
+    base: dict[str, Any] = {}
+    known = registered().get(name)
+    if known is not None:
+        base = known.model_dump()
+        if known.provider == "static":
+            del base["workers"]  # counted from hosts, which the settings file may change
+    path = find_config_file(config)
+    if path is not None:
+        entry = read_section(path, "clusters").get(name) or {}
+        if "owner" in entry:
+            raise SparknetError(
+                f"cluster {name}: `owner` is set by `up` from your AWS identity (STS); remove it "
+                f"from `clusters: {name}:` in {path}"
+            )
+        base.update(_resolved_paths(entry, path))
+    base.update({k: v for k, v in flags.items() if v not in (None, [])})
+    if known is not None and base.get("provider", "aws") != known.provider:
+        raise SparknetError(
+            f"cluster {name} is registered here as {_PROVIDERS[known.provider]}, but "
+            f"{path} says provider: {base.get('provider')}; `sparknet cluster down {name}` "
+            "first, or give the other one another name"
+        )
+    base["name"] = _STAND_IN if any_name else name
+    try:
+        spec = ClusterSpec.model_validate(base)
+    except ValidationError as exc:
+        raise SparknetError(
+            f"cluster {name}: {describe_validation_error(exc, ClusterSpec)}"
+        ) from exc
+    return spec.model_copy(update={"name": name})
+
+
+_PROVIDERS = {
+    "aws": "an EC2 cluster (provider: aws)",
+    "static": "a static cluster (provider: static)",
+}
+
+
+def _resolved_paths(entry: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`entry` with its key_file and known_hosts absolute: a relative path is relative to the
+    settings file's folder (as the registry stores it, for commands run from anywhere)."""
+    out = dict(entry)
+    for key in ("key_file", "known_hosts"):
+        value = out.get(key)
+        if isinstance(value, str) and value:
+            out[key] = str((path.parent / Path(value).expanduser()).resolve())
+    return out
+
+
+def fail_cluster(exc: SparknetError, debug: bool, caught: Caught | None = None) -> None:
+    """`fail` with exit 1 where the command was right but the cluster's state says no (busy,
+    not there, another's, in another region), 128 + the signal's number where a signal stopped
+    it (130 Ctrl-C, 143 SIGTERM), and 2 for everything a user fixes in the command or settings."""
+    from sparknet.cluster import inventory, lifecycle, registry, sparkops, static
+
+    state = (
+        registry.ClusterBusy, lifecycle.ClusterNotFound, inventory.NotYours,
+        inventory.OtherRegion, sparkops.BootstrapIncomplete, static.StopIncomplete,
+        static.HostsChanged,
+    )  # fmt: skip
+    if isinstance(exc, lifecycle.Interrupted) and (code := signal_exit(caught)):
+        fail(exc, debug, code)
+    if isinstance(exc, sparkops.BootstrapIncomplete) and not debug:
+        # the error line, then each failed node's last output lines
+        first, *rest = str(exc).splitlines()
+        print("\n".join([f"error: {first}", *rest]), file=sys.stderr)
+        raise typer.Exit(1)
+    fail(exc, debug, 1 if isinstance(exc, state) else 2)
+
+
+def on_cluster(
+    action, name: str, region: str | None, config: Path | None, debug: bool, **kw
+) -> Any:
+    """`action(spec, **kw)` for the named cluster (any name a tag may carry); a one-line error on
+    failure."""
+    try:
+        return action(cluster_spec(name, config, {"region": region}, any_name=True), **kw)
+    except SparknetError as exc:
+        fail_cluster(exc, debug)

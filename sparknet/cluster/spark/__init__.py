@@ -1,0 +1,2 @@
+"""Spark on a cluster's nodes: what each node runs (plan), the install steps (checked, then
+applied), the daemons, their settings, the cluster's health, and the bootstrap over all of it."""

@@ -1,0 +1,356 @@
+"""The Spark standalone daemons as steps: the master and the workers from the venv's pyspark
+(`spark-class`: the pip pyspark has no `sbin/start-*.sh`), as systemd units where systemd runs,
+else as background processes in their own session with pid files under the prefix."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from sparknet.cluster.aws import autostop
+from sparknet.cluster.remote import TAIL_LINES, CommandFailed, Conn, q, succeeds, tail_lines, upload
+from sparknet.cluster.spark.spark_conf import systemd_unit
+from sparknet.cluster.spark.steps import Step, conf_files, sha256_hex
+from sparknet.spark_security import UI_HOST
+
+#: Spark's daemon classes, run through spark-class
+MASTER_CLASS = "org.apache.spark.deploy.master.Master"
+WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
+
+
+# --- the Spark daemons ---------------------------------------------------------------------------
+
+
+class Daemon(Step):
+    """A Spark daemon (master or worker) from the venv's pyspark. Done when it runs with exactly
+    today's command line, environment and conf (their hash, the stamp): a changed setting
+    restarts it. A systemd unit where systemd runs, else a background process in its own session
+    whose pid file is under the prefix (stopped through its process group)."""
+
+    role = "daemon"
+    klass = ""
+
+    def argv(self, spark_home: str) -> list[str]:
+        raise NotImplementedError
+
+    def env(self, spark_home: str) -> dict[str, str]:
+        n = self.ctx.node
+        return {
+            "SPARK_HOME": spark_home,
+            "SPARK_CONF_DIR": n.path("conf"),
+            "SPARK_LOG_DIR": n.path("logs"),
+            # the web UIs bind this address: only the SSH tunnel reaches them (RPC binds --host)
+            "SPARK_LOCAL_IP": UI_HOST,
+            "SPARK_LOCAL_DIRS": ",".join(self.ctx.local_dirs),
+            "PYSPARK_PYTHON": n.python,
+        }
+
+    def spark_home(self, conn: Conn) -> str:
+        code = (
+            "import importlib.util as u; "
+            "print(u.find_spec('pyspark').submodule_search_locations[0])"
+        )
+        return self.run(conn, f"{q(self.ctx.node.python)} -c {q(code)}").strip()
+
+    def stamp(self, spark_home: str) -> str:
+        what = [self.argv(spark_home), self.env(spark_home), sorted(conf_files(self.ctx).items())]
+        return sha256_hex(json.dumps(what, sort_keys=True))[:16]
+
+    @property
+    def pid_file(self) -> str:
+        return self.ctx.node.path("run", f"{self.role}.pid")
+
+    @property
+    def stamp_file(self) -> str:
+        return self.ctx.node.path("run", f"{self.role}.stamp")
+
+    @property
+    def log_file(self) -> str:
+        return self.ctx.node.path("logs", f"{self.role}.out")
+
+    @property
+    def unit(self) -> str:
+        return f"sparknet-{self.role}.service"
+
+    def check(self, conn: Conn) -> bool:
+        try:
+            stamp = self.stamp(self.spark_home(conn))
+        except CommandFailed:
+            return False
+        if self.ctx.facts.systemd:
+            unit = q(self.unit_file)
+            return succeeds(
+                conn, f"systemctl is-active -q {q(self.unit)} && grep -qF {q(stamp)} {unit}"
+            )
+        return succeeds(conn, f'{self._alive()} && [ "$(cat {q(self.stamp_file)})" = {stamp} ]')
+
+    def running(self, conn: Conn) -> bool:
+        """Whether the daemon runs now, whatever its command line and conf."""
+        if self.ctx.facts.systemd:
+            return succeeds(conn, f"systemctl is-active -q {q(self.unit)}")
+        return succeeds(conn, self._alive())
+
+    def _alive(self) -> str:
+        """A shell test: the pid file names a live process running this daemon of this prefix."""
+        cmdline = '"/proc/$(cat ' + q(self.pid_file) + ')/cmdline"'
+        return (
+            f"[ -s {q(self.pid_file)} ] && [ -r {cmdline} ]"
+            f" && tr '\\0' '\\n' < {cmdline} | grep -qxF {q(self.klass)}"
+            f" && tr '\\0' '\\n' < {cmdline} | grep -qF {q(self.own_path)}"
+        )
+
+    @property
+    def own_path(self) -> str:
+        """A path on the daemon's command line that only this prefix's daemon has."""
+        return self.ctx.node.path("conf")
+
+    def apply(self, conn: Conn) -> None:
+        home = self.spark_home(conn)
+        if self.ctx.facts.systemd:
+            self._apply_unit(conn, home)
+        else:
+            self.stop(conn)
+            self._start(conn, home)
+        self.wait(conn)
+
+    def _start(self, conn: Conn, home: str) -> None:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env(home).items())
+        self.run(
+            conn,
+            f"cd {q(self.ctx.node.prefix)} || exit 1; env {env} nohup setsid {q(*self.argv(home))}"
+            f" > {q(self.log_file)} 2>&1 < /dev/null & echo $! > {q(self.pid_file)}"
+            f" && echo {self.stamp(home)} > {q(self.stamp_file)}",
+        )
+
+    def _apply_unit(self, conn: Conn, home: str) -> None:
+        text = systemd_unit(
+            f"sparknet Spark {self.role}",
+            self.ctx.facts.user,
+            self.env(home),
+            [q(a) for a in self.argv(home)],
+            self.stamp(home),
+        ).replace(
+            "[Service]\n",
+            f"[Service]\nStandardOutput=append:{self.log_file}\nStandardError=inherit\n",
+        )
+        staged = self.ctx.node.path("run", self.unit)
+        upload(conn, text.encode(), staged, 0o644)
+        s, unit = self.ctx.sudo, q(self.unit)
+        self.run(
+            conn,
+            f"{s}install -m 0644 {q(staged)} {q(self.unit_file)} && {s}systemctl"
+            f" daemon-reload && {s}systemctl enable -q {unit} && {s}systemctl restart {unit}",
+        )
+
+    def stop(self, conn: Conn, *, remove: bool = False) -> None:
+        """Stop the daemon if it runs (by its pid file's process group, TERM then KILL); with
+        `remove`, its systemd unit goes too, so a reboot does not start it again.
+
+        On systemd a unit never installed is no error, but one still running (or installed,
+        with `remove`) afterwards is CommandFailed: `sudo -n` refused (sudoers changed) must
+        not pass silently, or `down` would delete the conf with the secret while the unit
+        stays enabled, and the next boot would start the daemon with no authentication."""
+        if self.ctx.facts.systemd:
+            self._stop_unit(conn, remove)
+            return
+        pid = f"$(cat {q(self.pid_file)})"
+        self.run(
+            conn,
+            f"if {self._alive()}; then p={pid}; kill -TERM -- -$p 2>/dev/null || kill -TERM $p;"
+            " for i in $(seq 150); do [ -d /proc/$p ] || break; sleep 0.2; done;"
+            " [ -d /proc/$p ] && kill -KILL -- -$p 2>/dev/null; true; fi;"
+            f" rm -f {q(self.pid_file)} {q(self.stamp_file)}",
+            timeout=60,
+        )
+
+    @property
+    def unit_file(self) -> str:
+        return f"/etc/systemd/system/{self.unit}"
+
+    def _stop_unit(self, conn: Conn, remove: bool) -> None:
+        """`systemctl stop` (and with `remove`: disable, delete the unit file, reload), each
+        step's complaint about a unit that is not there muted, then `stopped` as the verdict."""
+        s, unit = self.ctx.sudo, q(self.unit)
+        gone = (
+            f"; {s}systemctl disable -q {unit} 2>/dev/null; {s}rm -f {q(self.unit_file)}; "
+            f"{s}systemctl daemon-reload"
+            if remove
+            else ""
+        )
+        command = f"{s}systemctl stop {unit} 2>/dev/null{gone}; " + self.stopped(
+            self.unit_file if remove else None
+        )
+        try:
+            self.run(conn, command)
+        except CommandFailed as exc:
+            why = f" ({exc.tail[-1]})" if exc.tail else ""
+            raise CommandFailed(
+                f"could not stop{' and remove' if remove else ''} {self.unit}{why}; the login "
+                "user needs sudo without a password (sudo -n) for systemctl",
+                exc.tail,
+            ) from None
+
+    def stopped(self, unit_file: str | None = None) -> str:
+        """A shell test: the unit neither runs nor starts (systemd's states other than
+        inactive, failed, unknown: active, activating as in a restart loop, deactivating,
+        reloading), and `unit_file`, when given, is gone; else it says which on stderr."""
+        unit = q(self.unit)
+        test = (
+            f"st=$(systemctl is-active {unit}); case $st in inactive|failed|unknown) ;; "
+            f'*) echo "{self.unit} is still $st" >&2; exit 1;; esac'
+        )
+        if unit_file is not None:
+            there = q(f"{unit_file} is still there")
+            test += f"; [ ! -e {q(unit_file)} ] || {{ echo {there} >&2; exit 1; }}"
+        return test
+
+    def wait(self, conn: Conn) -> None:
+        """Until the pid file names the daemon's JVM. `spark-class` is a shell script that runs a
+        launcher JVM before it execs the daemon's; until then the check cannot tell it from
+        another prefix's daemon, and on a loaded machine that takes seconds."""
+        if self.ctx.facts.systemd:
+            return
+        pid = f"$(cat {q(self.pid_file)} 2>/dev/null)"
+        self._until(
+            conn,
+            f"end=$(( $(date +%s) + {DAEMON_START_S} )); while [ $(date +%s) -lt $end ]; do"
+            f" if {self._alive()}; then exit 0; fi; p={pid};"
+            ' [ -n "$p" ] && [ -d /proc/$p ] || exit 1; sleep 0.2; done; exit 1',
+            DAEMON_START_S,
+            f"the {self.role} did not start within {DAEMON_START_S} s",
+        )
+
+    def _until(self, conn: Conn, command: str, within_s: float, failed: str) -> None:
+        """Run `command`, a wait of up to `within_s` on the node; when it fails, `failed` with
+        the end of the daemon's log (why it did not come up)."""
+        try:
+            self.run(conn, command, within_s + 30)
+        except CommandFailed as exc:
+            log = self.run(conn, f"tail -n {TAIL_LINES} {q(self.log_file)}; true")
+            raise CommandFailed(failed, tail_lines(log)) from exc
+
+
+#: how long a started daemon's launcher may take to exec its JVM (about 1 s on an idle machine)
+DAEMON_START_S = 90
+
+
+#: how long a started master may take to listen (it is up in ~3 s on a small machine)
+MASTER_START_S = 90
+
+
+class Master(Daemon):
+    name = "spark-master"
+    role = "master"
+    klass = MASTER_CLASS
+
+    def argv(self, spark_home: str) -> list[str]:
+        p, n = self.ctx.plan.ports, self.ctx.node
+        return [f"{spark_home}/bin/spark-class", MASTER_CLASS, "--host", n.rpc_host,
+                "--port", str(p.master), "--webui-port", str(p.master_ui)]  # fmt: skip
+
+    def wait(self, conn: Conn) -> None:
+        """Workers started before the master listens wait 5-15 s to retry: wait for its port."""
+        super().wait(conn)
+        host, port = self.ctx.node.rpc_host, self.ctx.plan.ports.master
+        code = (
+            "import socket, time, sys\n"
+            f"end = time.monotonic() + {MASTER_START_S}\n"
+            "while time.monotonic() < end:\n"
+            f"    try: socket.create_connection(({host!r}, {port}), 1).close(); sys.exit(0)\n"
+            "    except OSError: time.sleep(0.2)\n"
+            "sys.exit(1)\n"
+        )
+        self._until(
+            conn,
+            f"{q(self.ctx.node.python)} -c {q(code)}",
+            MASTER_START_S,
+            f"the master did not listen on {host}:{port} within {MASTER_START_S} s",
+        )
+
+
+class Worker(Daemon):
+    name = "spark-worker"
+    role = "worker"
+    klass = WORKER_CLASS
+
+    def argv(self, spark_home: str) -> list[str]:
+        p, n = self.ctx.plan.ports, self.ctx.node
+        return [f"{spark_home}/bin/spark-class", WORKER_CLASS, "--host", n.rpc_host,
+                "--port", str(p.worker), "--webui-port", str(p.worker_ui),
+                "--cores", str(self.ctx.cores), "--memory", f"{self.ctx.memory_mb}m",
+                "--work-dir", n.path("work"), self.ctx.plan.master_url]  # fmt: skip
+
+
+# --- the autostop timer --------------------------------------------------------------------------
+
+
+class Autostop(Daemon):
+    """The master's autostop timer (`autostop.run`), run as the Spark daemons are (a systemd
+    unit, else a process in its own session with a pid file), so it outlives the SSH session.
+    Its stamp covers its settings (cluster, region, minutes), written to the state dir: a
+    changed setting restarts it, and a restart starts the timer afresh. With minutes 0 it runs
+    and only records that it is off, so `cluster status` says so."""
+
+    name = "autostop"
+    role = "autostop"
+    klass = "sparknet.cluster.aws.autostop"
+
+    @property
+    def settings(self) -> autostop.Settings:
+        settings = self.ctx.plan.autostop
+        if settings is None:
+            raise CommandFailed("the plan has no autostop settings", [])
+        return settings
+
+    @property
+    def state(self) -> str:
+        return autostop.state_dir(self.ctx.node.prefix)
+
+    @property
+    def own_path(self) -> str:
+        return self.state
+
+    def spark_home(self, conn: Conn) -> str:
+        return ""  # the timer is no Spark daemon: nothing of pyspark's is asked for
+
+    def argv(self, spark_home: str) -> list[str]:
+        return [self.ctx.node.python, "-m", self.klass, "run", "--state", self.state]
+
+    def env(self, spark_home: str) -> dict[str, str]:
+        return {"PYTHONUNBUFFERED": "1"}
+
+    def stamp(self, spark_home: str) -> str:
+        what = [self.argv(spark_home), self.env(spark_home), self.settings.to_json()]
+        return sha256_hex(json.dumps(what, sort_keys=True))[:16]
+
+    def check(self, conn: Conn) -> bool:
+        settings = q(f"{self.state}/{autostop.SETTINGS}")
+        want = sha256_hex(self.settings.to_json())
+        return super().check(conn) and succeeds(
+            conn, f"[ \"$(sha256sum < {settings} | cut -d' ' -f1)\" = {want} ]"
+        )
+
+    @property
+    def deadline_file(self) -> str:
+        return f"{self.state}/{autostop.DEADLINE}"
+
+    def apply(self, conn: Conn) -> None:
+        """The settings, then the timer (re)started; the old deadline file goes first, so
+        `wait` sees the new timer's first check (and `cluster status` never the old one's)."""
+        self.run(
+            conn,
+            f"mkdir -p {q(self.state + '/' + autostop.ACTIVITY)} && rm -f {q(self.deadline_file)}",
+        )
+        upload(conn, self.settings.to_json().encode(), f"{self.state}/{autostop.SETTINGS}", 0o644)
+        super().apply(conn)
+
+    def wait(self, conn: Conn) -> None:
+        """Until the timer has checked once (it does at its start): its deadline file is there."""
+        super().wait(conn)
+        self._until(
+            conn,
+            f"end=$(( $(date +%s) + {DAEMON_START_S} )); while [ $(date +%s) -lt $end ]; do"
+            f" [ -s {q(self.deadline_file)} ] && exit 0; sleep 0.2; done; exit 1",
+            DAEMON_START_S,
+            f"the autostop timer did not check within {DAEMON_START_S} s",
+        )

@@ -1,0 +1,222 @@
+"""What the bootstrap knows of a cluster: its nodes (`Node`), what they install and how their
+daemons are set up (`Plan`), what one command tells about a node (`Facts`), and one node's
+step inputs together (`Context`)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass, field
+
+from sparknet.cluster.address import Endpoint
+from sparknet.cluster.aws.autostop import Settings as AutostopSettings
+from sparknet.cluster.nodes import Access
+from sparknet.cluster.remote import Conn, q, succeeds
+from sparknet.cluster.seam import node_layout
+from sparknet.cluster.spark.spark_conf import (
+    DEFAULT_PREFIX,
+    Ports,
+    instance_store_dirs,
+    mem_total_kb,
+    parse_nvme_models,
+    worker_memory_mb,
+)
+from sparknet.cluster.spark.wheel import Wheel
+from sparknet.errors import SparknetError
+
+#: a job's dir on its master is ``<prefix>/jobs/<run id>`` (sparknet-submit's); its session's pid
+#: file there (the supervisor's, whose process group is the whole job), and the marker of a job
+#: that was ended on purpose
+JOBS_DIR, JOB_PID, JOB_CANCELLED = "jobs", "driver.pid", "cancelled"
+
+# --- what a node is, and what sparknet learns about it -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Node:
+    """One machine of the cluster as the bootstrap sees it."""
+
+    endpoint: Endpoint
+    #: the private address Spark's RPC binds and the other nodes reach; default endpoint.host
+    address: str | None = None
+    #: where everything sparknet installs on the node lives
+    prefix: str = DEFAULT_PREFIX
+    #: GPUs the node has (from its instance type); 0: no driver, no GPU resource
+    gpus: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.name
+
+    @property
+    def rpc_host(self) -> str:
+        return self.address or self.endpoint.host
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.prefix.rstrip("/"), *parts])
+
+    @property
+    def venv(self) -> str:
+        return self.path("venv")
+
+    @property
+    def python(self) -> str:
+        return self.path("venv", "bin", "python")
+
+
+def laid_out(cluster: str, endpoint: Endpoint, address: str | None, gpus: int = 0) -> Node:
+    """Node `endpoint` of `cluster` where the seam's ``<cluster>/<node>/node`` entry places it
+    (its own private address and install prefix: several nodes on one host), else at `address`
+    under DEFAULT_PREFIX: the one place either provider lays a node out."""
+    layout = node_layout(cluster, endpoint.name)
+    return Node(
+        endpoint,
+        address=layout.get("address") or address,
+        prefix=layout.get("prefix") or DEFAULT_PREFIX,
+        gpus=gpus,
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the bootstrap makes of a cluster: its nodes (the first is the master; every node
+    runs a worker), what they install, and how the daemons are set up."""
+
+    nodes: tuple[Node, ...]
+    wheel: Wheel
+    #: the cluster's `spark.authenticate` secret (`spark_conf.load_or_create_secret`)
+    secret: str = field(repr=False)
+    ports: Ports = field(default_factory=Ports)
+    #: an existing env on the nodes whose torch fits; None: the first of AMI_TORCH_ENVS a node
+    #: has whose torch fits, else a fresh venv with torch installed
+    python_env: str | None = None
+    #: the pyspark the nodes run: the submitter's, so driver and executors agree
+    pyspark_version: str = field(default_factory=lambda: importlib.metadata.version("pyspark"))
+    #: what each worker offers; default: the node's cores, and its memory less headroom
+    worker_cores: int | None = None
+    worker_memory_mb: int | None = None
+    #: whether a GPU node without a working driver gets one installed (an EC2 instance of
+    #: sparknet's); on a machine of the user's (static) the step says so and stops instead
+    install_drivers: bool = True
+    #: the master's autostop timer (`autostop.py`); None: none is installed (a static cluster's
+    #: machines are the user's, and the tests' plans need none)
+    autostop: AutostopSettings | None = None
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise SparknetError("a cluster to bootstrap needs at least one node")
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            raise SparknetError(f"node names repeat: {', '.join(names)}")
+
+    @property
+    def master(self) -> Node:
+        return self.nodes[0]
+
+    @property
+    def master_url(self) -> str:
+        return f"spark://{self.master.rpc_host}:{self.ports.master}"
+
+
+#: where the Deep Learning AMIs with PyTorch keep it (a venv on newer ones, conda on older)
+AMI_TORCH_ENVS = ("/opt/pytorch", "/opt/conda/envs/pytorch")
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What one command tells about a node before any step runs."""
+
+    user: str
+    uid: int
+    cores: int
+    mem_total_kb: int
+    systemd: bool
+    #: instance store mounts for Spark's local dirs (empty: none)
+    local_dirs: tuple[str, ...]
+    #: which of AMI_TORCH_ENVS the node has (a python there)
+    envs: tuple[str, ...] = ()
+
+
+FACTS = (
+    "echo @user; id -un; echo @uid; id -u; echo @nproc; nproc; echo @meminfo; cat /proc/meminfo;"
+    " echo @systemd; if [ -d /run/systemd/system ]; then echo yes; else echo no; fi;"
+    " echo @mounts; cat /proc/mounts;"
+    " echo @nvme; grep -H . /sys/block/nvme*/device/model 2>/dev/null;"
+    f" echo @envs; for d in {' '.join(AMI_TORCH_ENVS)}; do [ -x $d/bin/python ] && echo $d; done;"
+    " true"
+)
+
+
+def parse_facts(text: str, prefix: str) -> Facts:
+    """The facts command's output (sections after `@name` lines) as Facts."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("@"):
+            current = sections.setdefault(line[1:].strip(), [])
+        else:
+            current.append(line)
+    part = {k: "\n".join(v) for k, v in sections.items()}
+    return Facts(
+        user=part["user"].strip(),
+        uid=int(part["uid"]),
+        cores=int(part["nproc"]),
+        mem_total_kb=mem_total_kb(part["meminfo"]),
+        systemd=part["systemd"].strip() == "yes",
+        local_dirs=tuple(
+            instance_store_dirs(part["mounts"], parse_nvme_models(part.get("nvme", "")), prefix)
+        ),
+        envs=tuple(line.strip() for line in part.get("envs", "").splitlines() if line.strip()),
+    )
+
+
+@dataclass(frozen=True)
+class Context:
+    """One node's step inputs: the cluster plan, the node and its facts, and how the node is
+    reached (a step that reboots the node connects to it again)."""
+
+    plan: Plan
+    node: Node
+    facts: Facts
+    #: the cluster's key and pinned host keys; None: the node cannot be reached again (a
+    #: step that would reboot it says so instead)
+    access: Access | None = None
+
+    @property
+    def sudo(self) -> str:
+        """What runs a command as root: nothing for root, `sudo -n` (never a prompt) else."""
+        return "" if self.facts.uid == 0 else "sudo -n "
+
+    @property
+    def is_master(self) -> bool:
+        return self.node.name == self.plan.master.name
+
+    @property
+    def cores(self) -> int:
+        return self.plan.worker_cores or self.facts.cores
+
+    @property
+    def memory_mb(self) -> int:
+        return self.plan.worker_memory_mb or worker_memory_mb(
+            self.facts.mem_total_kb, runs_driver=self.is_master
+        )
+
+    @property
+    def local_dirs(self) -> tuple[str, ...]:
+        return self.facts.local_dirs or (self.node.path("work", "local"),)
+
+    @property
+    def base_env(self) -> str | None:
+        """The existing env the node's venv is laid over: the plan's, else the AMI's."""
+        env = self.plan.python_env or (self.facts.envs[0] if self.facts.envs else None)
+        return env.rstrip("/") if env else None
+
+    def pip(self, conn: Conn) -> str:
+        """pip for the node's venv: its own where it has one, else the base env's pip aimed at
+        it (a venv laid over a base env has none of its own)."""
+        own = f"{q(self.node.python)} -m pip -q --disable-pip-version-check"
+        if self.base_env is None or succeeds(
+            conn, f"[ -x {q(self.node.path('venv', 'bin', 'pip'))} ]"
+        ):
+            return own
+        base = q(f"{self.base_env}/bin/python")
+        return f"{base} -m pip -q --disable-pip-version-check --python {q(self.node.python)}"

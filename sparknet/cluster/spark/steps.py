@@ -1,0 +1,433 @@
+"""The install and configuration steps of a node, each with `check` (already done?) and
+`apply`: the prefix's directories, Java and the OS packages, the NVIDIA driver (only where a GPU
+node's `nvidia-smi` fails), a venv with torch (over an existing env whose torch fits), the
+submitter's pyspark, the sparknet wheel, and `spark-defaults.conf` with the cluster's secret."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import fabric
+
+from sparknet.cluster import nodes
+from sparknet.cluster.remote import CommandFailed, Conn, ConnectionLost, q, run, succeeds, upload
+from sparknet.cluster.spark.plan import JOBS_DIR, Context, Node
+from sparknet.cluster.spark.spark_conf import (
+    GPU_DISCOVERY_SCRIPT,
+    java_major,
+    spark_defaults,
+    torch_index_url,
+)
+
+# --- steps ---------------------------------------------------------------------------------------
+
+
+class Step:
+    """One idempotent piece of a bootstrap. `check` says whether it is done already (and must
+    say yes right after `apply`); `apply` does it. `timeout` bounds each of its commands."""
+
+    name = "step"
+    timeout: float = 120
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def check(self, conn: Conn) -> bool:
+        raise NotImplementedError
+
+    def apply(self, conn: Conn) -> None:
+        raise NotImplementedError
+
+    def run(self, conn: Conn, command: str, timeout: float | None = None) -> str:
+        return run(conn, command, timeout or self.timeout)
+
+
+#: the prefix's dirs only the node's user may enter (0700): the secret (conf), the daemons'
+#: logs (logs), the executors' stderr and files (work), the jobs' settings and driver logs
+#: (jobs); Spark's local dirs (cached blocks, shuffle files) too
+PRIVATE_DIRS = ("conf", "logs", "work", JOBS_DIR)
+
+
+class Dirs(Step):
+    """The prefix's tree, owned by the node's user; conf/, logs/, work/, jobs/ and Spark's local
+    dirs only for that user."""
+
+    name = "dirs"
+
+    @property
+    def dirs(self) -> list[str]:
+        n = self.ctx.node
+        subdirs = (n.path(d) for d in ("conf", "logs", "run", "work", "dist", JOBS_DIR))
+        return [n.prefix, *subdirs, *self.ctx.local_dirs]
+
+    @property
+    def private(self) -> list[str]:
+        return [*(self.ctx.node.path(d) for d in PRIVATE_DIRS), *self.ctx.local_dirs]
+
+    def check(self, conn: Conn) -> bool:
+        tests = " && ".join(f"[ -d {q(d)} ] && [ -w {q(d)} ]" for d in self.dirs)
+        modes = " && ".join(f'[ "$(stat -c %a {q(d)})" = 700 ]' for d in self.private)
+        return succeeds(conn, f"{tests} && {modes}")
+
+    def apply(self, conn: Conn) -> None:
+        s, user = self.ctx.sudo, self.ctx.facts.user
+        self.run(
+            conn,
+            f"{s}mkdir -p {q(*self.dirs)} && {s}chown {q(user)} {q(*self.dirs)}"
+            f" && chmod 700 {q(*self.private)}",
+        )
+
+
+class OsPackages(Step):
+    """Java 17+ for Spark (and python3-venv, curl): skipped where `java -version` says 17+."""
+
+    name = "java"
+    timeout = 900
+    PACKAGES = ("openjdk-17-jre-headless", "python3-venv", "curl")
+
+    def check(self, conn: Conn) -> bool:
+        try:
+            text = self.run(conn, "java -version 2>&1")
+        except CommandFailed:
+            return False
+        major = java_major(text)
+        if major is None or major < 17:
+            return False
+        return bool(self.ctx.base_env) or succeeds(conn, "python3 -c 'import ensurepip'")
+
+    def apply(self, conn: Conn) -> None:
+        s = self.ctx.sudo
+        apt = f"{s}env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300"
+        self.run(conn, f"{apt} update -qq && {apt} install -y -qq {q(*self.PACKAGES)}")
+
+
+#: what prints the node's boot id, new at every boot: how a reboot is told from a node that
+#: still answers from before it
+BOOT_ID = "cat /proc/sys/kernel/random/boot_id"
+#: how long the nvidia-driver step waits for a node it rebooted to answer over SSH again
+REBOOT_WAIT_S = 600.0
+#: seconds that replace REBOOT_WAIT_S (a test's node that never comes back fails in seconds)
+REBOOT_WAIT_ENV = "SPARKNET_REBOOT_WAIT_S"
+
+
+def reboot_wait_s() -> float:
+    """REBOOT_WAIT_S, or the seconds `REBOOT_WAIT_ENV` gives (`nodes.seconds_setting`)."""
+    return nodes.seconds_setting(REBOOT_WAIT_ENV, REBOOT_WAIT_S)
+
+
+class NvidiaDriver(Step):
+    """The NVIDIA driver, only on a node with GPUs whose `nvidia-smi` fails (the Deep Learning
+    AMIs have it). A fresh driver loads at the next boot: the step reboots the node, waits for
+    it to answer again with its pinned host key (up to `reboot_wait_s`), and checks
+    `nvidia-smi` there; the bootstrap goes on over the new connection."""
+
+    name = "nvidia-driver"
+    timeout = 1800
+
+    def check(self, conn: Conn) -> bool:
+        return self.ctx.node.gpus == 0 or succeeds(conn, "nvidia-smi -L")
+
+    def apply(self, conn: Conn) -> None:
+        if not self.ctx.plan.install_drivers:
+            raise CommandFailed(
+                f"the node should offer {self.ctx.node.gpus} GPUs but `nvidia-smi -L` fails; "
+                "sparknet installs no driver on a machine of yours: install the NVIDIA driver "
+                "there, or set bootstrap: gpus_per_node: 0",
+                [],
+            )
+        s = self.ctx.sudo
+        apt = f"{s}env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300"
+        self.run(
+            conn,
+            f"{apt} update -qq && {apt} install -y -qq ubuntu-drivers-common"
+            f" && {s}ubuntu-drivers install --gpgpu",
+        )
+        if succeeds(conn, "nvidia-smi -L"):
+            return  # loaded without a reboot
+        self.reboot(conn)
+        try:
+            self.run(conn, "nvidia-smi -L")
+        except ConnectionLost as exc:  # not the driver's fault: the node went away again
+            raise CommandFailed(
+                f"the node rebooted to load the NVIDIA driver and answered, then its SSH "
+                f"connection was lost before nvidia-smi could be checked ({exc.what}); run the "
+                "bootstrap again once it answers",
+                exc.tail,
+            ) from None
+        except CommandFailed as exc:
+            raise CommandFailed(
+                "installed the NVIDIA driver and rebooted, but nvidia-smi still fails: the "
+                "driver does not load on this node (its `dmesg` says why); launch it from an "
+                "image with the driver (the Deep Learning AMI)",
+                exc.tail,
+            ) from None
+
+    def reboot(self, conn: Conn) -> None:
+        """Reboot the node and give `conn` a connection to it once it is back (`nodes.
+        reconnect_after_restart`): a new boot id, the same pinned host key."""
+        access = self.ctx.access
+        if access is None or not isinstance(conn, fabric.Connection):
+            raise CommandFailed(
+                "installed the NVIDIA driver, but nvidia-smi fails until the node reboots: "
+                "reboot it, then run the bootstrap again",
+                [],
+            )
+        wait = reboot_wait_s()
+        before = self.run(conn, BOOT_ID, timeout=60).strip()
+        s = self.ctx.sudo
+        command = f"{s}systemctl reboot" if self.ctx.facts.systemd else f"{s}shutdown -r now"
+        try:
+            self.run(conn, command, timeout=60)
+        except CommandFailed as exc:
+            # the node going down under it counts as sent: the connection dropped (no exit
+            # status came) or no answer in time; an exit code over a live connection does not
+            refused = exc.what.startswith("exited ") and exc.what != "exited -1"
+            if refused and conn.is_connected:
+                raise CommandFailed(
+                    f"`{command}` {exc.what}: the node did not reboot to load the NVIDIA driver",
+                    exc.tail,
+                ) from None
+
+        def restarted(fresh: fabric.Connection) -> bool:
+            try:
+                return run(fresh, BOOT_ID, timeout=60).strip() not in ("", before)
+            except ConnectionLost:
+                raise  # the old sshd going down under it: not back yet
+            except CommandFailed as exc:  # it answers: say so, and what failed
+                last = f": {exc.tail[-1].strip()}" if exc.tail else ""
+                raise CommandFailed(
+                    f"it answers, but `{BOOT_ID}` {exc.what}{last}", exc.tail
+                ) from None
+
+        try:
+            nodes.reconnect_after_restart(conn, self.ctx.node.endpoint, access, wait, restarted)
+        except nodes.NotBack as exc:
+            raise CommandFailed(
+                f"told to reboot to load the NVIDIA driver, the node was not back over SSH "
+                f"within {wait:g} s ({exc.why}); see its state and system log in the EC2 console, "
+                "then run the bootstrap again once it answers (or set "
+                f"{REBOOT_WAIT_ENV} to wait longer)",
+                [],
+            ) from None
+
+
+#: the .pth file that lets the node's venv see an existing env's packages (torch, CUDA)
+BASE_PTH = "_sparknet_base.pth"
+
+
+class PythonEnv(Step):
+    """The node's venv (`prefix`/venv) with a torch that imports (and sees the GPUs on a GPU
+    node). Over an existing env whose torch fits (`Plan.python_env`, else the AMI's PyTorch env):
+    a venv without packages of its own that sees that env's through a .pth file, so sparknet and
+    its pyspark never change the AMI's env. Else (or when the AMI's torch does not fit) a venv of
+    its own with torch from PyTorch's index for the driver's CUDA version."""
+
+    name = "python-env"
+    timeout = 1800
+
+    def _torch_fits(self, quick: bool = False) -> str:
+        """Python code that fails unless torch fits the node. `quick` on a node without GPUs
+        only finds torch (importing it takes seconds on every check; `apply` imports it)."""
+        if quick and not self.ctx.node.gpus:
+            return "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)"
+        cuda = "assert torch.cuda.is_available(), 'no GPU'; " if self.ctx.node.gpus else ""
+        return f"import torch; {cuda}print(torch.__version__)"
+
+    def check(self, conn: Conn) -> bool:
+        """A venv of its own, or one laid over today's base env, whose torch fits."""
+        n, base = self.ctx.node, self.ctx.base_env
+        made = f"[ -x {q(n.path('venv', 'bin', 'pip'))} ]"
+        if base:
+            line = q(self._base_line(conn, base))
+            made = f"{{ {made} || grep -qxF {line} {self._site(n.python)}/{BASE_PTH}; }}"
+        fits = f"{q(n.python)} -c {q(self._torch_fits(quick=True))}"
+        return succeeds(conn, f"{made} && {fits}", timeout=120)
+
+    @staticmethod
+    def _site(python: str) -> str:
+        return f"$({q(python)} -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')"
+
+    def _base_line(self, conn: Conn, base: str) -> str:
+        """The .pth line that adds `base`'s site-packages (and runs its .pth files)."""
+        site = self.run(conn, f"echo {self._site(base + '/bin/python')}").strip()
+        return f"import site; site.addsitedir({site!r})"
+
+    def apply(self, conn: Conn) -> None:
+        n, base = self.ctx.node, self.ctx.base_env
+        if base:
+            python = f"{base}/bin/python"
+            if succeeds(conn, f"{q(python)} -c {q(self._torch_fits())}", timeout=120):
+                line = self._base_line(conn, base)
+                self.run(
+                    conn,
+                    f"rm -rf {q(n.venv)} && {q(python)} -m venv --without-pip {q(n.venv)}"
+                    f" && echo {q(line)} > {self._site(n.python)}/{BASE_PTH}",
+                )
+                return
+            if self.ctx.plan.python_env:  # asked for, so not silently replaced
+                raise CommandFailed(f"{base} has no torch that fits this node", [])
+        index = torch_index_url(self._driver_cuda(conn) if n.gpus else None)
+        own = f"{q(n.python)} -m pip -q --disable-pip-version-check"
+        self.run(
+            conn,
+            f"rm -rf {q(n.venv)} && python3 -m venv {q(n.venv)}"
+            f" && {own} install torch torchvision --index-url {q(index)}"
+            f" && {q(n.python)} -c {q(self._torch_fits())}",
+        )
+
+    def _driver_cuda(self, conn: Conn) -> str | None:
+        """The highest CUDA version the driver runs, as `nvidia-smi` prints it."""
+        match = re.search(r"CUDA Version:\s*([\d.]+)", self.run(conn, "nvidia-smi"))
+        return match.group(1) if match else None
+
+
+class Pyspark(Step):
+    """The submitter's pyspark version in the node's venv (its own copy over a base env with
+    another version): driver and executors must run one Spark."""
+
+    name = "pyspark"
+    timeout = 900
+
+    def check(self, conn: Conn) -> bool:
+        code = "import importlib.metadata as m; print(m.version('pyspark'))"
+        try:
+            have = self.run(conn, f"{q(self.ctx.node.python)} -c {q(code)}").strip()
+        except CommandFailed:
+            return False
+        return have == self.ctx.plan.pyspark_version
+
+    def apply(self, conn: Conn) -> None:
+        version = self.ctx.plan.pyspark_version
+        self.run(conn, f"{self.ctx.pip(conn)} install {q('pyspark==' + version)}")
+
+
+#: the file in the node's venv that records the digest of the sparknet wheel installed there
+WHEEL_MARK = "sparknet-wheel.sha256"
+
+
+#: Python code that fails unless every package sparknet requires is installed (by name: the
+#: versions are the env's; importing them all would take seconds on every bootstrap)
+DEPENDENCIES_THERE = """
+import importlib.metadata as m, re, sys
+missing = []
+for req in m.requires("sparknet") or []:
+    if "extra ==" in req:
+        continue
+    name = re.split(r"[ ;<>=!~\\[(]", req, maxsplit=1)[0]
+    try:
+        m.distribution(name)
+    except m.PackageNotFoundError:
+        missing.append(name)
+sys.exit(f"missing: {' '.join(missing)}" if missing else 0)
+"""
+
+
+class SparknetWheel(Step):
+    """The sparknet wheel built from the submitter's checkout, so the nodes run exactly the
+    submitter's code. Done when the venv's sparknet has the wheel's version and the recorded
+    digest is the wheel's."""
+
+    name = "sparknet"
+    timeout = 900
+
+    def check(self, conn: Conn) -> bool:
+        n, wheel = self.ctx.node, self.ctx.plan.wheel
+        code = (
+            "import importlib.metadata as m, importlib.util as u, sys; "
+            "print(m.version('sparknet'), u.find_spec('sparknet').origin.startswith(sys.prefix))"
+        )
+        mark = q(n.path("venv", WHEEL_MARK))
+        try:
+            out = self.run(conn, f"{q(n.python)} -c {q(code)} && cat {mark}", timeout=60)
+        except CommandFailed:
+            return False
+        return out.split() == [wheel.version, "True", wheel.digest]
+
+    def apply(self, conn: Conn) -> None:
+        n, wheel = self.ctx.node, self.ctx.plan.wheel
+        remote = n.path("dist", wheel.path.name)
+        upload(conn, wheel.path.read_bytes(), remote, 0o644)
+        pip = self.ctx.pip(conn)
+        self.run(conn, f"{pip} install --no-deps --force-reinstall {q(remote)}")
+        # sparknet's dependencies: already there over the AMI's env or the test venv; a node
+        # that lacks some gets them from the index (pip leaves satisfied ones alone)
+        if not succeeds(conn, f"{q(n.python)} -c {q(DEPENDENCIES_THERE)}", timeout=120):
+            self.run(conn, f"{pip} install {q(remote)}")
+        self.run(conn, f"echo {q(wheel.digest)} > {q(n.path('venv', WHEEL_MARK))}")
+
+
+def sha256_hex(text: str) -> str:
+    """The SHA-256 of `text` (UTF-8) in hex: what stamps and conf checks compare."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def conf_files(ctx: Context) -> dict[str, tuple[str, int]]:
+    """The files of the node's conf dir: name -> (text, mode)."""
+    n = ctx.node
+    script = n.path("conf", "gpus.sh")
+    files = {
+        "spark-defaults.conf": (
+            spark_defaults(ctx.plan.secret, n.python, n.gpus, script if n.gpus else None),
+            0o600,
+        )
+    }
+    if n.gpus:
+        files["gpus.sh"] = (GPU_DISCOVERY_SCRIPT, 0o700)
+    return files
+
+
+#: the .pth file in the node's venv that points Spark at the node's conf dir
+CONF_PTH = "_sparknet_spark_conf.pth"
+
+
+def conf_pth(node: Node) -> str:
+    """A .pth line that gives every Python of the node's venv SPARK_CONF_DIR (unless set), so a
+    driver started there (`sparknet train --master spark://...` on the master) reads the
+    cluster's spark-defaults.conf, and with it the secret, with nothing on its command line."""
+    conf = node.path("conf")
+    return f"import os; os.environ.setdefault('SPARK_CONF_DIR', {conf!r})\n"
+
+
+class SparkConf(Step):
+    """spark-defaults.conf (the secret, security settings, GPUs; mode 0600) and the GPU discovery
+    script, streamed as files into conf/ (0700): the secret is never on a command line. And the
+    venv's .pth that points its Pythons at conf/."""
+
+    name = "spark-conf"
+
+    def files(self, conn: Conn) -> dict[str, tuple[str, int]]:
+        """Remote path -> (text, mode) of every file this step writes."""
+        n = self.ctx.node
+        out = {n.path("conf", name): v for name, v in conf_files(self.ctx).items()}
+        site = self.run(conn, f"echo {PythonEnv._site(n.python)}").strip()
+        out[f"{site}/{CONF_PTH}"] = (conf_pth(n), 0o644)
+        return out
+
+    def check(self, conn: Conn) -> bool:
+        try:
+            files = self.files(conn)
+            have = self.run(
+                conn,
+                "; ".join(f"echo $(sha256sum {q(p)}) $(stat -c %a {q(p)})" for p in sorted(files)),
+            )
+        except CommandFailed:
+            return False
+        want = [f"{sha256_hex(text)} {p} {mode:o}" for p, (text, mode) in sorted(files.items())]
+        return [" ".join(line.split()) for line in have.splitlines()] == want
+
+    def apply(self, conn: Conn) -> None:
+        for path, (text, mode) in self.files(conn).items():
+            upload(conn, text.encode(), path, mode)
+
+
+#: the install and configuration steps, in order (every node)
+PREPARE: tuple[type[Step], ...] = (
+    Dirs,
+    OsPackages,
+    NvidiaDriver,
+    PythonEnv,
+    Pyspark,
+    SparknetWheel,
+    SparkConf,
+)

@@ -1,0 +1,294 @@
+"""A submit's job as given (the cluster, the data, the training settings) and everything checked
+before anything is launched: the dataset, the run prefix, the cluster's name and GPU counts,
+what `sparknet train` itself checks, and the settings the driver will run with.
+
+Separate from the flow because these checks cost nothing and launch nothing: the flow runs
+them first and only then brings a cluster up, starts the driver and follows it."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sparknet.cluster import address, lifecycle, nodes, provider, sparkops
+from sparknet.cluster.aws import instances
+from sparknet.cluster.spark import steps
+from sparknet.cluster.spark.plan import Node
+from sparknet.cluster.spec import ClusterSpec
+from sparknet.config import DatasetEntry, TrainConfig
+from sparknet.data.s3 import S3Uri
+from sparknet.data.store import open_store
+from sparknet.errors import SparknetError
+from sparknet.jobs.driver import Master, master_of
+from sparknet.jobs.follow import reconnect_s
+from sparknet.jobs.supervisor import DEFAULT_MAX_RESTARTS
+
+if TYPE_CHECKING:
+    from sparknet.data.sources import Source
+
+
+class PreflightFailed(SparknetError):
+    """Something the job needs is missing before anything was launched (exit 2)."""
+
+
+# --- what the job runs on (pure) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Where the job's data is: an s3:// URI and the S3 endpoint to reach it (None: AWS)."""
+
+    uri: str
+    endpoint_url: str | None = None
+
+
+def resolve_dataset(
+    text: str, datasets: Mapping[str, DatasetEntry], endpoint_url: str | None = None
+) -> Dataset:
+    """`--s3`: a `datasets:` name or an s3:// URI; a cluster reads only S3, so a name whose
+    entry is a local directory is refused, as is an unknown name (the line lists the known).
+    A bare URI is reached through `endpoint_url` (`--endpoint-url`: EC2's and S3's); a name
+    through its entry's own."""
+    if text.startswith("s3://"):
+        S3Uri.parse(text)
+        return Dataset(text.rstrip("/"), endpoint_url)
+    entry = datasets.get(text)
+    if entry is None:
+        known = ", ".join(sorted(datasets)) or "none"
+        raise PreflightFailed(
+            f"--s3 {text}: no such dataset in datasets: (known: {known}); give a name from "
+            "sparknet.yaml's datasets: or an s3://bucket/prefix"
+        )
+    if not entry.uri.startswith("s3://"):
+        raise PreflightFailed(
+            f"--s3 {text}: datasets.{text} is {entry.uri}, not on S3; a cluster reads its data "
+            "from S3 (`sparknet data upload` puts it there)"
+        )
+    return Dataset(entry.uri.rstrip("/"), entry.endpoint_url)
+
+
+def new_run_id(now: float | None = None) -> str:
+    """A run id unique per submit and sortable by time: UTC time plus 16 random bits."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    return f"{stamp}-{secrets.token_hex(2)}"
+
+
+def run_prefix(bucket: str, cluster: str, run_id: str, runs_prefix: str = "runs/") -> str:
+    """`s3://BUCKET/RUNS_PREFIX/CLUSTER/RUN/` (the cluster's `cluster_runs_prefix` plus the run):
+    where the driver writes everything of the run, the only prefix its nodes may write."""
+    return f"s3://{bucket}/{runs_prefix}{cluster}/{run_id}/"
+
+
+def runs_bucket(spec: ClusterSpec, dataset: Dataset, reused: bool = False) -> str:
+    """The cluster's `bucket:`, where the node role reads `data_prefix` and writes the cluster's
+    runs prefix (without one the role has no S3 access at all, so a cluster made for the job
+    would fail only once up and paid for); the dataset must be under its data prefix. A reused
+    cluster without one: the dataset's bucket (what it was given when it was made); so for a
+    static cluster, whose hosts reach S3 with their own credentials, not a role of sparknet's."""
+    if spec.bucket is None:
+        if reused or provider.is_static(spec):
+            return S3Uri.parse(dataset.uri).bucket
+        raise PreflightFailed(
+            f"cluster {spec.name} has no `bucket:` in its settings: its nodes could read no data "
+            f"and write no run; set clusters.{spec.name}.bucket (the dataset's bucket)"
+        )
+    data = f"s3://{spec.bucket}/{spec.data_prefix}"
+    if not f"{dataset.uri}/".startswith(data):
+        raise PreflightFailed(
+            f"dataset {dataset.uri} is outside {data}, the only data cluster {spec.name}'s nodes "
+            f"may read; upload it there (`sparknet data upload`) or set clusters.{spec.name}'s "
+            "bucket and data_prefix"
+        )
+    return spec.bucket
+
+
+# --- preflight: nothing is launched before these pass ------------------------------------------
+
+
+def check_dataset(dataset: Dataset, cfg: TrainConfig | None = None) -> Source:
+    """`sparknet train`'s own checks of a shard dataset before Spark starts (`shard_source`):
+    the manifest reads, every shard it lists is there with the manifest's size (a HEAD each,
+    in parallel), the train split has samples. The source, for `check_training`."""
+    # sources imports torch: only once a submit checks its data, not for `--help`
+    from sparknet.data.sources import shard_source
+
+    try:
+        return shard_source(dataset.uri, cfg or TrainConfig(), dataset.endpoint_url)
+    except SparknetError as exc:
+        line = first_line(exc)
+        if not line.startswith(f"dataset {dataset.uri}"):
+            line = f"dataset {dataset.uri}: {line}"
+        raise PreflightFailed(line) from exc
+
+
+def planned_master(job: Job) -> Master:
+    """The cluster's Spark as the job will find it, known before anything is launched: a
+    reused cluster's own; a cluster to make: its master and `workers` instances (a static
+    one: its hosts), each with its type's GPUs (`bootstrap.gpus_per_node` when set). A static
+    host's GPUs are known only once it is reached: counted as none here, so its task count is
+    the least the job can get (one per host)."""
+    spec = job.spec
+    if job.reused:
+        return master_of(spec, job.endpoint_url)
+    gpus = spec.bootstrap.gpus_per_node
+    if provider.is_static(spec):
+        count = len(spec.hosts)
+    else:
+        count = spec.workers + 1  # the master runs a Spark worker too
+        if gpus is None:
+            check_gpu_counts(spec, job.endpoint_url)  # one count for every type, or refused
+            ec2 = instances.ec2_client(spec.region, job.endpoint_url)
+            gpus = sparkops.instance_gpus(ec2, [spec.master_type])[spec.master_type]
+    planned = Node(address.Endpoint("master", "planned", 22, "-"), "planned", "-", gpus or 0)
+    return Master(planned, None, f"spark://planned:{spec.bootstrap.master_port}", count)  # type: ignore[arg-type]
+
+
+def check_training(job: Job, source: Source, prefix: str) -> None:
+    """What `sparknet train` checks before Spark starts (`problem.prepare`: the model by name
+    and on a sample of the data, the Spark tasks against the train shards and samples), on
+    the job's settings as the cluster will run them (`job_config` on `planned_master`)."""
+    from sparknet.training.problem import prepare  # torch: only here
+
+    cfg = job_config(job.cfg, job.dataset, prefix, planned_master(job), job.spec.name)
+    try:
+        prepare(cfg, source)
+    except SparknetError as exc:
+        raise PreflightFailed(first_line(exc)) from exc
+
+
+def check_writable(prefix: str, endpoint_url: str | None) -> None:
+    """Write, then delete, a probe object under the run prefix."""
+    store = open_store(prefix, endpoint_url)
+    probe = f".sparknet-probe-{secrets.token_hex(4)}"
+    try:
+        store.write_bytes(probe, b"")
+        store.delete([probe])
+    except SparknetError as exc:
+        raise PreflightFailed(f"run prefix {prefix} is not writable: {first_line(exc)}") from exc
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of the message, else the type."""
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+
+
+# --- the cluster --------------------------------------------------------------------------------
+
+
+def reuse(spec: ClusterSpec, endpoint_url: str | None) -> None:
+    """`--cluster NAME`: it must exist and its master run (a static one: be up here), else one
+    line and nothing launched."""
+    try:
+        provider.check_running(spec, endpoint_url)
+    except lifecycle.ClusterNotFound as exc:
+        raise PreflightFailed(
+            f"--cluster {spec.name}: {first_line(exc)}, or leave out --cluster to make a "
+            "new cluster"
+        ) from exc
+
+
+def check_name_free(spec: ClusterSpec, endpoint_url: str | None) -> None:
+    """A submit that makes its cluster (no --cluster) must not find one of that name already
+    there: `up` would take it over and the teardown after the job would end it, and the jobs
+    on it with it."""
+    if provider.in_use(spec, endpoint_url):
+        raise PreflightFailed(
+            f"cluster {spec.name} already runs; pass --cluster {spec.name} to reuse it, "
+            "or --name NEW to make another"
+        )
+
+
+def check_gpu_counts(spec: ClusterSpec, endpoint_url: str | None) -> None:
+    """A cluster to make whose master type and worker types have different GPU counts is
+    refused before launch (see `node_gpus`); `bootstrap.gpus_per_node` sets one for all. A
+    static cluster's hosts are counted once they are reached (`master_of`)."""
+    if spec.bootstrap.gpus_per_node is not None or provider.is_static(spec):
+        return
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    counts = sparkops.instance_gpus(ec2, [spec.master_type, *spec.instance_types])
+    if len(set(counts.values())) > 1:
+        raise PreflightFailed(_mixed(spec.name, counts))
+
+
+def node_gpus(name: str, master: Master) -> int:
+    """The GPUs of every Spark worker node (the master's included: it runs one too), which
+    must be one count: a job runs `gpus_per_worker` tasks on each, so a node with fewer would
+    place none and one with more would leave GPUs idle."""
+    counts = set(master.gpus or (master.node.gpus,))
+    if len(counts) > 1:
+        raise PreflightFailed(_mixed(name, {f"node {k}": g for k, g in enumerate(master.gpus)}))
+    return counts.pop()
+
+
+def _mixed(name: str, counts: Mapping[str, int]) -> str:
+    listed = ", ".join(f"{k}: {v}" for k, v in counts.items())
+    return (
+        f"cluster {name}'s nodes have different GPU counts ({listed}); every node runs a Spark "
+        "worker with the same number of tasks: give master_type and instance_types the same "
+        "GPU count, or set bootstrap.gpus_per_node"
+    )
+
+
+# --- the job and its settings on the cluster ---------------------------------------------------
+
+
+def job_config(
+    cfg: TrainConfig, dataset: Dataset, prefix: str, master: Master, name: str = "cluster"
+) -> TrainConfig:
+    """The job's settings as the driver runs them: the data, the run prefix, the cluster's Spark
+    master and GPUs (its Spark worker nodes', one count: `node_gpus`), and one Spark task per
+    worker GPU (per worker node without GPUs) unless the user chose `workers`."""
+    gpus = node_gpus(name, master)
+    update: dict[str, Any] = {
+        "data": dataset.uri, "out": prefix.rstrip("/"), "master": master.spark_url,
+        "gpus_per_worker": gpus,
+    }  # fmt: skip
+    if dataset.endpoint_url:
+        update["endpoint_url"] = dataset.endpoint_url
+    if "workers" not in cfg.model_fields_set:
+        update["workers"] = master.nodes * max(1, gpus)
+    return TrainConfig(**{**cfg.model_dump(), **update})
+
+
+@dataclass(frozen=True)
+class Job:
+    """One submit: the cluster (reused or to make), the data, the training settings."""
+
+    spec: ClusterSpec
+    reused: bool
+    keep: bool
+    dataset: Dataset
+    cfg: TrainConfig
+    endpoint_url: str | None = None
+    runs_dir: Path = Path("runs")
+    #: restarts of a driver that dies (`sparknet.jobs.supervisor`); 0: never
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    #: return once the driver runs (no follow, no teardown: the master's autostop ends a
+    #: cluster this submit made once the job is over and no submitter is attached)
+    detach: bool = False
+
+
+def preflight(job: Job) -> tuple[str, str]:
+    """Everything that costs nothing, in order; (run id, run prefix)."""
+    try:  # a bad setting of the SSH deadlines fails now, not once the job runs
+        reconnect_s(), nodes.silence_s(), steps.reboot_wait_s()
+    except SparknetError as exc:
+        raise PreflightFailed(str(exc)) from exc
+    source = check_dataset(job.dataset, job.cfg)
+    if job.reused:
+        reuse(job.spec, job.endpoint_url)
+    run_id = new_run_id()
+    bucket = runs_bucket(job.spec, job.dataset, job.reused)
+    prefix = run_prefix(bucket, job.spec.name, run_id, job.spec.runs_prefix)
+    check_writable(prefix, job.dataset.endpoint_url)
+    if not job.reused:
+        try:
+            provider.check_launch(job.spec, job.endpoint_url)
+        except SparknetError as exc:
+            raise PreflightFailed(str(exc)) from exc
+    check_training(job, source, prefix)
+    return run_id, prefix

@@ -1,0 +1,200 @@
+"""The package's layers, read from the source with `ast`: no two modules import each other
+(directly or round a longer loop), and an import only goes down, never up or sideways between
+parts. Imports inside functions count the same: they may defer a slow or optional import (torch,
+pyspark), never hide a cycle. `if TYPE_CHECKING:` imports are left out (never run)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "sparknet"
+
+#: parts of the package, bottom first; a module imports only parts of a lower layer, or its own
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors",),  # the ground floor: errors, signals, clients
+    ("interrupts", "imports", "spark_security"),
+    ("aws",),
+    ("data", "models"),
+    ("config",),
+    ("training", "cluster"),  # they meet in jobs and cli, never in each other
+    ("api", "bench", "jobs"),
+    ("cli", "__init__"),  # `sparknet.fit`: the package's public face, above the API it names
+)
+
+#: `cluster/` inside, bottom first: what a cluster is and where its record is kept, reaching a
+#: node, EC2, Spark on the nodes, then what runs a cluster's life (over both providers)
+CLUSTER_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("address",),
+    ("spec",),
+    ("registry",),
+    ("nodes",),
+    ("seam", "sshkeys", "openssh"),
+    ("remote",),
+    ("aws",),
+    ("spark",),
+    ("inventory", "sparkops"),
+    ("ami", "lifecycle", "markers"),
+    ("static",),
+    ("provider",),
+    ("repair",),
+)
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imported(module: str, node: ast.Import | ast.ImportFrom, package: bool) -> Iterator[str]:
+    """The dotted names an import statement may reach, most precise first for each name
+    (`from a import b`: `a.b`, which is a module or else an attribute of `a`, then `a`)."""
+    if isinstance(node, ast.Import):
+        yield from (alias.name for alias in node.names)
+        return
+    base = node.module or ""
+    if node.level:
+        here = module.split(".") if package else module.split(".")[:-1]
+        here = here[: len(here) - node.level + 1]
+        base = ".".join([*here, base] if base else here)
+    for alias in node.names:
+        yield f"{base}.{alias.name}"
+
+
+def _statements(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, at any depth, but those under `if TYPE_CHECKING:`."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from (s for other in node.orelse for s in _statements(other))
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        yield from _statements(node)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package's modules it imports."""
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in known.items():
+        targets = set()
+        for node in _statements(ast.parse(path.read_text(), str(path))):
+            for name in _imported(module, node, path.name == "__init__.py"):
+                while name and name not in known:
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        component.append(top)
+                        if top == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def _rank(name: str, layers: tuple[tuple[str, ...], ...]) -> int | None:
+    return next((i for i, layer in enumerate(layers) if name in layer), None)
+
+
+def place(module: str) -> tuple[str, int | None]:
+    """(part, layer) of a module: its top-level part and that part's layer; inside `cluster/`,
+    the cluster's own part and layer, as `cluster.<part>`."""
+    parts = module.split(".")[1:] or ["__init__"]
+    if parts[0] == "cluster" and len(parts) > 1:
+        return f"cluster.{parts[1]}", _rank(parts[1], CLUSTER_LAYERS)
+    return parts[0], _rank(parts[0], LAYERS)
+
+
+def wrong_way(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that go up a layer or sideways between two parts of one layer."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if target == "sparknet.cluster" or module == "sparknet.cluster":
+                continue  # the package's empty __init__
+            (part, rank), (to_part, to_rank) = place(module), place(target)
+            inside = part.startswith("cluster.") and to_part.startswith("cluster.")
+            if not inside and (part.startswith("cluster.") or to_part.startswith("cluster.")):
+                part, to_part = part.partition(".")[0], to_part.partition(".")[0]
+                rank, to_rank = _rank(part, LAYERS), _rank(to_part, LAYERS)
+            if part == to_part:
+                continue
+            if rank is None or to_rank is None or to_rank >= rank:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_every_part_has_a_layer():
+    """A new part of the package is placed in `LAYERS` (or `CLUSTER_LAYERS`) before it lands."""
+    unplaced = sorted({place(m)[0] for m in modules() if place(m)[1] is None} - {"cluster"})
+    assert not unplaced, f"add these to a layer: {unplaced}"
+
+
+def test_no_two_modules_import_each_other():
+    assert cycles(import_graph()) == []
+
+
+def test_imports_go_down_only():
+    assert wrong_way(import_graph()) == []
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_import():
+    """The checks on a made-up graph: they would see what they are meant to."""
+    graph = {
+        "sparknet.errors": {"sparknet.cli"},
+        "sparknet.cli": {"sparknet.errors"},
+        "sparknet.training.a": {"sparknet.cluster.spec"},
+        "sparknet.cluster.spec": {"sparknet.cluster.nodes"},
+        "sparknet.cluster.nodes": set(),
+    }
+    assert cycles(graph) == [["sparknet.cli", "sparknet.errors"]]
+    assert wrong_way(graph) == [
+        "sparknet.cluster.spec -> sparknet.cluster.nodes",
+        "sparknet.errors -> sparknet.cli",
+        "sparknet.training.a -> sparknet.cluster.spec",
+    ]
