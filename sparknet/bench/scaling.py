@@ -90,6 +90,8 @@ class Costs:
     S_by_k: dict[int, float]
     #: C is the slope over tau (else compute over steps: one tau, or a slope lost in noise)
     C_is_slope: bool = True
+    #: the K whose S is its rounds' own time outside the steps (the model's S came out <= 0)
+    S_direct: tuple[int, ...] = ()
 
     @property
     def S_workers(self) -> int:
@@ -177,7 +179,9 @@ def round_overhead(runs: Sequence[Measured], C: float) -> float:
 def measure_costs(runs: Sequence[Measured]) -> Costs:
     """C from the runs with one worker (`step_slope`, else `per_step` where there is no slope
     or it leaves a K a sync of no time); S at each measured K from its own runs
-    (`round_overhead`), and for the K not measured the largest measured K's (2 here)."""
+    (`round_overhead`), and for the K not measured the largest measured K's (2 here). A K
+    whose S is still not above zero (K=1's steps slowed by a busy machine more than that K's
+    were) takes the mean of its rounds' own time outside the steps: measured, not modelled."""
     single = [m for m in runs if m.workers == 1]
     ks = sorted({m.workers for m in runs})
 
@@ -192,7 +196,11 @@ def measure_costs(runs: Sequence[Measured]) -> Costs:
         if min(by_k.values()) > 0:
             return Costs(slope, by_k)
     C = per_step(single)
-    return Costs(C, overheads(C), C_is_slope=False)
+    by_k = overheads(C)
+    direct = tuple(k for k, s in by_k.items() if s <= 0)
+    for k in direct:
+        by_k[k] = statistics.fmean(s for m in runs if m.workers == k for s in m.sync_s)
+    return Costs(C, by_k, C_is_slope=False, S_direct=direct)
 
 
 def grid(
@@ -310,7 +318,14 @@ def model_notes(costs: Costs, cores: int, measured_ks: Sequence[int], rounds: in
         f"broadcast, load, send back, average; and a round's fixed overhead) over the "
         f"K={costs.S_workers} runs; at each measured K its own runs' ({by_k}); taken as the "
         "same for every larger K (on a cluster a sync grows with K, with the tree sum's depth "
-        "or the ring's steps: there the prediction for large K is a lower bound)",
+        "or the ring's steps: there the prediction for large K is a lower bound)"
+        + (
+            f"; at K={', '.join(map(str, costs.S_direct))} the rounds' own time outside the "
+            "steps (a round less tau x C came out <= 0: the K=1 steps were slowed by a busy "
+            "machine)"
+            if costs.S_direct
+            else ""
+        ),
         f"local SGD: predicted_s = rounds x (tau x C + S) for {rounds} rounds; naive parallel "
         "SGD for the same samples: rounds x K x tau steps x (C/K + S); speedups are over one "
         "worker taking those minibatches one after the other (K x tau x C a round)",

@@ -44,3 +44,17 @@ def test_a_slope_that_leaves_a_k_no_sync_falls_back_to_compute_over_steps():
     assert not costs.C_is_slope
     assert pytest.approx(0.024 / 6) == costs.C
     assert costs.S_by_k == pytest.approx({1: 0.025 - 1.5 * 0.004, 2: 0.035 - 1.5 * 0.004})
+
+
+def test_a_k_left_no_sync_by_either_c_takes_its_rounds_time_outside_the_steps():
+    """K=1's steps slowed by a busy machine (compute 46 ms a step) and K=2's rounds shorter
+    than tau steps of that (the run CI refused with S=-2.3 ms): K=2's S is its rounds' own
+    time outside the steps, and C stays compute over steps."""
+    runs = [_run(1, 1, [0.060] * 2, [0.046] * 2), _run(1, 2, [0.100] * 2, [0.092] * 2)]
+    runs += [_run(2, 1, [0.040] * 2, [0.030] * 2), _run(2, 2, [0.080] * 2, [0.070] * 2)]
+    costs = measure_costs(runs)
+    assert not costs.C_is_slope
+    assert pytest.approx(0.046) == costs.C
+    assert costs.S_direct == (2,)
+    assert costs.S_by_k == pytest.approx({1: 0.011, 2: 0.010})
+    assert costs.S > 0
