@@ -168,15 +168,23 @@ def standalone(moto_endpoint, tmp_path_factory) -> Standalone:
 #: once; every other module is a unit of its own, so a module-scoped fixture (a Terraform apply,
 #: a built wheel) is made once
 STANDALONE_MODULES = frozenset(
-    f"tests/integration/test_{name}.py"
-    for name in ("standalone", "spark_submit", "run_dir_s3", "bench_distributor")
+    (
+        "tests/training/test_standalone.py",
+        "tests/training/test_spark_submit.py",
+        "tests/training/test_run_dir_s3.py",
+        "tests/bench/test_bench_distributor.py",
+    )
 )
 
 
 #: integration modules of several minutes each (clusters brought up and trained on): started
 #: first, so that none of them begins late and becomes the suite's tail
 LONG_MODULES = frozenset(
-    f"tests/integration/test_{name}.py" for name in ("submit", "submit_detach", "cluster_bootstrap")
+    (
+        "tests/jobs/test_submit.py",
+        "tests/jobs/test_submit_detach.py",
+        "tests/cluster/test_cluster_bootstrap.py",
+    )
 )
 
 
@@ -205,8 +213,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     """A test that uses the standalone cluster outside STANDALONE_MODULES would start a second
     cluster in the other test process: refused. In each test process the units run longest first
     (the scheduler hands them out in collection order): the standalone unit, the long
-    integration modules, the other integration modules, then the unit tests, which fill the
-    gaps at the end."""
+    integration modules, the other integration modules (marked `integration`), then the quick
+    tests, which fill the gaps at the end."""
     strays = sorted(
         {i.nodeid.split("::")[0] for i in items if "standalone" in i.fixturenames}
         - STANDALONE_MODULES
@@ -221,7 +229,7 @@ def pytest_collection_modifyitems(config, items) -> None:
                 return 0
             if unit in LONG_MODULES:
                 return 1
-            return 2 if item.nodeid.startswith("tests/integration/") else 3
+            return 2 if item.get_closest_marker("integration") else 3
 
         items.sort(key=rank)
 

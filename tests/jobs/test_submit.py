@@ -1,0 +1,323 @@
+"""`sparknet-submit` end to end, as a user runs it (a subprocess): moto's server is the cloud,
+moto's instances are loopback sshd nodes (the seam of `seam.py`, as in
+test_cluster_bootstrap.py), the bootstrap starts a real Spark standalone cluster on them, and a
+tiny sharded dataset (40 small images) lies in moto's S3.
+
+Stand-in: an EC2 node reaches S3 through its instance role; the loopback nodes' SSH sessions get
+moto's endpoint and fake credentials instead (`SetEnv` in tests/sshd.py's sshd config), so the
+driver and executors on the master reach moto as a real node reaches S3. Product code copies no
+credentials anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import SPARKNET
+from tests.sshd import daemon_pids, loopback_cluster_entry
+
+pytestmark = pytest.mark.integration
+
+REGION = "us-east-1"
+AMI_PARAMETER = "/test/sparknet/submit-ami"
+SUBMIT = SPARKNET.with_name("sparknet-submit")
+ADDRESSES = {"master": "127.0.0.4", "worker-1": "127.0.0.5"}
+#: a job that learns nothing in particular, fast: 2 rounds of 1 step on 16x16 crops
+JOB = (
+    "--model", "cnn", "--image-size", "16", "--rounds", "2", "--tau", "1", "--batch-size", "4",
+    "--eval-every", "0", "--checkpoint-every", "1", "--seed", "0",
+)  # fmt: skip
+
+
+def _client(service: str):
+    import boto3
+
+    return boto3.client(service, region_name=REGION)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    from sparknet.data.shards import write_dataset
+    from tests.imagenet_tree import make_tree
+
+    tree = tmp_path_factory.mktemp("tree")
+    make_tree(tree, classes=4, train_per_class=8, val_per_class=2)
+    dest = tmp_path_factory.mktemp("shards")
+    write_dataset(tree, dest, shard_bytes=20_000, seed=0, processes=1)
+    return dest
+
+
+@pytest.fixture
+def dataset(shards, bucket) -> str:
+    """The shards under s3://BUCKET/tiny on moto; the URI."""
+    s3 = _client("s3")
+    for f in sorted(shards.iterdir()):
+        s3.upload_file(str(f), bucket, f"tiny/{f.name}")
+    return f"s3://{bucket}/tiny"
+
+
+@pytest.fixture
+def settings(moto_endpoint, dataset, bucket, tmp_path, monkeypatch):
+    """./sparknet.yaml (cwd tmp_path) with one `clusters:` entry (the dataset's bucket, its data
+    prefix `tiny/`) and the dataset `tiny`; the registry under tmp_path. The cluster name."""
+    from sparknet.cluster import registry
+
+    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
+    ami = _client("ec2").describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    _client("ssm").put_parameter(Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True)
+    name = f"s{uuid.uuid4().hex[:8]}"
+    entry = loopback_cluster_entry(REGION, AMI_PARAMETER, bucket=bucket, data_prefix="tiny/")
+    doc = {"clusters": {name: entry}, "datasets": {"tiny": {"uri": dataset}}}
+    (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump(doc))
+    return name
+
+
+def submit(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(SUBMIT), *args], cwd=cwd, env=os.environ.copy(), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def _live(name: str) -> list:
+    from sparknet.cluster.aws import instances
+
+    return [i for i in instances.find(_client("ec2"), name) if i.state != "terminated"]
+
+
+def _torn_down(name: str, root: Path) -> None:
+    """No instance of the cluster left, no Spark daemon alive on the nodes, no key pair."""
+    from sparknet.cluster.aws import keys
+
+    assert _live(name) == []
+    for pid in daemon_pids(root, ADDRESSES).values():
+        assert not Path(f"/proc/{pid}").exists()
+    pairs = _client("ec2").describe_key_pairs(
+        Filters=[{"Name": "key-name", "Values": [keys.key_pair_name(name)]}]
+    )["KeyPairs"]
+    assert pairs == []
+
+
+def _layout(group, name: str, root: Path) -> None:
+    layout = json.loads(group.file.read_text())
+    for node, address in ADDRESSES.items():
+        layout[f"{name}/{node}/node"] = {"address": address, "prefix": str(root / node)}
+    group.file.write_text(json.dumps(layout))
+
+
+class _Reference:
+    """`sparknet train` of the successful job without a cluster and without a kill: local Spark,
+    the same shards on moto, the same 2 partitions (submit's `workers`: one per Spark worker
+    node, the master's included) and the same 1 torch thread per task (the loopback workers
+    have 1 core each; a local task has spark.task.cpus = 1), and the transport `auto` picks on
+    the cluster (allreduce: a bit-exact comparison needs the same one). Run in the background
+    while the clusters come and go."""
+
+    def __init__(self, dataset: str, tmp_path: Path) -> None:
+        self.out = tmp_path / "reference"
+        cwd = tmp_path / "reference-cwd"
+        cwd.mkdir()
+        self.proc = subprocess.Popen(
+            [str(SPARKNET), "train", "--data", dataset, "--workers", "2", "--out", str(self.out),
+             *JOB, "--rounds", "4", "--transport", "allreduce"],
+            cwd=cwd, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+
+    def result(self, timeout: float) -> Path:
+        output, _ = self.proc.communicate(timeout=timeout)
+        assert self.proc.returncode == 0, output[-3000:]
+        return self.out
+
+
+def _kill_the_driver_after_round_1(
+    proc: subprocess.Popen, bucket: str, name: str, root: Path
+) -> tuple[str, str]:
+    """Once the job started and its round 1 row is in metrics.jsonl on moto, kill -9 the train
+    process on the loopback master (its pid file in the job dir); the run id, and the stderr
+    read until the job started."""
+    run_id = None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("job ") and " started on the master" in line:
+            run_id = line.split()[1]
+            break
+    assert run_id is not None, "the job did not start"
+    s3 = _client("s3")
+    deadline = time.monotonic() + 300
+    while True:
+        assert time.monotonic() < deadline and proc.poll() is None, "no round 1 on S3"
+        try:
+            body = s3.get_object(Bucket=bucket, Key=f"runs/{name}/{run_id}/metrics.jsonl")["Body"]
+            if any('"round"' in ln for ln in body.read().decode().splitlines()):
+                break
+        except s3.exceptions.NoSuchKey:
+            pass
+        time.sleep(0.5)
+    pid = int((root / "master" / "jobs" / run_id / "train.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    return run_id, "".join(seen)
+
+
+def _tensors(data: bytes) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """A safetensors file's tensors, exactly: dtype, shape and bytes by name."""
+    from safetensors.torch import load
+
+    return {k: (str(v.dtype), tuple(v.shape), v.numpy().tobytes()) for k, v in load(data).items()}
+
+
+@pytest.mark.slow
+def test_submit_trains_on_a_new_cluster_and_takes_it_down(
+    settings, dataset, moto_nodes, bucket, tmp_path
+):
+    name = settings
+    reference = _Reference(dataset, tmp_path)
+    group = moto_nodes(name, 1)
+    _layout(group, name, tmp_path)
+    with group.watch(_client("ec2")):
+        # a job that fails on the master (a Spark setting its driver refuses; an unknown model
+        # is refused before launch): non-zero, its error shown, torn down
+        bad = submit("--s3", "tiny", *JOB, "--conf", "spark.speculation=true", cwd=tmp_path)
+        assert bad.returncode == 1, bad.stderr[-3000:]
+        error = [ln for ln in bad.stderr.splitlines() if ln.startswith("error: ")]
+        assert len(error) == 1 and "failed:" in error[0], bad.stderr[-3000:]
+        assert "spark.speculation=true" in error[0], error
+        assert "Traceback" not in bad.stderr
+        _torn_down(name, tmp_path)
+    group.stop()  # terminated instances answer no more: the next cluster's nodes are new ones
+    for signum, code, how in ((signal.SIGTERM, 143, " (SIGTERM)"), (signal.SIGINT, 130, "")):
+        with group.watch(_client("ec2")):
+            # a signal to the submitter once the job runs: 128 + it, teardown done
+            proc = subprocess.Popen(
+                [str(SUBMIT), "--s3", "tiny", *JOB], cwd=tmp_path, env=os.environ.copy(),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            seen = []
+            for line in proc.stderr:
+                seen.append(line)
+                if line.startswith("job ") and " started on the master" in line:
+                    proc.send_signal(signum)
+                    break
+            _out, err = proc.communicate(timeout=300)
+            assert proc.returncode == code, "".join(seen) + err
+            assert f"error: interrupted{how}; teardown done" in err
+            # before the teardown the job was cancelled as `cancel` does, and waited for:
+            # marked, no exit code, its driver ended in order (no traceback in its log)
+            run = seen[-1].split()[1]
+            job = tmp_path / "master" / "jobs" / run
+            assert f"job {run} cancelled\n" in err, err
+            assert (job / "cancelled").exists() and not (job / "driver.rc").exists()
+            assert "Traceback" not in (job / "driver.log").read_text()
+            _torn_down(name, tmp_path)
+        group.stop()
+    with group.watch(_client("ec2")):
+        # the driver (the train process, not its supervisor) killed once round 1 is on S3: the
+        # job resumes from its last checkpoint (a later round's when rounds outran the poll)
+        # and ends as an uninterrupted run would
+        proc = subprocess.Popen(
+            [str(SUBMIT), "--s3", "tiny", *JOB, "--rounds", "4", "--max-restarts", "1"],
+            cwd=tmp_path, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        killed, before = _kill_the_driver_after_round_1(proc, bucket, name, tmp_path)
+        stdout, stderr = proc.communicate(timeout=600)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, before + stderr)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "bootstrapping 2 nodes" in done.stderr and "master: spark-master done" in done.stderr
+    # what the driver does before round 1, from its log on the master
+    assert "driver: starting Spark" in done.stderr, done.stderr[-3000:]
+    assert re.search(r"driver: round 1 \(2 executors registered", done.stderr), done.stderr[-3000:]
+    # one plain line per round (no TTY), each once though a round ran twice, the restart's
+    # line, then the summary
+    restarts = [ln for ln in done.stderr.splitlines() if ln.startswith("driver died")]
+    assert len(restarts) == 1, done.stderr[-3000:]
+    assert re.fullmatch(
+        r"driver died \(killed by SIGKILL\); restart 1/1 from (round [1-4]|the start)", restarts[0]
+    )
+    rounds = [ln for ln in done.stderr.splitlines() if ln.startswith("round ")]
+    assert [ln.split()[1] for ln in rounds] == ["1/4", "2/4", "3/4", "4/4"], done.stderr[-3000:]
+    assert all("samples/s" in ln and "cost $" in ln for ln in rounds)
+    out = dict(ln.split(": ", 1) for ln in done.stdout.splitlines() if ": " in ln)
+    run_id, prefix = out["run id"], out["run prefix"]
+    assert run_id == killed
+    assert prefix == f"s3://{bucket}/runs/{name}/{run_id}/"
+    assert 0.0 <= float(out["final accuracy"]) <= 1.0
+    assert out["estimated cost"].startswith("$")
+    keys = {
+        o["Key"][len(f"runs/{name}/{run_id}/") :]
+        for o in _client("s3").list_objects_v2(Bucket=bucket, Prefix=f"runs/{name}/{run_id}/")[
+            "Contents"
+        ]
+    }
+    assert {"model.safetensors", "metrics.jsonl", "config.yaml"} <= keys
+    assert {k.split("/")[1] for k in keys if k.startswith("checkpoints/")} >= {
+        f"round-{r:05d}" for r in (1, 2, 3, 4)
+    }
+    local = tmp_path / "runs" / run_id
+    assert (local / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    rows = [json.loads(r) for r in (local / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows if "round" in r] == [1, 2, 3, 4]
+    events = [r for r in rows if "event" in r]
+    assert [(e["event"], e["attempt"], e["reason"]) for e in events] == [
+        ("restart", 1, "killed by SIGKILL")
+    ]
+    # the same weights as an uninterrupted run with the same seed (local Spark, 2 partitions)
+    config = _client("s3").get_object(Bucket=bucket, Key=f"runs/{name}/{run_id}/config.yaml")
+    assert yaml.safe_load(config["Body"].read())["train"]["transport"] == "allreduce"
+    assert _tensors(_client("s3").get_object(
+        Bucket=bucket, Key=f"runs/{name}/{run_id}/model.safetensors")["Body"].read()
+    ) == _tensors((reference.result(timeout=600) / "model.safetensors").read_bytes())  # fmt: skip
+    # the driver ran detached on the master, in its job dir, and ended 0; it and the attached
+    # submitter kept the autostop timer's activity (the job's stamp goes as the job ends)
+    job = tmp_path / "master" / "jobs" / run_id
+    assert (job / "driver.rc").read_text().strip() == "0"
+    log = (job / "driver.log").read_text()
+    assert "round 4/4" in log and "driver died (killed by SIGKILL); restart 1/1" in log
+    activity = tmp_path / "master" / "autostop" / "activity"
+    assert any(p.name.startswith("submitter-") for p in activity.iterdir())
+    assert not (activity / f"job-{run_id}").exists()
+    assert activity.stat().st_mtime >= (job / "job.yaml").stat().st_mtime
+    _torn_down(name, tmp_path)
+
+
+def test_preflight_refusals_launch_nothing(settings, bucket, tmp_path):
+    """An unknown dataset name, a --cluster that does not exist and a missing shard: one line,
+    exit 2, no instance on moto, nothing in the runs prefix."""
+    name = settings
+    unknown = submit("--s3", "nope", *JOB, cwd=tmp_path, timeout=120)
+    assert unknown.returncode == 2, unknown.stderr
+    assert unknown.stderr.strip() == (
+        "error: --s3 nope: no such dataset in datasets: (known: tiny); give a name from "
+        "sparknet.yaml's datasets: or an s3://bucket/prefix"
+    )
+    gone = submit("--s3", "tiny", "--cluster", "no-such-cluster", *JOB, cwd=tmp_path, timeout=120)
+    assert gone.returncode == 2, gone.stderr
+    assert gone.stderr.startswith("error: --cluster no-such-cluster: no cluster no-such-cluster")
+    assert len(gone.stderr.splitlines()) == 1
+    s3 = _client("s3")
+    shard = next(
+        o["Key"]
+        for o in s3.list_objects_v2(Bucket=bucket, Prefix="tiny/")["Contents"]
+        if o["Key"].endswith(".tar")
+    )
+    s3.delete_object(Bucket=bucket, Key=shard)
+    missing = submit("--s3", "tiny", *JOB, cwd=tmp_path, timeout=120)
+    assert missing.returncode == 2, missing.stderr
+    assert missing.stderr.startswith(
+        f"error: dataset s3://{bucket}/tiny does not match its manifest: "
+    )
+    assert shard.split("/")[-1] in missing.stderr
+    assert len(missing.stderr.splitlines()) == 1
+    assert _live(name) == []
+    assert _client("s3").list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0

@@ -1,0 +1,171 @@
+"""What a run dir allows next: a failed first round, a resume with changed settings, a fault
+that no retry can heal. Real local Spark (local[2,2]), small runs."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from sparknet.config import TrainConfig, load_train_config
+from sparknet.errors import SparknetError
+from sparknet.training.driver import train
+from sparknet.training.report import read_metrics
+from sparknet.training.rundir import read_run_config
+from tests.helpers import failed_tasks
+
+pytestmark = pytest.mark.integration
+
+SMALL = {"model": "mlp", "workers": 2, "tau": 1, "batch_size": 8, "eval_every": 0}
+
+
+def test_an_unhealable_fault_fails_at_once_and_the_dir_can_start_over(spark, tmp_path):
+    sc = spark.sparkContext
+    out = tmp_path / "run"
+    bad = TrainConfig(
+        data="tests.helpers:unhealable_digits", num_classes=10, rounds=3, out=out, **SMALL
+    )
+    sc.setJobGroup("unhealable", "a dataset whose samples cannot heal")
+    try:
+        with pytest.raises(SparknetError, match=r"^sample \d+ differs from the manifest$"):
+            train(bad, spark=spark)
+    finally:
+        sc.setJobGroup("after", "")
+    tracker = sc.statusTracker()
+    # round 1 only (the Python workers probe runs in its own job group, and a local master has
+    # no anchor job); nothing after (no eval, no round 2)
+    assert len(tracker.getJobIdsForGroup("unhealable")) == 1
+    assert failed_tasks(sc, "unhealable") == 0  # handed back in band: Spark retried nothing
+    assert (out / "config.yaml").is_file() and read_metrics(out) == []
+
+    with pytest.raises(SparknetError, match="no complete checkpoint; run again without --resume"):
+        train(bad, resume=True, spark=spark)
+    result = train(TrainConfig(rounds=1, out=out, **SMALL), spark=spark)
+    assert [r["round"] for r in result.metrics] == [1]
+    assert (out / "model.safetensors").is_file()
+
+
+def test_resume_refuses_a_changed_trajectory_unless_allowed(spark, tmp_path):
+    out = tmp_path / "run"
+    train(TrainConfig(rounds=2, checkpoint_every=0, out=out, **SMALL), spark=spark)
+
+    def resumed(**flags) -> TrainConfig:
+        return load_train_config(base=read_run_config(out), flags=flags, environ={})
+
+    with pytest.raises(SparknetError) as exc:
+        train(resumed(rounds=3, workers=3, lr=0.1), resume=True, spark=spark)
+    assert str(exc.value) == (
+        f"resuming {out} would change workers 2 -> 3, lr 0.05 -> 0.1, so it would no longer equal "
+        "an uninterrupted run; drop the change, or pass --allow-change to continue anyway"
+    )
+    assert [r["round"] for r in read_metrics(out)] == [1, 2]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train(resumed(rounds=3, workers=3), resume=True, spark=spark, allow_change=True)
+    # the third partition has no stored inner state: expected with a changed worker count
+    assert not [w for w in caught if "inner optimizer state" in str(w.message)]
+    rows = read_metrics(out)
+    assert [r["round"] for r in rows] == [1, 2, 3] == [r["round"] for r in result.metrics]
+    assert rows[2]["resumed_with_changes"] == {"workers": {"stored": 2, "now": 3}}
+    assert 2 in rows[2]["inner_state_missed"]
+    assert "resumed_with_changes" not in rows[1]
+    assert "workers: 3" in (out / "config.yaml").read_text()
+
+
+def test_an_interrupted_allow_change_resume_keeps_the_stored_settings(spark, tmp_path):
+    out = tmp_path / "run"
+    train(TrainConfig(rounds=1, checkpoint_every=0, out=out, **SMALL), spark=spark)
+    changed = load_train_config(
+        base=read_run_config(out), flags={"rounds": 3, "lr": 0.1}, environ={}
+    )
+
+    def interrupt(row):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # after round 2, before any checkpoint at lr 0.1
+        train(changed, resume=True, spark=spark, allow_change=True, on_round=interrupt)
+    assert read_run_config(out)["lr"] == 0.05
+    assert "lr: 0.05" in (out / "config.yaml").read_text()
+    with pytest.raises(SparknetError, match=r"would change lr 0\.05 -> 0\.1"):
+        train(changed, resume=True, spark=spark)
+
+    train(changed, resume=True, spark=spark, allow_change=True)
+    rows = read_metrics(out)
+    assert rows[1]["resumed_with_changes"] == {"lr": {"stored": 0.05, "now": 0.1}}
+    assert read_run_config(out)["lr"] == 0.1
+    assert "lr: 0.1" in (out / "checkpoints" / "round-00003" / "config.yaml").read_text()
+
+
+def test_a_signal_while_spark_stops_after_the_last_round_is_no_failure(
+    spark, tmp_path, monkeypatch
+):
+    """The run's own session is the shared one here, and stopping it is replaced by what a
+    Ctrl-C at that moment does (the handler raises KeyboardInterrupt): a mock, since the real
+    signal cannot be timed to land inside `SparkSession.stop`."""
+    from sparknet.training import driver
+
+    def interrupted_stop(session):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver, "start_session", lambda *args: spark)
+    monkeypatch.setattr(driver, "stop_quietly", interrupted_stop)
+    out = tmp_path / "run"
+    result = train(TrainConfig(rounds=1, out=out, **SMALL))
+    assert [r["round"] for r in result.metrics] == [1]
+    assert (out / "model.safetensors").is_file() and (out / "curves.png").is_file()
+
+
+def test_a_lost_inner_state_is_named_in_metrics_and_warned_about(spark, tmp_path):
+    """Round 2's partition 1 finds no inner state: its executor-local file is deleted after
+    round 1 (as when the executor is lost), and no checkpoint holds one (checkpoint_every 0).
+    Round 1 of a fresh run has nothing to miss."""
+    from pathlib import Path
+
+    from pyspark import SparkFiles
+
+    def lose_partition_1(row):
+        if row["round"] == 1:
+            for path in Path(SparkFiles.getRootDirectory()).rglob("sparknet-inner/*/p00001-*"):
+                path.unlink()
+
+    warned: list[str] = []
+    cfg = TrainConfig(rounds=3, checkpoint_every=0, out=tmp_path / "run", momentum=0.9, **SMALL)
+    result = train(cfg, spark=spark, on_round=lose_partition_1, on_warning=warned.append)
+    assert [r["inner_state_misses"] for r in result.metrics] == [0, 1, 0]
+    assert [r.get("inner_state_missed") for r in result.metrics] == [None, [1], None]
+    assert warned == [
+        "round 2: partition 1 found no inner optimizer state (an executor was lost or the "
+        "partition moved) and started a fresh optimizer; counted in metrics.jsonl"
+    ]
+
+
+def test_a_resume_that_changes_the_inner_optimizer_misses_without_a_warning(spark, tmp_path):
+    """sgd -> adamw: the stored states cannot be used, so every partition misses in the first
+    resumed round, as asked: counted and named, but no warning."""
+    out = tmp_path / "run"
+    train(TrainConfig(rounds=1, out=out, momentum=0.9, **SMALL), spark=spark)
+    changed = load_train_config(
+        base=read_run_config(out), flags={"rounds": 2, "optimizer": "adamw"}, environ={}
+    )
+    warned: list[str] = []
+    result = train(changed, resume=True, spark=spark, allow_change=True, on_warning=warned.append)
+    assert result.metrics[1]["inner_state_missed"] == [0, 1] and warned == []
+
+
+def test_a_published_checkpoint_already_has_its_metrics_row(spark, tmp_path, monkeypatch):
+    """A kill right after a checkpoint's manifest must not lose that round's row (a resume keeps
+    rows up to its checkpoint): at each publication the row is in metrics.jsonl already."""
+    from sparknet.training import checkpoint
+
+    real_write = checkpoint.write
+    rows_when_published: dict[int, list[int]] = {}
+
+    def write(store, rounds, *args, **kwargs):
+        rows_when_published[rounds] = [r["round"] for r in read_metrics(store)]
+        return real_write(store, rounds, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write", write)
+    out = tmp_path / "run"
+    train(TrainConfig(rounds=2, checkpoint_every=1, out=out, **SMALL), spark=spark)
+    assert rows_when_published == {1: [1], 2: [1, 2]}

@@ -1,0 +1,299 @@
+"""`sparknet train --master spark://...` on the shared standalone cluster (two 1-core workers on
+127.0.0.1): inner optimizer state stays with its partition, Spark settings reach the session, and
+every task's torch threads come from its executor's cores; Spark settings that would break a run
+stop it before Spark starts. Runs go through the CLI in a
+subprocess: the test process already holds a local SparkContext, and there is one per process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from pyspark import TaskContext
+from torch import nn
+
+from sparknet.models import mlp
+from tests.conftest import REPO, SPARKNET
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+#: small and fast, but 20 rounds of momentum SGD whose state a lost partition would reset
+RUN = (
+    "train", "--data", "digits", "--model", "mlp", "--workers", "2", "--rounds", "20",
+    "--tau", "2", "--batch-size", "16", "--lr", "0.05", "--momentum", "0.9",
+    "--inner-state", "keep", "--seed", "7", "--eval-every", "0", "--checkpoint-every", "0",
+)  # fmt: skip
+
+
+def sparknet(*args: str, timeout: float = 400) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(SPARKNET), *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, timeout: float = 400) -> None:
+    _out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_kept_inner_state_stays_with_its_partition_and_runs_are_bit_identical(standalone, tmp_path):
+    # `auto` takes allreduce on the cluster; the local run takes it too, to compare bits
+    local = sparknet(
+        *RUN, "--master", "local[2]", "--transport", "allreduce", "--out", str(tmp_path / "local")
+    )
+    for name in ("a", "b"):  # one app at a time: the first takes every core of the cluster
+        finish(sparknet(*RUN, "--master", standalone.master, "--out", str(tmp_path / name)))
+    finish(local)
+
+    for name in ("a", "b", "local"):
+        misses = [r["inner_state_misses"] for r in rows(tmp_path / name)]
+        assert misses == [0] * 20, f"{name}: {misses}"
+    # the executors in every round's row on a cluster, none lost or joined; none on local[2]
+    assert {(r["executors"], "executors_lost" in r) for r in rows(tmp_path / "a")} == {(2, False)}
+    assert not any("executors" in r for r in rows(tmp_path / "local"))
+    assert {yaml.safe_load((tmp_path / n / "config.yaml").read_text())["train"]["transport"]
+            for n in ("a", "b", "local")} == {"allreduce"}  # fmt: skip
+    model = (tmp_path / "a" / "model.safetensors").read_bytes()
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == model
+    assert (tmp_path / "local" / "model.safetensors").read_bytes() == model
+
+
+def threads_mlp(num_classes: int) -> nn.Module:
+    """The built-in mlp for digits, checking inside Spark tasks that torch runs on the threads
+    the test expects (SPARKNET_TEST_THREADS, set through `--conf spark.executorEnv.*`)."""
+    model = mlp((1, 8, 8), num_classes)
+
+    def check(_module, _inputs) -> None:
+        want = os.environ.get("SPARKNET_TEST_THREADS")
+        if TaskContext.get() is not None and want is not None:
+            assert torch.get_num_threads() == int(want), (torch.get_num_threads(), want)
+
+    model.register_forward_pre_hook(check)
+    return model
+
+
+def test_conf_reaches_the_executors_and_tasks_get_their_executors_cores(standalone, tmp_path):
+    """Also runs the opt-in worker daemon that imports torch before it forks."""
+    out = tmp_path / "threads"
+    proc = sparknet(
+        "train", "--data", "digits", "--model", f"{__name__}:threads_mlp", "--workers", "2",
+        "--rounds", "2", "--tau", "1", "--eval-every", "1", "--master", standalone.master,
+        "--conf", f"spark.executorEnv.PYTHONPATH={REPO}",
+        "--conf", "spark.executorEnv.SPARKNET_TEST_THREADS=1",
+        "--conf", "spark.python.daemon.module=sparknet.training.daemon", "--out", str(out),
+    )  # fmt: skip
+    finish(proc)
+    assert [r["round"] for r in rows(out)] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--gpus-per-worker", "2"), "error: --gpus-per-worker needs a cluster master"),
+        (("--conf", "spark.master=local[1]"), "error: Spark setting spark.master=local[1]: choose"),
+        (("--conf", "spark.speculation=true"), "error: Spark setting spark.speculation=true: a"),
+        (("--conf", "spark.task.cpus=abc"), "error: Spark setting spark.task.cpus=abc: the cores"),
+        # refused by Spark's launcher, which prints a Java stack trace that the line says already
+        (
+            ("--conf", "spark.executor.memory=lots"),
+            "error: could not start Spark (master local[",
+        ),
+    ],
+)
+def test_spark_settings_that_would_break_a_run_stop_it_in_one_line(tmp_path, args, message):
+    out = tmp_path / "refused"
+    proc = sparknet("train", "--rounds", "1", "--tau", "1", "--out", str(out), *args)
+    _out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    assert err.strip().splitlines()[-1].startswith(message), err
+    assert "Traceback" not in err
+    assert "\tat org.apache" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--conf", "spark.task.cpus=2"), "spark.task.cpus"),  # the workers have 1 core each
+        (("--gpus-per-worker", "1"), "no executor with a GPU registered in 2 s; the workers need"),
+    ],
+)
+def test_a_cluster_that_can_never_run_a_task_stops_the_run_in_one_line(
+    standalone, tmp_path, args, message
+):
+    """One bounded wait for executors (here 2 s), then one line: not a hang at the first job."""
+    out = tmp_path / "no-slot"
+    proc = sparknet(
+        "train", "--rounds", "1", "--tau", "1", "--workers", "2", "--master", standalone.master,
+        "--conf", "spark.scheduler.maxRegisteredResourcesWaitingTime=2s", "--out", str(out),
+        *args,
+    )  # fmt: skip
+    _out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: no executor") and message in last, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("transport", ["spark", "auto"])
+def test_a_dataframe_run_keeps_its_partitions_in_place(standalone, tmp_path, transport):
+    """`spark`: the DataFrame path maps over the frame's persisted partitions, whose blocks,
+    not the anchor's, keep each task on the executor holding its inner state. `auto` on a
+    cluster runs a DataFrame on the allreduce stage, whose tasks keep their state in memory."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sparknet.data.sources import digits
+
+    train, _ = digits()
+    x, y = train.tensors
+    table = pa.table(
+        {"features": [row.tolist() for row in x.reshape(len(x), -1)], "label": y.tolist()}
+    )
+    pq.write_table(table, tmp_path / "digits.parquet")
+    out = tmp_path / "frame"
+    proc = sparknet(
+        "train", "--data", f"parquet:{tmp_path / 'digits.parquet'}", "--model", "mlp",
+        "--workers", "2", "--rounds", "8", "--tau", "2", "--batch-size", "16",
+        "--inner-state", "keep", "--eval-every", "0", "--master", standalone.master,
+        "--transport", transport, "--out", str(out),
+    )  # fmt: skip
+    finish(proc)
+    assert [r["inner_state_misses"] for r in rows(out)] == [0] * 8
+    ran = yaml.safe_load((out / "config.yaml").read_text())["train"]["transport"]
+    assert ran == {"spark": "spark", "auto": "allreduce"}[transport]
+
+
+def _executor_pids(work_dirs: tuple[Path, ...]) -> list[int]:
+    """The executor JVMs the shared cluster's workers run (their cwd is under a work dir)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cwd = Path(os.readlink(proc / "cwd"))
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"CoarseGrainedExecutorBackend" in cmdline and any(
+            cwd.is_relative_to(w) for w in work_dirs
+        ):
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.parametrize("transport", ["spark", "allreduce"])
+def test_a_lost_executor_and_its_successor_show_in_the_rounds(standalone, tmp_path, transport):
+    """An executor killed mid-run. `spark`: often in the middle of its task: Spark then keeps
+    the task waiting for the dead executor's block, and the round's job is run again; its tasks
+    run on the other one. `allreduce`: the stage fails and runs again from the last checkpoint
+    once Spark's master has started a new executor on the worker. Either way the round rows
+    say both (`executors_lost`, then `executors_joined`); the run ends with every round once."""
+    import signal
+    import time
+
+    out = tmp_path / "lost"
+    args = [*RUN, "--master", standalone.master, "--out", str(out), "--transport", transport]
+    args[args.index("--checkpoint-every") + 1] = "5"
+    args[args.index("--rounds") + 1] = "40"
+    proc = sparknet(*args)
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists() or len(rows(out)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    victims = _executor_pids(standalone.work_dirs)
+    assert len(victims) == 2, victims
+    os.kill(victims[0], signal.SIGKILL)
+    finish(proc)
+    got = rows(out)
+    assert [r["round"] for r in got] == list(range(1, 41))
+    lost = [r for r in got if "executors_lost" in r]
+    joined = [r for r in got if "executors_joined" in r]
+    assert len(lost) == 1 and len(joined) == 1, [(r["round"], r["executors"]) for r in got]
+    assert lost[0]["round"] <= joined[0]["round"]
+    assert lost[0]["executors_lost"][0].endswith("@127.0.0.1")
+    assert got[-1]["executors"] == 2
+
+
+def _master_ui(standalone) -> str:
+    """The master UI's address (the fixture lets the kernel choose its port)."""
+    import re
+
+    log = (standalone.log_dir / "master.log").read_text()
+    port = re.findall(r"MasterWebUI.*?started at https?://[^\s:]+:(\d+)", log)
+    assert port, log[-2000:]
+    return f"http://127.0.0.1:{port[-1]}"
+
+
+def _kill_app_from_the_master_ui(standalone, name: str) -> str:
+    """Kill the running application `name` as a user of the master's UI does (its kill link
+    posts the page's CSRF token); its id."""
+    import re
+    import urllib.parse
+    import urllib.request
+
+    ui = _master_ui(standalone)
+    with urllib.request.urlopen(f"{ui}/json/", timeout=10) as answer:
+        apps = [a for a in json.loads(answer.read())["activeapps"] if a["name"] == name]
+    assert len(apps) == 1, apps
+    with urllib.request.urlopen(f"{ui}/", timeout=10) as answer:
+        page = answer.read().decode()
+    token = re.search(
+        r'name="csrfToken"\s+value="([^"]*)"|value="([^"]*)"\s+name="csrfToken"', page
+    )
+    form = {"id": apps[0]["id"], "terminate": "true"}
+    if token:
+        form["csrfToken"] = token.group(1) or token.group(2)
+    data = urllib.parse.urlencode(form).encode()
+    urllib.request.urlopen(f"{ui}/app/kill/", data=data, timeout=10).close()
+    return apps[0]["id"]
+
+
+def test_an_app_killed_from_outside_ends_the_driver_in_one_line_and_it_binds_one_address(
+    standalone, tmp_path
+):
+    """`sparknet train --master spark://...` started as a user on a node starts it (no
+    SPARK_LOCAL_IP): while it runs, every socket its driver's JVM listens on is on the address
+    the master is reached from (RPC, block manager) or loopback (UI), none on every interface.
+    Then the application is killed on the master's UI: the driver ends with one `error:` line,
+    no Py4JJavaError traceback."""
+    import time
+
+    from tests.sockets import descendants, listeners
+
+    out = tmp_path / "killed"
+    args = [*RUN, "--master", standalone.master, "--out", str(out)]  # auto: allreduce
+    args[args.index("--rounds") + 1] = "400"
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_LOCAL_IP"}
+    proc = subprocess.Popen(
+        [str(SPARKNET), *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or len(rows(out)) < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+            time.sleep(0.2)
+        bound = listeners(descendants(proc.pid))
+        assert bound and {w.address for w in bound} == {"127.0.0.1"}, [str(w) for w in bound]
+        _kill_app_from_the_master_ui(standalone, "sparknet")
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: Spark stopped the application"), err[-3000:]
+    assert "Traceback" not in err and "Py4J" not in err and "\tat " not in err, err[-3000:]
+    assert "warning: the allreduce stage failed" not in err  # no restart on a dead context
