@@ -17,7 +17,7 @@ def __getattr__(name: str):
     # The function lives in `sparknet.api`: a submodule named `fit` would replace this attribute
     # with itself the moment it is imported.
     if name == "fit":
-        from sparknet.api import fit
+        from sparknet.api import fit  # lazy: torch, pyspark, boto3
 
         return fit
     raise AttributeError(f"module 'sparknet' has no attribute {name!r}")

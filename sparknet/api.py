@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from pyspark.sql import DataFrame
+
 from sparknet.config import load_train_config
 from sparknet.errors import SparknetError
 from sparknet.training.driver import RunResult, train
@@ -80,8 +82,6 @@ def fit(
 
 def _check_frame(frame: Any, name: str) -> None:
     """A pandas frame (or anything else) would fail deep inside with an AttributeError."""
-    from pyspark.sql import DataFrame
-
     if not isinstance(frame, DataFrame):
         kind = f"{type(frame).__module__}.{type(frame).__qualname__}"
         raise SparknetError(

@@ -27,6 +27,8 @@ from pydantic import (
 
 from sparknet.errors import SparknetError
 
+# `# lazy: boto3`: every command imports this module; the S3 parser only where a URI is checked
+
 ENV_PREFIX = "SPARKNET_TRAIN_"
 
 #: DiLoCo's outer optimizer settings (Douillard et al. 2023), used when `outer: nesterov` is
@@ -243,7 +245,7 @@ class DatasetEntry(BaseModel):
     def _s3_uri_parses(cls, uri: str) -> str:
         """An s3:// URI is checked here by the one parser, so the error names the settings file."""
         if uri.startswith("s3://"):
-            from sparknet.data.s3 import S3Uri
+            from sparknet.data.s3 import S3Uri  # lazy: boto3
 
             try:
                 S3Uri.parse(uri)

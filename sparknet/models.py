@@ -12,6 +12,9 @@ from torch import nn
 from sparknet.errors import SparknetError
 from sparknet.imports import is_reference, load_callable
 
+# `# lazy: torchvision` (seconds): only its architectures need it; the built-in models and a
+# user's factory never do
+
 
 def mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """Two hidden layers; the smallest model that learns the built-in digits well."""
@@ -49,7 +52,7 @@ BUILTIN: dict[str, Callable[[tuple[int, ...], int], nn.Module]] = {"mlp": mlp, "
 
 
 def _torchvision_names() -> list[str]:
-    from torchvision import models
+    from torchvision import models  # lazy: torchvision
 
     return models.list_models(module=models)
 
@@ -78,7 +81,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     if is_reference(name):
         return _from_factory(name, num_classes)
     if name in _torchvision_names():
-        from torchvision import models
+        from torchvision import models  # lazy: torchvision
 
         return models.get_model(name, weights=None, num_classes=num_classes)
     raise SparknetError(

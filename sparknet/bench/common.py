@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
+
+# `# lazy: X` below: every benchmark and `sparknet bench --help` import this module; torch and
+# matplotlib only where the machine is described or a figure drawn
+
 #: where every `sparknet bench` subcommand writes its figures unless given `--out`
 DEFAULT_OUT = Path("bench")
 
@@ -113,7 +118,7 @@ def busy_fraction(seconds: float = 1.0) -> float | None:
 
 def machine() -> dict[str, Any]:
     """Where the figures were measured: they mean little without it."""
-    import torch
+    import torch  # lazy: torch
 
     return {
         "cpus": os.cpu_count(),
@@ -266,8 +271,6 @@ def _cell(value: Any) -> str:
 
 def show_report(report: BenchReport, console: Any) -> None:
     """A report's table on a rich console, then its notes and the files it wrote."""
-    from rich.table import Table
-
     table = Table(title=report.title)
     for col in report.columns:
         table.add_column(col, justify="left" if col == report.columns[0] else "right")
@@ -285,8 +288,6 @@ def _headline_figure(value: float) -> str:
 def headline_table(outcome: dict[str, tuple[int, float]], out: Path) -> Any:
     """The rich table of every benchmark's `headline` rows: `outcome` maps a benchmark's name to
     (exit code, wall seconds); its figures are read back from `<out>/<name>.json`."""
-    from rich.table import Table
-
     table = Table(title="sparknet benchmarks")
     for col in ("benchmark", "metric", "sparknet", "reference", "ratio", "goal", "wall s"):
         table.add_column(col, justify="left" if col in ("benchmark", "metric") else "right")
@@ -312,10 +313,10 @@ def headline_table(outcome: dict[str, tuple[int, float]], out: Path) -> Any:
 
 def pyplot():
     """matplotlib's pyplot on the file-only backend (no display here, nor on a cluster)."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib
 
     return plt
 

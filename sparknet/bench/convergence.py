@@ -37,6 +37,10 @@ import numpy as np
 
 from sparknet.bench.common import BenchReport, pyplot, save_figure
 from sparknet.config import NESTEROV_DEFAULT_LR, NESTEROV_DEFAULT_MOMENTUM, TrainConfig
+from sparknet.training.spark_settings import embedded_master
+
+# `# lazy: X` below: `bench peers` imports this module for its recipes; torch, PIL, Spark and
+# matplotlib only where data are made, a session runs or the plot is drawn
 
 #: the names `--data` takes, in the order they are run
 DATASETS = ("digits", "imagenet-like")
@@ -147,9 +151,9 @@ def imagenet_like():
 def _photos() -> list[np.ndarray]:
     """The two photos `sklearn.datasets.load_sample_images` returns, read the way it reads them,
     without importing scikit-learn (~1.5 s of CPU in every Python worker)."""
-    from PIL import Image
+    from PIL import Image  # lazy: PIL
 
-    from sparknet.data.sources import _sklearn_file
+    from sparknet.data.sources import _sklearn_file  # lazy: torch, boto3
 
     out = []
     for name in PHOTOS:
@@ -159,8 +163,8 @@ def _photos() -> list[np.ndarray]:
 
 
 def _generate(photos: Sequence[np.ndarray], per_class: int, rng: np.random.Generator):
-    import torch
-    from torch.utils.data import TensorDataset
+    import torch  # lazy: torch
+    from torch.utils.data import TensorDataset  # lazy: torch
 
     images, labels = [], []
     for label, (photo, box) in enumerate(REGIONS):
@@ -173,7 +177,7 @@ def _generate(photos: Sequence[np.ndarray], per_class: int, rng: np.random.Gener
 
 def _sample(photo: np.ndarray, box: tuple[int, int, int, int], rng: np.random.Generator):
     """One CHW float image: a random crop of `box`, resized, flipped, brightened, noised."""
-    from PIL import Image
+    from PIL import Image  # lazy: PIL
 
     x0, y0, x1, y1 = box
     side = int(rng.integers(CROP_SIDES[0], min(CROP_SIDES[1], x1 - x0, y1 - y0) + 1))
@@ -283,7 +287,7 @@ def warm_up(spark, dataset: str, workers: int, master: str, runs_dir: Path) -> N
     """One round of `dataset` on `workers` partitions, not measured: it starts Spark's Python
     workers (torch imported, the data loaded into each), ~10 s that would otherwise land in the
     first setting's seconds, or in the first setting whose K needs a second Python worker."""
-    from sparknet.training.driver import train
+    from sparknet.training.driver import train  # lazy: torch, pyspark, boto3
 
     run_dir = runs_dir / f"warm-up-{dataset}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -296,7 +300,7 @@ def run_setting(
     """Train `setting` on the shared session until the target or `max_rounds`. A run stopped at
     its target leaves a run dir without model.safetensors or curves.png (its metrics.jsonl and
     config.yaml are whole): enough to look at, and this benchmark resumes nothing."""
-    from sparknet.training.driver import train
+    from sparknet.training.driver import train  # lazy: torch, pyspark, boto3
 
     recipe = RECIPES[setting.dataset]
     cfg = config_of(setting, max_rounds, master, run_dir)
@@ -335,7 +339,7 @@ def _unique(values: Iterable[str]) -> list[str]:
 def check_workers(datasets: Iterable[str], workers: Iterable[int]) -> None:
     """The engine's own check that every dataset has a sample for each of max(K) workers, before
     Spark starts rather than after the settings before the failing one have run."""
-    from sparknet.data.sources import TensorSource
+    from sparknet.data.sources import TensorSource  # lazy: torch, boto3
 
     for name in datasets:
         TensorSource.load(RECIPES[name].data).check_workers(max(workers))
@@ -361,8 +365,7 @@ def run(
 ) -> BenchReport:
     """Run every setting on one local Spark session (runs under `out/runs/`), then write
     `convergence.json`, `convergence.csv` and `convergence.png` into `out`."""
-    from sparknet.training.session import start_session, stop_quietly
-    from sparknet.training.spark_settings import embedded_master
+    from sparknet.training.session import start_session, stop_quietly  # lazy: pyspark
 
     settings = settings_of(datasets, workers, taus, outers)
     check_workers({s.dataset for s in settings}, workers)
@@ -547,7 +550,7 @@ def plot(outcomes: Sequence[Outcome], path: Path) -> Path:
 def _axes(row, name: str, mine: Sequence[Outcome]) -> None:
     """Labels, tau's ticks, and log scales; a panel without a single reached setting says so
     (a log scale of no data cannot be drawn)."""
-    from matplotlib import ticker
+    from matplotlib import ticker  # lazy: matplotlib
 
     target = RECIPES[name].target
     taus = sorted({o.setting.tau for o in mine})

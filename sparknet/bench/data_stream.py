@@ -66,7 +66,14 @@ from sparknet.bench.photos import (
     s3_server,
     write_tree,
 )
+from sparknet.data.decode import IMAGENET_MEAN, IMAGENET_STD, TrainDecoder, decode_image
+from sparknet.data.loader import decoded_batches, derived_seed
+from sparknet.data.shards import write_dataset
+from sparknet.data.stream import read_positions
 from sparknet.errors import SparknetError
+
+# `# lazy: X` below: boto3 and torchvision only on the paths that use them (the S3 side, the
+# reference transforms)
 
 NAME = "data_stream"
 GOAL = 0.9
@@ -109,8 +116,6 @@ def memory_path(
 ) -> Counted:
     """Decode (and transform, when given) every JPEG from memory: the reference loop; with
     `batch_size`, the transformed images are also stacked into batches, as training needs them."""
-    from sparknet.data.decode import decode_image
-
     batch: list[torch.Tensor] = []
     for data, seed in zip(jpegs, seeds, strict=True):
         image = decode_image(data, min_size=IMAGE_SIZE)
@@ -130,9 +135,6 @@ def memory_path(
 def loader_from_memory(jpegs: list[bytes], seeds: list[int], batch_size: int) -> Counted:
     """The same samples through sparknet's DataLoader (`decoded_batches`), handed over from memory
     in batches: the loader and the collate without any shard stream."""
-    from sparknet.data.decode import TrainDecoder
-    from sparknet.data.loader import decoded_batches
-
     steps = (
         [(jpegs[k], 0, seeds[k]) for k in range(b, min(b + batch_size, len(jpegs)))]
         for b in range(0, len(jpegs), batch_size)
@@ -146,8 +148,6 @@ def loader_from_memory(jpegs: list[bytes], seeds: list[int], batch_size: int) ->
 
 def stream_order(store: Any, shards: list, n: int) -> list[bytes]:
     """The JPEG bytes of the first n stream positions, in the order a training round reads them."""
-    from sparknet.data.stream import read_positions
-
     items = read_positions(
         shards, lambda info: store.open(info.name), seed=0, workers=1, partition=0, start=0
     )
@@ -163,7 +163,7 @@ def stream_order(store: Any, shards: list, n: int) -> list[bytes]:
 def sparknet_round(source: Any, run_id: str, rnd: int, batch_size: int) -> Counted:
     """Round `rnd` of one step through `ShardSource.train_batches`: the next `batch_size` stream
     positions, read on from where round `rnd - 1` of the same `run_id` left the stream."""
-    from sparknet.data.sources import TaskInput
+    from sparknet.data.sources import TaskInput  # lazy: boto3
 
     inp = TaskInput(partition=0, workers=1, seed=0, run_id=run_id)
     images = skipped = 0
@@ -185,15 +185,11 @@ def run(*, images: int, batch_size: int, shard_mb: float, reps: int, out: Path) 
         )
     units = images // batch_size
 
-    from torchvision.transforms import v2
+    from torchvision.transforms import v2  # lazy: torchvision
 
-    from sparknet.data.decode import IMAGENET_MEAN, IMAGENET_STD
-    from sparknet.data.loader import derived_seed
-    from sparknet.data.shards import write_dataset
-    from sparknet.data.sources import ShardSource
-    from sparknet.data.store import load_manifest, open_store
-    from sparknet.data.stream import read_positions
-    from sparknet.data.transfer import upload_dataset
+    from sparknet.data.sources import ShardSource  # lazy: boto3
+    from sparknet.data.store import load_manifest, open_store  # lazy: boto3
+    from sparknet.data.transfer import upload_dataset  # lazy: boto3
 
     machine = machine_note()
     cores = sorted(os.sched_getaffinity(0))
@@ -227,7 +223,7 @@ def run(*, images: int, batch_size: int, shard_mb: float, reps: int, out: Path) 
             os.environ.pop(key, None)
         os.environ.update(MOTO_ENV)
         with s3_server(server_cores) as (endpoint, server_pid):
-            import boto3
+            import boto3  # lazy: boto3
 
             boto3.session.Session().client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
             uri = f"s3://{BUCKET}/{PREFIX}"

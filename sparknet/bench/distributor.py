@@ -49,8 +49,24 @@ import socket
 import time
 from dataclasses import dataclass
 
-from sparknet.data.sources import EVAL_BATCH  # samples per evaluation batch, as sparknet's
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from sparknet.data.sources import (
+    EVAL_BATCH,  # samples per evaluation batch, as sparknet's
+    batch_positions,
+    load_data,
+    make_batch,
+    shard,
+)
 from sparknet.errors import SparknetError
+from sparknet.models import build_model
+from sparknet.training.netbind import bind_collectives, listen_address
+from sparknet.training.worker import task_seed
+
+# `# lazy: pyspark`: only the TorchDistributor path needs it; plain PyTorch and the ranks do not
 
 
 @dataclass(frozen=True)
@@ -100,8 +116,6 @@ class PeerRun:
 def run_plain(spec: PeerSpec) -> PeerRun:
     """The K=1 reference: one process, this one, no Spark and no process group. Runs on
     `spec.threads` torch threads, and gives this process its thread count back afterwards."""
-    import torch
-
     if spec.workers != 1:
         raise ValueError(f"plain PyTorch is one process: workers must be 1, got {spec.workers}")
     threads = torch.get_num_threads()
@@ -118,7 +132,7 @@ def run_distributor(spark, spec: PeerSpec, local_mode: bool) -> PeerRun:
     """`spec` as K DDP processes under `TorchDistributor` on `spark`'s executors (`local_mode`:
     on this machine instead). TorchDistributor takes the active session, which is `spark`
     (one SparkContext per process). The result is rank 0's."""
-    from pyspark.ml.torch.distributor import TorchDistributor
+    from pyspark.ml.torch.distributor import TorchDistributor  # lazy: pyspark
 
     if not local_mode:
         _check_slots(spark.sparkContext, spec.workers)
@@ -134,7 +148,7 @@ def run_distributor(spark, spec: PeerSpec, local_mode: bool) -> PeerRun:
 def _check_slots(sc, ranks: int) -> None:
     """Refuse what would make the barrier job wait (~10 min, then fail) rather than run: fewer
     task slots than ranks once the executors have registered, or dynamic allocation."""
-    from sparknet.training.transport import (
+    from sparknet.training.transport import (  # lazy: pyspark
         conf_int,
         dynamic_allocation,
         task_slots,
@@ -159,9 +173,6 @@ def _train(spec: PeerSpec, started: float, group: bool, local: bool) -> PeerRun:
     """One rank's run (the whole run without a `group`). Module-level, so TorchDistributor
     pickles it by reference; the ranks import sparknet as installed (torchrun runs a script
     in a temporary dir, so the caller's working dir is not on their path)."""
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(spec.threads)
     if not group:
         return _fit(spec, started, 0, 1)
@@ -182,14 +193,6 @@ def _train(spec: PeerSpec, started: float, group: bool, local: bool) -> PeerRun:
 def _fit(spec: PeerSpec, started: float, rank: int, world: int) -> PeerRun:
     """Train rank `rank` of `world` (wrapped in DDP when `world` > 1) until rank 0 says stop;
     the run as rank 0 saw it."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from sparknet.data.sources import batch_positions, load_data, make_batch, shard
-    from sparknet.models import build_model
-    from sparknet.training.worker import task_seed
-
     group = world > 1
     split = load_data(spec.data)
     if split.num_classes is None:
@@ -236,11 +239,6 @@ def _fit(spec: PeerSpec, started: float, rank: int, world: int) -> PeerRun:
 
 def _accuracy(model, test) -> float:
     """Top-1 accuracy of `model` on the whole test set, in eval mode; back in train mode after."""
-    import numpy as np
-    import torch
-
-    from sparknet.data.sources import make_batch
-
     model.eval()
     correct = 0
     with torch.no_grad():
@@ -255,15 +253,11 @@ def _bind_gloo(local: bool) -> None:
     """Gloo listens on loopback in local mode; on a cluster on this node's address that routes
     to rank 0 (MASTER_ADDR, set by torchrun to rank 0's executor address). Unset, gloo takes
     what the hostname resolves to, which other nodes may not reach."""
-    from sparknet.training.netbind import bind_collectives
-
     bind_collectives("127.0.0.1" if local else _route_source(os.environ["MASTER_ADDR"]))
 
 
 def _route_source(host: str) -> str:
     """This machine's address the kernel sends from to reach `host` (no packet is sent)."""
-    from sparknet.training.netbind import listen_address
-
     address = listen_address(host)
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as sock:

@@ -50,7 +50,13 @@ from sparknet.bench.photos import (
     s3_server,
     write_tree,
 )
+from sparknet.data.decode import IMAGENET_MEAN, IMAGENET_STD
+from sparknet.data.shard_plan import Resize
+from sparknet.data.shards import write_dataset
 from sparknet.errors import SparknetError
+
+# `# lazy: X` below: boto3, torchvision and scikit-learn only on the paths that use them (the S3
+# side, torchvision's reference loader, the accuracy photos)
 
 NAME = "images_per_core"
 IMAGE_SIZE = 224
@@ -77,9 +83,7 @@ class Settings:
 
 def torchvision_loader(root: Path, batch_size: int, seed: int):
     """pytorch/examples' ImageNet training data path, as most people run it."""
-    from torchvision import datasets, transforms
-
-    from sparknet.data.decode import IMAGENET_MEAN, IMAGENET_STD
+    from torchvision import datasets, transforms  # lazy: torchvision
 
     recipe = transforms.Compose(
         [
@@ -97,11 +101,9 @@ def torchvision_loader(root: Path, batch_size: int, seed: int):
 
 
 def throughput(args: Settings, tmp: Path) -> dict[str, Any]:
-    from sparknet.data.shard_plan import Resize
-    from sparknet.data.shards import write_dataset
-    from sparknet.data.sources import ShardSource
-    from sparknet.data.store import load_manifest, open_store
-    from sparknet.data.transfer import upload_dataset
+    from sparknet.data.sources import ShardSource  # lazy: boto3
+    from sparknet.data.store import load_manifest, open_store  # lazy: boto3
+    from sparknet.data.transfer import upload_dataset  # lazy: boto3
 
     jpegs, quality = photo_jpegs(args.images)
     write_tree(tmp / "tree", jpegs)
@@ -122,7 +124,7 @@ def throughput(args: Settings, tmp: Path) -> dict[str, Any]:
     b = args.batch_size
     units = args.images // b
     with s3_server(server) as (endpoint, _pid):
-        import boto3
+        import boto3  # lazy: boto3
 
         boto3.session.Session().client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
         sources = {}
@@ -180,7 +182,7 @@ def throughput(args: Settings, tmp: Path) -> dict[str, Any]:
 def quadrant_photos(per_class: int, split: str, seed: int) -> list[tuple[int, Image.Image]]:
     """(class, 500x375 image): class = one quadrant of one of the two bundled photos; each image
     a random crop inside that quadrant, with colour jitter. Real pixels, learnable classes."""
-    from sklearn.datasets import load_sample_images
+    from sklearn.datasets import load_sample_images  # lazy: scikit-learn
 
     photos = [Image.fromarray(a) for a in load_sample_images().images]
     rng = np.random.default_rng([seed, 0 if split == "train" else 1])
@@ -223,9 +225,6 @@ def train_top1(data: Path, out: Path, args: Settings, seed: int) -> float:
 
 
 def measure_accuracy(args: Settings, tmp: Path) -> dict[str, Any]:
-    from sparknet.data.shard_plan import Resize
-    from sparknet.data.shards import write_dataset
-
     photo_tree(tmp / "photos", args.per_class, args.per_class // 3)
     write_dataset(tmp / "photos", tmp / "photos-full", shard_bytes=8 << 20)
     write_dataset(

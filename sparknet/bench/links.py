@@ -16,6 +16,7 @@ so a later run can tell the leftovers of a process that died (kill -9) and remov
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import ipaddress
 import json
@@ -35,6 +36,9 @@ from typing import Any
 
 from sparknet import interrupts
 from sparknet.errors import SparknetError
+
+# `# lazy: pyspark`: `sparknet bench --help` imports this module; pyspark only to find Spark's
+# home for a standalone cluster
 
 _UNITS = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3}
 _LINK_TEXT = re.compile(r"(\d+(?:\.\d+)?)(gbit|mbit|kbit)(?:[:-](\d+(?:\.\d+)?)ms)?")
@@ -283,8 +287,6 @@ _OPEN: set[tuple[str, int]] = set()
 def die_with_parent() -> None:
     """In a child before its exec: SIGKILL when the process that started it dies (Linux's
     PR_SET_PDEATHSIG, kept across the exec of `ip netns exec` and of what it runs)."""
-    import ctypes
-
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
@@ -498,7 +500,7 @@ class NetLab:
         until all have registered; the master's URL. Logs, work and local dirs live in the
         lab's temp folder; the REST server is off, the web UIs on free ports. The workers start
         once the master listens: a worker that finds no master retries only after 5-15 s."""
-        import pyspark
+        import pyspark  # lazy: pyspark
 
         if self._dir is None:
             raise SparknetError("NetLab.standalone() runs inside `with NetLab(...) as lab:`")

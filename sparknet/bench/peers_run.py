@@ -28,6 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from sparknet.bench.convergence import RECIPES
+from sparknet.bench.links import link_bytes
+from sparknet.config import TrainConfig
+
+# `# lazy: X` below: the runner starts in each namespace without torch or Spark; each is
+# imported by the contender that uses it
 
 #: what `--contenders` takes: sparknet's two transports, TorchDistributor's two modes, plain
 KINDS = ("allreduce", "spark", "distributor", "distributor-local", "plain")
@@ -121,8 +126,6 @@ def wire_bytes(counters: tuple[int, list[str]] | None) -> int:
     """Bytes sent between the nodes so far: every frame enters the bridge once and leaves it
     once, so half of the host-side veths' rx + tx; on loopback, what `lo` sent."""
     if counters is not None:
-        from sparknet.bench.links import link_bytes
-
         return link_bytes(*counters) // 2
     for line in Path("/proc/net/dev").read_text().splitlines()[2:]:
         name, _, numbers = line.partition(":")
@@ -139,8 +142,7 @@ def run_sparknet(spark, spec: PeersSpec, dataset: str, c: Contender, run_dir: Pa
     """One sparknet run: `budget_s` seconds of rounds (each round's `seconds.total`, its
     evaluation not included), evaluated after the first round past every EVAL_EVERY steps
     (every round at tau >= EVAL_EVERY), as often as the other contenders."""
-    from sparknet.config import TrainConfig
-    from sparknet.training.driver import train
+    from sparknet.training.driver import train  # lazy: torch, pyspark, boto3
 
     recipe = RECIPES[dataset]
     cfg = TrainConfig(
@@ -177,6 +179,7 @@ def run_sparknet(spark, spec: PeersSpec, dataset: str, c: Contender, run_dir: Pa
 
 def run_peer(spark, spec: PeersSpec, dataset: str, c: Contender) -> dict:
     """One TorchDistributor or plain PyTorch run of `budget_s` seconds of training."""
+    # lazy: torch, boto3
     from sparknet.bench.distributor import PeerSpec, run_distributor, run_plain
 
     recipe = RECIPES[dataset]
@@ -209,8 +212,7 @@ def warm_up(spark, spec: PeersSpec, dataset: str) -> None:
     would otherwise land in the run's first round: after the first run, and after a barrier
     stage ended by its budget (its cancelled tasks' Python workers are not reused): ~10-25 s
     measured. About a second when they are up."""
-    from sparknet.config import TrainConfig
-    from sparknet.training.driver import train
+    from sparknet.training.driver import train  # lazy: torch, pyspark, boto3
 
     recipe = RECIPES[dataset]
     run_dir = Path(spec.runs_dir) / f"warm-up-{dataset}"
@@ -224,7 +226,7 @@ def warm_up(spark, spec: PeersSpec, dataset: str) -> None:
 
 
 def main(spec_path: str, results_path: str) -> None:
-    from sparknet.training.session import start_session, stop_quietly
+    from sparknet.training.session import start_session, stop_quietly  # lazy: pyspark
 
     spec = PeersSpec.load(Path(spec_path))
     results = Path(results_path)

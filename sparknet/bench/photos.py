@@ -21,6 +21,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageEnhance
 
+# `# lazy: X` below: scikit-learn (seconds) and moto only where photos are cut or the S3
+# server starts
+
 IMAGE_WH = (500, 375)
 TARGET_BYTES = 110_000
 QUALITIES = range(85, 99)
@@ -39,7 +42,7 @@ MOTO_ENV = {
 
 def photo_images(n: int, seed: int = 0) -> list[Image.Image]:
     """n distinct 500x375 RGB photos cut from scikit-learn's two bundled 640x427 ones."""
-    from sklearn.datasets import load_sample_images
+    from sklearn.datasets import load_sample_images  # lazy: scikit-learn
 
     photos = [Image.fromarray(a) for a in load_sample_images().images]
     rng = np.random.default_rng(seed)
@@ -95,7 +98,7 @@ def _serve_s3(conn: Connection, cpus: set[int] | None) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-    from moto.server import ThreadedMotoServer
+    from moto.server import ThreadedMotoServer  # lazy: moto
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

@@ -32,6 +32,9 @@ from sparknet.bench.common import BenchReport, pyplot, save_figure
 from sparknet.config import TrainConfig
 from sparknet.errors import SparknetError
 
+# `# lazy: X` below: `sparknet bench --help` imports this module; Spark, torch and matplotlib
+# only once `run` starts a session or the plot is drawn
+
 #: the relative error of the predicted wall time that the check aims for (the issue's goal)
 GOAL = 0.15
 #: K values the printed table shows predictions for (the JSON has every K)
@@ -338,7 +341,7 @@ def plot(path: Path, costs: Costs, max_workers: int, taus: Sequence[int], measur
     """The paper's heat map: speedup over one worker against K (x) and S (y), one panel of
     local SGD per tau and one of naive parallel SGD; the star is this machine's measured S."""
     plt = pyplot()
-    from matplotlib.colors import LogNorm
+    from matplotlib.colors import LogNorm  # lazy: matplotlib
 
     ks = list(range(1, max_workers + 1))
     low_s, high_s = costs.S * S_SPAN[0], costs.S * S_SPAN[1]
@@ -395,7 +398,7 @@ def measure_run(
 ) -> Measured:
     """One real training run (`rounds` timed rounds after a warm-up round) on the shared
     session; evaluation and checkpoints only at the end, after the last timed round."""
-    from sparknet.training.driver import train
+    from sparknet.training.driver import train  # lazy: torch, pyspark, boto3
 
     cfg = TrainConfig(
         model=MODEL, data=DATA, batch_size=BATCH, workers=workers, tau=tau, rounds=rounds + 1,
@@ -447,7 +450,7 @@ def run(
 ) -> BenchReport:
     """Measure C and S with real runs on one local Spark session, predict, check, and write
     `scaling.json`, `scaling.csv` and `scaling.png` into `out` (runs under `out/runs/`)."""
-    from sparknet.training.session import start_session, stop_quietly
+    from sparknet.training.session import start_session, stop_quietly  # lazy: pyspark
 
     plan = Plan(transport, sorted(set(taus)), max_workers, rounds, out)
     runs_dir = out / "runs"

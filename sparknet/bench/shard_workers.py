@@ -17,14 +17,13 @@ from typing import Any
 
 from sparknet.bench.common import machine_note, write_results
 from sparknet.bench.photos import photo_jpegs, write_tree
+from sparknet.data.shards import write_dataset
 
 NAME = "shard_workers"
 
 
 def timed(src: Path, dest: Path, processes: int | None) -> tuple[float, float]:
     """(check seconds, write seconds) of one `write_dataset` into an empty `dest`."""
-    from sparknet.data.shards import write_dataset
-
     shutil.rmtree(dest, ignore_errors=True)
     marks: dict[str, float] = {}
     t0 = time.perf_counter()

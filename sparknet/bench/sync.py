@@ -28,6 +28,8 @@ from sparknet.bench.common import BenchReport, pyplot, save_figure
 from sparknet.bench.gloo import gloo_all_reduce
 from sparknet.config import TrainConfig
 
+# `# lazy: X` below: Spark (and what the driver pulls with it) only once `run` starts a session
+
 NAME = "sync"
 GOALS = {"allreduce": 1.3, "spark": 6.0}
 #: digits: 8x8 inputs, 10 classes
@@ -61,7 +63,7 @@ def measure(
     weights into the model, with the broadcast under `spark`), `exchange_s` (allreduce: the
     collectives, and the division into the mean that overlaps them) and `rest_s` (the update
     computed or the weights checked, the outer step, the row made)."""
-    from sparknet.training.driver import train
+    from sparknet.training.driver import train  # lazy: pyspark, boto3
 
     run_dir = out / "runs" / f"{transport}-{size_mb:g}mb"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -90,7 +92,7 @@ def run(
     out: Path,
     on_status: Callable[[str], None] = lambda _text: None,
 ) -> BenchReport:
-    from sparknet.training.session import start_session, stop_quietly
+    from sparknet.training.session import start_session, stop_quietly  # lazy: pyspark
 
     rows = []
     on_status(f"starting Spark (local[{workers}]) for {workers} workers")

@@ -16,6 +16,10 @@ from sparknet.cli.common import (
 )
 from sparknet.errors import InputError, SparknetError
 
+# `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
+# (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
+# `sparknet --help` and every other command import this module
+
 ami_app = typer.Typer(no_args_is_help=True, help="Node images (AMIs): bake.")
 
 
@@ -44,7 +48,7 @@ def ami_bake(
     """Launch a builder from the base AMI, run the install steps of ami/image.toml, clean it,
     image it, tag and record the image; the builder is terminated in every case (and the image
     removed again on failure or Ctrl-C)."""
-    from sparknet.cluster import ami
+    from sparknet.cluster import ami  # lazy: boto3, fabric
 
     try:
         settings = _settings(
@@ -85,9 +89,9 @@ def _exit_code(exc: SparknetError, caught: Caught) -> int:
 def _settings(**given):
     """BakeSettings from the options given (None: the default); a one-line error for a value
     AWS would refuse."""
-    from sparknet import aws
-    from sparknet.cluster import ami, nodes
-    from sparknet.cluster.spec import check_ssh_cidr
+    from sparknet import aws  # lazy: boto3
+    from sparknet.cluster import ami, nodes  # lazy: boto3, fabric
+    from sparknet.cluster.spec import check_ssh_cidr  # lazy: boto3
 
     nodes.silence_s()  # a bad SSH wait setting fails before the builder is launched
     values = {k: v for k, v in given.items() if v is not None}

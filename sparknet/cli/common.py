@@ -10,8 +10,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import click
 import typer
+import typer.rich_utils
 from rich.console import Console
+from typer.core import TyperOption
 
 from sparknet.interrupts import hold, holding
 
@@ -31,8 +34,6 @@ DebugOption = typer.Option(False, help="show tracebacks")
 def _flags_without_type() -> None:
     """`--help` shows no `<bool>` after a switch (`--keep`, `--spot/--on-demand`, `--help`):
     typer gives every option its type's name, though a switch takes no value."""
-    from typer.core import TyperOption
-
     shown = TyperOption.display_type_rich
 
     def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
@@ -49,9 +50,6 @@ def _usage_error_in_one_line() -> None:
     missing argument) is one `error:` line naming the help to read, exit 2, as every other
     refusal of bad input: typer's own is a usage line, a hint and a box wrapped at 80
     columns, cut in the middle of the message in a log file."""
-    import click
-    import typer.rich_utils
-
     boxed = typer.rich_utils.rich_format_error
 
     def one_line(self: click.ClickException) -> None:

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.progress import (
     BarColumn,
+    DownloadColumn,
     MofNCompleteColumn,
     Progress,
     ProgressColumn,
@@ -17,6 +18,7 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
+    TransferSpeedColumn,
 )
 from rich.table import Table
 from rich.text import Text
@@ -24,6 +26,10 @@ from rich.text import Text
 from sparknet.cli.common import ConfigOption, DebugOption, EndpointOption, console, fail
 from sparknet.config import find_config_file, load_datasets
 from sparknet.errors import SparknetError
+
+# `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
+# (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
+# `sparknet --help` and every other command import this module
 
 data_app = typer.Typer(
     no_args_is_help=True, help="Datasets: shard an ImageNet tree, upload, verify, list."
@@ -42,8 +48,6 @@ def _dataset_uri(name_or_uri: str, config: Path | None, endpoint_url: str | None
 
 def _bytes_progress(description: str) -> Progress:
     """A bytes bar on stderr; none without a terminal (a log would keep only its last frame)."""
-    from rich.progress import DownloadColumn, TransferSpeedColumn
-
     return Progress(
         TextColumn(f"[bold]{description}"),
         BarColumn(),
@@ -142,9 +146,9 @@ def data_shard(
     debug: bool = DebugOption,
 ) -> None:
     """Write WebDataset tar shards and manifest.json; a re-run keeps shards already written."""
-    from sparknet.data.imagenet import read_class_list
-    from sparknet.data.shard_plan import DEFAULT_QUALITY, Resize
-    from sparknet.data.shards import write_dataset
+    from sparknet.data.imagenet import read_class_list  # lazy: +10 ms to `sparknet --help`
+    from sparknet.data.shard_plan import DEFAULT_QUALITY, Resize  # lazy: numpy
+    from sparknet.data.shards import write_dataset  # lazy: PIL
 
     try:
         wanted = read_class_list(classes) if classes is not None else None
@@ -203,8 +207,8 @@ def data_upload(
     debug: bool = DebugOption,
 ) -> None:
     """Upload shards (skipping ones already there with the same bytes), then manifest.json last."""
-    from sparknet.data.manifest import MANIFEST_NAME, Manifest
-    from sparknet.data.transfer import upload_dataset
+    from sparknet.data.manifest import MANIFEST_NAME, Manifest  # lazy: +7 ms to `sparknet --help`
+    from sparknet.data.transfer import upload_dataset  # lazy: boto3, PIL
 
     try:
         uri, endpoint = _dataset_uri(dest, config, endpoint_url)
@@ -248,7 +252,7 @@ def data_verify(
     debug: bool = DebugOption,
 ) -> None:
     """Check every shard's size and sha256 against the manifest; exit 1 on any difference."""
-    from sparknet.data.transfer import verify_dataset
+    from sparknet.data.transfer import verify_dataset  # lazy: boto3, PIL
 
     try:
         where, endpoint = _dataset_uri(uri, config, endpoint_url)
@@ -276,7 +280,7 @@ def data_ls(
     debug: bool = DebugOption,
 ) -> None:
     """Splits, shards, images and bytes of a dataset."""
-    from sparknet.data.transfer import list_dataset
+    from sparknet.data.transfer import list_dataset  # lazy: boto3, PIL
 
     try:
         where, endpoint = _dataset_uri(uri, config, endpoint_url)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,13 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sparknet.cli import train as train_command
+from sparknet.cli.cluster.options import cluster_spec
 from sparknet.cli.common import Caught, console, fail, interrupts, results
 from sparknet.errors import SparknetError
+
+# `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
+# (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
+# `sparknet-submit --help` and every other command import this module
 
 
 def say(line: str) -> None:
@@ -39,7 +45,7 @@ class Report:
             self.progress.start()
 
     def rows(self, rows: list[dict[str, Any]], cost: float | None) -> None:
-        from sparknet.jobs.follow import progress_line
+        from sparknet.jobs.follow import progress_line  # lazy: boto3, fabric
 
         for row in rows:
             line = progress_line(row, self.total, cost)
@@ -67,16 +73,14 @@ JobsDebugOption = typer.Option(False, help="show tracebacks")
 def _spec_of(config: Path | None):
     """How `sparknet.jobs.records` gets a cluster's spec: the registry's, else the settings file's
     entry, in the job's region."""
-    from sparknet.cli.cluster.options import cluster_spec
-
     return lambda name, region: cluster_spec(name, config, {"region": region} if region else {})
 
 
 def _located(run_id: str, cluster: str | None, endpoint_url, config, debug: bool):
     """The job and a connection to its master; exit 2 for a run nobody knows or whose
     cluster is gone (or bad settings), 1 when the master does not answer."""
-    from sparknet.cluster import nodes
-    from sparknet.jobs import records
+    from sparknet.cluster import nodes  # lazy: fabric
+    from sparknet.jobs import records  # lazy: boto3, fabric
 
     try:
         found = records.locate(run_id, cluster, _spec_of(config), endpoint_url)
@@ -111,12 +115,10 @@ def attach(
     it ended, without its rounds). A cluster the job's submit made is said to be still up, with
     its cost and what ends it. Ctrl-C or SIGTERM only detach: the job goes on (exit 130 /
     143)."""
-    import time
-
-    from sparknet.cluster import provider, repair
-    from sparknet.jobs import records
-    from sparknet.jobs.driver import LOG, job_dir
-    from sparknet.jobs.follow import (
+    from sparknet.cluster import provider, repair  # lazy: boto3, fabric
+    from sparknet.jobs import records  # lazy: boto3, fabric
+    from sparknet.jobs.driver import LOG, job_dir  # lazy: boto3, fabric
+    from sparknet.jobs.follow import (  # lazy: boto3, fabric
         DriverStatus,
         fetch_results,
         follow,
@@ -124,8 +126,8 @@ def attach(
         summary_lines,
         ticks,
     )
-    from sparknet.jobs.submit import JobFailed
-    from sparknet.jobs.supervisor import restart_line
+    from sparknet.jobs.submit import JobFailed  # lazy: boto3, fabric
+    from sparknet.jobs.supervisor import restart_line  # lazy: +7 ms to `sparknet-submit --help`
 
     try:
         repair.check_every_s()  # a bad setting fails before anything is asked
@@ -193,10 +195,10 @@ def attach(
 def _ended_outcome(conn, found, run_id: str, state: str):
     """The outcome of a job that ended before `attach` came: said in one line (how, after how
     many rounds), its rounds not replayed."""
-    from sparknet.data.store import open_store
-    from sparknet.jobs.driver import driver_log, driver_rc
-    from sparknet.jobs.follow import Outcome
-    from sparknet.training.report import read_metrics
+    from sparknet.data.store import open_store  # lazy: boto3
+    from sparknet.jobs.driver import driver_log, driver_rc  # lazy: boto3, fabric
+    from sparknet.jobs.follow import Outcome  # lazy: boto3, fabric
+    from sparknet.training.report import read_metrics  # lazy: boto3
 
     rec, node = found.record, found.master.node
     rc = driver_rc(conn, node, run_id)
@@ -209,7 +211,7 @@ def _ended_outcome(conn, found, run_id: str, state: str):
 def _still_up(rec, spec, cost: float | None):
     """What `attach` says last of a cluster that the job's submit made (and that runs: the job
     was just asked of its master): it is still up, its cost so far, and what ends it."""
-    from sparknet.jobs.submit import up_line
+    from sparknet.jobs.submit import up_line  # lazy: boto3, fabric
 
     def say_still_up() -> None:
         if rec.made:
@@ -230,7 +232,7 @@ def logs(
 ) -> None:
     """The driver's log on the master: its last --lines, and with --follow what it adds until
     the job ends (Ctrl-C stops following; the job goes on)."""
-    from sparknet.jobs import records
+    from sparknet.jobs import records  # lazy: boto3, fabric
 
     found, conn = _located(run_id, cluster, endpoint_url, config, debug)
     caught = Caught()
@@ -259,7 +261,7 @@ def cancel(
 ) -> None:
     """End the job: its driver's whole process session on the master, waited for until none
     of it is left. A job that already ended stays as it ended (exit 0 both)."""
-    from sparknet.jobs import records
+    from sparknet.jobs import records  # lazy: boto3, fabric
 
     found, conn = _located(run_id, cluster, endpoint_url, config, debug)
     try:
@@ -281,7 +283,7 @@ def list_jobs(
 ) -> None:
     """The jobs this machine started or attached to, one per line: run id, cluster, state
     (running, succeeded, failed RC, cancelled, or `cluster gone`), started (UTC)."""
-    from sparknet.jobs import records
+    from sparknet.jobs import records  # lazy: boto3, fabric
 
     try:
         listed = records.listing(_spec_of(config), endpoint_url)

@@ -18,10 +18,15 @@ import typer
 
 from sparknet.cli import jobs
 from sparknet.cli import train as train_command
+from sparknet.cli.cluster.options import cluster_spec
 from sparknet.cli.common import Caught, console, fail, first_line, interrupts, results
 from sparknet.cli.jobs import Report, say
-from sparknet.config import find_config_file, load_datasets, load_train_config
+from sparknet.config import find_config_file, load_datasets, load_train_config, read_section
 from sparknet.errors import SparknetError
+
+# `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
+# (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
+# `sparknet-submit --help` and every other command import this module
 
 submit_app = typer.Typer(
     add_completion=False,
@@ -86,12 +91,12 @@ def submit(
     it, follow its rounds, fetch curves.png and metrics.jsonl into runs/RUN/, and take the
     cluster down (unless --keep, --detach or --cluster) after success, failure, Ctrl-C or
     SIGTERM. --detach returns once the job runs; the cluster's autostop timer ends it after."""
-    from sparknet.cluster import repair
-    from sparknet.cluster.registry import LockUnavailable
-    from sparknet.jobs import records
-    from sparknet.jobs import submit as flow
-    from sparknet.jobs.follow import JobOutOfReach, summary_lines
-    from sparknet.jobs.preflight import Job, PreflightFailed, resolve_dataset
+    from sparknet.cluster import repair  # lazy: boto3, fabric
+    from sparknet.cluster.registry import LockUnavailable  # lazy: boto3
+    from sparknet.jobs import records  # lazy: boto3, fabric
+    from sparknet.jobs import submit as flow  # lazy: boto3, fabric
+    from sparknet.jobs.follow import JobOutOfReach, summary_lines  # lazy: boto3, fabric
+    from sparknet.jobs.preflight import Job, PreflightFailed, resolve_dataset  # lazy: boto3, fabric
 
     if ctx.invoked_subcommand is not None:
         return
@@ -161,7 +166,7 @@ def _second_signal_note(job) -> str:
     """What a second Ctrl-C or SIGTERM prints while the first one's clean-up runs: the job's
     cancel (waited for until its driver is gone) and, unless the cluster stays up (--cluster,
     --keep), the teardown; it cannot cut them short."""
-    from sparknet.jobs import submit as flow
+    from sparknet.jobs import submit as flow  # lazy: boto3, fabric
 
     if flow.teardown_due(job):
         return "still cancelling the job and taking the cluster down; it ends by itself"
@@ -173,7 +178,7 @@ def _second_signal_note(job) -> str:
 
 def _ended(exc: BaseException, ending) -> str:
     """What an interrupted submit says became of the cluster: down only when it is."""
-    from sparknet.jobs import submit as flow
+    from sparknet.jobs import submit as flow  # lazy: boto3, fabric
 
     if isinstance(exc, flow.TeardownFailed):
         return f"; {exc}"
@@ -186,7 +191,7 @@ def _check_flags(
     s3: str | None, cluster: str | None, name: str | None, keep: bool, autostop: int | None
 ) -> None:
     """The flags' combinations that are refused before anything is read or asked of AWS."""
-    from sparknet.jobs.preflight import PreflightFailed
+    from sparknet.jobs.preflight import PreflightFailed  # lazy: boto3, fabric
 
     if s3 is None:
         raise PreflightFailed(
@@ -216,7 +221,7 @@ def _check_static(
     """EC2's flags are refused on a static cluster even where they say the default (they would
     be ignored), and so is --detach on one the submit makes without --keep: with no autostop
     timer, Spark would run on its hosts after the job until `sparknet cluster down`."""
-    from sparknet.jobs.preflight import PreflightFailed
+    from sparknet.jobs.preflight import PreflightFailed  # lazy: boto3, fabric
 
     given = [
         flag for flag, value in
@@ -240,7 +245,7 @@ def _check_autostop(spec, reused: bool, keep: bool) -> None:
     """A cluster this submit makes, with its autostop timer off (the flag or the settings'
     `autostop_minutes: 0`) and no --keep: a detached job, a job out of reach or a failed
     teardown would leave it running until `sparknet cluster down`."""
-    from sparknet.jobs.preflight import PreflightFailed
+    from sparknet.jobs.preflight import PreflightFailed  # lazy: boto3, fabric
 
     if not reused and not keep and spec.autostop_minutes == 0:
         raise PreflightFailed(
@@ -258,7 +263,7 @@ def _print_detached(job, run_id: str, prefix: str) -> None:
         f"job {run_id} runs detached: `sparknet-submit attach {run_id}` follows it, "
         f"`sparknet-submit logs {run_id}` shows its log, `sparknet-submit cancel {run_id}` ends it"
     )
-    from sparknet.jobs.submit import stays_up_line
+    from sparknet.jobs.submit import stays_up_line  # lazy: boto3, fabric
 
     say(stays_up_line(job))
 
@@ -266,13 +271,11 @@ def _print_detached(job, run_id: str, prefix: str) -> None:
 def _named_cluster(name: str | None, path: Path | None) -> str | None:
     """`--name NAME`, which must be a `clusters:` entry of the settings file: a cluster is made
     from its entry (a typo would make one of the defaults)."""
-    from sparknet.config import read_section
-
     if name is None:
         return None
     names = sorted(read_section(path, "clusters")) if path is not None else []
     if name not in names:
-        from sparknet.jobs.preflight import PreflightFailed
+        from sparknet.jobs.preflight import PreflightFailed  # lazy: boto3, fabric
 
         if path is None:
             raise PreflightFailed(
@@ -289,8 +292,6 @@ def _named_cluster(name: str | None, path: Path | None) -> str | None:
 def _instances_spec(name: str, path: Path | None, flags: dict[str, Any]):
     """The cluster's spec (`sparknet cluster`'s `cluster_spec`); a bad `--workers` is named
     as the flag and what it counts, worker instances (not the Spark tasks of `--set workers`)."""
-    from sparknet.cli.cluster.options import cluster_spec
-
     try:
         return cluster_spec(name, path, flags)
     except SparknetError as exc:
@@ -305,11 +306,9 @@ def _instances_spec(name: str, path: Path | None, flags: dict[str, Any]):
 def _only_cluster(path: Path | None) -> str:
     """The cluster to make when neither --cluster nor --name says: the settings file's only
     `clusters:` entry."""
-    from sparknet.config import read_section
-
     names = sorted(read_section(path, "clusters")) if path is not None else []
     if len(names) != 1:
-        from sparknet.jobs.preflight import PreflightFailed
+        from sparknet.jobs.preflight import PreflightFailed  # lazy: boto3, fabric
 
         have = ", ".join(names) or "none"
         raise PreflightFailed(

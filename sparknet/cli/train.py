@@ -16,6 +16,10 @@ from sparknet.cli.common import Caught, console, fail, interrupts, quiet_py4j, r
 from sparknet.config import find_config_file, load_datasets, load_train_config
 from sparknet.errors import SparknetError
 
+# `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
+# (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
+# `sparknet --help` and every other command import this module
+
 
 def _fmt(row: dict[str, Any]) -> str:
     acc = f"  acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else ""
@@ -132,7 +136,7 @@ def train(
         config = find_config_file(config)
         cfg = load_train_config(config_file=config, sets=set_, flags=flags, base=base, conf=conf)
         datasets = load_datasets(config)
-        from sparknet.training.driver import train as run_training
+        from sparknet.training.driver import train as run_training  # lazy: torch, pyspark, boto3
 
         report = _Report(live=console.is_terminal, caught=caught)
         if not debug:

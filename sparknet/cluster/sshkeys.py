@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import paramiko
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from sparknet.cluster import registry
 from sparknet.cluster.nodes import Access, describe
@@ -30,9 +32,6 @@ if TYPE_CHECKING:
 def new_ed25519() -> tuple[str, str]:
     """A fresh ed25519 key pair: (private key in OpenSSH format, public key line
     ``ssh-ed25519 AAAA...``). ed25519: small, fast, and accepted by EC2 and every OpenSSH."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     key = Ed25519PrivateKey.generate()
     private = key.private_bytes(
         serialization.Encoding.PEM,

@@ -122,9 +122,9 @@ class TrainDecoder:
         self.size = size
 
     def __call__(self, data: bytes) -> torch.Tensor:
-        import torch
-        from torchvision.transforms import RandomResizedCrop
-        from torchvision.transforms.v2 import functional as F
+        import torch  # lazy: torch
+        from torchvision.transforms import RandomResizedCrop  # lazy: torchvision
+        from torchvision.transforms.v2 import functional as F  # lazy: torchvision
 
         image = Image.open(io.BytesIO(data))
         width, height = image.size
@@ -167,7 +167,7 @@ def eval_resize(image_size: int) -> int:
 
 def eval_transform(image_size: int) -> Compose:
     """ImageNet evaluation: resize the shorter side to size*256/224, centre crop; uint8 CHW."""
-    from torchvision.transforms import v2
+    from torchvision.transforms import v2  # lazy: torchvision
 
     return v2.Compose(
         [
@@ -181,7 +181,7 @@ def eval_transform(image_size: int) -> Compose:
 def normalize(batch: torch.Tensor) -> torch.Tensor:
     """A uint8 (N, 3, H, W) batch to float32 scaled to [0, 1] and normalized with ImageNet's
     mean and std, as `ToDtype(scale=True)` + `Normalize` would do image by image."""
-    import torch
+    import torch  # lazy: torch
 
     mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)

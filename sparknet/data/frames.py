@@ -20,8 +20,12 @@ from typing import Literal
 import numpy as np
 import torch
 
+from sparknet.data import loader
 from sparknet.data.sources import EVAL_BATCH, Source, TaskInput, batch_positions
 from sparknet.errors import SparknetError
+
+# `# lazy: X` below: pyspark and pyarrow only in the functions that touch a frame; the job's
+# checks before a submit (`training.problem`) import this module without Spark
 
 INPUT_COLUMNS = ("image", "features")
 
@@ -64,24 +68,28 @@ class FrameSource(Source):
 
     def _batches(self, steps: Iterator[np.ndarray], labels, inputs, decode, g0: int,
                  inp: TaskInput) -> Iterator:  # fmt: skip
-        from sparknet.data.loader import Batch, decoded_batches, derived_seed
-
         if self.kind == "features":
             for idx in steps:
-                yield Batch(torch.from_numpy(inputs[idx]), torch.from_numpy(labels[idx]))
+                yield loader.Batch(torch.from_numpy(inputs[idx]), torch.from_numpy(labels[idx]))
             return
 
         def items() -> Iterator[list]:
             for s, idx in enumerate(steps):
                 yield [
-                    (inputs[i], int(labels[i]), derived_seed(inp.seed, inp.partition, g0 + s, j))
+                    (
+                        inputs[i],
+                        int(labels[i]),
+                        loader.derived_seed(inp.seed, inp.partition, g0 + s, j),
+                    )
                     for j, i in enumerate(idx)
                 ]
 
-        yield from decoded_batches(items(), decode, workers=self.loader_workers, cores=inp.threads)
+        yield from loader.decoded_batches(
+            items(), decode, workers=self.loader_workers, cores=inp.threads
+        )
 
     def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
-        from sparknet.data.decode import TrainDecoder
+        from sparknet.data.decode import TrainDecoder  # lazy: PIL
 
         labels, inputs = self._columns(inp.rows)
         if len(labels) == 0:
@@ -97,7 +105,7 @@ class FrameSource(Source):
         yield from self._batches(steps, labels, inputs, decode, rnd * tau, inp)
 
     def eval_batches(self, inp: TaskInput) -> Iterator:
-        from sparknet.data.decode import EvalDecoder
+        from sparknet.data.decode import EvalDecoder  # lazy: PIL
 
         labels, inputs = self._columns(inp.rows)
         steps = (
@@ -153,8 +161,8 @@ def _blobs(frame, split: int):
     """`frame`'s record batches as Arrow IPC blobs, tagged with their partition and order."""
 
     def run(batches: Iterator) -> Iterator:
-        import pyarrow as pa
-        from pyspark import TaskContext
+        import pyarrow as pa  # lazy: pyarrow
+        from pyspark import TaskContext  # lazy: pyspark
 
         index = TaskContext.get().partitionId()
         schema = pa.schema(
@@ -176,7 +184,7 @@ def rank_rows(items: Iterator) -> tuple[list, list]:
     """(train, eval) record batches of one `Frames.by_rank` partition, each in its frame's
     order (a shuffle read interleaves the blocks of different map tasks); eval is empty without
     an eval frame, and for a partition the eval frame left empty."""
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: pyarrow
 
     got: dict[int, list] = {0: [], 1: []}
     for split, seq, payload in items:
@@ -218,7 +226,7 @@ def _input_column(df, wanted: str | None, name: str) -> str:
 
 
 def _kind(df, col: str, name: str) -> Literal["image", "features"]:
-    from pyspark.sql.types import ArrayType, BinaryType, NumericType
+    from pyspark.sql.types import ArrayType, BinaryType, NumericType  # lazy: pyspark
 
     dtype = df.schema[col].dataType
     if isinstance(dtype, BinaryType):
@@ -243,7 +251,7 @@ class FrameStats:
 
 def _label_type(df, label_col: str, name: str) -> bool:
     """True for float labels (Spark ML's StringIndexer makes doubles): they must be integral."""
-    from pyspark.sql.types import FractionalType, IntegralType
+    from pyspark.sql.types import FractionalType, IntegralType  # lazy: pyspark
 
     dtype = df.schema[label_col].dataType
     if isinstance(dtype, IntegralType):
@@ -258,8 +266,8 @@ def _label_type(df, label_col: str, name: str) -> bool:
 
 def _check_frame(df, name: str, label_col: str, col: str, kind: str) -> FrameStats:
     """Count `df` and check its labels and inputs in one aggregation on the executors."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import FractionalType
+    from pyspark.sql import functions as F  # lazy: pyspark
+    from pyspark.sql.types import FractionalType  # lazy: pyspark
 
     for c in (label_col, col):
         if c not in df.columns:
@@ -338,8 +346,8 @@ def prepare_frames(
 ) -> tuple[FrameSource, Frames]:
     """Check both frames (columns, labels, inputs) on the executors before any training job,
     and persist them in K partitions."""
-    from pyspark import StorageLevel
-    from pyspark.sql import functions as F
+    from pyspark import StorageLevel  # lazy: pyspark
+    from pyspark.sql import functions as F  # lazy: pyspark
 
     col = _input_column(train_df, input_col, name)
     kind = _kind(train_df, col, name)

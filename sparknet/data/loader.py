@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+# `# lazy: PIL`: a tensor dataset's tasks import this module and never decode an image
+
 #: (encoded bytes, label, augmentation seed), or None for a sample that could not be read
 Item = tuple[bytes, int, int] | None
 
@@ -92,7 +94,7 @@ def decoded_batches(
     """Decode each step's items with `decode` (e.g. `TrainDecoder`) in `workers` processes (0: in
     this thread; None: the default for a task of `cores` CPUs); batches in order, as normalized
     float32."""
-    from sparknet.data.decode import normalize
+    from sparknet.data.decode import normalize  # lazy: PIL
 
     if workers is None:
         workers = default_loader_workers(cores)

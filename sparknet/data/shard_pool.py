@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 
 #: how on_progress names its phases; both count images
 CHECK, WRITE = "check", "write"
@@ -58,7 +59,6 @@ def pool_ignoring_sigint(workers: int) -> Iterator[multiprocessing.pool.Pool]:
         with ctx.Pool(workers) as pool:
             yield pool
         return
-    from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()  # it unblocks SIGINT when it starts itself
     caught: list[int] = []

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparknet.data.imagenet import ImageTree, scan
+from sparknet.data.imagenet import KAGGLE_DATA, ImageTree, scan
 from sparknet.data.manifest import MANIFEST_NAME, Manifest, RejectedImage
 from sparknet.data.shard_checks import CheckedTree, check_images
 from sparknet.data.shard_files import (
@@ -210,8 +210,6 @@ def write_dataset(
 
 def _check_not_inside(src: Path, dest: Path) -> None:
     """DEST inside SRC's train/ or val/ would be read as a class dir (of shards) by every run."""
-    from sparknet.data.imagenet import KAGGLE_DATA
-
     target = dest.resolve()
     for split in ("train", "val"):
         for where in (src / split, src / KAGGLE_DATA / split):

@@ -25,8 +25,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
+from sparknet.data import loader
+from sparknet.data.cache import ShardCache
+from sparknet.data.integrity import check_present, open_verified
 from sparknet.data.manifest import Manifest, ShardInfo
-from sparknet.data.store import Store
+from sparknet.data.store import Store, load_manifest, open_store
 from sparknet.data.stream import (
     epoch_shards,
     keep_cursor,
@@ -37,6 +40,8 @@ from sparknet.data.stream import (
 )
 from sparknet.errors import SparknetError
 from sparknet.imports import is_reference, load_callable
+
+# `# lazy: PIL`: only a shard dataset's tasks decode images; a tensor dataset's never do
 
 BUILTIN_DATA = ("digits",)
 
@@ -244,22 +249,18 @@ class TensorSource(Source):
         return load_data(self.spec).train[0][0]
 
     def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
-        from sparknet.data.loader import Batch
-
         train = load_data(self.spec).train
         part = shard(len(train), inp.workers, inp.partition, inp.seed)
         for step in range(tau):
             g = rnd * tau + step
             positions = batch_positions(inp.seed, inp.partition, len(part), g, batch_size)
-            yield Batch(*make_batch(train, part[positions]))
+            yield loader.Batch(*make_batch(train, part[positions]))
 
     def eval_batches(self, inp: TaskInput) -> Iterator:
-        from sparknet.data.loader import Batch
-
         test = load_data(self.spec).test
         indices = np.arange(inp.partition, len(test), inp.workers)
         for start in range(0, len(indices), EVAL_BATCH):
-            yield Batch(*make_batch(test, indices[start : start + EVAL_BATCH]))
+            yield loader.Batch(*make_batch(test, indices[start : start + EVAL_BATCH]))
 
 
 @dataclass(frozen=True)
@@ -303,18 +304,13 @@ class ShardSource(Source):
     def _open(self, info: ShardInfo):
         """The shard's bytes, checked against the manifest before any sample is read from them
         (`integrity.open_verified`); a remote shard goes through the executor's cache."""
-        from sparknet.data.integrity import open_verified
-
         cache = None
         if self.cache_dir is not None and self.cache_bytes > 0:
-            from sparknet.data.cache import ShardCache
-
             cache = ShardCache(Path(self.cache_dir).expanduser(), self.cache_bytes)
         return open_verified(self.store, info, cache)
 
     def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
-        from sparknet.data.decode import TrainDecoder
-        from sparknet.data.loader import decoded_batches, derived_seed
+        from sparknet.data.decode import TrainDecoder  # lazy: PIL
 
         shards = self.manifest.shards(self.TRAIN)
         key = (inp.run_id, inp.partition)
@@ -335,20 +331,19 @@ class ShardSource(Source):
                 yield [
                     None
                     if s is None
-                    else (s.data, s.label, derived_seed(inp.seed, inp.partition, g, i))
+                    else (s.data, s.label, loader.derived_seed(inp.seed, inp.partition, g, i))
                     for i, s in enumerate(items)
                 ]
             keep_cursor(key, cursor)  # the whole round was read: the next round continues here
 
-        batches = decoded_batches(
+        batches = loader.decoded_batches(
             prefetch(steps(), depth=2), TrainDecoder(self.image_size),
             workers=self.loader_workers, cores=inp.threads,
         )  # fmt: skip
         yield from batches
 
     def eval_batches(self, inp: TaskInput) -> Iterator:
-        from sparknet.data.decode import EvalDecoder
-        from sparknet.data.loader import decoded_batches
+        from sparknet.data.decode import EvalDecoder  # lazy: PIL
 
         if not _split_samples(self.manifest, self.EVAL):  # missing or empty: like no val
             return
@@ -370,7 +365,7 @@ class ShardSource(Source):
             if chunk:
                 yield chunk
 
-        yield from decoded_batches(
+        yield from loader.decoded_batches(
             prefetch(steps(), depth=2), EvalDecoder(self.image_size),
             workers=self.loader_workers, cores=inp.threads,
         )  # fmt: skip
@@ -411,9 +406,6 @@ def _check_splits(uri: str, manifest) -> None:
 
 def shard_source(uri: str, cfg, endpoint_url: str | None = None) -> ShardSource:
     """A shard dataset, its manifest read now: a missing bucket or bad credentials fail here."""
-    from sparknet.data.integrity import check_present
-    from sparknet.data.store import load_manifest, open_store
-
     store = open_store(uri, endpoint_url or cfg.endpoint_url)
     manifest = load_manifest(store)
     check_present(store, manifest)  # a missing or replaced shard fails here, before Spark

@@ -41,6 +41,9 @@ import yaml
 
 from sparknet.cluster.aws import autostop
 
+# `# lazy: X` below: `sparknet-submit attach` imports this module (`restart_line`); boto3 and
+# torch only where the supervisor on the master reads a checkpoint or writes metrics
+
 #: the files of the job dir that the supervisor reads or writes
 JOB_CONFIG, RC, TRAIN_PID = "job.yaml", "driver.rc", "train.pid"
 #: a driver's exits that are deliberate ends: success, its own `error:` line, an interrupt
@@ -135,7 +138,7 @@ class Job:
 
 def last_checkpoint(job: Job) -> int | None:
     """The rounds of the run prefix's last complete checkpoint (None: none yet)."""
-    from sparknet.data.store import open_store
+    from sparknet.data.store import open_store  # lazy: boto3
     from sparknet.training import checkpoint  # torch: only when a restart needs it
 
     if job.out is None:
@@ -146,8 +149,8 @@ def last_checkpoint(job: Job) -> int | None:
 def record_restart(job: Job, event: dict[str, Any]) -> None:
     """Append the event row to metrics.jsonl, dropping the rows past the checkpoint the driver
     resumes from, as its resume does (so the file reads in order)."""
-    from sparknet.data.store import open_store
-    from sparknet.training.report import MetricsLog
+    from sparknet.data.store import open_store  # lazy: boto3
+    from sparknet.training.report import MetricsLog  # lazy: boto3
 
     if job.out is None:
         return

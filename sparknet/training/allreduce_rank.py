@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from pyspark import BarrierTaskContext, SparkFiles
 
 from sparknet.data.frames import rank_rows
@@ -99,8 +100,6 @@ def _process_group(ctx: BarrierTaskContext, on: torch.device) -> None:
     the default init's rendezvous of a second or more). The store and gloo listen on the
     node's cluster address (the one its executor advertises) only: neither is authenticated
     nor encrypted (`netbind`)."""
-    import torch.distributed as dist
-
     if dist.is_initialized():  # a cancelled stage's, in a reused Python worker
         dist.destroy_process_group()
     rank, infos = ctx.partitionId(), ctx.getTaskInfos()
@@ -166,8 +165,6 @@ class _Rank:
         self.cfg = plan.base.cfg
 
     def run(self) -> None:
-        import torch.distributed as dist
-
         cfg, plan = self.cfg, self.plan
         on = device.task_device(cfg.device)
         threads = _rank_threads(plan, self.ctx)
@@ -183,8 +180,6 @@ class _Rank:
             dist.destroy_process_group()
 
     def _rounds(self, on: torch.device, threads: int, channel: _ToDriver | None) -> None:
-        import torch.distributed as dist
-
         cfg, plan, base = self.cfg, self.plan, self.plan.base
         theta0, momentum = plan.weights.value
         layout = base.layout
@@ -269,8 +264,6 @@ class _Rank:
         return True
 
     def _evaluate(self, task: RoundTask, theta: np.ndarray, threads: int) -> EvalResult:
-        import torch.distributed as dist
-
         ev = evaluate_partition(task, theta, self.rank, threads=threads, rows=self.eval_rows)
         sums = torch.tensor(
             [ev.loss_sum, ev.correct, ev.correct5, ev.count, ev.skipped], dtype=torch.float64
@@ -289,8 +282,6 @@ def _mean(flat: torch.Tensor, world: int, compress: str, on: torch.device) -> to
     """`flat` (on the host) <- its mean over the ranks, in place; on the wire as `compress`
     says. A host buffer goes in pieces, each all-reduced on gloo's own threads, so dividing one
     overlaps summing the next (at 100 MB the division alone is a pass of ~4 ms)."""
-    import torch.distributed as dist
-
     wire = _WIRE[compress]
     if wire is None and on.type != "cuda":
         n = max(1, min(_PIECES, flat.numel() // _PIECE_MIN))
@@ -306,8 +297,6 @@ def _mean(flat: torch.Tensor, world: int, compress: str, on: torch.device) -> to
 
 def _from_rank0(integers: dict[str, np.ndarray] | None, layout: StateLayout) -> dict:
     """Rank 0's integer buffers (num_batches_tracked), on every rank: worker 0's value."""
-    import torch.distributed as dist
-
     if all(e.offset >= 0 for e in layout.entries):
         return {}
     box = [integers]

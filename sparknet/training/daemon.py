@@ -22,9 +22,10 @@ from __future__ import annotations
 
 def preimport() -> None:
     """What every sparknet task unpickles first: torch and the worker side of sparknet."""
+    # lazy on purpose: importing them, once, before the daemon forks is this function's job
     import torch  # noqa: F401
 
-    import sparknet.training.worker  # noqa: F401
+    import sparknet.training.worker  # lazy: torch, boto3, as above  # noqa: F401
 
 
 if __name__ == "__main__":

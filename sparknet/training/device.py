@@ -24,6 +24,9 @@ from torch import nn
 
 from sparknet.errors import PermanentTaskError
 
+# `# lazy: pyspark`: the worker side imports this module without Spark too (TorchDistributor's
+# ranks, the plain PyTorch benchmark), where no task has a GPU from Spark
+
 #: what `torch.use_deterministic_algorithms` needs for cuBLAS on CUDA >= 10.2 (PyTorch's
 #: reproducibility notes); read when a cuBLAS workspace is made
 CUBLAS_WORKSPACE = ":4096:8"
@@ -85,7 +88,7 @@ def _spark_gpu_ordinal(address: str, cuda_visible_devices: str | None) -> int:
 def spark_gpu_addresses() -> list[str] | None:
     """The GPU addresses Spark assigned the running task; None outside a Spark task."""
     try:
-        from pyspark import TaskContext
+        from pyspark import TaskContext  # lazy: pyspark
     except ImportError:
         return None
     ctx = TaskContext.get()

@@ -15,7 +15,7 @@ from sparknet.config import DatasetEntry, TrainConfig
 from sparknet.data.frames import Frames
 from sparknet.data.sources import is_frame_spec, resolve_source
 from sparknet.errors import SparknetError
-from sparknet.training import checkpoint, rundir
+from sparknet.training import allreduce, checkpoint, rundir
 from sparknet.training.outer import OuterOptimizer
 from sparknet.training.probe import check_python_workers, user_modules
 from sparknet.training.problem import FrameInput, Problem, frame_problem, prepare
@@ -236,8 +236,6 @@ def _resolve_transport(cfg: TrainConfig, spark, every_node_writes: bool) -> Trai
 
 
 def _allreduce_refusal(sc, cfg: TrainConfig, every_node_writes: bool) -> str | None:
-    from sparknet.training import allreduce
-
     why = allreduce.why_not(sc, cfg.workers, every_node_writes)
     if why is None:
         return None

@@ -13,6 +13,9 @@ import re
 import subprocess
 import threading
 
+# `# lazy: pyspark`: the line filter is imported (and tested) without Spark; pyspark only where
+# the gateway's launch is wrapped
+
 #: the first line of a Java stack trace printed outside log4j (`printStackTrace`, Scala's
 #: default reporter, the JVM's uncaught-exception handler): a fully qualified exception class
 _JAVA_TRACE = re.compile(
@@ -85,7 +88,7 @@ def gateway_killed_on_failure(jvm_stderr: HeldStderr):
     Spark starts): PySpark only waits for it, so it would live on as an orphan holding its
     multi-GiB heap, and later print pages of NoSuchFileException for the connection file PySpark
     removed. The launch is seen by wrapping the `Popen` PySpark's gateway module calls."""
-    from pyspark import java_gateway
+    from pyspark import java_gateway  # lazy: pyspark
 
     started: list = []
     real = java_gateway.Popen

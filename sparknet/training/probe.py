@@ -38,9 +38,10 @@ def check_python_workers(spark: SparkSession, tasks: int, modules: Sequence[str]
     names = ("sparknet", *modules)
 
     def probe(_):
-        # defined here, so pickled by value: unpickling it on the executors needs no sparknet
+        # defined here, so pickled by value: unpickling it on the executors needs no sparknet;
+        # its imports stay inside, as they run there: what the executor's Python finds
         import importlib.util
-        import sys as worker_sys
+        import sys as worker_sys  # inside: the executor's sys, not the driver's
 
         def lost(name: str) -> bool:
             try:

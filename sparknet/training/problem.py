@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from sparknet.config import TrainConfig
-from sparknet.data.frames import Frames
+from sparknet.data.frames import Frames, prepare_frames, read_frame
 from sparknet.data.sources import Source
 from sparknet.errors import SparknetError
 from sparknet.models import build_model, check_model_accepts
@@ -79,8 +79,6 @@ def prepare(cfg: TrainConfig, source: Source) -> Problem:
 
 
 def frame_problem(cfg: TrainConfig, spark, frames: FrameInput) -> tuple[Problem, Frames]:
-    from sparknet.data.frames import prepare_frames, read_frame
-
     train_df = frames.train if frames.train is not None else read_frame(spark, cfg.data)
     eval_df = frames.eval
     if eval_df is None and cfg.eval_data:

@@ -17,6 +17,9 @@ from sparknet.data.store import MissingObjectError, Store, open_store
 if TYPE_CHECKING:
     from sparknet.training.worker import EvalResult, WorkerReport
 
+# `# lazy: matplotlib` (~0.5 s): only curves.png needs it; every executor's task and
+# `sparknet-submit` import this module for its rows
+
 METRICS = "metrics.jsonl"
 CURVES = "curves.png"
 #: the key that makes a metrics.jsonl row an event's (a restart), not a round's
@@ -81,10 +84,10 @@ class MetricsLog:
 
 def plot_curves(rows: Iterable[dict[str, Any]], store: Store) -> None:
     """Loss and accuracy against round and against wall time, one PNG."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib
 
     rows = round_rows(rows)
     evals = [r for r in rows if "eval_accuracy" in r]

@@ -28,6 +28,8 @@ from sparknet.config import TrainConfig
 from sparknet.data.frames import Frames
 from sparknet.errors import SparknetError
 from sparknet.training import checkpoint
+from sparknet.training.allreduce import RESTARTS, AllReduceTransport, Diverged, StageFailed
+from sparknet.training.events import EventLog
 from sparknet.training.outer import OuterOptimizer, mean_update
 from sparknet.training.problem import Problem
 from sparknet.training.report import MetricsLog, eval_row, round_row
@@ -218,8 +220,6 @@ def allreduce_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
     """The rounds as one barrier stage (the `allreduce` transport). A failed stage runs again
     from the last complete checkpoint, at most `allreduce.RESTARTS` times; returns the final
     weights (the last round always ends with a checkpoint) as model.safetensors bytes."""
-    from sparknet.training.allreduce import RESTARTS, AllReduceTransport, Diverged, StageFailed
-
     cfg, run = loop.cfg, loop.run
     transport = AllReduceTransport(loop.spark.sparkContext, cfg.workers, placed)
     base = RoundTask(
@@ -307,8 +307,6 @@ class RunEvents:
     no append: the whole file each time, as metrics.jsonl)."""
 
     def __init__(self, run: RunDir, cfg: TrainConfig, start: int) -> None:
-        from sparknet.training.events import EventLog
-
         self.run = run
         self.temp: Path | None = None
         log_dir = run.local if not run.on_s3 else self._temp_dir()

@@ -43,6 +43,9 @@ from pyspark.errors import PySparkException
 from sparknet.errors import PermanentTaskError, SparknetError
 from sparknet.training.spark_settings import is_local_master
 
+# `# lazy: pyarrow`: only the function `mapInArrow` runs on the executors needs it; the driver and
+# a run without a DataFrame never import it
+
 R = TypeVar("R")
 
 #: work(theta, partition, attempt, threads, local_dir, rows) -> one partition's result; `rows` is
@@ -126,7 +129,7 @@ def _map_frame(frame, call: Callable[[int, list], R]):
     """(partition, result) pairs of `call` over each partition's Arrow batches of `frame`."""
 
     def run(batches: Iterator) -> Iterator:
-        import pyarrow as pa
+        import pyarrow as pa  # lazy: pyarrow
 
         index = TaskContext.get().partitionId()
         payload = pickle.dumps(call(index, list(batches)), protocol=pickle.HIGHEST_PROTOCOL)

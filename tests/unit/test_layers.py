@@ -1,11 +1,15 @@
 """The package's layers, read from the source with `ast`: no two modules import each other
 (directly or round a longer loop), and an import only goes down, never up or sideways between
 parts. Imports inside functions count the same: they may defer a slow or optional import (torch,
-pyspark), never hide a cycle. `if TYPE_CHECKING:` imports are left out (never run)."""
+pyspark), never hide a cycle, and each says why in a comment on its line or the line above
+(`# lazy: torch`). `if TYPE_CHECKING:` imports are left out (never run)."""
 
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -169,6 +173,52 @@ def wrong_way(graph: dict[str, set[str]]) -> list[str]:
     return found
 
 
+#: a linter's or formatter's directive: a comment made only of these says nothing about why
+_PRAGMA = re.compile(r"\s*(noqa\b|type:\s*ignore\b|fmt:|isort:|pragma:)", re.IGNORECASE)
+
+
+def _function_imports(
+    body: list[ast.stmt], inside: bool = False
+) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements of `body` inside a function, at any depth, but those under
+    `if TYPE_CHECKING:`."""
+    for node in body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _function_imports(node.orelse, inside)
+            continue
+        if inside and isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        deeper = inside or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            yield from _function_imports(getattr(node, field, []), deeper)
+
+
+def _comments(source: str) -> dict[int, tuple[str, bool]]:
+    """line -> (its comment without directives, whether the line is nothing but the comment)."""
+    found = {}
+    lines = source.splitlines()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            row, col = token.start
+            said = [p for p in token.string.split("#") if p.strip() and not _PRAGMA.match(p)]
+            found[row] = (" ".join(p.strip() for p in said), not lines[row - 1][:col].strip())
+    return found
+
+
+def unexplained(source: str) -> list[tuple[int, str]]:
+    """(line, statement) of each import inside a function with no reason beside it: a comment
+    on one of its lines, or a comment line just above it."""
+    comments = _comments(source)
+    found = []
+    for node in _function_imports(ast.parse(source).body):
+        end = node.end_lineno or node.lineno
+        beside = any(comments.get(n, ("", False))[0] for n in range(node.lineno, end + 1))
+        said, alone = comments.get(node.lineno - 1, ("", False))
+        if not beside and not (said and alone):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
 def test_every_part_has_a_layer():
     """A new part of the package is placed in `LAYERS` (or `CLUSTER_LAYERS`) before it lands."""
     unplaced = sorted({place(m)[0] for m in modules() if place(m)[1] is None} - {"cluster"})
@@ -197,4 +247,73 @@ def test_the_checks_catch_a_cycle_and_an_upward_import():
         "sparknet.cluster.spec -> sparknet.cluster.nodes",
         "sparknet.errors -> sparknet.cli",
         "sparknet.training.a -> sparknet.cluster.spec",
+    ]
+
+
+def test_imports_inside_functions_say_why():
+    """An import inside a function defers something slow or optional (torch, pyspark, boto3,
+    ...) and says what, so a reader can tell it from one that hides a cycle or was never needed
+    (`# lazy: torch`, with the module saying why once)."""
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {statement}"
+        for path in sorted(modules().values())
+        for line, statement in unexplained(path.read_text())
+    ]
+    assert not found, "an import inside a function with no comment saying why:\n" + "\n".join(found)
+
+
+def test_the_check_catches_an_import_without_a_reason():
+    """The check on made-up source: a bare import, a directive alone and a `#` inside a string
+    are caught; a reason beside or above, and `if TYPE_CHECKING:` imports, pass."""
+    source = """
+from typing import TYPE_CHECKING
+
+import os
+
+if TYPE_CHECKING:
+    import numpy
+
+
+def bare():
+    import torch
+
+    return torch
+
+
+def directive_only():
+    import yaml  # noqa: F401
+
+
+def in_a_string():
+    import json; tag = "# lazy: json"
+
+
+class Outer:
+    def method(self):
+        if os.environ:
+            from pyspark import TaskContext
+
+            return TaskContext
+
+
+def told():
+    import matplotlib  # lazy: matplotlib
+
+    # lazy: pyspark, only on the executors
+    from pyspark import TaskContext
+
+    from sparknet.data import (  # lazy: boto3
+        store,
+    )
+    import sparknet.training.worker  # lazy: torch  # noqa: F401
+
+    if TYPE_CHECKING:
+        import numpy
+    return matplotlib, TaskContext, store
+"""
+    assert unexplained(source) == [
+        (11, "import torch"),
+        (17, "import yaml"),
+        (21, "import json"),
+        (27, "from pyspark import TaskContext"),
     ]

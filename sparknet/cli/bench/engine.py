@@ -10,9 +10,15 @@ from pathlib import Path
 
 import typer
 
+from sparknet.bench import startup as startup_bench
+from sparknet.bench import suite
 from sparknet.cli.bench.options import JsonOutOption, at_least, out_dir, positive, run
 from sparknet.cli.common import DebugOption
 from sparknet.errors import SparknetError
+
+# `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
+# (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
+# `sparknet bench --help` and every other command import this module
 
 
 def throughput(
@@ -25,7 +31,7 @@ def throughput(
 ) -> None:
     """Training throughput through sparknet (K=1) against the plain PyTorch loop it wraps, on
     the same model, data and threads: the framework's cost per round."""
-    from sparknet.bench import throughput as bench
+    from sparknet.bench import throughput as bench  # lazy: torch, pyspark, boto3
 
     def make():
         return bench.run(
@@ -51,7 +57,7 @@ def sync_cost(
     """One synchronization round of the spark transport on a ~100 MB model with no compute,
     against a gloo all_reduce of the same bytes; the naive collect, treeReduce and the round's
     parts beside it."""
-    from sparknet.bench import sync_cost as bench
+    from sparknet.bench import sync_cost as bench  # lazy: torch, pyspark, boto3
 
     def make():
         return bench.run(
@@ -76,7 +82,7 @@ def data_stream(
 ) -> None:
     """Images per second on one core streaming WebDataset shards from S3 (moto) through the
     task code, against decoding and augmenting the same JPEGs from memory."""
-    from sparknet.bench import data_stream as bench
+    from sparknet.bench import data_stream as bench  # lazy: torch, PIL
 
     def make():
         return bench.run(
@@ -107,7 +113,7 @@ def images_per_core(
     """Images per second per core at 224 px, sparknet's shard stream against torchvision's
     recipe, with full-size and `--max-side 256` shards, and what the smaller images cost in
     accuracy."""
-    from sparknet.bench import images_per_core as bench
+    from sparknet.bench import images_per_core as bench  # lazy: torch, PIL
 
     def make():
         return bench.run(
@@ -134,7 +140,7 @@ def shard_workers(
 ) -> None:
     """`data shard` on threads against processes and serially: the figures behind its default
     (PROCESS_MIN_IMAGES)."""
-    from sparknet.bench import shard_workers as bench
+    from sparknet.bench import shard_workers as bench  # lazy: PIL
 
     def make():
         return bench.run(
@@ -157,7 +163,7 @@ def precision(
 ) -> None:
     """What bf16 (and fp16) autocast costs or gains against fp32 on this machine's CPU, through
     the worker's own training code."""
-    from sparknet.bench import precision as bench
+    from sparknet.bench import precision as bench  # lazy: torch, boto3
 
     def make():
         return bench.run(
@@ -179,10 +185,9 @@ def startup(
 ) -> None:
     """Where a run's first round goes (driver, Spark, Python workers, round 1) and round 1
     against the steady state, with and without the torch-importing worker daemon."""
-    from sparknet.bench import startup as bench
 
     def make():
-        return bench.run(
+        return startup_bench.run(
             rounds=at_least(rounds, 2, "--rounds"),
             repeats=at_least(repeats, 1, "--repeats"),
             out=out_dir(out),
@@ -204,7 +209,6 @@ def all_(
 ) -> None:
     """Every engine benchmark above (or those named), each in its own process with its
     defaults, then one table of their headline figures."""
-    from sparknet.bench import suite
 
     def make():
         commands = [suite.command_of(n) for n in names or suite.BENCHMARKS]

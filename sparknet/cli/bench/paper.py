@@ -25,6 +25,10 @@ from sparknet.cli.bench.options import (
 from sparknet.cli.common import DebugOption, console
 from sparknet.errors import SparknetError
 
+# `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
+# (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
+# `sparknet bench --help` and every other command import this module
+
 
 def sync(
     sizes_mb: str = typer.Option("1,10,100", help="model sizes in MB, comma-separated"),
@@ -36,7 +40,7 @@ def sync(
 ) -> None:
     """Seconds per synchronization round of each transport, against a raw gloo all_reduce of
     the same bytes between two plain processes, measured in the same run."""
-    from sparknet.bench import sync as bench
+    from sparknet.bench import sync as bench  # lazy: torch
 
     def make():
         return bench.run(
@@ -63,7 +67,7 @@ def scaling(
 ) -> None:
     """Measure compute per step (C) and sync per round (S) here, predict wall time with the
     paper's model for K workers and tau, and check the prediction against measured runs."""
-    from sparknet.bench import scaling as bench
+    from sparknet.bench import scaling as bench  # lazy: +4 ms to `sparknet --help`
 
     def make():
         return bench.run(
@@ -89,7 +93,7 @@ def convergence(
 ) -> None:
     """Rounds and samples to reach a target test accuracy, over K, tau and the outer
     optimizer (`average`: SparkNet; `nesterov`: DiLoCo)."""
-    from sparknet.bench import convergence as bench
+    from sparknet.bench import convergence as bench  # lazy: numpy
 
     def make():
         return bench.run(
@@ -130,8 +134,8 @@ def peers(
     """sparknet (both transports, each tau and outer optimizer) against TorchDistributor (DDP)
     and plain PyTorch: samples/s, bytes on the wire per sample, seconds to a target accuracy
     and the accuracy reached in a fixed time, on emulated links (network namespaces and tc)."""
-    from sparknet.bench import links as lab
-    from sparknet.bench import peers as bench
+    from sparknet.bench import links as lab  # lazy: +4 ms to `sparknet --help`
+    from sparknet.bench import peers as bench  # lazy: numpy
 
     def make():
         outers = names(outer, "--outer", ("average", "nesterov"))

@@ -14,8 +14,12 @@ import typer
 from sparknet.cli.cluster.life import print_down
 from sparknet.cli.cluster.options import cluster_spec, fail_cluster
 from sparknet.cli.common import ConfigOption, DebugOption, EndpointOption, console, fail, first_line
-from sparknet.config import find_config_file
+from sparknet.config import find_config_file, read_section
 from sparknet.errors import SparknetError
+
+# `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
+# (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
+# `sparknet cluster --help` and every other command import this module
 
 
 def cluster_list(
@@ -25,8 +29,8 @@ def cluster_list(
 ) -> None:
     """Clusters with resources in the region (by tag), whether this machine knows them, and
     their owners (`-`: resources made before sparknet tagged owners)."""
-    from sparknet import aws
-    from sparknet.cluster import inventory, lifecycle, registry
+    from sparknet import aws  # lazy: boto3
+    from sparknet.cluster import inventory, lifecycle, registry  # lazy: boto3, fabric
 
     specs = registry.registered()
     # static clusters first, whatever the region and whether AWS answers: nothing of them is
@@ -73,9 +77,9 @@ def cluster_sweep(
 ) -> None:
     """Tagged resources of your clusters (sparknet:owner = your AWS identity) that are neither
     registered here nor in `clusters:`; `--yes` deletes them (the bucket is kept)."""
-    from sparknet import aws
-    from sparknet.cluster import inventory, lifecycle
-    from sparknet.cluster.aws import owner
+    from sparknet import aws  # lazy: boto3
+    from sparknet.cluster import inventory, lifecycle  # lazy: boto3, fabric
+    from sparknet.cluster.aws import owner  # lazy: boto3
 
     try:
         region = aws.check_region(region)
@@ -116,8 +120,7 @@ def cluster_sweep(
 def _wanted(region: str, config: Path | None) -> set[str]:
     """The clusters of `region` that `sweep` leaves alone: registered here, or in `clusters:`
     of the settings file (whose region is us-east-1 unless it says otherwise)."""
-    from sparknet.cluster import registry
-    from sparknet.config import read_section
+    from sparknet.cluster import registry  # lazy: boto3
 
     # a static cluster owns nothing in AWS: resources tagged with its name are another's
     wanted = {

@@ -35,6 +35,10 @@ from sparknet.cli.common import (
 )
 from sparknet.errors import SparknetError
 
+# `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
+# (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
+# `sparknet cluster --help` and every other command import this module
+
 
 def _say(line: str) -> None:
     """A progress line on stderr as it is: no markup, no wrapping (ids and the bootstrap's
@@ -49,7 +53,7 @@ _COLUMNS = ("role", "id", "state", "type", "az", "public ip", "spot", "node")
 def _print_instances(info) -> None:
     """The cluster's instances: a table on a terminal; tab-separated lines when stdout is a
     file or a pipe, which has no width (rich would assume 80 columns and cut the ids)."""
-    from sparknet.cluster import seam
+    from sparknet.cluster import seam  # lazy: fabric
 
     names = {inst.id: name for name, inst in seam.node_names(info.instances)}
     rows = [
@@ -77,7 +81,7 @@ def _print_instances(info) -> None:
 def _print_ssh(spec, info) -> None:
     """Each node's SSH address and the `ssh` command that reaches it (the cluster's key and
     pinned host keys), one tab-separated line per node."""
-    from sparknet.cluster import seam
+    from sparknet.cluster import seam  # lazy: fabric
 
     for name, inst in seam.node_names(info.instances):
         try:
@@ -89,7 +93,7 @@ def _print_ssh(spec, info) -> None:
 
 
 def _print_ssh_line(spec, endpoint) -> None:
-    from sparknet.cluster import openssh, sshkeys
+    from sparknet.cluster import openssh, sshkeys  # lazy: boto3, fabric
 
     command = shlex.join(openssh.ssh_command(endpoint, sshkeys.access_for(spec)))
     print(f"ssh {endpoint.name}	{endpoint.user}@{endpoint.host}:{endpoint.port}	{command}")
@@ -125,7 +129,7 @@ def cluster_up(
     On error or Ctrl-C before the bootstrap, remove what was created; a failed or interrupted
     bootstrap leaves the instances up (exit 1: `cluster bootstrap` finishes it). Refuses
     (exit 1) a cluster of that name tagged with another owner unless --any-owner."""
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import lifecycle  # lazy: boto3, fabric
 
     flags = dict(
         workers=workers, instance_types=instance_type, master_type=master_type, spot=spot,
@@ -163,7 +167,7 @@ def cluster_up(
 def _static_up(spec, *, bootstrap: bool, force: bool = False) -> None:
     """`up` (and `cluster bootstrap`) of a static cluster: its hosts bootstrapped, each node's
     SSH line."""
-    from sparknet.cluster import static
+    from sparknet.cluster import static  # lazy: boto3, fabric
 
     found = static.up(spec, say=_say, bootstrap=bootstrap, force=force)
     print(f"cluster {spec.name} (static, {len(found)} hosts)")
@@ -199,7 +203,7 @@ def cluster_down(
     its hosts and forget it (exit 1 naming a host that does not answer). The sparknet-submit
     jobs running on it are named first, as they are cancelled with it: on a terminal it asks
     (unless --yes); otherwise it goes on."""
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import lifecycle  # lazy: boto3, fabric
 
     caught = Caught()
     spec = on_cluster(lambda spec: spec, name, region, config, debug)
@@ -280,10 +284,10 @@ def _running_jobs(spec, endpoint_url: str | None, any_owner: bool = False) -> li
     all the same). Asked only of a cluster bootstrapped from here (its secret is here, as for
     any job submitted from here) and, unless `any_owner`, the caller's own: `down` refuses
     another principal's cluster, and logs in to nothing of theirs before it does."""
-    from sparknet.cluster import inventory, nodes, provider, registry
-    from sparknet.cluster.aws import owner
-    from sparknet.cluster.spark.bootstrap import running_jobs
-    from sparknet.jobs import driver
+    from sparknet.cluster import inventory, nodes, provider, registry  # lazy: boto3, fabric
+    from sparknet.cluster.aws import owner  # lazy: boto3
+    from sparknet.cluster.spark.bootstrap import running_jobs  # lazy: fabric
+    from sparknet.jobs import driver  # lazy: boto3, fabric
 
     if not registry.secret_file(spec.name).is_file():
         return []
@@ -304,7 +308,7 @@ def _running_jobs(spec, endpoint_url: str | None, any_owner: bool = False) -> li
 
 
 def _static_down(spec, forget_unreachable: bool) -> None:
-    from sparknet.cluster import static
+    from sparknet.cluster import static  # lazy: boto3, fabric
 
     stopped = static.down(spec, say=_say, forget_unreachable=forget_unreachable)
     print(f"stopped Spark on {', '.join(stopped) or 'no host'}")
@@ -336,7 +340,7 @@ def cluster_status(
 ) -> None:
     """The cluster's instances, found by tag, and each node's SSH address and command; exit 1
     when it has none."""
-    from sparknet.cluster import lifecycle, sparkops
+    from sparknet.cluster import lifecycle, sparkops  # lazy: boto3, fabric
 
     spec = on_cluster(lambda spec: spec, name, region, config, debug)
     if spec.provider == "static":
@@ -365,7 +369,7 @@ def _print_health(spec, info, endpoint_url: str | None) -> bool | None:
     """The Spark cluster's health (workers registered, cores, GPUs) as its master tells it; one
     line when the nodes cannot be asked. Whether it is healthy (None: the nodes cannot be
     asked)."""
-    from sparknet.cluster import sparkops, static
+    from sparknet.cluster import sparkops, static  # lazy: boto3, fabric
 
     try:
         if spec.provider == "static":
@@ -383,7 +387,7 @@ def _print_health(spec, info, endpoint_url: str | None) -> bool | None:
 def _static_status(spec, debug: bool) -> None:
     """A static cluster's hosts (each node's SSH line) and its Spark health; exit 1 when it is
     not registered here, not healthy, or its master cannot be asked."""
-    from sparknet.cluster import static
+    from sparknet.cluster import static  # lazy: boto3, fabric
 
     try:
         found = static.status(spec)
@@ -415,7 +419,7 @@ def cluster_bootstrap(
     when a step fails (the line names node and step) or the cluster is not healthy. Refuses
     (exit 2) to start or restart the master, or restart a running worker, while a job runs on
     the cluster, unless --force."""
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import lifecycle  # lazy: boto3, fabric
 
     spec = on_cluster(lambda spec: spec, name, region, config, debug)
     try:

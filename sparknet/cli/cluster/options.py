@@ -13,10 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from pydantic import ValidationError
 
 from sparknet.cli.common import Caught, fail, signal_exit
-from sparknet.config import find_config_file
+from sparknet.config import describe_validation_error, find_config_file, read_section
 from sparknet.errors import SparknetError
+
+# `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
+# (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
+# `sparknet cluster --help` and every other command import this module
 
 RegionOption = typer.Option(None, help="AWS region; default: the cluster's, else us-east-1")
 AnyOwnerOption = typer.Option(
@@ -35,13 +40,10 @@ def cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_n
     `any_name`: `down` and `sweep` remove by tag, and a tag may carry a name sparknet no longer
     accepts (an older sparknet's, or a person's): everything else is validated, the name is not.
     """
-    from pydantic import ValidationError
-
-    from sparknet.cluster import nodes
-    from sparknet.cluster.registry import registered
-    from sparknet.cluster.spark import steps
-    from sparknet.cluster.spec import ClusterSpec
-    from sparknet.config import describe_validation_error, read_section
+    from sparknet.cluster import nodes  # lazy: fabric
+    from sparknet.cluster.registry import registered  # lazy: boto3
+    from sparknet.cluster.spark import steps  # lazy: fabric
+    from sparknet.cluster.spec import ClusterSpec  # lazy: boto3
 
     nodes.silence_s(), steps.reboot_wait_s()  # a bad SSH wait setting fails before any launch
 
@@ -98,6 +100,7 @@ def fail_cluster(exc: SparknetError, debug: bool, caught: Caught | None = None) 
     """`fail` with exit 1 where the command was right but the cluster's state says no (busy,
     not there, another's, in another region), 128 + the signal's number where a signal stopped
     it (130 Ctrl-C, 143 SIGTERM), and 2 for everything a user fixes in the command or settings."""
+    # lazy: boto3, fabric
     from sparknet.cluster import inventory, lifecycle, registry, sparkops, static
 
     state = (

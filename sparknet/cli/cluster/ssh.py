@@ -20,6 +20,10 @@ from sparknet.cli.cluster.options import RegionOption, fail_cluster, on_cluster
 from sparknet.cli.common import ConfigOption, DebugOption, EndpointOption, console
 from sparknet.errors import SparknetError
 
+# `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
+# (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
+# `sparknet cluster --help` and every other command import this module
+
 
 def _reach(
     name: str, node: str, region: str | None, endpoint_url: str | None, config: Path | None,
@@ -28,15 +32,15 @@ def _reach(
     """The endpoint of `node` of cluster `name` and the cluster's access, its host keys pinned
     afresh from EC2 (the instances' user data: right even after a lost registry or a new public
     address); a one-line error (exit 2) for an unknown node, exit 1 for a cluster not there."""
-    from sparknet.cluster import lifecycle, seam, sshkeys
-    from sparknet.cluster.aws import instances, keys
+    from sparknet.cluster import lifecycle, seam, sshkeys  # lazy: boto3, fabric
+    from sparknet.cluster.aws import instances, keys  # lazy: boto3, fabric
 
     spec = on_cluster(lambda spec: spec, name, region, config, debug)
     try:
         if shutil.which("ssh") is None:
             raise SparknetError("the OpenSSH client `ssh` is not on PATH; install openssh-client")
         if spec.provider == "static":
-            from sparknet.cluster import static
+            from sparknet.cluster import static  # lazy: boto3, fabric
 
             spec = static.current(spec)
             return seam.pick(static.endpoints(spec), node), static.access(spec), spec
@@ -117,7 +121,7 @@ def cluster_ssh(
     """A shell on a node, or with `-- CMD` a command there (the exit code is the command's);
     through `ssh` with the cluster's key and pinned host keys (an unknown or changed host key
     is refused)."""
-    from sparknet.cluster import openssh
+    from sparknet.cluster import openssh  # lazy: fabric
 
     try:
         node, command, late = _split_command(list(words or []))
@@ -150,7 +154,7 @@ def cluster_tunnel(
 ) -> None:
     """Forward the master's Spark UIs (master 8080, application 4040: reachable only on the
     node itself) to ports on localhost until Ctrl-C."""
-    from sparknet.cluster import openssh
+    from sparknet.cluster import openssh  # lazy: fabric
 
     ports = {
         "--master-ui-port": master_ui_port, "--app-ui-port": app_ui_port,

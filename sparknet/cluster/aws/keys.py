@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import botocore.exceptions as bx
+import yaml
 
 from sparknet import aws
 from sparknet.cluster import seam, sshkeys
@@ -28,8 +29,6 @@ def host_key_user_data() -> tuple[str, str]:
     AMI's own keys (`ssh_deletekeys`) and makes no others (`ssh_genkeytypes: []`), so the key
     sparknet pins is the only one the node can present. The user data is readable on the node
     through IMDS (see docs/security.md, "What the user data exposes")."""
-    import yaml
-
     private, public = sshkeys.new_ed25519()
     config = {
         "ssh_deletekeys": True,
@@ -42,8 +41,6 @@ def host_key_user_data() -> tuple[str, str]:
 def host_public_key(user_data: str) -> str | None:
     """The ed25519 public host key in cloud-init user data; None when it has none (an instance
     launched by an older sparknet, or by hand)."""
-    import yaml
-
     if not user_data.startswith("#cloud-config"):
         return None
     try:

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sparknet.cluster.aws import instances
 from sparknet.cluster.aws.boto3_foundation import Boto3Foundation
 from sparknet.cluster.aws.boto3_teardown import destroy_boto3, still_there
 from sparknet.cluster.aws.foundation import Foundation, check_spec_prefixes, subnet_zones
+from sparknet.cluster.aws.terraform import TerraformRunner
 from sparknet.cluster.spec import INFRA_DIR, ClusterSpec
 from sparknet.errors import SparknetError
-
-if TYPE_CHECKING:
-    from sparknet.cluster.aws.terraform import TerraformRunner
 
 #: where `foundation: terraform` takes providers from instead of the registry (init -plugin-dir)
 PLUGIN_DIR_ENV = "SPARKNET_TF_PLUGIN_DIR"
@@ -49,9 +47,6 @@ def terraform_variables(spec: ClusterSpec, allowed_cidr: str) -> dict[str, Any]:
 def _runner(spec: ClusterSpec, state_dir: Path, module_dir: Path) -> TerraformRunner:
     """The cluster's Terraform runner; providers from `$SPARKNET_TF_PLUGIN_DIR` when set (a
     machine without the registry), else the registry through the plugin cache."""
-    # python_terraform is loaded only by a Terraform foundation, never on a boto3 one's path
-    from sparknet.cluster.aws.terraform import TerraformRunner
-
     return TerraformRunner(
         module_dir, state_dir, backend_config=spec.terraform_backend,
         plugin_dir=os.environ.get(PLUGIN_DIR_ENV) or None,
