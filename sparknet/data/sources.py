@@ -57,7 +57,7 @@ class DataSplit:
 #: scikit-learn's fixed digits split, `train_test_split(test_size=0.2, random_state=0,
 #: stratify=y)`, as row numbers in train and test order: importing scikit-learn costs ~1.5 s of
 #: CPU in the driver and in every Python worker, more than a small run trains
-#: (tests/unit/test_sources.py checks that scikit-learn still splits this way)
+#: (tests/data/test_sources.py checks that scikit-learn still splits this way)
 DIGITS_SPLIT = Path(__file__).with_name("digits_split.npz")
 
 

@@ -13,7 +13,7 @@ import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "sparknet"
+PACKAGE = Path(__file__).resolve().parents[1] / "sparknet"
 
 #: parts of the package, bottom first; a module imports only parts of a lower layer, or its own
 LAYERS: tuple[tuple[str, ...], ...] = (
