@@ -1,26 +1,39 @@
-"""The JVMs of the tests start on a `java` that compiles with C1 only and collects with the
-serial GC.
+"""The JVMs of the tests start on a `java` that compiles with C1 only, collects with the
+serial GC, and maps Spark's classes from a class data sharing archive.
 
 Why: the suite runs on 2 cores and is CPU-bound, and much of its CPU went to JVMs (Spark
 drivers, executors and daemons) that live seconds to minutes: HotSpot's C2 compiler and G1's
-threads warming up code that runs a few times. A local Spark session's start, 5 tiny jobs and
-stop took 14.7 s of JVM CPU here, 7.7 s with these flags; the whole suite's test time went
-from 31 to 25 minutes. The product's JVMs keep the defaults: on a cluster they live for hours
-and move model-sized buffers, where C2 pays. (A class data sharing archive of Spark's classes
-saved another 1.7 s a driver, but dumping it cost 40 s of CPU before any test could start.)
+threads warming up code that runs a few times, and some 11,000 classes read from jars, parsed
+and verified in every JVM. A local Spark session's start, 5 tiny jobs and stop took 14.7 s of
+JVM CPU here, 7.7 s with the flags; a session's start, one job and stop 11 CPU-s with the
+flags, 7 with the archive too. The product's JVMs keep the defaults: on a cluster they live for
+hours and move model-sized buffers, where C2 pays, and start too seldom for an archive to.
 
 How: a copy of the real JDK's layout made of symlinks whose `bin/java` is a script that adds
 the flags, put first on PATH and in JAVA_HOME. Spark starts every JVM through one of those two
 (`spark-class`, its launcher, a worker starting executors), so this reaches the JVMs of CLI
 subprocesses and of the loopback nodes (their SSH sessions get both through tests/sshd.py) too.
+
+The archive: a JVM may map one only where its classpath starts with the one the archive was
+dumped with (else it loads as usual, silently), so archives are made per classpath, in the quick
+JDK's `cds/` and named by the classpath's md5, and the script adds `-XX:SharedArchiveFile` only
+where one exists for the `-cp` it is given. The first test process on a machine builds the one
+for this pyspark's JVMs (drivers, executors and daemons share a classpath; the launcher's own
+small JVM and the loopback nodes' JVMs, whose conf dir differs per test, get none) in the
+background: a local session whose JVMs list the classes they load, then a dump of that list
+(about 40 CPU-s in all, paid back by the tenth Spark application). JVMs that start before it
+is there run without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shlex
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -32,11 +45,42 @@ FLAGS = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC")
 #: the name every quick JDK's directory starts with
 PREFIX = "sparknet-test-jdk-"
 
+#: set for a JVM, the script has it write the classes it loads to DIR/<md5 of its -cp>.classes
+#: (and its -cp to .cp): how the archive's class list is made
+CLASS_LIST_ENV = "SPARKNET_TEST_CLASS_LIST_DIR"
+
+#: the script: the flags; with CLASS_LIST_ENV, a class list; else the archive of its -cp, if any
+_SCRIPT = """#!/bin/sh
+cp= prev=
+for arg in "$@"; do
+    case "$prev" in -cp|-classpath|--class-path) cp=$arg ;; esac
+    prev=$arg
+done
+key=$(printf %s "$cp" | md5sum | cut -c1-32)
+if [ -n "$cp" ] && [ -n "${CLASS_LIST_ENV}" ]; then
+    printf %s "$cp" > "${CLASS_LIST_ENV}/$key.cp"
+    exec JAVA -XX:DumpLoadedClassList="${CLASS_LIST_ENV}/$key.classes" "$@"
+fi
+if [ -n "$cp" ] && [ -f "CDS/$key.jsa" ]; then
+    exec JAVA -XX:SharedArchiveFile="CDS/$key.jsa" "$@"
+fi
+exec JAVA "$@"
+"""
+
+
+def _script(real: Path, home: Path) -> str:
+    java = shlex.join([str(real / "bin" / "java"), *FLAGS])
+    return (
+        _SCRIPT.replace("CLASS_LIST_ENV", CLASS_LIST_ENV)
+        .replace("CDS", shlex.quote(str(home / "cds")))
+        .replace("JAVA", java)
+    )
+
 
 def quick_java_home(real: Path) -> Path:
-    """The symlinked JDK whose `java` adds FLAGS; made once per JDK and flags on this machine
-    (atomically: several test processes start at once)."""
-    key = hashlib.sha256(f"{real}\0{FLAGS}".encode()).hexdigest()[:12]
+    """The symlinked JDK whose `java` is the script above; made once per JDK, flags and script
+    on this machine (atomically: several test processes start at once)."""
+    key = hashlib.sha256(f"{real}\0{FLAGS}\0{_SCRIPT}".encode()).hexdigest()[:12]
     home = Path(tempfile.gettempdir()) / f"{PREFIX}{key}"
     if (home / "bin" / "java").exists():
         return home
@@ -49,15 +93,83 @@ def quick_java_home(real: Path) -> Path:
     for tool in (real / "bin").iterdir():
         if tool.name != "java":
             (staging / "bin" / tool.name).symlink_to(tool)
+    (staging / "cds").mkdir()
     java = staging / "bin" / "java"
-    command = shlex.join([str(real / "bin" / "java"), *FLAGS])
-    java.write_text(f'#!/bin/sh\nexec {command} "$@"\n')
+    java.write_text(_script(real, home))
     java.chmod(0o755)
     try:
         staging.rename(home)
     except OSError:  # another test process made it first
         shutil.rmtree(staging)
     return home
+
+
+def archive_marker(home: Path) -> Path:
+    """Present once this pyspark's archive was built (or tried: a failed build is not retried);
+    another install or version of pyspark has a marker of its own."""
+    import pyspark  # lazy: pyspark, for its path and version only
+
+    key = hashlib.md5(f"{pyspark.__file__}\0{pyspark.__version__}".encode()).hexdigest()
+    return home / "cds" / f"built-{key}"
+
+
+def build_archive_in_background(home: Path) -> None:
+    """Start `python -m tests.jvm` to build this pyspark's archive, unless it is built or being
+    built (a lock file holds the builder's pid; a dead builder's lock is taken over)."""
+    marker = archive_marker(home)
+    if marker.exists():
+        return
+    lock = marker.with_suffix(".lock")
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            with contextlib.suppress(OSError, ValueError):
+                if not Path(f"/proc/{int(lock.read_text())}").exists():
+                    lock.unlink()  # its builder died: build again
+                    continue
+            return
+        break
+    else:
+        return
+    log = (home / "cds" / "build.log").open("w")
+    builder = subprocess.Popen(
+        [sys.executable, "-m", "tests.jvm", str(home)], cwd=Path(__file__).resolve().parents[1],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    os.write(fd, str(builder.pid).encode())
+    os.close(fd)
+
+
+def build_archive(home: Path) -> None:
+    """A local session's JVMs list the classes they load (the session runs a job and a
+    DataFrame query, as the tests do); each list of a Spark JVM is dumped into the archive of
+    its classpath. The marker is written whatever happens: a failed build is not tried again."""
+    from sparknet.training.session import start_session  # lazy: pyspark
+
+    marker = archive_marker(home)
+    lists = Path(tempfile.mkdtemp(prefix="class-lists.", dir=home / "cds"))
+    try:
+        os.environ[CLASS_LIST_ENV] = str(lists)
+        spark = start_session("local[2,2]", workers=2)
+        spark.sparkContext.parallelize(range(100), 2).map(lambda x: x * x).sum()
+        spark.createDataFrame([(1, "a")], ["n", "s"]).groupBy("s").count().collect()
+        spark.stop()
+        for classes in lists.glob("*.classes"):
+            if len(classes.read_text().splitlines()) < 5000:
+                continue  # the launcher's small JVM: the JDK's own archive serves it
+            cp = classes.with_suffix(".cp").read_text()
+            staging = classes.with_suffix(".jsa")
+            subprocess.run(
+                [str(home / "bin" / "java"), "-Xshare:dump", f"-XX:SharedClassListFile={classes}",
+                 f"-XX:SharedArchiveFile={staging}", "-cp", cp],
+                env={k: v for k, v in os.environ.items() if k != CLASS_LIST_ENV}, check=True,
+            )  # fmt: skip
+            staging.rename(home / "cds" / f"{classes.stem}.jsa")
+    finally:
+        marker.touch()
+        marker.with_suffix(".lock").unlink(missing_ok=True)
+        shutil.rmtree(lists, ignore_errors=True)
 
 
 def use_quick_java() -> None:
@@ -72,3 +184,8 @@ def use_quick_java() -> None:
     home = quick_java_home(Path(java).resolve().parents[1])
     os.environ["JAVA_HOME"] = str(home)
     os.environ["PATH"] = f"{home / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    build_archive_in_background(home)
+
+
+if __name__ == "__main__":
+    build_archive(Path(sys.argv[1]))

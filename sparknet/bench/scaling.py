@@ -492,6 +492,7 @@ def _report(plan: Plan, here: Machine, measured: dict[tuple[int, int], Measured]
             "S_s": costs.S,
             "S_workers": costs.S_workers,
             "S_by_k": {str(k): v for k, v in costs.S_by_k.items()},
+            "S_direct": list(costs.S_direct),
             "goal": GOAL,
             "load_average": here.load,
             "grid": full,
