@@ -106,11 +106,12 @@ def quick_java_home(real: Path) -> Path:
 
 def archive_marker(home: Path) -> Path:
     """Present once this pyspark's archive was built (or tried: a failed build is not retried);
-    another install or version of pyspark has a marker of its own."""
-    import pyspark  # lazy: pyspark, for its path and version only
+    pyspark's jars installed again, or another pyspark, have a marker of their own."""
+    import pyspark  # lazy: pyspark, for its path only
 
-    key = hashlib.md5(f"{pyspark.__file__}\0{pyspark.__version__}".encode()).hexdigest()
-    return home / "cds" / f"built-{key}"
+    jars = sorted((Path(pyspark.__file__).parent / "jars").glob("*.jar"))
+    stats = [(str(j), j.stat().st_size, j.stat().st_mtime_ns) for j in jars]
+    return home / "cds" / f"built-{hashlib.md5(repr(stats).encode()).hexdigest()}"
 
 
 def build_archive_in_background(home: Path) -> None:
@@ -132,6 +133,11 @@ def build_archive_in_background(home: Path) -> None:
         break
     else:
         return
+    # a JVM given an archive of other jars (pyspark installed again) would run with no sharing
+    # at all: every archive goes with its marker, and each venv's next test run builds its own
+    for stale in (home / "cds").glob("*"):
+        if stale.suffix == ".jsa" or (stale.name.startswith("built-") and not stale.suffix):
+            stale.unlink(missing_ok=True)
     log = (home / "cds" / "build.log").open("w")
     builder = subprocess.Popen(
         [sys.executable, "-m", "tests.jvm", str(home)], cwd=Path(__file__).resolve().parents[1],
