@@ -126,25 +126,29 @@ def build_archive_in_background(home: Path) -> None:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             with contextlib.suppress(OSError, ValueError):
-                if not Path(f"/proc/{int(lock.read_text())}").exists():
+                if not _alive(int(lock.read_text())):
                     lock.unlink()  # its builder died: build again
                     continue
             return
         break
     else:
         return
-    # a JVM given an archive of other jars (pyspark installed again) would run with no sharing
-    # at all: every archive goes with its marker, and each venv's next test run builds its own
-    for stale in (home / "cds").glob("*"):
-        if stale.suffix == ".jsa" or (stale.name.startswith("built-") and not stale.suffix):
-            stale.unlink(missing_ok=True)
-    log = (home / "cds" / "build.log").open("w")
+    log = marker.with_suffix(".log").open("w")
     builder = subprocess.Popen(
         [sys.executable, "-m", "tests.jvm", str(home)], cwd=Path(__file__).resolve().parents[1],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     os.write(fd, str(builder.pid).encode())
     os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    """A process that runs (a killed builder its parent has not reaped yet is a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def build_archive(home: Path) -> None:
@@ -154,7 +158,9 @@ def build_archive(home: Path) -> None:
     from sparknet.training.session import start_session  # lazy: pyspark
 
     marker = archive_marker(home)
-    lists = Path(tempfile.mkdtemp(prefix="class-lists.", dir=home / "cds"))
+    lists = marker.with_suffix(".lists")  # one of a killed build is made anew
+    shutil.rmtree(lists, ignore_errors=True)
+    lists.mkdir()
     try:
         os.environ[CLASS_LIST_ENV] = str(lists)
         spark = start_session("local[2,2]", workers=2)
@@ -171,6 +177,8 @@ def build_archive(home: Path) -> None:
                  f"-XX:SharedArchiveFile={staging}", "-cp", cp],
                 env={k: v for k, v in os.environ.items() if k != CLASS_LIST_ENV}, check=True,
             )  # fmt: skip
+            # in place of an archive of the jars this classpath had before (pyspark installed
+            # again), with which a JVM would run with no sharing at all: the others' stay
             staging.rename(home / "cds" / f"{classes.stem}.jsa")
     finally:
         marker.touch()
