@@ -15,29 +15,32 @@ the flags, put first on PATH and in JAVA_HOME. Spark starts every JVM through on
 subprocesses and of the loopback nodes (their SSH sessions get both through tests/sshd.py) too.
 
 The archive: a JVM may map one only where its classpath starts with the one the archive was
-dumped with (else it loads as usual, silently), so archives are made per classpath, in the quick
-JDK's `cds/` and named by the classpath's md5, and the script adds `-XX:SharedArchiveFile` only
-where one exists for the `-cp` it is given. The first test process on a machine builds the one
-for this pyspark's JVMs (drivers, executors and daemons share a classpath; the launcher's own
-small JVM and the loopback nodes' JVMs, whose conf dir differs per test, get none) in the
-background: a local session whose JVMs list the classes they load, then a dump of that list
-(about 40 CPU-s in all, paid back by the tenth Spark application). JVMs that start before it
-is there run without it.
+dumped with (else it loads as usual, silently). Spark's JVMs have a conf dir first and the jars
+after it, and the conf dir differs between the test process's JVMs and each loopback node's; so
+archives are made for the jars alone, in the quick JDK's `cds/`, named by their classpath's md5,
+and where one exists the script maps it and moves the conf dir behind the jars. That changes no
+lookup: the conf dir holds no classes, and Spark's jars no resource of its names (log4j2's
+properties, spark-defaults.conf, *-site.xml) at their root. The first test process on a machine
+builds the archive of this pyspark's jars (drivers, executors and daemons share them; the
+launcher's own small JVM gets none) in the background: a local session whose JVMs list the
+classes they load, then a dump of that list (about 40 CPU-s in all, paid back by the tenth Spark
+application). JVMs that start before it is there run without it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from sparknet.errors import SparknetError
+from sparknet.processes import alive
 from sparknet.training.session import find_java
 
 FLAGS = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC")
@@ -45,26 +48,38 @@ FLAGS = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC")
 #: the name every quick JDK's directory starts with
 PREFIX = "sparknet-test-jdk-"
 
-#: set for a JVM, the script has it write the classes it loads to DIR/<md5 of its -cp>.classes
-#: (and its -cp to .cp): how the archive's class list is made
+#: set for a JVM, the script has it write the classes it loads to DIR/<md5 of its jars>.classes
+#: (and the jars' classpath to .cp): how the archive's class list is made
 CLASS_LIST_ENV = "SPARKNET_TEST_CLASS_LIST_DIR"
 
-#: the script: the flags; with CLASS_LIST_ENV, a class list; else the archive of its -cp, if any
+#: the script: the flags; with CLASS_LIST_ENV, a class list; else the archive of its -cp's jars,
+#: if any, the conf dir behind them (a JVM without -cp, as `java -version`, starts at once)
 _SCRIPT = """#!/bin/sh
 cp= prev=
 for arg in "$@"; do
     case "$prev" in -cp|-classpath|--class-path) cp=$arg ;; esac
     prev=$arg
 done
-key=$(printf %s "$cp" | md5sum | cut -c1-32)
-if [ -n "$cp" ] && [ -n "${CLASS_LIST_ENV}" ]; then
-    printf %s "$cp" > "${CLASS_LIST_ENV}/$key.cp"
+[ -n "$cp" ] || exec JAVA "$@"
+conf= jars=$cp
+case "${cp%%:*}" in *.jar|*'*'|"$cp") ;; *) conf=${cp%%:*} jars=${cp#*:} ;; esac
+key=$(printf %s "$jars" | md5sum | cut -c1-32)
+if [ -n "${CLASS_LIST_ENV}" ]; then
+    printf %s "$jars" > "${CLASS_LIST_ENV}/$key.cp"
     exec JAVA -XX:DumpLoadedClassList="${CLASS_LIST_ENV}/$key.classes" "$@"
 fi
-if [ -n "$cp" ] && [ -f "CDS/$key.jsa" ]; then
-    exec JAVA -XX:SharedArchiveFile="CDS/$key.jsa" "$@"
+[ -f "CDS/$key.jsa" ] || exec JAVA "$@"
+if [ -n "$conf" ]; then
+    n=$# prev=
+    for arg in "$@"; do
+        new=$arg
+        case "$prev" in -cp|-classpath|--class-path) new=$jars:$conf ;; esac
+        prev=$arg
+        set -- "$@" "$new"
+    done
+    shift "$n"
 fi
-exec JAVA "$@"
+exec JAVA -XX:SharedArchiveFile="CDS/$key.jsa" "$@"
 """
 
 
@@ -80,9 +95,10 @@ def _script(real: Path, home: Path) -> str:
 def quick_java_home(real: Path) -> Path:
     """The symlinked JDK whose `java` is the script above; made once per JDK, flags and script
     on this machine (atomically: several test processes start at once)."""
-    key = hashlib.sha256(f"{real}\0{FLAGS}\0{_SCRIPT}".encode()).hexdigest()[:12]
-    home = Path(tempfile.gettempdir()) / f"{PREFIX}{key}"
-    if (home / "bin" / "java").exists():
+    key = hashlib.sha256(f"{real}\0{FLAGS}\0{_SCRIPT}\0{os.getuid()}".encode()).hexdigest()
+    home = Path(tempfile.gettempdir()) / f"{PREFIX}{key[:12]}"
+    if home.exists() or home.is_symlink():
+        _check_ours(home)
         return home
     staging = Path(tempfile.mkdtemp(prefix=f"{home.name}.", dir=home.parent))
     staging.chmod(0o755)
@@ -93,7 +109,7 @@ def quick_java_home(real: Path) -> Path:
     for tool in (real / "bin").iterdir():
         if tool.name != "java":
             (staging / "bin" / tool.name).symlink_to(tool)
-    (staging / "cds").mkdir()
+    (staging / "cds").mkdir(mode=0o755)
     java = staging / "bin" / "java"
     java.write_text(_script(real, home))
     java.chmod(0o755)
@@ -101,7 +117,25 @@ def quick_java_home(real: Path) -> Path:
         staging.rename(home)
     except OSError:  # another test process made it first
         shutil.rmtree(staging)
+        _check_ours(home)
     return home
+
+
+def _check_ours(home: Path) -> None:
+    """The quick JDK lies in the shared temp dir, and every JVM of the tests runs its script: one
+    another user made or can write (the dir, its `bin`, `cds` or script) is refused."""
+    for path in (home, home / "bin", home / "cds", home / "bin" / "java"):
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            raise SparknetError(f"{home} is half made: remove it and run the tests again") from None
+        if not stat.S_ISDIR(st.st_mode) and not stat.S_ISREG(st.st_mode):
+            raise SparknetError(f"{path} is not a plain file or dir: remove {home}")
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise SparknetError(
+                f"{path} is another user's or writable by others: remove {home} (the tests run "
+                "its java)"
+            )
 
 
 def archive_marker(home: Path) -> Path:
@@ -120,18 +154,8 @@ def build_archive_in_background(home: Path) -> None:
     marker = archive_marker(home)
     if marker.exists():
         return
-    lock = marker.with_suffix(".lock")
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            with contextlib.suppress(OSError, ValueError):
-                if not _alive(int(lock.read_text())):
-                    lock.unlink()  # its builder died: build again
-                    continue
-            return
-        break
-    else:
+    fd = _take(marker.with_suffix(".lock"))
+    if fd is None:
         return
     log = marker.with_suffix(".log").open("w")
     builder = subprocess.Popen(
@@ -142,13 +166,23 @@ def build_archive_in_background(home: Path) -> None:
     os.close(fd)
 
 
-def _alive(pid: int) -> bool:
-    """A process that runs (a killed builder its parent has not reaped yet is a zombie)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+def _take(lock: Path) -> int | None:
+    """The lock file made by this process, open for its builder's pid; None while a live
+    builder holds it. A dead builder's lock is taken over once (two processes that find it at
+    once: one makes the new lock, the other finds that one)."""
+    for _ in range(2):
+        try:
+            return os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                if alive(int(lock.read_text())):
+                    return None
+            except ValueError:
+                return None  # its builder has not written its pid yet
+            except OSError:
+                continue  # gone since: try again
+            lock.unlink(missing_ok=True)  # its builder died: build again
+    return None
 
 
 def build_archive(home: Path) -> None:
@@ -180,6 +214,7 @@ def build_archive(home: Path) -> None:
             # in place of an archive of the jars this classpath had before (pyspark installed
             # again), with which a JVM would run with no sharing at all: the others' stay
             staging.rename(home / "cds" / f"{classes.stem}.jsa")
+            classes.with_suffix(".cp").rename(home / "cds" / f"{classes.stem}.cp")  # its jars
     finally:
         marker.touch()
         marker.with_suffix(".lock").unlink(missing_ok=True)

@@ -177,7 +177,12 @@ _AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "A
 
 
 def _session_env() -> dict[str, str]:
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    # SHLVL=1: bash sources the login user's ~/.bashrc for a command sshd runs only at shell
+    # level 1 (this one is then level 2). An EC2 image's stock ~/.bashrc returns at once when not
+    # interactive; a developer's may not (one that runs `pyenv init` costs 0.12 CPU-s and some
+    # 200 processes per command, a tenth of a cluster test's CPU), and its PATH would not be the
+    # test's
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SHLVL": "1"}
     if os.environ.get("JAVA_HOME"):  # the tests' quick JVM flags (tests/jvm.py)
         env["JAVA_HOME"] = os.environ["JAVA_HOME"]
     env.update({k: os.environ[k] for k in _AWS_ENV if os.environ.get(k)})
@@ -343,13 +348,10 @@ class RebootingNode:
         for name in ("systemctl", "shutdown"):
             (self.bin / name).write_text(tool)
             (self.bin / name).chmod(0o755)
-        # SHLVL: bash reads no ~/.bashrc (it does for a command from sshd at level 1), so the
-        # reboot never kills a shell amid the login user's start-up files (a pyenv rehash there
-        # left its lock behind, and every later SSH session waited on it)
-        self._env = {
-            "PATH": f"{self.bin}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-            "SHLVL": "1",
-        }
+        # the sessions' SHLVL (see `_session_env`) matters here too: the reboot never kills a
+        # shell amid the login user's start-up files (a pyenv rehash there left its lock
+        # behind, and every later SSH session waited on it)
+        self._env = {"PATH": f"{self.bin}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
         self.group = start_nodes(workdir / "nodes", 1, env=self._env)
         self.lag_s, self.down_s, self.back = lag_s, down_s, back
         self.boots = 0

@@ -36,6 +36,7 @@ from typing import Any
 
 from sparknet import interrupts
 from sparknet.errors import SparknetError
+from sparknet.processes import alive
 
 # `# lazy: pyspark`: `sparknet bench --help` imports this module; pyspark only to find Spark's
 # home for a standalone cluster
@@ -200,14 +201,6 @@ def link_bytes(root_pid: int, veths: list[str]) -> int:
     return sum(seen[veth] for veth in veths)
 
 
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie (a killed owner its parent has not reaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def _names(what: str) -> list[str]:
     """Names of the network namespaces (`netns`) or of the root namespace's links (`link`)."""
     key = "name" if what == "netns" else "ifname"
@@ -230,7 +223,7 @@ def _end(pids: Callable[[], list[int]], groups: Callable[[], list[int]] = list) 
                 kill(pid, sig)
         deadline = time.monotonic() + wait
         while targets and time.monotonic() < deadline:
-            targets = [pid for pid in targets if _alive(pid)]
+            targets = [pid for pid in targets if alive(pid)]
             time.sleep(0.05)
 
 
@@ -277,7 +270,7 @@ def sweep_leftovers(tag: str = "snb") -> list[str]:
     """Remove the namespaces (and processes in them), links and temp folders named with `tag`
     whose owning process is gone (a lab whose process was killed -9); what was removed. Names
     without the tag, or of a live process, are never touched."""
-    return _sweep(tag, lambda pid: not _alive(pid))
+    return _sweep(tag, lambda pid: not alive(pid))
 
 
 #: (tag, pid) of the labs open in this process: two at once would share names
@@ -389,7 +382,7 @@ class NetLab:
         _OPEN.add((self.tag, self.root_pid))
         try:
             # dead owners' leftovers, and this process's own from a lab whose exit failed
-            _sweep(self.tag, lambda pid: pid == self.root_pid or not _alive(pid))
+            _sweep(self.tag, lambda pid: pid == self.root_pid or not alive(pid))
             self._dir = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
             with _lock():
                 self._build(prefix, _free_subnet())

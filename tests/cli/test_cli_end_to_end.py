@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from sparknet.data.sources import digits
 from sparknet.models import build_model
+from sparknet.processes import alive
 from tests.conftest import REPO, SPARKNET
 from tests.helpers import POISON
 
@@ -51,14 +52,6 @@ def _cmdline(pid: int) -> bytes:
             return f.read()
     except OSError:
         return b""
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_digits_reaches_95_percent_and_writes_the_run_dir(tmp_path):

@@ -10,9 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import pyspark
 import pytest
 
-from tests.jvm import FLAGS, archive_marker
+from sparknet.errors import SparknetError
+from sparknet.processes import alive
+from tests.jvm import FLAGS, _take, archive_marker, quick_java_home
 
 pytestmark = pytest.mark.integration
 
@@ -46,17 +49,70 @@ def test_a_spark_jvm_maps_the_class_archive_once_it_is_built(tmp_path) -> None:
         "import json; from sparknet.training.session import start_session; "
         "s = start_session('local[1]', workers=1); jvm = s.sparkContext._jvm; "
         "args = list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()"
-        ".getInputArguments()); info = jvm.java.lang.System.getProperty('java.vm.info'); "
-        "s.stop(); print(json.dumps([args, info]))"
+        ".getInputArguments()); prop = jvm.java.lang.System.getProperty; "
+        "info, cp = prop('java.vm.info'), prop('java.class.path'); "
+        "s.stop(); print(json.dumps([args, info, cp]))"
     )
     shown = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert shown.returncode == 0, shown.stderr[-3000:]
-    args, info = json.loads(shown.stdout.splitlines()[-1])
+    args, info, cp = json.loads(shown.stdout.splitlines()[-1])
     archives = [a for a in args if a.startswith("-XX:SharedArchiveFile=")]
     assert [Path(a.split("=", 1)[1]).parent for a in archives] == [home / "cds"], (
         args,
         marker.with_suffix(".log").read_text()[-3000:],
     )
     assert "sharing" in info, info
+    # its conf dir moved behind the jars; a loopback node's JVM, with a conf dir of its own
+    # before the same jars, maps the archive too
+    assert cp.endswith(":" + str(Path(pyspark.__file__).parent / "conf")), cp[-300:]
+    jars = Path(archives[0].split("=", 1)[1]).with_suffix(".cp").read_text()
+    (tmp_path / "conf").mkdir()
+    node = subprocess.run(
+        ["java", "-Xlog:class+load=info", "-cp", f"{tmp_path / 'conf'}/:{jars}",
+         "org.apache.spark.deploy.SparkSubmit", "--version"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "org.apache.spark.deploy.SparkSubmit source: shared objects file" in node.stdout, (
+        node.stdout[-3000:]
+    )
+
+
+def test_a_quick_jdk_another_user_can_write_is_refused(tmp_path, monkeypatch) -> None:
+    """Every JVM of the tests runs the quick JDK's script from the shared temp dir: one found
+    there that others may write is refused, not run; a sound one is reused as it is."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    real = Path(os.environ["JAVA_HOME"], "lib").resolve().parent  # where its links lead
+    home = quick_java_home(real)
+    assert quick_java_home(real) == home  # reused
+    (home / "cds").chmod(0o777)  # anyone may drop an archive the JVMs would map
+    with pytest.raises(SparknetError, match=r"writable by others: remove .*sparknet-test-jdk-"):
+        quick_java_home(real)
+    (home / "cds").chmod(0o755)
+    (home / "bin" / "java").chmod(0o775)
+    with pytest.raises(SparknetError, match="writable by others"):
+        quick_java_home(real)
+
+
+def test_the_archive_builders_lock_is_taken_over_only_from_a_dead_builder(tmp_path) -> None:
+    lock = tmp_path / "built-x.lock"
+    fd = _take(lock)
+    assert fd is not None
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    assert _take(lock) is None  # a live builder holds it
+    child = subprocess.Popen(["sleep", "30"])
+    lock.write_text(str(child.pid))
+    assert _take(lock) is None
+    child.kill()
+    time.sleep(0.2)  # killed, not reaped yet: a zombie, which builds nothing
+    assert not alive(child.pid) and Path(f"/proc/{child.pid}").exists()
+    fd = _take(lock)
+    assert fd is not None and lock.read_text() == ""
+    os.close(fd)
+    child.wait()
+    lock.write_text("")  # made by a builder that has not written its pid yet: left to it
+    assert _take(lock) is None
