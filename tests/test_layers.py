@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "sparknet"
 #: parts of the package, bottom first; a module imports only parts of a lower layer, or its own
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),  # the ground floor: errors, signals, clients
-    ("interrupts", "imports", "spark_security"),
+    ("interrupts", "imports", "spark_security", "processes"),
     ("aws",),
     ("data", "models"),
     ("config",),

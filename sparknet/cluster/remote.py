@@ -60,6 +60,24 @@ def _silent(conn: Conn) -> ConnectionLost | None:
 #: what paramiko and the socket raise when the link to a node breaks or cannot be made
 SSH_ERRORS = (OSError, EOFError, socket.timeout, paramiko.SSHException)
 
+#: paramiko's error (an SSHException without a class of its own) when a channel's opening got
+#: no answer within the connection's `channel_timeout`
+_CHANNEL_OPEN_TIMEOUT = "Timeout opening channel."
+
+
+def _lost(conn: Conn, exc: BaseException) -> ConnectionLost:
+    """ConnectionLost for `exc`, raised by a call on `conn`. A silent node is named as such
+    whichever deadline saw it first: the keepalive's, or the channel opening's, which is the
+    same silence allowed (`nodes.connection`) and can end first when the call opens a channel
+    just after the node fell silent."""
+    silent = _silent(conn)
+    if silent is not None:
+        return silent
+    waited = getattr(conn, "connect_kwargs", {}).get("channel_timeout")
+    if isinstance(exc, paramiko.SSHException) and str(exc) == _CHANNEL_OPEN_TIMEOUT and waited:
+        return ConnectionLost(f"the node answered nothing for {waited:g} s")
+    return ConnectionLost(exc)
+
 
 def _describe(exc: BaseException) -> str:
     text = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
@@ -84,7 +102,7 @@ def run(conn: Conn, command: str, timeout: float = 60) -> str:
             f"timed out after {timeout:g} s", tail_lines(exc.result.stdout, exc.result.stderr)
         ) from None
     except SSH_ERRORS as exc:
-        raise (_silent(conn) or ConnectionLost(exc)) from exc
+        raise _lost(conn, exc) from exc
     if result.exited != 0:
         raise _silent(conn) or CommandFailed(
             f"exited {result.exited}", tail_lines(result.stdout, result.stderr)
@@ -126,7 +144,7 @@ def upload(conn: Conn, data: bytes, remote: str, mode: int, timeout: float = 300
         stdin.channel.shutdown_write()
         status = stdout.channel.recv_exit_status()
     except SSH_ERRORS as exc:
-        raise (_silent(conn) or ConnectionLost(exc)) from exc
+        raise _lost(conn, exc) from exc
     if status != 0:
         raise _silent(conn) or CommandFailed(
             f"writing {remote} exited {status}", tail_lines(stderr.read().decode(errors="replace"))

@@ -98,6 +98,29 @@ def test_a_call_on_a_connection_the_node_went_silent_on_ends_within_its_deadline
         conn.close()
 
 
+def test_a_channel_opened_as_the_node_falls_silent_is_named_as_the_silence(
+    sshd_nodes, monkeypatch
+) -> None:
+    """A call that opens its channel just after the node fell silent: the opening's deadline
+    (the same silence allowed) ends it before the keepalive does, and the error says the same
+    as the keepalive's (held off here, so the opening's deadline is the one that ends it)."""
+    monkeypatch.setenv(nodes.SILENCE_ENV, "1")
+    group = sshd_nodes(1)
+    conn = nodes.connect(group.endpoints[0], group.access)
+    try:
+        remote.run(conn, "true")
+        conn._keepalive.stop()
+        with _silent(group.servers[0]):
+            began = time.monotonic()
+            with pytest.raises(remote.ConnectionLost) as lost:
+                remote.run(conn, "true")
+            assert time.monotonic() - began < 4
+        assert str(lost.value) == "SSH connection lost (the node answered nothing for 1 s)"
+        assert nodes.went_silent(conn) is None  # the keepalive did not see it
+    finally:
+        conn.close()
+
+
 def test_a_submit_whose_master_goes_silent_exits_1_naming_attach_within_the_window(
     sshd_nodes, monkeypatch, tmp_path
 ) -> None:
