@@ -105,7 +105,7 @@ def quick_java_home(real: Path) -> Path:
     for entry in real.iterdir():
         if entry.name != "bin":
             (staging / entry.name).symlink_to(entry)
-    (staging / "bin").mkdir()
+    (staging / "bin").mkdir(mode=0o755)  # under any umask: `_check_ours`
     for tool in (real / "bin").iterdir():
         if tool.name != "java":
             (staging / "bin" / tool.name).symlink_to(tool)

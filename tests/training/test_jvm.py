@@ -86,7 +86,11 @@ def test_a_quick_jdk_another_user_can_write_is_refused(tmp_path, monkeypatch) ->
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     real = Path(os.environ["JAVA_HOME"], "lib").resolve().parent  # where its links lead
-    home = quick_java_home(real)
+    umask = os.umask(0o002)  # a group-writable default: what it makes is still not
+    try:
+        home = quick_java_home(real)
+    finally:
+        os.umask(umask)
     assert quick_java_home(real) == home  # reused
     (home / "cds").chmod(0o777)  # anyone may drop an archive the JVMs would map
     with pytest.raises(SparknetError, match=r"writable by others: remove .*sparknet-test-jdk-"):
