@@ -17,17 +17,26 @@ REPO = Path(__file__).resolve().parents[1]
 SPARKNET = Path(sys.executable).with_name("sparknet")
 
 use_quick_java()  # before any JVM starts: every test process and what it starts inherits it
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    # started in the background (`make test &`): Ctrl-C would reach no child the tests signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
 def spark(moto_endpoint):
     """local[2,2]: two task slots, and a failed task is retried once (local mode retries nothing
     unless told). Python workers run from the repo root, so `tests.helpers:...` imports there.
-    The moto server starts first: Spark's Python workers inherit AWS_ENDPOINT_URL from the JVM."""
+    The moto server starts first: Spark's Python workers inherit AWS_ENDPOINT_URL from the JVM.
+
+    The workers fork from sparknet's daemon, torch already imported (the opt-in of
+    `sparknet.training.daemon`): the session outlives hundreds of runs, and Spark starts a new
+    worker after a failed task and at times between runs, each one importing torch again
+    (test_algorithm.py: 83 -> 61 CPU-s)."""
     from sparknet.training.session import start_session
 
     os.chdir(REPO)
-    session = start_session("local[2,2]", workers=2)
+    daemon = {"spark.python.daemon.module": "sparknet.training.daemon"}
+    session = start_session("local[2,2]", workers=2, conf=daemon)
     yield session
     session.stop()
 

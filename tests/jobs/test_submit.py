@@ -115,29 +115,23 @@ def _layout(group, name: str, root: Path) -> None:
     group.file.write_text(json.dumps(layout))
 
 
-class _Reference:
-    """`sparknet train` of the successful job without a cluster and without a kill: local Spark,
+def _reference(spark, dataset: str, out: Path) -> Path:
+    """The successful job without a cluster and without a kill, in this process: local Spark,
     the same shards on moto, the same 2 partitions (submit's `workers`: one per Spark worker
     node, the master's included) and the same 1 torch thread per task (the loopback workers
     have 1 core each; a local task has spark.task.cpus = 1), and the transport `auto` picks on
-    the cluster (allreduce: a bit-exact comparison needs the same one). Run in the background
-    while the clusters come and go."""
+    the cluster (allreduce: a bit-exact comparison needs the same one). Its run dir."""
+    from sparknet.config import TrainConfig
+    from sparknet.training.driver import train
 
-    def __init__(self, dataset: str, tmp_path: Path) -> None:
-        self.out = tmp_path / "reference"
-        cwd = tmp_path / "reference-cwd"
-        cwd.mkdir()
-        self.proc = subprocess.Popen(
-            [str(SPARKNET), "train", "--data", dataset, "--workers", "2", "--out", str(self.out),
-             *JOB, "--rounds", "4", "--transport", "allreduce"],
-            cwd=cwd, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-
-    def result(self, timeout: float) -> Path:
-        output, _ = self.proc.communicate(timeout=timeout)
-        assert self.proc.returncode == 0, output[-3000:]
-        return self.out
+    train(
+        TrainConfig(
+            data=dataset, workers=2, model="cnn", image_size=16, rounds=4, tau=1, batch_size=4,
+            eval_every=0, checkpoint_every=1, seed=0, transport="allreduce", out=out,
+        ),
+        spark=spark,
+    )  # fmt: skip
+    return out
 
 
 def _kill_the_driver_after_round_1(
@@ -179,10 +173,9 @@ def _tensors(data: bytes) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
 
 @pytest.mark.slow
 def test_submit_trains_on_a_new_cluster_and_takes_it_down(
-    settings, dataset, moto_nodes, bucket, tmp_path
+    settings, dataset, moto_nodes, bucket, spark, tmp_path
 ):
     name = settings
-    reference = _Reference(dataset, tmp_path)
     group = moto_nodes(name, 1)
     _layout(group, name, tmp_path)
     with group.watch(_client("ec2")):
@@ -196,31 +189,31 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(
         assert "Traceback" not in bad.stderr
         _torn_down(name, tmp_path)
     group.stop()  # terminated instances answer no more: the next cluster's nodes are new ones
-    for signum, code, how in ((signal.SIGTERM, 143, " (SIGTERM)"), (signal.SIGINT, 130, "")):
-        with group.watch(_client("ec2")):
-            # a signal to the submitter once the job runs: 128 + it, teardown done
-            proc = subprocess.Popen(
-                [str(SUBMIT), "--s3", "tiny", *JOB], cwd=tmp_path, env=os.environ.copy(),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            )  # fmt: skip
-            seen = []
-            for line in proc.stderr:
-                seen.append(line)
-                if line.startswith("job ") and " started on the master" in line:
-                    proc.send_signal(signum)
-                    break
-            _out, err = proc.communicate(timeout=300)
-            assert proc.returncode == code, "".join(seen) + err
-            assert f"error: interrupted{how}; teardown done" in err
-            # before the teardown the job was cancelled as `cancel` does, and waited for:
-            # marked, no exit code, its driver ended in order (no traceback in its log)
-            run = seen[-1].split()[1]
-            job = tmp_path / "master" / "jobs" / run
-            assert f"job {run} cancelled\n" in err, err
-            assert (job / "cancelled").exists() and not (job / "driver.rc").exists()
-            assert "Traceback" not in (job / "driver.log").read_text()
-            _torn_down(name, tmp_path)
-        group.stop()
+    with group.watch(_client("ec2")):
+        # a signal to the submitter once the job runs: 128 + it, teardown done (SIGTERM alone:
+        # Ctrl-C takes the same handler, and its 130 is test_submit_parts.py's)
+        proc = subprocess.Popen(
+            [str(SUBMIT), "--s3", "tiny", *JOB], cwd=tmp_path, env=os.environ.copy(),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("job ") and " started on the master" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        _out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 143, "".join(seen) + err
+        assert "error: interrupted (SIGTERM); teardown done" in err
+        # before the teardown the job was cancelled as `cancel` does, and waited for: marked,
+        # no exit code, its driver ended in order (no traceback in its log)
+        run = seen[-1].split()[1]
+        job = tmp_path / "master" / "jobs" / run
+        assert f"job {run} cancelled\n" in err, err
+        assert (job / "cancelled").exists() and not (job / "driver.rc").exists()
+        assert "Traceback" not in (job / "driver.log").read_text()
+        _torn_down(name, tmp_path)
+    group.stop()
     with group.watch(_client("ec2")):
         # the driver (the train process, not its supervisor) killed once round 1 is on S3: the
         # job resumes from its last checkpoint (a later round's when rounds outran the poll)
@@ -275,9 +268,10 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(
     # the same weights as an uninterrupted run with the same seed (local Spark, 2 partitions)
     config = _client("s3").get_object(Bucket=bucket, Key=f"runs/{name}/{run_id}/config.yaml")
     assert yaml.safe_load(config["Body"].read())["train"]["transport"] == "allreduce"
+    reference = _reference(spark, dataset, tmp_path / "reference")
     assert _tensors(_client("s3").get_object(
         Bucket=bucket, Key=f"runs/{name}/{run_id}/model.safetensors")["Body"].read()
-    ) == _tensors((reference.result(timeout=600) / "model.safetensors").read_bytes())  # fmt: skip
+    ) == _tensors((reference / "model.safetensors").read_bytes())  # fmt: skip
     # the driver ran detached on the master, in its job dir, and ended 0; it and the attached
     # submitter kept the autostop timer's activity (the job's stamp goes as the job ends)
     job = tmp_path / "master" / "jobs" / run_id

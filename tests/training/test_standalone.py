@@ -1,8 +1,8 @@
 """`sparknet train --master spark://...` on the shared standalone cluster (two 1-core workers on
 127.0.0.1): inner optimizer state stays with its partition, Spark settings reach the session, and
 every task's torch threads come from its executor's cores; Spark settings that would break a run
-stop it before Spark starts. Runs go through the CLI in a
-subprocess: the test process already holds a local SparkContext, and there is one per process."""
+stop it before Spark starts. Runs on the cluster go through the CLI in a subprocess: the test
+process already holds a local SparkContext, and there is one per process."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ import yaml
 from pyspark import TaskContext
 from torch import nn
 
+from sparknet.config import load_train_config
 from sparknet.models import mlp
+from sparknet.training.driver import train
 from tests.conftest import REPO, SPARKNET
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -46,14 +48,16 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_kept_inner_state_stays_with_its_partition_and_runs_are_bit_identical(standalone, tmp_path):
-    # `auto` takes allreduce on the cluster; the local run takes it too, to compare bits
-    local = sparknet(
-        *RUN, "--master", "local[2]", "--transport", "allreduce", "--out", str(tmp_path / "local")
-    )
+def test_kept_inner_state_stays_with_its_partition_and_runs_are_bit_identical(
+    standalone, spark, tmp_path
+):
     for name in ("a", "b"):  # one app at a time: the first takes every core of the cluster
         finish(sparknet(*RUN, "--master", standalone.master, "--out", str(tmp_path / name)))
-    finish(local)
+    # the same run on this process's local session (1 thread a task, as on the 1-core workers);
+    # `auto` took allreduce on the cluster, this run takes it too, to compare bits
+    flags = {k[2:].replace("-", "_"): v for k, v in zip(RUN[1::2], RUN[2::2], strict=True)}
+    flags.update(transport="allreduce", out=tmp_path / "local")
+    train(load_train_config(flags=flags, environ={}), spark=spark)
 
     for name in ("a", "b", "local"):
         misses = [r["inner_state_misses"] for r in rows(tmp_path / name)]
@@ -99,10 +103,8 @@ def test_conf_reaches_the_executors_and_tasks_get_their_executors_cores(standalo
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--gpus-per-worker", "2"), "error: --gpus-per-worker needs a cluster master"),
-        (("--conf", "spark.master=local[1]"), "error: Spark setting spark.master=local[1]: choose"),
+        # refused by sparknet (the other refusals are test_session.py's, of the same function)
         (("--conf", "spark.speculation=true"), "error: Spark setting spark.speculation=true: a"),
-        (("--conf", "spark.task.cpus=abc"), "error: Spark setting spark.task.cpus=abc: the cores"),
         # refused by Spark's launcher, which prints a Java stack trace that the line says already
         (
             ("--conf", "spark.executor.memory=lots"),
