@@ -443,6 +443,9 @@ class MotoNodes:
         self.servers: dict[str, Sshd] = {}
         #: node name -> the instance id its sshd stands in for
         self.serving: dict[str, str] = {}
+        #: the instances `gone` ended: never served again, nor named (as sparknet names none
+        #: that is shutting down)
+        self.departed: set[str] = set()
         #: the instances' metadata service (tests/imds.py), when a test gives one: each node's
         #: sessions reach their instance's part of it as EC2's link-local address
         self.imds: ImdsStandIn | None = None
@@ -472,7 +475,8 @@ class MotoNodes:
         from sparknet.cluster.aws import instances
 
         with self._lock:
-            named = seam.node_names(instances.find(ec2, self.cluster))
+            found = [i for i in instances.find(ec2, self.cluster) if i.id not in self.departed]
+            named = seam.node_names(found)
             self.reserve([name for name, _ in named])
             for name, inst in named:
                 if self.serving.get(name) == inst.id and name in self.servers:
@@ -509,11 +513,14 @@ class MotoNodes:
             thread.join(timeout=10)
 
     def gone(self, name: str) -> None:
-        """Node `name` stops answering, as a terminated instance does (its daemons are the
-        test's to kill: they run in sessions of their own)."""
+        """Node `name` stops answering, as a terminated instance does, for good: a `serve` round
+        before EC2 has the instance terminated would otherwise start its sshd again, at the
+        address its replacement takes (its daemons are the test's to kill: they run in sessions
+        of their own)."""
         with self._lock:
             server = self.servers.pop(name, None)
-            self.serving.pop(name, None)
+            if (instance := self.serving.pop(name, None)) is not None:
+                self.departed.add(instance)
         if server is not None:
             server.stop()
 
