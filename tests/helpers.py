@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -10,12 +11,20 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch.utils.data import TensorDataset
 
-from sparknet.config import TrainConfig
+from sparknet.config import TrainConfig, load_train_config
 from sparknet.data.sources import batch_indices, digits
 from sparknet.errors import PermanentTaskError, SparknetError
 from sparknet.models import build_model
 
 IDENTICAL_LABEL = 3
+
+
+def cli_config(args: Sequence[str], **overrides) -> TrainConfig:
+    """The config `sparknet train` makes of `args` (``--flag value`` pairs, no settings file
+    or environment), `overrides` on top: a run in the test process the same as a CLI run."""
+    pairs = zip(args[::2], args[1::2], strict=True)
+    flags = {flag.removeprefix("--").replace("-", "_"): value for flag, value in pairs}
+    return load_train_config(flags={**flags, **overrides}, environ={})
 
 
 def identical_samples() -> tuple[TensorDataset, TensorDataset]:

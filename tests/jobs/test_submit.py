@@ -121,16 +121,13 @@ def _reference(spark, dataset: str, out: Path) -> Path:
     node, the master's included) and the same 1 torch thread per task (the loopback workers
     have 1 core each; a local task has spark.task.cpus = 1), and the transport `auto` picks on
     the cluster (allreduce: a bit-exact comparison needs the same one). Its run dir."""
-    from sparknet.config import TrainConfig
     from sparknet.training.driver import train
+    from tests.helpers import cli_config
 
     train(
-        TrainConfig(
-            data=dataset, workers=2, model="cnn", image_size=16, rounds=4, tau=1, batch_size=4,
-            eval_every=0, checkpoint_every=1, seed=0, transport="allreduce", out=out,
-        ),
+        cli_config(JOB, data=dataset, workers=2, rounds=4, transport="allreduce", out=out),
         spark=spark,
-    )  # fmt: skip
+    )
     return out
 
 

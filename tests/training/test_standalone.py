@@ -17,10 +17,10 @@ import yaml
 from pyspark import TaskContext
 from torch import nn
 
-from sparknet.config import load_train_config
 from sparknet.models import mlp
 from sparknet.training.driver import train
 from tests.conftest import REPO, SPARKNET
+from tests.helpers import cli_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -55,9 +55,7 @@ def test_kept_inner_state_stays_with_its_partition_and_runs_are_bit_identical(
         finish(sparknet(*RUN, "--master", standalone.master, "--out", str(tmp_path / name)))
     # the same run on this process's local session (1 thread a task, as on the 1-core workers);
     # `auto` took allreduce on the cluster, this run takes it too, to compare bits
-    flags = {k[2:].replace("-", "_"): v for k, v in zip(RUN[1::2], RUN[2::2], strict=True)}
-    flags.update(transport="allreduce", out=tmp_path / "local")
-    train(load_train_config(flags=flags, environ={}), spark=spark)
+    train(cli_config(RUN[1:], transport="allreduce", out=tmp_path / "local"), spark=spark)
 
     for name in ("a", "b", "local"):
         misses = [r["inner_state_misses"] for r in rows(tmp_path / name)]
