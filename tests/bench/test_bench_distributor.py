@@ -31,20 +31,21 @@ DIGITS = PeerSpec(
 CHANCE = 0.1
 
 
-def on_cluster(master: str) -> list[dict]:
-    """DIGITS through TorchDistributor from a session on `master`: local_mode=False (ranks in
-    barrier tasks on the executors), then local_mode=True (torchrun on this machine)."""
+def on_cluster(master: str) -> dict:
+    """DIGITS through TorchDistributor from a session on `master`, local_mode=False: its ranks
+    in barrier tasks on the executors."""
     from sparknet.training.session import start_session
 
     spark = start_session(master, workers=2)
     try:
-        runs = [run_distributor(spark, DIGITS, local_mode=mode) for mode in (False, True)]
+        return dataclasses.asdict(run_distributor(spark, DIGITS, local_mode=False))
     finally:
         spark.stop()
-    return [dataclasses.asdict(r) for r in runs]
 
 
-def test_ddp_on_the_standalone_cluster_trains_and_matches_local_mode(standalone):
+def test_ddp_on_the_standalone_cluster_trains(standalone):
+    """What local mode trains exactly is test_ddp_step_equals_one_sgd_step_on_both_ranks_batches'
+    to check (on the cluster the ranks run the same code in barrier tasks)."""
     # a subprocess: this process already holds the local SparkContext, and there is one per
     # process; the JSON is its last line (torchrun's output goes to stdout before it)
     code = (
@@ -56,7 +57,7 @@ def test_ddp_on_the_standalone_cluster_trains_and_matches_local_mode(standalone)
         text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    cluster, local = (PeerRun(**r) for r in json.loads(proc.stdout.strip().splitlines()[-1]))
+    cluster = PeerRun(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
     steps = DIGITS.max_steps  # the target is out of reach: every run trains all its steps
     assert cluster.steps == steps
@@ -68,8 +69,6 @@ def test_ddp_on_the_standalone_cluster_trains_and_matches_local_mode(standalone)
     assert accuracy[0] < 2 * CHANCE < min(accuracy[1:]) and max(accuracy) > 5 * CHANCE, accuracy
     assert cluster.seconds_to_target is None
     assert 0 < cluster.train_s < cluster.setup_s < cluster.wall_s
-    # gloo on the CPU is deterministic here: the same spec gives the same model in either mode
-    assert [a for _, _, a in local.curve] == accuracy
 
 
 def test_ddp_step_equals_one_sgd_step_on_both_ranks_batches(spark):

@@ -238,9 +238,12 @@ def test_dataframe_of_the_same_images_reaches_the_same_band(spark, tree, tmp_pat
     assert not spark.sparkContext._jsc.getPersistentRDDs(), "the persisted frame was released"
 
 
-def test_feature_table_trains_from_the_cli(tmp_path):
-    """digits as a numeric-array Parquet dataset: `--data parquet:` through the whole CLI."""
+def test_feature_table_trains_from_cli_flags(spark, tmp_path):
+    """digits as a numeric-array Parquet dataset: `--data parquet:` and `--eval-data parquet:`
+    as the CLI makes them a config, trained in this process (a CLI run of a `parquet:` dataset
+    is test_standalone.py's)."""
     from sparknet.data.sources import digits
+    from tests.helpers import cli_config
 
     for name, ds in zip(("train", "test"), digits(), strict=True):
         x, y = ds.tensors
@@ -253,12 +256,12 @@ def test_feature_table_trains_from_the_cli(tmp_path):
             }
         )
         pq.write_table(table, tmp_path / f"{name}.parquet")
-    done = _cli(
-        "train", "--data", f"parquet:{tmp_path / 'train.parquet'}",
+    flags = (
+        "--data", f"parquet:{tmp_path / 'train.parquet'}",
         "--eval-data", f"parquet:{tmp_path / 'test.parquet'}", "--model", "mlp",
-        "--workers", "2", "--rounds", "20", "--eval-every", "20", "--out", "run", cwd=tmp_path,
+        "--workers", "2", "--rounds", "20", "--eval-every", "20", "--out", str(tmp_path / "run"),
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    train(cli_config(flags), spark=spark)
     final = read_metrics(tmp_path / "run")[-1]
     assert final["eval_accuracy"] >= 0.9, final
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])["samples"]

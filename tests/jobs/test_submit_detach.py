@@ -123,7 +123,9 @@ def _jobs_on_a_kept_cluster(name: str, group, bucket: str, tmp_path: Path) -> No
     )
     assert bad.returncode == 1, bad.stderr[-3000:]
     error = [ln for ln in bad.stderr.splitlines() if ln.startswith("error: ")]
-    assert len(error) == 1 and "spark.speculation=true" in error[0], bad.stderr[-3000:]
+    assert len(error) == 1 and "failed:" in error[0], bad.stderr[-3000:]
+    assert "spark.speculation=true" in error[0], error
+    assert "Traceback" not in bad.stderr
     assert len(_live(name)) == 2
 
     # detached: back while the job runs; its log and the list see it

@@ -145,11 +145,11 @@ def test_a_cluster_that_can_never_run_a_task_stops_the_run_in_one_line(
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("transport", ["spark", "auto"])
-def test_a_dataframe_run_keeps_its_partitions_in_place(standalone, tmp_path, transport):
-    """`spark`: the DataFrame path maps over the frame's persisted partitions, whose blocks,
-    not the anchor's, keep each task on the executor holding its inner state. `auto` on a
-    cluster runs a DataFrame on the allreduce stage, whose tasks keep their state in memory."""
+def test_a_dataframe_run_keeps_its_partitions_in_place(standalone, tmp_path):
+    """The DataFrame path maps over the frame's persisted partitions, whose blocks, not the
+    anchor's, keep each task on the executor holding its inner state. (`auto` takes allreduce
+    on a cluster, as the kept-state test shows; allreduce on a DataFrame, whose tasks keep
+    their state in memory, is test_allreduce_frames.py's.)"""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -166,12 +166,11 @@ def test_a_dataframe_run_keeps_its_partitions_in_place(standalone, tmp_path, tra
         "train", "--data", f"parquet:{tmp_path / 'digits.parquet'}", "--model", "mlp",
         "--workers", "2", "--rounds", "8", "--tau", "2", "--batch-size", "16",
         "--inner-state", "keep", "--eval-every", "0", "--master", standalone.master,
-        "--transport", transport, "--out", str(out),
+        "--transport", "spark", "--out", str(out),
     )  # fmt: skip
     finish(proc)
     assert [r["inner_state_misses"] for r in rows(out)] == [0] * 8
-    ran = yaml.safe_load((out / "config.yaml").read_text())["train"]["transport"]
-    assert ran == {"spark": "spark", "auto": "allreduce"}[transport]
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["transport"] == "spark"
 
 
 def _executor_pids(work_dirs: tuple[Path, ...]) -> list[int]:
