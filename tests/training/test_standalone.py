@@ -48,11 +48,28 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _threads_checked(args: tuple[str, ...]) -> list[str]:
+    """`args` with the built-in mlp wrapped by `threads_mlp` (the same weights), settings that
+    reach the executors through `--conf`, and the opt-in worker daemon that imports torch
+    before it forks: none of it may change a bit of the model."""
+    checked = list(args)
+    checked[checked.index("--model") + 1] = f"{__name__}:threads_mlp"
+    return [
+        *checked, "--conf", f"spark.executorEnv.PYTHONPATH={REPO}",
+        "--conf", "spark.executorEnv.SPARKNET_TEST_THREADS=1",
+        "--conf", "spark.python.daemon.module=sparknet.training.daemon",
+    ]  # fmt: skip
+
+
 def test_kept_inner_state_stays_with_its_partition_and_runs_are_bit_identical(
     standalone, spark, tmp_path
 ):
-    for name in ("a", "b"):  # one app at a time: the first takes every core of the cluster
-        finish(sparknet(*RUN, "--master", standalone.master, "--out", str(tmp_path / name)))
+    """Also: `--conf` reaches the executors, and every task's torch runs on its executor's
+    cores (run b: `threads_mlp` fails a task that does not)."""
+    cluster = ("--master", standalone.master)
+    # one app at a time: each takes every core of the cluster
+    finish(sparknet(*RUN, *cluster, "--out", str(tmp_path / "a")))
+    finish(sparknet(*_threads_checked(RUN), *cluster, "--out", str(tmp_path / "b")))
     # the same run on this process's local session (1 thread a task, as on the 1-core workers);
     # `auto` took allreduce on the cluster, this run takes it too, to compare bits
     train(cli_config(RUN[1:], transport="allreduce", out=tmp_path / "local"), spark=spark)
@@ -76,26 +93,14 @@ def threads_mlp(num_classes: int) -> nn.Module:
     model = mlp((1, 8, 8), num_classes)
 
     def check(_module, _inputs) -> None:
-        want = os.environ.get("SPARKNET_TEST_THREADS")
-        if TaskContext.get() is not None and want is not None:
-            assert torch.get_num_threads() == int(want), (torch.get_num_threads(), want)
+        if TaskContext.get() is not None:  # in a task: the setting reached its executor
+            want = os.environ.get("SPARKNET_TEST_THREADS")
+            assert want is not None and torch.get_num_threads() == int(want), (
+                torch.get_num_threads(), want,
+            )  # fmt: skip
 
     model.register_forward_pre_hook(check)
     return model
-
-
-def test_conf_reaches_the_executors_and_tasks_get_their_executors_cores(standalone, tmp_path):
-    """Also runs the opt-in worker daemon that imports torch before it forks."""
-    out = tmp_path / "threads"
-    proc = sparknet(
-        "train", "--data", "digits", "--model", f"{__name__}:threads_mlp", "--workers", "2",
-        "--rounds", "2", "--tau", "1", "--eval-every", "1", "--master", standalone.master,
-        "--conf", f"spark.executorEnv.PYTHONPATH={REPO}",
-        "--conf", "spark.executorEnv.SPARKNET_TEST_THREADS=1",
-        "--conf", "spark.python.daemon.module=sparknet.training.daemon", "--out", str(out),
-    )  # fmt: skip
-    finish(proc)
-    assert [r["round"] for r in rows(out)] == [1, 2]
 
 
 @pytest.mark.parametrize(
