@@ -48,13 +48,17 @@ def sc(spark):
 
 @pytest.fixture(scope="session")
 def moto_endpoint():
-    """A real S3 API (moto's server) on localhost for the whole run.
+    """A real S3 API (moto's server) on localhost for the whole run, its EC2 tag lookup made
+    linear (tests/moto_server.py).
 
     Spark executors and CLI subprocesses are other processes: they reach it only through
     `AWS_ENDPOINT_URL`, which is set here for them (an in-process mock would be invisible).
     """
     from moto.server import ThreadedMotoServer
 
+    from tests.moto_server import quicken_tag_lookup
+
+    quicken_tag_lookup()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     _host, port = server.get_host_and_port()

@@ -35,6 +35,7 @@ from sparknet.cluster.spark.plan import FACTS, Context, Node, Plan, parse_facts
 from sparknet.cluster.spark.wheel import Wheel, build_wheel
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
+from tests.moto_server import amazon_ami
 
 pytestmark = pytest.mark.integration
 
@@ -90,7 +91,7 @@ def moto_bake(moto_endpoint, moto_nodes, moto_tags_snapshots, tmp_path, monkeypa
     name = f"bake-test-{uuid.uuid4().hex[:8]}"
     monkeypatch.setattr(ami, "bake_name", lambda: name)
     ec2 = boto3.client("ec2", region_name=REGION)
-    base = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    base = amazon_ami(REGION)
     with moto_nodes(name).watch(ec2):
         yield Bake(ec2, base, name)
 
@@ -432,7 +433,7 @@ def test_cli_bake_stopped_by_sigterm_exits_143_and_removes_what_it_made(
     nothing listens, so a bake that got further would still reach nothing off this machine."""
     home = tmp_path / "home"
     ec2 = boto3.client("ec2", region_name=REGION)
-    base = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    base = amazon_ami(REGION)
     env = {**os.environ, registry.HOME_ENV: str(home)}
     proc = bake_cli("--base-ami", base, "--endpoint-url", moto_endpoint, env=env)
     try:
@@ -465,7 +466,7 @@ def test_cluster_up_launches_the_recorded_baked_ami(moto_endpoint, tmp_path, mon
     region = "ca-central-1"
     monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     ec2 = boto3.client("ec2", region_name=region)
-    baked = ec2.describe_images(Owners=["amazon"])["Images"][1]["ImageId"]
+    baked = amazon_ami(region, 1)
     images.record(boto3.client("ssm", region_name=region), baked)
     spec = ClusterSpec(
         name=f"b{uuid.uuid4().hex[:8]}", region=region, workers=0, master_type="m5.large",

@@ -18,6 +18,7 @@ import pytest
 from sparknet.cluster.aws import autostop
 from sparknet.cluster.aws.autostop import Settings
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE
+from tests.moto_server import amazon_ami
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +32,7 @@ def _ec2():
 
 
 def launch(ec2, cluster: str, role: str, count: int = 1) -> list[str]:
-    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    ami = amazon_ami(REGION)
     tags = [{"Key": TAG_CLUSTER, "Value": cluster}, {"Key": TAG_ROLE, "Value": role}]
     made = ec2.run_instances(
         ImageId=ami, InstanceType="t3.micro", MinCount=count, MaxCount=count,

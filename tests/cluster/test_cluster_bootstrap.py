@@ -30,6 +30,7 @@ import yaml
 
 from tests.conftest import SPARKNET
 from tests.imds import ImdsStandIn
+from tests.moto_server import amazon_ami
 from tests.sshd import daemon_pids, loopback_cluster_entry
 
 pytestmark = pytest.mark.integration
@@ -55,7 +56,7 @@ def cluster(moto_endpoint, moto_nodes, tmp_path, monkeypatch):
     from sparknet.cluster import registry
 
     monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
-    ami = _ec2().describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    ami = amazon_ami(REGION)
     import boto3
 
     boto3.client("ssm", region_name=REGION).put_parameter(

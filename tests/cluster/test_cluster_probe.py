@@ -21,6 +21,7 @@ from tests.cluster import test_lifecycle
 from tests.cluster.test_lifecycle import REGION, _left, _settings_file, _up, cli
 from tests.cluster.test_lifecycle_hardening import start_and_wait_for
 from tests.conftest import SPARKNET
+from tests.moto_server import amazon_ami
 
 pytestmark = pytest.mark.integration
 
@@ -353,8 +354,7 @@ def test_list_shows_only_the_regions_clusters(spec, moto_endpoint, tmp_path):
 def test_down_in_an_unpriced_region_says_why_the_cost_is_unknown(spec, moto_endpoint, tmp_path):
     """prices.json holds us-east-1 only: elsewhere the cost is unknown, and says so (it used to
     read "cost about unknown")."""
-    west = boto3.client("ec2", region_name="us-west-2")
-    ami = west.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    ami = amazon_ami("us-west-2")
     there = spec.model_copy(update={"region": "us-west-2", "ami": ami, "workers": 0})
     _up(there, moto_endpoint)
     gone = cli("down", spec.name, "--region", "us-west-2", cwd=tmp_path)

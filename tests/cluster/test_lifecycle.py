@@ -22,6 +22,7 @@ from sparknet.cluster.aws.foundation import node_role_name
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
 from sparknet.errors import SparknetError
 from tests.conftest import REPO, SPARKNET
+from tests.moto_server import amazon_ami, amazon_amis
 
 pytestmark = pytest.mark.integration
 
@@ -32,8 +33,7 @@ AMI_PARAMETER = "/test/sparknet/lifecycle-ami"
 @pytest.fixture
 def spec(moto_endpoint, tmp_path, monkeypatch):
     monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
-    ec2 = boto3.client("ec2", region_name=REGION)
-    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    ami = amazon_ami(REGION)
     boto3.client("ssm", region_name=REGION).put_parameter(
         Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True
     )
@@ -51,12 +51,7 @@ def another_ami() -> str:
     """A moto AMI other than the one the test's SSM parameter names (`--ami`, `AMI=`)."""
     ssm = boto3.client("ssm", region_name=REGION)
     default = ssm.get_parameter(Name=AMI_PARAMETER)["Parameter"]["Value"]
-    images = boto3.client("ec2", region_name=REGION).describe_images(Owners=["amazon"])["Images"]
-    return next(
-        i["ImageId"]
-        for i in images
-        if i["ImageId"] != default and preflight.AMI_ID.fullmatch(i["ImageId"])
-    )
+    return next(i for i in amazon_amis(REGION) if i != default and preflight.AMI_ID.fullmatch(i))
 
 
 def _left(spec: ClusterSpec) -> dict[str, int]:

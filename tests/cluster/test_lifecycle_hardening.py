@@ -25,6 +25,7 @@ from sparknet.errors import SparknetError
 from tests.cluster import test_lifecycle
 from tests.cluster.test_lifecycle import REGION, _left, _settings_file, _up, another_ami, cli
 from tests.conftest import SPARKNET
+from tests.moto_server import amazon_ami
 
 pytestmark = pytest.mark.integration
 
@@ -153,7 +154,7 @@ def test_a_failed_up_removes_only_what_it_made_not_what_another_up_added(
     no shared lock) launches an instance and makes a security group of the cluster. This `up`
     then fails: it must remove its own instances and foundation, and leave the others'."""
     ec2 = boto3.client("ec2", region_name=REGION)
-    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    image = amazon_ami(REGION)
     other: dict[str, str] = {}
 
     def tags(role: str) -> list[dict]:
@@ -268,7 +269,7 @@ def test_sweep_touches_only_the_callers_clusters_unless_all_owners(
     old = f"{spec.name}-o"
     ec2 = boto3.client("ec2", region_name=REGION)
     ec2.run_instances(
-        ImageId=ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"],
+        ImageId=amazon_ami(REGION),
         InstanceType="g4dn.xlarge", MinCount=1, MaxCount=1,
         TagSpecifications=[{"ResourceType": "instance", "Tags": [
             {"Key": TAG_CLUSTER, "Value": old}, {"Key": TAG_ROLE, "Value": "master"}]}],

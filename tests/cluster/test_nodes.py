@@ -16,6 +16,7 @@ from sparknet.cluster.address import Endpoint
 from sparknet.cluster.aws import keys
 from sparknet.cluster.nodes import Access
 from sparknet.errors import SparknetError
+from tests.moto_server import amazon_ami
 from tests.sshd import start_sshd
 
 pytestmark = pytest.mark.integration
@@ -275,8 +276,7 @@ def spec(moto_endpoint, tmp_path, monkeypatch):
     from sparknet.cluster.spec import ClusterSpec
 
     monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
-    ec2 = boto3.client("ec2", region_name=REGION)
-    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    ami = amazon_ami(REGION)
     boto3.client("ssm", region_name=REGION).put_parameter(
         Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True
     )

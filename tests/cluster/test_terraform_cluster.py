@@ -32,6 +32,7 @@ from sparknet.cluster.aws.terraform_foundation import (
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
 from tests.cluster.test_terraform_apply import PLUGIN_DIR, pytestmark  # noqa: F401
 from tests.conftest import SPARKNET
+from tests.moto_server import amazon_ami
 
 REGION = "us-east-1"
 OWNER = "arn:aws:iam::123456789012:user/alice"
@@ -155,9 +156,8 @@ def test_a_signal_to_sparknet_alone_mid_apply_leaves_nothing(tf_spec, moto_endpo
     Terraform whatever came: test_terraform_runner.py's interrupt test.)"""
     spec = tf_spec
     _settings(spec, tmp_path)
-    ami = boto3.client("ec2", region_name=REGION).describe_images(Owners=["amazon"])["Images"][0]
     proc = subprocess.Popen(
-        [str(SPARKNET), "cluster", "up", spec.name, "--ami", ami["ImageId"]],
+        [str(SPARKNET), "cluster", "up", spec.name, "--ami", amazon_ami(REGION)],
         cwd=tmp_path, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip

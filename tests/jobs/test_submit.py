@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from tests.conftest import SPARKNET
+from tests.moto_server import amazon_ami
 from tests.sshd import daemon_pids, loopback_cluster_entry
 
 pytestmark = pytest.mark.integration
@@ -73,7 +74,7 @@ def settings(moto_endpoint, dataset, bucket, tmp_path, monkeypatch):
     from sparknet.cluster import registry
 
     monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
-    ami = _client("ec2").describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    ami = amazon_ami(REGION)
     _client("ssm").put_parameter(Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True)
     name = f"s{uuid.uuid4().hex[:8]}"
     entry = loopback_cluster_entry(REGION, AMI_PARAMETER, bucket=bucket, data_prefix="tiny/")

@@ -10,6 +10,7 @@ import pytest
 from sparknet.config import DatasetEntry, TrainConfig
 from sparknet.jobs import driver, follow, preflight
 from sparknet.jobs import submit as flow
+from tests.moto_server import amazon_ami
 
 
 def test_a_dataset_name_resolves_through_datasets_and_a_uri_as_is() -> None:
@@ -439,7 +440,7 @@ def test_a_submit_that_makes_its_cluster_refuses_a_name_that_already_runs(moto_e
     from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
 
     ec2 = boto3.client("ec2", endpoint_url=moto_endpoint, region_name="us-east-1")
-    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    ami = amazon_ami()
     tags = [{"ResourceType": "instance", "Tags": [{"Key": TAG_CLUSTER, "Value": "taken-c"}]}]
     made = ec2.run_instances(
         ImageId=ami, InstanceType="t3.micro", MinCount=1, MaxCount=1, TagSpecifications=tags
@@ -673,7 +674,6 @@ def test_preflight_of_a_made_cluster_needs_its_bucket_and_the_data_under_its_dat
     """The node role reads only s3://BUCKET/DATA_PREFIX and writes only the cluster's runs
     prefix (no `bucket:`: no S3 at all), so a submit that would fail once the cluster is up and
     paid for is refused first, one line; the run prefix is the cluster's `cluster_runs_prefix`."""
-    import boto3
 
     from sparknet.cluster.spec import ClusterSpec
 
@@ -694,8 +694,7 @@ def test_preflight_of_a_made_cluster_needs_its_bucket_and_the_data_under_its_dat
     with pytest.raises(preflight.PreflightFailed, match="is outside"):  # a prefix match, as IAM's
         checked(ClusterSpec(name="c1", bucket=bucket, data_prefix="dsx/"))
     assert s3.list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0  # nothing written
-    ec2 = boto3.client("ec2", region_name="us-east-1")
-    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]  # up's AMI check passes
+    ami = amazon_ami()  # up's AMI check passes
     spec = ClusterSpec(
         name="c1", bucket=bucket, data_prefix="ds/", runs_prefix="team/runs/", ami=ami
     )

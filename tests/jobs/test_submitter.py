@@ -16,6 +16,7 @@ from sparknet.cluster import inventory, lifecycle, registry
 from sparknet.errors import SparknetError
 from sparknet.jobs import driver, follow, records
 from sparknet.jobs import submit as flow
+from tests.moto_server import amazon_ami
 
 
 @pytest.fixture
@@ -101,8 +102,7 @@ def test_what_train_refuses_is_refused_before_anything_is_launched(
     import boto3
 
     uri = _dataset(bucket)
-    ec2 = boto3.client("ec2", region_name="us-east-1")
-    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]  # up's AMI check passes
+    ami = amazon_ami()  # up's AMI check passes
     (tmp_path / "sparknet.yaml").write_text(
         f"clusters:\n  c1: {{bucket: {bucket}, data_prefix: ds/, ami: {ami}}}\n"
     )
