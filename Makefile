@@ -38,9 +38,10 @@ demo: install
 
 # bytecode first: with PYTHONDONTWRITEBYTECODE set (CI images set it) every one of the suite's
 # thousand-odd Python processes would compile sparknet from source again
-# one test process per core and one more (a process often waits on a JVM or a subprocess): 3 on
-# 2 cores, at most 6 (each may hold a few JVMs: about 2 GiB)
-TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); n=$$((n + 1)); echo $$((n < 3 ? 3 : n > 6 ? 6 : n)))
+# one test process per core and two more (a process often waits on a JVM, a subprocess or a
+# timeout: with 3 on 2 cores a core stood idle an eighth of the time): 4 on 2 cores, at most 6
+# (each may hold a few JVMs: about 2 GiB)
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); n=$$((n + 2)); echo $$((n < 4 ? 4 : n > 6 ? 6 : n)))
 
 test: install checkov
 	$(PY) -m compileall -q sparknet tests
