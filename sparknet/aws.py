@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 import urllib.parse
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import boto3
 import botocore.exceptions as bx
@@ -49,6 +50,8 @@ DENIED_CODES = frozenset(
     {"UnauthorizedOperation", "AccessDenied", "AccessDeniedException", "Forbidden", "403"}
 )
 
+
+T = TypeVar("T")
 
 #: environment variables boto3 reads an endpoint from (the service-specific one is upper-cased)
 _ENDPOINT_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_{service}")
@@ -232,8 +235,10 @@ def describe_error(exc: BaseException, what: str) -> SparknetError:
             )
         if code in QUOTA_CODES:
             return SparknetError(
-                f"{what} hit an AWS quota ({code}: {message}); request an increase in the "
-                "Service Quotas console"
+                f"{what} hit an AWS quota ({code}: {message}); EC2's vCPU quotas are per "
+                "region and instance family: ask for more with `aws service-quotas "
+                "request-service-quota-increase --service-code ec2 --quota-code CODE "
+                "--desired-value VCPUS` or in the Service Quotas console"
             )
         if code == "OptInRequired":
             return SparknetError(
@@ -251,3 +256,60 @@ def aws_call(action: str, region: str) -> Iterator[None]:
         yield
     except (bx.BotoCoreError, bx.ClientError) as exc:
         raise describe_error(exc, f"{action} in {region}") from exc
+
+
+def retrying(
+    call: Callable[[], T],
+    transient: Callable[[bx.ClientError], bool],
+    *,
+    within_s: float,
+    pause_s: float = 1.0,
+    max_pause_s: float = 15.0,
+) -> T:
+    """`call()`, made again while AWS answers an error that `transient` accepts, with a pause
+    that doubles up to `max_pause_s`, until `within_s` has passed; then the last answer is
+    raised. Any other error is raised at once.
+
+    The one retry of what botocore's own retries leave out (they cover throttling and 5xx):
+    answers that are AWS's eventual consistency, which the same call gets past in seconds: an
+    instance launched a moment ago that EC2 does not know yet (InvalidInstanceID.NotFound), an
+    instance profile IAM has not yet shown EC2 (InvalidParameterValue), a dependency a deletion
+    still sees (DependencyViolation)."""
+    deadline = time.monotonic() + within_s
+    pause = pause_s
+    while True:
+        try:
+            return call()
+        except bx.ClientError as exc:
+            if not transient(exc) or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, max_pause_s)
+
+
+def answer_at_once(client: Any, operation: str, codes: Iterable[str]) -> Any:
+    """`client`, made to raise `operation`'s errors `codes` at their first answer instead of
+    retrying them; returned for chaining.
+
+    EC2 answers a launch it has no capacity for with InsufficientInstanceCapacity and HTTP 500,
+    and botocore retries every 5xx as transient: up to `max_attempts` more RunInstances with
+    backoff (tens of seconds) for each refused type and AZ, each spending the account's
+    RunInstances request rate. A lack of capacity lasts minutes to hours, and the caller has a
+    better move (the next AZ or type). botocore does not retry when a `needs-retry` handler
+    answers False, and the operation's own event is asked before the service-wide one that
+    holds the retry policy."""
+    final = frozenset(codes)
+    service = client.meta.service_model.service_id.hyphenize()
+
+    def needs_retry(response: Any = None, **_: Any) -> bool | None:
+        if response is None:
+            return None  # no answer (a dropped connection): the retry policy decides
+        code = response[1].get("Error", {}).get("Code")
+        return False if code in final else None
+
+    client.meta.events.register_first(
+        f"needs-retry.{service}.{operation}",
+        needs_retry,
+        unique_id=f"sparknet-answer-at-once-{service}-{operation}",
+    )
+    return client

@@ -56,9 +56,11 @@ def moto_endpoint():
     """
     from moto.server import ThreadedMotoServer
 
+    from tests.moto_quotas import answer_ec2_quotas
     from tests.moto_server import quicken_tag_lookup
 
     quicken_tag_lookup()
+    answer_ec2_quotas()  # an account's EC2 vCPU quotas, which moto 5 does not know
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     _host, port = server.get_host_and_port()
@@ -72,6 +74,27 @@ def moto_endpoint():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def fault_front(moto_endpoint):
+    """A second front to the same moto state that answers as AWS does when asked to: throttles,
+    capacity and quota refusals, eventual consistency (tests/aws_faults.py)."""
+    from tests.aws_faults import FaultFront
+
+    front = FaultFront()
+    yield front
+    front.stop()
+
+
+@pytest.fixture
+def aws_faults(fault_front, monkeypatch):
+    """This test's `FaultPlan`, empty: the test adds faults to it. AWS_ENDPOINT_URL points at
+    the front for the test and the processes it starts; `moto_endpoint` still reaches moto
+    directly (no faults), for the test's own checks."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", fault_front.url)
+    yield fault_front.new_plan()
+    fault_front.new_plan()
 
 
 #: fake credentials and region for moto; AWS_ENDPOINT_URL is added by the fixture

@@ -23,6 +23,8 @@ class ImdsStandIn:
 
     def __init__(self) -> None:
         self.notices: dict[str, dict[str, str]] = {}
+        #: instance id -> its AZ (``placement/availability-zone``, where SDKs read the region)
+        self.zones: dict[str, str] = {}
         self.token = secrets.token_hex(8)
         #: answer every read 401, as IMDS does to an expired or foreign token
         self.refuse_tokens = False
@@ -46,6 +48,9 @@ class ImdsStandIn:
                 token = self.headers.get("X-aws-ec2-metadata-token")
                 if stand_in.refuse_tokens or token != stand_in.token:
                     return self._send(401, "")
+                if path == "/latest/meta-data/placement/availability-zone":
+                    zone = stand_in.zones.get(instance)
+                    return self._send(200, zone) if zone else self._send(404, "")
                 notice = stand_in.notices.get(instance)
                 if path != "/latest/meta-data/spot/instance-action" or notice is None:
                     return self._send(404, "")

@@ -430,6 +430,14 @@ class MotoNodes:
     instance's user data and the public key of the instance's EC2 key pair, both read back from
     moto: what cloud-init does on a real node. `watch` keeps serving in a thread while a
     command launches instances and connects to them in one go.
+
+    Each node's first serve is its first boot: the per-boot scripts its user data writes run
+    as cloud-init's `scripts_per_boot` runs them, with a stand-in `shutdown` (tests/standins/power)
+    first on their PATH and on its sessions' PATH, which records a scheduled power-off in the
+    node's dir instead of acting on this machine. `end_due` then does what EC2 does when that
+    power-off comes due: what the instance's InstanceInitiatedShutdownBehavior (read from moto)
+    says, terminate or stop. Its clock is the real one plus `skew` seconds, which a test
+    advances instead of waiting.
     """
 
     def __init__(
@@ -449,6 +457,11 @@ class MotoNodes:
         #: the instances' metadata service (tests/imds.py), when a test gives one: each node's
         #: sessions reach their instance's part of it as EC2's link-local address
         self.imds: ImdsStandIn | None = None
+        #: seconds added to the real clock when `end_due` asks whether a power-off is due
+        self.skew = 0.0
+        #: node name -> (instance id, what EC2 did to it: "terminate" or "stop") for each
+        #: power-off `end_due` carried out
+        self.ended: dict[str, tuple[str, str]] = {}
         self.user = os.environ.get("USER") or "root"
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -484,12 +497,41 @@ class MotoNodes:
                 private, authorized = _what_cloud_init_installs(ec2, inst.id)
                 if name in self.servers:
                     self.servers.pop(name).stop()
-                env = {} if self.imds is None else {ENDPOINT_ENV: self.imds.endpoint(inst.id)}
+                env = shutdown_env(self.workdir / name)
+                if self.imds is not None:
+                    env[ENDPOINT_ENV] = self.imds.endpoint(inst.id)
+                boot(keys.user_data_of(ec2, inst.id), self.workdir / name, env)
                 self.servers[name] = start_sshd(
                     self.workdir / name, private, authorized, port=self.ports[name], env=env
                 )
                 self.serving[name] = inst.id
             return dict(self.servers)
+
+    def end_due(self, ec2) -> dict[str, tuple[str, str]]:
+        """Carry out each served node's power-off that is due (by the real clock plus `skew`)
+        as EC2 does for a shutdown from inside an instance: terminate or stop it, as its
+        InstanceInitiatedShutdownBehavior says; the node then answers no more (`gone`). A
+        halt is no power-off: EC2 leaves such an instance running. What it ended, by name."""
+        now = time.time() + self.skew
+        with self._lock:
+            serving = dict(self.serving)
+        done = {}
+        for name, instance in serving.items():
+            scheduled = scheduled_shutdown(self.workdir / name)
+            if scheduled is None or scheduled["mode"] != "poweroff" or scheduled["at"] > now:
+                continue
+            got = ec2.describe_instance_attribute(
+                InstanceId=instance, Attribute="instanceInitiatedShutdownBehavior"
+            )
+            behavior = got["InstanceInitiatedShutdownBehavior"]["Value"]
+            if behavior == "terminate":
+                ec2.terminate_instances(InstanceIds=[instance])
+            else:
+                ec2.stop_instances(InstanceIds=[instance])
+            self.gone(name)
+            done[name] = (instance, behavior)
+        self.ended.update(done)
+        return done
 
     @contextlib.contextmanager
     def watch(self, ec2, every_s: float = 1.0):
@@ -502,6 +544,7 @@ class MotoNodes:
             while not self._stop.wait(every_s):
                 with contextlib.suppress(Exception):
                     self.serve(ec2)
+                    self.end_due(ec2)
 
         self._stop.clear()
         thread = threading.Thread(target=loop, name="moto-nodes", daemon=True)
@@ -547,3 +590,55 @@ def _what_cloud_init_installs(ec2, instance_id: str) -> tuple[str, str]:
         pairs = ec2.describe_key_pairs(KeyNames=[raw["KeyName"]], IncludePublicKey=True)
         authorized = pairs["KeyPairs"][0]["PublicKey"].strip() + "\n"
     return config["ssh_keys"]["ed25519_private"], authorized
+
+
+#: the stand-ins a loopback node's commands find first on their PATH (tests/standins/power)
+STANDINS = Path(__file__).resolve().parent / "standins" / "power"
+#: cloud-init's per-boot scripts dir on a node (`cc_scripts_per_boot`: every boot runs the
+#: executable files in it, in name order)
+PER_BOOT = "/var/lib/cloud/scripts/per-boot/"
+
+
+def shutdown_env(node_dir: Path) -> dict[str, str]:
+    """The environment that puts the stand-in `shutdown` first on a node's PATH and has it
+    record into `node_dir`: this machine is never shut down by a test."""
+    return {
+        "PATH": f"{STANDINS}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "SPARKNET_TEST_SHUTDOWN_FILE": str(node_dir / "shutdown.json"),
+    }
+
+
+def boot(user_data: str, node_dir: Path, env: Mapping[str, str]) -> list[str]:
+    """A node's boot as cloud-init makes it from `user_data`: each `write_files` entry under the
+    per-boot dir that is executable (cloud-init's default mode 0644 is not) runs, in name order,
+    with `env` (see `shutdown_env`); a shutdown an earlier instance of the node scheduled is
+    gone. The scripts' names."""
+    import yaml
+
+    node_dir.mkdir(parents=True, exist_ok=True)
+    (node_dir / "shutdown.json").unlink(missing_ok=True)
+    config = yaml.safe_load(user_data) if user_data.startswith("#cloud-config") else None
+    entries = (config or {}).get("write_files") or []
+    scripts = sorted(
+        (e for e in entries if str(e.get("path", "")).startswith(PER_BOOT)
+         and int(str(e.get("permissions", "0644")), 8) & 0o111),
+        key=lambda e: e["path"],
+    )  # fmt: skip
+    ran = []
+    for entry in scripts:
+        script = node_dir / "per-boot" / Path(entry["path"]).name
+        script.parent.mkdir(exist_ok=True)
+        script.write_text(entry.get("content", ""))
+        script.chmod(0o755)
+        subprocess.run([str(script)], env={**os.environ, **env}, check=True, timeout=30)
+        ran.append(entry["path"])
+    return ran
+
+
+def scheduled_shutdown(node_dir: Path) -> dict[str, Any] | None:
+    """What the stand-in `shutdown` has pending on the node: {"at": epoch seconds, "mode":
+    "poweroff" | "halt" | "reboot"}; None when nothing is (never scheduled, or cancelled)."""
+    try:
+        return json.loads((node_dir / "shutdown.json").read_text())
+    except FileNotFoundError:
+        return None

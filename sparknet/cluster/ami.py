@@ -12,22 +12,22 @@ are steps.py's own classes, by name: there is no second copy of an install step.
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 import shlex
 import tempfile
 import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from sparknet import aws, interrupts
 from sparknet.cluster import address, nodes, registry, seam, sshkeys
-from sparknet.cluster.aws import instances, keys, launcher, preflight
+from sparknet.cluster.aws import instances, keys, launcher, preflight, userdata
 from sparknet.cluster.aws.boto3_foundation import ensure_boto3
 from sparknet.cluster.aws.boto3_teardown import destroy_boto3
 from sparknet.cluster.aws.images import RECORD_PARAMETER, ROLE_AMI, check_parameter_name, record
@@ -38,7 +38,13 @@ from sparknet.cluster.spark.plan import Node, Plan
 from sparknet.cluster.spark.spark_conf import DEFAULT_PREFIX
 from sparknet.cluster.spark.steps import PREPARE, Step
 from sparknet.cluster.spark.wheel import Wheel, build_wheel, source_checkout
-from sparknet.cluster.spec import DEFAULT_AMI_PARAMETER, TAG_ROLE, ClusterSpec, tag_value
+from sparknet.cluster.spec import (
+    DEFAULT_AMI_PARAMETER,
+    MAX_BACKSTOP_MINUTES,
+    TAG_ROLE,
+    ClusterSpec,
+    tag_value,
+)
 from sparknet.errors import InputError, SparknetError
 
 Say = Callable[[str], None]
@@ -314,6 +320,13 @@ def _builder_spec(settings: BakeSettings) -> tuple[ClusterSpec, str]:
     return spec.model_copy(update={"ami": base, "owner": owner}), base
 
 
+def builder_backstop_minutes(spec: ClusterSpec, timeout_s: float) -> int:
+    """The builder's backstop: twice the longest install the bake waits for, so it never ends a
+    bake still under way. It is cancelled before the clean (`_versions_and_clean`), so neither
+    it nor its script goes into the image."""
+    return min(MAX_BACKSTOP_MINUTES, max(spec.backstop_minutes, math.ceil(2 * timeout_s / 60)))
+
+
 def gpu_count(ec2: Any, instance_type: str) -> int:
     """The GPUs of `instance_type` (DescribeInstanceTypes' GpuInfo; 0 when it has none)."""
     with aws.aws_call("DescribeInstanceTypes", aws.region_of(ec2)):
@@ -345,7 +358,7 @@ def _bake(
     with interrupts.deferred():  # an imported key pair is known to the clean-up at once
         made.key_pair = keys.ensure_key_pair(ec2, spec, say)
     say(f"launching the builder ({settings.instance_type}) from {base}")
-    user_data = keys.host_key_user_data()[0]
+    user_data = keys.host_key_user_data(builder_backstop_minutes(spec, timeout_s))[0]
     launched = launcher.launch(
         ec2, spec, role="master", count=1, spot=False, instance_types=[settings.instance_type],
         subnet_by_az=net.subnet_by_az, security_group_id=net.security_group_id,
@@ -427,6 +440,8 @@ def _versions_and_clean(
         return f'if [ "$(id -u)" = 0 ]; then {command}; else sudo -n {command}; fi'
 
     def one(_endpoint: address.Endpoint, conn: Any) -> tuple[str, str, dict[str, str]]:
+        sudo = 's=; [ "$(id -u)" = 0 ] || s="sudo -n "; '  # ${s}: split into its two words
+        run(conn, sudo + userdata.cancel_command("${s}"))
         out = run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(_TORCH_VERSIONS)}")
         torch, cuda = [*out.split(), "none", "none"][:2]
         run(conn, as_root(cleanup_command(image, node.prefix, root)), timeout=300)

@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from sparknet.cluster.aws import (
     launcher,
     preflight,
     prices,
+    quotas,
     terraform_foundation,
 )
 from sparknet.cluster.aws.instances import Instance
@@ -153,10 +154,18 @@ class _Made:
     key_pair: str | None = None
 
 
-def check_before_up(spec: ClusterSpec, ec2: Any, ssm: Any) -> str:
+def check_before_up(
+    spec: ClusterSpec,
+    ec2: Any,
+    ssm: Any,
+    *,
+    endpoint_url: str | None = None,
+    say: Say = lambda _: None,
+) -> str:
     """What `up` checks before it writes or launches anything (region, zones, instance types,
-    key pair and file, the AMI and its root volume); the AMI to launch. `sparknet-submit`'s
-    preflight runs it too, before it says it brings a cluster up."""
+    key pair and file, the AMI and its root volume, the vCPU quotas, the bucket's region); the
+    AMI to launch. `sparknet-submit`'s preflight runs it too, before it says it brings a
+    cluster up."""
     inventory.check_region(spec)
     preflight.check_zones(ec2, spec.availability_zones)
     preflight.check_offered(
@@ -167,6 +176,10 @@ def check_before_up(spec: ClusterSpec, ec2: Any, ssm: Any) -> str:
         sshkeys.check_key_file(sshkeys.access_for(spec))
     ami = images.ami_for(spec, ec2, ssm)
     preflight.check_ami(ec2, ami, spec.root_volume_gb)
+    # a refused read warns and goes on, and fails fast: two attempts, not the usual eight
+    service_quotas = aws.client("service-quotas", spec.region, endpoint_url, max_attempts=2)
+    quotas.check_quotas(spec, ec2, service_quotas, say)
+    preflight.check_bucket_region(spec, endpoint_url)
     return ami
 
 
@@ -196,7 +209,7 @@ def up(
     ssm = instances.ssm_client(spec.region, endpoint_url)
     # everything that can fail without cost fails first, and before the lock, whose file is the
     # first thing `up` writes
-    ami = check_before_up(spec, ec2, ssm)
+    ami = check_before_up(spec, ec2, ssm, endpoint_url=endpoint_url, say=say)
     cidr = spec.allowed_cidr or preflight.caller_cidr()
     spec = spec.model_copy(update={"owner": caller_owner(spec.region, endpoint_url)})
     if not any_owner:
@@ -276,7 +289,8 @@ def _build(
             say(f"launching the master ({spec.master_type})")
             master = launcher.launch(
                 ec2, spec, role="master", count=1, spot=False,
-                instance_types=[spec.master_type], user_data=keys.host_key_user_data()[0],
+                instance_types=[spec.master_type],
+                user_data=keys.host_key_user_data(spec.backstop_minutes)[0],
                 **common,
             )  # fmt: skip
             made.launched += [i.id for i in master]
@@ -289,10 +303,13 @@ def _build(
             workers = launcher.launch(
                 ec2, spec, role="worker", count=missing, spot=spec.spot,
                 instance_types=list(spec.instance_types),
-                user_data=keys.host_key_user_data()[0], **common,
+                user_data=keys.host_key_user_data(spec.backstop_minutes)[0], **common,
             )  # fmt: skip
             made.launched += [i.id for i in workers]
-        ids = [i.id for i in instances.find(ec2, spec.name) if i.state != "shutting-down"]
+        # EC2's tag-filtered describe may not list an instance launched a moment ago: what
+        # the launches answered counts too, or a fresh worker would bill unwaited and unused
+        found = {i.id for i in instances.find(ec2, spec.name) if i.state != "shutting-down"}
+        ids = sorted(found | set(made.launched))
         ready = instances.wait_ready(ec2, ids, wait_timeout_s, delay_s=wait_delay_s)
         _pin(spec, ec2, ready, say)
     except BaseException as exc:
@@ -428,7 +445,7 @@ def down(
         inventory.check_owner(spec, caller_owner(spec.region, endpoint_url), endpoint_url)
     with registry.cluster_lock(spec.name):
         found = instances.find(ec2, spec.name)
-        cost = lifetime_cost(ec2, found, datetime.now(timezone.utc))
+        cost = lifetime_cost(ec2, found, datetime.now(UTC))
         sparkops.stop_spark(spec, ec2, found, say)
         say(f"terminating {len(found)} instances")
         terminated = instances.terminate_cluster(ec2, spec.name, wait=True, delay_s=1.0)

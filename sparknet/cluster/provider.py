@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from sparknet.cluster import lifecycle, sparkops, static
 from sparknet.cluster.aws import instances
@@ -53,8 +53,8 @@ def check_running(spec: ClusterSpec, endpoint_url: str | None) -> None:
 
 def check_launch(spec: ClusterSpec, endpoint_url: str | None) -> None:
     """What can fail before `up` costs or starts anything, checked without writing: `up`'s own
-    checks (`lifecycle.check_before_up`: types, zones, key, the AMI); a static cluster's name,
-    hosts, key and the hosts' keys."""
+    checks (`lifecycle.check_before_up`: types, zones, key, the AMI, the vCPU quotas, the
+    bucket's region); a static cluster's name, hosts, key and the hosts' keys."""
     if is_static(spec):
         static.preflight(spec)
         return
@@ -62,6 +62,7 @@ def check_launch(spec: ClusterSpec, endpoint_url: str | None) -> None:
         spec,
         instances.ec2_client(spec.region, endpoint_url),
         instances.ssm_client(spec.region, endpoint_url),
+        endpoint_url=endpoint_url,
     )
 
 
@@ -105,4 +106,4 @@ def cost_so_far(spec: ClusterSpec, endpoint_url: str | None) -> float | None:
         return None
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     found = instances.find(ec2, spec.name)
-    return lifecycle.lifetime_cost(ec2, found, datetime.now(timezone.utc))
+    return lifecycle.lifetime_cost(ec2, found, datetime.now(UTC))

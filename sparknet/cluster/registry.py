@@ -18,7 +18,7 @@ import re
 import secrets
 import tempfile
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from sparknet.cluster.spec import ClusterSpec
@@ -215,7 +215,7 @@ def save_entry(spec: ClusterSpec, endpoint_url: str | None) -> None:
     record = {
         "spec": spec.model_dump(mode="json"),
         "endpoint_url": endpoint_url,
-        "saved": datetime.now(timezone.utc).isoformat(),
+        "saved": datetime.now(UTC).isoformat(),
     }
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(record, indent=1))

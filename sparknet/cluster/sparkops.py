@@ -152,6 +152,7 @@ def bootstrap_locked(
         plan = Plan(
             tuple(planned), carried.wheel, carried.secret,
             ports=ports_of(spec), python_env=settings.python_env,
+            package_index=settings.package_index,
             worker_cores=settings.worker_cores, worker_memory_mb=settings.worker_memory_mb,
             install_drivers=spec.provider == "aws", autostop=autostop_settings(spec),
         )  # fmt: skip

@@ -35,6 +35,10 @@ MIN_SSH_PREFIX = 16
 MAX_WORKERS = 250
 #: a week: the longest idle time `autostop_minutes` may give (0 turns the timer off)
 MAX_AUTOSTOP_MINUTES = 7 * 24 * 60
+#: the backstop every EC2 instance carries from launch until the autostop timer replaces it:
+#: at least what a bootstrap needs (a first boot, torch's download, a driver's reboot; the
+#: backstop starts afresh at each boot), at most a day
+MIN_BACKSTOP_MINUTES, MAX_BACKSTOP_MINUTES = 10, 24 * 60
 #: the most GPUs any EC2 instance type has (p2.16xlarge: 16; p4d, p5: 8)
 MAX_GPUS_PER_NODE = 16
 #: room above the largest EC2 instance types (u7inh-32tb.480xlarge: 1920 vCPUs, 32 TiB)
@@ -61,10 +65,18 @@ PREFIXES_APART_RULE = (
 #: the example each prefix's error names (its default)
 PREFIX_EXAMPLES = {"data_prefix": "datasets/", "runs_prefix": "runs/"}
 
-#: the AWS Deep Learning AMI (GPU drivers, CUDA, Docker) for Ubuntu 22.04, newest release
+#: the AWS Deep Learning Base AMI (GPU driver, CUDA, Docker) for Ubuntu 24.04, newest release: its
+#: python3 is 3.12, which runs pyspark 4.x (the 22.04 one's 3.10 does not)
 DEFAULT_AMI_PARAMETER = (
-    "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+    "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id"
 )
+
+#: `bootstrap: package_index`: torch from PyTorch's own index for the node's CUDA, everything
+#: else from the node's pip configuration (the default)
+PACKAGE_INDEX_PYTORCH = "pytorch"
+#: every package from the node's own pip configuration (`pip.conf`, PIP_INDEX_URL): an internal
+#: mirror that the node is already set up for
+PACKAGE_INDEX_NODE = "node"
 
 #: Terraform for the foundation and the data files (security rules, IAM policy documents) that
 #: Terraform and the boto3 foundation both read, so the two cannot drift apart. In a checkout,
@@ -86,6 +98,13 @@ class BootstrapSettings(BaseModel):
         None,
         description="an existing Python env on the nodes whose torch fits; default: the "
         "AMI's PyTorch env when its torch fits, else a fresh venv with torch",
+    )
+    package_index: str = Field(
+        PACKAGE_INDEX_PYTORCH,
+        description="where the nodes' pip finds packages: `pytorch` (torch from PyTorch's "
+        "index for the node's CUDA, the rest from the node's pip configuration), `node` "
+        "(everything from the node's own pip configuration: an internal mirror), or an index "
+        "URL (everything from it, as pip's --index-url)",
     )
     worker_cores: int | None = Field(
         None, ge=1, le=MAX_WORKER_CORES, description="default: the node's cores"
@@ -115,6 +134,18 @@ class BootstrapSettings(BaseModel):
     def _numbers_not_bools(cls, value: Any) -> Any:
         return _not_a_bool(value)
 
+    @field_validator("package_index")
+    @classmethod
+    def _an_index(cls, value: str) -> str:
+        if value in (PACKAGE_INDEX_PYTORCH, PACKAGE_INDEX_NODE) or re.fullmatch(
+            r"(https?|file)://[^\s'\"]+", value
+        ):
+            return value
+        raise ValueError(
+            f"{value!r}: give pytorch, node, or an index URL such as "
+            "https://pypi.example.com/simple"
+        )
+
     @model_validator(mode="after")
     def _ports_apart(self) -> BootstrapSettings:
         """The master runs a worker too: two daemons on one port would not both start."""
@@ -134,7 +165,7 @@ class BootstrapSettings(BaseModel):
 AWS_ONLY = (
     "region", "availability_zones", "master_type", "instance_types", "spot", "ami", "ami_parameter",
     "root_volume_gb", "key_name", "allowed_cidr", "vpc_id", "subnet_ids", "foundation",
-    "terraform_backend", "autostop_minutes",
+    "terraform_backend", "autostop_minutes", "backstop_minutes",
 )  # fmt: skip
 
 
@@ -200,6 +231,11 @@ class ClusterSpec(BaseModel):
     bucket: str | None = Field(None, description="data and runs bucket")
     data_prefix: str = "datasets/"
     runs_prefix: str = "runs/"
+    cross_region_data: bool = Field(
+        False,
+        description="let the cluster read a bucket in another region (cross-region transfer "
+        "is billed per GB); default: such a bucket is refused before launch",
+    )
     bootstrap: BootstrapSettings = Field(default_factory=BootstrapSettings)
     autostop_minutes: int = Field(
         30,
@@ -208,13 +244,23 @@ class ClusterSpec(BaseModel):
         description="the master terminates the cluster after this many minutes with no job "
         "running and no submitter attached; 0: off",
     )
+    backstop_minutes: int = Field(
+        60,
+        ge=MIN_BACKSTOP_MINUTES,
+        le=MAX_BACKSTOP_MINUTES,
+        description="each instance shuts down (and so terminates) this many minutes after it "
+        "boots until the bootstrap has started the autostop timer, which replaces it: a "
+        "bootstrap that fails or is cut off leaves nothing billing",
+    )
     owner: str | None = Field(
         None,
         description="set by `up` from STS GetCallerIdentity (the caller's ARN) and tagged on "
         "every resource as sparknet:owner; not a user setting",
     )
 
-    @field_validator("workers", "root_volume_gb", "autostop_minutes", mode="before")
+    @field_validator(
+        "workers", "root_volume_gb", "autostop_minutes", "backstop_minutes", mode="before"
+    )
     @classmethod
     def _numbers_not_bools(cls, value: Any) -> Any:
         return _not_a_bool(value)

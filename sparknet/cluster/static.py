@@ -26,7 +26,7 @@ import getpass
 import shlex
 import socket
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import paramiko
@@ -335,7 +335,7 @@ def holder(name: str) -> markers.Holder:
     the user, machine and dir of the registry (what another user is told of whose hosts
     they are)."""
     where = f"{getpass.getuser()}@{socket.gethostname()}:{registry.registry_dir()}"
-    since = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    since = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return markers.Holder(name, registry.registry_id(), where, since)
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
 import botocore.exceptions as bx
+import botocore.session
+import botocore.utils
 import urllib3.exceptions
 
 from sparknet import aws
@@ -104,8 +106,9 @@ def client(endpoint_url: str | None = None) -> Any:
 
     Cached per process id because Spark forks Python workers: a client (and its connection pool)
     inherited across a fork shares sockets with the parent. The key also holds the environment
-    that boto3 resolves at creation (profile, access key id, endpoint), so changing it takes
-    effect. The pool is wide for the transfer manager's parallel parts.
+    that boto3 resolves at creation (profile, access key id, endpoint, region), so changing it
+    takes effect. The region is `default_region`'s. The pool is wide for the transfer
+    manager's parallel parts.
     """
     env = os.environ
     key = (
@@ -115,13 +118,48 @@ def client(endpoint_url: str | None = None) -> Any:
         env.get("AWS_ACCESS_KEY_ID"),
         env.get("AWS_ENDPOINT_URL"),
         env.get("AWS_ENDPOINT_URL_S3"),
+        env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
     )
     with _clients_lock:
         found = _clients.get(key)
         if found is None:
-            found = aws.client("s3", None, endpoint_url, max_attempts=10, max_pool_connections=32)
+            found = aws.client(
+                "s3", default_region(), endpoint_url, max_attempts=10, max_pool_connections=32
+            )
             _clients[key] = found
         return found
+
+
+def bucket_region(bucket: str, endpoint_url: str | None = None) -> str | None:
+    """The region `bucket` lives in, from HeadBucket's `x-amz-bucket-region` header (S3 sends
+    it with a 403 or 301 too, so a caller who may not read the bucket still learns where it
+    is); None when S3 does not say (no such bucket)."""
+    probe = aws.client("s3", None, endpoint_url, max_attempts=2)
+    try:
+        answer = probe.head_bucket(Bucket=bucket)
+    except bx.ClientError as exc:
+        answer = exc.response
+    except bx.BotoCoreError as exc:
+        raise aws.describe_error(exc, f"HeadBucket of s3://{bucket}") from exc
+    headers = answer.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+    return headers.get("x-amz-bucket-region") or answer.get("BucketRegion")
+
+
+def default_region() -> str | None:
+    """The region S3 clients are made for: boto3's own (AWS_REGION, AWS_DEFAULT_REGION, the
+    profile's), else that of the EC2 instance this runs on, from its metadata as botocore reads
+    it (on a node: the cluster's region), else None.
+
+    A node has no region configured, and boto3 then sends every request to us-east-1: each
+    client pays a redirect (and a second request) for a bucket elsewhere. The metadata read is
+    one short request (botocore's metadata timeout, one attempt; `AWS_EC2_METADATA_DISABLED`
+    turns it off), made once per client `client` caches."""
+    core = botocore.session.get_session()
+    configured = core.get_config_variable("region")
+    if configured:
+        return str(configured)
+    region = botocore.utils.IMDSRegionProvider(session=core).provide()
+    return str(region) if region else None
 
 
 #: failures where retrying only wastes the user's time: nothing listens, or TLS does not fit
@@ -172,6 +210,41 @@ def describe_client_error(exc: BaseException, what: str | S3Uri) -> SparknetErro
                 "wait for the upload to finish and run again"
             )
     return aws.describe_error(cause, f"S3 request for {what}")
+
+
+def describe_read_error(exc: BaseException, uri: S3Uri, s3: Any) -> SparknetError:
+    """`describe_client_error` for a GET or HEAD of `uri`, where a 403 may mean "not there".
+
+    S3 answers a GET or HEAD of a missing key with 404 only when the caller holds s3:ListBucket
+    for the request, else with 403 (GetObject / HeadObject, "Permissions"). A ListBucket granted
+    on prefixes (`s3:prefix`, as the node role's) never applies to a GET, which carries no
+    prefix, so the nodes get 403 for every missing object. A list of the key itself as the
+    prefix does carry it: when that list is allowed and the key is not in it, the object is
+    missing; when the list fails too, or finds the key, the 403 stands.
+    """
+    err = describe_client_error(exc, uri)
+    if isinstance(err, MissingObjectError) or not uri.key or not _refused(exc):
+        return err
+    try:
+        return MissingObjectError(f"{uri} does not exist") if absent(uri, s3) else err
+    except (bx.BotoCoreError, bx.ClientError):
+        return err
+
+
+def _refused(exc: BaseException) -> bool:
+    cause = aws.root_cause(exc)
+    if not isinstance(cause, bx.ClientError):
+        return False
+    code = str(cause.response.get("Error", {}).get("Code", ""))
+    status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code not in aws.CREDENTIAL_CODES and (status == 403 or code in aws.DENIED_CODES)
+
+
+def absent(uri: S3Uri, s3: Any) -> bool:
+    """Whether no object is at `uri`, by ListObjectsV2 with the key as the prefix (one call: in
+    S3's UTF-8 binary key order a key comes before every other key it is a prefix of)."""
+    answer = s3.list_objects_v2(Bucket=uri.bucket, Prefix=uri.key, MaxKeys=1)
+    return not any(obj["Key"] == uri.key for obj in answer.get("Contents", []))
 
 
 #: errors of a broken response stream; the read is resumed from the byte it reached
@@ -241,7 +314,7 @@ class RangedReader(io.RawIOBase):
             if code == "InvalidRange":  # start at (or past) the end
                 self._at_end_or_fail(s3)
                 return
-            raise describe_client_error(exc, self.uri) from exc
+            raise describe_read_error(exc, self.uri, s3) from exc
         if self._pos > 0 and not resp.get("ContentRange"):
             resp["Body"].close()
             raise SparknetError(
@@ -257,7 +330,7 @@ class RangedReader(io.RawIOBase):
         try:
             head = s3.head_object(Bucket=self.uri.bucket, Key=self.uri.key)
         except bx.ClientError as exc:
-            raise describe_client_error(exc, self.uri) from exc
+            raise describe_read_error(exc, self.uri, s3) from exc
         size = int(head["ContentLength"])
         if self._pos > size:
             raise SparknetError(

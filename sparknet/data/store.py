@@ -242,14 +242,15 @@ class S3Store(_Guarded):
         over the bytes it received), or None when it is not there.
 
         A HEAD error has no body, so a missing bucket also reads as "not there" here; the
-        manifest is read with GET first (see `load_manifest`), which does tell them apart.
+        manifest is read with GET first (see `load_manifest`), which does tell them apart. A 403
+        is "not there" when a list of the key finds nothing (`s3.describe_read_error`).
         """
         where = self.object_uri(name)
         extra = {"ChecksumMode": "ENABLED"} if checksum else {}
         try:
             return self._client().head_object(Bucket=where.bucket, Key=where.key, **extra)
         except (bx.BotoCoreError, bx.ClientError) as exc:
-            err = s3.describe_client_error(exc, where)
+            err = s3.describe_read_error(exc, where, self._client())
             if isinstance(err, MissingObjectError):
                 return None
             raise err from exc
@@ -265,7 +266,7 @@ class S3Store(_Guarded):
             self._client().download_file(where.bucket, where.key, str(tmp), Config=DOWNLOAD_CONFIG)
             os.replace(tmp, dest)
         except (bx.BotoCoreError, bx.ClientError) as exc:
-            raise s3.describe_client_error(exc, where) from exc
+            raise s3.describe_read_error(exc, where, self._client()) from exc
         finally:
             tmp.unlink(missing_ok=True)
 

@@ -1,6 +1,7 @@
 """A submit's job as given (the cluster, the data, the training settings) and everything checked
-before anything is launched: the dataset, the run prefix, the cluster's name and GPU counts,
-what `sparknet train` itself checks, and the settings the driver will run with.
+before anything is launched: the dataset (and its bucket's region), the run prefix, the
+cluster's name and GPU counts, what `sparknet train` itself checks, and the settings the driver
+will run with.
 
 Separate from the flow because these checks cost nothing and launch nothing: the flow runs
 them first and only then brings a cluster up, starts the driver and follows it."""
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparknet.cluster import address, lifecycle, nodes, provider, sparkops
 from sparknet.cluster.aws import instances
+from sparknet.cluster.aws import preflight as aws_preflight
 from sparknet.cluster.spark import steps
 from sparknet.cluster.spark.plan import Node
 from sparknet.cluster.spec import ClusterSpec
@@ -171,6 +173,16 @@ def check_writable(prefix: str, endpoint_url: str | None) -> None:
         raise PreflightFailed(f"run prefix {prefix} is not writable: {first_line(exc)}") from exc
 
 
+def check_data_region(job: Job) -> None:
+    """The dataset's bucket is in the cluster's region, or the cluster's settings accept the
+    cross-region transfer (`cross_region_data`): one line naming both regions otherwise."""
+    bucket = S3Uri.parse(job.dataset.uri).bucket
+    try:
+        aws_preflight.check_bucket_region(job.spec, job.dataset.endpoint_url, bucket)
+    except SparknetError as exc:
+        raise PreflightFailed(first_line(exc)) from exc
+
+
 def first_line(exc: BaseException) -> str:
     """The first non-empty line of the message, else the type."""
     return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
@@ -279,6 +291,8 @@ def preflight(job: Job) -> tuple[str, str]:
     except SparknetError as exc:
         raise PreflightFailed(str(exc)) from exc
     source = check_dataset(job.dataset, job.cfg)
+    if not provider.is_static(job.spec):  # a static cluster's hosts are wherever they are
+        check_data_region(job)
     if job.reused:
         reuse(job.spec, job.endpoint_url)
     run_id = new_run_id()

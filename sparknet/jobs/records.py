@@ -18,7 +18,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,7 @@ class JobRecord:
     made: bool = False
 
     def started_text(self) -> str:
-        return datetime.fromtimestamp(self.started, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+        return datetime.fromtimestamp(self.started, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def jobs_dir() -> Path:

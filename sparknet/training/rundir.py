@@ -380,8 +380,9 @@ class S3Lock(Lock):
         lost and the PUT retried by the client, so our ETag is an old one); else lost."""
         try:
             held = self._read()
-        except bx.ClientError as exc:
-            self.lost = _code(exc) in ("NoSuchKey", "404")
+        except bx.ClientError as exc:  # gone: 404, or 403 and a list of the key finds nothing
+            err = s3.describe_read_error(exc, self.where, self.store._client())
+            self.lost = isinstance(err, MissingObjectError)
             return
         except bx.BotoCoreError:
             return

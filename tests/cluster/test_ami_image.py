@@ -19,7 +19,7 @@ from sparknet.errors import SparknetError
 def test_the_image_runs_bootstraps_install_steps_in_order_and_no_cluster_step():
     image = ami.load_image()
     names = [cls.name for cls in image.steps]
-    assert names == ["dirs", "java", "nvidia-driver", "python-env", "pyspark", "sparknet"]
+    assert names == ["python", "dirs", "java", "nvidia-driver", "python-env", "pyspark", "sparknet"]
     # the very classes `cluster up` runs (no second copy), in bootstrap's order
     assert list(image.steps) == [cls for cls in bootstrap.PREPARE if cls.name in names]
     assert "/etc/ssh/ssh_host_*" in image.remove and "/var/log" in image.empty
@@ -29,7 +29,7 @@ def test_the_image_runs_bootstraps_install_steps_in_order_and_no_cluster_step():
     ("text", "message"),
     [
         ('steps = ["dirs", "spark-conf"]', "step 'spark-conf' belongs to a cluster"),
-        ('steps = ["dirs", "docker"]', "no bootstrap step 'docker'; steps.py has dirs, java"),
+        ('steps = ["dirs", "docker"]', "no bootstrap step 'docker'; steps.py has python, dirs"),
         ('remove = ["etc/ssh/*"]', "'etc/ssh/*' is not an absolute path"),
         ('remove = ["/var/../etc"]', "'/var/../etc' is not an absolute path"),
         ('remove = ["/tmp/$(reboot)"]', "is not an absolute path"),

@@ -124,8 +124,8 @@ def test_bootstrap_starts_a_master_and_a_worker_per_node_with_auth_on(cluster) -
     assert first.nodes["worker-1"].applied == (
         "dirs", "python-env", "sparknet", "spark-conf", "spark-worker",
     )  # fmt: skip
-    # Java 17 is here and the nodes have no GPU; the venv's pyspark is the submitter's
-    assert set(first.nodes["worker-1"].skipped) == {"java", "nvidia-driver", "pyspark"}
+    # Python 3.11 and Java 17 are here, the nodes have no GPU; the pyspark is the submitter's
+    assert set(first.nodes["worker-1"].skipped) == {"python", "java", "nvidia-driver", "pyspark"}
     assert first.health.ok
     assert [(w.node, w.address, w.state, w.cores) for w in first.health.workers] == [
         ("master", "127.0.0.2", "ALIVE", 1),

@@ -4,14 +4,17 @@ through `invoke.Context` (the same `run` as a Fabric Connection)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import invoke
 import pytest
+from packaging.specifiers import SpecifierSet
 
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.remote import q, succeeds, upload
@@ -19,9 +22,19 @@ from sparknet.cluster.spark import bootstrap as b
 from sparknet.cluster.spark import spark_conf as sc
 from sparknet.cluster.spark.daemons import MASTER_CLASS, WORKER_CLASS, Master, Worker
 from sparknet.cluster.spark.health import ClusterHealth, Expected, WorkerState, judge
-from sparknet.cluster.spark.plan import Context, Facts, Node, Plan, parse_facts
-from sparknet.cluster.spark.steps import Step
+from sparknet.cluster.spark.plan import (
+    PIP_NETWORK,
+    Context,
+    Facts,
+    Node,
+    Plan,
+    parse_facts,
+    python_problem,
+    python_version,
+)
+from sparknet.cluster.spark.steps import TORCH_NEW_ENOUGH, Step
 from sparknet.cluster.spark.wheel import Wheel
+from sparknet.cluster.spec import BootstrapSettings
 from sparknet.errors import SparknetError
 
 # --- the GPU discovery script ---------------------------------------------------------------
@@ -179,11 +192,41 @@ def test_java_major(text, major) -> None:
 
 def test_torch_index_follows_the_drivers_cuda() -> None:
     assert sc.torch_index_url(None).endswith("/whl/cpu")
-    assert sc.torch_index_url("12.4").endswith("/whl/cu124")
-    assert sc.torch_index_url("12.5").endswith("/whl/cu124")
+    assert sc.torch_index_url("12.6").endswith("/whl/cu126")
+    assert sc.torch_index_url("12.7").endswith("/whl/cu126")
+    assert sc.torch_index_url("12.8").endswith("/whl/cu128")
     assert sc.torch_index_url("13.1").endswith("/whl/cu130")
-    with pytest.raises(SparknetError, match=r"CUDA 11\.2"):
-        sc.torch_index_url("11.2")
+    assert sc.torch_index_url("13.3").endswith("/whl/cu132")
+
+
+@pytest.mark.parametrize("cuda", ["11.2", "12.2", "12.4", "12.5"])
+def test_a_driver_whose_cuda_has_no_torch_2_8_is_refused_in_one_line(cuda) -> None:
+    """cu124's newest torch is 2.6, cu121's 2.5, cu118's 2.7: all older than the rendezvous
+    needs, so a driver below CUDA 12.6 gets no index."""
+    with pytest.raises(SparknetError) as caught:
+        sc.torch_index_url(cuda)
+    assert str(caught.value) == (
+        f"the node's NVIDIA driver supports CUDA {cuda}, but torch 2.8 or newer (what the "
+        "allreduce rendezvous needs) is built for CUDA 12.6 and newer: use an image with a "
+        "newer driver (the Deep Learning AMI's), or set bootstrap: python_env to an env on the "
+        "nodes with a torch 2.8+ that runs there"
+    )
+
+
+def test_torch_older_than_2_8_does_not_fit(tmp_path) -> None:
+    """The fits check reads torch's version from its metadata: a 2.7 one (a dist-info ahead of
+    the real torch on the path) fails with its line; the env's own (2.8 or newer) passes."""
+    fake = tmp_path / "torch-2.7.1+cu126.dist-info"
+    fake.mkdir()
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.7.1+cu126\n")
+    code = [sys.executable, "-c", TORCH_NEW_ENOUGH]
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    old = subprocess.run(code, env=env, capture_output=True, text=True, timeout=60)
+    assert old.returncode == 1
+    assert old.stderr.strip() == (
+        "torch 2.7.1+cu126 is older than 2.8, which the allreduce rendezvous needs"
+    )
+    assert subprocess.run(code, capture_output=True, timeout=60).returncode == 0
 
 
 def test_systemd_unit_runs_the_daemon_with_its_env_and_stamp() -> None:
@@ -213,14 +256,93 @@ yes
 {mounts}@nvme
 {models}@envs
 /opt/pytorch
+@python
+Python 3.12.3
 """
 
 
 def test_facts_from_one_command() -> None:
     facts = parse_facts(FACTS.format(mounts=MOUNTS, models=MODELS), "/opt/sparknet")
     assert facts == Facts(
-        "ubuntu", 1000, 8, 32594124, True, ("/opt/dlami/nvme/sparknet",), ("/opt/pytorch",)
+        "ubuntu", 1000, 8, 32594124, True, ("/opt/dlami/nvme/sparknet",), ("/opt/pytorch",),
+        "3.12.3",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "version"),
+    [
+        ("Python 3.10.12", "3.10.12"),
+        ("Python 3.13.0rc1", "3.13.0"),
+        ("bash: line 1: python3: command not found", None),
+        ("", None),
+    ],
+)
+def test_the_nodes_python_version(text, version) -> None:
+    assert python_version(text) == version
+
+
+def test_a_python_is_judged_against_what_the_node_installs() -> None:
+    needs = {"pyspark 4.3.0": SpecifierSet(">=3.11"), "sparknet 0.1.0": SpecifierSet(">=3.11")}
+    assert python_problem("python3", "3.12.3", needs) is None
+    assert python_problem("python3", "3.10.12", needs) == (
+        "python3 is Python 3.10.12, but pyspark 4.3.0 needs Python >=3.11 and sparknet 0.1.0 "
+        "needs Python >=3.11"
     )
+    assert python_problem("/opt/env/bin/python", None, needs) == (
+        "the node has no /opt/env/bin/python, and pyspark 4.3.0 needs Python >=3.11 and "
+        "sparknet 0.1.0 needs Python >=3.11"
+    )
+    # the submitter's pyspark says what it needs (the node installs the same release)
+    plan = Plan((Node(Endpoint("m", "h")),), Wheel(Path("w.whl"), "1", "d"), "s")
+    needed = importlib.metadata.metadata("pyspark")["Requires-Python"]
+    assert plan.python_needs() == {f"pyspark {plan.pyspark_version}": SpecifierSet(needed)}
+
+
+def index_flags(index: str, **kw) -> str:
+    node = Node(Endpoint("m", "h"))
+    plan = Plan((node,), Wheel(Path("w.whl"), "1", "d"), "s", package_index=index)
+    return Context(plan, node, Facts("u", 1000, 1, 1 << 22, False, ())).index_flags(**kw)
+
+
+def test_the_package_index_setting_says_where_pip_looks() -> None:
+    """`pytorch` (the default): torch from PyTorch's index for the driver's CUDA, the rest from
+    the node's pip configuration; `node`: everything from it; a URL: everything from that."""
+    assert index_flags("pytorch") == ""
+    assert index_flags("pytorch", torch=True) == "--index-url https://download.pytorch.org/whl/cpu"
+    assert index_flags("pytorch", torch=True, torch_for_cuda="12.9") == (
+        "--index-url https://download.pytorch.org/whl/cu129"
+    )
+    assert index_flags("node") == index_flags("node", torch=True) == ""
+    url = "https://pypi.corp.example/simple"
+    assert (
+        index_flags(url)
+        == index_flags(url, torch=True, torch_for_cuda="12.9")
+        == (f"--index-url {url}")
+    )
+    assert BootstrapSettings().package_index == "pytorch"
+    for bad in ("pypi", "pypi.corp.example/simple", "https://a b", "ftp://m/simple"):
+        with pytest.raises(ValueError, match="give pytorch, node, or an index URL"):
+            BootstrapSettings(package_index=bad)
+
+
+def test_the_nodes_pip_gives_up_on_a_silent_index_soon(tmp_path) -> None:
+    """pip's own default is 5 retries of 15 s per request: minutes before it says anything."""
+    node = Node(Endpoint("m", "h"), prefix=str(tmp_path))
+    plan = Plan((node,), Wheel(Path("w.whl"), "1", "d"), "s", package_index="node")
+    ctx = Context(plan, node, Facts("u", 1000, 1, 1 << 22, False, ()))
+    pip = ctx.pip_install(invoke.Context())
+    want = f"{tmp_path}/venv/bin/python -m pip install -q --disable-pip-version-check"
+    assert pip == f"{want} {PIP_NETWORK}"
+    # an index is an option of `install`: pip refuses it before the command
+    url = Plan((node,), plan.wheel, "s", package_index="https://mirror.example/simple")
+    with_url = Context(url, node, ctx.facts).pip_install(invoke.Context())
+    assert with_url == f"{want} {PIP_NETWORK} --index-url https://mirror.example/simple"
+    # and a real pip takes that command line (`--help` ends it once every option is parsed)
+    real = with_url.replace(f"{tmp_path}/venv/bin/python", sys.executable)
+    done = subprocess.run(f"{real} --help", shell=True, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert PIP_NETWORK == "--retries 1 --timeout 20"
 
 
 def test_the_venv_is_laid_over_the_plans_env_else_the_amis() -> None:

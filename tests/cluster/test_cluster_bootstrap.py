@@ -31,7 +31,7 @@ import yaml
 from tests.conftest import SPARKNET
 from tests.imds import ImdsStandIn
 from tests.moto_server import amazon_ami
-from tests.sshd import daemon_pids, loopback_cluster_entry
+from tests.sshd import daemon_pids, loopback_cluster_entry, scheduled_shutdown
 
 pytestmark = pytest.mark.integration
 
@@ -128,6 +128,14 @@ def test_up_bootstraps_a_healthy_cluster_and_down_stops_it(cluster, tmp_path) ->
         "cluster": name, "region": REGION, "minutes": 30,
     }  # fmt: skip
     assert json.loads((state / "deadline.json").read_text())["action"] == "wait"
+    # the timer replaced every node's backstop (the power-off each instance's user data
+    # schedules at boot: test_backstop.py): a day on, nothing powers off
+    assert "master: backstop-off done" in out and "worker-1: backstop-off done" in out
+    assert [scheduled_shutdown(group.workdir / node) for node in ADDRESSES] == [None, None]
+    group.skew = 24 * 60 * 60
+    assert group.end_due(_ec2()) == {}
+    assert {i.state for i in instances.find(_ec2(), name)} == {"running"}
+    group.skew = 0.0  # a node launched later (the repair's) has its backstop's hour
 
     # GPUs from the instance type where the spec does not say (g5.xlarge: one A10G)
     spec = ClusterSpec.model_validate({**entry, "name": name, "bootstrap": {}})

@@ -3,8 +3,9 @@ waits for it to answer again with its pinned host key, checks `nvidia-smi`, and 
 goes on over a fresh connection; a node that does not come back fails in one line.
 
 The node is a loopback sshd (`tests.sshd.RebootingNode`) whose reboot kills its sshd and every
-connection, changes its boot id and starts the sshd again. `apt-get`, `ubuntu-drivers` and
-`nvidia-smi` are stand-ins on its PATH: the driver "loads" only at a boot after its install."""
+connection, changes its boot id and starts the sshd again. `apt-get`, `ubuntu-drivers`,
+`nvidia-smi` and the rest are the stand-ins of `tests.nvidia_tools` on its PATH: the driver
+"loads" only at a boot after its install."""
 
 from __future__ import annotations
 
@@ -21,22 +22,10 @@ from sparknet.cluster.spark import steps
 from sparknet.cluster.spark.plan import Context, Node, Plan
 from sparknet.cluster.spark.steps import NvidiaDriver, Step
 from sparknet.cluster.spark.wheel import Wheel
+from tests import nvidia_tools
 from tests.sshd import RebootingNode
 
 pytestmark = pytest.mark.integration
-
-#: the node's tools, as shell; {boot_id} is the node's boot id file, {installed} the boot id at
-#: which the driver was installed
-TOOLS = {
-    "apt-get": "exit 0",
-    "ubuntu-drivers": '[ "$*" = "install --gpgpu" ] || exit 64\ncat {boot_id} > {installed}',
-    "nvidia-smi": (
-        '[ -f {installed} ] && [ "$(cat {installed})" != "$(cat {boot_id})" ] || {{ '
-        'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver" >&2;'
-        " exit 9; }}\necho 'GPU 0: NVIDIA A10G (UUID: GPU-0)'"
-    ),
-    "sudo": '[ "$1" = -n ] && shift\nexec "$@"',  # a login user other than root
-}
 
 
 @pytest.fixture
@@ -48,11 +37,9 @@ def rebooting(tmp_path, monkeypatch):
     def make(**kwargs) -> RebootingNode:
         node = RebootingNode(tmp_path / f"node{len(made)}", **kwargs)
         made.append(node)
-        where = {"boot_id": node.boot_id, "installed": node.bin.parent / "driver-installed"}
-        for name, body in TOOLS.items():
-            (node.bin / name).write_text("#!/bin/sh\n" + body.format(**where) + "\n")
-            (node.bin / name).chmod(0o755)
+        tools = nvidia_tools.install(node, node.bin.parent / "nvidia")
         monkeypatch.setattr(steps, "BOOT_ID", f"cat {q(str(node.boot_id))}")
+        monkeypatch.setattr(steps, "PCI_DEVICES", str(tools.pci))
         return node
 
     yield make
@@ -122,16 +109,16 @@ def test_a_node_that_does_not_come_back_fails_in_one_line(rebooting, tmp_path, m
 def test_the_wait_for_a_rebooted_node_ends_with_its_run(rebooting, tmp_path, monkeypatch):
     """The bootstrap stops waiting (here its timeout; Ctrl-C does the same): the thread still
     waiting for the node to come back ends too, not minutes later (Python waits for it at
-    exit)."""
+    exit). The run's 8 s leave the step's commands before the reboot time on a loaded machine."""
     monkeypatch.setenv(steps.REBOOT_WAIT_ENV, "600")
     monkeypatch.setattr(nodes, "RECONNECT_SLICE_S", 0.5)
     node = rebooting(lag_s=0.1, back=False)
     gpu = Node(node.endpoint, address="127.0.0.1", prefix=str(tmp_path), gpus=1)
     plan = Plan((gpu,), Wheel(Path("w.whl"), "1", "d"), "s" * 32)
     before = set(threading.enumerate())
-    with pytest.raises(nodes.NodesFailed, match="master: still running after 3 s"):
+    with pytest.raises(nodes.NodesFailed, match="master: still running after 8 s"):
         b.run_on_nodes(
-            plan, node.access, plan.nodes, lambda ctx: [NvidiaDriver(ctx)], lambda _: None, 3
+            plan, node.access, plan.nodes, lambda ctx: [NvidiaDriver(ctx)], lambda _: None, 8
         )
     assert node.boots == 1  # it was waiting for the node, not stuck before the reboot
     left = [t for t in threading.enumerate() if t not in before and t.name.startswith("sparknet")]

@@ -13,7 +13,7 @@ import pytest
 
 from sparknet.cluster import nodes, openssh, seam, sshkeys
 from sparknet.cluster.address import Endpoint
-from sparknet.cluster.aws import keys
+from sparknet.cluster.aws import keys, userdata
 from sparknet.cluster.nodes import Access
 from sparknet.errors import SparknetError
 from tests.moto_server import amazon_ami
@@ -329,7 +329,9 @@ def test_up_imports_a_tagged_key_pair_and_pins_each_nodes_host_key(spec, moto_en
     configs = {iid: yaml.safe_load(text) for iid, text in user_data.items()}
     for text, config in zip(user_data.values(), configs.values(), strict=True):
         assert text.startswith("#cloud-config\n")
-        assert config["ssh_deletekeys"] is True and config["ssh_genkeytypes"] == []
+        assert config["ssh_deletekeys"] is True and "ssh_genkeytypes" not in config
+        assert config["write_files"][0]["path"] == userdata.BACKSTOP_SCRIPT  # the backstop
+        assert "shutdown -P +60 " in config["write_files"][0]["content"]  # the default hour
     master_key = configs[info.master.id]["ssh_keys"]["ed25519_public"]
     worker_keys = {configs[w.id]["ssh_keys"]["ed25519_public"] for w in info.workers}
     assert len(worker_keys) == 1 and master_key not in worker_keys  # one per launch request

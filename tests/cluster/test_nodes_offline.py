@@ -5,7 +5,7 @@ command line."""
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import yaml
@@ -20,7 +20,7 @@ from sparknet.cluster.nodes import Access
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
 
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def inst(iid: str, role: str, ip: str | None = "198.51.100.1", minutes: int = 0) -> Instance:
@@ -149,7 +149,7 @@ def test_pinning_skips_a_node_with_no_address_yet(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
     monkeypatch.delenv(seam.ENDPOINTS_ENV, raising=False)
-    text, public = keys.host_key_user_data()
+    text, public = keys.host_key_user_data(60)
     data = {"Value": base64.b64encode(text.encode()).decode()}
     ec2 = SimpleNamespace(
         meta=SimpleNamespace(region_name="us-east-1"),
@@ -161,16 +161,16 @@ def test_pinning_skips_a_node_with_no_address_yet(monkeypatch, tmp_path):
 
 
 def test_host_key_user_data_is_cloud_config_with_only_that_key():
-    text, public = keys.host_key_user_data()
+    text, public = keys.host_key_user_data(60)
     assert text.startswith("#cloud-config\n")
     config = yaml.safe_load(text)
-    assert config["ssh_deletekeys"] is True and config["ssh_genkeytypes"] == []
+    assert config["ssh_deletekeys"] is True and "ssh_genkeytypes" not in config
     assert config["ssh_keys"]["ed25519_public"] == public and public.startswith("ssh-ed25519 ")
     assert config["ssh_keys"]["ed25519_private"].startswith("-----BEGIN OPENSSH PRIVATE KEY")
     assert keys.host_public_key(text) == public
     assert len(text.encode()) < 16 * 1024  # EC2's user data limit
     # two calls, two keys
-    assert keys.host_key_user_data()[1] != public
+    assert keys.host_key_user_data(60)[1] != public
 
 
 def test_user_data_without_a_host_key_has_none():

@@ -171,6 +171,11 @@ def test_a_node_lost_again_after_its_reboot_is_not_a_driver_that_does_not_load(m
                 if self.rebooted:
                     raise OSError("Connection reset by peer")
                 return SimpleNamespace(exited=9, stdout="", stderr="no driver")
+            if command.startswith("dpkg-query"):  # the branch ubuntu-drivers installed
+                out = "ii  nvidia-headless-no-dkms-550-server\n"
+                return SimpleNamespace(exited=0, stdout=out, stderr="")
+            if "0x10de" in command:  # no NVSwitch
+                return SimpleNamespace(exited=1, stdout="", stderr="")
             return SimpleNamespace(exited=0, stdout="", stderr="")
 
     node = Node(Endpoint("master", "h"), gpus=1)

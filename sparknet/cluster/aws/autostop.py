@@ -1,6 +1,9 @@
 """The autostop timer on an EC2 cluster's master: when nothing has happened on the cluster for
 `minutes`, it terminates every instance of the cluster (itself included), so a cluster that a
-submitter forgot, or lost with its laptop, stops costing money.
+submitter forgot, or lost with its laptop, stops costing money. Until it runs, each instance's
+backstop (a power-off its user data schedules at each boot: `userdata`) ends it instead; once
+the timer runs, the bootstrap cancels every node's backstop (`daemons.BackstopOff`), and the
+timer alone ends the cluster.
 
 Everything lives in the master's state dir, ``<prefix>/autostop/`` (`state_dir`):
 
@@ -38,7 +41,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 #: the state dir under a node's install prefix, and the files in it
@@ -278,11 +281,11 @@ def read_command(prefix: str) -> str:
 
 def clock(epoch: float) -> str:
     """``14:05 UTC``: how the log and status name a time."""
-    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%H:%M UTC")
+    return datetime.fromtimestamp(epoch, UTC).strftime("%H:%M UTC")
 
 
 def iso(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _one_line(exc: BaseException) -> str:

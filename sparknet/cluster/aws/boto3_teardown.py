@@ -7,7 +7,6 @@ nothing of a cluster is left, however it was made.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -125,18 +124,13 @@ def patient(fn: Callable[..., Any]) -> Callable[..., Any]:
     cover throttling and 5xx only, never this."""
 
     def call(**kwargs: Any) -> Any:
-        deadline = time.monotonic() + DEPENDENCY_WAIT_S
-        pause = 1.0
-        while True:
-            try:
-                return fn(**kwargs)
-            except bx.ClientError as exc:
-                if aws.error_code(exc) not in _BUSY_CODES or time.monotonic() + pause > deadline:
-                    raise
-            time.sleep(pause)
-            pause = min(pause * 2, 15.0)
+        return aws.retrying(lambda: fn(**kwargs), _busy, within_s=DEPENDENCY_WAIT_S)
 
     return call
+
+
+def _busy(exc: bx.ClientError) -> bool:
+    return aws.error_code(exc) in _BUSY_CODES
 
 
 def _delete_instance_profile(f: Boto3Foundation, name: str) -> bool:

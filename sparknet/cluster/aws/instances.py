@@ -24,6 +24,8 @@ from sparknet import aws
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
 
+#: how long an instance id RunInstances gave may be unknown to the rest of EC2's API
+FRESH_ID_WAIT_S = 60.0
 #: instance states that still cost money or may come back; everything but "terminated"
 LIVE_STATES = ("pending", "running", "shutting-down", "stopping", "stopped")
 
@@ -108,11 +110,15 @@ def describe(
         kwargs["Filters"] = filters
     if ids:
         kwargs["InstanceIds"] = list(ids)
-    found: list[dict[str, Any]] = []
     with aws.aws_call("DescribeInstances", aws.region_of(ec2)):
-        for page in ec2.get_paginator("describe_instances").paginate(**kwargs):
-            for reservation in page["Reservations"]:
-                found.extend(reservation["Instances"])
+        return _describe_pages(ec2, kwargs)
+
+
+def _describe_pages(ec2: Any, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+    for page in ec2.get_paginator("describe_instances").paginate(**kwargs):
+        for reservation in page["Reservations"]:
+            found.extend(reservation["Instances"])
     return found
 
 
@@ -152,14 +158,32 @@ def wait_ready(
 
     "running" only means the hypervisor started the machine; sshd answers after the status
     checks pass, so both are waited for, within one `timeout_s` together. The refreshed records
-    carry the public IPs, which a launch response may lack.
+    carry the public IPs, which a launch response may lack. EC2's API is eventually consistent:
+    an id RunInstances just gave may be `InvalidInstanceID.NotFound` for a while; the waiters
+    poll on through that (botocore's acceptors), and so does the last describe, all until the
+    same deadline.
     """
     if not ids:
         return []
     deadline = time.monotonic() + timeout_s
     wait_instances(ec2, "instance_running", ids, deadline, delay_s)
     wait_instances(ec2, "instance_status_ok", ids, deadline, delay_s)
-    return sorted((Instance.from_ec2(r) for r in describe(ec2, ids=ids)), key=lambda i: i.id)
+    raw = describe_fresh(ec2, ids, deadline, delay_s)
+    return sorted((Instance.from_ec2(r) for r in raw), key=lambda i: i.id)
+
+
+def describe_fresh(
+    ec2: Any, ids: Sequence[str], deadline: float, delay_s: float
+) -> list[dict[str, Any]]:
+    """`describe` of `ids`, asked again while EC2 answers `InvalidInstanceID.NotFound` for an
+    instance launched a moment ago, until `deadline` (time.monotonic())."""
+    with aws.aws_call("DescribeInstances", aws.region_of(ec2)):
+        return aws.retrying(
+            lambda: _describe_pages(ec2, {"InstanceIds": list(ids)}),
+            _not_found,
+            within_s=max(0.0, deadline - time.monotonic()),
+            pause_s=delay_s,
+        )
 
 
 def find(ec2: Any, cluster: str) -> list[Instance]:
@@ -206,9 +230,19 @@ def terminate(
     if not ids:
         return
     with aws.aws_call("TerminateInstances", aws.region_of(ec2)):
-        ec2.terminate_instances(InstanceIds=list(ids))
+        # a clean-up right after RunInstances names ids EC2 may not know yet (it is eventually
+        # consistent): the call is made again until they are known, or FRESH_ID_WAIT_S passed
+        aws.retrying(
+            lambda: ec2.terminate_instances(InstanceIds=list(ids)),
+            _not_found,
+            within_s=FRESH_ID_WAIT_S,
+        )
     if wait:
         wait_instances(ec2, "instance_terminated", ids, time.monotonic() + timeout_s, delay_s)
+
+
+def _not_found(exc: bx.ClientError) -> bool:
+    return aws.error_code(exc) == "InvalidInstanceID.NotFound"
 
 
 def terminate_cluster(

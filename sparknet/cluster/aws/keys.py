@@ -14,7 +14,7 @@ import yaml
 
 from sparknet import aws
 from sparknet.cluster import seam, sshkeys
-from sparknet.cluster.aws import instances, preflight
+from sparknet.cluster.aws import instances, preflight, userdata
 from sparknet.cluster.aws.instances import Instance
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
 from sparknet.errors import SparknetError
@@ -22,20 +22,16 @@ from sparknet.errors import SparknetError
 # --- host keys through cloud-init --------------------------------------------------------------
 
 
-def host_key_user_data() -> tuple[str, str]:
-    """A fresh ed25519 host key as cloud-init user data: (user data, public key line).
+def host_key_user_data(backstop_minutes: int) -> tuple[str, str]:
+    """A fresh ed25519 host key as cloud-init user data, with the instance's backstop of
+    `backstop_minutes` (`userdata.cloud_config`): (user data, public key line).
 
     cloud-init installs `ssh_keys` as the instance's host key before sshd starts, deletes the
-    AMI's own keys (`ssh_deletekeys`) and makes no others (`ssh_genkeytypes: []`), so the key
+    AMI's own keys (`ssh_deletekeys`) and, given `ssh_keys`, makes no others, so the key
     sparknet pins is the only one the node can present. The user data is readable on the node
     through IMDS (see docs/security.md, "What the user data exposes")."""
     private, public = sshkeys.new_ed25519()
-    config = {
-        "ssh_deletekeys": True,
-        "ssh_genkeytypes": [],
-        "ssh_keys": {"ed25519_private": private, "ed25519_public": public},
-    }
-    return "#cloud-config\n" + yaml.safe_dump(config, sort_keys=False), public
+    return userdata.cloud_config(private, public, backstop_minutes), public
 
 
 def host_public_key(user_data: str) -> str | None:

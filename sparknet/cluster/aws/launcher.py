@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import botocore.exceptions as bx
 
 from sparknet import aws
+from sparknet.cluster.aws import quotas
 from sparknet.cluster.aws.instances import LIVE_STATES, Instance, describe, role_tags
 from sparknet.cluster.aws.preflight import check_ami, check_offered
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
@@ -33,18 +33,13 @@ CAPACITY_CODES = frozenset(
         "SpotMaxPriceTooLow",
     }
 )
-#: the Service Quotas names a user has to look for, by instance family letter
-_QUOTA_NAMES = {
-    (False, "g"): "Running On-Demand G and VT instances",
-    (False, "p"): "Running On-Demand P instances",
-    (True, "g"): "All G and VT Spot Instance Requests",
-    (True, "p"): "All P Spot Instance Requests",
-}
 #: how long RunInstances may reject a new instance profile as invalid before it is an error:
 #: IAM is eventually consistent, and a profile made by the foundation a moment ago is not yet
-#: visible to EC2
-PROFILE_PROPAGATION_S = 60.0
-PROFILE_RETRY_S = 5.0
+#: visible to EC2 (IAM's guide: changes take time to be seen everywhere; Terraform's AWS provider
+#: settled on 2 minutes for the same wait)
+PROFILE_PROPAGATION_S = 120.0
+#: the first pause before asking again; it doubles (see `aws.retrying`)
+PROFILE_RETRY_S = 2.0
 #: a ClientToken is at most 64 ASCII characters; launch appends "-" and a 12-character digest
 _MAX_TOKEN_PREFIX = 64 - 13
 
@@ -204,6 +199,8 @@ def launch(
     if not instance_types:
         raise ValueError("instance_types must name at least one instance type")
     region = aws.region_of(ec2)
+    # a refused (type, AZ) is answered at once, not retried as a 5xx: the next one may fit
+    aws.answer_at_once(ec2, "RunInstances", CAPACITY_CODES | aws.QUOTA_CODES)
     _check_prefix(client_token_prefix)
     earlier = launched_with(ec2, spec.name, client_token_prefix, role)
     if earlier:
@@ -254,6 +251,14 @@ def launch(
             return _launched(response, client_token_prefix)
     market = "spot" if spot else "on-demand"
     tried = ", ".join(failures + quota_hits)
+    if quota_hits and not failures:
+        # every type met its quota: capacity was never the matter, and waiting does not help
+        raise SparknetError(
+            f"{count} {market} {role} instance(s) of {'/'.join(instance_types)} exceed the "
+            f"account's EC2 vCPU quota in {region} ({tried}); request a higher quota (aws "
+            "service-quotas request-service-quota-increase --service-code ec2 --quota-code "
+            "CODE --desired-value VCPUS) or choose instance types of another family"
+        )
     raise SparknetError(
         f"no capacity for {count} {market} {role} instance(s) of {'/'.join(instance_types)} in "
         f"any of {', '.join(subnet_by_az)} ({tried}); add instance types or AZs, "
@@ -265,24 +270,27 @@ def launch(
 def _run_instances(ec2: Any, request: Mapping[str, Any]) -> dict[str, Any]:
     """RunInstances, repeated while EC2 does not yet see a just-made instance profile (the same
     ClientToken is safe: the refused call launched nothing)."""
-    deadline = time.monotonic() + PROFILE_PROPAGATION_S
-    while True:
-        try:
-            return dict(ec2.run_instances(**request))
-        except bx.ClientError as exc:
-            message = str(exc.response.get("Error", {}).get("Message", ""))
-            unseen_profile = (
-                aws.error_code(exc) == "InvalidParameterValue" and "iamInstanceProfile" in message
-            )
-            if not unseen_profile or time.monotonic() >= deadline:
-                raise
-        time.sleep(PROFILE_RETRY_S)
+    return aws.retrying(
+        lambda: dict(ec2.run_instances(**request)),
+        _unseen_profile,
+        within_s=PROFILE_PROPAGATION_S,
+        pause_s=PROFILE_RETRY_S,
+    )
+
+
+def _unseen_profile(exc: bx.ClientError) -> bool:
+    """EC2's answer for an instance profile IAM has not shown it yet: `Value (ARN) for parameter
+    iamInstanceProfile.arn is invalid. Invalid IAM Instance Profile ARN`."""
+    message = str(exc.response.get("Error", {}).get("Message", ""))
+    return aws.error_code(exc) == "InvalidParameterValue" and "iamInstanceProfile" in message
 
 
 def _quota_hint(instance_type: str, spot: bool, code: str) -> str:
     """Where a user raises the quota behind `code`: it is per instance family, not per type."""
-    name = _QUOTA_NAMES.get((spot, instance_type[:1]), "the EC2 vCPU quota of this family")
-    return f"{instance_type}: {code}, quota '{name}'"
+    quota = quotas.quota_of(instance_type, spot)
+    if quota is None:
+        return f"{instance_type}: {code}, the EC2 vCPU quota of its family"
+    return f"{instance_type}: {code}, quota {quota[0]} '{quota[1]}'"
 
 
 def _launched(response: Mapping[str, Any], prefix: str) -> list[Instance]:

@@ -1,5 +1,6 @@
 """What `up` (and an AMI bake) learns and checks before anything is made: the AMI, that the
-instance types, AZs, key pair and root volume fit the region, and the caller's address.
+instance types, AZs, key pair and root volume fit the region, that the bucket is in it, and the
+caller's address.
 
 Apart from the launch itself (`launcher.py`) because these run first, on their own, so that a
 wrong input fails in one line before a foundation or a master exists to clean up.
@@ -18,6 +19,7 @@ import botocore.exceptions as bx
 
 from sparknet import aws
 from sparknet.cluster.spec import ClusterSpec
+from sparknet.data import s3
 from sparknet.errors import InputError, SparknetError
 
 #: AWS's own "what is my IP" endpoint; `SPARKNET_CHECKIP_URL` overrides it (tests, proxies)
@@ -174,6 +176,27 @@ def check_ami(ec2: Any, ami: str, root_volume_gb: int) -> str:
             f"snapshot; set root_volume_gb to at least {snapshot_gb}"
         )
     return root_device
+
+
+def check_bucket_region(
+    spec: ClusterSpec, endpoint_url: str | None = None, bucket: str | None = None
+) -> None:
+    """`bucket` (default: the cluster's `bucket:`) is in the cluster's region, unless the spec
+    sets `cross_region_data`: every read of a dataset in another region is billed per GB (each
+    epoch again) and slower. One line naming both regions otherwise; a bucket S3 does not
+    place (one the foundation will make) passes."""
+    bucket = bucket or spec.bucket
+    if bucket is None or spec.cross_region_data:
+        return
+    where = s3.bucket_region(bucket, endpoint_url)
+    if where is None or where == spec.region:
+        return
+    raise InputError(
+        f"bucket {bucket} is in {where} and cluster {spec.name} in {spec.region}: every read "
+        f"of its data would cross regions, and AWS bills cross-region transfer per GB (each "
+        f"epoch again); launch the cluster in {where} (region: {where}), copy the data to a "
+        f"bucket in {spec.region}, or set cross_region_data: true to accept the cost"
+    )
 
 
 def caller_cidr(timeout: float = 3.0) -> str:

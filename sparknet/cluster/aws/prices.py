@@ -11,7 +11,7 @@ import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
 
@@ -160,7 +160,7 @@ def _spot_price(ec2: Any, instance_type: str, az: str | None) -> float | None:
     kwargs: dict[str, Any] = {
         "InstanceTypes": [instance_type],
         "ProductDescriptions": ["Linux/UNIX"],
-        "StartTime": datetime.now(timezone.utc),
+        "StartTime": datetime.now(UTC),
     }
     if az:
         kwargs["AvailabilityZone"] = az

@@ -22,7 +22,7 @@ from sparknet.cluster import nodes
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.nodes import Access
 from sparknet.cluster.remote import TAIL_LINES, CommandFailed, Conn, q, run, tail_lines
-from sparknet.cluster.spark.daemons import Autostop, Master, Worker
+from sparknet.cluster.spark.daemons import Autostop, BackstopOff, Master, Worker
 from sparknet.cluster.spark.health import ClusterHealth, Expected, cluster_health, master_json
 from sparknet.cluster.spark.plan import (
     FACTS,
@@ -177,7 +177,8 @@ def bootstrap(
     Two rounds over all nodes at once: the install and conf steps (and the master on the master
     node), then the workers, so no worker starts before its master listens. Then the health
     check, which waits up to `health_wait_s` for every worker to register. The master's
-    autostop timer, when the plan has one, starts after its worker. Unless `force`, a
+    autostop timer, when the plan has one, starts after its worker; then every node's backstop
+    is cancelled (`BackstopOff`: the timer replaces it). Unless `force`, a
     bootstrap that would restart the master (or a running worker) under a running job is
     refused first (`check_jobs_unharmed`), before anything changes."""
     if not force:
@@ -194,6 +195,10 @@ def bootstrap(
         return [Worker(ctx)] + ([Autostop(ctx)] if timer else [])
 
     second = run_on_nodes(plan, access, plan.nodes, daemons, say, timeout)
+    if plan.autostop is not None:
+        # the timer runs now: it replaces every node's backstop (none before: a bootstrap cut
+        # off earlier leaves each instance to its own)
+        run_on_nodes(plan, access, plan.nodes, lambda ctx: [BackstopOff(ctx)], say, timeout)
     reports = {n.name: first[n.name][0] + second[n.name][0] for n in plan.nodes}
     expected = [
         Expected(n.name, n.rpc_host, Context(plan, n, second[n.name][1]).cores, n.gpus)

@@ -5,7 +5,13 @@ step inputs together (`Context`)."""
 from __future__ import annotations
 
 import importlib.metadata
+import re
+import zipfile
 from dataclasses import dataclass, field
+from email.parser import HeaderParser
+from pathlib import Path
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.aws.autostop import Settings as AutostopSettings
@@ -18,9 +24,11 @@ from sparknet.cluster.spark.spark_conf import (
     instance_store_dirs,
     mem_total_kb,
     parse_nvme_models,
+    torch_index_url,
     worker_memory_mb,
 )
 from sparknet.cluster.spark.wheel import Wheel
+from sparknet.cluster.spec import PACKAGE_INDEX_NODE, PACKAGE_INDEX_PYTORCH
 from sparknet.errors import SparknetError
 
 #: a job's dir on its master is ``<prefix>/jobs/<run id>`` (sparknet-submit's); its session's pid
@@ -91,6 +99,9 @@ class Plan:
     python_env: str | None = None
     #: the pyspark the nodes run: the submitter's, so driver and executors agree
     pyspark_version: str = field(default_factory=lambda: importlib.metadata.version("pyspark"))
+    #: where the nodes' pip finds packages (`BootstrapSettings.package_index`): `pytorch`,
+    #: `node` (the node's own pip configuration) or an index URL
+    package_index: str = PACKAGE_INDEX_PYTORCH
     #: what each worker offers; default: the node's cores, and its memory less headroom
     worker_cores: int | None = None
     worker_memory_mb: int | None = None
@@ -116,6 +127,54 @@ class Plan:
     def master_url(self) -> str:
         return f"spark://{self.master.rpc_host}:{self.ports.master}"
 
+    def python_needs(self) -> dict[str, SpecifierSet]:
+        """The Python versions what the nodes install accepts, by what: the pyspark of
+        `pyspark_version` (the submitter's installed one's Requires-Python: the same release)
+        and the sparknet wheel's own requires-python (read from the wheel, which was built from
+        the checkout now, not from a metadata an older install left)."""
+        needs: dict[str, SpecifierSet] = {}
+        try:
+            if importlib.metadata.version("pyspark") == self.pyspark_version:
+                spec = importlib.metadata.metadata("pyspark").get("Requires-Python")
+                if spec:
+                    needs[f"pyspark {self.pyspark_version}"] = SpecifierSet(spec)
+        except (importlib.metadata.PackageNotFoundError, InvalidSpecifier):
+            pass
+        spec = wheel_requires_python(self.wheel.path)
+        if spec:
+            needs[f"sparknet {self.wheel.version}"] = SpecifierSet(spec)
+        return needs
+
+
+def wheel_requires_python(path: Path) -> str | None:
+    """The Requires-Python of a built wheel's METADATA; None when the file is not a wheel that
+    says (a test's plan names a wheel it never builds)."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+            return HeaderParser().parsestr(zf.read(name).decode()).get("Requires-Python")
+    except (OSError, zipfile.BadZipFile, StopIteration):
+        return None
+
+
+def python_problem(python: str, version: str | None, needs: dict[str, SpecifierSet]) -> str | None:
+    """Why `python` (its version `version`, None: not there) cannot run what the node installs
+    (`Plan.python_needs`), in words that say what is needed; None when it can."""
+    wanted = " and ".join(f"{what} needs Python {spec}" for what, spec in needs.items())
+    if version is None:
+        return f"the node has no {python}, and {wanted or 'sparknet needs Python 3'}"
+    refused = {what: spec for what, spec in needs.items() if not spec.contains(version)}
+    if not refused:
+        return None
+    return f"{python} is Python {version}, but " + " and ".join(
+        f"{what} needs Python {spec}" for what, spec in refused.items()
+    )
+
+
+#: how the nodes' pip meets an index that does not answer: one retry and 20 s a try, not pip's
+#: five retries of 15 s per request (minutes of silence before the one line that says why)
+PIP_NETWORK = "--retries 1 --timeout 20"
+
 
 #: where the Deep Learning AMIs with PyTorch keep it (a venv on newer ones, conda on older)
 AMI_TORCH_ENVS = ("/opt/pytorch", "/opt/conda/envs/pytorch")
@@ -134,6 +193,8 @@ class Facts:
     local_dirs: tuple[str, ...]
     #: which of AMI_TORCH_ENVS the node has (a python there)
     envs: tuple[str, ...] = ()
+    #: the version of the node's `python3` ("3.12.3"); None: it has none
+    python: str | None = None
 
 
 FACTS = (
@@ -142,6 +203,7 @@ FACTS = (
     " echo @mounts; cat /proc/mounts;"
     " echo @nvme; grep -H . /sys/block/nvme*/device/model 2>/dev/null;"
     f" echo @envs; for d in {' '.join(AMI_TORCH_ENVS)}; do [ -x $d/bin/python ] && echo $d; done;"
+    " echo @python; python3 --version 2>&1;"
     " true"
 )
 
@@ -166,7 +228,15 @@ def parse_facts(text: str, prefix: str) -> Facts:
             instance_store_dirs(part["mounts"], parse_nvme_models(part.get("nvme", "")), prefix)
         ),
         envs=tuple(line.strip() for line in part.get("envs", "").splitlines() if line.strip()),
+        python=python_version(part.get("python", "")),
     )
+
+
+def python_version(text: str) -> str | None:
+    """The version in `python3 --version`'s output (``Python 3.12.3``); None for anything else
+    (``python3: command not found``)."""
+    match = re.fullmatch(r"Python (\d+\.\d+\.\d+)\S*", text.strip())
+    return match.group(1) if match else None
 
 
 @dataclass(frozen=True)
@@ -210,13 +280,28 @@ class Context:
         env = self.plan.python_env or (self.facts.envs[0] if self.facts.envs else None)
         return env.rstrip("/") if env else None
 
-    def pip(self, conn: Conn) -> str:
-        """pip for the node's venv: its own where it has one, else the base env's pip aimed at
-        it (a venv laid over a base env has none of its own)."""
-        own = f"{q(self.node.python)} -m pip -q --disable-pip-version-check"
+    def pip_install(self, conn: Conn, index: str | None = None) -> str:
+        """`pip install` into the node's venv, with bounded retries and the plan's index
+        (`index`: flags from `index_flags`; default: the plan's for packages other than torch):
+        its own pip where it has one, else the base env's pip aimed at it (a venv laid over a
+        base env has none of its own). The index flags follow `install`: they are options of
+        that command, which pip refuses before it (`no such option: --index-url`)."""
+        index = self.index_flags() if index is None else index
+        flags = f"-q --disable-pip-version-check {PIP_NETWORK} {index}".rstrip()
         if self.base_env is None or succeeds(
             conn, f"[ -x {q(self.node.path('venv', 'bin', 'pip'))} ]"
         ):
-            return own
+            return f"{q(self.node.python)} -m pip install {flags}"
         base = q(f"{self.base_env}/bin/python")
-        return f"{base} -m pip -q --disable-pip-version-check --python {q(self.node.python)}"
+        return f"{base} -m pip --python {q(self.node.python)} install {flags}"
+
+    def index_flags(self, torch_for_cuda: str | None = None, torch: bool = False) -> str:
+        """pip's index flags for what the plan's `package_index` says: none for the node's own
+        pip configuration, `--index-url URL` for a URL; with `torch` and the default, PyTorch's
+        index for the driver's CUDA `torch_for_cuda` (None: the CPU build)."""
+        index = self.plan.package_index
+        if index == PACKAGE_INDEX_NODE:
+            return ""
+        if index == PACKAGE_INDEX_PYTORCH:
+            return f"--index-url {q(torch_index_url(torch_for_cuda))}" if torch else ""
+        return f"--index-url {q(index)}"

@@ -95,6 +95,8 @@ def spark_defaults(
 
 #: Spark's GPU discovery script: the node's GPUs by index as Spark's resource JSON. A failing
 #: nvidia-smi fails the script (set -e), so the worker refuses to start instead of offering none.
+#: nvidia-smi is in `nvidia-utils-<branch>`, which the nvidia-driver step installs next to the
+#: headless driver `ubuntu-drivers install --gpgpu` installs without it.
 GPU_DISCOVERY_SCRIPT = """#!/bin/sh
 # written by sparknet bootstrap: the GPUs Spark's worker offers, from nvidia-smi
 set -e
@@ -181,22 +183,35 @@ def java_major(version_text: str) -> int | None:
     return int(match.group(2) or 0) if major == 1 else major
 
 
-#: PyTorch's wheel indexes by CUDA version, newest first (a driver runs every older toolkit)
-TORCH_CUDA_BUILDS = ("13.0", "12.8", "12.6", "12.4", "12.1", "11.8")
+#: the oldest torch the nodes may run: the allreduce rendezvous makes its TCPStore from a socket
+#: it already listens on (`training/netbind.py`), which the libuv store of torch before 2.8 never
+#: accepts on (every rank waits out its timeout)
+TORCH_MIN = (2, 8)
+
+#: PyTorch's wheel indexes by CUDA version, newest first (a driver runs every older toolkit): only
+#: those with a torch of TORCH_MIN or newer (2.8 was built for 12.6, 12.8 and 12.9; 2.9-2.11 for
+#: 12.6, 12.8 and 13.0; 2.12 on for 12.6, 13.0 and 13.2). cu124's newest torch is 2.6, cu118's 2.7.
+TORCH_CUDA_BUILDS = ("13.2", "13.0", "12.9", "12.8", "12.6")
+#: PyTorch's own wheel index; `<root>/cpu` and `<root>/cu<NNN>`
+TORCH_INDEX_ROOT = "https://download.pytorch.org/whl"
 
 
 def torch_index_url(driver_cuda: str | None) -> str:
     """The PyTorch wheel index for a node: the newest CUDA build the driver runs (`nvidia-smi`
-    prints the highest CUDA version it supports), or the CPU build on a node without a GPU."""
+    prints the highest CUDA version it supports), or the CPU build on a node without a GPU. A
+    driver older than every build with a torch of TORCH_MIN is refused in one line."""
     if not driver_cuda:
-        return "https://download.pytorch.org/whl/cpu"
+        return f"{TORCH_INDEX_ROOT}/cpu"
     have = tuple(int(p) for p in driver_cuda.split(".")[:2])
     for build in TORCH_CUDA_BUILDS:
         if tuple(int(p) for p in build.split(".")) <= have:
-            return f"https://download.pytorch.org/whl/cu{build.replace('.', '')}"
+            return f"{TORCH_INDEX_ROOT}/cu{build.replace('.', '')}"
+    floor = ".".join(map(str, TORCH_MIN))
     raise SparknetError(
-        f"the node's NVIDIA driver supports CUDA {driver_cuda}, older than every PyTorch build "
-        f"({TORCH_CUDA_BUILDS[-1]} and newer): use an AMI with a newer driver"
+        f"the node's NVIDIA driver supports CUDA {driver_cuda}, but torch {floor} or newer (what "
+        f"the allreduce rendezvous needs) is built for CUDA {TORCH_CUDA_BUILDS[-1]} and newer: "
+        "use an image with a newer driver (the Deep Learning AMI's), or set bootstrap: "
+        f"python_env to an env on the nodes with a torch {floor}+ that runs there"
     )
 
 

@@ -1,7 +1,8 @@
 """The install and configuration steps of a node, each with `check` (already done?) and
-`apply`: the prefix's directories, Java and the OS packages, the NVIDIA driver (only where a GPU
-node's `nvidia-smi` fails), a venv with torch (over an existing env whose torch fits), the
-submitter's pyspark, the sparknet wheel, and `spark-defaults.conf` with the cluster's secret."""
+`apply`: the node's Python against what it must run (before anything installs), the prefix's
+directories, Java and the OS packages, the NVIDIA driver (only where a GPU node's `nvidia-smi`
+fails), a venv with torch (over an existing env whose torch fits), the submitter's pyspark, the
+sparknet wheel (which must then start), and `spark-defaults.conf` with the cluster's secret."""
 
 from __future__ import annotations
 
@@ -12,13 +13,21 @@ import fabric
 
 from sparknet.cluster import nodes
 from sparknet.cluster.remote import CommandFailed, Conn, ConnectionLost, q, run, succeeds, upload
-from sparknet.cluster.spark.plan import JOBS_DIR, Context, Node
+from sparknet.cluster.spark.plan import (
+    JOBS_DIR,
+    PIP_NETWORK,
+    Context,
+    Node,
+    python_problem,
+    python_version,
+)
 from sparknet.cluster.spark.spark_conf import (
     GPU_DISCOVERY_SCRIPT,
+    TORCH_MIN,
     java_major,
     spark_defaults,
-    torch_index_url,
 )
+from sparknet.errors import SparknetError
 
 # --- steps ---------------------------------------------------------------------------------------
 
@@ -41,6 +50,40 @@ class Step:
 
     def run(self, conn: Conn, command: str, timeout: float | None = None) -> str:
         return run(conn, command, timeout or self.timeout)
+
+
+#: what a node whose Python cannot run its pyspark or sparknet is told to do
+PYTHON_FIX = (
+    "launch the nodes from an image whose python3 fits (the default, the Ubuntu 24.04 Deep "
+    "Learning Base AMI, has 3.12) or set bootstrap: python_env to an env on the nodes with one"
+)
+
+
+class NodePython(Step):
+    """The Python the node's venv is made from (the base env's, else `python3`) runs what the
+    node installs (`Plan.python_needs`: its pyspark and sparknet). Checked first, before anything
+    is installed: a node whose Python is too old fails in one line naming its Python and what
+    is needed, not in pip's words after the multi-GB torch download."""
+
+    name = "python"
+
+    def problem(self, conn: Conn) -> str | None:
+        base = self.ctx.base_env
+        if base is None:
+            python, version = "python3", self.ctx.facts.python
+        else:
+            python = f"{base}/bin/python"
+            try:
+                version = python_version(self.run(conn, f"{q(python)} --version 2>&1"))
+            except CommandFailed:
+                version = None
+        return python_problem(python, version, self.ctx.plan.python_needs())
+
+    def check(self, conn: Conn) -> bool:
+        return self.problem(conn) is None
+
+    def apply(self, conn: Conn) -> None:
+        raise CommandFailed(f"{self.problem(conn)}: {PYTHON_FIX}", [])
 
 
 #: the prefix's dirs only the node's user may enter (0700): the secret (conf), the daemons'
@@ -116,26 +159,70 @@ def reboot_wait_s() -> float:
     return nodes.seconds_setting(REBOOT_WAIT_ENV, REBOOT_WAIT_S)
 
 
+#: the node's PCI devices in sysfs, where NVSwitches show before any driver loads: NVIDIA's
+#: (vendor 0x10de) devices of class 0x0680 ("Bridge"), six on HGX A100 (p4d, p4de), four on
+#: HGX H100/H200 (p5, p5e, p5en); NVIDIA's fabric manager guide lists them so
+PCI_DEVICES = "/sys/bus/pci/devices"
+#: the systemd service of `nvidia-fabricmanager-<major>`: on an NVSwitch node CUDA sees no GPU
+#: (cudaErrorSystemNotReady) until it has set the switches up, while nvidia-smi lists them all
+FABRIC_MANAGER = "nvidia-fabricmanager"
+#: the NVIDIA driver packages dpkg knows on the node, with their state (`ii`: installed)
+DRIVER_PACKAGES = "dpkg-query -W -f='${db:Status-Abbrev} ${Package}\\n' 'nvidia-headless-no-dkms-*'"
+
+
+def nvswitches(devices: str) -> str:
+    """Shell that exits 0 where the PCI tree under `devices` has an NVSwitch (PCI_DEVICES)."""
+    return (
+        f"( for d in {q(devices)}/*; do"
+        ' [ "$(cat "$d/vendor" 2>/dev/null)" = 0x10de ] &&'
+        ' case "$(cat "$d/class" 2>/dev/null)" in 0x0680*) exit 0;; esac;'
+        " done; exit 1 )"
+    )
+
+
+def driver_branches(listed: str) -> set[str]:
+    """The driver branches (`550-server`) of the installed headless packages in DRIVER_PACKAGES'
+    output. `ubuntu-drivers install --gpgpu` installs `nvidia-headless-no-dkms-<branch>` and the
+    kernel modules only, not `nvidia-utils-<branch>` (nvidia-smi); the open kernel modules'
+    variant (`-open`) shares the branch's utils and fabric manager."""
+    package = r"^ii\s+nvidia-headless-no-dkms-(\d+(?:-server)?)(?:-open)?\s*$"
+    return set(re.findall(package, listed, re.M))
+
+
 class NvidiaDriver(Step):
-    """The NVIDIA driver, only on a node with GPUs whose `nvidia-smi` fails (the Deep Learning
-    AMIs have it). A fresh driver loads at the next boot: the step reboots the node, waits for
-    it to answer again with its pinned host key (up to `reboot_wait_s`), and checks
-    `nvidia-smi` there; the bootstrap goes on over the new connection."""
+    """The NVIDIA driver with its `nvidia-smi` (the step's check and Spark's GPU discovery run
+    it), only on a node with GPUs whose `nvidia-smi` fails (the Deep Learning AMIs have it); on
+    a node with NVSwitches also NVIDIA's fabric manager, running. A fresh driver loads at the
+    next boot: the step reboots the node, waits for it to answer again with its pinned host key
+    (up to `reboot_wait_s`), and checks `nvidia-smi` there; the bootstrap goes on over the new
+    connection.
+
+    The NVSwitches are found on the node (its PCI tree), not from the instance type: that works
+    for every image and launch path, and needs no list of types that grows with each new one."""
 
     name = "nvidia-driver"
     timeout = 1800
 
     def check(self, conn: Conn) -> bool:
-        return self.ctx.node.gpus == 0 or succeeds(conn, "nvidia-smi -L")
+        if self.ctx.node.gpus == 0:
+            return True
+        fabric = f"! {nvswitches(PCI_DEVICES)} || systemctl is-active --quiet {FABRIC_MANAGER}"
+        return succeeds(conn, f"nvidia-smi -L >/dev/null && {{ {fabric}; }}")
 
     def apply(self, conn: Conn) -> None:
         if not self.ctx.plan.install_drivers:
             raise CommandFailed(
-                f"the node should offer {self.ctx.node.gpus} GPUs but `nvidia-smi -L` fails; "
+                f"the node should offer {self.ctx.node.gpus} GPUs but `nvidia-smi -L` fails "
+                f"(or the node has NVSwitches and its {FABRIC_MANAGER} service does not run); "
                 "sparknet installs no driver on a machine of yours: install the NVIDIA driver "
                 "there, or set bootstrap: gpus_per_node: 0",
                 [],
             )
+        fabric = succeeds(conn, nvswitches(PCI_DEVICES))
+        if succeeds(conn, "nvidia-smi -L"):  # a working driver (an AMI's) is left as it is
+            if fabric:
+                self._fabric_manager_runs(conn, f"{FABRIC_MANAGER}-<the driver's branch>")
+            return
         s = self.ctx.sudo
         apt = f"{s}env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300"
         self.run(
@@ -143,9 +230,38 @@ class NvidiaDriver(Step):
             f"{apt} update -qq && {apt} install -y -qq ubuntu-drivers-common"
             f" && {s}ubuntu-drivers install --gpgpu",
         )
-        if succeeds(conn, "nvidia-smi -L"):
-            return  # loaded without a reboot
-        self.reboot(conn)
+        branch = self._branch(conn)
+        packages = [f"nvidia-utils-{branch}"]
+        if fabric:  # enabled now, it starts at the boot that loads the driver
+            packages.append(f"nvidia-fabricmanager-{branch.split('-')[0]}")
+        enable = f" && {s}systemctl enable {FABRIC_MANAGER}" if fabric else ""
+        self.run(conn, f"{apt} install -y -qq {q(*packages)}{enable}")
+        if not succeeds(conn, "nvidia-smi -L"):  # else loaded without a reboot
+            self.reboot(conn)
+            self._loaded(conn)
+        if fabric:
+            self._fabric_manager_runs(conn, packages[-1])
+
+    def _branch(self, conn: Conn) -> str:
+        """The driver branch ubuntu-drivers installed (`driver_branches`)."""
+        try:
+            listed = self.run(conn, DRIVER_PACKAGES)
+        except CommandFailed:  # dpkg-query exits 1 where no package matches
+            listed = ""
+        branches = sorted(driver_branches(listed))
+        if len(branches) != 1:
+            found = ", ".join(branches) or "none"
+            raise CommandFailed(
+                "after `ubuntu-drivers install --gpgpu` the node should have one "
+                f"nvidia-headless-no-dkms-<branch> package installed, it has {found}: install "
+                "the NVIDIA driver and its nvidia-utils on the image, or launch the node from "
+                "the Deep Learning AMI",
+                [],
+            )
+        return branches[0]
+
+    def _loaded(self, conn: Conn) -> None:
+        """Check `nvidia-smi` after the reboot; a CommandFailed says why it fails."""
         try:
             self.run(conn, "nvidia-smi -L")
         except ConnectionLost as exc:  # not the driver's fault: the node went away again
@@ -160,6 +276,21 @@ class NvidiaDriver(Step):
                 "installed the NVIDIA driver and rebooted, but nvidia-smi still fails: the "
                 "driver does not load on this node (its `dmesg` says why); launch it from an "
                 "image with the driver (the Deep Learning AMI)",
+                exc.tail,
+            ) from None
+
+    def _fabric_manager_runs(self, conn: Conn, package: str) -> None:
+        """Start the fabric manager (`package`'s): at once where the boot started it already,
+        after its start-up where it is still starting."""
+        try:
+            self.run(conn, f"{self.ctx.sudo}systemctl start {FABRIC_MANAGER}", timeout=300)
+        except ConnectionLost:
+            raise
+        except CommandFailed as exc:
+            raise CommandFailed(
+                f"the node has NVSwitches, and NVIDIA's fabric manager ({package}) does not "
+                f"start ({exc.what}): CUDA sees no GPU without it; `journalctl -u "
+                f"{FABRIC_MANAGER}` on the node says why",
                 exc.tail,
             ) from None
 
@@ -215,6 +346,21 @@ class NvidiaDriver(Step):
 #: the .pth file that lets the node's venv see an existing env's packages (torch, CUDA)
 BASE_PTH = "_sparknet_base.pth"
 
+#: "2.8": the oldest torch the nodes run (`spark_conf.TORCH_MIN`)
+TORCH_FLOOR = ".".join(map(str, TORCH_MIN))
+#: Python code (lines) that exits with one line saying why unless the env has a torch of
+#: TORCH_MIN or newer, by its metadata (no import: seconds on every check)
+TORCH_NEW_ENOUGH = (
+    "import importlib.metadata as m, re, sys\n"
+    "try:\n"
+    "    v = m.version('torch')\n"
+    "except m.PackageNotFoundError:\n"
+    "    sys.exit('no torch')\n"
+    f"if tuple(int(x) for x in re.findall(r'\\d+', v)[:2]) < {TORCH_MIN!r}:\n"
+    f"    sys.exit(f'torch {{v}} is older than {TORCH_FLOOR}, which the allreduce rendezvous "
+    "needs')\n"
+)
+
 
 class PythonEnv(Step):
     """The node's venv (`prefix`/venv) with a torch that imports (and sees the GPUs on a GPU
@@ -227,12 +373,14 @@ class PythonEnv(Step):
     timeout = 1800
 
     def _torch_fits(self, quick: bool = False) -> str:
-        """Python code that fails unless torch fits the node. `quick` on a node without GPUs
-        only finds torch (importing it takes seconds on every check; `apply` imports it)."""
+        """Python code that fails, its last line saying why, unless torch fits the node: torch
+        TORCH_MIN or newer (from its metadata), and on a GPU node one that sees the GPUs. `quick`
+        on a node without GPUs only reads the version (importing torch takes seconds on every
+        check; `apply` imports it)."""
         if quick and not self.ctx.node.gpus:
-            return "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is None)"
+            return TORCH_NEW_ENOUGH
         cuda = "assert torch.cuda.is_available(), 'no GPU'; " if self.ctx.node.gpus else ""
-        return f"import torch; {cuda}print(torch.__version__)"
+        return f"{TORCH_NEW_ENOUGH}import torch; {cuda}print(torch.__version__)"
 
     def check(self, conn: Conn) -> bool:
         """A venv of its own, or one laid over today's base env, whose torch fits."""
@@ -257,7 +405,17 @@ class PythonEnv(Step):
         n, base = self.ctx.node, self.ctx.base_env
         if base:
             python = f"{base}/bin/python"
-            if succeeds(conn, f"{q(python)} -c {q(self._torch_fits())}", timeout=120):
+            try:
+                self.run(conn, f"{q(python)} -c {q(self._torch_fits())}", timeout=120)
+            except CommandFailed as exc:
+                if self.ctx.plan.python_env:  # asked for, so not silently replaced
+                    raise CommandFailed(  # the runner adds the last line: why it does not fit
+                        f"{base} has no torch that fits this node: give bootstrap: python_env "
+                        f"an env with torch {TORCH_FLOOR}+, or leave it unset for a fresh venv "
+                        "with one",
+                        exc.tail,
+                    ) from None
+            else:
                 line = self._base_line(conn, base)
                 self.run(
                     conn,
@@ -265,14 +423,19 @@ class PythonEnv(Step):
                     f" && echo {q(line)} > {self._site(n.python)}/{BASE_PTH}",
                 )
                 return
-            if self.ctx.plan.python_env:  # asked for, so not silently replaced
-                raise CommandFailed(f"{base} has no torch that fits this node", [])
-        index = torch_index_url(self._driver_cuda(conn) if n.gpus else None)
-        own = f"{q(n.python)} -m pip -q --disable-pip-version-check"
+        # the AMI's env (if any) does not fit: a venv of python3's own, which must fit too
+        problem = python_problem("python3", self.ctx.facts.python, self.ctx.plan.python_needs())
+        if problem:
+            raise CommandFailed(f"{problem}: {PYTHON_FIX}", [])
+        try:
+            index = self.ctx.index_flags(self._driver_cuda(conn) if n.gpus else None, torch=True)
+        except SparknetError as exc:  # a driver too old for every torch that fits
+            raise CommandFailed(str(exc), []) from None
+        install = f"{q(n.python)} -m pip install -q --disable-pip-version-check {PIP_NETWORK}"
         self.run(
             conn,
             f"rm -rf {q(n.venv)} && python3 -m venv {q(n.venv)}"
-            f" && {own} install torch torchvision --index-url {q(index)}"
+            f" && {f'{install} {index}'.rstrip()} {q(f'torch>={TORCH_FLOOR}')} torchvision"
             f" && {q(n.python)} -c {q(self._torch_fits())}",
         )
 
@@ -299,7 +462,7 @@ class Pyspark(Step):
 
     def apply(self, conn: Conn) -> None:
         version = self.ctx.plan.pyspark_version
-        self.run(conn, f"{self.ctx.pip(conn)} install {q('pyspark==' + version)}")
+        self.run(conn, f"{self.ctx.pip_install(conn)} {q('pyspark==' + version)}")
 
 
 #: the file in the node's venv that records the digest of the sparknet wheel installed there
@@ -331,6 +494,12 @@ class SparknetWheel(Step):
     name = "sparknet"
     timeout = 900
 
+    @property
+    def starts(self) -> str:
+        """The command that fails unless the venv's `sparknet` starts (its CLI imports):
+        installed is not enough, a dependency missing from the wheel fails only here."""
+        return f"{q(self.ctx.node.path('venv', 'bin', 'sparknet'))} --help >/dev/null"
+
     def check(self, conn: Conn) -> bool:
         n, wheel = self.ctx.node, self.ctx.plan.wheel
         code = (
@@ -339,7 +508,9 @@ class SparknetWheel(Step):
         )
         mark = q(n.path("venv", WHEEL_MARK))
         try:
-            out = self.run(conn, f"{q(n.python)} -c {q(code)} && cat {mark}", timeout=60)
+            out = self.run(
+                conn, f"{q(n.python)} -c {q(code)} && cat {mark} && {self.starts}", timeout=60
+            )
         except CommandFailed:
             return False
         return out.split() == [wheel.version, "True", wheel.digest]
@@ -348,12 +519,18 @@ class SparknetWheel(Step):
         n, wheel = self.ctx.node, self.ctx.plan.wheel
         remote = n.path("dist", wheel.path.name)
         upload(conn, wheel.path.read_bytes(), remote, 0o644)
-        pip = self.ctx.pip(conn)
-        self.run(conn, f"{pip} install --no-deps --force-reinstall {q(remote)}")
+        pip = self.ctx.pip_install(conn)
+        self.run(conn, f"{pip} --no-deps --force-reinstall {q(remote)}")
         # sparknet's dependencies: already there over the AMI's env or the test venv; a node
         # that lacks some gets them from the index (pip leaves satisfied ones alone)
         if not succeeds(conn, f"{q(n.python)} -c {q(DEPENDENCIES_THERE)}", timeout=120):
-            self.run(conn, f"{pip} install {q(remote)}")
+            self.run(conn, f"{pip} {q(remote)}")
+        try:
+            self.run(conn, self.starts, timeout=120)
+        except CommandFailed as exc:
+            raise CommandFailed(
+                f"the installed sparknet does not start (`sparknet --help` {exc.what})", exc.tail
+            ) from None
         self.run(conn, f"echo {q(wheel.digest)} > {q(n.path('venv', WHEEL_MARK))}")
 
 
@@ -423,6 +600,7 @@ class SparkConf(Step):
 
 #: the install and configuration steps, in order (every node)
 PREPARE: tuple[type[Step], ...] = (
+    NodePython,
     Dirs,
     OsPackages,
     NvidiaDriver,

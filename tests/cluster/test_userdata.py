@@ -1,0 +1,125 @@
+"""The user data of every instance sparknet launches: valid under cloud-init's own schema (the
+Debian package's `cloud-init schema`, the validator a node's cloud-init runs), and a backstop
+that, booted as cloud-init boots it (tests/sshd.py `boot`, with the stand-in `shutdown`),
+schedules a power-off the bootstrap's `BackstopOff` cancels. That the power-off ends the
+instances on moto is test_backstop.py's; that a finished `up` cancels it on every node,
+test_cluster_bootstrap.py's."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparknet.cluster import ami
+from sparknet.cluster.aws import keys, userdata
+from sparknet.cluster.spec import MAX_BACKSTOP_MINUTES, MIN_BACKSTOP_MINUTES, ClusterSpec
+from tests.sshd import boot, scheduled_shutdown, shutdown_env
+
+CLOUD_INIT = shutil.which("cloud-init")
+
+
+def schema_errors(text: str, tmp_path: Path) -> str:
+    """cloud-init's verdict on `text` as user data: '' when valid, else its message."""
+    assert CLOUD_INIT, "cloud-init is not installed: apt-get install cloud-init (.ci/run does)"
+    path = tmp_path / "user-data"
+    path.write_text(text)
+    done = subprocess.run(
+        [CLOUD_INIT, "schema", "--config-file", str(path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if done.returncode == 0 and "Valid cloud-config" in done.stdout:
+        return ""
+    return (done.stdout + done.stderr).strip() or f"exit {done.returncode}"
+
+
+def every_user_data() -> dict[str, str]:
+    """Each user data sparknet writes: a cluster's nodes (the default backstop and both ends of
+    its range) and the AMI builder's."""
+    spec = ClusterSpec(name="ud")
+    bake = ami.builder_backstop_minutes(spec, timeout_s=3600)
+    return {
+        "node, default backstop": keys.host_key_user_data(spec.backstop_minutes)[0],
+        "node, shortest backstop": keys.host_key_user_data(MIN_BACKSTOP_MINUTES)[0],
+        "node, longest backstop": keys.host_key_user_data(MAX_BACKSTOP_MINUTES)[0],
+        "AMI builder": keys.host_key_user_data(bake)[0],
+    }
+
+
+def test_every_user_data_passes_cloud_inits_schema(tmp_path) -> None:
+    errors = {what: schema_errors(text, tmp_path) for what, text in every_user_data().items()}
+    assert errors == dict.fromkeys(errors, "")
+
+
+def test_the_schema_check_refuses_what_cloud_init_refuses(tmp_path) -> None:
+    """The check itself: cloud-init 22.4's schema refuses an empty `ssh_genkeytypes`."""
+    bad = "#cloud-config\n" + yaml.safe_dump({"ssh_deletekeys": True, "ssh_genkeytypes": []})
+    assert "ssh_genkeytypes: [] is too short" in schema_errors(bad, tmp_path)
+
+
+def test_the_host_key_is_the_only_one_and_pinned_from_the_user_data() -> None:
+    text, public = keys.host_key_user_data(60)
+    config = yaml.safe_load(text)
+    assert config["ssh_deletekeys"] is True
+    assert set(config["ssh_keys"]) == {"ed25519_private", "ed25519_public"}
+    assert "ssh_genkeytypes" not in config  # given `ssh_keys`, cloud-init makes no other key
+    assert keys.host_public_key(text) == public
+
+
+def test_the_backstop_powers_off_after_its_minutes_at_every_boot(tmp_path) -> None:
+    """Booted as cloud-init boots a node, the user data schedules a power-off (not a halt:
+    EC2 leaves a halted instance running) `minutes` from the boot; a second boot schedules it
+    afresh. The bootstrap's cancel command removes it and the script."""
+    text = keys.host_key_user_data(45)[0]
+    node = tmp_path / "node"
+    env = shutdown_env(node)
+    before = time.time()
+    assert boot(text, node, env) == [userdata.BACKSTOP_SCRIPT]
+    pending = scheduled_shutdown(node)
+    assert pending is not None and pending["mode"] == "poweroff"
+    assert before + 45 * 60 <= pending["at"] <= time.time() + 45 * 60
+    assert boot(text, node, env) == [userdata.BACKSTOP_SCRIPT]
+    assert scheduled_shutdown(node) is not None
+
+    cancel = userdata.cancel_command("")
+    assert cancel.startswith(f"rm -f {userdata.BACKSTOP_SCRIPT} && ")
+    command = cancel.split(" && ", 1)[1]  # the script is the node's: not on this machine
+    subprocess.run(command, shell=True, env={**env}, check=True, timeout=30)
+    assert scheduled_shutdown(node) is None
+
+
+def test_no_backstop_without_an_executable_per_boot_script(tmp_path) -> None:
+    """The emulated boot runs only what cloud-init runs: a script left at cloud-init's default
+    mode 0644 never runs, so user data that loses the mode loses the backstop (and the test
+    of it fails)."""
+    config = yaml.safe_load(keys.host_key_user_data(45)[0])
+    del config["write_files"][0]["permissions"]
+    text = "#cloud-config\n" + yaml.safe_dump(config)
+    assert boot(text, tmp_path / "node", shutdown_env(tmp_path / "node")) == []
+    assert scheduled_shutdown(tmp_path / "node") is None
+
+
+@pytest.mark.parametrize("minutes", [0, MIN_BACKSTOP_MINUTES - 1, MAX_BACKSTOP_MINUTES + 1])
+def test_the_backstop_setting_refuses_minutes_out_of_range(minutes) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="backstop_minutes"):
+        ClusterSpec(name="ud", backstop_minutes=minutes)
+
+
+def test_backstop_off_cancels_as_root_through_sudo_on_a_users_node() -> None:
+    """On an image's own user (uid 1000, as on EC2) both commands go through `sudo -n`: the
+    script is root's, and so is a scheduled shutdown. It applies on every bootstrap."""
+    from sparknet.cluster.spark.daemons import BackstopOff
+    from tests.cluster.test_bootstrap_parts import Recorder, systemd_master
+
+    for _ in range(2):
+        step, conn = BackstopOff(systemd_master("worker-1")), Recorder()
+        assert not step.check(conn)
+        step.apply(conn)
+        assert step.check(conn)
+        assert conn.commands == [f"sudo -n rm -f {userdata.BACKSTOP_SCRIPT} && sudo -n shutdown -c"]
