@@ -96,11 +96,6 @@ class TrainConfig(BaseModel):
         description="run dir, a local path or s3://bucket/prefix; default "
         "runs/<model>-<data>-<time>",
     )
-    shared_out: bool = Field(
-        False,
-        description="a local --out is on a filesystem every node mounts at the same path (NFS, "
-        "EFS): the allreduce stage's rank 0, on any node, may write the checkpoints there",
-    )
     master: str | None = Field(None, description="Spark master; default embedded local[cores,4]")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: the GPU Spark assigned the task, else the CPU"

@@ -5,8 +5,8 @@ It runs as a process of its own (`python -m sparknet.bench.peers_run SPEC RESULT
 `peers` inside the lab's first namespace, so that the driver reaches the executors over a shaped
 link as a cluster's driver would; without namespaces it runs on this machine's loopback.
 
-The lab's namespaces share this machine's disk, so a run dir here is one every node writes
-(`shared_out`). Every contender trains the same model on the same data with the same K, batch,
+The lab's namespaces share this machine's disk, so a run dir here is one every node sees.
+Every contender trains the same model on the same data with the same K, batch,
 threads, inner optimizer and seed (`PeersSpec`), for the same seconds of training (`budget_s`,
 evaluations excluded), evaluated on the whole test set as it goes:
 - sparknet: `sparknet.training.driver.train`, evaluated after every round (every tau steps);
@@ -150,7 +150,7 @@ def run_sparknet(spark, spec: PeersSpec, dataset: str, c: Contender, run_dir: Pa
         momentum=recipe.momentum, workers=spec.workers, tau=c.tau, outer=c.outer,
         rounds=MAX_ROUNDS, eval_every=-(-EVAL_EVERY // c.tau), checkpoint_every=0,
         transport=c.kind,
-        master=spec.master, seed=spec.seed, out=str(run_dir), shared_out=True,
+        master=spec.master, seed=spec.seed, out=str(run_dir),
     )  # fmt: skip
     curve: list[tuple[float, int, float]] = []
     spent = {"train_s": 0.0, "samples": 0, "exchange_s": 0.0, "first": 0.0}

@@ -70,25 +70,15 @@ _LAST_WORD_S = 10.0
 # ---- where a barrier stage can run ------------------------------------------------------------
 
 
-def why_not(sc: SparkContext, partitions: int, every_node_writes: bool) -> str | None:
+def why_not(sc: SparkContext, partitions: int) -> str | None:
     """Why a barrier stage of `partitions` tasks cannot run on this session, or None when it
-    can: every task needs a slot at once; Spark refuses barrier stages under dynamic
-    allocation; and rank 0, on some executor, writes the checkpoints, so the run dir must be
-    one every node reaches (`every_node_writes`: S3, or a filesystem every node mounts; else
-    this machine's disk when every executor runs here). Waits for a cluster's executors first
-    (as the spark transport does)."""
+    can: every task needs a slot at once, and Spark refuses barrier stages under dynamic
+    allocation. (Rank 0, on some executor, writes the checkpoints: that every executor sees a
+    local run dir is proved by the driver before the first round, `rundir_reach`.) Waits for a
+    cluster's executors first (as the spark transport does)."""
     if dynamic_allocation(sc):
         return "Spark's dynamic allocation is on (barrier stages need a fixed set of executors)"
     cores = wait_for_executors(sc, partitions)
-    driver = sc.getConf().get("spark.driver.host", "127.0.0.1")
-    if not every_node_writes and not is_local_master(sc.master):
-        elsewhere = sorted(h for h in set(executor_hosts(sc).values()) if not _here(h, driver))
-        if elsewhere:
-            return (
-                f"its workers write the checkpoints and the run dir is on this machine's disk, "
-                f"which {elsewhere[0]} cannot reach: use an s3:// --out (or set shared_out "
-                "when every node mounts it)"
-            )
     task_cpus = conf_int(sc, "spark.task.cpus", 1)
     gpus = conf_int(sc, "spark.executor.resource.gpu.amount", 0)
     slots = task_slots(cores, task_cpus, gpus)
@@ -98,23 +88,6 @@ def why_not(sc: SparkContext, partitions: int, every_node_writes: bool) -> str |
             f"{partitions} workers"
         )
     return None
-
-
-def _here(host: str, driver: str) -> bool:
-    """Whether an executor on `host` shares this machine's disk: the driver's own host, or a
-    loopback address."""
-    try:
-        address = socket.gethostbyname(host)
-    except OSError:
-        return False
-    return host == driver or address.startswith("127.") or address == _address_of(driver)
-
-
-def _address_of(host: str) -> str | None:
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return None
 
 
 # ---- the stage, as the driver sees it -------------------------------------------------------

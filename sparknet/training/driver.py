@@ -15,7 +15,7 @@ from sparknet.config import DatasetEntry, TrainConfig
 from sparknet.data.frames import Frames
 from sparknet.data.sources import is_frame_spec, resolve_source
 from sparknet.errors import SparknetError
-from sparknet.training import allreduce, checkpoint, rundir
+from sparknet.training import allreduce, checkpoint, rundir, rundir_reach
 from sparknet.training.outer import OuterOptimizer
 from sparknet.training.probe import check_python_workers, user_modules
 from sparknet.training.problem import FrameInput, Problem, frame_problem, prepare
@@ -189,10 +189,11 @@ def _start(
             status("waiting for Spark's executors")
             if cores := wait_for_executors(spark.sparkContext, cfg.workers):
                 status(f"{len(cores)} executors registered ({sum(cores.values())} cores)")
-        cfg = _resolve_transport(cfg, spark, run.on_s3 or cfg.shared_out)  # refusals first
+        cfg = _resolve_transport(cfg, spark)  # refusals first
         status("starting Python workers")
         data = None if frames is not None or cfg.data in (datasets or {}) else cfg.data
         check_python_workers(spark, cfg.workers, user_modules(cfg.model, data))
+        _reach_run_dir(run, spark, cfg.workers, status)
         if frames is not None:
             problem, placed = frame_problem(cfg, spark, frames)
             accepted = _accepted(_effective(changes[0], problem), run, changes[1])
@@ -218,7 +219,7 @@ def _start(
                     raise  # once every file is written, a signal while Spark stops is no failure
 
 
-def _resolve_transport(cfg: TrainConfig, spark, every_node_writes: bool) -> TrainConfig:
+def _resolve_transport(cfg: TrainConfig, spark) -> TrainConfig:
     """The transport that runs, recorded in the run's config.yaml: `auto` is `allreduce` on a
     cluster master whose executors give every worker a task slot at once (DataFrames too),
     or wherever it can run when `compress` asks for it; else `spark`. An `allreduce` that
@@ -226,7 +227,7 @@ def _resolve_transport(cfg: TrainConfig, spark, every_node_writes: bool) -> Trai
     if cfg.transport == "spark":
         return cfg
     sc = spark.sparkContext
-    why = _allreduce_refusal(sc, cfg, every_node_writes)
+    why = _allreduce_refusal(sc, cfg)
     wanted = cfg.transport == "allreduce" or cfg.compress != "none"
     if why is not None and wanted:
         raise SparknetError(why)
@@ -235,8 +236,19 @@ def _resolve_transport(cfg: TrainConfig, spark, every_node_writes: bool) -> Trai
     return cfg.model_copy(update={"transport": "spark"})
 
 
-def _allreduce_refusal(sc, cfg: TrainConfig, every_node_writes: bool) -> str | None:
-    why = allreduce.why_not(sc, cfg.workers, every_node_writes)
+def _reach_run_dir(run: RunDir, spark, workers: int, status: StatusCallback) -> None:
+    """On a cluster, a local run dir must be one every executor sees: tasks write files of the
+    run into it (both transports: each worker its inner optimizer state into a checkpoint; under
+    allreduce rank 0 the checkpoints and the weights). Refused in one line where some do not."""
+    if run.on_s3 or is_local_master(spark.sparkContext.master):
+        return
+    status("checking that the executors see --out")
+    if hosts := rundir_reach.unseen_hosts(spark.sparkContext, run, workers):
+        raise rundir_reach.refusal(run, hosts)
+
+
+def _allreduce_refusal(sc, cfg: TrainConfig) -> str | None:
+    why = allreduce.why_not(sc, cfg.workers)
     if why is None:
         return None
     asked = "--transport allreduce" if cfg.transport == "allreduce" else "--compress"

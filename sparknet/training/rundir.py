@@ -48,6 +48,9 @@ LOST_AFTER_S = STALE_S / 2
 
 #: what a run writes into its dir; anything else there is not a run's
 RUN_ENTRIES = {CONFIG_FILE, METRICS, checkpoint.CHECKPOINTS, MODEL_FILE, CURVES, LOCK}
+#: the start of the token a driver puts in a local run dir for its executors to read
+#: (rundir_reach); removed at once, but a driver killed meanwhile leaves it: then ignored
+REACH_TOKEN = ".sparknet-reach."
 #: temp names of the files above (the store's `.NAME.<pid>.<hex>.tmp`, and older versions'),
 #: and TensorBoard's event files
 _RUN_EXTRAS = re.compile(
@@ -183,7 +186,7 @@ def check(run: RunDir, resume: bool) -> None:
 
     A dir whose run ended before its first complete checkpoint holds nothing to resume, so a new
     run may start over in it (without --resume); a dir of anything else is never overwritten."""
-    entries = run.store.entries() - {LOCK}
+    entries = {e for e in run.store.entries() - {LOCK} if not e.startswith(REACH_TOKEN)}
     if resume:
         if CONFIG_FILE not in entries:
             raise SparknetError(f"nothing to resume: {run} is not a sparknet run dir")

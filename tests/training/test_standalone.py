@@ -19,6 +19,7 @@ from torch import nn
 
 from sparknet.models import mlp
 from sparknet.training.driver import train
+from sparknet.training.rundir import is_run_entry
 from tests.conftest import REPO, SPARKNET
 from tests.helpers import cli_config
 
@@ -82,6 +83,9 @@ def test_kept_inner_state_stays_with_its_partition_and_runs_are_bit_identical(
     assert not any("executors" in r for r in rows(tmp_path / "local"))
     assert {yaml.safe_load((tmp_path / n / "config.yaml").read_text())["train"]["transport"]
             for n in ("a", "b", "local")} == {"allreduce"}  # fmt: skip
+    # the executors share this machine's disk: the check that they see a local --out passed,
+    # and its token is gone
+    assert all(is_run_entry(p.name) for n in ("a", "b") for p in (tmp_path / n).iterdir())
     model = (tmp_path / "a" / "model.safetensors").read_bytes()
     assert (tmp_path / "b" / "model.safetensors").read_bytes() == model
     assert (tmp_path / "local" / "model.safetensors").read_bytes() == model
