@@ -45,7 +45,7 @@ from pathlib import Path
 
 from sparknet.cluster import sshkeys
 from sparknet.cluster.nodes import Access
-from tests.sshd import free_port
+from tests.sshd import free_port, wait_listening
 
 #: what makes the root: a change here is a new cache key, so a new root
 SUITE = "bookworm"
@@ -364,7 +364,8 @@ def start_node(
         )  # fmt: skip
     node = BareNode(name, root, host, port, proc, log, public, namespace="")
     try:
-        _wait_listening(node)  # sshd listens: the process runs in its own namespace now
+        # sshd listens: the process runs in its own namespace now
+        wait_listening(proc, log, host, port, 30, who=f"{name}'s sshd")
         node.namespace = os.readlink(f"/proc/{proc.pid}/ns/mnt")
     except BaseException:
         node.stop()
@@ -401,20 +402,6 @@ def _sshd_config(host: str, port: int) -> str:
             "",
         ]
     )
-
-
-def _wait_listening(node: BareNode, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    listening = f"Server listening on {node.host} port {node.port}."
-    while True:
-        text = node.log.read_text()
-        if node.proc.poll() is not None:
-            raise RuntimeError(f"{node.name}'s sshd exited ({node.proc.returncode}): {text}")
-        if listening in text:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{node.name}'s sshd did not listen within {timeout} s: {text}")
-        time.sleep(0.05)
 
 
 @dataclass

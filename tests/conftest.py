@@ -224,6 +224,13 @@ LONG_MODULES = frozenset(
 )
 
 
+#: modules that spend a minute or more mostly waiting (on the disk, the network, a mirror), not
+#: computing: started before everything else, so that their wait overlaps the CPU-bound tests
+#: instead of lengthening the suite's tail (test_bare_node.py: about 110 s, most of it unpacking
+#: a Debian root and installing from package mirrors)
+WAITING_MODULES = frozenset(("tests/cluster/test_bare_node.py",))
+
+
 def _unit(nodeid: str) -> str:
     """The unit of work a test belongs to, from its id alone (the scheduler sees nothing else)."""
     path = nodeid.split("::", 1)[0]
@@ -248,9 +255,9 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items) -> None:
     """A test that uses the standalone cluster outside STANDALONE_MODULES would start a second
     cluster in the other test process: refused. In each test process the units run longest first
-    (the scheduler hands them out in collection order): the standalone unit, the long
-    integration modules, the other integration modules (marked `integration`), then the quick
-    tests, which fill the gaps at the end."""
+    (the scheduler hands them out in collection order): the modules that mostly wait, the
+    standalone unit, the long integration modules, the other integration modules (marked
+    `integration`), then the quick tests, which fill the gaps at the end."""
     strays = sorted(
         {i.nodeid.split("::")[0] for i in items if "standalone" in i.fixturenames}
         - STANDALONE_MODULES
@@ -261,11 +268,13 @@ def pytest_collection_modifyitems(config, items) -> None:
 
         def rank(item) -> int:
             unit = _unit(item.nodeid)
-            if unit == "standalone":
+            if unit in WAITING_MODULES:
                 return 0
-            if unit in LONG_MODULES:
+            if unit == "standalone":
                 return 1
-            return 2 if item.get_closest_marker("integration") else 3
+            if unit in LONG_MODULES:
+                return 2
+            return 3 if item.get_closest_marker("integration") else 4
 
         items.sort(key=rank)
 

@@ -222,7 +222,7 @@ def start_sshd(
             )
         node = Sshd("127.0.0.1", chosen, workdir, proc, host_key, auth)
         try:
-            _wait_listening(node, timeout)
+            wait_listening(proc, node.log, node.host, chosen, timeout)
             return node
         except PortTaken:
             node.stop()
@@ -238,22 +238,25 @@ class PortTaken(RuntimeError):
     """Another process bound the port between `free_port` and sshd (parallel test workers)."""
 
 
-def _wait_listening(node: Sshd, timeout: float) -> None:
-    """Until sshd says it listens on its port (a TCP connect could reach another process's
-    sshd that took the port first, and a test would then meet a stranger's host key); a
-    RuntimeError with its log if sshd exits."""
+def wait_listening(
+    proc: subprocess.Popen, log: Path, host: str, port: int, timeout: float, who: str = "sshd"
+) -> None:
+    """Until the sshd `proc` says in `log` that it listens on `host`:`port` (a TCP connect could
+    reach another process's sshd that took the port first, and a test would then meet a
+    stranger's host key). PortTaken if it exits for the port, a RuntimeError with its log if it
+    exits otherwise or does not listen within `timeout` s; `who` names it in those errors."""
     deadline = time.monotonic() + timeout
-    listening = f"Server listening on {node.host} port {node.port}."
+    listening = f"Server listening on {host} port {port}."
     while True:
-        text = node.log.read_text() if node.log.exists() else ""
-        if node.proc.poll() is not None:
+        text = log.read_text() if log.exists() else ""
+        if proc.poll() is not None:
             if "Address already in use" in text:
-                raise PortTaken(f"port {node.port} taken: {text}")
-            raise RuntimeError(f"sshd exited ({node.proc.returncode}): {text}")
+                raise PortTaken(f"{who}: port {port} taken: {text}")
+            raise RuntimeError(f"{who} exited ({proc.returncode}): {text}")
         if listening in text:
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"sshd on port {node.port} did not listen within {timeout} s")
+            raise RuntimeError(f"{who} on port {port} did not listen within {timeout} s: {text}")
         time.sleep(0.05)
 
 

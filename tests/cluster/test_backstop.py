@@ -12,32 +12,17 @@ what the test runs under."""
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import uuid
 
 import pytest
-import yaml
 
 from sparknet.cluster.aws import keys
+from tests.cluster.moto_clusters import loopback_cluster, moto_ec2, up_signalled_at_bootstrap
 from tests.cluster.test_userdata import schema_errors
-from tests.conftest import SPARKNET
-from tests.moto_server import amazon_ami
-from tests.sshd import loopback_cluster_entry
 
 pytestmark = pytest.mark.integration
 
-REGION = "us-east-1"
 AMI_PARAMETER = "/test/sparknet/backstop-ami"
-ADDRESSES = {"master": "127.0.0.2", "worker-1": "127.0.0.3"}
-
-
-def _ec2():
-    import boto3
-
-    return boto3.client("ec2", region_name=REGION)
 
 
 @pytest.fixture
@@ -45,37 +30,17 @@ def cluster(moto_endpoint, moto_nodes, tmp_path, monkeypatch):
     """A cluster of a master and one worker in ./sparknet.yaml (cwd tmp_path), its registry
     under tmp_path, its nodes loopback sshd nodes with their own addresses and prefixes; taken
     down at the end."""
-    import boto3
-
-    from sparknet.cluster import registry
-
-    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
-    boto3.client("ssm", region_name=REGION).put_parameter(
-        Name=AMI_PARAMETER, Value=amazon_ami(REGION), Type="String", Overwrite=True
-    )
-    name = f"s{uuid.uuid4().hex[:8]}"
-    entry = loopback_cluster_entry(REGION, AMI_PARAMETER)
-    (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump({"clusters": {name: entry}}))
-    group = moto_nodes(name, 1)
-    layout = json.loads(group.file.read_text())
-    for node, address in ADDRESSES.items():
-        layout[f"{name}/{node}/node"] = {"address": address, "prefix": str(tmp_path / node)}
-    group.file.write_text(json.dumps(layout))
-    yield name, group
-    if registry.registered().get(name) is not None:
-        cli("down", name, cwd=tmp_path)
-
-
-def cli(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(SPARKNET), "cluster", *args], cwd=cwd, env=os.environ.copy(),
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    with loopback_cluster(
+        moto_nodes, tmp_path, monkeypatch, prefix="s", ami_parameter=AMI_PARAMETER
+    ) as (name, group, _entry):
+        yield name, group
 
 
 def states(name: str) -> dict[str, str]:
     """The cluster's instances in moto (by tag, whatever their state): id -> state."""
-    found = _ec2().describe_instances(Filters=[{"Name": "tag:sparknet:cluster", "Values": [name]}])
+    found = moto_ec2().describe_instances(
+        Filters=[{"Name": "tag:sparknet:cluster", "Values": [name]}]
+    )
     return {
         i["InstanceId"]: i["State"]["Name"] for r in found["Reservations"] for i in r["Instances"]
     }
@@ -87,20 +52,11 @@ def test_a_bootstrap_killed_midway_leaves_each_instance_to_its_backstop(cluster,
     default `backstop_minutes`), not before, each powers itself off, and EC2 terminates it,
     as its launch asked."""
     name, group = cluster
-    ec2 = _ec2()
+    ec2 = moto_ec2()
     with group.watch(ec2):
-        proc = subprocess.Popen(
-            [str(SPARKNET), "cluster", "up", name], cwd=tmp_path, env=os.environ.copy(),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        seen = []
-        for line in proc.stderr:
-            seen.append(line)
-            if line.startswith("bootstrapping "):
-                proc.send_signal(signal.SIGKILL)
-                break
+        proc, seen = up_signalled_at_bootstrap(name, tmp_path, signal.SIGKILL)
         proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "".join(seen)
+    assert proc.returncode == -signal.SIGKILL, seen
     launched = states(name)
     assert sorted(launched.values()) == ["running", "running"]
     group.serve(ec2)  # every instance has booted, whether `up` reached it or not

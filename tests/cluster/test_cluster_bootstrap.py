@@ -20,31 +20,25 @@ import os
 import re
 import shlex
 import signal
-import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.conftest import SPARKNET
+from tests.cluster.moto_clusters import (
+    ADDRESSES,
+    REGION,
+    cli,
+    loopback_cluster,
+    moto_ec2,
+    up_signalled_at_bootstrap,
+)
 from tests.imds import ImdsStandIn
-from tests.moto_server import amazon_ami
-from tests.sshd import daemon_pids, loopback_cluster_entry, scheduled_shutdown
+from tests.sshd import daemon_pids, scheduled_shutdown
 
 pytestmark = pytest.mark.integration
 
-REGION = "us-east-1"
 AMI_PARAMETER = "/test/sparknet/bootstrap-ami"
-#: the private addresses the nodes' daemons bind (all of 127/8 is loopback on Linux)
-ADDRESSES = {"master": "127.0.0.2", "worker-1": "127.0.0.3"}
-
-
-def _ec2():
-    import boto3
-
-    return boto3.client("ec2", region_name=REGION)
 
 
 @pytest.fixture
@@ -53,28 +47,15 @@ def cluster(moto_endpoint, moto_nodes, tmp_path, monkeypatch):
     under tmp_path, and its two nodes mapped to loopback sshd nodes with their own addresses
     and prefixes; its worker is a spot instance, and each node's metadata service is the
     stand-in of tests/imds.py (`group.imds`). Whatever is left is taken down at the end."""
-    from sparknet.cluster import registry
-
-    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
-    ami = amazon_ami(REGION)
-    import boto3
-
-    boto3.client("ssm", region_name=REGION).put_parameter(
-        Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True
-    )
-    name = f"b{uuid.uuid4().hex[:8]}"
-    entry = {**loopback_cluster_entry(REGION, AMI_PARAMETER), "spot": True}
-    (tmp_path / "sparknet.yaml").write_text(yaml.safe_dump({"clusters": {name: entry}}))
-    group = moto_nodes(name, 1)
-    group.imds = imds = ImdsStandIn()
-    layout = json.loads(group.file.read_text())
-    for node, address in ADDRESSES.items():
-        layout[f"{name}/{node}/node"] = {"address": address, "prefix": str(tmp_path / node)}
-    group.file.write_text(json.dumps(layout))
-    yield name, group, entry
-    if registry.registered().get(name) is not None:
-        cli("down", name, cwd=tmp_path)
-    imds.close()
+    imds = ImdsStandIn()
+    try:
+        with loopback_cluster(
+            moto_nodes, tmp_path, monkeypatch, prefix="b", ami_parameter=AMI_PARAMETER, spot=True
+        ) as (name, group, entry):
+            group.imds = imds
+            yield name, group, entry
+    finally:
+        imds.close()
 
 
 def _until(value, timeout: float = 60.0):
@@ -86,13 +67,6 @@ def _until(value, timeout: float = 60.0):
     return got
 
 
-def cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(SPARKNET), "cluster", *args], cwd=cwd, env=os.environ.copy(),
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-
-
 def test_up_bootstraps_a_healthy_cluster_and_down_stops_it(cluster, tmp_path) -> None:
     from sparknet.cluster import registry, repair, sparkops
     from sparknet.cluster.aws import instances, keys
@@ -100,7 +74,7 @@ def test_up_bootstraps_a_healthy_cluster_and_down_stops_it(cluster, tmp_path) ->
 
     name, group, entry = cluster
     master_url = f"spark://{ADDRESSES['master']}:{entry['bootstrap']['master_port']}"
-    with group.watch(_ec2()):
+    with group.watch(moto_ec2()):
         up = cli("up", name, cwd=tmp_path)
     assert up.returncode == 0, up.stderr[-3000:]
     out = up.stderr  # progress and the bootstrap's lines; stdout has the instances
@@ -133,13 +107,13 @@ def test_up_bootstraps_a_healthy_cluster_and_down_stops_it(cluster, tmp_path) ->
     assert "master: backstop-off done" in out and "worker-1: backstop-off done" in out
     assert [scheduled_shutdown(group.workdir / node) for node in ADDRESSES] == [None, None]
     group.skew = 24 * 60 * 60
-    assert group.end_due(_ec2()) == {}
-    assert {i.state for i in instances.find(_ec2(), name)} == {"running"}
+    assert group.end_due(moto_ec2()) == {}
+    assert {i.state for i in instances.find(moto_ec2(), name)} == {"running"}
     group.skew = 0.0  # a node launched later (the repair's) has its backstop's hour
 
     # GPUs from the instance type where the spec does not say (g5.xlarge: one A10G)
     spec = ClusterSpec.model_validate({**entry, "name": name, "bootstrap": {}})
-    ec2 = _ec2()
+    ec2 = moto_ec2()
     assert [n.gpus for n in sparkops.plan_nodes(spec, ec2, instances.find(ec2, name))] == [1, 1]
 
     # where docs/clusters.md sends users for a job: the master node, whose venv's Python finds
@@ -257,7 +231,7 @@ def test_a_failed_bootstrap_keeps_the_instances_and_says_how_to_go_on(cluster, t
     layout = json.loads(group.file.read_text())
     layout[f"{name}/master/node"]["prefix"] = str(tmp_path / "master" / "sub")
     group.file.write_text(json.dumps(layout))
-    with group.watch(_ec2()):
+    with group.watch(moto_ec2()):
         up = cli("up", name, cwd=tmp_path)
     assert up.returncode == 1, up.stderr
     first = next(ln for ln in up.stderr.splitlines() if ln.startswith("error: "))
@@ -267,11 +241,11 @@ def test_a_failed_bootstrap_keeps_the_instances_and_says_how_to_go_on(cluster, t
         f"bootstrap {name} --region {REGION}` finishes it" in first
     )
     assert "Traceback" not in up.stderr
-    assert len(instances.find(_ec2(), name)) == 2
+    assert len(instances.find(moto_ec2(), name)) == 2
     assert name in registry.registered()
     # fixed: the bootstrap alone finishes the cluster
     (tmp_path / "master").unlink()
-    group.serve(_ec2())
+    group.serve(moto_ec2())
     done = cli("bootstrap", name, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "master: applied dirs, python-env" in done.stderr
@@ -302,19 +276,10 @@ def test_ctrl_c_during_the_bootstrap_keeps_the_cluster_registered(cluster, tmp_p
     from sparknet.cluster import registry
 
     name, group, _entry = cluster
-    with group.watch(_ec2()):
-        proc = subprocess.Popen(
-            [str(SPARKNET), "cluster", "up", name], cwd=tmp_path, env=os.environ.copy(),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        seen = []
-        for line in proc.stderr:
-            seen.append(line)
-            if line.startswith("bootstrapping "):
-                proc.send_signal(signal.SIGINT)
-                break
+    with group.watch(moto_ec2()):
+        proc, seen = up_signalled_at_bootstrap(name, tmp_path, signal.SIGINT)
         _out, err = proc.communicate(timeout=180)
-    assert proc.returncode == 130, "".join(seen) + err
+    assert proc.returncode == 130, seen + err
     assert (
         "error: interrupted during the bootstrap; the cluster's 2 instances stay up and "
         "registered (and are billed)" in err

@@ -3,12 +3,10 @@ after a failure or Ctrl-C in the middle of `up`."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
 import subprocess
-import uuid
 from collections import Counter
 
 import boto3
@@ -21,8 +19,9 @@ from sparknet.cluster.aws import instances, preflight
 from sparknet.cluster.aws.foundation import node_role_name
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
 from sparknet.errors import SparknetError
+from tests.cluster.moto_clusters import moto_spec
 from tests.conftest import REPO, SPARKNET
-from tests.moto_server import amazon_ami, amazon_amis
+from tests.moto_server import amazon_amis
 
 pytestmark = pytest.mark.integration
 
@@ -32,19 +31,10 @@ AMI_PARAMETER = "/test/sparknet/lifecycle-ami"
 
 @pytest.fixture
 def spec(moto_endpoint, tmp_path, monkeypatch):
-    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
-    ami = amazon_ami(REGION)
-    boto3.client("ssm", region_name=REGION).put_parameter(
-        Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True
-    )
-    spec = ClusterSpec(
-        name=f"l{uuid.uuid4().hex[:8]}", region=REGION, workers=2, master_type="g5.xlarge",
-        instance_types=["g4dn.xlarge"], ami_parameter=AMI_PARAMETER,
-        allowed_cidr="203.0.113.9/32", root_volume_gb=120,
-    )  # fmt: skip
-    yield spec
-    with contextlib.suppress(lifecycle.ClusterNotFound):
-        lifecycle.down(spec, endpoint_url=moto_endpoint)
+    with moto_spec(
+        moto_endpoint, tmp_path, monkeypatch, prefix="l", ami_parameter=AMI_PARAMETER
+    ) as spec:
+        yield spec
 
 
 def another_ami() -> str:

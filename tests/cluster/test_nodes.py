@@ -16,7 +16,7 @@ from sparknet.cluster.address import Endpoint
 from sparknet.cluster.aws import keys, userdata
 from sparknet.cluster.nodes import Access
 from sparknet.errors import SparknetError
-from tests.moto_server import amazon_ami
+from tests.cluster.moto_clusters import moto_spec
 from tests.sshd import start_sshd
 
 pytestmark = pytest.mark.integration
@@ -267,27 +267,10 @@ AMI_PARAMETER = "/test/sparknet/nodes-ami"
 @pytest.fixture
 def spec(moto_endpoint, tmp_path, monkeypatch):
     """A cluster spec on moto with its registry under tmp_path; taken down at the end."""
-    import contextlib
-    import uuid
-
-    import boto3
-
-    from sparknet.cluster import lifecycle, registry
-    from sparknet.cluster.spec import ClusterSpec
-
-    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
-    ami = amazon_ami(REGION)
-    boto3.client("ssm", region_name=REGION).put_parameter(
-        Name=AMI_PARAMETER, Value=ami, Type="String", Overwrite=True
-    )
-    spec = ClusterSpec(
-        name=f"n{uuid.uuid4().hex[:8]}", region=REGION, workers=2, master_type="g5.xlarge",
-        instance_types=["g4dn.xlarge"], ami_parameter=AMI_PARAMETER,
-        allowed_cidr="203.0.113.9/32", root_volume_gb=120,
-    )  # fmt: skip
-    yield spec
-    with contextlib.suppress(lifecycle.ClusterNotFound):
-        lifecycle.down(spec, endpoint_url=moto_endpoint)
+    with moto_spec(
+        moto_endpoint, tmp_path, monkeypatch, prefix="n", ami_parameter=AMI_PARAMETER
+    ) as spec:
+        yield spec
 
 
 def _up(spec, endpoint):

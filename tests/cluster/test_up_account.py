@@ -10,7 +10,6 @@ refusals AWS makes (AccessDeniedException, a lagging describe) come from the sui
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import subprocess
@@ -28,6 +27,7 @@ from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
 from sparknet.config import TrainConfig
 from sparknet.errors import InputError, SparknetError
 from sparknet.jobs import preflight as job_preflight
+from tests.cluster.moto_clusters import moto_spec
 from tests.conftest import SPARKNET
 from tests.jobs.test_submit_parts import _dataset
 from tests.moto_quotas import EC2_QUOTAS
@@ -52,18 +52,10 @@ def ec2_quotas() -> Iterator[dict[str, float]]:
 
 @pytest.fixture
 def spec(moto_endpoint, tmp_path, monkeypatch):
-    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
-    boto3.client("ssm", region_name=REGION).put_parameter(
-        Name=AMI_PARAMETER, Value=amazon_ami(REGION), Type="String", Overwrite=True
-    )
-    spec = ClusterSpec(
-        name=f"q{uuid.uuid4().hex[:8]}", region=REGION, workers=2, master_type="g5.xlarge",
-        instance_types=["g4dn.xlarge"], ami_parameter=AMI_PARAMETER,
-        allowed_cidr="203.0.113.9/32", root_volume_gb=120,
-    )  # fmt: skip
-    yield spec
-    with contextlib.suppress(lifecycle.ClusterNotFound):
-        lifecycle.down(spec, endpoint_url=moto_endpoint)
+    with moto_spec(
+        moto_endpoint, tmp_path, monkeypatch, prefix="q", ami_parameter=AMI_PARAMETER
+    ) as spec:
+        yield spec
 
 
 def check(spec: ClusterSpec, endpoint: str, **changes: Any) -> list[str]:
