@@ -236,9 +236,8 @@ def describe_error(exc: BaseException, what: str) -> SparknetError:
         if code in QUOTA_CODES:
             return SparknetError(
                 f"{what} hit an AWS quota ({code}: {message}); EC2's vCPU quotas are per "
-                "region and instance family: ask for more with `aws service-quotas "
-                "request-service-quota-increase --service-code ec2 --quota-code CODE "
-                "--desired-value VCPUS` or in the Service Quotas console"
+                "region and instance family: the Service Quotas console of that region (Amazon "
+                "EC2) shows each quota's code and value and takes requests for more"
             )
         if code == "OptInRequired":
             return SparknetError(

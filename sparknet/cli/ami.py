@@ -38,6 +38,11 @@ def ami_bake(
     python_env: str | None = typer.Option(
         None, help="an env on the base AMI whose torch to use; default: its PyTorch env if it fits"
     ),
+    package_index: str | None = typer.Option(
+        None,
+        help="where the builder's pip finds packages, as bootstrap: package_index: pytorch "
+        "(default), node (its own pip configuration) or an https:// index URL",
+    ),
     record_parameter: str | None = typer.Option(
         None, help="SSM parameter the new AMI id is recorded in (`cluster up` reads it)"
     ),
@@ -54,7 +59,7 @@ def ami_bake(
         settings = _settings(
             region=region, base_ami=base_ami, ami_parameter=ami_parameter,
             instance_type=instance_type, root_volume_gb=root_volume_gb,
-            allowed_cidr=allowed_cidr, python_env=python_env,
+            allowed_cidr=allowed_cidr, python_env=python_env, package_index=package_index,
             record_parameter=record_parameter, prefix=prefix, endpoint_url=endpoint_url,
         )  # fmt: skip
     except SparknetError as exc:
@@ -91,7 +96,7 @@ def _settings(**given):
     AWS would refuse."""
     from sparknet import aws  # lazy: boto3
     from sparknet.cluster import ami, nodes  # lazy: boto3, fabric
-    from sparknet.cluster.spec import check_ssh_cidr  # lazy: boto3
+    from sparknet.cluster.spec import check_package_index, check_ssh_cidr  # lazy: boto3
 
     nodes.silence_s()  # a bad SSH wait setting fails before the builder is launched
     values = {k: v for k, v in given.items() if v is not None}
@@ -103,6 +108,13 @@ def _settings(**given):
             values["allowed_cidr"] = check_ssh_cidr(values["allowed_cidr"])
         except ValueError as exc:
             raise SparknetError(f"--allowed-cidr: {exc}") from exc
+    if "package_index" in values:
+        try:
+            check_package_index(values["package_index"])
+        except ValueError as exc:
+            raise SparknetError(
+                f"--package-index: {exc} (got {values['package_index']!r})"
+            ) from exc
     if "endpoint_url" in values:
         aws.check_endpoint_url(values["endpoint_url"], "--endpoint-url")
     return ami.BakeSettings(**values)

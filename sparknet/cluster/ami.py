@@ -41,6 +41,7 @@ from sparknet.cluster.spark.wheel import Wheel, build_wheel, source_checkout
 from sparknet.cluster.spec import (
     DEFAULT_AMI_PARAMETER,
     MAX_BACKSTOP_MINUTES,
+    PACKAGE_INDEX_PYTORCH,
     TAG_ROLE,
     ClusterSpec,
     tag_value,
@@ -228,6 +229,9 @@ class BakeSettings:
     allowed_cidr: str | None = None
     #: an env on the base AMI whose torch the image uses; None: the AMI's PyTorch env if it fits
     python_env: str | None = None
+    #: where the builder's pip finds packages, as a cluster's `bootstrap: package_index`
+    #: (`spec.check_package_index`): a builder that reaches only a company mirror needs `node`
+    package_index: str = PACKAGE_INDEX_PYTORCH
     #: where sparknet installs on the builder (the clusters' nodes look there)
     prefix: str = DEFAULT_PREFIX
     #: the SSM parameter the new AMI id is recorded in
@@ -372,7 +376,9 @@ def _bake(
     keys.pin_cluster(ec2, spec.name, ready, access.known_hosts)
     (endpoint,) = seam.endpoints(spec.name, ready)
     node = Node(endpoint, prefix=settings.prefix, gpus=gpus)
-    plan = Plan((node,), wheel, "", python_env=settings.python_env)
+    plan = Plan(
+        (node,), wheel, "", python_env=settings.python_env, package_index=settings.package_index
+    )
     _install(plan, access, image, made.builder, say, timeout_s)
     versions = _versions_and_clean(plan, access, image, root, made.builder, say)
     say(f"stopping the builder {made.builder}")

@@ -179,7 +179,7 @@ def check_before_up(
     # a refused read warns and goes on, and fails fast: two attempts, not the usual eight
     service_quotas = aws.client("service-quotas", spec.region, endpoint_url, max_attempts=2)
     quotas.check_quotas(spec, ec2, service_quotas, say)
-    preflight.check_bucket_region(spec, endpoint_url)
+    preflight.check_bucket_region(spec, endpoint_url, say=say)
     return ami
 
 
@@ -199,7 +199,8 @@ def up(
     Idempotent: what already runs (found by tag) is kept and only what is missing is launched.
     On any error, or Ctrl-C, before the bootstrap, what this call created (and only that) is
     removed again before it re-raises. A failed or interrupted bootstrap removes nothing: the
-    instances run, and the error (`BootstrapIncomplete`) says they are billed and how to go on.
+    instances run until their backstop ends them (`userdata`), and the error
+    (`BootstrapIncomplete`) says they are billed, when the backstop ends them, and how to go on.
     The AMI is `ami.ami_for`'s: the spec's, else its own parameter's, else the region's baked
     image, else the default Deep Learning AMI. Holds the cluster's lock throughout; every
     resource it makes is tagged with the caller's identity (`sparknet:owner`), and it refuses
@@ -233,12 +234,14 @@ def _bootstrap_after_up(
     """The bootstrap as the last part of `up`. Its failure or Ctrl-C leaves the instances as
     they are (a step fails far more often for a reason the user fixes, such as a package
     mirror, than for one a fresh instance cures, and relaunching costs minutes each time): the
-    one-line error says they run and are billed, and what finishes or ends them."""
+    one-line error says they run and are billed until their backstop (`userdata`) ends them,
+    and what finishes or ends them before that."""
     where = f"{spec.name} --region {spec.region}"
     stay = (
         f"the cluster's {len(info.instances)} instances stay up and registered (and are "
-        f"billed): `sparknet cluster bootstrap {where}` finishes it, `sparknet cluster down "
-        f"{where}` ends them"
+        f"billed) until their backstop powers them off (terminates them) "
+        f"{spec.backstop_minutes} minutes after their last boot: `sparknet cluster bootstrap "
+        f"{where}` before then finishes it, `sparknet cluster down {where}` ends them now"
     )
     try:
         report = sparkops.bootstrap_instances(spec, ec2, info.instances, say, carried)

@@ -155,6 +155,7 @@ def bootstrap_locked(
             package_index=settings.package_index,
             worker_cores=settings.worker_cores, worker_memory_mb=settings.worker_memory_mb,
             install_drivers=spec.provider == "aws", autostop=autostop_settings(spec),
+            region=spec.region if spec.provider == "aws" else None,
         )  # fmt: skip
         say(f"bootstrapping {len(plan.nodes)} nodes (sparknet {plan.wheel.version})")
         try:

@@ -85,6 +85,24 @@ PACKAGE_INDEX_NODE = "node"
 INFRA_DIR = Path(__file__).resolve().parent / "infra"
 
 
+def check_package_index(value: str) -> str:
+    """`value` as `bootstrap: package_index` takes it: pytorch, node, or an https:// or file://
+    index URL. Plain http:// is refused: pip ignores such an index unless told to trust its host
+    (`--trusted-host`), and packages fetched over it can be replaced in transit. The message
+    leaves the value out: the settings loader and the CLI add it."""
+    if value in (PACKAGE_INDEX_PYTORCH, PACKAGE_INDEX_NODE) or re.fullmatch(
+        r"(https|file)://[^\s'\"]+", value
+    ):
+        return value
+    if re.match(r"http://", value, re.I):
+        raise ValueError(
+            "a plain http:// index is refused (packages over plain http can be replaced in "
+            "transit, and pip ignores such an index): serve the mirror over https://, or set "
+            "package_index: node and trust it in the nodes' own pip.conf"
+        )
+    raise ValueError("give pytorch, node, or an index URL such as https://pypi.example.com/simple")
+
+
 class BootstrapSettings(BaseModel):
     """How `up` and `cluster bootstrap` set the nodes' Spark up (`bootstrap:` of a cluster).
 
@@ -103,8 +121,8 @@ class BootstrapSettings(BaseModel):
         PACKAGE_INDEX_PYTORCH,
         description="where the nodes' pip finds packages: `pytorch` (torch from PyTorch's "
         "index for the node's CUDA, the rest from the node's pip configuration), `node` "
-        "(everything from the node's own pip configuration: an internal mirror), or an index "
-        "URL (everything from it, as pip's --index-url)",
+        "(everything from the node's own pip configuration: an internal mirror), or an https:// "
+        "or file:// index URL (everything from it, as pip's --index-url)",
     )
     worker_cores: int | None = Field(
         None, ge=1, le=MAX_WORKER_CORES, description="default: the node's cores"
@@ -137,14 +155,7 @@ class BootstrapSettings(BaseModel):
     @field_validator("package_index")
     @classmethod
     def _an_index(cls, value: str) -> str:
-        if value in (PACKAGE_INDEX_PYTORCH, PACKAGE_INDEX_NODE) or re.fullmatch(
-            r"(https?|file)://[^\s'\"]+", value
-        ):
-            return value
-        raise ValueError(
-            f"{value!r}: give pytorch, node, or an index URL such as "
-            "https://pypi.example.com/simple"
-        )
+        return check_package_index(value)
 
     @model_validator(mode="after")
     def _ports_apart(self) -> BootstrapSettings:

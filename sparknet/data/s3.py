@@ -15,12 +15,11 @@ import os
 import re
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
 import botocore.exceptions as bx
-import botocore.session
-import botocore.utils
 import urllib3.exceptions
 
 from sparknet import aws
@@ -107,8 +106,10 @@ def client(endpoint_url: str | None = None) -> Any:
     Cached per process id because Spark forks Python workers: a client (and its connection pool)
     inherited across a fork shares sockets with the parent. The key also holds the environment
     that boto3 resolves at creation (profile, access key id, endpoint, region), so changing it
-    takes effect. The region is `default_region`'s. The pool is wide for the transfer
-    manager's parallel parts.
+    takes effect. The region is boto3's own (AWS_REGION, AWS_DEFAULT_REGION, the profile's):
+    never instance metadata, which off EC2 costs every process seconds of timeouts. An EC2
+    cluster's bootstrap gives its nodes' Pythons the cluster's region (`steps.conf_pth`). The
+    pool is wide for the transfer manager's parallel parts.
     """
     env = os.environ
     key = (
@@ -123,9 +124,7 @@ def client(endpoint_url: str | None = None) -> Any:
     with _clients_lock:
         found = _clients.get(key)
         if found is None:
-            found = aws.client(
-                "s3", default_region(), endpoint_url, max_attempts=10, max_pool_connections=32
-            )
+            found = aws.client("s3", None, endpoint_url, max_attempts=10, max_pool_connections=32)
             _clients[key] = found
         return found
 
@@ -133,33 +132,43 @@ def client(endpoint_url: str | None = None) -> Any:
 def bucket_region(bucket: str, endpoint_url: str | None = None) -> str | None:
     """The region `bucket` lives in, from HeadBucket's `x-amz-bucket-region` header (S3 sends
     it with a 403 or 301 too, so a caller who may not read the bucket still learns where it
-    is); None when S3 does not say (no such bucket)."""
-    probe = aws.client("s3", None, endpoint_url, max_attempts=2)
+    is); None only when S3 answers 404 (no such bucket). Any other failure (throttling after
+    the client's retries, a 5xx, an unreachable endpoint) raises a one-line SparknetError: an
+    answer that does not say where the bucket is says nothing about whether it exists."""
+    probe = aws.client("s3", None, endpoint_url, max_attempts=4)
+    what = f"HeadBucket of s3://{bucket}"
     try:
         answer = probe.head_bucket(Bucket=bucket)
     except bx.ClientError as exc:
         answer = exc.response
+        meta = answer.get("ResponseMetadata", {})
+        region = meta.get("HTTPHeaders", {}).get("x-amz-bucket-region")
+        if region:
+            return str(region)
+        if meta.get("HTTPStatusCode") == 404:
+            return None
+        raise aws.describe_error(exc, what) from exc
     except bx.BotoCoreError as exc:
-        raise aws.describe_error(exc, f"HeadBucket of s3://{bucket}") from exc
+        raise aws.describe_error(exc, what) from exc
     headers = answer.get("ResponseMetadata", {}).get("HTTPHeaders", {})
-    return headers.get("x-amz-bucket-region") or answer.get("BucketRegion")
-
-
-def default_region() -> str | None:
-    """The region S3 clients are made for: boto3's own (AWS_REGION, AWS_DEFAULT_REGION, the
-    profile's), else that of the EC2 instance this runs on, from its metadata as botocore reads
-    it (on a node: the cluster's region), else None.
-
-    A node has no region configured, and boto3 then sends every request to us-east-1: each
-    client pays a redirect (and a second request) for a bucket elsewhere. The metadata read is
-    one short request (botocore's metadata timeout, one attempt; `AWS_EC2_METADATA_DISABLED`
-    turns it off), made once per client `client` caches."""
-    core = botocore.session.get_session()
-    configured = core.get_config_variable("region")
-    if configured:
-        return str(configured)
-    region = botocore.utils.IMDSRegionProvider(session=core).provide()
+    region = headers.get("x-amz-bucket-region") or answer.get("BucketRegion")
     return str(region) if region else None
+
+
+def on_aws_s3(endpoint_url: str | None) -> bool:
+    """Whether requests to `endpoint_url` go to AWS's own S3: no endpoint (boto3's default), an
+    amazonaws.com host, or the endpoint this process sends its AWS calls to (AWS_ENDPOINT_URL_S3
+    / AWS_ENDPOINT_URL: a VPC endpoint, or a test's moto). Not a store of another kind that
+    speaks S3's API (MinIO, Ceph), whose "region" is whatever it is configured to report."""
+    if not endpoint_url:
+        return True
+    env = os.environ
+    if endpoint_url.rstrip("/") in {
+        (env.get(name) or "").rstrip("/") for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+    }:
+        return True
+    host = urllib.parse.urlsplit(endpoint_url).hostname or ""
+    return host == "amazonaws.com" or host.endswith(".amazonaws.com")
 
 
 #: failures where retrying only wastes the user's time: nothing listens, or TLS does not fit

@@ -254,6 +254,46 @@ def test_a_failing_step_leaves_no_builder_and_no_image(
         ssm.get_parameter(Name=moto_bake.parameter)
 
 
+def test_the_bake_gives_the_builder_the_package_index_it_is_told(
+    moto_bake, moto_endpoint, wheel, tmp_path, monkeypatch
+):
+    """`--package-index node` reaches the builder's plan (its pip then uses the builder's own
+    configuration, a company mirror): the install is replaced by one that records the plan and
+    fails, so the bake ends there and removes the builder."""
+    from sparknet.cli import app
+
+    monkeypatch.setattr(ami, "build_wheel", lambda _checkout, _out: wheel)
+    seen: list[Plan] = []
+
+    def install(plan: Plan, *_args: Any) -> None:
+        seen.append(plan)
+        raise SparknetError("stopped once the plan was seen")
+
+    monkeypatch.setattr(ami, "_install", install)
+    args = [*cli_args(moto_bake, tmp_path / "prefix", moto_endpoint), "--package-index", "node"]
+    result = CliRunner().invoke(app, args)
+
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines()[-1].endswith("stopped once the plan was seen")
+    assert [p.package_index for p in seen] == ["node"]
+    assert_builder_gone(moto_bake)
+
+
+def test_a_bake_given_a_plain_http_index_exits_2_before_anything_is_made(tmp_path):
+    from sparknet.cli import app
+
+    url = "http://pypi.corp.example/simple"
+    result = CliRunner().invoke(
+        app, ["ami", "bake", "--base-ami", "ami-0123456789abcdef0", "--package-index", url]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        "error: --package-index: a plain http:// index is refused (packages over plain http can "
+        "be replaced in transit, and pip ignores such an index): serve the mirror over https://, "
+        f"or set package_index: node and trust it in the nodes' own pip.conf (got '{url}')"
+    ]
+
+
 def no_steps(tmp_path: Path) -> dict[str, Any]:
     """`bake`'s arguments for a quick bake with no install steps: a venv whose python runs the
     repo's stands in ``tmp_path/prefix`` for one the steps made; nothing to clean; the clean-up

@@ -13,7 +13,6 @@ from botocore import xform_name
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from sparknet.cluster import lifecycle
 from sparknet.cluster.aws.foundation import node_role_name
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
 from tests.cluster import test_lifecycle
@@ -146,20 +145,6 @@ def test_an_up_aws_refuses_says_so_in_one_line_and_leaves_nothing(
     assert code in line and named in line, line
     assert workers.hit == asked  # a refusal is not retried as a 5xx
     assert _left(spec, moto_endpoint) == GONE
-
-
-def test_up_keeps_instances_a_lagging_tag_filtered_describe_does_not_list_yet(
-    aws_faults, fault_front, spec, moto_endpoint
-):
-    """Fresh instances are missing from tag-filtered DescribeInstances for their first
-    seconds (and NotFound by id): `up` must still wait for, and return, all three, joining
-    what RunInstances answered with what the describe finds."""
-    aws_faults.unseen_instances_s = 3.0
-    info = lifecycle.up(spec, endpoint_url=fault_front.url, wait_timeout_s=60,
-                        wait_delay_s=0.5)  # fmt: skip
-    assert "lagging" in aws_faults.codes()
-    assert info.master is not None and len(info.workers) == 2
-    assert _left(spec, moto_endpoint)["instances"] == 3
 
 
 @pytest.mark.parametrize(

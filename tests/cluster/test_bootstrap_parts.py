@@ -23,7 +23,9 @@ from sparknet.cluster.spark import spark_conf as sc
 from sparknet.cluster.spark.daemons import MASTER_CLASS, WORKER_CLASS, Master, Worker
 from sparknet.cluster.spark.health import ClusterHealth, Expected, WorkerState, judge
 from sparknet.cluster.spark.plan import (
+    ENV_PROBE,
     PIP_NETWORK,
+    AmiEnv,
     Context,
     Facts,
     Node,
@@ -32,7 +34,7 @@ from sparknet.cluster.spark.plan import (
     python_problem,
     python_version,
 )
-from sparknet.cluster.spark.steps import TORCH_NEW_ENOUGH, Step
+from sparknet.cluster.spark.steps import PYTHON_FIX, TORCH_NEW_ENOUGH, NodePython, Step
 from sparknet.cluster.spark.wheel import Wheel
 from sparknet.cluster.spec import BootstrapSettings
 from sparknet.errors import SparknetError
@@ -255,7 +257,8 @@ yes
 @mounts
 {mounts}@nvme
 {models}@envs
-/opt/pytorch
+/opt/pytorch 3.12.3 2.9.1+cu128
+/opt/conda/envs/pytorch
 @python
 Python 3.12.3
 """
@@ -264,9 +267,21 @@ Python 3.12.3
 def test_facts_from_one_command() -> None:
     facts = parse_facts(FACTS.format(mounts=MOUNTS, models=MODELS), "/opt/sparknet")
     assert facts == Facts(
-        "ubuntu", 1000, 8, 32594124, True, ("/opt/dlami/nvme/sparknet",), ("/opt/pytorch",),
+        "ubuntu", 1000, 8, 32594124, True, ("/opt/dlami/nvme/sparknet",),
+        (AmiEnv("/opt/pytorch", "3.12.3", "2.9.1+cu128"), AmiEnv("/opt/conda/envs/pytorch")),
         "3.12.3",
     )  # fmt: skip
+
+
+def test_the_env_probe_reads_an_envs_python_and_torch_without_importing_it() -> None:
+    """What the facts command runs in each AMI env, run here in the repo's venv."""
+    out = subprocess.run(
+        [sys.executable, "-c", ENV_PROBE], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.split() == [
+        ".".join(map(str, sys.version_info[:3])),
+        importlib.metadata.version("torch"),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -326,8 +341,12 @@ def test_the_package_index_setting_says_where_pip_looks() -> None:
             BootstrapSettings(package_index=bad)
 
 
-def test_the_nodes_pip_gives_up_on_a_silent_index_soon(tmp_path) -> None:
-    """pip's own default is 5 retries of 15 s per request: minutes before it says anything."""
+def test_the_nodes_pip_gives_up_on_a_silent_index_soon_but_retries_a_failed_download(
+    tmp_path,
+) -> None:
+    """pip's own default is 5 retries of 15 s per request: minutes before it says anything. The
+    20 s timeout bounds that (it is a read timeout: a flowing download never hits it); the
+    retries stay 3, so two 5xx in a row do not fail a multi-GB torch download."""
     node = Node(Endpoint("m", "h"), prefix=str(tmp_path))
     plan = Plan((node,), Wheel(Path("w.whl"), "1", "d"), "s", package_index="node")
     ctx = Context(plan, node, Facts("u", 1000, 1, 1 << 22, False, ()))
@@ -342,18 +361,65 @@ def test_the_nodes_pip_gives_up_on_a_silent_index_soon(tmp_path) -> None:
     real = with_url.replace(f"{tmp_path}/venv/bin/python", sys.executable)
     done = subprocess.run(f"{real} --help", shell=True, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert PIP_NETWORK == "--retries 1 --timeout 20"
+    assert PIP_NETWORK == "--retries 3 --timeout 20"
 
 
 def test_the_venv_is_laid_over_the_plans_env_else_the_amis() -> None:
     node = Node(Endpoint("master", "h"))
     wheel = Wheel(Path("w.whl"), "1", "d")
-    ami = Facts("ubuntu", 1000, 8, 1 << 24, True, (), ("/opt/pytorch",))
+    ami = Facts("ubuntu", 1000, 8, 1 << 24, True, (), (AmiEnv("/opt/pytorch", "3.12.3", "2.8.0"),))
     bare = Facts("ubuntu", 1000, 8, 1 << 24, True, ())
     assert Context(Plan((node,), wheel, "s"), node, ami).base_env == "/opt/pytorch"
     assert Context(Plan((node,), wheel, "s"), node, bare).base_env is None
     given = Plan((node,), wheel, "s", python_env="/srv/env/")
     assert Context(given, node, ami).base_env == "/srv/env"
+    # an AMI env whose torch is too old (or missing) is passed over for the next, else python3
+    old = AmiEnv("/opt/pytorch", "3.11.9", "2.3.1+cu121")
+    fits = AmiEnv("/opt/conda/envs/pytorch", "3.12.3", "2.10.0")
+    two = Facts("ubuntu", 1000, 8, 1 << 24, True, (), (old, fits))
+    assert Context(Plan((node,), wheel, "s"), node, two).base_env == "/opt/conda/envs/pytorch"
+    for only in (old, AmiEnv("/opt/pytorch", "3.12.3"), AmiEnv("/opt/pytorch")):
+        facts = Facts("ubuntu", 1000, 8, 1 << 24, True, (), (only,))
+        assert Context(Plan((node,), wheel, "s"), node, facts).base_env is None
+
+
+def node_python(envs: tuple[AmiEnv, ...], python3: str, **plan) -> tuple[str | None, str]:
+    """NodePython's verdict on a node with `envs` and a `python3` of version `python3`, and the
+    part of it that names what the node installs (`python_problem`'s words for 3.10)."""
+    node = Node(Endpoint("master", "h"))
+    p = Plan((node,), Wheel(Path("w.whl"), "1", "d"), "s", **plan)
+    facts = Facts("ubuntu", 1000, 8, 1 << 24, True, (), envs, python3)
+    needs = python_problem("python3", "3.10.12", p.python_needs())
+    # the AMI envs' Pythons are facts: no command runs on the node (a stand-in that refuses)
+    return NodePython(Context(p, node, facts)).problem(None), needs  # type: ignore[arg-type]
+
+
+def test_the_python_checked_first_is_the_one_the_venv_will_be_made_from() -> None:
+    """A 22.04 PyTorch AMI: its env has Python 3.11 but torch 2.3, so the venv is made from
+    python3, which is 3.10: refused, naming the env passed over and why."""
+    old = AmiEnv("/opt/pytorch", "3.11.9", "2.3.1+cu121")
+    problem, needs = node_python((old,), "3.10.12")
+    assert problem == (
+        "the image's env /opt/pytorch has torch 2.3.1+cu121 (sparknet needs 2.8+), so the venv is "
+        f"made from python3, and {needs}"
+    )
+    assert needs.startswith("python3 is Python 3.10.12, but pyspark ")
+    none = AmiEnv("/opt/conda/envs/pytorch", "3.12.3")
+    assert node_python((none,), "3.10.12")[0] == (
+        "the image's env /opt/conda/envs/pytorch has no torch (sparknet needs 2.8+), so the venv "
+        f"is made from python3, and {needs}"
+    )
+    # the reverse: the env's Python is 3.10, but its torch is too old, so it is not used, and
+    # python3 (3.12) makes the venv: accepted
+    assert node_python((AmiEnv("/opt/pytorch", "3.10.12", "2.3.1"),), "3.12.3")[0] is None
+    # an env whose torch fits is used: its own Python is what must fit, whatever python3 is
+    fits_old_python = AmiEnv("/opt/pytorch", "3.10.12", "2.8.0")
+    refused = node_python((fits_old_python,), "3.12.3")[0]
+    assert refused == needs.replace("python3 is", "/opt/pytorch/bin/python is")
+    assert node_python((AmiEnv("/opt/pytorch", "3.12.3", "2.8.0"),), "3.10.12")[0] is None
+    # with nothing passed over the words are python_problem's alone
+    assert node_python((), "3.10.12")[0] == needs
+    assert PYTHON_FIX.endswith("with one and torch 2.8+")
 
 
 # --- the runner, locally ----------------------------------------------------------------------

@@ -126,6 +126,11 @@ def test_up_bootstraps_a_healthy_cluster_and_down_stops_it(cluster, tmp_path) ->
     )  # fmt: skip
     assert conf_dir.returncode == 0, (conf_dir.stdout + conf_dir.stderr)[-3000:]
     assert conf_dir.stdout.strip() == str(tmp_path / "master" / "conf")
+    # and the cluster's region, for its S3 clients (a session's own region would win over it)
+    from sparknet.cluster.spark.steps import CONF_PTH
+
+    (pth,) = (tmp_path / "master" / "venv").glob(f"lib/python*/site-packages/{CONF_PTH}")
+    assert f"os.environ.setdefault('AWS_DEFAULT_REGION', {REGION!r})" in pth.read_text()
 
     # status: the instances, then the health as the master tells it, then the autostop deadline
     shown = cli("status", name, cwd=tmp_path)
@@ -144,6 +149,7 @@ def test_up_bootstraps_a_healthy_cluster_and_down_stops_it(cluster, tmp_path) ->
     assert len(instances.find(ec2, name)) == 2
     assert "master: applied autostop (" in off.stderr
     assert "worker-1: applied nothing (" in off.stderr
+    assert "backstop-off" not in off.stderr  # no node has a backstop left to cancel
     assert daemon_pids(tmp_path, ADDRESSES) == pids
     assert _autostop_pid(tmp_path) not in (None, timer)
     timer = _autostop_pid(tmp_path)
@@ -237,8 +243,9 @@ def test_a_failed_bootstrap_keeps_the_instances_and_says_how_to_go_on(cluster, t
     first = next(ln for ln in up.stderr.splitlines() if ln.startswith("error: "))
     assert first.startswith("error: bootstrap failed: master: step dirs failed (exited 1): mkdir")
     assert (
-        "the cluster's 2 instances stay up and registered (and are billed): `sparknet cluster "
-        f"bootstrap {name} --region {REGION}` finishes it" in first
+        "the cluster's 2 instances stay up and registered (and are billed) until their "
+        "backstop powers them off (terminates them) 60 minutes after their last boot: "
+        f"`sparknet cluster bootstrap {name} --region {REGION}` before then finishes it" in first
     )
     assert "Traceback" not in up.stderr
     assert len(instances.find(moto_ec2(), name)) == 2
@@ -261,6 +268,11 @@ def test_up_without_bootstrap_and_status_of_unreachable_nodes(cluster, tmp_path)
     up = cli("up", name, "--no-bootstrap", cwd=tmp_path)
     assert up.returncode == 0, up.stderr
     assert "bootstrapping" not in up.stderr
+    assert (  # the backstop still ends them: `up` says when
+        "not bootstrapped: the instances power off (terminate) 60 minutes after their last boot "
+        f"unless `sparknet cluster bootstrap {name} --region {REGION}` finishes them by then"
+        in up.stdout
+    )
     shown = cli("status", name, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     spark = [ln for ln in shown.stdout.splitlines() if ln.startswith("Spark")]

@@ -41,6 +41,24 @@ def test_a_value_that_is_no_index_is_one_line(tmp_path, monkeypatch) -> None:
     with pytest.raises(SparknetError) as caught:
         cluster_spec("exp1", settings_file(tmp_path, "pypi"), {})
     assert str(caught.value) == (
-        "cluster exp1: invalid setting bootstrap.package_index: 'pypi': give pytorch, node, or "
-        "an index URL such as https://pypi.example.com/simple (got 'pypi')"
+        "cluster exp1: invalid setting bootstrap.package_index: give pytorch, node, or an index "
+        "URL such as https://pypi.example.com/simple (got 'pypi')"
     )
+
+
+def test_a_plain_http_index_is_refused_in_one_line_that_says_why_and_what_to_do(
+    tmp_path, monkeypatch
+) -> None:
+    """pip ignores an http:// index whose host it is not told to trust (`--trusted-host`), so
+    every install on the nodes would fail; and what comes over plain http can be replaced on
+    the way. Loopback http is trusted by pip, so no node test could show it: refused here."""
+    monkeypatch.setenv("SPARKNET_HOME", str(tmp_path / "home"))
+    with pytest.raises(SparknetError) as caught:
+        cluster_spec("exp1", settings_file(tmp_path, "http://pypi.corp.example/simple"), {})
+    assert str(caught.value) == (
+        "cluster exp1: invalid setting bootstrap.package_index: a plain http:// index is refused "
+        "(packages over plain http can be replaced in transit, and pip ignores such an index): "
+        "serve the mirror over https://, or set package_index: node and trust it in the nodes' "
+        "own pip.conf (got 'http://pypi.corp.example/simple')"
+    )
+    assert "\n" not in str(caught.value)

@@ -154,6 +154,23 @@ def test_spot_workers_count_against_the_spot_quota_of_each_types_family(
         check(spec, moto_endpoint, spot=True, instance_types=["m5.xlarge"])
 
 
+def test_every_worker_family_short_of_its_quota_is_named_with_its_amount(
+    spec, moto_endpoint, ec2_quotas
+):
+    """Workers of a G and a P type, neither fitting: the one line names each family's quota
+    code, the vCPUs it needs, and the command asking for them, not only the first type's."""
+    P_ON_DEMAND = "L-417A185B"
+    ec2_quotas.update({G_ON_DEMAND: 4 + in_use(spec), P_ON_DEMAND: in_use(spec, klass="p")})
+    with pytest.raises(InputError) as refused:
+        check(spec, moto_endpoint, instance_types=["g4dn.xlarge", "p4d.24xlarge"])
+    line = str(refused.value)
+    assert "\n" not in line
+    assert f"needs 12 vCPUs of EC2 quota {G_ON_DEMAND}" in line  # 2 x 4 beside the master's 4
+    assert f"--quota-code {G_ON_DEMAND} --desired-value {12 + in_use(spec)}" in line
+    assert f"p4d.24xlarge needs 192 vCPUs of EC2 quota {P_ON_DEMAND} 'Running On-Demand P" in line
+    assert f"--quota-code {P_ON_DEMAND} --desired-value {192 + in_use(spec, klass='p')}" in line
+
+
 def test_unreadable_quotas_warn_in_one_line_and_go_on(spec, moto_endpoint, aws_faults):
     aws_faults.fail("GetServiceQuota", "AccessDeniedException", times=None)
     said = check(spec, aws_faults_url(), spot=False)
@@ -197,6 +214,18 @@ def test_a_bucket_in_another_region_is_refused_unless_accepted(
     assert "per GB" in line and "cross_region_data: true" in line
     assert check(spec, moto_endpoint, bucket=eu_bucket, cross_region_data=True) == []
     assert check(spec, moto_endpoint, bucket=bucket) == []
+
+
+def test_a_throttled_headbucket_warns_instead_of_passing_as_no_bucket(
+    spec, moto_endpoint, eu_bucket, ec2_quotas, aws_faults
+):
+    """HeadBucket throttled past its retries: where the bucket is stays unknown, which `up`
+    says in one line (and goes on) instead of reading it as a bucket yet to be made."""
+    ec2_quotas.update({G_ON_DEMAND: 10_000})
+    aws_faults.fail("s3:HeadBucket", "SlowDown", times=None)
+    said = check(spec, aws_faults_url(), bucket=eu_bucket)
+    assert len(said) == 1 and f"region of bucket {eu_bucket} is unknown" in said[0], said
+    assert "503" in said[0] and "\n" not in said[0]
 
 
 def test_submit_refuses_a_dataset_in_another_region(spec, moto_endpoint, eu_bucket):
@@ -247,6 +276,10 @@ def test_a_launch_refused_for_quota_names_the_quota_not_capacity(spec, moto_endp
 
     line = str(refused.value)
     assert "\n" not in line and "no capacity" not in line
-    assert f"quota {G_ON_DEMAND} 'Running On-Demand G and VT instances'" in line
+    assert f"quota {G_ON_DEMAND} 'Running On-Demand G and VT instances' in {REGION}" in line
     assert "request-service-quota-increase" in line
+    # the command asks for an amount, in the cluster's region: no placeholders to fill in
+    asked = f"--region {REGION} --service-code ec2 --quota-code {G_ON_DEMAND} --desired-value "
+    assert asked in line
+    assert "VCPUS" not in line and "CODE" not in line
     assert live(spec) == 0

@@ -85,11 +85,50 @@ def test_the_backstop_powers_off_after_its_minutes_at_every_boot(tmp_path) -> No
     assert boot(text, node, env) == [userdata.BACKSTOP_SCRIPT]
     assert scheduled_shutdown(node) is not None
 
+    assert armed(env) == [userdata.ARMED_SHUTDOWN]  # as logind says (the stand-in busctl)
+
     cancel = userdata.cancel_command("")
     assert cancel.startswith(f"rm -f {userdata.BACKSTOP_SCRIPT} && ")
     command = cancel.split(" && ", 1)[1]  # the script is the node's: not on this machine
     subprocess.run(command, shell=True, env={**env}, check=True, timeout=30)
     assert scheduled_shutdown(node) is None
+    assert armed(env) == []
+
+
+def armed(env: dict[str, str]) -> list[str]:
+    """What `userdata.armed_command` finds of the backstop on this machine as a node with `env`
+    (the per-boot script is the node's, never this machine's: only the shutdown can show)."""
+    done = subprocess.run(
+        userdata.armed_command(), shell=True, env=env, capture_output=True, text=True,
+        check=True, timeout=30,
+    )  # fmt: skip
+    return done.stdout.split()
+
+
+def test_the_cancel_passes_on_an_image_without_shutdown(tmp_path) -> None:
+    """An image without `shutdown` (or with it off root's PATH) never had a backstop scheduled
+    (its per-boot script exits 127): the cancel removes the script and succeeds, so the
+    bootstrap can finish, and nothing reads as armed there (no logind's `busctl` either)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sh", "rm"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    script = tmp_path / "per-boot" / "sparknet-backstop"
+    script.parent.mkdir()
+    script.write_text(userdata.backstop_script(60))
+    script.chmod(0o755)
+    env = {"PATH": str(bin_dir)}
+    assert subprocess.run(str(script), env=env, capture_output=True, timeout=30).returncode == 127
+
+    cancel = userdata.cancel_command("").replace(userdata.BACKSTOP_SCRIPT, str(script))
+    done = subprocess.run(cancel, shell=True, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert not script.exists()
+    armed_there = userdata.armed_command().replace(userdata.BACKSTOP_SCRIPT, str(script))
+    found = subprocess.run(
+        armed_there, shell=True, env=env, capture_output=True, text=True, timeout=30
+    )
+    assert (found.returncode, found.stdout) == (0, "")
 
 
 def test_no_backstop_without_an_executable_per_boot_script(tmp_path) -> None:
@@ -112,14 +151,38 @@ def test_the_backstop_setting_refuses_minutes_out_of_range(minutes) -> None:
 
 
 def test_backstop_off_cancels_as_root_through_sudo_on_a_users_node() -> None:
-    """On an image's own user (uid 1000, as on EC2) both commands go through `sudo -n`: the
-    script is root's, and so is a scheduled shutdown. It applies on every bootstrap."""
+    """On an image's own user (uid 1000, as on EC2) the cancel goes through `sudo -n`: the
+    script is root's, and so is a scheduled shutdown. It applies where the node still has a
+    backstop (the script, or a scheduled shutdown), and not where it has none: a second
+    bootstrap of a finished cluster applies nothing."""
     from sparknet.cluster.spark.daemons import BackstopOff
     from tests.cluster.test_bootstrap_parts import Recorder, systemd_master
 
-    for _ in range(2):
-        step, conn = BackstopOff(systemd_master("worker-1")), Recorder()
+    class Node(Recorder):
+        """A node whose backstop is armed until the cancel runs."""
+
+        def __init__(self, armed: str) -> None:
+            super().__init__()
+            self.armed = armed
+
+        def run(self, command: str, **kwargs):
+            if command == userdata.armed_command():
+                self.commands.append(command)
+                from invoke.runners import Result
+
+                return Result(stdout=self.armed, exited=0, command=command)
+            if command == userdata.cancel_command("sudo -n "):
+                self.armed = ""
+            return super().run(command, **kwargs)
+
+    cancel = (
+        f"sudo -n rm -f {userdata.BACKSTOP_SCRIPT} && "
+        "sudo -n sh -c 'command -v shutdown >/dev/null || exit 0; exec shutdown -c'"
+    )
+    for armed in ("script\nshutdown\n", "shutdown\n", "script\n"):
+        step, conn = BackstopOff(systemd_master("worker-1")), Node(armed)
         assert not step.check(conn)
         step.apply(conn)
         assert step.check(conn)
-        assert conn.commands == [f"sudo -n rm -f {userdata.BACKSTOP_SCRIPT} && sudo -n shutdown -c"]
+        assert [c for c in conn.commands if c != userdata.armed_command()] == [cancel]
+    assert BackstopOff(systemd_master("worker-1")).check(Node(""))

@@ -65,12 +65,18 @@ def apart(tmp_path_factory) -> Iterator[Apart]:
     )  # fmt: skip
     master = f"spark://127.0.0.1:{port}"
     spark_class = str(home / "bin" / "spark-class")
-    # the worker's own namespace: its mounts and host name are not this machine's
-    apart_sh = 'hostname "$1" && mount -t tmpfs none "$2" && shift 2 && exec "$@"'
+    # the worker's own namespace: its mounts and host name are not this machine's; its own
+    # /etc/hosts names it (Java's getLocalHost resolves the host name and fails without)
+    hosts = logs / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n127.0.0.1 {NODE}\n")
+    apart_sh = (
+        'hostname "$1" && mount --bind "$3" /etc/hosts && mount -t tmpfs none "$2"'
+        ' && shift 3 && exec "$@"'
+    )
     commands = {
         "master": [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                    "--port", str(port), "--webui-port", "0"],
-        "worker": ["unshare", "-m", "-u", "sh", "-c", apart_sh, "sh", NODE, str(hidden),
+        "worker": ["unshare", "-m", "-u", "sh", "-c", apart_sh, "sh", NODE, str(hidden), str(hosts),
                    spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
                    "--cores", "2", "--memory", "2g", "--webui-port", "0",
                    "--work-dir", str(logs / "work"), master],

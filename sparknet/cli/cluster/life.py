@@ -119,7 +119,10 @@ def cluster_up(
     ),
     any_owner: bool = AnyOwnerOption,
     no_bootstrap: bool = typer.Option(
-        False, "--no-bootstrap", help="only launch the instances; `cluster bootstrap` later"
+        False,
+        "--no-bootstrap",
+        help="only launch the instances; `cluster bootstrap` later, within backstop_minutes "
+        "(default 60) of their boot, or their backstop terminates them",
     ),
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
@@ -127,7 +130,8 @@ def cluster_up(
 ) -> None:
     """Bring a cluster up (idempotent) and bootstrap Spark on it, ending with its health check.
     On error or Ctrl-C before the bootstrap, remove what was created; a failed or interrupted
-    bootstrap leaves the instances up (exit 1: `cluster bootstrap` finishes it). Refuses
+    bootstrap leaves the instances up (exit 1: `cluster bootstrap` finishes it) until their
+    backstop terminates them, backstop_minutes after their last boot. Refuses
     (exit 1) a cluster of that name tagged with another owner unless --any-owner."""
     from sparknet.cluster import lifecycle  # lazy: boto3, fabric
 
@@ -162,6 +166,12 @@ def cluster_up(
         f"cluster {name} is up; estimated cost {info.cost.describe()}; "
         f"`sparknet cluster down {name} --region {info.region}` ends it"
     )
+    if no_bootstrap:
+        print(
+            f"not bootstrapped: the instances power off (terminate) {spec.backstop_minutes} "
+            f"minutes after their last boot unless `sparknet cluster bootstrap {name} --region "
+            f"{info.region}` finishes them by then"
+        )
 
 
 def _static_up(spec, *, bootstrap: bool, force: bool = False) -> None:

@@ -241,7 +241,7 @@ def launch(
                     failures.append(f"{itype} in {az}: {code}")
                     continue
                 if code in aws.QUOTA_CODES:
-                    quota_hits.append(_quota_hint(itype, spot, code))
+                    quota_hits.append(_quota_hint(ec2, itype, spot, code, count))
                     break
                 action = f"RunInstances ({itype} in {az})"
                 raise aws.describe_error(exc, f"{action} in {region}") from exc
@@ -255,9 +255,8 @@ def launch(
         # every type met its quota: capacity was never the matter, and waiting does not help
         raise SparknetError(
             f"{count} {market} {role} instance(s) of {'/'.join(instance_types)} exceed the "
-            f"account's EC2 vCPU quota in {region} ({tried}); request a higher quota (aws "
-            "service-quotas request-service-quota-increase --service-code ec2 --quota-code "
-            "CODE --desired-value VCPUS) or choose instance types of another family"
+            f"account's EC2 vCPU quota in {region} ({tried}); request a higher quota with the "
+            "command named, or choose instance types of another family"
         )
     raise SparknetError(
         f"no capacity for {count} {market} {role} instance(s) of {'/'.join(instance_types)} in "
@@ -285,12 +284,26 @@ def _unseen_profile(exc: bx.ClientError) -> bool:
     return aws.error_code(exc) == "InvalidParameterValue" and "iamInstanceProfile" in message
 
 
-def _quota_hint(instance_type: str, spot: bool, code: str) -> str:
-    """Where a user raises the quota behind `code`: it is per instance family, not per type."""
+def _quota_hint(ec2: Any, instance_type: str, spot: bool, code: str, count: int) -> str:
+    """Where a user raises the quota behind `code` (per instance family and region, not per
+    type), and the command that asks for what `count` more of `instance_type` need next to the
+    region's instances of the family now: the same amount `quotas.check_quotas` asks for."""
+    region = aws.region_of(ec2)
     quota = quotas.quota_of(instance_type, spot)
     if quota is None:
-        return f"{instance_type}: {code}, the EC2 vCPU quota of its family"
-    return f"{instance_type}: {code}, quota {quota[0]} '{quota[1]}'"
+        return f"{instance_type}: {code}, the EC2 vCPU quota of its family in {region}"
+    klass = str(quotas.quota_class(instance_type))
+    hint = f"{instance_type}: {code}, quota {quota[0]} '{quota[1]}' in {region}"
+    try:
+        need = count * quotas.default_vcpus(ec2, [instance_type])[instance_type]
+        in_use = quotas.vcpus_in_use(ec2, "", {klass}).get((spot, klass), 0)
+    except (SparknetError, bx.BotoCoreError, bx.ClientError, KeyError):
+        # the refusal is what the user needs; without the amount the line still names the quota
+        return f"{hint}: it must hold {count} more {instance_type}"
+    return (
+        f"{hint}: {need} vCPUs more than the {in_use} in use; "
+        f"{quotas.increase_command(region, quota[0], need + in_use)}"
+    )
 
 
 def _launched(response: Mapping[str, Any], prefix: str) -> list[Instance]:

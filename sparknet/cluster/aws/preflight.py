@@ -12,7 +12,7 @@ import ipaddress
 import os
 import re
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import botocore.exceptions as bx
@@ -179,16 +179,29 @@ def check_ami(ec2: Any, ami: str, root_volume_gb: int) -> str:
 
 
 def check_bucket_region(
-    spec: ClusterSpec, endpoint_url: str | None = None, bucket: str | None = None
+    spec: ClusterSpec,
+    endpoint_url: str | None = None,
+    bucket: str | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> None:
     """`bucket` (default: the cluster's `bucket:`) is in the cluster's region, unless the spec
     sets `cross_region_data`: every read of a dataset in another region is billed per GB (each
-    epoch again) and slower. One line naming both regions otherwise; a bucket S3 does not
-    place (one the foundation will make) passes."""
+    epoch again) and slower. One line naming both regions otherwise. A bucket S3 answers 404
+    for (one the foundation will make) passes; so does one on a store that is not AWS's S3
+    (`s3.on_aws_s3`: MinIO and the like report a region of their configuration, and bill no
+    transfer). A HeadBucket that fails otherwise (throttled after its retries, a 5xx) leaves
+    the region unknown: `say` is told so in one line and the check passes; without `say`, the
+    one-line error is raised."""
     bucket = bucket or spec.bucket
-    if bucket is None or spec.cross_region_data:
+    if bucket is None or spec.cross_region_data or not s3.on_aws_s3(endpoint_url):
         return
-    where = s3.bucket_region(bucket, endpoint_url)
+    try:
+        where = s3.bucket_region(bucket, endpoint_url)
+    except SparknetError as exc:
+        if say is None:
+            raise
+        say(f"warning: the region of bucket {bucket} is unknown, so not checked: {exc}")
+        return
     if where is None or where == spec.region:
         return
     raise InputError(

@@ -201,12 +201,11 @@ def check_quotas(spec: ClusterSpec, ec2: Any, quotas: Any, say: Say) -> None:
     used = vcpus_in_use(ec2, spec.name, {klass for _spot, klass in limits})
     short = _short(master, 0, used, limits)
     if short:
-        raise InputError(_refusal(spec, short, used, limits, 0))
+        raise InputError(_refusal(spec, short, used, limits, {}))
     beside = {t: master.vcpus if workers and t.key == master.key else 0 for t in workers}
     fits = [w for w in workers if not _short(w, beside[w], used, limits)]
     if workers and not fits:
-        first = workers[0]
-        raise InputError(_refusal(spec, first, used, limits, beside[first], others=workers[1:]))
+        raise InputError(_refusal(spec, workers[0], used, limits, beside, others=workers[1:]))
 
 
 def _short(need: Need, beside: int, used: dict, limits: dict) -> Need | None:
@@ -223,9 +222,22 @@ def _refusal(
     need: Need,
     used: dict,
     limits: dict,
-    beside: int,
+    beside: dict[Need, int],
     others: Sequence[Need] = (),
 ) -> str:
+    """The one line that refuses `need` (and each of `others`, the worker types the launch
+    would try instead): for each, its quota's code, the vCPUs it needs, those in use, the
+    quota, and the command that asks for enough."""
+    first = f"cluster {spec.name} needs {_shortfall(spec, need, used, limits, beside.get(need, 0))}"
+    rest = [
+        f"instead, {other.instance_type} needs "
+        f"{_shortfall(spec, other, used, limits, beside.get(other, 0))}"
+        for other in others
+    ]
+    return "; ".join([first, *rest])
+
+
+def _shortfall(spec: ClusterSpec, need: Need, used: dict, limits: dict, beside: int) -> str:
     spot, klass = need.key
     code, name = QUOTAS[(spot, str(klass))]
     in_use = used.get((spot, str(klass)), 0)
@@ -234,13 +246,8 @@ def _refusal(
     what = f"{need.count} x {need.instance_type} ({need.vcpus_each} vCPUs each)"
     if beside:
         what += f" and the master's {beside}"
-    also = (
-        f" (instance_types {', '.join(o.instance_type for o in others)} do not fit theirs either)"
-        if others
-        else ""
-    )
     return (
-        f"cluster {spec.name} needs {total} vCPUs of EC2 quota {code} '{name}' in {spec.region} "
-        f"for {what}, {in_use} are in use by other instances, and the quota is {limit}{also}; "
-        f"ask for more: {increase_command(spec.region, code, total + in_use)}"
+        f"{total} vCPUs of EC2 quota {code} '{name}' in {spec.region} for {what}, {in_use} are "
+        f"in use by other instances, and the quota is {limit}; ask for more: "
+        f"{increase_command(spec.region, code, total + in_use)}"
     )

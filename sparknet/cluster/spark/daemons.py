@@ -9,7 +9,6 @@ import shlex
 
 from sparknet.cluster.aws import autostop, userdata
 from sparknet.cluster.remote import TAIL_LINES, CommandFailed, Conn, q, succeeds, tail_lines, upload
-from sparknet.cluster.spark.plan import Context
 from sparknet.cluster.spark.spark_conf import systemd_unit
 from sparknet.cluster.spark.steps import Step, conf_files, sha256_hex
 from sparknet.spark_security import UI_HOST
@@ -361,18 +360,13 @@ class BackstopOff(Step):
     """Cancel the node's backstop (`userdata`: the shutdown its user data schedules at each
     boot), which the master's autostop timer replaces: run on every node of an EC2 cluster once
     the timer runs, never before, so a bootstrap cut off earlier leaves every instance to its
-    backstop. It runs on every such bootstrap: no file says on every image whether a shutdown
-    is pending, and cancelling is idempotent (its check is whether this run cancelled)."""
+    backstop. Done when the node has none left (`userdata.armed_command`: no per-boot script,
+    no scheduled shutdown), so a second bootstrap of a finished cluster applies nothing."""
 
     name = "backstop-off"
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.cancelled = False
-
     def check(self, conn: Conn) -> bool:
-        return self.cancelled
+        return not self.run(conn, userdata.armed_command()).split()
 
     def apply(self, conn: Conn) -> None:
         self.run(conn, userdata.cancel_command(self.ctx.sudo))
-        self.cancelled = True

@@ -20,6 +20,7 @@ from sparknet.cluster.remote import Conn, q, succeeds
 from sparknet.cluster.seam import node_layout
 from sparknet.cluster.spark.spark_conf import (
     DEFAULT_PREFIX,
+    TORCH_MIN,
     Ports,
     instance_store_dirs,
     mem_total_kb,
@@ -111,6 +112,9 @@ class Plan:
     #: the master's autostop timer (`autostop.py`); None: none is installed (a static cluster's
     #: machines are the user's, and the tests' plans need none)
     autostop: AutostopSettings | None = None
+    #: the region of an EC2 cluster, which the nodes' Pythons get as AWS_DEFAULT_REGION (their
+    #: S3 clients then ask the region's endpoint, not us-east-1's); None: a static cluster's
+    region: str | None = None
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -171,13 +175,55 @@ def python_problem(python: str, version: str | None, needs: dict[str, SpecifierS
     )
 
 
-#: how the nodes' pip meets an index that does not answer: one retry and 20 s a try, not pip's
-#: five retries of 15 s per request (minutes of silence before the one line that says why)
-PIP_NETWORK = "--retries 1 --timeout 20"
+#: how the nodes' pip meets the network: 20 s without a byte ends a try (pip's --timeout is a
+#: socket read timeout: it bounds a silent index, never a download that flows), and three retries
+#: of a failed request (a 5xx or a reset) keep a multi-GB torch download from failing on two
+#: errors in a row; pip's default of five retries of 15 s is minutes of silence on a dead index
+PIP_NETWORK = "--retries 3 --timeout 20"
 
 
 #: where the Deep Learning AMIs with PyTorch keep it (a venv on newer ones, conda on older)
 AMI_TORCH_ENVS = ("/opt/pytorch", "/opt/conda/envs/pytorch")
+
+#: Python code that prints an env's Python version and its torch's (`-`: none), the torch read
+#: from its metadata: importing it takes seconds, and the version decides whether the env is used
+ENV_PROBE = (
+    "import importlib.metadata as m, platform; "
+    't = [d.version for d in m.distributions(name="torch")]; '
+    'print(platform.python_version(), t[0] if t else "-")'
+)
+
+
+def torch_new_enough(version: str | None) -> bool:
+    """Whether torch `version` ("2.8.0+cu128") is TORCH_MIN or newer; False for none."""
+    parts = re.findall(r"\d+", version or "")[:2]
+    return len(parts) == 2 and tuple(int(p) for p in parts) >= TORCH_MIN
+
+
+@dataclass(frozen=True)
+class AmiEnv:
+    """One of AMI_TORCH_ENVS on a node, as the facts command finds it."""
+
+    path: str
+    #: its Python's version ("3.11.9"); None: its python does not run
+    python: str | None = None
+    #: its torch's version by metadata; None: it has none
+    torch: str | None = None
+
+    @property
+    def torch_fits(self) -> bool:
+        """Whether the node's venv may be laid over it: its torch is new enough by version
+        (`PythonEnv` then also imports it, and on a GPU node asks it for the GPUs)."""
+        return torch_new_enough(self.torch)
+
+
+def parse_ami_env(line: str) -> AmiEnv:
+    """One line of the facts command's `@envs` section: the env's path, then ENV_PROBE's output
+    (nothing where its python does not run)."""
+    path, *probe = line.split()
+    python = probe[0] if probe and re.fullmatch(r"\d+\.\d+\.\d+\S*", probe[0]) else None
+    torch = probe[1] if python and len(probe) > 1 and probe[1] != "-" else None
+    return AmiEnv(path, python, torch)
 
 
 @dataclass(frozen=True)
@@ -191,21 +237,29 @@ class Facts:
     systemd: bool
     #: instance store mounts for Spark's local dirs (empty: none)
     local_dirs: tuple[str, ...]
-    #: which of AMI_TORCH_ENVS the node has (a python there)
-    envs: tuple[str, ...] = ()
+    #: which of AMI_TORCH_ENVS the node has (a python there), with their Python and torch
+    envs: tuple[AmiEnv, ...] = ()
     #: the version of the node's `python3` ("3.12.3"); None: it has none
     python: str | None = None
 
 
-FACTS = (
-    "echo @user; id -un; echo @uid; id -u; echo @nproc; nproc; echo @meminfo; cat /proc/meminfo;"
-    " echo @systemd; if [ -d /run/systemd/system ]; then echo yes; else echo no; fi;"
-    " echo @mounts; cat /proc/mounts;"
-    " echo @nvme; grep -H . /sys/block/nvme*/device/model 2>/dev/null;"
-    f" echo @envs; for d in {' '.join(AMI_TORCH_ENVS)}; do [ -x $d/bin/python ] && echo $d; done;"
-    " echo @python; python3 --version 2>&1;"
-    " true"
-)
+def facts_command(envs: tuple[str, ...] = AMI_TORCH_ENVS) -> str:
+    """The one command that prints a node's Facts, looking for torch envs at `envs`."""
+    probe = f'"$d/bin/python" -c {q(ENV_PROBE)} 2>/dev/null'
+    return (
+        "echo @user; id -un; echo @uid; id -u; echo @nproc; nproc;"
+        " echo @meminfo; cat /proc/meminfo;"
+        " echo @systemd; if [ -d /run/systemd/system ]; then echo yes; else echo no; fi;"
+        " echo @mounts; cat /proc/mounts;"
+        " echo @nvme; grep -H . /sys/block/nvme*/device/model 2>/dev/null;"
+        f' echo @envs; for d in {q(*envs)}; do [ -x "$d/bin/python" ] && echo "$d $({probe})";'
+        " done;"
+        " echo @python; python3 --version 2>&1;"
+        " true"
+    )
+
+
+FACTS = facts_command()
 
 
 def parse_facts(text: str, prefix: str) -> Facts:
@@ -227,7 +281,9 @@ def parse_facts(text: str, prefix: str) -> Facts:
         local_dirs=tuple(
             instance_store_dirs(part["mounts"], parse_nvme_models(part.get("nvme", "")), prefix)
         ),
-        envs=tuple(line.strip() for line in part.get("envs", "").splitlines() if line.strip()),
+        envs=tuple(
+            parse_ami_env(line) for line in part.get("envs", "").splitlines() if line.strip()
+        ),
         python=python_version(part.get("python", "")),
     )
 
@@ -276,9 +332,22 @@ class Context:
 
     @property
     def base_env(self) -> str | None:
-        """The existing env the node's venv is laid over: the plan's, else the AMI's."""
-        env = self.plan.python_env or (self.facts.envs[0] if self.facts.envs else None)
-        return env.rstrip("/") if env else None
+        """The existing env the node's venv is laid over: the plan's, else the first of the
+        AMI's whose torch is new enough. An AMI env with an older torch (or none) is passed
+        over: the venv is then made from `python3`, so that is the Python `NodePython` checks
+        and `OsPackages` must give venv support to."""
+        if self.plan.python_env:
+            return self.plan.python_env.rstrip("/")
+        env = next((e for e in self.facts.envs if e.torch_fits), None)
+        return env.path.rstrip("/") if env else None
+
+    @property
+    def passed_over(self) -> tuple[AmiEnv, ...]:
+        """The AMI envs the venv is not laid over for their torch (none when the plan names
+        its own env): what a refusal of `python3` must name, the reason it is used at all."""
+        if self.plan.python_env:
+            return ()
+        return tuple(e for e in self.facts.envs if not e.torch_fits)
 
     def pip_install(self, conn: Conn, index: str | None = None) -> str:
         """`pip install` into the node's venv, with bounded retries and the plan's index

@@ -55,29 +55,44 @@ class Step:
 #: what a node whose Python cannot run its pyspark or sparknet is told to do
 PYTHON_FIX = (
     "launch the nodes from an image whose python3 fits (the default, the Ubuntu 24.04 Deep "
-    "Learning Base AMI, has 3.12) or set bootstrap: python_env to an env on the nodes with one"
+    "Learning Base AMI, has 3.12) or set bootstrap: python_env to an env on the nodes with one "
+    f"and torch {'.'.join(map(str, TORCH_MIN))}+"
 )
 
 
 class NodePython(Step):
-    """The Python the node's venv is made from (the base env's, else `python3`) runs what the
-    node installs (`Plan.python_needs`: its pyspark and sparknet). Checked first, before anything
-    is installed: a node whose Python is too old fails in one line naming its Python and what
-    is needed, not in pip's words after the multi-GB torch download."""
+    """The Python the node's venv is made from runs what the node installs
+    (`Plan.python_needs`: its pyspark and sparknet): the one `PythonEnv` will use, the plan's
+    env, else an AMI env whose torch is new enough (`Context.base_env`), else `python3`. Checked
+    first, before anything is installed: a node whose Python is too old fails in one line naming
+    its Python, what is needed, and why that Python (the AMI envs passed over for their torch),
+    not in pip's words after the multi-GB torch download."""
 
     name = "python"
 
     def problem(self, conn: Conn) -> str | None:
-        base = self.ctx.base_env
+        ctx, base = self.ctx, self.ctx.base_env
+        needs = ctx.plan.python_needs()
         if base is None:
-            python, version = "python3", self.ctx.facts.python
-        else:
-            python = f"{base}/bin/python"
-            try:
-                version = python_version(self.run(conn, f"{q(python)} --version 2>&1"))
-            except CommandFailed:
-                version = None
-        return python_problem(python, version, self.ctx.plan.python_needs())
+            problem = python_problem("python3", ctx.facts.python, needs)
+            passed = ctx.passed_over
+            if problem is None or not passed:
+                return problem
+            why = "; ".join(
+                f"the image's env {e.path} has "
+                f"{f'torch {e.torch}' if e.torch else 'no torch'} (sparknet needs {TORCH_FLOOR}+)"
+                for e in passed
+            )
+            return f"{why}, so the venv is made from python3, and {problem}"
+        found = next((e for e in ctx.facts.envs if e.path.rstrip("/") == base), None)
+        python = f"{base}/bin/python"
+        if found is not None:  # an AMI env: the facts command read its Python
+            return python_problem(python, found.python, needs)
+        try:
+            version = python_version(self.run(conn, f"{q(python)} --version 2>&1"))
+        except CommandFailed:
+            version = None
+        return python_problem(python, version, needs)
 
     def check(self, conn: Conn) -> bool:
         return self.problem(conn) is None
@@ -558,12 +573,18 @@ def conf_files(ctx: Context) -> dict[str, tuple[str, int]]:
 CONF_PTH = "_sparknet_spark_conf.pth"
 
 
-def conf_pth(node: Node) -> str:
+def conf_pth(node: Node, region: str | None = None) -> str:
     """A .pth line that gives every Python of the node's venv SPARK_CONF_DIR (unless set), so a
     driver started there (`sparknet train --master spark://...` on the master) reads the
-    cluster's spark-defaults.conf, and with it the secret, with nothing on its command line."""
+    cluster's spark-defaults.conf, and with it the secret, with nothing on its command line.
+    With `region` (an EC2 cluster's), AWS_DEFAULT_REGION too, unless set: the driver's and
+    every Python worker's S3 clients then go to the region's endpoint by boto3's own lookup,
+    with no instance metadata read."""
     conf = node.path("conf")
-    return f"import os; os.environ.setdefault('SPARK_CONF_DIR', {conf!r})\n"
+    line = f"import os; os.environ.setdefault('SPARK_CONF_DIR', {conf!r})"
+    if region:
+        line += f"; os.environ.setdefault('AWS_DEFAULT_REGION', {region!r})"
+    return line + "\n"
 
 
 class SparkConf(Step):
@@ -578,7 +599,7 @@ class SparkConf(Step):
         n = self.ctx.node
         out = {n.path("conf", name): v for name, v in conf_files(self.ctx).items()}
         site = self.run(conn, f"echo {PythonEnv._site(n.python)}").strip()
-        out[f"{site}/{CONF_PTH}"] = (conf_pth(n), 0o644)
+        out[f"{site}/{CONF_PTH}"] = (conf_pth(n, self.ctx.plan.region), 0o644)
         return out
 
     def check(self, conn: Conn) -> bool:
