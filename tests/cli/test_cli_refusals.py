@@ -140,7 +140,8 @@ def test_an_unknown_setting_of_a_cluster_or_dataset_lists_the_known_ones(home, t
     with pytest.raises(SparknetError) as bad:
         cluster_spec("c1", yaml, {})
     assert str(bad.value).startswith("cluster c1: unknown setting 'ssh_user' (known: ")
-    assert "autostop_minutes, availability_zones, bootstrap, bucket" in str(bad.value)
+    known = "autostop_minutes, availability_zones, backstop_minutes, bootstrap, bucket"
+    assert known in str(bad.value)
     with pytest.raises(SparknetError, match=r"'bootstrap\.foo' \(known: gpus_per_node, "):
         cluster_spec("c2", yaml, {})
     yaml.write_text("datasets:\n  d: {uri: s3://a-b/c, nope: 1}\n")
