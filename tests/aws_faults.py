@@ -72,7 +72,7 @@ _SCOPE = re.compile(r"Credential=[^/]+/[^/]+/([^/]+)/([^/]+)/aws4_request")
 class Call:
     """One request the front received: its service (the SigV4 scope's), action, region and
     parameters (the query protocols' form fields; empty for REST and JSON), the AZ a
-    RunInstances asked for, and when."""
+    RunInstances asked for, when, and its path (S3's ``/bucket/key``: which object)."""
 
     service: str
     action: str
@@ -80,6 +80,7 @@ class Call:
     params: dict[str, str]
     az: str = ""
     at: float = 0.0
+    path: str = ""
 
     def values(self, prefix: str) -> list[str]:
         """The values of a list parameter (`InstanceId` -> InstanceId.1, InstanceId.2...)."""
@@ -311,7 +312,8 @@ def _call(environ: dict[str, Any], body: bytes) -> Call:
         subnet = params.get("NetworkInterface.1.SubnetId") or params.get("SubnetId")
         if subnet and not az:
             az = _subnet_az(region, subnet)
-    return Call(service, action, region, params, az, time.monotonic())
+    path = environ.get("PATH_INFO", "")
+    return Call(service, action, region, params, az, time.monotonic(), path)
 
 
 #: S3 sub-resources named by a bucket request's query, as the action names them

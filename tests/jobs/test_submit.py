@@ -19,10 +19,12 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
+from tests.cluster.test_aws_faults import GONE, _left
 from tests.conftest import SPARKNET
 from tests.moto_server import amazon_ami
 from tests.sshd import daemon_pids, loopback_cluster_entry
@@ -40,10 +42,12 @@ JOB = (
 )  # fmt: skip
 
 
-def _client(service: str):
+def _client(service: str, endpoint_url: str | None = None):
+    """A plain boto3 client; `endpoint_url` moto's own server where a test's AWS_ENDPOINT_URL
+    is the fault front (tests/aws_faults.py), so the test's checks meet no fault."""
     import boto3
 
-    return boto3.client(service, region_name=REGION)
+    return boto3.client(service, region_name=REGION, endpoint_url=endpoint_url)
 
 
 @pytest.fixture(scope="module")
@@ -90,20 +94,22 @@ def submit(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedP
     )  # fmt: skip
 
 
-def _live(name: str) -> list:
+def _live(name: str, moto: str | None = None) -> list:
     from sparknet.cluster.aws import instances
 
-    return [i for i in instances.find(_client("ec2"), name) if i.state != "terminated"]
+    return [i for i in instances.find(_client("ec2", moto), name) if i.state != "terminated"]
 
 
-def _torn_down(name: str, root: Path) -> None:
-    """No instance of the cluster left, no Spark daemon alive on the nodes, no key pair."""
+def _torn_down(name: str, root: Path, moto: str | None = None) -> None:
+    """No instance of the cluster left, no Spark daemon alive on the nodes, no key pair, no
+    role, profile, VPC or security group (asked of `moto` past any fault front)."""
     from sparknet.cluster.aws import keys
 
-    assert _live(name) == []
+    assert _live(name, moto) == []
     for pid in daemon_pids(root, ADDRESSES).values():
         assert not Path(f"/proc/{pid}").exists()
-    pairs = _client("ec2").describe_key_pairs(
+    assert _left(SimpleNamespace(name=name, region=REGION), moto) == GONE
+    pairs = _client("ec2", moto).describe_key_pairs(
         Filters=[{"Name": "key-name", "Values": [keys.key_pair_name(name)]}]
     )["KeyPairs"]
     assert pairs == []
@@ -133,7 +139,7 @@ def _reference(spark, dataset: str, out: Path) -> Path:
 
 
 def _kill_the_driver_after_round_1(
-    proc: subprocess.Popen, bucket: str, name: str, root: Path
+    proc: subprocess.Popen, bucket: str, name: str, root: Path, moto: str | None = None
 ) -> tuple[str, str]:
     """Once the job started and its round 1 row is in metrics.jsonl on moto, kill -9 the train
     process on the loopback master (its pid file in the job dir); the run id, and the stderr
@@ -146,7 +152,7 @@ def _kill_the_driver_after_round_1(
             run_id = line.split()[1]
             break
     assert run_id is not None, "the job did not start"
-    s3 = _client("s3")
+    s3 = _client("s3", moto)
     deadline = time.monotonic() + 300
     while True:
         assert time.monotonic() < deadline and proc.poll() is None, "no round 1 on S3"
@@ -169,14 +175,41 @@ def _tensors(data: bytes) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
     return {k: (str(v.dtype), tuple(v.shape), v.numpy().tobytes()) for k, v in load(data).items()}
 
 
+def _a_bad_day(plan, bucket: str) -> None:
+    """The faults a submit meets on AWS on a bad day, each a few times (tests/aws_faults.py):
+    EC2, IAM and SSM throttle bursts, S3 answers SlowDown to the run dir's writes and reads
+    (the submitter's and the driver's on the master) and to the executors' shard reads, fresh
+    instances are NotFound by id and missing from tag-filtered describes for 3 s, and the
+    instance profile is invalid to RunInstances for its first 5 s. botocore retries throttling
+    and 503s; the rest is the product's to wait out."""
+    plan.fail("DescribeInstances", "RequestLimitExceeded", times=2)
+    plan.fail("RunInstances", "RequestLimitExceeded", times=1)
+    plan.fail("TerminateInstances", "RequestLimitExceeded", times=1)
+    plan.fail("iam:CreateRole", "Throttling", times=1)
+    plan.fail("iam:DeleteRole", "Throttling", times=1)
+    plan.fail("ssm:GetParameter", "ThrottlingException", times=1)
+    runs = f"/{bucket}/runs/"
+    plan.fail("s3:PutObject", "SlowDown", times=2, when=lambda c: c.path.startswith(runs))
+    plan.fail("s3:GetObject", "SlowDown", times=2, when=lambda c: c.path.startswith(runs))
+    plan.fail("s3:GetObject", "SlowDown", times=2, when=lambda c: c.path.endswith(".tar"))
+    plan.unseen_instances_s = 3.0
+    plan.unseen_profiles_s = 5.0
+
+
 @pytest.mark.slow
 def test_submit_trains_on_a_new_cluster_and_takes_it_down(
-    settings, dataset, moto_nodes, bucket, spark, tmp_path
+    settings, dataset, moto_nodes, bucket, spark, tmp_path, moto_endpoint, aws_faults
 ):
+    """One cluster life, twice submitted, every AWS call of the submitter, the driver and the
+    executors (the nodes' sessions get AWS_ENDPOINT_URL from this test's environment: the fault
+    front) under `_a_bad_day`'s faults; the checks ask moto past the front."""
     name = settings
+    moto = moto_endpoint
+    plan = aws_faults
+    _a_bad_day(plan, bucket)
     group = moto_nodes(name, 1)
     _layout(group, name, tmp_path)
-    with group.watch(_client("ec2")):
+    with group.watch(_client("ec2", moto)):
         # a signal to the submitter once the job runs: 128 + it, teardown done (SIGTERM alone:
         # Ctrl-C takes the same handler, and its 130 is test_submit_parts.py's)
         proc = subprocess.Popen(
@@ -199,9 +232,13 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(
         assert f"job {run} cancelled\n" in err, err
         assert (job / "cancelled").exists() and not (job / "driver.rc").exists()
         assert "Traceback" not in (job / "driver.log").read_text()
-        _torn_down(name, tmp_path)
+        _torn_down(name, tmp_path, moto)
+    refused = set(plan.codes())
+    assert {"RequestLimitExceeded", "Throttling", "InvalidParameterValue"} <= refused, refused
+    plan.clear()
+    _a_bad_day(plan, bucket)
     group.stop()
-    with group.watch(_client("ec2")):
+    with group.watch(_client("ec2", moto)):
         # the driver (the train process, not its supervisor) killed once round 1 is on S3: the
         # job resumes from its last checkpoint (a later round's when rounds outran the poll)
         # and ends as an uninterrupted run would
@@ -210,10 +247,25 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(
             cwd=tmp_path, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True,
         )  # fmt: skip
-        killed, before = _kill_the_driver_after_round_1(proc, bucket, name, tmp_path)
+        killed, before = _kill_the_driver_after_round_1(proc, bucket, name, tmp_path, moto)
         stdout, stderr = proc.communicate(timeout=600)
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, before + stderr)
     assert done.returncode == 0, done.stderr[-3000:]
+    # every fault met the submit, and it went through them as through none
+    hit = {(action, code) for action, code in plan.injected}
+    assert {
+        ("DescribeInstances", "RequestLimitExceeded"), ("RunInstances", "RequestLimitExceeded"),
+        ("RunInstances", "InvalidParameterValue"), ("TerminateInstances", "RequestLimitExceeded"),
+        ("CreateRole", "Throttling"), ("DeleteRole", "Throttling"),
+        ("GetParameter", "ThrottlingException"), ("PutObject", "SlowDown"),
+        ("GetObject", "SlowDown"),
+    } <= hit, plan.injected  # fmt: skip
+    # the run dir's PUTs and GETs and the shards' GETs, which are the executors' (the
+    # submitter checks the shards with HEADs), each met its 2 SlowDowns
+    assert [f.hit for f in plan.faults[-3:]] == [2, 2, 2], plan.injected
+    # the tag-filtered describes lagged behind the launches
+    assert "lagging" in plan.codes(), plan.injected
+    plan.clear()
     assert "bootstrapping 2 nodes" in done.stderr and "master: spark-master done" in done.stderr
     # what the driver does before round 1, from its log on the master
     assert "driver: starting Spark" in done.stderr, done.stderr[-3000:]
@@ -236,9 +288,9 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(
     assert out["estimated cost"].startswith("$")
     keys = {
         o["Key"][len(f"runs/{name}/{run_id}/") :]
-        for o in _client("s3").list_objects_v2(Bucket=bucket, Prefix=f"runs/{name}/{run_id}/")[
-            "Contents"
-        ]
+        for o in _client("s3", moto).list_objects_v2(
+            Bucket=bucket, Prefix=f"runs/{name}/{run_id}/"
+        )["Contents"]
     }
     assert {"model.safetensors", "metrics.jsonl", "config.yaml"} <= keys
     assert {k.split("/")[1] for k in keys if k.startswith("checkpoints/")} >= {
@@ -253,10 +305,10 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(
         ("restart", 1, "killed by SIGKILL")
     ]
     # the same weights as an uninterrupted run with the same seed (local Spark, 2 partitions)
-    config = _client("s3").get_object(Bucket=bucket, Key=f"runs/{name}/{run_id}/config.yaml")
+    config = _client("s3", moto).get_object(Bucket=bucket, Key=f"runs/{name}/{run_id}/config.yaml")
     assert yaml.safe_load(config["Body"].read())["train"]["transport"] == "allreduce"
     reference = _reference(spark, dataset, tmp_path / "reference")
-    assert _tensors(_client("s3").get_object(
+    assert _tensors(_client("s3", moto).get_object(
         Bucket=bucket, Key=f"runs/{name}/{run_id}/model.safetensors")["Body"].read()
     ) == _tensors((reference / "model.safetensors").read_bytes())  # fmt: skip
     # the driver ran detached on the master, in its job dir, and ended 0; it and the attached
@@ -269,7 +321,29 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(
     assert any(p.name.startswith("submitter-") for p in activity.iterdir())
     assert not (activity / f"job-{run_id}").exists()
     assert activity.stat().st_mtime >= (job / "job.yaml").stat().st_mtime
-    _torn_down(name, tmp_path)
+    _torn_down(name, tmp_path, moto)
+
+
+def test_a_launch_aws_refuses_ends_the_submit_in_one_line_and_leaves_nothing(
+    settings, bucket, tmp_path, moto_endpoint, aws_faults
+):
+    """A new account's 0 vCPUs for G instances, which EC2 says only at RunInstances (the
+    quota read before it said enough): the submit exits non-zero with one `error:` line naming
+    the refusal and the quota to ask for, no traceback, and its clean-up leaves nothing of the
+    cluster in moto (checked past the front) and nothing in the runs prefix."""
+    name = settings
+    refused = aws_faults.fail("RunInstances", "VcpuLimitExceeded", times=None)
+    done = submit("--s3", "tiny", *JOB, cwd=tmp_path, timeout=300)
+    assert done.returncode != 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    assert "VcpuLimitExceeded" in errors[0], errors[0]
+    assert "Running On-Demand G and VT instances" in errors[0], errors[0]
+    assert refused.hit == 1  # the master's: a quota is regional, no other AZ is asked
+    _torn_down(name, tmp_path, moto_endpoint)
+    s3 = _client("s3", moto_endpoint)
+    assert s3.list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0
 
 
 def test_preflight_refusals_launch_nothing(settings, bucket, tmp_path):
