@@ -132,8 +132,25 @@ class TrainConfig(BaseModel):
         ge=0,
         le=7 * 24 * 3600,
         description="on a cluster master: a run whose Spark job has waited this many seconds "
-        "with no executor stops with one line saying so (Spark itself would wait forever); "
-        "0: never",
+        "with no executor, or whose allreduce stage has waited as long for executors lost "
+        "from under it (the ones left cannot run it), stops with one line saying so (Spark "
+        "itself would wait forever); 0: never",
+    )
+    pack_workers: bool = Field(
+        True,
+        description="allreduce: after executors are lost, run the stage again on those left "
+        "when they still hold a task slot per worker (more workers on each, each with fewer "
+        "threads); false: only on as many executors as the run began with, waiting "
+        "no_executor_timeout_s for the lost ones to come back or be replaced",
+    )
+    progress_timeout_s: float | None = Field(
+        None,
+        ge=0,
+        le=7 * 24 * 3600,
+        description="a worker whose steps have not moved (or that has said nothing) for this "
+        "many seconds while its task runs is named in one warning and its task failed (on a "
+        "cluster master its executor stopped), so its work runs again; default: 300 until a "
+        "round is measured, then 5x the slowest round so far, at least 60; 0: never",
     )
     #: a test drill, not a user setting: never written to config.yaml (nor carried by --resume)
     fail_once: str | None = Field(
@@ -156,7 +173,7 @@ class TrainConfig(BaseModel):
             }
         return conf
 
-    @field_validator("no_executor_timeout_s", mode="before")
+    @field_validator("no_executor_timeout_s", "progress_timeout_s", mode="before")
     @classmethod
     def _seconds_not_a_bool(cls, value: Any) -> Any:
         """YAML's `on`/`yes`/`true` is not a number of seconds (it read as 1: a run stopped

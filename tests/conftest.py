@@ -6,7 +6,8 @@ import contextlib
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,9 @@ class Standalone:
     master: str
     log_dir: Path
     work_dirs: tuple[Path, ...]
+    #: start worker i's daemon again, after a test killed it for good (the tests after it need
+    #: both workers); returns once it has registered with the master. Stopped with the cluster.
+    restart_worker: Callable[[int], None] = field(compare=False)
 
 
 #: how the cluster's daemons start; each runs in its own session so the fixture can end them all
@@ -159,7 +163,7 @@ def standalone(moto_endpoint, tmp_path_factory) -> Standalone:
     spark_class = str(home / "bin" / "spark-class")
     procs: list[subprocess.Popen] = []
 
-    def start(name: str, *args: str) -> None:
+    def start(name: str, *args: str) -> subprocess.Popen:
         with (logs / f"{name}.log").open("w") as out:
             procs.append(
                 subprocess.Popen(
@@ -170,23 +174,38 @@ def standalone(moto_endpoint, tmp_path_factory) -> Standalone:
                     start_new_session=True,
                 )
             )
+        return procs[-1]
 
     start("master", _DAEMON.format("master.Master"), "--host", "127.0.0.1", "--port", str(port),
           "--webui-port", "0")  # fmt: skip
     work_dirs = tuple(logs / f"work{i}" for i in range(2))
-    for i, work in enumerate(work_dirs):
-        start(f"worker{i}", _DAEMON.format("worker.Worker"), "--host", "127.0.0.1", "--cores", "1",
-              "--memory", "2g", "--webui-port", "0", "--work-dir", str(work), master)  # fmt: skip
-    try:
+
+    def start_worker(log: str, work: Path) -> tuple[str, subprocess.Popen]:
+        return log, start(
+            log, _DAEMON.format("worker.Worker"), "--host", "127.0.0.1", "--cores", "1",
+            "--memory", "2g", "--webui-port", "0", "--work-dir", str(work), master,
+        )  # fmt: skip
+
+    def registered(workers: list[tuple[str, subprocess.Popen]]) -> None:
         deadline = time.monotonic() + 90
         while not all(
-            "Successfully registered with master" in (logs / f"worker{i}.log").read_text()
-            for i in range(2)
+            "Successfully registered with master" in (logs / f"{log}.log").read_text()
+            for log, _ in workers
         ):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            if time.monotonic() > deadline or any(
+                p.poll() is not None for p in (procs[0], *(w for _, w in workers))
+            ):
                 raise RuntimeError(f"the standalone cluster did not come up; logs in {logs}")
             time.sleep(0.2)
-        yield Standalone(master, logs, work_dirs)
+
+    def restart_worker(i: int) -> None:
+        # a log of its own: the first one says "registered" already
+        registered([start_worker(f"worker{i}-{len(procs)}", work_dirs[i])])
+
+    first = [start_worker(f"worker{i}", work) for i, work in enumerate(work_dirs)]
+    try:
+        registered(first)
+        yield Standalone(master, logs, work_dirs, restart_worker)
     finally:
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -206,6 +225,8 @@ def standalone(moto_endpoint, tmp_path_factory) -> Standalone:
 STANDALONE_MODULES = frozenset(
     (
         "tests/training/test_standalone.py",
+        "tests/training/test_frozen_worker.py",
+        "tests/training/test_lost_worker.py",
         "tests/training/test_spark_submit.py",
         "tests/training/test_run_dir_s3.py",
         "tests/bench/test_bench_distributor.py",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,6 +46,16 @@ def initial_model(cfg: TrainConfig, num_classes: int = 10) -> torch.nn.Module:
 
 def load_run_model(run_dir: str | Path) -> dict[str, torch.Tensor]:
     return load_file(Path(run_dir) / "model.safetensors")
+
+
+def weights_hash(run_dir: str | Path) -> str:
+    """A run's final weights as one hash of every tensor (name, dtype, shape and bytes): equal
+    for the same bits, whatever order or metadata the file was written with."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(load_run_model(run_dir).items()):
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def sgd_step(model, opt, x, y) -> None:

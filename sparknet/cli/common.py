@@ -16,6 +16,7 @@ import typer.rich_utils
 from rich.console import Console
 from typer.core import TyperOption
 
+from sparknet import interrupts as signals
 from sparknet.interrupts import hold, holding
 
 #: progress and notes go to stderr; results (tables, summaries) to stdout. A line printed is
@@ -68,10 +69,12 @@ _usage_error_in_one_line()
 
 
 def fail(exc: BaseException, debug: bool, code: int = 2) -> None:
-    """One line that says what to fix, exit `code`; the traceback only with --debug."""
+    """One line that says what to fix, exit `code`; the traceback only with --debug. The line
+    is written whole, on a line of its own (`signals.write_line`); under the live bar, rich's
+    proxy of stderr prints it above the bar."""
     if debug:
         raise exc
-    print(f"error: {first_line(exc)}", file=sys.stderr)
+    signals.write_line(sys.stderr, f"error: {first_line(exc)}")
     raise typer.Exit(code)
 
 
@@ -90,7 +93,14 @@ class Caught:
 def signal_exit(caught: Caught | None) -> int | None:
     """The exit code of a command a signal stopped, as a shell reports one: 128 + the signal's
     number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP); None when no signal came."""
-    return 128 + caught.signum if caught is not None and caught.signum else None
+    signum = caught_signal(caught)
+    return 128 + signum if signum else None
+
+
+def caught_signal(caught: Caught | None) -> int | None:
+    """The signal that stopped a command: its own handler's, or one that came before that was
+    set up (during the imports: `signals.catch_from_start`), or None."""
+    return (caught.signum if caught is not None else None) or signals.received()
 
 
 @contextlib.contextmanager
@@ -98,12 +108,20 @@ def interrupts(caught: Caught, *, stop_at: int = 1, note: str = "") -> Iterator[
     """Ctrl-C, SIGTERM and SIGHUP (`kill`, a CI timeout, a closed terminal) unwind alike: the
     `stop_at`-th one raises KeyboardInterrupt, so `finally` blocks stop Spark, remove partial
     files or what `up` made; every other one only prints `note`, so it cannot cut that
-    clean-up short. `caught.signum` keeps the first signal, for the exit code (128 + it)."""
+    clean-up short. `caught.signum` keeps the first signal, for the exit code (128 + it). A
+    signal that came before (`signals.received()`: its KeyboardInterrupt may have been lost in
+    the imports) is the first one: at `stop_at` 1 it raises here, before anything starts."""
     count = 0
+    if early := signals.received():
+        caught.signum = caught.signum or early
+        count = 1
+        if stop_at == 1:
+            raise KeyboardInterrupt
 
     def interrupt(signum: int, frame: Any) -> None:
         nonlocal count
         count += 1
+        signals.note(signum)
         caught.signum = caught.signum or signum
         if count == stop_at:
             if holding():
@@ -113,8 +131,7 @@ def interrupts(caught: Caught, *, stop_at: int = 1, note: str = "") -> Iterator[
         if note:
             console.print(note)
 
-    wanted = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    before = {sig: signal.signal(sig, interrupt) for sig in wanted}
+    before = {sig: signal.signal(sig, interrupt) for sig in signals.SIGNALS}
     try:
         yield caught
     finally:

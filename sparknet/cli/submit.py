@@ -19,7 +19,15 @@ import typer
 from sparknet.cli import jobs
 from sparknet.cli import train as train_command
 from sparknet.cli.cluster.options import cluster_spec
-from sparknet.cli.common import Caught, console, fail, first_line, interrupts, results
+from sparknet.cli.common import (
+    Caught,
+    caught_signal,
+    console,
+    fail,
+    first_line,
+    interrupts,
+    results,
+)
 from sparknet.cli.jobs import Report, say
 from sparknet.config import find_config_file, load_datasets, load_train_config, read_section
 from sparknet.errors import SparknetError
@@ -104,6 +112,7 @@ def submit(
     sets, conf = training.pop("set_"), training.pop("conf")
     caught = Caught()
     started = False  # an error before the flow starts is in the command or settings: exit 2
+    ending = flow.Ending()  # a signal during the checks below: "nothing was launched"
     try:
         _check_flags(s3, cluster, name, keep, autostop)
         path = find_config_file(config)
@@ -124,7 +133,6 @@ def submit(
             max_restarts=max_restarts,
         )  # fmt: skip
         report = Report(console.is_terminal, cfg.rounds)
-        ending = flow.Ending()
         with interrupts(caught, note=_second_signal_note(job)):
             started = True
             try:
@@ -137,8 +145,8 @@ def submit(
     except (KeyboardInterrupt, Exception) as exc:
         after = getattr(exc, "after", None)  # a TeardownFailed's: what ended the job
         interrupted = any(isinstance(e, KeyboardInterrupt) for e in (exc, after))
-        if interrupted or caught.signum is not None:
-            signum = caught.signum or signal.SIGINT
+        if interrupted or caught_signal(caught) is not None:
+            signum = caught_signal(caught) or signal.SIGINT
             how = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
             fail(SparknetError(f"interrupted{how}{_ended(exc, ending)}"), debug, 128 + signum)
         if isinstance(after, SparknetError):

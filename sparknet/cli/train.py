@@ -12,9 +12,18 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sparknet.cli.common import Caught, console, fail, interrupts, quiet_py4j, results
+from sparknet import interrupts as signals
+from sparknet.cli.common import (
+    Caught,
+    caught_signal,
+    console,
+    fail,
+    interrupts,
+    quiet_py4j,
+    results,
+)
 from sparknet.config import find_config_file, load_datasets, load_train_config
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, WriteRefused, is_permanent
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
 # (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
@@ -138,6 +147,7 @@ def train(
         datasets = load_datasets(config)
         from sparknet.training.driver import train as run_training  # lazy: torch, pyspark, boto3
 
+        signals.check()  # one that came during those seconds of imports, if a library ate it
         report = _Report(live=console.is_terminal, caught=caught)
         if not debug:
             quiet_py4j()
@@ -157,8 +167,8 @@ def train(
     except (KeyboardInterrupt, Exception) as exc:
         # An interrupt can cut a JVM call short in a way that surfaces as a py4j error from the
         # clean-up that follows (a call made while unwinding): once a signal came, it is the cause.
-        if isinstance(exc, KeyboardInterrupt) or caught.signum is not None:
-            signum = caught.signum or signal.SIGINT
+        if isinstance(exc, KeyboardInterrupt) or caught_signal(caught) is not None:
+            signum = caught_signal(caught) or signal.SIGINT
             how = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
             fail(
                 SparknetError(
@@ -169,6 +179,9 @@ def train(
             )
         if isinstance(exc, SparknetError):
             fail(exc, debug)
+        if isinstance(exc, OSError) and is_permanent(exc):  # a write not through the run's store
+            where = str(exc.filename or out or "the run dir")
+            fail(WriteRefused(where, "a file of the run", exc), debug)
         raise
 
 
@@ -199,8 +212,9 @@ class _Report:
     def _interrupted(self) -> None:
         """Raise the interrupt a signal asked for if it was lost: a KeyboardInterrupt raised
         inside a finalizer or a JVM callback while Spark starts is printed as "Exception
-        ignored" and dropped, and the run would go on to the end. Every event checks."""
-        if self.caught.signum is not None:
+        ignored" and dropped, and the run would go on to the end. Every event checks, for
+        this command's handler and the one from before it (`signals.received`)."""
+        if caught_signal(self.caught) is not None:
             raise KeyboardInterrupt
 
     def start(self, done: int, total: int) -> None:
@@ -244,10 +258,11 @@ class _Report:
 
 
 def _line(text: str) -> None:
-    """One progress line; a reader that went away (`| head`) must not kill the run: from then
-    on stderr goes to /dev/null."""
+    """One progress line, written whole (`signals.write_line`: an `error:` line after it never
+    shares its line); a reader that went away (`| head`) must not kill the run: from then on
+    stderr goes to /dev/null."""
     try:
-        print(text, file=sys.stderr, flush=True)
+        signals.write_line(sys.stderr, text)
     except BrokenPipeError:
         _to_devnull(sys.stderr)
 

@@ -23,7 +23,7 @@ from boto3.s3.transfer import TransferConfig
 from sparknet.data import s3
 from sparknet.data.manifest import MANIFEST_NAME, Manifest
 from sparknet.data.s3 import MissingObjectError, S3Uri
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, WriteRefused, is_permanent
 
 __all__ = [
     "LocalStore",
@@ -190,16 +190,23 @@ class LocalStore(_Guarded):
             return set()
 
     def write_bytes(self, name: str, data: bytes, *, parents: bool = True) -> None:
+        """A full disk, a read-only file system or a permission is one line naming the dir and
+        the file (`WriteRefused`, never retried); the temp file never stays."""
         self._check_guard()
         dest = self._path(name)
-        if parents:
-            dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = _temp_beside(dest)
         try:
+            if parents:
+                dest.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_bytes(data)
             os.replace(tmp, dest)
+        except OSError as exc:
+            if is_permanent(exc):
+                raise WriteRefused(self.uri, name, exc) from exc
+            raise
         finally:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # on a read-only one even this refuses: not why
+                tmp.unlink(missing_ok=True)
 
     def delete(self, names: Iterable[str]) -> None:
         self._check_guard()

@@ -26,16 +26,13 @@ This module is the driver's side; what each rank runs is `allreduce_rank`.
 from __future__ import annotations
 
 import contextlib
-import hmac
-import json
 import queue
-import re
 import secrets
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,14 +43,17 @@ from pyspark.errors import PySparkException
 
 from sparknet import interrupts
 from sparknet.data.frames import Frames
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, is_permanent_text
 from sparknet.training.allreduce_rank import StagePlan, stage_task
+from sparknet.training.progress import GROUP_PREFIX, Listener
+from sparknet.training.progress_guard import Guard
 from sparknet.training.session import stopped_from_outside
 from sparknet.training.spark_settings import is_local_master
 from sparknet.training.transport import (
     conf_int,
     describe_task_failure,
     dynamic_allocation,
+    executor_cores,
     executor_hosts,
     in_band,
     task_slots,
@@ -120,88 +120,17 @@ class StageFailed(Exception):
         self.permanent = permanent
 
 
-#: how long a connection to the channel has to say its hello (rank 0 says it at once), and
-#: the most that hello may hold: what anyone else who reaches the port can hold up
-_HELLO_S = 30.0
-_HELLO_MAX = 4096
+class _Channel(Listener):
+    """The driver's end of rank 0's socket (`progress.Listener`): its hello carries the token
+    and the round the stage starts after. A row's acknowledgement goes back on it."""
 
+    close_at_end = False
 
-class _Channel:
-    """The driver's end of rank 0's socket: a listener on the driver's host that takes
-    connections carrying the stage's token and queues their messages. Anyone who reaches the
-    port may connect: a connection whose first line is not a hello with the token (compared
-    in constant time), within `_HELLO_S` and `_HELLO_MAX` bytes, is closed unheard, without a
-    word on the driver's output."""
-
-    def __init__(self, host: str, token: str, inbox: queue.Queue) -> None:
-        self.token = token.encode()
-        self.inbox = inbox
-        self.server = socket.create_server((host, 0))
-        self.address = (host, self.server.getsockname()[1])
-        self._conns: set[socket.socket] = set()
-        self._thread = threading.Thread(target=self._accept, name="sparknet-channel", daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return  # closed
-            self._conns.add(conn)
-            try:
-                threading.Thread(target=self._read, args=(conn,), daemon=True).start()
-            except RuntimeError:  # no thread left (a flood of connections): this one goes
-                self._conns.discard(conn)
-                conn.close()
-
-    def _read(self, conn: socket.socket) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            lines = conn.makefile("rb")
-            start = self._hello(conn, lines)
-            if start is None:
-                self._conns.discard(conn)
-                conn.close()
-                return
-            self.inbox.put(("message", {"start": start}, conn))
-            for line in lines:
-                message = json.loads(line)
-                if not isinstance(message, dict):
-                    break  # not rank 0's
-                self.inbox.put(("message", message, conn))
-
-    def _hello(self, conn: socket.socket, lines: Any) -> int | None:
-        """The round a rank 0 starts after, from its first line; None for anything else."""
-        late = threading.Timer(_HELLO_S, _shut, (conn,))  # one deadline, however it trickles
-        try:
-            late.start()
-            line = lines.readline(_HELLO_MAX)
-            hello = json.loads(line) if line.endswith(b"\n") else None
-        except (OSError, ValueError, RuntimeError):  # RuntimeError: no thread for the deadline
-            return None
-        finally:
-            late.cancel()
-        token = hello.get("token") if isinstance(hello, dict) else None
-        if not isinstance(token, str) or not hmac.compare_digest(
-            token.encode(errors="replace"), self.token
-        ):
-            return None
+    def accept(self, hello: dict[str, Any]) -> dict[str, Any] | None:
         start = hello.get("start")
         if not isinstance(start, int) or isinstance(start, bool):
             return None
-        return start
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.server.close()
-        for conn in list(self._conns):
-            with contextlib.suppress(OSError):
-                conn.close()
-
-
-def _shut(conn: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        conn.shutdown(socket.SHUT_RDWR)
+        return {"start": start}
 
 
 class AllReduceTransport:
@@ -209,19 +138,63 @@ class AllReduceTransport:
 
     name = "allreduce"
 
-    def __init__(self, sc: SparkContext, partitions: int, frames: Frames | None = None) -> None:
-        """`frames`: a DataFrame run's persisted frames, whose partition k rank k trains on."""
+    def __init__(
+        self,
+        sc: SparkContext,
+        partitions: int,
+        frames: Frames | None = None,
+        guard: Guard | None = None,
+        pack: bool = True,
+    ) -> None:
+        """`frames`: a DataFrame run's persisted frames, whose partition k rank k trains on;
+        `guard`: the run's progress guard, which the ranks report to; `pack`: whether the
+        stage may run again on fewer executors than the run began with (`shortfall`)."""
         self.sc = sc
         self.partitions = partitions
         self.local = is_local_master(sc.master)
         self.frames = frames
+        self.guard = guard
+        self.pack = pack
+        #: every executor seen since the run began ({id: host}), to name the ones lost
+        self.seen: dict[str, str] = {}
+        #: how many executors the run began with: with `pack` off, the fewest it runs on
+        self.began = len(self.executors())
 
     def executors(self) -> dict[str, str]:
         """{executor id: host} on a cluster master; empty on a local one."""
-        return {} if self.local else executor_hosts(self.sc)
+        now = {} if self.local else executor_hosts(self.sc)
+        self.seen.update(now)
+        return now
 
     def rebalance(self) -> None:
         """Nothing to spread: a stage places its tasks anew each time it runs."""
+
+    def cannot_run(self) -> str | None:
+        """Why the live executors cannot run the stage (again), or None when they can (and
+        always on a local master): `shortfall`."""
+        if self.local:
+            return None
+        return shortfall(
+            executor_cores(self.sc), self.began, self.partitions,
+            conf_int(self.sc, "spark.task.cpus", 1),
+            conf_int(self.sc, "spark.executor.resource.gpu.amount", 0), self.pack,
+        )  # fmt: skip
+
+    def lost(self) -> list[str]:
+        """The executors seen since the run began that are gone, as "id@host"."""
+        now = self.executors()
+        return [f"{i}@{host}" for i, host in sorted(self.seen.items()) if i not in now]
+
+    def wait_until_runnable(self, timeout_s: float, poll_s: float = 1.0) -> str | None:
+        """Wait for executors that can run the stage (lost ones come back, or others are
+        started in their place), at most `timeout_s` (0: without end). None once they can,
+        else why they still cannot."""
+        deadline = time.monotonic() + timeout_s
+        while (why := self.cannot_run()) is not None:
+            if timeout_s and time.monotonic() >= deadline:
+                return why
+            time.sleep(poll_s)
+        return None
 
     def _cores_by_address(self) -> dict[str, int]:
         if self.local:
@@ -257,8 +230,10 @@ class AllReduceTransport:
             self._cores_by_address(), conf_int(self.sc, "spark.task.cpus", 1),
             conf_int(self.sc, "spark.executor.resource.gpu.amount", 0),
             evaluates=self.frames is None or self.frames.eval is not None,
+            beacon=self.guard.beacon if self.guard is not None else None,
+            collective_timeout_s=self.guard.collective_timeout_s() if self.guard else None,
         )  # fmt: skip
-        group = f"sparknet-allreduce-{uuid.uuid4().hex[:12]}"
+        group = f"{GROUP_PREFIX}allreduce-{uuid.uuid4().hex[:12]}"
         job = threading.Thread(
             target=self._run_job, args=(plan, group, inbox), name="sparknet-stage", daemon=True
         )
@@ -288,13 +263,19 @@ class AllReduceTransport:
 
     def _messages(self, inbox: queue.Queue) -> Iterator[int | Row]:
         last_word: float | None = None
+        look = time.monotonic() + _LOOK_S
         while True:
             try:
                 with interrupts.deferred():  # never inside the queue's Condition.wait
                     kind, payload, conn = inbox.get(timeout=0.2)
             except queue.Empty:
+                interrupts.check()  # a signal whose KeyboardInterrupt a JVM callback swallowed
                 if last_word is not None and time.monotonic() > last_word:
                     raise StageFailed("the stage ended before its last round") from None
+                if time.monotonic() > look:
+                    look = time.monotonic() + _LOOK_S
+                    if why := self._short_now():
+                        raise StageFailed(f"an executor was lost: {why}") from None
                 continue
             if kind == "failed":
                 if why := stopped_from_outside(self.sc, payload):  # no restart can help
@@ -314,6 +295,39 @@ class AllReduceTransport:
             if payload.get("done"):  # sent once the last round's checkpoint is published
                 return
 
+    def _short_now(self) -> str | None:
+        """`cannot_run` while the stage runs: executors lost so that it cannot go on. Spark
+        itself would run the barrier stage anew in the same job and hold it, without end,
+        until slots enough for all its tasks at once come back."""
+        try:
+            return self.cannot_run()
+        except (Py4JError, PySparkException):  # the session is stopping: its failure says why
+            return None
+
+
+#: how often a running stage's executors are looked at (`AllReduceTransport._short_now`)
+_LOOK_S = 1.0
+
+
+def shortfall(
+    cores: Mapping[str, int], began: int, partitions: int, task_cpus: int, gpus: int, pack: bool
+) -> str | None:
+    """Why executors of `cores` ({id: cores}) cannot run a barrier stage of `partitions` tasks,
+    or None when they can: every task needs a task slot at once; and with `pack` off, the
+    workers are not packed onto fewer executors than the `began` the run began with (more
+    tasks on each, each with fewer threads), so a lost one must come back or be replaced."""
+    if not cores:
+        return "no executor is left (the workers are gone, or a restarted master had them killed)"
+    slots = task_slots(cores, task_cpus, gpus)
+    if slots < partitions:
+        return f"the executors left hold {slots} task slot(s) for {partitions} workers"
+    if not pack and len(cores) < began:
+        return (
+            f"{len(cores)} of the {began} executors the run began with are left and "
+            "pack_workers is off"
+        )
+    return None
+
 
 #: what a failed stage's error text says when running it again may help, and in what words
 _CAUSES = (
@@ -323,17 +337,16 @@ _CAUSES = (
     ("Connection closed by peer", "a worker lost its connection to another (one died)"),
     ("TaskKilled", "a task was killed"),
 )
-#: exceptions a rank raises that no restart heals: bad data, settings, credentials
-_PERMANENT = re.compile(r"\b(?:sparknet\.errors\.)?(PermanentTaskError|SparknetError): ")
 
 
 def _failure(exc: BaseException) -> BaseException:
-    """The stage's failure as `StageFailed`, saying why in a few words; permanent when a rank
-    raised sparknet's own error (a permanent task fault, unreadable data, S3 refusing)."""
+    """The stage's failure as `StageFailed`, saying why in a few words; permanent when what a
+    rank raised is (`errors.is_permanent_text`: sparknet's own error, such as unreadable data
+    or S3 refusing; a full disk, a read-only one, a permission), so no restart is tried."""
     if not isinstance(exc, Py4JError | PySparkException):
         return exc
     text = f"{exc}\n{getattr(exc, 'java_exception', '')}"
-    if _PERMANENT.search(text):
+    if is_permanent_text(text):
         return StageFailed(describe_task_failure(exc), permanent=True)  # type: ignore[arg-type]
     cause = next((words for mark, words in _CAUSES if mark in text), None)
     return StageFailed(cause or describe_task_failure(exc))  # type: ignore[arg-type]

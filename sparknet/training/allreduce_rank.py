@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,8 @@ from pyspark import BarrierTaskContext, SparkFiles
 
 from sparknet.data.frames import rank_rows
 from sparknet.data.store import open_store
-from sparknet.errors import PermanentTaskError
-from sparknet.training import checkpoint, device, netbind
+from sparknet.errors import is_permanent
+from sparknet.training import checkpoint, device, netbind, progress
 from sparknet.training.outer import OuterOptimizer
 from sparknet.training.report import eval_row, round_row
 from sparknet.training.state import StateLayout
@@ -61,6 +62,11 @@ class StagePlan:
     gpus: int
     #: False for a DataFrame run without an eval frame (as under the spark transport)
     evaluates: bool = True
+    #: where each rank reports its progress (None: no guard)
+    beacon: progress.Beacon | None = None
+    #: the process group's timeout: past the driver's deadline for a frozen rank, so that the
+    #: driver names it first (None: torch's default)
+    collective_timeout_s: float | None = None
 
 
 def stage_task(plan: StagePlan, frames: bool):
@@ -94,12 +100,15 @@ def _backend(on: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if on.type == "cuda" else "gloo"
 
 
-def _process_group(ctx: BarrierTaskContext, on: torch.device) -> None:
+def _process_group(
+    ctx: BarrierTaskContext, on: torch.device, timeout_s: float | None = None
+) -> None:
     """The default process group over the stage's tasks, made with one allGather: rank 0
     opens a TCPStore on its node's address and that address and port go round (~25 ms, not
     the default init's rendezvous of a second or more). The store and gloo listen on the
     node's cluster address (the one its executor advertises) only: neither is authenticated
-    nor encrypted (`netbind`)."""
+    nor encrypted (`netbind`). `timeout_s` bounds each collective's wait (the driver's progress
+    guard fails a frozen rank well before)."""
     if dist.is_initialized():  # a cancelled stage's, in a reused Python worker
         dist.destroy_process_group()
     rank, infos = ctx.partitionId(), ctx.getTaskInfos()
@@ -111,7 +120,8 @@ def _process_group(ctx: BarrierTaskContext, on: torch.device) -> None:
     host, port = said.rsplit(" ", 1)
     if store is None:
         store = dist.TCPStore(host, int(port), world, False)
-    dist.init_process_group(_backend(on), store=store, rank=rank, world_size=world)
+    timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group(_backend(on), store=store, rank=rank, world_size=world, **timeout)
 
 
 def _host_of(address: str) -> str:
@@ -168,7 +178,14 @@ class _Rank:
         cfg, plan = self.cfg, self.plan
         on = device.task_device(cfg.device)
         threads = _rank_threads(plan, self.ctx)
-        _process_group(self.ctx, on)
+        with progress.reporting(plan.beacon, self.rank):
+            with progress.waiting():
+                _process_group(self.ctx, on, plan.collective_timeout_s)
+            self._run(on, threads)
+
+    def _run(self, on: torch.device, threads: int) -> None:
+        """The rounds, over the process group made; rank 0 with its channel to the driver."""
+        plan = self.plan
         channel = _ToDriver(plan, plan.base.round) if self.rank == 0 else None
         try:
             self._rounds(on, threads, channel)
@@ -197,14 +214,17 @@ class _Rank:
         for r in range(base.round, cfg.rounds):
             done = r + 1
             due = checkpoint.due(cfg.checkpoint_every, done, cfg.rounds)
-            stage_dir = checkpoint.begin(store, done) if due else None
+            stage_dir, fault = self._begin(store, done) if due else (None, None)
             task = replace(base, round=r, integers=integers, checkpoint_dir=stage_dir)
             t0 = time.perf_counter()
-            contrib, fault = self._train(task, theta, attempt, threads, local_dir, live)
+            contrib = None
+            if fault is None:
+                contrib, fault = self._train(task, theta, attempt, threads, local_dir, live)
             t_exchange = time.perf_counter()
             everyone: list[Any] = [None] * self.world
             report = contrib.reports[0] if contrib is not None else None
-            dist.all_gather_object(everyone, _Round(report, fault))
+            with progress.waiting():
+                dist.all_gather_object(everyone, _Round(report, fault))
             if self._stopped(everyone, done, channel):
                 return
             assert contrib is not None
@@ -213,8 +233,9 @@ class _Rank:
             else:
                 assert contrib.delta_sum is not None
                 summed = torch.from_numpy(contrib.delta_sum)
-            mean = _mean(summed, self.world, cfg.compress, on).numpy()
-            integers = _from_rank0(contrib.integers, layout)
+            with progress.waiting():
+                mean = _mean(summed, self.world, cfg.compress, on).numpy()
+                integers = _from_rank0(contrib.integers, layout)
             exchange_s = time.perf_counter() - t_exchange
             theta = mean if live.weights is not None else outer.step(mean)
             row = round_row(done, [e.report for e in everyone], time.perf_counter() - t0, 0.0)
@@ -225,16 +246,34 @@ class _Rank:
             if channel is None:
                 continue
             row["elapsed_s"] = plan.elapsed_s + time.perf_counter() - t_start
-            channel.row(row, ack=due)
-            if due:
-                checkpoint.write(
-                    store, done, layout, theta, integers, outer.momentum_buffer,
-                    row["elapsed_s"], cfg.to_yaml(),
-                )  # fmt: skip
+            with progress.waiting():  # the driver's acknowledgement; the store's own deadlines
+                channel.row(row, ack=due)
+                if due:
+                    try:
+                        checkpoint.write(
+                            store, done, layout, theta, integers, outer.momentum_buffer,
+                            row["elapsed_s"], cfg.to_yaml(),
+                        )  # fmt: skip
+                    except Exception as exc:
+                        if not is_permanent(exc):
+                            raise  # the stage fails and runs again from the last checkpoint
+                        channel.say(fault=TaskFault.of(0, exc).message)  # a full disk: no restart
+                        return
+
+    def _begin(self, store, done: int) -> tuple[str | None, str | None]:
+        """(the checkpoint dir being assembled, None), or (None, this rank's permanent fault:
+        a full or read-only run dir, which every rank then hears of instead of a restart)."""
+        try:
+            return checkpoint.begin(store, done), None
+        except Exception as exc:
+            if not is_permanent(exc):
+                raise
+            return None, TaskFault.of(self.rank, exc).message
 
     def _train(self, task, theta, attempt, threads, local_dir, live):
-        """(this rank's contribution, None) or (None, its permanent fault). The fault drill
-        kills the rank's process: under this transport it stands for a dead rank."""
+        """(this rank's contribution, None) or (None, its permanent fault: `is_permanent`, such
+        as its inner state refused by a full disk). The fault drill kills the rank's process:
+        under this transport it stands for a dead rank."""
         try:
             contrib = train_partition(
                 task, theta, self.rank, attempt=attempt, threads=threads,
@@ -243,7 +282,9 @@ class _Rank:
             return contrib, None
         except InjectedFailure:
             os._exit(17)
-        except PermanentTaskError as exc:
+        except Exception as exc:
+            if not is_permanent(exc):
+                raise
             return None, TaskFault.of(self.rank, exc).message
 
     def _stopped(self, everyone: list, done: int, channel: _ToDriver | None) -> bool:
@@ -268,7 +309,8 @@ class _Rank:
         sums = torch.tensor(
             [ev.loss_sum, ev.correct, ev.correct5, ev.count, ev.skipped], dtype=torch.float64
         )
-        dist.all_reduce(sums)
+        with progress.waiting():
+            dist.all_reduce(sums)
         loss, correct, correct5, count, skipped = sums.tolist()
         return EvalResult(loss, int(correct), int(correct5), int(count), int(skipped))
 

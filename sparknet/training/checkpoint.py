@@ -27,7 +27,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from sparknet.data.store import LocalStore, MissingObjectError, Store, open_store
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, WriteRefused, is_permanent
 from sparknet.training.state import StateLayout
 
 CHECKPOINTS = "checkpoints"
@@ -101,7 +101,12 @@ def begin(store: Store, rounds: int) -> str:
     make it); S3 has no dirs."""
     where = name(rounds)
     if isinstance(store, LocalStore):
-        (Path(store.uri) / where / "inner").mkdir(parents=True, exist_ok=True)
+        try:
+            (Path(store.uri) / where / "inner").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            if is_permanent(exc):  # a full disk, a read-only one: never retried
+                raise WriteRefused(store.uri, f"{where}/inner", exc) from exc
+            raise
     return f"{store.uri}/{where}"
 
 

@@ -19,6 +19,7 @@ from sparknet.training import allreduce, checkpoint, rundir, rundir_reach
 from sparknet.training.outer import OuterOptimizer
 from sparknet.training.probe import check_python_workers, user_modules
 from sparknet.training.problem import FrameInput, Problem, frame_problem, prepare
+from sparknet.training.progress_guard import Guard
 from sparknet.training.report import MetricsLog, plot_curves
 from sparknet.training.rounds import (
     Begin,
@@ -200,9 +201,12 @@ def _start(
             begin = _initial_state(cfg, problem, run, resume)
             begin.changes = accepted
         warn = _warner(on_warning)
-        on_row = _with_warnings(on_round, warn, begin, cfg.workers * cfg.tau)
-        with ExecutorWatchdog(spark.sparkContext, cfg.no_executor_timeout_s):
-            result = _run(cfg, problem, begin, run, lock, spark, own_session, placed, on_row, warn)
+        guard = Guard(spark.sparkContext, cfg.progress_timeout_s, warn)
+        on_row = guard.following(_with_warnings(on_round, warn, begin, cfg.workers * cfg.tau))
+        with ExecutorWatchdog(spark.sparkContext, cfg.no_executor_timeout_s), guard:
+            result = _run(
+                cfg, problem, begin, run, lock, spark, own_session, placed, on_row, warn, guard
+            )  # fmt: skip
         return result
     except Exception as exc:  # the application ended under the run: one line, not a traceback
         if spark is not None and (why := stopped_from_outside(spark.sparkContext, exc)):
@@ -270,22 +274,28 @@ def _with_warnings(
     steps: int,
 ) -> RoundCallback:
     """`on_round`, after the round's warnings (Python warnings without a callback: the `fit` API):
-    - the partitions that found no inner optimizer state (an executor lost, or a partition
-      moved): their optimizers started fresh, so the run no longer equals one without the miss.
-      Not for the first resumed round of a run that changed the inner optimizer, `inner_state`
-      or the number of workers (no usable states are stored for them: expected).
+    - once a run, the partitions that found no usable inner optimizer state in the checkpoint
+      their round started from (a lost executor's misses are replayed, never recorded; these
+      cannot be: the checkpoint lacks them): their optimizers started fresh, so the run no
+      longer equals one that went on from that checkpoint. Not for the first resumed round of
+      a run that changed the inner optimizer, `inner_state` or the number of workers (no usable
+      states are stored for them: expected).
     - an fp16 round whose loss scaler skipped at least half of its `steps` (gradients overflowed):
       the round learnt little or nothing, and only metrics.jsonl would say so."""
     expected = {"optimizer", "inner_state", "workers"} & set(begin.changes)
+    inexact = False  # said once: the run stays inexact
 
     def on_row(row: dict[str, Any]) -> None:
+        nonlocal inexact
         missed = row.get("inner_state_missed")
-        if missed and not (row["round"] == begin.rounds + 1 and expected):
+        if missed and not inexact and not (row["round"] == begin.rounds + 1 and expected):
+            inexact = True
             which = ", ".join(map(str, missed))
             warn(
                 f"round {row['round']}: partition{'s' if len(missed) > 1 else ''} {which} found "
-                "no inner optimizer state (an executor was lost or the partition moved) and "
-                "started a fresh optimizer; counted in metrics.jsonl"
+                "no usable inner optimizer state in the checkpoint the round starts from and "
+                "started a fresh optimizer, so the run is no longer exact; counted in "
+                "metrics.jsonl"
             )
         skipped = row.get("skipped_steps", 0)
         if skipped and 2 * skipped >= steps:
@@ -333,6 +343,7 @@ def _run(
     placed: Frames | None,
     on_round: RoundCallback | None,
     warn: WarningCallback,
+    guard: Guard | None = None,
 ) -> RunResult:
     events = RunEvents(run, cfg, begin.rounds)
     try:
@@ -340,7 +351,7 @@ def _run(
             write_config(run, cfg)
         metrics = MetricsLog(run.store, keep_rounds=begin.rounds)
         loop = Loop(
-            cfg, problem, run, lock, spark, own_session, metrics, events, on_round, warn
+            cfg, problem, run, lock, spark, own_session, metrics, events, on_round, warn, guard
         )  # fmt: skip
         if cfg.transport == "allreduce":
             model_bytes = allreduce_rounds(loop, begin, placed)

@@ -74,6 +74,16 @@ class EventLog:
                 self._writer.add_scalar(tag, float(value), step)
         self._writer.flush()
 
+    def purge(self, step: int) -> None:
+        """Drop, for TensorBoard, the rounds >= `step` written so far: they run again (a
+        replay from a checkpoint) and are written anew. The same marker a resume's
+        `purge_step` writes, here in the open file: the curves show each round once."""
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog  # lazy: tensorboard
+
+        start = SessionLog(status=SessionLog.START)
+        self._writer._get_file_writer().add_event(Event(step=step, session_log=start))
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
 

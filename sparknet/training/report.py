@@ -115,8 +115,12 @@ def round_row(
     done: int, reports: Sequence[WorkerReport], round_s: float, broadcast_s: float
 ) -> dict[str, Any]:
     """A round's metrics.jsonl row from its workers' reports; `broadcast_s`: the driver's part
-    of getting the weights out (0 where the workers hold them)."""
+    of getting the weights out (0 where the workers hold them). `slowest_worker` is the
+    partition whose load and compute took longest, `slowest_behind_s` how much longer than the
+    median worker's: a straggler shows here (it is never failed while it makes progress)."""
     samples = sum(r.samples for r in reports)
+    took = [r.load_s + r.compute_s for r in reports]
+    slowest = max(range(len(reports)), key=took.__getitem__)
     missed = sorted(r.partition for r in reports if r.inner_state_miss)
     load_s = broadcast_s + max(r.load_s for r in reports)
     compute_s = max(r.compute_s for r in reports)
@@ -135,6 +139,8 @@ def round_row(
         **({"inner_state_missed": missed} if missed else {}),
         "skipped_samples": sum(r.skipped for r in reports),
         "skipped_steps": sum(r.skipped_steps for r in reports),
+        "slowest_worker": reports[slowest].partition,
+        "slowest_behind_s": took[slowest] - float(np.median(took)),
     }
 
 

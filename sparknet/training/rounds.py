@@ -32,6 +32,7 @@ from sparknet.training.allreduce import RESTARTS, AllReduceTransport, Diverged, 
 from sparknet.training.events import EventLog
 from sparknet.training.outer import OuterOptimizer, mean_update
 from sparknet.training.problem import Problem
+from sparknet.training.progress_guard import Guard
 from sparknet.training.report import MetricsLog, eval_row, round_row
 from sparknet.training.rundir import CONFIG_FILE, Lock, RunDir
 from sparknet.training.session import stop_quietly
@@ -61,11 +62,14 @@ class _Executors:
 
     hosts: dict[str, str] | None = None
     lost: bool = False
+    #: an executor joined after a loss: the partitions are to be spread again (`spread_out`)
+    spread: bool = False
     #: what the rows dropped by a restarted stage said (they would otherwise be lost with them)
     carried: dict[str, list[str]] = field(default_factory=dict)
 
     def dropped(self, rows: list[dict[str, Any]]) -> None:
-        """Rows a restarted allreduce stage drops: their losses and joins go into the next row."""
+        """Rows a restarted allreduce stage or a `spark` replay drops: their losses and joins
+        go into the next row."""
         for row in rows:
             for key in ("executors_lost", "executors_joined"):
                 self.carried.setdefault(key, []).extend(row.get(key, []))
@@ -73,8 +77,8 @@ class _Executors:
     def after_round(self, row: dict[str, Any], transport) -> None:
         """On a cluster: the executors there are after the round in its row, and those lost
         and joined since the round before (a dead worker, its replacement). A join after a
-        loss spreads the partitions again: the lost executor's tasks moved onto the others and
-        would stay there."""
+        loss asks for the partitions to be spread again (`spread_out`): the lost executor's
+        tasks moved onto the others and would stay there."""
         now = transport.executors()
         before, self.hosts = self.hosts, now
         if not now and not before:
@@ -92,8 +96,15 @@ class _Executors:
             self.lost = True
         if joined:
             row["executors_joined"] = joined
-            if self.lost:
-                transport.rebalance()
+            self.spread = self.spread or self.lost
+
+    def spread_out(self, transport) -> None:
+        """Spread the partitions over the executors there are now, when a join asked for it.
+        Called where every partition that moves finds its inner state in a checkpoint (right
+        after one is published, or as a replay starts from one): never a miss."""
+        if self.spread:
+            self.spread = False
+            transport.rebalance()
 
 
 def _raise_diverged(contrib: Contribution, done: int, run: RunDir) -> None:
@@ -146,6 +157,8 @@ class Loop:
     events: RunEvents
     on_round: RoundCallback | None
     warn: WarningCallback
+    #: the run's progress guard, which the workers report to (None: no guard)
+    guard: Guard | None = None
 
     def record(self, row: dict[str, Any], begin: Begin) -> None:
         """A round's row into metrics.jsonl and the event file (before its checkpoint is
@@ -156,39 +169,77 @@ class Loop:
         self.metrics.append(row)
         self.events.round(row)
 
+    def rewind(self, rounds: int) -> list[dict[str, Any]]:
+        """Back to the checkpoint after `rounds`: the rounds past it run again, so their rows
+        leave metrics.jsonl and TensorBoard's curves (each round shows once); returns them."""
+        dropped = self.metrics.keep(rounds)
+        if dropped:
+            self.events.rewind(rounds)
+        return dropped
+
+
+#: how many times in a row the `spark` transport replays from one checkpoint before the run
+#: fails (the replayed rounds found partitions without their inner state again: executors keep
+#: being lost); a checkpoint written since starts the count again
+REPLAYS = RESTARTS
+
 
 def spark_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
     """The rounds as one Spark job each (the `spark` transport); returns the final weights as
-    model.safetensors bytes."""
+    model.safetensors bytes.
+
+    A round in which a partition found no inner optimizer state (its executor was lost, so its
+    task ran on another) is not stepped with: the rounds since the last complete checkpoint (or
+    since the run began) run again from there, and the run ends with the weights of a run
+    without the loss (`_Segment`)."""
     cfg, problem, run = loop.cfg, loop.problem, loop.run
-    layout, outer, integers = begin.layout, begin.outer, begin.integers
-    start, elapsed0 = begin.rounds, begin.elapsed_s
-    theta = outer.theta.numpy()
+    layout = begin.layout
     train_frame = placed.train if placed is not None else None
     eval_frame = placed.eval if placed is not None else None
     evaluates = placed is None or eval_frame is not None
     pending: int | None = None  # the round of a checkpoint being written, until its manifest is
     try:
-        transport = SparkTransport(loop.spark.sparkContext, cfg.workers)
+        beacon = loop.guard.beacon if loop.guard is not None else None
+        transport = SparkTransport(loop.spark.sparkContext, cfg.workers, beacon=beacon)
         base = RoundTask(
-            cfg, problem.source, uuid.uuid4().hex[:12], start, layout, integers,
+            cfg, problem.source, "", begin.rounds, layout, begin.integers,
             problem.num_classes, problem.source.input_shape, run.store.uri,
         )  # fmt: skip
-        t_start = time.perf_counter()
         executors = _Executors()
-        for r in range(start, cfg.rounds):
+        seg = _Segment.at(loop, begin)  # a copy: a replay may go back to `begin` itself
+        theta, integers, r, replays = seg.outer.theta.numpy(), seg.integers, seg.first, 0
+        while r < cfg.rounds:
             loop.lock.check()
             done = r + 1
             pending = done if checkpoint.due(cfg.checkpoint_every, done, cfg.rounds) else None
             stage = checkpoint.begin(run.store, done) if pending is not None else None
-            task = replace(base, round=r, integers=integers, checkpoint_dir=stage)
+            task = replace(
+                base, run_id=seg.run_id, round=r, integers=integers, checkpoint_dir=stage
+            )
             t0 = time.perf_counter()
             contrib, broadcast_s = transport.map_reduce(
                 theta, functools.partial(_train_work, task), Contribution.combine, train_frame
             )
+            missed = _missed(contrib) if r > seg.first else []
+            if missed:  # not stepped with: replayed from the last checkpoint
+                seen: dict[str, Any] = {}  # the executors lost and joined, for the next row
+                executors.after_round(seen, transport)
+                if replays == REPLAYS:
+                    raise SparknetError(_replays_spent(done, seg.first))
+                replays += 1
+                if pending is not None:  # the workers wrote states into it: not the run's
+                    checkpoint.discard(run.store, pending)
+                    pending = None
+                seg = _Segment.at(loop, _restart_state(loop, begin))
+                executors.dropped([*loop.rewind(seg.first), seen])
+                loop.warn(_replay_line(done, missed, seg.first, replays))
+                transport.rebalance()  # every state comes from the checkpoint now: spread
+                executors.spread = False
+                theta, integers, r = seg.outer.theta.numpy(), seg.integers, seg.first
+                continue
             if contrib.delta_sum is None:
                 _raise_diverged(contrib, done, run)
-            theta = outer.step(mean_update(contrib.delta_sum, contrib.workers))
+            theta = seg.outer.step(mean_update(contrib.delta_sum, contrib.workers))
             integers = contrib.integers
             round_s = time.perf_counter() - t0
             row = round_row(done, contrib.reports, round_s, broadcast_s)
@@ -199,21 +250,79 @@ def spark_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
                     theta, functools.partial(_eval_work, eval_task), EvalResult.combine, eval_frame
                 )
                 row.update(eval_row(ev))
-            row["elapsed_s"] = elapsed0 + time.perf_counter() - t_start
+            row["elapsed_s"] = seg.elapsed_s + time.perf_counter() - seg.t_start
             loop.record(row, begin)
             if pending is not None:
                 checkpoint.write(
-                    run.store, done, layout, theta, integers, outer.momentum_buffer,
+                    run.store, done, layout, theta, integers, seg.outer.momentum_buffer,
                     row["elapsed_s"], cfg.to_yaml(),
                 )  # fmt: skip
                 pending = None
                 write_config(run, cfg)
+                replays = 0
+                executors.spread_out(transport)  # a partition that moves finds it there
             if loop.on_round is not None:
                 loop.on_round(row)
+            r += 1
     finally:
         if pending is not None:
             _abandon(run, pending, loop.spark if loop.own_session else None)
     return checkpoint.state_dict_bytes(layout.unflatten(theta, integers))
+
+
+@dataclass
+class _Segment:
+    """Where the `spark` transport's rounds run from: the run's beginning, or the checkpoint a
+    replay went back to. Its tasks key their executor-local inner states by `run_id`, new for
+    each segment: its first round finds none there and reads every state from the checkpoint
+    (round 0 needs none), exactly as a resume does, and no state that a dropped round wrote (a
+    missed partition's fresh one) is ever read again."""
+
+    first: int
+    outer: OuterOptimizer
+    integers: dict[str, np.ndarray]
+    elapsed_s: float
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    t_start: float = field(default_factory=time.perf_counter)
+
+    @staticmethod
+    def at(loop: Loop, b: Begin) -> _Segment:
+        """A segment from `b`, with an outer optimizer of its own (`b`'s is never stepped)."""
+        outer = OuterOptimizer(
+            b.outer.theta.numpy(), loop.cfg.outer_lr, loop.cfg.outer_momentum,
+            b.layout.buffer_mask(),
+        )  # fmt: skip
+        outer.load_momentum_buffer(b.outer.momentum_buffer)
+        return _Segment(b.rounds, outer, b.integers, b.elapsed_s)
+
+
+def _missed(contrib: Contribution) -> list[int]:
+    """The partitions of a round that found no inner optimizer state."""
+    return sorted(r.partition for r in contrib.reports if r.inner_state_miss)
+
+
+def _from_where(rounds: int) -> str:
+    return f"checkpoint {checkpoint.name(rounds)}" if rounds else "the start (no checkpoint yet)"
+
+
+def _replay_line(done: int, missed: list[int], again: int, replays: int) -> str:
+    """The warning of one replay: the round that found the miss, what runs again, from where."""
+    which = f"partition{'s' if len(missed) > 1 else ''} {', '.join(map(str, missed))}"
+    rounds = f"round {done}" if again + 1 == done else f"rounds {again + 1}-{done}"
+    return (
+        f"round {done}: {which} found no inner optimizer state (an executor was lost or the "
+        f"partition moved); running {rounds} again from {_from_where(again)}, so that the run "
+        f"ends as without the loss (replay {replays} of at most {REPLAYS})"
+    )
+
+
+def _replays_spent(done: int, again: int) -> str:
+    then = "run it again with --resume" if again else "run it again"
+    return (
+        f"round {done}: partitions still found no inner optimizer state after {REPLAYS} replays "
+        f"from {_from_where(again)}: executors keep being lost; {then} once the cluster keeps "
+        "its executors, or train with --inner-state reset"
+    )
 
 
 def allreduce_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
@@ -221,7 +330,9 @@ def allreduce_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
     from the last complete checkpoint, at most `allreduce.RESTARTS` times; returns the final
     weights (the last round always ends with a checkpoint) as model.safetensors bytes."""
     cfg, run = loop.cfg, loop.run
-    transport = AllReduceTransport(loop.spark.sparkContext, cfg.workers, placed)
+    transport = AllReduceTransport(
+        loop.spark.sparkContext, cfg.workers, placed, loop.guard, pack=cfg.pack_workers
+    )
     base = RoundTask(
         cfg, loop.problem.source, uuid.uuid4().hex[:12], begin.rounds, begin.layout,
         begin.integers, loop.problem.num_classes, loop.problem.source.input_shape,
@@ -244,6 +355,7 @@ def allreduce_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
                     raise SparknetError(f"the allreduce stage failed: {exc}") from exc
                 restarts += 1
                 checkpoint.discard_incomplete(run.store)
+                _wait_to_restart(loop, transport, exc)
                 stage_begin = _restart_state(loop, begin)
                 loop.warn(
                     f"the allreduce stage failed ({exc}); running it again from round "
@@ -276,7 +388,7 @@ def _one_stage(
     )  # fmt: skip
     for message in rows:
         if isinstance(message, int):  # the stage (re)starts after this round
-            executors.dropped(loop.metrics.keep(message))
+            executors.dropped(loop.rewind(message))
             continue
         loop.lock.check()
         row = message.row
@@ -285,6 +397,52 @@ def _one_stage(
         message.ack()
         if loop.on_round is not None:
             loop.on_round(row)
+
+
+def _wait_to_restart(loop: Loop, transport: AllReduceTransport, exc: StageFailed) -> None:
+    """A failed stage runs again only where it can: a barrier stage needs a task slot for every
+    worker at once, and on a static cluster a lost host never comes back (Spark would hold the
+    stage, waiting without end). With executors that cannot run it, wait up to
+    no_executor_timeout_s (0: without end) for the lost ones to come back or be replaced; then
+    the run ends in one line naming them."""
+    why = transport.cannot_run()
+    if why is None:
+        return
+    stopped = loop.guard.stopped if loop.guard is not None else {}
+    lost = transport.lost()
+    if lost and all(one.split("@", 1)[0] in stopped for one in lost):
+        # stopped by the progress guard for a frozen worker: Spark starts none in their place
+        raise SparknetError(
+            f"the allreduce stage cannot run again: {_lost_ones(lost)} "
+            f"{'was' if len(lost) == 1 else 'were'} stopped (a worker there made no progress), "
+            f"so {why}; check that host (a hung GPU, a stuck file system) and --resume, or "
+            f"--resume --allow-change with fewer --workers (last good checkpoint: "
+            f"{_last_good(loop.run)})"
+        )
+    wait_s = loop.cfg.no_executor_timeout_s
+    upto = f"up to {wait_s:g} s" if wait_s else "without end (no_executor_timeout_s is 0)"
+    loop.warn(
+        f"the allreduce stage failed ({exc}) and cannot run again yet: {why}; waiting {upto} "
+        f"for {_lost_ones(transport.lost())} to come back or be replaced"
+    )
+    why = transport.wait_until_runnable(wait_s)
+    if why is not None:
+        lost = transport.lost()
+        one = len(lost) == 1
+        raise SparknetError(
+            f"the allreduce stage cannot run again: {_lost_ones(lost)} "
+            f"{'is' if one else 'are'} gone and no executor came in "
+            f"{'its' if one else 'their'} place in {wait_s:g} s, so {why}; bring "
+            "the host back and --resume, or --resume --allow-change with fewer --workers (last "
+            f"good checkpoint: {_last_good(loop.run)}; no_executor_timeout_s sets the wait)"
+        )
+
+
+def _lost_ones(lost: list[str]) -> str:
+    """The lost executors in words: "executor 1@10.0.0.5", "executors 1@a, 2@b"."""
+    if not lost:
+        return "the lost executors"
+    return f"executor{'s' if len(lost) > 1 else ''} {', '.join(lost)}"
 
 
 def _restart_state(loop: Loop, begin: Begin) -> Begin:
@@ -326,6 +484,11 @@ class RunEvents:
 
     def round(self, row: dict[str, Any]) -> None:
         self.log.round(row)
+        self._upload()
+
+    def rewind(self, rounds: int) -> None:
+        """The rounds past `rounds` run again: TensorBoard drops what was written for them."""
+        self.log.purge(rounds + 1)
         self._upload()
 
     def _upload(self) -> None:

@@ -13,8 +13,9 @@ tasks have no preference and land on whichever executor is free. On a cluster ma
 here maps over one cached K-partition "anchor" RDD made once per run: block k sits on one
 executor, the scheduler prefers that executor for task k (PROCESS_LOCAL), and the session waits
 for it rather than giving up after 3 s (`session.STICKY_LOCALITY_WAIT`). A lost executor takes
-its blocks with it: the task runs elsewhere (a counted inner-state miss), recomputes block k
-there, and stays there for the rest of the run (docs/how-it-works.md: "How it works").
+its blocks with it: the task runs elsewhere (an inner-state miss, which the round loop replays
+from the last checkpoint), recomputes block k there, and stays there until the partitions are
+spread again (docs/how-it-works.md: "How it works").
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from py4j.protocol import Py4JError, Py4JJavaError
 from pyspark import SparkContext, SparkFiles, StorageLevel, TaskContext
 from pyspark.errors import PySparkException
 
-from sparknet.errors import PermanentTaskError, SparknetError
+from sparknet.errors import PermanentTaskError, SparknetError, is_permanent
+from sparknet.training import progress
 from sparknet.training.spark_settings import is_local_master
 
 # `# lazy: pyarrow`: only the function `mapInArrow` runs on the executors needs it; the driver and
@@ -63,14 +65,15 @@ _WRAPPERS = {"Py4JJavaError", "PythonException", "SparkException", "PySparkRunti
 
 @dataclass(frozen=True)
 class TaskFault:
-    """A `PermanentTaskError` handed back as a task's result instead of raised: Spark retries a
-    raised exception up to maxFailures times, and a retry cannot heal these."""
+    """A permanent fault (`errors.is_permanent`: a `PermanentTaskError`, a full disk, a
+    permission) handed back as a task's result instead of raised: Spark retries a raised
+    exception up to maxFailures times, and a retry cannot heal these."""
 
     partition: int
     message: str
 
     @staticmethod
-    def of(partition: int, exc: PermanentTaskError) -> TaskFault:
+    def of(partition: int, exc: BaseException) -> TaskFault:
         # a DataLoader worker re-raises it with its traceback in the message: keep the cause line
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         mark = "PermanentTaskError: "
@@ -361,28 +364,43 @@ STALL_S = 10.0
 STALL_RETRIES = 3
 
 
-class _StallGuard:
-    """Runs the calling thread's jobs in a job group of their own and, from a thread, cancels
-    the group once an executor was lost since it began and a stage of it has pending tasks but
-    none running for STALL_S. `stalled` says whether it did."""
+#: the local property Spark shows as a job's description
+_DESCRIPTION = "spark.job.description"
 
-    def __init__(self, sc: SparkContext) -> None:
+
+class _StallGuard:
+    """Runs the calling thread's jobs in a job group of their own (one the progress guard
+    watches) and, with `watch` (a cluster master), from a thread, cancels the group once an
+    executor was lost since it began and a stage of it has pending tasks but none running for
+    STALL_S. `stalled` says whether it did."""
+
+    def __init__(self, sc: SparkContext, watch: bool = True) -> None:
         self.sc = sc
-        self.group = f"sparknet-{uuid.uuid4().hex[:12]}"
+        self.group = f"{progress.GROUP_PREFIX}{uuid.uuid4().hex[:12]}"
         self.stalled = False
-        self._before = set(executor_hosts(sc))
+        self.watch = watch
+        self._before = set(executor_hosts(sc)) if watch else set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="sparknet-stall", daemon=True)
         self._previous: str | None = None
 
     def __enter__(self) -> _StallGuard:
+        if not self.watch:
+            # a local master: the caller's job group stays (a user's own `cancelJobGroup` must
+            # still reach the run); the progress guard knows the round's jobs by description
+            self._previous = self.sc.getLocalProperty(_DESCRIPTION)
+            self.sc.setLocalProperty(_DESCRIPTION, progress.ROUND_JOBS)
+            return self
         self._previous = self.sc.getLocalProperty("spark.jobGroup.id")
-        self.sc.setJobGroup(self.group, "sparknet round", interruptOnCancel=False)
+        self.sc.setJobGroup(self.group, progress.ROUND_JOBS, interruptOnCancel=False)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
+        if not self.watch:
+            self.sc.setLocalProperty(_DESCRIPTION, self._previous)  # type: ignore[arg-type]
+            return
         self._thread.join()
         self.sc.setLocalProperty("spark.jobGroup.id", self._previous)  # type: ignore[arg-type]
 
@@ -433,10 +451,13 @@ class SparkTransport:
         partitions: int,
         fan_in: int | None = None,
         sticky: bool | None = None,
+        beacon: progress.Beacon | None = None,
     ) -> None:
         """`sticky`: map over the cached anchor RDD; default: on a cluster master only (a local
-        master has one executor, where every task finds its state, and skips its cost)."""
+        master has one executor, where every task finds its state, and skips its cost).
+        `beacon`: where the tasks report their progress (the run's progress guard)."""
         self.sc = sc
+        self.beacon = beacon
         self.partitions = partitions
         self.fan_in = fan_in or default_fan_in(partitions)
         self.local = is_local_master(sc.master)
@@ -469,7 +490,8 @@ class SparkTransport:
         """Spread the partitions again over the executors there are now: after a lost
         executor its tasks moved onto the others and stay there (sticky); an executor that
         joined since (a replaced worker) takes tasks only once the anchor is made anew. A
-        partition that moves starts a fresh inner optimizer (a counted miss)."""
+        partition that moves finds its inner state only in a checkpoint of the round before:
+        call it right after one is published, or as a replay starts from one."""
         self.close()
 
     def close(self) -> None:
@@ -505,12 +527,12 @@ class SparkTransport:
         partition k's rows as Arrow record batches; its persisted blocks keep task k in place.
         """
         for attempt in range(STALL_RETRIES + 1):
-            guard = _StallGuard(self.sc) if not self.local else contextlib.nullcontext()
+            guard = _StallGuard(self.sc, watch=not self.local)
             try:
                 with guard:
                     return self._map_reduce_once(theta, work, combine, frame)
             except SparknetError:
-                if not getattr(guard, "stalled", False) or attempt == STALL_RETRIES:
+                if not guard.stalled or attempt == STALL_RETRIES:
                     raise
         raise AssertionError("unreachable")
 
@@ -526,6 +548,7 @@ class SparkTransport:
         t0 = time.perf_counter()
         bc = self.sc.broadcast(in_band(theta))
         broadcast_s = time.perf_counter() - t0
+        beacon = self.beacon
         try:
 
             def call(index: int, rows: list | None) -> R:
@@ -534,9 +557,12 @@ class SparkTransport:
                 attempt = ctx.attemptNumber() if ctx else 0
                 local_dir = SparkFiles.getRootDirectory()
                 try:
-                    return work(array_of(bc.value), index, attempt, threads, local_dir, rows)
-                except PermanentTaskError as exc:
-                    return TaskFault.of(index, exc)
+                    with progress.reporting(beacon, index):
+                        return work(array_of(bc.value), index, attempt, threads, local_dir, rows)
+                except Exception as exc:
+                    if is_permanent(exc):  # no retry heals it: the run fails at once
+                        return TaskFault.of(index, exc)
+                    raise
                 finally:
                     _freeze_imports()
 

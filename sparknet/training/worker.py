@@ -1,6 +1,7 @@
 """What one Spark task does in a round: tau local steps from the global weights, then its update.
 
-Pure PyTorch apart from asking `device` for the task's GPU, so tests can run a worker in-process.
+Pure PyTorch apart from asking `device` for the task's GPU and counting its steps in `progress`
+(nothing outside a reporting task), so tests can run a worker in-process.
 The transport calls `train_partition` / `evaluate_partition` inside tasks and reduces what they
 return. On a GPU the model, the optimizer state and the batches live on the device; the flat
 weights cross host<->device once per round each way.
@@ -23,7 +24,7 @@ from sparknet.data.loader import derived_seed
 from sparknet.data.sources import Source, TaskInput
 from sparknet.errors import SparknetError
 from sparknet.models import build_model
-from sparknet.training import checkpoint, device
+from sparknet.training import checkpoint, device, progress
 from sparknet.training.state import StateLayout
 
 
@@ -360,6 +361,7 @@ def _inner_steps(
         losses.append(loss.detach())
         steps.append(step + 1)
         done.samples += len(batch.y)
+        progress.step()
         if cfg.fail_once_at == (task.round, partition) and attempt == 0:
             raise InjectedFailure(
                 f"fail_once drill: partition {partition}, round {task.round}, attempt 0"
@@ -447,6 +449,7 @@ def _train(
     live: LiveInner | None = None,
 ) -> Contribution:
     cfg = task.cfg
+    progress.begin_round(task.round + 1)
     t0 = time.perf_counter()
     model = _model_for(task, on)
     if live is not None and live.average_in_place:
@@ -543,4 +546,5 @@ def evaluate_partition(
             correct += (top[:, 0] == y).sum()
             correct5 += (top == y[:, None]).any(1).sum()
             count += len(batch.y)
+            progress.step()
     return EvalResult(float(loss_sum), int(correct), int(correct5), count, skipped)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from sparknet.training import allreduce
+from sparknet.training import progress
 from sparknet.training.allreduce import _Channel
 
 TOKEN = "ab" * 16
@@ -20,7 +20,7 @@ TOKEN = "ab" * 16
 
 @pytest.fixture
 def channel(monkeypatch):
-    monkeypatch.setattr(allreduce, "_HELLO_S", 0.5, raising=False)
+    monkeypatch.setattr(progress, "_HELLO_S", 0.5)
     raised: list = []
     monkeypatch.setattr(threading, "excepthook", raised.append)
     inbox: queue.Queue = queue.Queue()

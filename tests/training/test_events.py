@@ -90,6 +90,20 @@ def test_a_resume_drops_the_rolled_back_rounds(tmp_path):
     assert s["eval/loss"] == [(2, 6.0), (4, 12.0), (6, 13.0)]
 
 
+def test_a_replay_drops_the_rounds_it_runs_again_in_the_same_file(tmp_path):
+    """A replay from the round-2 checkpoint within one run: rounds 3-4 are written again into
+    the open file, and TensorBoard shows each round once, the replayed value."""
+    with EventLog(tmp_path, purge_step=1) as log:
+        for n in range(1, 5):
+            log.round(row(n, 10.0 + n))
+        log.purge(3)
+        for n in range(3, 6):
+            log.round(row(n, 20.0 + n))
+
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+    assert read(tmp_path)["train/loss"] == [(1, 11.0), (2, 12.0), (3, 23.0), (4, 24.0), (5, 25.0)]
+
+
 def test_a_future_stamped_event_file_delays_a_new_log_at_most_a_second(tmp_path):
     """A stray file stamped an hour ahead (clock skew) must not stall the run for that hour."""
     import time

@@ -116,30 +116,6 @@ def test_a_signal_while_spark_stops_after_the_last_round_is_no_failure(
     assert (out / "model.safetensors").is_file() and (out / "curves.png").is_file()
 
 
-def test_a_lost_inner_state_is_named_in_metrics_and_warned_about(spark, tmp_path):
-    """Round 2's partition 1 finds no inner state: its executor-local file is deleted after
-    round 1 (as when the executor is lost), and no checkpoint holds one (checkpoint_every 0).
-    Round 1 of a fresh run has nothing to miss."""
-    from pathlib import Path
-
-    from pyspark import SparkFiles
-
-    def lose_partition_1(row):
-        if row["round"] == 1:
-            for path in Path(SparkFiles.getRootDirectory()).rglob("sparknet-inner/*/p00001-*"):
-                path.unlink()
-
-    warned: list[str] = []
-    cfg = TrainConfig(rounds=3, checkpoint_every=0, out=tmp_path / "run", momentum=0.9, **SMALL)
-    result = train(cfg, spark=spark, on_round=lose_partition_1, on_warning=warned.append)
-    assert [r["inner_state_misses"] for r in result.metrics] == [0, 1, 0]
-    assert [r.get("inner_state_missed") for r in result.metrics] == [None, [1], None]
-    assert warned == [
-        "round 2: partition 1 found no inner optimizer state (an executor was lost or the "
-        "partition moved) and started a fresh optimizer; counted in metrics.jsonl"
-    ]
-
-
 def test_a_resume_that_changes_the_inner_optimizer_misses_without_a_warning(spark, tmp_path):
     """sgd -> adamw: the stored states cannot be used, so every partition misses in the first
     resumed round, as asked: counted and named, but no warning."""

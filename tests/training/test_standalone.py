@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from sparknet.models import mlp
 from sparknet.training.driver import train
 from sparknet.training.rundir import is_run_entry
 from tests.conftest import REPO, SPARKNET
-from tests.helpers import cli_config
+from tests.helpers import cli_config, weights_hash
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -40,9 +41,11 @@ def sparknet(*args: str, timeout: float = 400) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def finish(proc: subprocess.Popen, timeout: float = 400) -> None:
+def finish(proc: subprocess.Popen, timeout: float = 400) -> str:
+    """Wait for a run that must succeed; its stderr."""
     _out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err[-3000:]
+    return err
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -200,21 +203,48 @@ def _executor_pids(work_dirs: tuple[Path, ...]) -> list[int]:
     return pids
 
 
+def _lost_run(transport: str) -> list[str]:
+    """RUN on `transport`, 40 rounds with a checkpoint every 5: time to kill an executor."""
+    args = [*RUN, "--transport", transport]
+    args[args.index("--checkpoint-every") + 1] = "5"
+    args[args.index("--rounds") + 1] = "40"
+    return args
+
+
+@pytest.fixture(scope="module")
+def undisturbed(spark, tmp_path_factory) -> Callable[[str], str]:
+    """The weights hash of `_lost_run(transport)` without a fault, trained once per transport
+    (their last bits differ) in this process on local[2,2]: the cluster's bits, as one thread
+    runs each task on both and the sums go in partition order."""
+    hashes: dict[str, str] = {}
+
+    def of(transport: str) -> str:
+        if transport not in hashes:
+            out = tmp_path_factory.mktemp("undisturbed") / transport
+            train(cli_config(_lost_run(transport)[1:], out=out), spark=spark)
+            hashes[transport] = weights_hash(out)
+        return hashes[transport]
+
+    return of
+
+
 @pytest.mark.parametrize("transport", ["spark", "allreduce"])
-def test_a_lost_executor_and_its_successor_show_in_the_rounds(standalone, tmp_path, transport):
+def test_a_lost_executor_and_its_successor_show_in_the_rounds(
+    standalone, tmp_path, transport, undisturbed
+):
     """An executor killed mid-run. `spark`: often in the middle of its task: Spark then keeps
     the task waiting for the dead executor's block, and the round's job is run again; its tasks
-    run on the other one. `allreduce`: the stage fails and runs again from the last checkpoint
-    once Spark's master has started a new executor on the worker. Either way the round rows
-    say both (`executors_lost`, then `executors_joined`); the run ends with every round once."""
+    run on the other one, without their inner state, so the rounds since the last checkpoint
+    are replayed (at most once: the partitions spread over the new executor only after a
+    checkpoint, where they find their state). `allreduce`: the stage fails and runs again from
+    the last checkpoint once Spark's master has started a new executor on the worker. Either
+    way the round rows say both (`executors_lost`, then `executors_joined`); the run ends with every
+    round once and with the weights of a run without the loss."""
     import signal
     import time
 
     out = tmp_path / "lost"
-    args = [*RUN, "--master", standalone.master, "--out", str(out), "--transport", transport]
-    args[args.index("--checkpoint-every") + 1] = "5"
-    args[args.index("--rounds") + 1] = "40"
-    proc = sparknet(*args)
+    proc = sparknet(*_lost_run(transport), "--master", standalone.master, "--out", str(out))
     deadline = time.monotonic() + 120
     while not (out / "metrics.jsonl").exists() or len(rows(out)) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
@@ -222,7 +252,7 @@ def test_a_lost_executor_and_its_successor_show_in_the_rounds(standalone, tmp_pa
     victims = _executor_pids(standalone.work_dirs)
     assert len(victims) == 2, victims
     os.kill(victims[0], signal.SIGKILL)
-    finish(proc)
+    err = finish(proc)
     got = rows(out)
     assert [r["round"] for r in got] == list(range(1, 41))
     lost = [r for r in got if "executors_lost" in r]
@@ -231,6 +261,10 @@ def test_a_lost_executor_and_its_successor_show_in_the_rounds(standalone, tmp_pa
     assert lost[0]["round"] <= joined[0]["round"]
     assert lost[0]["executors_lost"][0].endswith("@127.0.0.1")
     assert got[-1]["executors"] == 2
+    assert weights_hash(out) == undisturbed(transport)
+    assert [r["inner_state_misses"] for r in got] == [0] * 40
+    # at most one replay: none where the loss fell in a round right after a checkpoint
+    assert "(replay 2 of" not in err, err[-3000:]
 
 
 def _master_ui(standalone) -> str:

@@ -1,0 +1,29 @@
+"""Command line: `sparknet train` (the main job on one machine), `sparknet data ...` (datasets on
+local disk or S3), `sparknet cluster ...` (EC2 GPU clusters), `sparknet bench ...` (the
+performance figures). One module per command group; this one puts them in one typer app, which
+`sparknet.cli.main` runs once signals are caught."""
+
+from __future__ import annotations
+
+import typer
+
+from sparknet.cli import train as train_command
+from sparknet.cli.ami import ami_app
+from sparknet.cli.bench import bench_app
+from sparknet.cli.cluster import cluster_app
+from sparknet.cli.data import data_app
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+
+@app.callback()
+def _root() -> None:
+    """sparknet: synchronized local SGD for PyTorch on Apache Spark."""
+
+
+# the module keeps its name: a function imported as `train` would shadow the submodule
+app.command(name="train")(train_command.train)
+app.add_typer(data_app, name="data")
+app.add_typer(cluster_app, name="cluster")
+app.add_typer(ami_app, name="ami")
+app.add_typer(bench_app, name="bench")
