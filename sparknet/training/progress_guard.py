@@ -32,7 +32,9 @@ from py4j.protocol import Py4JError
 from pyspark import SparkContext
 from pyspark.errors import PySparkException
 
+from sparknet.errors import SparknetError
 from sparknet.training.progress import GROUP_PREFIX, REPORT_S, ROUND_JOBS, Beacon, Listener
+from sparknet.training.transport import executor_hosts
 
 #: the deadline before any round of the run has been measured (start-up: Python workers,
 #: imports, a first read of the data)
@@ -134,6 +136,8 @@ class Guard:
         self._failed: set[int] = set()
         #: executors it stopped ({id: host}): Spark starts none in their place for this run
         self.stopped: dict[str, str] = {}
+        #: why the run ends: a frozen worker whose work no other executor can take
+        self.ended: str | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._listener: Listener | None = None
         self._stop = threading.Event()
@@ -185,6 +189,8 @@ class Guard:
         if self._listener is not None:
             self._listener.close()
         self.beacon = None
+        if self.ended is not None and isinstance(exc, Exception):
+            raise SparknetError(self.ended) from exc
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -279,11 +285,26 @@ class Guard:
         # a report is up to REPORT_S old, and a round may be shorter: the round the driver
         # waits for, unless the worker said a later one
         rnd = max(seen.round if seen is not None else 0, self._round)
-        how = self._stop_executor(task) or self._kill_task(task)
-        self.warn(
+        said = (
             f"worker {partition} on {task.host} made no progress in round {rnd} for "
-            f"{idle:.0f} s (progress_timeout_s {self.deadline():g}): {how}"
+            f"{idle:.0f} s (progress_timeout_s {self.deadline():g})"
         )
+        if task.executor != "driver" and not self._others(task.executor):
+            # no executor is left to take its work: the run ends now, not after the wait for
+            # executors (no_executor_timeout_s), as none is started in place of a stopped one
+            self.ended = (
+                f"{said} and no other executor can take its work: check that host (a hung GPU, "
+                "a stuck file system), then --resume from the last checkpoint"
+            )
+            self._stop_executor(task)
+            self.sc.cancelAllJobs()
+            return
+        how = self._stop_executor(task) or self._kill_task(task)
+        self.warn(f"{said}: {how}")
+
+    def _others(self, executor: str) -> set[str]:
+        """The live executors other than `executor` and those the guard stopped."""
+        return set(executor_hosts(self.sc)) - {executor} - set(self.stopped)
 
     def _stop_executor(self, task: Running) -> str | None:
         """Stop the task's executor (a cluster master without dynamic allocation); what was

@@ -5,7 +5,8 @@ one warning once it has made no progress for `progress_timeout_s`, and its work 
 - `spark` transport on a local master: its task attempt is killed (with its Python worker) and
   runs again, with the same result;
 - `allreduce` on the standalone cluster: its executor is stopped and the stage fails; the one
-  executor left cannot hold both ranks, so the run ends in one line naming the host.
+  executor left cannot hold both ranks, so the run ends in one line naming the host;
+- a run whose one executor froze: no executor can take the work, one line at the deadline.
 Before the guard every one of these runs waited for the stopped worker without end. Also the
 guard's decision and the task's reports on their own."""
 
@@ -140,17 +141,18 @@ def undisturbed(spark, tmp_path_factory) -> dict:
     return _tensors(out)
 
 
-def _freeze_a_worker(standalone, args: list[str], out: Path):
+def _freeze_a_worker(standalone, args: list[str], out: Path, executors: int = 2):
     """Run `args` with the short deadline, stop one executor's Python workers once two rounds
     are in, and wait for the end: (process, its stderr, seconds from the stop to the end).
-    Exactly one warning names the frozen worker, its host and its executor."""
+    Where another executor is left, exactly one warning names the frozen worker, its host and
+    its executor."""
     proc = _cli(*args, "--set", f"progress_timeout_s={DEADLINE_S}")
     try:
         _wait_for_rows(out, 2, lambda: proc.poll() is None)
-        executors = _executors(standalone.work_dirs)
-        assert len(executors) == 2, executors
-        victim = min(executors)
-        with _frozen(_python_workers(executors[victim])):
+        running = _executors(standalone.work_dirs)
+        assert len(running) == executors, running
+        victim = min(running)
+        with _frozen(_python_workers(running[victim])):
             started = time.monotonic()
             _out, err = proc.communicate(timeout=DEADLINE_S + 180)
             took = time.monotonic() - started
@@ -159,6 +161,9 @@ def _freeze_a_worker(standalone, args: list[str], out: Path):
             proc.kill()
             proc.communicate()
     named = [line for line in err.splitlines() if WARNING.search(line)]
+    if executors == 1:
+        assert len(named) == 1 and named[0].startswith("error: "), err[-3000:]
+        return proc, err, took
     assert len(named) == 1, err[-3000:]
     assert named[0].startswith("warning: ") and " on 127.0.0.1 " in named[0], named
     assert f"its executor {victim} is stopped" in named[0], named
@@ -224,6 +229,26 @@ def test_a_frozen_allreduce_rank_is_named_and_the_run_ends_in_one_line(standalon
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: ") and "127.0.0.1" in last, err[-3000:]
     assert "stopped (a worker there made no progress)" in last, last
+    assert took < DEADLINE_S + 60, (took, err[-3000:])
+
+
+def test_a_frozen_worker_no_other_executor_can_replace_ends_the_run_in_one_line(
+    standalone, tmp_path
+):
+    """The run holds one executor (`spark.cores.max=1`), which runs both workers' tasks: once
+    its worker is frozen nothing is left to take the work, so the run ends at the deadline with
+    one `error:` line naming the worker and its host, exit 2, not after the wait for executors
+    (`no_executor_timeout_s`, 300 s by default)."""
+    out = tmp_path / "alone"
+    args = [*RUN, "--master", standalone.master, "--transport", "spark", "--out", str(out)]
+    args[args.index("--rounds") + 1] = "400"
+    args += ["--conf", "spark.cores.max=1"]
+    proc, err, took = _freeze_a_worker(standalone, args, out, executors=1)
+    assert proc.returncode == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert WARNING.search(last) and " on 127.0.0.1 " in last, last
+    assert "no other executor can take its work" in last, last
+    assert "Traceback" not in err, err[-3000:]
     assert took < DEADLINE_S + 60, (took, err[-3000:])
 
 
