@@ -35,6 +35,8 @@ ENV_PREFIX = "SPARKNET_TRAIN_"
 #: chosen without an explicit `outer_lr` / `outer_momentum`.
 NESTEROV_DEFAULT_LR = 0.7
 NESTEROV_DEFAULT_MOMENTUM = 0.9
+#: the shortest progress deadline a run takes (0 aside: no guard)
+MIN_PROGRESS_TIMEOUT_S = 10.0
 
 
 class TrainConfig(BaseModel):
@@ -150,7 +152,8 @@ class TrainConfig(BaseModel):
         description="a worker whose steps have not moved (or that has said nothing) for this "
         "many seconds while its task runs is named in one warning and its task failed (on a "
         "cluster master its executor stopped), so its work runs again; default: 300 until a "
-        "round is measured, then 5x the slowest round so far, at least 60; 0: never",
+        "round is measured, then 5x the slowest round so far, at least 60; 0: never; "
+        "at least 10 otherwise",
     )
     #: a test drill, not a user setting: never written to config.yaml (nor carried by --resume)
     fail_once: str | None = Field(
@@ -180,6 +183,18 @@ class TrainConfig(BaseModel):
         after a second of waiting for its executors)."""
         if isinstance(value, bool):
             raise ValueError(f"a number of seconds (0: never), not {str(value).lower()}")
+        return value
+
+    @field_validator("progress_timeout_s")
+    @classmethod
+    def _a_deadline_a_task_can_meet(cls, value: float | None) -> float | None:
+        """A few seconds is less than a healthy task takes to start (its Python worker, its
+        imports, its first batch): every task would be failed again and again."""
+        if value is not None and 0 < value < MIN_PROGRESS_TIMEOUT_S:
+            raise ValueError(
+                f"0 (never) or at least {MIN_PROGRESS_TIMEOUT_S:g} seconds (a healthy task "
+                f"takes seconds to start), not {value:g}"
+            )
         return value
 
     @field_validator("out", mode="before")

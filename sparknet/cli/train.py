@@ -134,6 +134,7 @@ def train(
         if k not in ("config", "set_", "conf", "resume", "allow_change", "debug")
     }
     caught = Caught()
+    report: _Report | None = None
     try:
         base = None
         if resume:
@@ -170,13 +171,10 @@ def train(
         if isinstance(exc, KeyboardInterrupt) or caught_signal(caught) is not None:
             signum = caught_signal(caught) or signal.SIGINT
             how = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
-            fail(
-                SparknetError(
-                    f"interrupted{how}; Spark stopped, the last complete checkpoint is kept"
-                ),
-                debug,
-                code=128 + signum,
-            )
+            # before Spark starts nothing is there to stop, and no checkpoint to speak of
+            spark = report is not None and report.spark_started
+            after = "; Spark stopped, the last complete checkpoint is kept" if spark else ""
+            fail(SparknetError(f"interrupted{how}{after}"), debug, code=128 + signum)
         if isinstance(exc, SparknetError):
             fail(exc, debug)
         if isinstance(exc, OSError) and is_permanent(exc):  # a write not through the run's store
@@ -203,6 +201,8 @@ class _Report:
         )
         self.bar = self.progress.add_task("train", start=False, info="starting Spark")
         self.shown = False
+        #: the run got as far as starting Spark (so the interrupt line says Spark stopped)
+        self.spark_started = False
 
     def _show(self) -> None:
         if self.live and not self.shown:
@@ -230,9 +230,10 @@ class _Report:
             text = f"round {self.done + 1} ({text})"
         if not self.live:
             _line(text)
-            return
-        self.progress.update(self.bar, info=text)
-        self._show()
+        else:
+            self.progress.update(self.bar, info=text)
+            self._show()
+        self.spark_started = True  # every status comes as Spark starts, or after it
 
     def round(self, row: dict[str, Any]) -> None:
         self._interrupted()

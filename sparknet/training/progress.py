@@ -78,7 +78,13 @@ class Listener:
             try:
                 conn, _ = self.server.accept()
             except OSError:
-                return  # closed
+                if self.server.fileno() == -1:
+                    return  # closed
+                # out of file descriptors (EMFILE: a flood of connections) or a connection
+                # reset before it was taken: the listener must outlive it, or every task's
+                # report would go unheard and healthy workers be failed
+                time.sleep(0.1)
+                continue
             self._conns.add(conn)
             try:
                 threading.Thread(target=self._read, args=(conn,), daemon=True).start()

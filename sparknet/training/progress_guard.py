@@ -43,6 +43,8 @@ STARTUP_S = 300.0
 ROUND_MULTIPLE = 5.0
 #: ... and never under this
 MIN_DEADLINE_S = 60.0
+#: how many times one worker's work is failed and run again before the run ends
+MAX_STRIKES = 3
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,8 @@ class Guard:
         self._round = 1  # the round the driver waits for
         self._seen: dict[int, Seen] = {}
         self._failed: set[int] = set()
+        #: how many times each partition's work was failed
+        self._strikes: dict[int, int] = {}
         #: executors it stopped ({id: host}): Spark starts none in their place for this run
         self.stopped: dict[str, str] = {}
         #: why the run ends: a frozen worker whose work no other executor can take
@@ -289,6 +293,16 @@ class Guard:
             f"worker {partition} on {task.host} made no progress in round {rnd} for "
             f"{idle:.0f} s (progress_timeout_s {self.deadline():g})"
         )
+        self._strikes[partition] = self._strikes.get(partition, 0) + 1
+        if self._strikes[partition] > MAX_STRIKES:
+            # its work froze on every try: the data or the model, not one machine
+            self.ended = (
+                f"{said}, for the {self._strikes[partition]}th time: its work freezes wherever "
+                "it runs; check its data and the model (or raise progress_timeout_s if a step "
+                "really takes that long)"
+            )
+            self.sc.cancelAllJobs()
+            return
         if task.executor != "driver" and not self._others(task.executor):
             # no executor is left to take its work: the run ends now, not after the wait for
             # executors (no_executor_timeout_s), as none is started in place of a stopped one

@@ -421,9 +421,11 @@ def _wait_to_restart(loop: Loop, transport: AllReduceTransport, exc: StageFailed
         )
     wait_s = loop.cfg.no_executor_timeout_s
     upto = f"up to {wait_s:g} s" if wait_s else "without end (no_executor_timeout_s is 0)"
+    failed = f"the allreduce stage failed ({exc})"
+    if why not in str(exc):  # the driver's own check failed it, in these words
+        failed += f" and cannot run again yet: {why}"
     loop.warn(
-        f"the allreduce stage failed ({exc}) and cannot run again yet: {why}; waiting {upto} "
-        f"for {_lost_ones(transport.lost())} to come back or be replaced"
+        f"{failed}; waiting {upto} for {_lost_ones(transport.lost())} to come back or be replaced"
     )
     why = transport.wait_until_runnable(wait_s)
     if why is not None:

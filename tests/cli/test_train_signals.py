@@ -67,6 +67,8 @@ class _Run:
         lines = self.err.lines
         assert self.proc.returncode == code, f"{what}: rc {self.proc.returncode}; {lines}"
         assert lines and lines[-1].startswith("error: interrupted"), f"{what}: {lines}"
+        if "starting Spark" not in lines:  # nothing started: nothing said to be stopped
+            assert "Spark stopped" not in lines[-1], f"{what}: {lines}"
         text = "\n".join(lines)
         assert "Traceback" not in text and "Exception" not in text, f"{what}: {lines}"
         deadline = time.monotonic() + 15

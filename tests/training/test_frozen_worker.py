@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from sparknet.config import TrainConfig
+from sparknet.errors import SparknetError
 from sparknet.training import progress, progress_guard
 from sparknet.training.driver import train
 from tests.conftest import REPO, SPARKNET
@@ -306,3 +308,43 @@ def test_a_task_reports_its_steps_and_a_dead_driver_costs_it_nothing(monkeypatch
             progress.step()
         assert progress._current is not None and progress._current.steps == 1000
     assert progress._current is None
+
+
+class _Context:
+    """Stands in for a SparkContext (a mock: a worker that freezes on every try would cost a
+    real deadline per try): records the task kills and job cancels the guard asks for."""
+
+    def __init__(self) -> None:
+        self.killed: list[int] = []
+        self.cancelled = 0
+        self._jsc = self
+
+    def sc(self) -> _Context:
+        return self
+
+    def killTaskAttempt(self, task: int, interrupt: bool, reason: str) -> None:
+        self.killed.append(task)
+
+    def cancelAllJobs(self) -> None:
+        self.cancelled += 1
+
+
+def test_work_that_freezes_on_every_try_ends_the_run_after_three(monkeypatch):
+    """A local master's task killed and run again three times; the fourth freeze of the same
+    worker ends the run with one line instead of killing it for ever."""
+    said: list[str] = []
+    sc = _Context()
+    guard = progress_guard.Guard(sc, DEADLINE_S, said.append)
+    for attempt in range(1, 5):
+        guard._fail(progress_guard.Running(attempt, 1, "driver", "localhost", 0), None, 12)
+    assert sc.killed == [1, 2, 3] and sc.cancelled == 1
+    assert len(said) == 3 and all("its task" in line for line in said), said
+    with pytest.raises(SparknetError, match=r"^worker 1 on localhost .* for the 4th time: its"):
+        guard.__exit__(RuntimeError, RuntimeError("cancelled"), None)
+
+
+@pytest.mark.parametrize("value", ["0.001", "9.5", "-1"])
+def test_a_deadline_no_healthy_task_could_meet_is_refused(value):
+    with pytest.raises(ValueError, match="progress_timeout_s"):
+        TrainConfig(progress_timeout_s=value)
+    assert TrainConfig(progress_timeout_s="10").progress_timeout_s == 10
