@@ -152,8 +152,8 @@ class TrainConfig(BaseModel):
         description="a worker whose steps have not moved (or that has said nothing) for this "
         "many seconds while its task runs is named in one warning and its task failed (on a "
         "cluster master its executor stopped), so its work runs again; default: 300 until a "
-        "round is measured, then 5x the slowest round so far, at least 60; 0: never; "
-        "at least 10 otherwise",
+        "round is measured, then 5x the slowest round so far, at least 60; 0: never; a "
+        "number (at least 10) holds once a round is measured",
     )
     #: a test drill, not a user setting: never written to config.yaml (nor carried by --resume)
     fail_once: str | None = Field(

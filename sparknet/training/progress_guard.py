@@ -13,8 +13,9 @@ and runs the task again). A rank that waits in the exchange while its thread sti
 alive: only the worker that stopped is named. A worker that is slow but moves is never failed.
 
 The deadline (`TrainConfig.progress_timeout_s`): a number of seconds, 0 for no guard, or by
-default `auto`: `STARTUP_S` until a round has been measured, then `ROUND_MULTIPLE` times the
-slowest round of the run so far, at least `MIN_DEADLINE_S`.
+default `auto`: `ROUND_MULTIPLE` times the slowest round of the run so far, at least
+`MIN_DEADLINE_S`. Until a round has been measured it is at least `STARTUP_S` either way: a
+healthy first round starts Python workers and reads data for the first time.
 """
 
 from __future__ import annotations
@@ -148,7 +149,12 @@ class Guard:
         self._thread: threading.Thread | None = None
 
     def deadline(self) -> float:
-        return self.timeout_s if self.timeout_s else auto_deadline(self._slowest)
+        """The deadline now: the setting, or the automatic one; until a round has been measured
+        (the first starts Python workers, imports torch, reads data for the first time: minutes
+        on a cold or busy cluster) at least `STARTUP_S` either way."""
+        if not self.timeout_s:
+            return auto_deadline(self._slowest)
+        return self.timeout_s if self._slowest is not None else max(self.timeout_s, STARTUP_S)
 
     def collective_timeout_s(self) -> float | None:
         """The allreduce process group's timeout now; None (gloo's own) without a guard."""

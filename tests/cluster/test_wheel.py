@@ -112,7 +112,6 @@ def imported_top_names() -> tuple[set[str], set[str]]:
 #: at run time without declaring them itself
 USED_THROUGH = {
     "pandas": "pyspark's DataFrame-to-pandas paths (`toPandas`, pandas UDFs) need it",
-    "tensorboard": "torch.utils.tensorboard (training/events.py) imports it",
 }
 
 

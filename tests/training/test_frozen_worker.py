@@ -194,9 +194,7 @@ def test_a_frozen_worker_on_a_local_master_has_its_task_killed_and_run_again(
     out = tmp_path / "local"
     said: list[str] = []
     failed: list[BaseException] = []
-    # shorter: no task here waits for a Python worker to import torch (the session's workers
-    # fork from sparknet's daemon), and a task failed too soon would change no weight
-    cfg = cli_config(RUN[1:], transport="spark", out=out, progress_timeout_s=5)
+    cfg = cli_config(RUN[1:], transport="spark", out=out, progress_timeout_s=DEADLINE_S)
 
     def run() -> None:
         try:
@@ -276,6 +274,11 @@ def test_the_automatic_deadline_follows_the_slowest_round():
     assert progress_guard.auto_deadline(2.0) == progress_guard.MIN_DEADLINE_S
     assert progress_guard.auto_deadline(30.0) == 150.0
     assert progress_guard.collective_timeout_s(150.0) > 150.0
+    # a set deadline holds from the first measured round on; the first gets the start-up's
+    guard = progress_guard.Guard(_Context(), DEADLINE_S, print)
+    assert guard.deadline() == progress_guard.STARTUP_S
+    guard.round_done({"round": 1, "seconds": {"total": 0.5}})
+    assert guard.deadline() == DEADLINE_S
 
 
 def test_a_task_reports_its_steps_and_a_dead_driver_costs_it_nothing(monkeypatch):
