@@ -1,14 +1,151 @@
-"""The one exception type users see: its message is a single line that says what to fix; and the
-one place that tells a permanent fault (no retry can heal it) from a transient one."""
+"""The one exception type users see, its words kept as data until a front end spells them.
+
+An error's message names settings, never a front end's spelling of them: the template `lower
+{@workers} or add executors` reads `lower --workers ...` on the command line, `lower workers=
+...` from `sparknet.fit`, `lower workers ...` for a YAML key. This module is also the one place
+that tells a permanent fault (no retry can heal it) from a transient one.
+"""
 
 from __future__ import annotations
 
 import errno
 import re
+import string
+from collections.abc import Callable
+from pathlib import PurePath
+from typing import Any
+
+#: how a front end spells a setting named in a message: `(setting, value)` -> text; the value is
+#: `NO_VALUE` where the message names the setting alone
+Spelling = Callable[[str, Any], str]
+#: the message told where a setting goes, not what value it takes (`lower {@workers}`)
+NO_VALUE: Any = type("NoValue", (), {"__repr__": lambda self: "NO_VALUE"})()
+
+
+def _plain(value: Any) -> Any:
+    return str(value) if isinstance(value, PurePath) else value
+
+
+def as_flag(setting: str, value: Any = NO_VALUE) -> str:
+    """The command line's spelling: `--workers`, `--workers 5`, `--resume`, `--no-deterministic`
+    (every CLI option is its setting's name with dashes)."""
+    flag = "--" + setting.replace("_", "-")
+    if value is NO_VALUE or value is True:
+        return flag
+    if value is False:
+        return "--no-" + setting.replace("_", "-")
+    return f"{flag} {_plain(value)}"
+
+
+def as_keyword(setting: str, value: Any = NO_VALUE) -> str:
+    """`sparknet.fit`'s spelling: `workers=`, `workers=5`, `out='runs/a'`, `resume=True`."""
+    return f"{setting}=" if value is NO_VALUE else f"{setting}={_plain(value)!r}"
+
+
+def as_key(setting: str, value: Any = NO_VALUE) -> str:
+    """A YAML file's spelling: `workers`, `workers: 5`."""
+    return setting if value is NO_VALUE else f"{setting}: {_plain(value)}"
+
+
+class _Words(string.Formatter):
+    """`str.format` with two more kinds of field: `{@setting}` and `{@setting=name}` (the setting
+    with the value `name`, or the literal `True` / `False` for a switch), both spelt by the front
+    end; a `SparknetError` given as a value is spelt the same way."""
+
+    def __init__(self, spelling: Spelling) -> None:
+        self.spelling = spelling
+
+    def get_field(self, field_name: str, args: Any, kwargs: Any) -> tuple[Any, str]:
+        if not field_name.startswith("@"):
+            return super().get_field(field_name, args, kwargs)
+        setting, _, name = field_name[1:].partition("=")
+        if not name:
+            value = NO_VALUE
+        elif name in ("True", "False"):
+            value = name == "True"
+        else:
+            value = kwargs[name]
+        return _Spelt(self.spelling(setting, value)), field_name
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        if isinstance(value, _Spelt):
+            return str(value)
+        if isinstance(value, SparknetError):
+            return format(value.worded(self.spelling), format_spec)
+        return super().format_field(value, format_spec)
+
+
+class _Spelt(str):
+    """A setting already spelt: printed as it is."""
 
 
 class SparknetError(Exception):
-    """A problem with the user's input or environment; the CLI prints it without a traceback."""
+    """A problem with the user's input or environment; the CLI prints it without a traceback.
+
+    `SparknetError(template, **values)`: a template with values is `str.format`-ed, settings in
+    it written `{@workers}` or `{@workers=value}` (never `--workers`); user text (a path, a name)
+    goes in as a value, never into the template itself, so its braces stay text. A template
+    without values is plain text. `str()` spells settings as the command line does (the default
+    front end); `worded(as_keyword)` for another, `respell` to change what `str()` gives.
+    """
+
+    spelling: Spelling = staticmethod(as_flag)
+
+    def __init__(self, template: str = "", /, **values: Any) -> None:
+        super().__init__(template)
+        self.template = template
+        self.values = values
+
+    def worded(self, spelling: Spelling) -> str:
+        """The message with every setting spelt by `spelling`."""
+        if not self.values and "{@" not in self.template:
+            return self.template
+        try:
+            return _Words(spelling).format(self.template, **self.values)
+        except (KeyError, IndexError, ValueError, AttributeError):  # a bad template still says it
+            return self.template
+
+    def respell(self, spelling: Spelling) -> SparknetError:
+        """This error, spelling its settings (and those of errors among its values) with
+        `spelling` from now on; the class, the cause and the traceback stay."""
+        self.spelling = spelling
+        for value in self.values.values():
+            if isinstance(value, SparknetError):
+                value.respell(spelling)
+        return self
+
+    def settings(self) -> list[str]:
+        """The settings the message names, in order."""
+        names = (f[1] for f in string.Formatter().parse(self.template) if f[1])
+        try:
+            return [n[1:].partition("=")[0] for n in names if n.startswith("@")]
+        except ValueError:
+            return []
+
+    def __str__(self) -> str:
+        return self.worded(self.spelling)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as template and values (a task's error reaches the driver still as data),
+        whatever the subclass's own `__init__` takes."""
+        return _rebuild, (type(self), self.template, self.values, dict(self.__dict__))
+
+
+def _rebuild(cls: type[SparknetError], template: str, values: dict, state: dict) -> SparknetError:
+    exc = cls.__new__(cls)
+    SparknetError.__init__(exc, template, **values)
+    exc.__dict__.update(state)
+    return exc
+
+
+class SettingError(SparknetError):
+    """A setting's value that cannot work: `setting` and `value` say which, the template says why
+    and what to set instead (`SettingError("{@workers=value} is more than ...; lower {@workers}",
+    setting="workers", value=5000)`)."""
+
+    def __init__(self, template: str, /, *, setting: str, value: Any = NO_VALUE, **values: Any):
+        super().__init__(template, value=value, **values)
+        self.setting, self.value = setting, value
 
 
 class PermanentTaskError(SparknetError):
