@@ -6,28 +6,19 @@ so data from SQL, a table or any query trains with no copy to another system.
 
 from __future__ import annotations
 
-import re
+import difflib
+import inspect
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 from pyspark.sql import DataFrame
 
-from sparknet.config import load_train_config
-from sparknet.errors import SparknetError
+from sparknet.config import TrainConfig, load_train_config
+from sparknet.errors import SparknetError, as_keyword, worded
 from sparknet.training.driver import RunResult, train
 from sparknet.training.problem import FrameInput
 from sparknet.training.rundir import read_run_config
-
-#: a CLI flag in a message, and the value that follows it (a number, a path, a placeholder)
-_FLAG = re.compile(r"--([a-z][a-z0-9-]*)(?: ([0-9/.~'][^\s;:,]*|[A-Z]+\b))?")
-_SWITCHES = {"resume", "allow-change"}
-#: flags whose values are words (`--transport spark`): `_FLAG` takes only values that cannot be
-#: prose, so these are spelt first, as `transport='spark'`
-_WORD_FLAG = re.compile(
-    r"--(transport|compress|outer|optimizer|precision|inner-state|device) ([a-z][a-z0-9]*)\b"
-)
-#: a path flag and its value up to the colon that ends it (`--out runs/a: ...`); an s3:// URI's
-#: own colon is not followed by a space
-_PATH_FLAG = re.compile(r"--(out) (\S+?):(?=\s|$)")
 
 
 def fit(
@@ -62,6 +53,7 @@ def fit(
     """
     flags = {**settings, "label_col": label_col, "input_col": input_col, "data": "dataframe"}
     try:
+        _check_keywords(settings)
         out = settings.get("out")
         base = (
             read_run_config(str(out), settings.get("endpoint_url"))
@@ -74,10 +66,31 @@ def fit(
             _check_frame(eval_df, "eval_df")
         frames = FrameInput(df, eval_df, feature_shape)
         return train(
-            cfg, resume=resume, spark=df.sparkSession, frames=frames, allow_change=allow_change
-        )
+            cfg, resume=resume, spark=df.sparkSession, frames=frames, allow_change=allow_change,
+            on_warning=_warn,
+        )  # fmt: skip
     except SparknetError as exc:
-        raise SparknetError(as_fit_arguments(str(exc))) from exc
+        exc.respell(as_keyword)  # the same error, its settings written as this function's keywords
+        raise
+
+
+def _check_keywords(settings: Mapping[str, Any]) -> None:
+    """A keyword that is no setting, named with the keyword it most likely meant: a setting
+    (`TrainConfig`'s fields) or one of `fit()`'s own arguments."""
+    own = [p for p in inspect.signature(fit).parameters if p not in ("df", "settings")]
+    for name in settings:
+        if name not in TrainConfig.model_fields:
+            close = difflib.get_close_matches(name, [*TrainConfig.model_fields, *own], n=1)
+            meant = f" (did you mean {{@{close[0]}}}?)" if close else ""
+            raise SparknetError(
+                "unknown setting '{name}'" + meant + "; see {@help} for the settings", name=name
+            )
+
+
+def _warn(line: str) -> None:
+    """`fit()` has no callback: a run's warning is a Python warning, its settings spelt as this
+    function's keywords."""
+    warnings.warn(worded(line, as_keyword), RuntimeWarning, stacklevel=2)
 
 
 def _check_frame(frame: Any, name: str) -> None:
@@ -88,21 +101,3 @@ def _check_frame(frame: Any, name: str) -> None:
             f"fit() needs a pyspark DataFrame as {name}, got {kind}; convert it with "
             "spark.createDataFrame(...) first"
         )
-
-
-def as_fit_arguments(message: str) -> str:
-    """The message with every CLI flag spelt as the `fit()` argument it is (`--label-col` ->
-    `label_col=`, `--workers 5` -> `workers=5`, `--resume` -> `resume=True`, `--out PATH:` ->
-    `out='PATH':`), and the CLI's help as `help(sparknet.fit)`."""
-    message = message.replace("`sparknet train --help`", "help(sparknet.fit)")
-    message = _PATH_FLAG.sub(lambda m: f"{m.group(1)}={m.group(2)!r}:", message)
-
-    def spell(m: re.Match) -> str:
-        name = m.group(1)
-        if name in _SWITCHES:
-            arg = f"{name.replace('-', '_')}=True"
-            return f"{arg} {m.group(2)}" if m.group(2) else arg
-        return f"{name.replace('-', '_')}={m.group(2) or ''}"
-
-    message = _WORD_FLAG.sub(lambda m: f"{m.group(1).replace('-', '_')}={m.group(2)!r}", message)
-    return _FLAG.sub(spell, message)

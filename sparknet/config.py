@@ -12,8 +12,9 @@ import os
 import re
 import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -25,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from sparknet.errors import SparknetError
+from sparknet.errors import NO_VALUE, Line, SettingError, SparknetError
 
 # `# lazy: boto3`: every command imports this module; the S3 parser only where a URI is checked
 
@@ -39,77 +40,132 @@ NESTEROV_DEFAULT_MOMENTUM = 0.9
 MIN_PROGRESS_TIMEOUT_S = 10.0
 
 
+@dataclass(frozen=True)
+class Flag:
+    """Marks a training setting that the command line takes as an option of its own, named as
+    the setting with dashes (`--batch-size`); the others go through `--set`, the settings file
+    or the environment. `help` is the option's line in `--help` where the setting's description
+    does not fit there (a `Line` where it names another setting, which the front end spells);
+    `negatable` gives a switch its `--no-` form too."""
+
+    help: str | None = None
+    negatable: bool = True
+
+
 class TrainConfig(BaseModel):
-    """Everything that decides what a training run computes; saved as the run's `config.yaml`."""
+    """Everything that decides what a training run computes; saved as the run's `config.yaml`.
+
+    Each field declares one setting once: its name is the YAML key, the `--set` key, the
+    `SPARKNET_TRAIN_` variable's suffix and the `sparknet.fit` keyword; its type, default and
+    range are checked here for every source; a `Flag` makes it a `sparknet train` option too.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field("cnn", description="mlp, cnn, a torchvision model name, or module:factory")
-    num_classes: int | None = Field(None, ge=2, description="default: taken from the dataset")
-    extra_classes: bool = Field(
+    model: Annotated[str, Flag("mlp, cnn, a torchvision name, or module:factory")] = Field(
+        "cnn", description="mlp, cnn, a torchvision model name, or module:factory"
+    )
+    num_classes: Annotated[int | None, Flag("default: from the dataset")] = Field(
+        None, ge=2, description="default: taken from the dataset"
+    )
+    extra_classes: Annotated[
+        bool, Flag(Line("allow {@num_classes} above the dataset's classes"), negatable=False)
+    ] = Field(
         False,
         description="allow num_classes above the dataset's class count (outputs no label uses)",
     )
-    data: str = Field(
+    data: Annotated[
+        str,
+        Flag(
+            "digits, module:factory, a name from sparknet.yaml's datasets:, s3://bucket/prefix, "
+            "a local dataset dir, parquet:PATH or table:NAME"
+        ),
+    ] = Field(
         "digits",
         description="digits, module:factory, a dataset name from `datasets:`, s3://..., a local "
         "dataset dir, parquet:PATH or table:NAME",
     )
-    eval_data: str | None = Field(
+    eval_data: Annotated[str | None, Flag("parquet:PATH or table:NAME to evaluate on")] = Field(
         None, description="parquet:PATH or table:NAME to evaluate on (DataFrame training)"
     )
-    label_col: str = Field("label", description="DataFrame column of class indices")
-    input_col: str | None = Field(
+    label_col: Annotated[str, Flag("DataFrame label column (default label)")] = Field(
+        "label", description="DataFrame column of class indices"
+    )
+    input_col: Annotated[str | None, Flag("DataFrame image/features column")] = Field(
         None,
         description="DataFrame column of encoded images or feature arrays; default: "
         "'image' or 'features', whichever the frame has",
     )
-    image_size: int = Field(64, ge=8, description="side of the square crops images train at")
-    loader_workers: int | None = Field(
+    image_size: Annotated[int, Flag("train/eval crop size for images")] = Field(
+        64, ge=8, description="side of the square crops images train at"
+    )
+    loader_workers: Annotated[int | None, Flag("decoding processes per Spark task")] = Field(
         None,
         ge=0,
         description="decoding processes per Spark task; default: from the task's cores "
         "(none up to 2 cores, one per core beyond the first above that, at most 8)",
     )
-    cache_dir: Path | None = Field(
+    cache_dir: Annotated[Path | None, Flag("executor-local shard cache dir")] = Field(
         None, description="executor-local shard cache; default ~/.cache/sparknet/shards"
     )
-    cache_gb: float = Field(20.0, ge=0, description="shard cache cap per executor; 0: stream only")
-    endpoint_url: str | None = Field(
+    cache_gb: Annotated[float, Flag("shard cache cap (GiB); 0: stream only")] = Field(
+        20.0, ge=0, description="shard cache cap per executor; 0: stream only"
+    )
+    endpoint_url: Annotated[str | None, Flag("S3-compatible endpoint (MinIO, moto)")] = Field(
         None, description="S3-compatible endpoint (MinIO, moto); default AWS_ENDPOINT_URL or AWS"
     )
-    workers: int = Field(2, ge=1, description="Spark partitions, one worker each")
-    tau: int = Field(10, ge=1, description="local steps per round")
-    rounds: int = Field(30, ge=1)
-    batch_size: int = Field(32, ge=1, description="per worker")
-    optimizer: Literal["sgd", "adamw"] = "sgd"
-    lr: float = Field(0.05, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1, description="sgd only")
-    weight_decay: float = Field(0.0, ge=0)
-    outer: Literal["average", "nesterov"] = "average"
-    outer_lr: float | None = Field(None, gt=0)
-    outer_momentum: float | None = Field(None, ge=0, lt=1)
-    inner_state: Literal["keep", "reset"] = "keep"
-    seed: int = 0
-    eval_every: int = Field(5, ge=0, description="0: only at the end")
-    checkpoint_every: int = Field(5, ge=0, description="0: only at the end")
-    out: str | None = Field(
+    workers: Annotated[int, Flag("K: Spark partitions, one worker each")] = Field(
+        2, ge=1, description="Spark partitions, one worker each"
+    )
+    tau: Annotated[int, Flag()] = Field(10, ge=1, description="local steps per round")
+    rounds: Annotated[int, Flag()] = Field(30, ge=1)
+    batch_size: Annotated[int, Flag()] = Field(32, ge=1, description="per worker")
+    optimizer: Annotated[Literal["sgd", "adamw"], Flag("inner optimizer: sgd or adamw")] = "sgd"
+    lr: Annotated[float, Flag("inner learning rate")] = Field(0.05, gt=0)
+    momentum: Annotated[float, Flag("inner momentum (sgd)")] = Field(
+        0.9, ge=0, lt=1, description="sgd only"
+    )
+    weight_decay: Annotated[float, Flag()] = Field(0.0, ge=0)
+    outer: Annotated[
+        Literal["average", "nesterov"], Flag("average (SparkNet) or nesterov (DiLoCo)")
+    ] = "average"
+    outer_lr: Annotated[float | None, Flag("nesterov only; default 0.7")] = Field(None, gt=0)
+    outer_momentum: Annotated[float | None, Flag("nesterov only; default 0.9")] = Field(
+        None, ge=0, lt=1
+    )
+    inner_state: Annotated[
+        Literal["keep", "reset"], Flag("keep or reset the inner optimizer state")
+    ] = "keep"
+    seed: Annotated[int, Flag()] = 0
+    eval_every: Annotated[int, Flag("rounds; 0: only at the end")] = Field(
+        5, ge=0, description="0: only at the end"
+    )
+    checkpoint_every: Annotated[int, Flag("rounds; 0: only at the end")] = Field(
+        5, ge=0, description="0: only at the end"
+    )
+    out: Annotated[str | None, Flag()] = Field(
         None,
         description="run dir, a local path or s3://bucket/prefix; default "
         "runs/<model>-<data>-<time>",
     )
-    master: str | None = Field(None, description="Spark master; default embedded local[cores,4]")
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="auto: the GPU Spark assigned the task, else the CPU"
+    master: Annotated[str | None, Flag("Spark master; default local[<cores>,4]")] = Field(
+        None, description="Spark master; default embedded local[cores,4]"
     )
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="autocast precision of the inner steps; fp16 scales the loss"
+    device: Annotated[
+        Literal["auto", "cpu", "cuda"], Flag("auto (a GPU when the task has one), cpu, cuda")
+    ] = Field("auto", description="auto: the GPU Spark assigned the task, else the CPU")
+    precision: Annotated[Literal["fp32", "bf16", "fp16"], Flag("fp32, bf16 or fp16 (autocast)")] = (
+        Field("fp32", description="autocast precision of the inner steps; fp16 scales the loss")
     )
-    deterministic: bool = Field(
+    deterministic: Annotated[
+        bool, Flag("deterministic kernels only; a resume on GPUs is bit-exact only with this")
+    ] = Field(
         False,
         description="deterministic kernels only (slower); what a resume on GPUs is bit-exact under",
     )
-    gpus_per_worker: int = Field(
+    gpus_per_worker: Annotated[
+        int, Flag("GPUs of each Spark worker machine (cluster master); every task takes one")
+    ] = Field(
         0,
         ge=0,
         description="GPUs of each Spark worker machine (executor) on a cluster master; every "
@@ -119,16 +175,23 @@ class TrainConfig(BaseModel):
         default_factory=dict,
         description="Spark settings passed through: the settings file's spark: section, --conf",
     )
-    transport: Literal["auto", "spark", "allreduce"] = Field(
+    transport: Annotated[
+        Literal["auto", "spark", "allreduce"],
+        Flag(
+            "auto (default: allreduce on a cluster master with a task slot per worker, else "
+            "spark), spark, or allreduce"
+        ),
+    ] = Field(
         "auto",
         description="how updates travel: spark (broadcast + tree sum, one job per round), "
         "allreduce (one barrier stage for all rounds, torch.distributed); auto: allreduce on a "
         "cluster master whose executors hold a task slot per worker, else spark. A run's "
         "config.yaml records the one that ran",
     )
-    compress: Literal["none", "bf16", "fp16"] = Field(
-        "none", description="allreduce only: the precision the averaged update travels in"
-    )
+    compress: Annotated[
+        Literal["none", "bf16", "fp16"],
+        Flag("allreduce only: none, bf16 or fp16, the precision updates travel in"),
+    ] = Field("none", description="allreduce only: the precision the averaged update travels in")
     no_executor_timeout_s: float = Field(
         300.0,
         ge=0,
@@ -318,9 +381,8 @@ def load_datasets(config_file: Path | None) -> dict[str, DatasetEntry]:
         try:
             out[str(name)] = DatasetEntry.model_validate(entry)
         except ValidationError as exc:
-            raise SparknetError(
-                f"{config_file}: datasets.{name}: {describe_validation_error(exc, DatasetEntry)}"
-            ) from exc
+            where = f"{config_file}: datasets.{name}: "
+            raise validation_error(exc, DatasetEntry, where=where) from exc
     return out
 
 
@@ -388,24 +450,25 @@ def _spark_section(path: Path) -> dict[str, Any]:
     return section
 
 
-def _key_values(items: Iterable[str], flag: str, what: str) -> Iterator[tuple[str, str]]:
-    """(key, value) of each `key=value` given to `flag`; a missing `=` or key is one line."""
+def _key_values(items: Iterable[str], refusal: str) -> Iterator[tuple[str, str]]:
+    """(key, value) of each `key=value` item; a missing `=` or key is one line, `refusal` with
+    the item as `item`."""
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise SparknetError(f"{flag} expects {what}, got {item!r}")
+            raise SparknetError(refusal, item=item)
         yield key.strip(), value
 
 
 def _parse_sets(items: Iterable[str]) -> dict[str, Any]:
     return {
         key.removeprefix("train."): _parse_scalar(value)
-        for key, value in _key_values(items, "--set", "key=value")
+        for key, value in _key_values(items, "{@set} expects key=value, got {item!r}")
     }
 
 
 def _parse_conf(items: Iterable[str]) -> dict[str, str]:
-    return dict(_key_values(items, "--conf", "a Spark setting key=value"))
+    return dict(_key_values(items, "{@conf} expects a Spark setting key=value, got {item!r}"))
 
 
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -416,22 +479,34 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-def describe_validation_error(exc: ValidationError, model: type | None = None) -> str:
-    """The first problem of a pydantic error as one line: `field: message (got value)`. An
-    unknown setting of `model` (a cluster's, a dataset's) lists the known ones; without one
-    (the training settings) it names `sparknet train --help`."""
+def validation_error(
+    exc: ValidationError, model: type | None = None, *, where: str = ""
+) -> SparknetError:
+    """The first problem of a pydantic error as a one-line error, `where` (`cluster c1: `) before
+    it: a setting's bad value is a `SettingError` (`invalid setting tau: ... (got 0)`) that a
+    front end may word its own way. An unknown setting of `model` (a cluster's, a dataset's)
+    lists the known ones; without one (the training settings) it points to their help."""
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
     if not loc:  # a check across settings (e.g. outer and outer_lr)
-        return f"invalid settings: {msg}"
+        return SparknetError("{where}invalid settings: {reason}", where=where, reason=msg)
     if err["type"] == "extra_forbidden":
         known = _known_settings(model, err["loc"][:-1]) if model is not None else None
         if known is not None:
-            return f"unknown setting '{loc}' (known: {', '.join(known)})"
-        return f"unknown setting '{loc}'; see `sparknet train --help` for the settings"
-    got = f" (got {err['input']!r})" if err["loc"] and err["type"] != "missing" else ""
-    return f"invalid setting {loc}: {msg}{got}"
+            return SparknetError(
+                "{where}unknown setting '{name}' (known: {known})",
+                where=where, name=loc, known=", ".join(known),
+            )  # fmt: skip
+        return SparknetError(
+            "{where}unknown setting '{name}'; see {@help} for the settings", where=where, name=loc
+        )
+    value = NO_VALUE if err["type"] == "missing" else err.get("input")
+    got = "" if value is NO_VALUE else f" (got {value!r})"
+    return SettingError(
+        "{where}invalid setting {name}: {reason}",
+        setting=loc, value=value, where=where, name=loc, reason=msg + got,
+    )  # fmt: skip
 
 
 def _known_settings(model: type, parents: tuple[Any, ...]) -> list[str] | None:
@@ -479,4 +554,4 @@ def load_train_config(
     try:
         return TrainConfig(**merged)
     except ValidationError as exc:
-        raise SparknetError(describe_validation_error(exc)) from exc
+        raise validation_error(exc) from exc

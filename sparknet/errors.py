@@ -19,16 +19,47 @@ from typing import Any
 #: `NO_VALUE` where the message names the setting alone
 Spelling = Callable[[str, Any], str]
 #: the message told where a setting goes, not what value it takes (`lower {@workers}`)
-NO_VALUE: Any = type("NoValue", (), {"__repr__": lambda self: "NO_VALUE"})()
+NO_VALUE: Any = type(
+    "NoValue",
+    (),
+    {"__repr__": lambda self: "NO_VALUE", "__reduce__": lambda self: "NO_VALUE"},
+)()  # pickled by name: a `SettingError` with no value crosses from a task as the one NO_VALUE
 
 
 def _plain(value: Any) -> Any:
     return str(value) if isinstance(value, PurePath) else value
 
 
+#: what a message names that is no setting of `sparknet.fit`: the options of other commands
+#: (`sparknet data shard --shard-mb`) and the command line's own `--set` and `--conf`; every
+#: spelling writes them as the command line does, the one place they are given
+COMMAND_ONLY = frozenset({"set", "conf", "shard_mb", "max_side", "quality", "classes"})
+
+#: places a message points to, each front end's own words for them: the list of the training
+#: settings, and how the `workers` setting is given to each command
+PLACES: dict[str, dict[str, str]] = {
+    "help": {"flag": "`sparknet train --help`", "keyword": "help(sparknet.fit)"},
+    "workers_setting": {
+        "flag": "the `workers` setting: train's --workers, sparknet-submit's --set workers=N",
+        "keyword": "the workers= keyword",
+        "key": "the `workers` setting",
+    },
+}
+
+
+def _place(setting: str, value: Any, front_end: str) -> str | None:
+    """A place's words in `front_end` (the command line's where it has no others); None for a
+    setting."""
+    words = PLACES.get(setting) if value is NO_VALUE else None
+    return None if words is None else words.get(front_end, words["flag"])
+
+
 def as_flag(setting: str, value: Any = NO_VALUE) -> str:
     """The command line's spelling: `--workers`, `--workers 5`, `--resume`, `--no-deterministic`
     (every CLI option is its setting's name with dashes)."""
+    place = _place(setting, value, "flag")
+    if place is not None:
+        return place
     flag = "--" + setting.replace("_", "-")
     if value is NO_VALUE or value is True:
         return flag
@@ -39,18 +70,29 @@ def as_flag(setting: str, value: Any = NO_VALUE) -> str:
 
 def as_keyword(setting: str, value: Any = NO_VALUE) -> str:
     """`sparknet.fit`'s spelling: `workers=`, `workers=5`, `out='runs/a'`, `resume=True`."""
+    if setting in COMMAND_ONLY:
+        return as_flag(setting, value)
+    place = _place(setting, value, "keyword")
+    if place is not None:
+        return place
     return f"{setting}=" if value is NO_VALUE else f"{setting}={_plain(value)!r}"
 
 
 def as_key(setting: str, value: Any = NO_VALUE) -> str:
     """A YAML file's spelling: `workers`, `workers: 5`."""
+    if setting in COMMAND_ONLY:
+        return as_flag(setting, value)
+    place = _place(setting, value, "key")
+    if place is not None:
+        return place
     return setting if value is NO_VALUE else f"{setting}: {_plain(value)}"
 
 
 class _Words(string.Formatter):
     """`str.format` with two more kinds of field: `{@setting}` and `{@setting=name}` (the setting
     with the value `name`, or the literal `True` / `False` for a switch), both spelt by the front
-    end; a `SparknetError` given as a value is spelt the same way."""
+    end; a `SparknetError` given as a value is spelt the same way, and `{cause:line}` is an
+    error's first line (a one-line report of it)."""
 
     def __init__(self, spelling: Spelling) -> None:
         self.spelling = spelling
@@ -70,6 +112,8 @@ class _Words(string.Formatter):
     def format_field(self, value: Any, format_spec: str) -> str:
         if isinstance(value, _Spelt):
             return str(value)
+        if format_spec == "line" and isinstance(value, BaseException):
+            return first_line(value, self.spelling)
         if isinstance(value, SparknetError):
             return format(value.worded(self.spelling), format_spec)
         return super().format_field(value, format_spec)
@@ -148,6 +192,43 @@ class SettingError(SparknetError):
         self.setting, self.value = setting, value
 
 
+class Placeholder(str):
+    """A value the user fills in (`N`, `PATH`): written as it is in every spelling (`--rounds N`,
+    `rounds=N`), never quoted as text."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class Line(str):
+    """A line for the user that is no error (a warning, a status), kept as template and values as
+    an error's message is: it reads as the command line spells it, so every callback that takes
+    text takes it; `worded` spells it for another front end."""
+
+    template: str
+    values: dict[str, Any]
+
+    def __new__(cls, template: str, /, **values: Any) -> Line:
+        line = super().__new__(cls, SparknetError(template, **values).worded(as_flag))
+        line.template, line.values = template, values
+        return line
+
+    def worded(self, spelling: Spelling) -> str:
+        return SparknetError(self.template, **self.values).worded(spelling)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _line, (self.template, self.values)
+
+
+def _line(template: str, values: dict[str, Any]) -> Line:
+    return Line(template, **values)
+
+
+def worded(text: str, spelling: Spelling) -> str:
+    """`text` spelt by `spelling` where it is a `Line`; any other text as it is."""
+    return text.worded(spelling) if isinstance(text, Line) else text
+
+
 class PermanentTaskError(SparknetError):
     """Raised inside a Spark task for a fault that a retry cannot heal (a shard whose bytes differ
     from the manifest, a missing object): the task hands it back to the driver, which fails the run
@@ -170,7 +251,8 @@ PERMANENT_ERRNOS = frozenset(
 #: what a permanent fault's text looks like once it crossed a process as text (a Python worker's
 #: traceback inside a Py4J error): sparknet's own errors, or an OSError with one of the errnos
 _PERMANENT_TEXT = re.compile(
-    r"\b(?:sparknet\.errors\.)?(?:PermanentTaskError|SparknetError|InputError|WriteRefused): "
+    r"\b(?:sparknet\.errors\.)?"
+    r"(?:PermanentTaskError|SparknetError|SettingError|InputError|WriteRefused): "
     r"|\[Errno (?:" + "|".join(str(n) for n in sorted(PERMANENT_ERRNOS)) + r")\]"
 )
 
@@ -183,16 +265,27 @@ class WriteRefused(PermanentTaskError):
         self.where, self.name, self.errno = where, name, exc.errno
         reason = exc.strerror or str(exc)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            text = f"{where} is full ({reason}) writing {name}: free space or use another --out"
+            text = "{where} is full ({reason}) writing {name}: free space or use another {@out}"
         elif exc.errno == errno.EROFS:
-            text = f"{where} is on a read-only file system ({reason}) writing {name}: use a "
-            text += "writable --out"
+            text = "{where} is on a read-only file system ({reason}) writing {name}: use a "
+            text += "writable {@out}"
         elif exc.errno in (errno.EACCES, errno.EPERM):
-            text = f"{where} is not writable ({reason}) writing {name}: give this user write "
-            text += "access to it or use another --out"
+            text = "{where} is not writable ({reason}) writing {name}: give this user write "
+            text += "access to it or use another {@out}"
         else:
-            text = f"{where} refused {name} ({reason}): use another --out"
-        super().__init__(text)
+            text = "{where} refused {name} ({reason}): use another {@out}"
+        super().__init__(text, where=where, name=name, reason=reason)
+
+
+def first_line(exc: BaseException, spelling: Spelling | None = None) -> str:
+    """The first non-empty line of an error's message (some begin with a newline), else its
+    type's name: what a one-line report of it shows (a template's `{cause:line}`), its settings
+    spelt by `spelling` (as `str` does, without one)."""
+    try:
+        text = exc.worded(spelling) if spelling and isinstance(exc, SparknetError) else str(exc)
+    except Exception:  # a Py4J error's str asks the JVM, which may be gone: the type says enough
+        text = ""
+    return next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)
 
 
 def is_permanent(exc: BaseException) -> bool:

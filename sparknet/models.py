@@ -106,6 +106,9 @@ def check_model_accepts(
     if not isinstance(out, torch.Tensor) or out.shape != (1, num_classes):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise SparknetError(
-            f"model {name!r} must return logits of shape (batch, {num_classes}), got {got}; "
-            "set --num-classes to match the dataset"
+            "model {name!r} must return logits of shape (batch, {classes}), got {got}; set "
+            "{@num_classes} to match the dataset",
+            name=name,
+            classes=num_classes,
+            got=got,
         )

@@ -1,7 +1,7 @@
-"""The Spark security settings every Spark sparknet starts runs with: a cluster's daemons
-(`cluster.spark.spark_conf`) and every driver (`training.session`) alike. Here, below both, since
-the cluster side and the training side never import each other.
-"""
+"""The Spark security settings every Spark sparknet starts runs with.
+
+A cluster's daemons (`cluster.spark.spark_conf`) and every driver (`training.session`) alike.
+Here, below both, since the cluster side and the training side never import each other."""
 
 from __future__ import annotations
 

@@ -28,12 +28,13 @@ def test_fit_errors_name_fit_arguments_and_help():
     import pytest
 
     import sparknet
-    from sparknet.api import as_fit_arguments
     from sparknet.errors import SparknetError
 
     with pytest.raises(SparknetError) as exc:
         sparknet.fit(None, wrkers=3)
-    assert str(exc.value) == "unknown setting 'wrkers'; see help(sparknet.fit) for the settings"
+    assert str(exc.value) == (
+        "unknown setting 'wrkers' (did you mean workers=?); see help(sparknet.fit) for the settings"
+    )
     with pytest.raises(SparknetError, match=r"^invalid settings: outer 'average' has no lr"):
         sparknet.fit(None, outer="average", outer_lr=0.5)
     with pytest.raises(SparknetError) as exc:
@@ -42,12 +43,20 @@ def test_fit_errors_name_fit_arguments_and_help():
         "fit() needs a pyspark DataFrame as df, got builtins.list; convert it with "
         "spark.createDataFrame(...) first"
     )
-    assert as_fit_arguments("--out afile: afile is a file; choose a directory for the run") == (
-        "out='afile': afile is a file; choose a directory for the run"
-    )
-    assert as_fit_arguments("--out s3://b: a run needs its own prefix") == (
-        "out='s3://b': a run needs its own prefix"
-    )
-    assert as_fit_arguments(
-        "the allreduce transport (--transport allreduce) cannot run here; use --compress none"
-    ) == ("the allreduce transport (transport='allreduce') cannot run here; use compress='none'")
+
+
+def test_an_unknown_fit_keyword_is_named_with_the_one_it_likely_meant():
+    """Before any Spark work: the closest setting or `fit()` argument, as a keyword; none
+    where nothing is close."""
+    import pytest
+
+    import sparknet
+    from sparknet.errors import SparknetError
+
+    for given, meant in (("batchsize", "batch_size="), ("eval_frame", "eval_df=")):
+        with pytest.raises(SparknetError) as exc:
+            sparknet.fit(None, **{given: 1})
+        assert str(exc.value).startswith(f"unknown setting '{given}' (did you mean {meant}?); ")
+    with pytest.raises(SparknetError) as exc:
+        sparknet.fit(None, zzzz=1)
+    assert str(exc.value) == "unknown setting 'zzzz'; see help(sparknet.fit) for the settings"

@@ -8,7 +8,7 @@ import pytest
 
 from sparknet import aws
 from sparknet.cluster.spec import ClusterSpec
-from sparknet.config import describe_validation_error
+from sparknet.config import validation_error
 from sparknet.errors import SparknetError
 from tests.cli.test_cli import run_cli
 
@@ -76,7 +76,7 @@ def test_known_regions_come_from_botocore_without_a_call():
 def test_cluster_spec_refuses_bad_settings_in_one_line(settings, needles):
     with pytest.raises(ValueError) as info:
         ClusterSpec(name="c1", **settings)
-    text = describe_validation_error(info.value)
+    text = str(validation_error(info.value))
     assert "\n" not in text
     for needle in needles:
         assert needle in text, text

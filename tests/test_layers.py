@@ -17,8 +17,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "sparknet"
 
 #: parts of the package, bottom first; a module imports only parts of a lower layer, or its own
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors",),  # the ground floor: errors, signals, clients
+    ("errors", "say"),  # the ground floor: errors, progress lines, signals, clients
     ("interrupts", "imports", "spark_security", "processes"),
+    # what runs on a node (the wheel's side of a command line): never the submitter's cluster/
+    ("node",),
     ("aws",),
     ("data", "models"),
     ("config",),
@@ -34,13 +36,14 @@ CLUSTER_LAYERS: tuple[tuple[str, ...], ...] = (
     ("spec",),
     ("registry",),
     ("nodes",),
-    ("seam", "sshkeys", "openssh"),
+    ("seam", "sshkeys", "openssh", "known_hosts"),
     ("remote",),
     ("aws",),
     ("spark",),
+    ("records",),
     ("inventory", "sparkops"),
-    ("ami", "lifecycle", "markers"),
-    ("static",),
+    ("ami", "ec2_up", "markers"),
+    ("ec2", "static"),  # the two providers, never importing each other
     ("provider",),
     ("repair",),
 )

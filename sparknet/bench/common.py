@@ -1,5 +1,7 @@
-"""What every benchmark shares: where its figures go, timing and medians, how busy the machine
-was, its report (a table, notes, files), the tables printed and the plots saved.
+"""What every benchmark shares.
+
+Where its figures go, timing and medians, how busy the machine was, its report (a table, notes,
+files), the tables printed and the plots saved.
 
 Figures from a 2-core box are only worth comparing when nothing else was running; every
 benchmark records the load it started under so a reader can discard a skewed run.

@@ -1,5 +1,6 @@
-"""`sparknet bench convergence`: rounds and samples to a target accuracy, over K, tau and the
-outer optimizer.
+"""`sparknet bench convergence`: rounds and samples to a target accuracy.
+
+Measured over K, tau and the outer optimizer.
 
 Local SGD trades statistical efficiency for communication: each of K workers takes tau steps of
 its own between synchronizations, so a round costs one sync whatever tau is, but the averaged

@@ -1,5 +1,7 @@
-"""The contenders sparknet's local SGD is measured against: pyspark's `TorchDistributor` (plain
-DDP over gloo, one all-reduce of the gradients every step) and one plain PyTorch process.
+"""The contenders sparknet's local SGD is measured against.
+
+pyspark's `TorchDistributor` (plain DDP over gloo, one all-reduce of the gradients every step)
+and one plain PyTorch process.
 
 Both train exactly what a sparknet run trains: the same `build_model` under the same seed, the
 same data (`load_data`), rank k of K on sparknet's shard k with sparknet's batch order

@@ -1,5 +1,6 @@
-"""The floor a synchronization round is measured against: a gloo all_reduce of the same bytes
-between plain processes on this machine, no Spark anywhere."""
+"""The floor a synchronization round is measured against.
+
+A gloo all_reduce of the same bytes between plain processes on this machine, no Spark anywhere."""
 
 from __future__ import annotations
 

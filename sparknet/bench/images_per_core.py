@@ -1,6 +1,7 @@
-"""Images per second per core at 224 px: sparknet's shard stream against torchvision's recipe,
-with full-size shards and with `data shard --max-side` shards, and what the smaller images cost
-in accuracy.
+"""Images per second per core at 224 px: sparknet's shard stream against torchvision's recipe.
+
+Measured with full-size shards and with `data shard --max-side` shards, with what the smaller
+images cost in accuracy.
 
 Throughput, on ONE core with one torch thread (moto's S3 server on the other core, standing in for
 a remote S3): the training transform at 224 px (random-resized crop, flip, to float, normalize)

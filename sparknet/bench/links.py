@@ -1,6 +1,7 @@
-"""Emulated slow links for `sparknet bench peers`: an isolated network of Linux network
-namespaces on one machine, shaped with tc, that a Spark standalone cluster runs in, removed whole
-afterwards.
+"""Emulated slow links for `sparknet bench peers`.
+
+An isolated network of Linux network namespaces on one machine, shaped with tc, that a Spark
+standalone cluster runs in, removed whole afterwards.
 
 Layout: one bridge in the root namespace with no address (nothing in the root namespace, no
 other user of the machine, can reach the lab; only root gets in, through `ip netns exec`), and

@@ -1,5 +1,6 @@
-"""`sparknet bench peers`: sparknet against the alternatives a Spark user already has, on fast
-and slow links.
+"""`sparknet bench peers`: sparknet against the alternatives a Spark user already has.
+
+Measured on fast and slow links.
 
 SparkNet's claim (Moritz et al., ICLR 2016) is that local SGD tolerates slow networks: a round
 costs one exchange whatever tau is. The alternative inside pyspark is `TorchDistributor`: DDP,

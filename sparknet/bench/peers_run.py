@@ -1,5 +1,7 @@
-"""The driver side of `sparknet bench peers` for one link: every contender, one after another,
-on one Spark session, each run's figures appended to a JSON-lines file as it ends.
+"""The driver side of `sparknet bench peers` for one link.
+
+Every contender, one after another, on one Spark session, each run's figures appended to a
+JSON-lines file as it ends.
 
 It runs as a process of its own (`python -m sparknet.bench.peers_run SPEC RESULTS`), started by
 `peers` inside the lab's first namespace, so that the driver reaches the executors over a shaped

@@ -1,5 +1,6 @@
-"""ImageNet-like JPEGs with no download, and a moto S3 server to stream them from: what
-`sparknet bench data-stream`, `images-per-core` and `shard-workers` measure with.
+"""ImageNet-like JPEGs with no download, and a moto S3 server to stream them from.
+
+What `sparknet bench data-stream`, `images-per-core` and `shard-workers` measure with.
 
 The images are 500x375 crops of scikit-learn's two bundled photos (random crop, scale, flip,
 colour jitter and a little sensor noise), JPEG quality tuned so the mean file lands near

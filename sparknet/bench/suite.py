@@ -1,5 +1,4 @@
-"""`sparknet bench all`: every engine benchmark in its own process, then one table of the
-headline figures.
+"""`sparknet bench all`: every engine benchmark in its own process, then one headline table.
 
 Each benchmark starts its own Spark JVM, and a JVM's heap and options are fixed when it starts;
 a fresh interpreter per benchmark keeps one run's JVM, threads and memory from skewing the next.

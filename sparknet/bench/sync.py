@@ -1,6 +1,7 @@
-"""`sparknet bench sync`: what one synchronization round costs with each transport, at model
-sizes of about 1, 10 and 100 MB, against a raw gloo all_reduce of the same bytes between two
-plain processes measured in the same run.
+"""`sparknet bench sync`: what one synchronization round costs with each transport.
+
+Measured at model sizes of about 1, 10 and 100 MB, against a raw gloo all_reduce of the same
+bytes between two plain processes measured in the same run.
 
 A round is measured as the product runs it: a real `train` run (local Spark, K workers, tau 1,
 batch 1) of a model that is one wide hidden layer of the wanted size, so its compute is a few

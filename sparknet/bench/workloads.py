@@ -1,5 +1,6 @@
-"""Synthetic data for `sparknet bench throughput` and `precision`, importable by Spark's Python
-workers by reference.
+"""Synthetic data for `sparknet bench throughput` and `precision`.
+
+Importable by Spark's Python workers by reference.
 
 A throughput figure needs real compute per step and no download: images of CIFAR's shape, drawn
 from a fixed seed so every worker process (and the plain loop on the driver) builds the same

@@ -1,8 +1,9 @@
-"""Command line: `sparknet` (`commands`: train, data, cluster, ami, bench) and `sparknet-submit`
-(`submit`). The console scripts' entry points are here and import nothing slow at module level:
-a signal must count from their first line (`interrupts.catch_from_start`), and the commands'
-imports before it took ~0.3 s (seconds on a busy machine) in which Ctrl-C was a traceback and
-SIGTERM a silent death."""
+"""Command line: `sparknet` and `sparknet-submit`, and their console scripts' entry points.
+
+`sparknet` is `commands` (train, data, cluster, ami, bench), `sparknet-submit` is `submit`. The
+entry points import nothing slow at module level: a signal must count from their first line
+(`interrupts.catch_from_start`), and the commands' imports before it took ~0.3 s (seconds on a
+busy machine) in which Ctrl-C was a traceback and SIGTERM a silent death."""
 
 from __future__ import annotations
 

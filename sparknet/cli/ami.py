@@ -1,5 +1,6 @@
-"""`sparknet ami bake`: a node image (AMI) with the bootstrap's install steps done, so a cluster
-launched from it skips them."""
+"""`sparknet ami bake`: a node image (AMI) with the bootstrap's install steps done.
+
+A cluster launched from it skips them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Command line: `sparknet train` (the main job on one machine), `sparknet data ...` (datasets on
-local disk or S3), `sparknet cluster ...` (EC2 GPU clusters), `sparknet bench ...` (the
-performance figures). One module per command group; this one puts them in one typer app, which
-`sparknet.cli.main` runs once signals are caught."""
+"""The `sparknet` command: its command groups in one typer app.
+
+One module per command group; this one puts them in one typer app, which `sparknet.cli.main`
+runs once signals are caught."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ from sparknet.cli.bench import bench_app
 from sparknet.cli.cluster import cluster_app
 from sparknet.cli.data import data_app
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+#: what `sparknet --help` says above the commands
+HELP = """\
+Command line: `sparknet train` (the main job on one machine), `sparknet data ...` (datasets on
+local disk or S3), `sparknet cluster ...` (EC2 GPU clusters), `sparknet bench ...` (the
+performance figures). One module per command group; this one puts them in one typer app, which
+`sparknet.cli.main` runs once signals are caught."""
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=HELP)
 
 
 @app.callback()

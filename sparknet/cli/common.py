@@ -17,6 +17,7 @@ from rich.console import Console
 from typer.core import TyperOption
 
 from sparknet import interrupts as signals
+from sparknet.errors import first_line
 from sparknet.interrupts import hold, holding
 
 #: progress and notes go to stderr; results (tables, summaries) to stdout. A line printed is
@@ -76,11 +77,6 @@ def fail(exc: BaseException, debug: bool, code: int = 2) -> None:
         raise exc
     signals.write_line(sys.stderr, f"error: {first_line(exc)}")
     raise typer.Exit(code)
-
-
-def first_line(exc: BaseException) -> str:
-    """The first non-empty line of the message (some begin with a newline), else the type."""
-    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
 
 
 @dataclass

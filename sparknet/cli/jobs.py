@@ -1,6 +1,7 @@
-"""`sparknet-submit attach`, `logs`, `cancel`, `list`: the jobs that sparknet-submit started,
-found again by their run id (`sparknet.jobs.records`), and how a followed job's rounds are shown
-(`Report`, `say`), which `attach` shares with the submit itself.
+"""`sparknet-submit attach`, `logs`, `cancel`, `list`: the jobs that sparknet-submit started.
+
+They are found again by their run id (`sparknet.jobs.records`); and how a followed job's rounds
+are shown (`Report`, `say`), which `attach` shares with the submit itself.
 
 Separate from the submit command because these act on a job that already runs, on a cluster
 that already exists: none of the submit's flags, settings checks or training flags apply."""
@@ -136,6 +137,7 @@ def attach(
     found, conn = _located(run_id, cluster, endpoint_url, config, debug)
     rec, node = found.record, found.master.node
     endpoint = endpoint_url or rec.endpoint_url
+    cost_so_far = provider.of(found.spec).cost_so_far
     report = Report(console.is_terminal, rec.rounds)
     caught = Caught()
     try:
@@ -151,7 +153,7 @@ def attach(
                 try:
                     outcome = follow(
                         conn, found.master, run_id, rec.prefix, rec.s3_endpoint_url,
-                        lambda rows: report.rows(rows, provider.cost_so_far(found.spec, endpoint)),
+                        lambda rows: report.rows(rows, cost_so_far(found.spec, endpoint)),
                         on_event=lambda event: say(restart_line(event)),
                         on_tick=ticks(
                             DriverStatus(conn, node, run_id, say),
@@ -162,7 +164,7 @@ def attach(
                     report.stop()
                 state = records.state_of(conn, node, run_id)
             ended = records.ended_at(conn, node, run_id) or time.time()
-            cost = provider.cost_so_far(found.spec, endpoint)
+            cost = cost_so_far(found.spec, endpoint)
             fetched = fetch_results(rec.prefix, rec.s3_endpoint_url, Path("runs") / run_id)
     except KeyboardInterrupt:
         signum = caught.signum or signal.SIGINT

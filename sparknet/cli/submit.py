@@ -1,15 +1,15 @@
-"""`sparknet-submit`: one training job on a cluster, end to end (the flow is
-`sparknet.jobs.submit`), and the jobs it started: `attach`, `logs`, `cancel`, `list`
-(`sparknet.cli.jobs`, registered here on the same app).
+"""`sparknet-submit`: one training job on a cluster, end to end, and the jobs it started.
 
-The training flags are `sparknet train`'s own parameters, taken from its signature (one
-definition, the same help); `--workers` here counts worker instances, as `cluster up`'s does.
+The flow is `sparknet.jobs.submit`; `attach`, `logs`, `cancel`, `list` are `sparknet.cli.jobs`,
+registered here on the same app.
+
+The training flags are built as `sparknet train`'s are, from the settings' one declaration
+(`sparknet.cli.settings`); `--workers` here counts worker instances, as `cluster up`'s does.
 The submit options belong to the group's callback, which runs the job when no subcommand is
 given, so `sparknet-submit --s3 X ...` is the job itself."""
 
 from __future__ import annotations
 
-import inspect
 import signal
 from pathlib import Path
 from typing import Any
@@ -17,20 +17,20 @@ from typing import Any
 import typer
 
 from sparknet.cli import jobs
-from sparknet.cli import train as train_command
 from sparknet.cli.cluster.options import cluster_spec
 from sparknet.cli.common import (
     Caught,
+    DebugOption,
     caught_signal,
     console,
     fail,
-    first_line,
     interrupts,
     results,
 )
 from sparknet.cli.jobs import Report, say
-from sparknet.config import find_config_file, load_datasets, load_train_config, read_section
-from sparknet.errors import SparknetError
+from sparknet.cli.settings import ConfOption, SetOption, with_settings
+from sparknet.config import find_config_file, load_datasets, load_train_config
+from sparknet.errors import SettingError, SparknetError, first_line
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
 # (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
@@ -41,13 +41,13 @@ submit_app = typer.Typer(
     help="Run a training job on an EC2 GPU cluster; attach, logs, cancel, list: the jobs started.",
 )
 
-#: `sparknet train` parameters that submit sets itself or has its own of: the data is --s3, the
-#: run dir the run prefix, the master the cluster's; --workers and --config are submit's own
-NOT_SHARED = frozenset(
-    {"config", "data", "workers", "out", "resume", "allow_change", "master", "endpoint_url"}
-)
+#: the training settings with an option in `sparknet train` that submit sets itself or has its own
+#: option of: the data is --s3, the run dir the run prefix, the master the cluster's; --workers
+#: and --endpoint-url are submit's own (worker instances; the AWS endpoint)
+NOT_SHARED = frozenset({"data", "workers", "out", "master", "endpoint_url"})
 
 
+@with_settings(leave_out=NOT_SHARED, after={"conf": "spark_conf"}, last=("debug",))
 def submit(
     ctx: typer.Context,
     s3: str | None = typer.Option(
@@ -93,6 +93,9 @@ def submit(
         "--config",
         help="settings YAML (train:, datasets:, clusters:); default ./sparknet.yaml",
     ),
+    set_: list[str] = SetOption,
+    conf: list[str] = ConfOption,
+    debug: bool = DebugOption,
     **training: Any,
 ) -> None:
     """Check the dataset and run prefix, bring a cluster up (or reuse --cluster), run the job on
@@ -101,32 +104,31 @@ def submit(
     SIGTERM. --detach returns once the job runs; the cluster's autostop timer ends it after."""
     from sparknet.cluster import repair  # lazy: boto3, fabric
     from sparknet.cluster.registry import LockUnavailable  # lazy: boto3
-    from sparknet.jobs import records  # lazy: boto3, fabric
+    from sparknet.jobs import preflight, records  # lazy: boto3, fabric
     from sparknet.jobs import submit as flow  # lazy: boto3, fabric
     from sparknet.jobs.follow import JobOutOfReach, summary_lines  # lazy: boto3, fabric
     from sparknet.jobs.preflight import Job, PreflightFailed, resolve_dataset  # lazy: boto3, fabric
 
     if ctx.invoked_subcommand is not None:
         return
-    debug = training.pop("debug")
-    sets, conf = training.pop("set_"), training.pop("conf")
     caught = Caught()
     started = False  # an error before the flow starts is in the command or settings: exit 2
     ending = flow.Ending()  # a signal during the checks below: "nothing was launched"
     try:
-        _check_flags(s3, cluster, name, keep, autostop)
+        preflight.check_request(s3, cluster, name, keep, autostop)
         path = find_config_file(config)
-        cfg = load_train_config(config_file=path, sets=sets, flags=training, conf=conf)
+        cfg = load_train_config(config_file=path, sets=set_, flags=training, conf=conf)
         dataset = resolve_dataset(s3, load_datasets(path), endpoint_url)
-        cluster_name = cluster or _named_cluster(name, path) or _only_cluster(path)
+        cluster_name = preflight.cluster_to_use(cluster, name, path)
         flags = dict(
             workers=workers, instance_types=instance_type, spot=spot, provider=provider,
             autostop_minutes=autostop,
         )  # fmt: skip
         spec = _instances_spec(cluster_name, path, {} if cluster else flags)
-        if spec.provider == "static":
-            _check_static(spec, instance_type, spot, autostop, keep, detach, cluster is not None)
-        _check_autostop(spec, cluster is not None, keep)
+        preflight.check_cluster_options(
+            spec, instance_types=instance_type, spot=spot, autostop=autostop, keep=keep,
+            detach=detach, reused=cluster is not None,
+        )  # fmt: skip
         repair.check_every_s()  # a bad setting fails now, not once the job runs
         job = Job(
             spec, cluster is not None, keep, dataset, cfg, endpoint_url, detach=detach,
@@ -195,73 +197,6 @@ def _ended(exc: BaseException, ending) -> str:
     )
 
 
-def _check_flags(
-    s3: str | None, cluster: str | None, name: str | None, keep: bool, autostop: int | None
-) -> None:
-    """The flags' combinations that are refused before anything is read or asked of AWS."""
-    from sparknet.jobs.preflight import PreflightFailed  # lazy: boto3, fabric
-
-    if s3 is None:
-        raise PreflightFailed(
-            "--s3 DATASET is required (a name from datasets: or s3://bucket/prefix); "
-            "or a command: attach, logs, cancel, list"
-        )
-    if name is not None and cluster is not None:
-        raise PreflightFailed(
-            f"--name {name} names a cluster to make and --cluster {cluster} one to reuse; "
-            "give one of them"
-        )
-    if autostop is not None and cluster is not None:
-        raise PreflightFailed(
-            f"--autostop applies to a cluster sparknet-submit makes; --cluster {cluster} keeps "
-            f"its own (`sparknet cluster up {cluster} --autostop MINUTES` changes it)"
-        )
-    if autostop == 0 and not keep:
-        raise PreflightFailed(
-            "--autostop 0 turns the timer off only with --keep: a cluster left without it runs "
-            "until `sparknet cluster down`"
-        )
-
-
-def _check_static(
-    spec, instance_type: list[str], spot, autostop, keep: bool, detach: bool, reused: bool
-) -> None:
-    """EC2's flags are refused on a static cluster even where they say the default (they would
-    be ignored), and so is --detach on one the submit makes without --keep: with no autostop
-    timer, Spark would run on its hosts after the job until `sparknet cluster down`."""
-    from sparknet.jobs.preflight import PreflightFailed  # lazy: boto3, fabric
-
-    given = [
-        flag for flag, value in
-        (("--instance-type", instance_type), ("--spot/--on-demand", spot), ("--autostop", autostop))
-        if value not in (None, [])
-    ]  # fmt: skip
-    if given:
-        raise PreflightFailed(
-            f"{', '.join(given)}: EC2 flags, not for static cluster {spec.name} (its machines "
-            "are its `hosts:`)"
-        )
-    if detach and not keep and not reused:
-        raise PreflightFailed(
-            f"--detach on static cluster {spec.name}, which this submit brings up: it has no "
-            "autostop timer, so Spark would run on its hosts after the job; add --keep to keep "
-            f"it on purpose, or `sparknet cluster up {spec.name}` first and --cluster {spec.name}"
-        )
-
-
-def _check_autostop(spec, reused: bool, keep: bool) -> None:
-    """A cluster this submit makes, with its autostop timer off (the flag or the settings'
-    `autostop_minutes: 0`) and no --keep: a detached job, a job out of reach or a failed
-    teardown would leave it running until `sparknet cluster down`."""
-    from sparknet.jobs.preflight import PreflightFailed  # lazy: boto3, fabric
-
-    if not reused and not keep and spec.autostop_minutes == 0:
-        raise PreflightFailed(
-            f"cluster {spec.name}'s autostop is off (autostop_minutes: 0), which is allowed "
-            "only with --keep: give --autostop MINUTES, or --keep to keep it on purpose"
-        )
-
-
 def _print_detached(job, run_id: str, prefix: str) -> None:
     """What a detached submit prints: the run id (stdout), how to reach the job, and what
     ends the cluster."""
@@ -276,76 +211,22 @@ def _print_detached(job, run_id: str, prefix: str) -> None:
     say(stays_up_line(job))
 
 
-def _named_cluster(name: str | None, path: Path | None) -> str | None:
-    """`--name NAME`, which must be a `clusters:` entry of the settings file: a cluster is made
-    from its entry (a typo would make one of the defaults)."""
-    if name is None:
-        return None
-    names = sorted(read_section(path, "clusters")) if path is not None else []
-    if name not in names:
-        from sparknet.jobs.preflight import PreflightFailed  # lazy: boto3, fabric
-
-        if path is None:
-            raise PreflightFailed(
-                f"--name {name}: no settings file (./sparknet.yaml or --config) to make it from "
-                "(a cluster is made from its `clusters:` entry)"
-            )
-        raise PreflightFailed(
-            f"--name {name}: no such entry in {path}'s clusters: (known: "
-            f"{', '.join(names) or 'none'}); a cluster is made from its entry"
-        )
-    return name
-
-
 def _instances_spec(name: str, path: Path | None, flags: dict[str, Any]):
     """The cluster's spec (`sparknet cluster`'s `cluster_spec`); a bad `--workers` is named
     as the flag and what it counts, worker instances (not the Spark tasks of `--set workers`)."""
     try:
         return cluster_spec(name, path, flags)
-    except SparknetError as exc:
-        said = "invalid setting workers:"
-        if flags.get("workers") is None or said not in str(exc):
+    except SettingError as exc:
+        if flags.get("workers") is None or exc.setting != "workers":
             raise
-        raise SparknetError(
-            str(exc).replace(said, f"--workers {flags['workers']} (worker instances):", 1)
-        ) from exc
+        raise SettingError(
+            "{where}{@workers=value} (worker instances): {reason}",
+            setting="workers", value=flags["workers"],
+            where=exc.values["where"], reason=exc.values["reason"],
+        ) from exc  # fmt: skip
 
 
-def _only_cluster(path: Path | None) -> str:
-    """The cluster to make when neither --cluster nor --name says: the settings file's only
-    `clusters:` entry."""
-    names = sorted(read_section(path, "clusters")) if path is not None else []
-    if len(names) != 1:
-        from sparknet.jobs.preflight import PreflightFailed  # lazy: boto3, fabric
-
-        have = ", ".join(names) or "none"
-        raise PreflightFailed(
-            f"which cluster? give --cluster NAME (running) or --name NAME (to make); "
-            f"clusters: in the settings has {have}"
-        )
-    return names[0]
-
-
-def _shared_parameters() -> list[inspect.Parameter]:
-    """`sparknet train`'s training flags as keyword parameters (annotations resolved)."""
-    params = inspect.signature(train_command.train, eval_str=True).parameters.values()
-    return [
-        p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params if p.name not in NOT_SHARED
-    ]
-
-
-def _with_training_flags(func):
-    """`func`'s own parameters, then train's: typer reads `__signature__`."""
-    own = [
-        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-        for p in inspect.signature(func, eval_str=True).parameters.values()
-        if p.kind is not inspect.Parameter.VAR_KEYWORD
-    ]
-    func.__signature__ = inspect.Signature([*own, *_shared_parameters()])
-    return func
-
-
-submit_app.callback(invoke_without_command=True)(_with_training_flags(submit))
+submit_app.callback(invoke_without_command=True)(submit)
 
 for _name, _command in (
     ("attach", jobs.attach),

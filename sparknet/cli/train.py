@@ -15,6 +15,7 @@ from rich.table import Table
 from sparknet import interrupts as signals
 from sparknet.cli.common import (
     Caught,
+    DebugOption,
     caught_signal,
     console,
     fail,
@@ -22,6 +23,7 @@ from sparknet.cli.common import (
     quiet_py4j,
     results,
 )
+from sparknet.cli.settings import ConfOption, SetOption, with_settings
 from sparknet.config import find_config_file, load_datasets, load_train_config
 from sparknet.errors import SparknetError, WriteRefused, is_permanent
 
@@ -58,81 +60,26 @@ def _summary(result) -> Table:
     return table
 
 
+@with_settings(
+    after={"resume": "out", "allow_change": "out", "conf": "spark_conf"}, last=("debug",)
+)
 def train(
     config: Path | None = typer.Option(
         None, "--config", help="settings YAML (train:, datasets:); default ./sparknet.yaml"
     ),
-    set_: list[str] = typer.Option([], "--set", help="key=value, repeatable"),
-    model: str | None = typer.Option(None, help="mlp, cnn, a torchvision name, or module:factory"),
-    num_classes: int | None = typer.Option(None, help="default: from the dataset"),
-    extra_classes: bool | None = typer.Option(
-        None, "--extra-classes", help="allow --num-classes above the dataset's classes"
-    ),
-    data: str | None = typer.Option(
-        None,
-        help="digits, module:factory, a name from sparknet.yaml's datasets:, s3://bucket/prefix, "
-        "a local dataset dir, parquet:PATH or table:NAME",
-    ),
-    eval_data: str | None = typer.Option(None, help="parquet:PATH or table:NAME to evaluate on"),
-    label_col: str | None = typer.Option(None, help="DataFrame label column (default label)"),
-    input_col: str | None = typer.Option(None, help="DataFrame image/features column"),
-    image_size: int | None = typer.Option(None, help="train/eval crop size for images"),
-    loader_workers: int | None = typer.Option(None, help="decoding processes per Spark task"),
-    cache_dir: Path | None = typer.Option(None, help="executor-local shard cache dir"),
-    cache_gb: float | None = typer.Option(None, help="shard cache cap (GiB); 0: stream only"),
-    endpoint_url: str | None = typer.Option(None, help="S3-compatible endpoint (MinIO, moto)"),
-    workers: int | None = typer.Option(None, help="K: Spark partitions, one worker each"),
-    tau: int | None = typer.Option(None, help="local steps per round"),
-    rounds: int | None = typer.Option(None),
-    batch_size: int | None = typer.Option(None, help="per worker"),
-    optimizer: str | None = typer.Option(None, help="inner optimizer: sgd or adamw"),
-    lr: float | None = typer.Option(None, help="inner learning rate"),
-    momentum: float | None = typer.Option(None, help="inner momentum (sgd)"),
-    weight_decay: float | None = typer.Option(None),
-    outer: str | None = typer.Option(None, help="average (SparkNet) or nesterov (DiLoCo)"),
-    outer_lr: float | None = typer.Option(None, help="nesterov only; default 0.7"),
-    outer_momentum: float | None = typer.Option(None, help="nesterov only; default 0.9"),
-    inner_state: str | None = typer.Option(None, help="keep or reset the inner optimizer state"),
-    seed: int | None = typer.Option(None),
-    eval_every: int | None = typer.Option(None, help="rounds; 0: only at the end"),
-    checkpoint_every: int | None = typer.Option(None, help="rounds; 0: only at the end"),
-    out: str | None = typer.Option(
-        None, help="run dir, a local path or s3://bucket/prefix; default runs/<model>-<data>-<time>"
-    ),
+    set_: list[str] = SetOption,
     resume: bool = typer.Option(False, help="continue the run in --out from its last checkpoint"),
     allow_change: bool = typer.Option(
         False,
         help="with --resume: accept settings that change the weights (--workers, --lr, ...); "
         "recorded in metrics.jsonl",
     ),
-    master: str | None = typer.Option(None, help="Spark master; default local[<cores>,4]"),
-    device: str | None = typer.Option(None, help="auto (a GPU when the task has one), cpu, cuda"),
-    precision: str | None = typer.Option(None, help="fp32, bf16 or fp16 (autocast)"),
-    deterministic: bool | None = typer.Option(
-        None,
-        "--deterministic/--no-deterministic",
-        help="deterministic kernels only; a resume on GPUs is bit-exact only with this",
-    ),
-    gpus_per_worker: int | None = typer.Option(
-        None, help="GPUs of each Spark worker machine (cluster master); every task takes one"
-    ),
-    conf: list[str] = typer.Option([], "--conf", help="Spark setting key=value, repeatable"),
-    transport: str | None = typer.Option(
-        None,
-        help="auto (default: allreduce on a cluster master with a task slot per worker, else "
-        "spark), spark, or allreduce",
-    ),
-    compress: str | None = typer.Option(
-        None, help="allreduce only: none, bf16 or fp16, the precision updates travel in"
-    ),
-    debug: bool = typer.Option(False, help="show tracebacks"),
+    conf: list[str] = ConfOption,
+    debug: bool = DebugOption,
+    **settings: Any,
 ) -> None:
     """Train a model with synchronized local SGD on Spark and write a run dir."""
-    flags = {
-        k: v
-        for k, v in locals().items()
-        if k not in ("config", "set_", "conf", "resume", "allow_change", "debug")
-    }
+    out, endpoint_url = settings.get("out"), settings.get("endpoint_url")
     caught = Caught()
     report: _Report | None = None
     try:
@@ -144,7 +91,7 @@ def train(
 
             base = read_run_config(out, endpoint_url)
         config = find_config_file(config)
-        cfg = load_train_config(config_file=config, sets=set_, flags=flags, base=base, conf=conf)
+        cfg = load_train_config(config_file=config, sets=set_, flags=settings, base=base, conf=conf)
         datasets = load_datasets(config)
         from sparknet.training.driver import train as run_training  # lazy: torch, pyspark, boto3
 

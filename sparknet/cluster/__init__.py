@@ -1,1 +1,1 @@
-"""EC2 GPU clusters: the foundation (network, security group, IAM), instances, lifecycle."""
+"""A cluster's life on its provider (EC2 instances, or the user's own hosts) and Spark on it."""

@@ -1,6 +1,7 @@
-"""Where a node is reached over SSH: its `Endpoint`, and the one parser of the
-``[user@]host[:port]`` addresses users give (static hosts, the endpoint seam). At the bottom of
-`cluster/`: a cluster's spec checks its hosts with it, before anything reaches a node."""
+"""Where a node is reached over SSH: its `Endpoint`, and the one parser of users' addresses.
+
+The addresses users give are ``[user@]host[:port]`` (static hosts, the endpoint seam). At the
+bottom of `cluster/`: a cluster's spec checks its hosts with it, before anything reaches a node."""
 
 from __future__ import annotations
 

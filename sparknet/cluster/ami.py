@@ -1,7 +1,9 @@
-"""Bake a node image (AMI): a builder instance gets the bootstrap's install steps, is cleaned of
-keys, secrets, caches, logs and history (ami/clean.sh), scanned for a credential or private key
-left behind (ami/scan.sh: one found fails the bake), stopped and imaged; the image is tagged and
-its id recorded in an SSM parameter, where `ami_for` finds it for `cluster up`.
+"""Bake a node image (AMI) with the bootstrap's install steps done, for `cluster up` to launch.
+
+A builder instance gets the install steps, is cleaned of keys, secrets, caches, logs and history
+(ami/clean.sh), scanned for a credential or private key left behind (ami/scan.sh: one found
+fails the bake), stopped and imaged; the image is tagged and its id recorded in an SSM parameter,
+where `ami_for` finds it for `cluster up`.
 
 The builder is a one-node throw-away cluster (`bake-<time>-<hex>`, role master): its network,
 key pair, pinned host key and tags are made exactly as `cluster up` makes a cluster's, and
@@ -19,7 +21,6 @@ import shlex
 import tempfile
 import time
 import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -47,8 +48,7 @@ from sparknet.cluster.spec import (
     tag_value,
 )
 from sparknet.errors import InputError, SparknetError
-
-Say = Callable[[str], None]
+from sparknet.say import Say, quiet
 
 #: the image's definition, in the checkout (beside pyproject.toml)
 IMAGE_FILE = Path("ami") / "image.toml"
@@ -68,10 +68,6 @@ _SKIP = re.compile(r"^[A-Za-z0-9_./*-]+$")
 _NAMED = 5
 #: AWS's rule for an image name: 3-128 of letters, digits and ( ) [ ] space . / - ' @ _
 _IMAGE_NAME = re.compile(r"^[A-Za-z0-9()\[\] ./'@_-]{3,128}$")
-
-
-def _quiet(_line: str) -> None:
-    pass
 
 
 # --- what the image is ---------------------------------------------------------------------------
@@ -271,7 +267,7 @@ def bake_name() -> str:
 def bake(
     settings: BakeSettings,
     *,
-    say: Say = _quiet,
+    say: Say = quiet,
     image: Image | None = None,
     wheel: Wheel | None = None,
     root: str = "/",
@@ -462,7 +458,9 @@ def _versions_and_clean(
         # remove (or sudo that it asks for a password)
         why = exc.failures.get(node.name)
         last = f": {why.tail[-1].strip()}" if isinstance(why, CommandFailed) and why.tail else ""
-        raise SparknetError(f"bake failed cleaning the builder: {exc}{last}") from exc
+        raise SparknetError(
+            "bake failed cleaning the builder: {cause}{last}", cause=exc, last=last
+        ) from exc
     if found:
         raise scan_refusal(builder, found)
     return torch, cuda
@@ -578,7 +576,7 @@ def _clean_up(
             say(line)
         try:
             step()
-        except Exception as exc:
+        except Exception as exc:  # said below with what it left; the next step still runs
             failed.append((what, nodes.describe(exc)))
     if failed:
         left = "; ".join(f"{what} ({why})" for what, why in failed)

@@ -1,11 +1,12 @@
-"""Which clusters exist, where, and whose: the resources tagged with a cluster's name in a
-region (AWS's truth, which `cluster list`, `sweep`, `down` and the owner check go by), and what
-this machine keeps of one (its registry entry, its Terraform state per region); with the
-refusals they ground: another principal's cluster (`NotYours`), a name this machine knows in
-another region (`OtherRegion`).
+"""Which clusters exist, where, and whose.
 
-Apart from lifecycle.py: all of it only reads (AWS's listings, local files) and changes nothing,
-and `list` and `sweep` need it without any cluster's life being run.
+The resources tagged with a cluster's name in a region (AWS's truth, which `cluster list`,
+`sweep`, `down` and the owner check go by), and what this machine keeps of one (its registry
+entry, its Terraform state per region); with the refusals they ground: another principal's
+cluster (`NotYours`), a name this machine knows in another region (`OtherRegion`).
+
+Apart from the providers (ec2.py, static.py): all of it only reads (AWS's listings, local
+files) and changes nothing, and `list` and `sweep` need it without any cluster's life being run.
 """
 
 from __future__ import annotations
@@ -140,9 +141,13 @@ def check_owner(spec: ClusterSpec, owner: str, endpoint_url: str | None = None) 
     others = sorted(o for o in cluster.owners if o not in (None, owner)) if cluster else []
     if others:
         raise NotYours(
-            f"cluster {spec.name} in {spec.region} belongs to {', '.join(others)} (its "
-            f"{TAG_OWNER} tag), not to you ({owner}); choose another name, or pass --any-owner "
-            "to act on it anyway"
+            "cluster {name} in {region} belongs to {others} (its {tag} tag), not to you "
+            "({owner}); choose another name, or pass {@any_owner} to act on it anyway",
+            name=spec.name,
+            region=spec.region,
+            others=", ".join(others),
+            tag=TAG_OWNER,
+            owner=owner,
         )
 
 

@@ -1,10 +1,13 @@
-"""The owner marker of a machine of the user's (a static cluster's host): which cluster holds
-it, that cluster's registry (its id, and the user, machine and dir it lives in) and since when.
+"""The owner marker of a machine of the user's (a static cluster's host).
+
+It says which cluster holds the machine, that cluster's registry (its id, and the user, machine
+and dir it lives in) and since when.
 
 Two sparknets that do not share a registry (two machines, two SPARKNET_HOMEs) cannot see each
 other's entries, so the host itself says whose it is: a small JSON file in the node's install
 prefix (`MARKER`), read, taken and given back under `flock` on a lock file beside it, in the
-same remote command that reads or writes it, so two of them never both take a host. `up` and
+same remote command that reads or writes it (the package's `marker.sh`: a host is taken before
+anything of sparknet's is there), so two of them never both take a host. `up` and
 `cluster bootstrap` take every host before anything runs there (a host held by another cluster
 is refused, naming it); `down` stops Spark only where the marker is its own (or no marker is)
 and gives the host back. The marker's identity is the registry id with the cluster name: the
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from sparknet.cluster import nodes
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.nodes import Access
-from sparknet.cluster.remote import Conn, q, run
+from sparknet.cluster.remote import Conn, run_script
 from sparknet.cluster.spark.plan import Node
 from sparknet.errors import InputError, SparknetError
 
@@ -32,7 +35,7 @@ MARKER, MARKER_LOCK = "owner.json", ".owner.lock"
 #: milliseconds)
 LOCK_WAIT_S = 30
 #: the first line of a take's answer: the host was free (now ours), already ours, another's, or
-#: had no install prefix (and none was made)
+#: had no install prefix (and none was made); the words `scripts/marker.sh` prints
 TAKEN, MINE, HELD, ABSENT = "taken", "mine", "held", "absent"
 #: a take's verdict where the host is `me`'s already, as another node of the same cluster: one
 #: machine listed twice (`127.0.0.1` and `localhost`)
@@ -55,7 +58,7 @@ class Holder:
     """Who holds a host: a cluster of one registry."""
 
     cluster: str
-    #: the registry's id (`lifecycle.registry_id`)
+    #: the registry's id (`registry.registry_id`)
     registry: str
     #: where that registry lives: ``user@machine:dir``
     where: str = ""
@@ -119,36 +122,14 @@ def _match(me: Holder) -> str:
     return json.dumps({"holder": me.key})[1:-1]
 
 
-def _locked(node: Node, body: str, make: bool = True) -> str:
-    """`body` run on the node with the marker lock held (`$m` is the marker's path). A prefix
-    that is not there yet is made for the login user (sudo -n where it is not root), as the
-    bootstrap's own dirs step would, or, unless `make`, the answer is `ABSENT` and nothing
-    runs; one that is there is left as it is. The lock is the login user's alone (0600: another
-    local user could hold a lock it can open); one the user cannot write (another user's
-    prefix) is not taken: the marker, replaced in one rename, can still be read. A symbolic
-    link in the lock's place is refused, and none is ever written through."""
-    p = q(node.prefix)
-    lock, marker = q(node.path(MARKER_LOCK)), q(node.path(MARKER))
-    linked = q(f"{node.path(MARKER_LOCK)} is not a plain file (a link, a pipe), not a lock of "
-               "sparknet's: remove it")  # fmt: skip
-    made = (
-        f's=; [ "$(id -u)" = 0 ] || s=\'sudo -n\'; $s mkdir -p {p} && $s chown "$(id -un)" {p} '
-        "|| exit 1"
-        if make
-        else f"echo {ABSENT}; exit 0"
-    )
-    return (
-        f"if [ ! -d {p} ]; then {made}; fi; "
-        "command -v flock >/dev/null || { echo 'flock (util-linux) is not installed' >&2; "
-        "exit 1; }; "
-        f"if [ -L {lock} ] || {{ [ -e {lock} ] && [ ! -f {lock} ]; }}; then echo {linked} >&2; "
-        "exit 1; fi; "
-        f"if [ -w {lock} ] || {{ [ ! -e {lock} ] && [ -w {p} ]; }}; then "
-        f"(umask 077; : >>{lock}) && [ ! -L {lock} ] && exec 9>>{lock} || exit 1; "
-        f"if [ -O {lock} ]; then chmod 600 {lock}; fi; "
-        f"flock -w {LOCK_WAIT_S} 9 || {{ echo 'its marker lock stays busy' >&2; exit 1; }}; fi; "
-        f"m={marker}; {body}"
-    )
+def _marker(conn: Conn, node: Node, action: str, me: Holder, make: bool, *holder: str) -> str:
+    """`action` (take, release) of the package's `marker.sh` on the node, under the marker
+    lock (the script says how it is held); what it prints. A prefix that is not there yet is
+    made for the login user, or, unless `make`, the answer is `ABSENT` and nothing runs."""
+    return run_script(
+        conn, "marker.sh", action, node.prefix, node.path(MARKER), node.path(MARKER_LOCK),
+        LOCK_WAIT_S, int(make), _match(me), *holder,
+    )  # fmt: skip
 
 
 def take(conn: Conn, node: Node, me: Holder, make: bool = True) -> tuple[str, Holder | None]:
@@ -159,14 +140,8 @@ def take(conn: Conn, node: Node, me: Holder, make: bool = True) -> tuple[str, Ho
     None) where the node has no install prefix (nothing of sparknet's is there; none is
     made)."""
     mine = replace(me, node=node.name)
-    body = (
-        f'if [ -L "$m" ] || {{ [ -e "$m" ] && [ ! -f "$m" ]; }}; then echo {HELD}; exit 0; fi; '
-        f'if [ -s "$m" ]; then if grep -qF {q(_match(me))} "$m"; then echo {MINE}; else '
-        f'echo {HELD}; fi; cat "$m"; exit 0; fi; '
-        f'rm -f "$m.new" && (set -C; printf "%s\\n" {q(mine.to_json())} > "$m.new") && '
-        f'chmod 644 "$m.new" && mv -f "$m.new" "$m" && echo {TAKEN}'
-    )
-    first, _, rest = run(conn, _locked(node, body, make)).strip().partition("\n")
+    answer = _marker(conn, node, "take", me, make, mine.to_json())
+    first, _, rest = answer.strip().partition("\n")
     if first == HELD:
         unread = Holder(UNREAD, UNREAD, f"(its marker {node.path(MARKER)} does not read)")
         return HELD, Holder.parse(rest) or unread
@@ -178,11 +153,7 @@ def take(conn: Conn, node: Node, me: Holder, make: bool = True) -> tuple[str, Ho
 
 def release(conn: Conn, node: Node, me: Holder) -> None:
     """Remove the host's marker when it is `me`'s (another's stays)."""
-    body = (
-        f'if [ -f "$m" ] && [ ! -L "$m" ] && grep -qF {q(_match(me))} "$m" 2>/dev/null; then '
-        'rm -f "$m"; fi; true'
-    )
-    run(conn, _locked(node, body, make=False))
+    _marker(conn, node, "release", me, False)
 
 
 def take_all(
@@ -210,7 +181,7 @@ def take_all(
                 nodes.run_all([n.endpoint for n in batch], access, one, timeout)
     except BaseException:
         fresh = [by_name[name] for name, (verdict, _) in answers.items() if verdict == TAKEN]
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # best effort: what is raised says what failed
             release_all(fresh, access, me, timeout)
         raise
     fresh = [name for name, (verdict, _) in answers.items() if verdict == TAKEN]

@@ -1,7 +1,9 @@
-"""SSH to a cluster's nodes: with what key and pinned host keys (`Access`), one connection
-(`connect`, and again after a node's reboot: `reconnect_after_restart`), and one function on
-every node at once (`run_all`). Where each node is reached is seam.py's (an `Endpoint`), the key
-and the pins are sshkeys.py's, and the same trust in OpenSSH's options is openssh.py's.
+"""SSH to a cluster's nodes: the access, one connection, and one function on every node.
+
+With what key and pinned host keys (`Access`), one connection (`connect`, and again after a
+node's reboot: `reconnect_after_restart`), and one function on every node at once (`run_all`).
+Where each node is reached is seam.py's (an `Endpoint`), the key and the pins are sshkeys.py's,
+and the same trust in OpenSSH's options is openssh.py's.
 
 Every connection refuses a host whose key is not already pinned in the cluster's known_hosts
 (paramiko's `RejectPolicy`): Fabric's default (`AutoAddPolicy`, no known_hosts) would trust
@@ -103,7 +105,7 @@ class _Remote(fabric.runners.Remote):
     to end (up to its timeout, or the keepalive's deadline on a silent node)."""
 
     def send_interrupt(self, interrupt: KeyboardInterrupt) -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # a channel already gone: the interrupt still counts
             self.channel.close()
         raise interrupt
 

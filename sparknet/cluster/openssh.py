@@ -1,6 +1,7 @@
-"""The OpenSSH client's command line that reaches a node as sparknet does, for `cluster ssh`
-and `cluster tunnel`: the cluster's key only, its pinned host keys only, and the silence
-deadline of sparknet's own connections, said in OpenSSH's options.
+"""The OpenSSH command line that reaches a node as sparknet does (`cluster ssh`, `tunnel`).
+
+The cluster's key only, its pinned host keys only, and the silence deadline of sparknet's own
+connections, said in OpenSSH's options.
 
 Apart from nodes.py, whose connections are paramiko's, inside this process: this hands the
 node to the user's own `ssh`, which reads none of nodes.py's settings unless told each one.

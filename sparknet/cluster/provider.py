@@ -1,109 +1,114 @@
-"""What the job side (sparknet-submit, its jobs, the repair of a cluster in use) asks of a
-cluster, whichever provider made it, in one place (design.md, section 1): `aws` is
-lifecycle.py's EC2 cluster, found by its tag; `static` is static.py's hosts of the user's,
-whose registry entry here is the record. The cluster CLI keeps its own per-provider output."""
+"""The provider interface: what every command asks of a cluster, whichever provider made it.
+
+A provider is a module of the functions and constants `Provider` lists, each returning the
+records of records.py: `aws` (ec2.py: EC2 instances sparknet launches, found by their tag) and
+`static` (static.py: hosts of the user's, whose registry entry here is the record). `of` is
+the one place that picks it, from `spec.provider`; nothing above cluster/ asks which one it has
+(as SkyPilot's `sky/provision` routes each call to its cloud's module). What differs in what a
+command prints or allows follows from a record (`ClusterInfo.hosts`, a price of None) or a
+constant (`REGIONAL`, `AUTOSTOP`, `LAUNCHES`), never from the provider's name.
+"""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-from datetime import UTC, datetime
+from typing import Protocol, cast
 
-from sparknet.cluster import lifecycle, sparkops, static
-from sparknet.cluster.aws import instances
+from sparknet.cluster import ec2, static
+from sparknet.cluster.address import Endpoint
 from sparknet.cluster.nodes import Access
+from sparknet.cluster.records import ClusterInfo, DownReport
+from sparknet.cluster.spark.health import ClusterHealth
 from sparknet.cluster.spark.plan import Node
 from sparknet.cluster.spec import ClusterSpec
-
-Say = Callable[[str], None]
-
-
-def is_static(spec: ClusterSpec) -> bool:
-    return spec.provider == "static"
+from sparknet.say import Say
 
 
-def in_use(spec: ClusterSpec, endpoint_url: str | None) -> bool:
-    """Anything of the cluster is there: an instance with its tag in any live state, or a
-    static cluster registered here (its hosts run Spark)."""
-    if is_static(spec):
-        return static.registered_spec(spec.name) is not None
-    return bool(instances.find(instances.ec2_client(spec.region, endpoint_url), spec.name))
+class Provider(Protocol):
+    """What a provider module implements (the constants and functions below, same names)."""
+
+    #: commands name the cluster with its region (`--region`): its resources live in one
+    REGIONAL: bool
+    #: the master carries an autostop timer that ends the cluster once idle
+    AUTOSTOP: bool
+    #: sparknet launches the machines: instance types, market and a node role are its to choose
+    LAUNCHES: bool
+
+    def up(
+        self, spec: ClusterSpec, *, endpoint_url: str | None, say: Say, bootstrap: bool,
+        any_owner: bool,
+    ) -> ClusterInfo:  # fmt: skip
+        """Bring the cluster up (idempotent) and, with `bootstrap`, Spark on it."""
+
+    def down(
+        self, spec: ClusterSpec, *, endpoint_url: str | None, say: Say, any_owner: bool,
+        forget_unreachable: bool,
+    ) -> DownReport:  # fmt: skip
+        """End the cluster (its instances, or Spark on the user's hosts) and forget it here."""
+
+    def teardown(self, spec: ClusterSpec, *, endpoint_url: str | None, say: Say) -> None:
+        """`down` after a submit's job, where nothing of the cluster there is no error."""
+
+    def status(self, spec: ClusterSpec, *, endpoint_url: str | None) -> ClusterInfo:
+        """The cluster as it is; `ClusterNotFound` when nothing of it is there."""
+
+    def bootstrap(
+        self, spec: ClusterSpec, *, endpoint_url: str | None, say: Say, force: bool
+    ) -> ClusterInfo:
+        """The bootstrap again on the running cluster (idempotent); `JobRunning` where it would
+        restart the master under a running job, unless `force`."""
+
+    def health(
+        self, spec: ClusterSpec, info: ClusterInfo, *, endpoint_url: str | None
+    ) -> ClusterHealth:
+        """Spark's health as the master tells it; a SparknetError when it cannot be asked."""
+
+    def current(self, spec: ClusterSpec) -> ClusterSpec:
+        """The spec the running cluster is acted on with (a static cluster's registered one)."""
+
+    def in_use(self, spec: ClusterSpec, endpoint_url: str | None) -> bool:
+        """Anything of the cluster is there (an instance in any live state, a registration)."""
+
+    def master_running(self, spec: ClusterSpec, endpoint_url: str | None) -> bool:
+        """The cluster can run a job now."""
+
+    def check_running(self, spec: ClusterSpec, endpoint_url: str | None) -> None:
+        """`ClusterNotFound`, one line saying what starts it, unless `master_running`."""
+
+    def check_launch(self, spec: ClusterSpec, endpoint_url: str | None) -> None:
+        """What can fail before `up` costs or starts anything, checked without writing."""
+
+    def check_owner(self, spec: ClusterSpec, endpoint_url: str | None) -> None:
+        """`NotYours` where the cluster is another principal's."""
+
+    def gpus_by_type(self, spec: ClusterSpec, endpoint_url: str | None) -> dict[str, int]:
+        """GPUs of each kind of machine known before launch (empty: counted once reached)."""
+
+    def planned_nodes(self, spec: ClusterSpec, endpoint_url: str | None) -> tuple[int, int | None]:
+        """(Spark worker nodes, GPUs of each; None: unknown until reached) of a cluster to make."""
+
+    def nodes_of(self, spec: ClusterSpec, endpoint_url: str | None) -> tuple[Access, list[Node]]:
+        """How to reach the running cluster's nodes, and the nodes laid out, master first."""
+
+    def reach_node(
+        self, spec: ClusterSpec, node: str, *, endpoint_url: str | None
+    ) -> tuple[Endpoint, Access, ClusterSpec]:
+        """One node's endpoint, the cluster's access (host keys pinned), and its spec."""
+
+    def cost_so_far(self, spec: ClusterSpec, endpoint_url: str | None) -> float | None:
+        """USD the cluster has cost since launch; None where no price is known."""
 
 
-def master_running(spec: ClusterSpec, endpoint_url: str | None) -> bool:
-    """The cluster can run a job now: its master instance runs (one EC2 call, by tag), or the
-    static cluster is up here."""
-    if is_static(spec):
-        return static.registered_spec(spec.name) is not None
-    found = instances.find(instances.ec2_client(spec.region, endpoint_url), spec.name)
-    return any(i.role == "master" and i.state == "running" for i in found)
+#: the implementations by `ClusterSpec.provider`
+PROVIDERS: dict[str, Provider] = {"aws": cast(Provider, ec2), "static": cast(Provider, static)}
 
 
-def check_running(spec: ClusterSpec, endpoint_url: str | None) -> None:
-    """`ClusterNotFound`, one line saying what starts it, unless `master_running`."""
-    if is_static(spec):
-        static.status(spec)
-        return
-    info = lifecycle.status(spec, endpoint_url=endpoint_url)
-    if info.master is None or info.master.state != "running":
-        raise lifecycle.ClusterNotFound(
-            f"its master is not running; `sparknet cluster up {spec.name}` starts it"
-        )
+def of(spec: ClusterSpec) -> Provider:
+    """The provider that made (or makes) the cluster: the one place that reads
+    `spec.provider`."""
+    return PROVIDERS[spec.provider]
 
 
-def check_launch(spec: ClusterSpec, endpoint_url: str | None) -> None:
-    """What can fail before `up` costs or starts anything, checked without writing: `up`'s own
-    checks (`lifecycle.check_before_up`: types, zones, key, the AMI, the vCPU quotas, the
-    bucket's region); a static cluster's name, hosts, key and the hosts' keys."""
-    if is_static(spec):
-        static.preflight(spec)
-        return
-    lifecycle.check_before_up(
-        spec,
-        instances.ec2_client(spec.region, endpoint_url),
-        instances.ssm_client(spec.region, endpoint_url),
-        endpoint_url=endpoint_url,
-    )
-
-
-def up(spec: ClusterSpec, *, endpoint_url: str | None, say: Say) -> None:
-    """`cluster up` with its bootstrap: EC2 instances launched, or a static cluster's hosts."""
-    if is_static(spec):
-        static.up(spec, say=say, bootstrap=True)
-    else:
-        lifecycle.up(spec, endpoint_url=endpoint_url, say=say, bootstrap=True)
-
-
-def down(spec: ClusterSpec, *, endpoint_url: str | None, say: Say) -> None:
-    """`cluster down`: the EC2 cluster terminated and deleted, or Spark stopped on a static
-    cluster's hosts (the machines stay). Nothing there is no error: no resource with the
-    cluster's tag, or a static cluster not registered here (its hosts are then none of
-    sparknet's business: they may be another cluster's)."""
-    if is_static(spec):
-        if static.registered_spec(spec.name) is not None:
-            static.down(spec, say=say)
-        return
-    with contextlib.suppress(lifecycle.ClusterNotFound):
-        lifecycle.down(spec, endpoint_url=endpoint_url, say=say)
-
-
-def nodes_of(spec: ClusterSpec, endpoint_url: str | None) -> tuple[Access, list[Node]]:
-    """How to reach the running cluster's nodes (their host keys pinned), and the nodes as the
-    bootstrap laid them out, master first."""
-    if is_static(spec):
-        spec = static.current(spec)
-        access = static.access(spec)
-        return access, static.plan_nodes(spec, access)
-    ec2 = instances.ec2_client(spec.region, endpoint_url)
-    found = [i for i in instances.find(ec2, spec.name) if i.state == "running"]
-    return sparkops.reach(spec, ec2, found), sparkops.plan_nodes(spec, ec2, found)
-
-
-def cost_so_far(spec: ClusterSpec, endpoint_url: str | None) -> float | None:
-    """USD the cluster's instances have cost since launch (lifecycle's pricing); None for a
-    static cluster (machines sparknet knows no price of)."""
-    if is_static(spec):
-        return None
-    ec2 = instances.ec2_client(spec.region, endpoint_url)
-    found = instances.find(ec2, spec.name)
-    return lifecycle.lifetime_cost(ec2, found, datetime.now(UTC))
+def named(kind: str | None) -> Provider:
+    """The provider a raw `provider:` setting names (None: the default, `aws`), for settings
+    not validated into a spec; an unknown name is taken as `aws`, whose checks refuse it."""
+    return PROVIDERS.get(kind or "aws", PROVIDERS["aws"])

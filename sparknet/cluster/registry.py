@@ -1,5 +1,6 @@
-"""The local registry of clusters under `~/.sparknet/clusters/` (`SPARKNET_HOME` moves it): an
-entry per cluster this machine brought up, each cluster's dir (its key, known_hosts, Spark
+"""The local registry of clusters under `~/.sparknet/clusters/` (`SPARKNET_HOME` moves it).
+
+An entry per cluster this machine brought up, each cluster's dir (its key, known_hosts, Spark
 secret), and the locks that keep two commands on one machine from working on one cluster at once.
 
 The registry is a convenience, never the truth: `down`, `status` and `sweep` find everything by

@@ -1,9 +1,12 @@
-"""Commands on a node over its SSH connection: run one (its output, or `CommandFailed` with the
-last lines of its output), test one, quote words for its shell, and stream a file to it (never
-through a command line: the secret travels this way)."""
+"""Commands on a node over its SSH connection.
+
+Run one (its output, or `CommandFailed` with the last lines of its output), test one, quote words
+for its shell, and stream a file to it (never through a command line: the secret travels this
+way)."""
 
 from __future__ import annotations
 
+import io
 import shlex
 import socket
 import subprocess
@@ -14,6 +17,7 @@ from invoke.exceptions import CommandTimedOut
 
 from sparknet.cluster.nodes import went_silent
 from sparknet.errors import SparknetError
+from sparknet.node.files import script
 
 #: how many of a failed command's last output lines an error carries
 TAIL_LINES = 10
@@ -89,13 +93,23 @@ def tail_lines(*texts: str) -> list[str]:
     return lines[-TAIL_LINES:]
 
 
-def run(conn: Conn, command: str, timeout: float = 60) -> str:
-    """Run `command` on the node; its stdout. Non-zero exit or a timeout is CommandFailed, a
-    broken or refused SSH connection ConnectionLost, also one that went silent under the call
-    (its keepalive closed it: a command cut so reads as exit -1 or a timeout)."""
+class _AllAtOnce(io.StringIO):
+    """A command's standard input, given whole at the first read: invoke reads a stream that is
+    no terminal one character per 10 ms (a 2 KB script would take 20 s)."""
+
+    def read(self, size: int | None = -1) -> str:
+        return super().read()
+
+
+def run(conn: Conn, command: str, timeout: float = 60, stdin: str | None = None) -> str:
+    """Run `command` on the node (`stdin`, when given, is its standard input); its stdout.
+    Non-zero exit or a timeout is CommandFailed, a broken or refused SSH connection
+    ConnectionLost, also one that went silent under the call (its keepalive closed it: a
+    command cut so reads as exit -1 or a timeout)."""
+    given = False if stdin is None else _AllAtOnce(stdin)
     try:
         result = conn.run(
-            command, hide=True, warn=True, timeout=timeout, pty=False, in_stream=False
+            command, hide=True, warn=True, timeout=timeout, pty=False, in_stream=given
         )
     except CommandTimedOut as exc:
         raise _silent(conn) or CommandFailed(
@@ -108,6 +122,17 @@ def run(conn: Conn, command: str, timeout: float = 60) -> str:
             f"exited {result.exited}", tail_lines(result.stdout, result.stderr)
         )
     return result.stdout
+
+
+def run_script(
+    conn: Conn, name: str, *args: object, timeout: float = 60, python: str | None = None
+) -> str:
+    """Run the package's script `name` (`sparknet.node.files.script`: a step that runs before
+    the wheel is on the node) with `args`, streamed as the standard input of the node's `sh`
+    (of `python` for a Python script): one short command line. Its stdout, as `run`."""
+    words = q(*map(str, args))
+    command = f"sh -s -- {words}" if python is None else f"{q(python)} - {words}"
+    return run(conn, command, timeout, stdin=script(name))
 
 
 def succeeds(conn: Conn, command: str, timeout: float = 60) -> bool:

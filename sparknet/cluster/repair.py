@@ -1,12 +1,13 @@
-"""Keeping a cluster whole while a job runs on it: a worker instance gone (a spot
-interruption, a terminated instance), a spot worker with EC2's two-minute interruption notice
-(`spot`), or a Spark worker that is no longer registered with the master (its daemon died) is a
-loss; the repair is `cluster up`'s own code with its bootstrap, which launches what is missing
-(with the capacity fallback across types and zones) and starts what is not running, and leaves
-the rest as it is. A noticed worker is terminated first (EC2 takes it within two minutes
-anyway), so that `up` counts it as gone and its replacement starts at once. The job goes on
-meanwhile: Spark runs a lost executor's tasks on the remaining ones, and the driver records
-executors lost and joined in the round rows of metrics.jsonl.
+"""Keeping a cluster whole while a job runs on it.
+
+A worker instance gone (a spot interruption, a terminated instance), a spot worker with EC2's
+two-minute interruption notice (`spot`), or a Spark worker that is no longer registered with the
+master (its daemon died) is a loss; the repair is `cluster up`'s own code with its bootstrap,
+which launches what is missing (with the capacity fallback across types and zones) and starts
+what is not running, and leaves the rest as it is. A noticed worker is terminated first (EC2
+takes it within two minutes anyway), so that `up` counts it as gone and its replacement starts
+at once. The job goes on meanwhile: Spark runs a lost executor's tasks on the remaining ones,
+and the driver records executors lost and joined in the round rows of metrics.jsonl.
 
 A lost master is no loss this module repairs: the driver runs there, and with it the job.
 """
@@ -14,18 +15,17 @@ A lost master is no loss this module repairs: the driver runs there, and with it
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from sparknet.cluster import address, lifecycle, nodes, provider, registry, seam, sparkops, static
+from sparknet.cluster import address, nodes, provider, registry, seam, sparkops, static
 from sparknet.cluster.aws import instances, spot
 from sparknet.cluster.aws.instances import Instance
+from sparknet.cluster.records import Interrupted
 from sparknet.cluster.remote import q, run
 from sparknet.cluster.spark.health import ClusterHealth
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
-
-Say = Callable[[str], None]
+from sparknet.say import Say
 
 #: instance states of a member that is gone or going (EC2 ends a spot instance so)
 _GOING = frozenset({"shutting-down", "terminated", "stopping", "stopped"})
@@ -51,7 +51,7 @@ def losses(spec: ClusterSpec, *, endpoint_url: str | None = None) -> Losses:
     `workers` live (a noticed one, terminated, is shutting down for minutes after its
     replacement came). A static cluster's losses are the Spark master's alone (its hosts are
     the user's: none is replaced, a worker that is not registered is started again)."""
-    if provider.is_static(spec):
+    if not provider.of(spec).LAUNCHES:
         return _static_losses(spec)
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     found = instances.find(ec2, spec.name)
@@ -157,7 +157,7 @@ def repair(
         say(f"terminating {', '.join(noticed)} before EC2 does: replacements launch now")
         ec2 = instances.ec2_client(spec.region, endpoint_url)
         instances.terminate(ec2, list(noticed), wait=False)
-    provider.up(spec, endpoint_url=endpoint_url, say=say)
+    provider.of(spec).up(spec, endpoint_url=endpoint_url, say=say, bootstrap=True, any_owner=False)
 
 
 #: how often an attached submitter checks its cluster for losses while the job runs
@@ -211,7 +211,7 @@ class Watch:
                 self.say(f"cluster {self.spec.name} lost {'; '.join(found.lines)}: repairing")
                 repair(spec, endpoint_url=self.endpoint_url, say=self.say, noticed=found.noticed)
                 self.say(f"cluster {self.spec.name} repaired; the job goes on")
-        except lifecycle.Interrupted as exc:
+        except Interrupted as exc:
             # Ctrl-C or SIGTERM during the repair's `up`, which says it as its own error: an
             # interrupt of the submitter all the same, never a repair that merely failed
             raise KeyboardInterrupt(str(exc)) from exc

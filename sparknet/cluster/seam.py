@@ -1,7 +1,8 @@
-"""Where each node of a cluster is reached: its name (``master``, ``worker-N``) and its
-`Endpoint`, from its EC2 instance, or from the `ENDPOINTS_ENV` file that stands in for one
-(tests map moto's instances to sshd processes on 127.0.0.1 this way), and where its files sit
-on the machine (`node_layout`).
+"""Where each node of a cluster is reached, and where its files sit.
+
+A node's name (``master``, ``worker-N``) and its `Endpoint`, from its EC2 instance, or from the
+`ENDPOINTS_ENV` file that stands in for one (tests map moto's instances to sshd processes on
+127.0.0.1 this way), and where its files sit on the machine (`node_layout`).
 
 The one seam between instances and SSH, kept apart from nodes.py: a connection takes an
 `Endpoint` and never asks where it came from, so a test, or a static cluster's hosts, are

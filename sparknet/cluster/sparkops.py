@@ -1,19 +1,20 @@
-"""Spark on a cluster's nodes: its instances as the bootstrap's nodes (`plan_nodes`, their GPUs
-from EC2), their access with the host keys pinned afresh (`reach`), what the bootstrap carries
-there (this checkout's wheel, the cluster's secret), the bootstrap under the cluster's lock, the
-master's autostop line, Spark's health, and stopping the daemons before the instances go.
+"""Spark on a cluster's EC2 instances: from instances to nodes, the bootstrap, health and stop.
 
-Apart from lifecycle.py, which calls it from `up` (the bootstrap) and `down` (stopping Spark):
-this works over SSH on machines that already run, and a static cluster's hosts (static.py),
-`repair` and sparknet-submit use the same plan, bootstrap and health without any instance's
-life being run.
+Its instances as the bootstrap's nodes (`plan_nodes`, their GPUs from EC2), their access with the
+host keys pinned afresh (`reach`), what the bootstrap carries there (this checkout's wheel, the
+cluster's secret), the bootstrap under the cluster's lock, the master's autostop line, Spark's
+health, and stopping the daemons before the instances go.
+
+Apart from ec2.py and ec2_up.py, which call it from `up` (the bootstrap) and `down` (stopping
+Spark): this works over SSH on machines that already run, and a static cluster's hosts
+(static.py), `repair` and sparknet-submit use the same plan, bootstrap and health without any
+instance's life being run.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,7 @@ from sparknet.cluster.spark.spark_conf import Ports, load_or_create_secret
 from sparknet.cluster.spark.wheel import Wheel, build_wheel, source_checkout
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
-
-Say = Callable[[str], None]
+from sparknet.say import Say
 
 
 class BootstrapIncomplete(SparknetError):
@@ -161,9 +161,9 @@ def bootstrap_locked(
         try:
             return boot.bootstrap(plan, access, say=say, force=force)
         except boot.JobRunning as exc:
-            raise boot.JobRunning(f"cluster {spec.name}: {exc}") from None
+            raise boot.JobRunning("cluster {name}: {cause}", name=spec.name, cause=exc) from None
         except SparknetError as exc:  # a step failed, a node is unreachable, or not healthy
-            raise BootstrapIncomplete(str(exc)) from exc
+            raise BootstrapIncomplete("{cause}", cause=exc) from exc
 
 
 def autostop_settings(spec: ClusterSpec) -> AutostopSettings | None:

@@ -1,5 +1,7 @@
-"""What a cluster is: `ClusterSpec` (from `clusters:` in sparknet.yaml plus flags) and the
-constants every part of `cluster/` shares (tag keys, roles, the default AMI parameter)."""
+"""What a cluster is: `ClusterSpec`, and the constants every part of `cluster/` shares.
+
+`ClusterSpec` comes from `clusters:` in sparknet.yaml plus flags; the constants are the tag
+keys, the roles, the default AMI parameter."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""A cluster's own SSH keys on this machine: the key pair sparknet makes for it
-(`new_ed25519`, `write_private_key`), the private key its nodes are logged in with (`access_for`,
-checked before any node is asked: `check_key_file`), and the nodes' pinned host keys (`pin`).
+"""A cluster's own SSH keys on this machine.
+
+The key pair sparknet makes for it (`new_ed25519`, `write_private_key`), the private key its
+nodes are logged in with (`access_for`, checked before any node is asked: `check_key_file`), and
+the nodes' pinned host keys (`pin`).
 
 Apart from nodes.py, which only uses an `Access` once it exists: keys are made, written, checked
 and pinned before any connection is opened (by `up`, `ami bake`, a static cluster's

@@ -1,7 +1,8 @@
-"""The `static` provider: a cluster of machines the user already has (on-prem boxes, machines
-started by hand), given by SSH address (`hosts:`, the master first). sparknet bootstraps Spark
-on them and stops it again; it never starts, stops or deletes a machine, and nothing here calls
-AWS.
+"""The `static` provider: a cluster of machines the user already has.
+
+On-prem boxes, machines started by hand, given by SSH address (`hosts:`, the master first).
+sparknet bootstraps Spark on them and stops it again; it never starts, stops or deletes a
+machine, and nothing here calls AWS.
 
 Trust comes from the user's own known_hosts (`known_hosts:`, default ~/.ssh/known_hosts and
 /etc/ssh/ssh_known_hosts): the keys the user's first login checked are copied into the
@@ -29,28 +30,35 @@ import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
-import paramiko
-
 from sparknet.cluster import (
     address,
     inventory,
-    lifecycle,
     markers,
     nodes,
     registry,
+    seam,
     sparkops,
     sshkeys,
 )
 from sparknet.cluster.address import Endpoint
+from sparknet.cluster.known_hosts import load_trusted
 from sparknet.cluster.nodes import Access
+from sparknet.cluster.records import ClusterInfo, ClusterNotFound, DownReport, Interrupted
 from sparknet.cluster.remote import Conn, run
 from sparknet.cluster.spark import bootstrap as boot
 from sparknet.cluster.spark.health import ClusterHealth, Expected, cluster_health
 from sparknet.cluster.spark.plan import Node, laid_out
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
+from sparknet.say import Say
 
-Say = lifecycle.Say
+#: commands name a static cluster without a region (`--region`): its hosts are wherever they are
+REGIONAL = False
+#: no autostop timer: the machines are the user's, and nothing of sparknet's ends them
+AUTOSTOP = False
+#: the machines are the user's `hosts:`: sparknet chooses no type, market or node role (the
+#: hosts reach S3 with their own credentials)
+LAUNCHES = False
 
 #: how long `status` waits for the master to take an SSH connection
 STATUS_CONNECT_S = 5
@@ -96,52 +104,6 @@ def trusted_keys_files(spec: ClusterSpec) -> list[Path]:
     if spec.known_hosts:
         return [Path(spec.known_hosts).expanduser()]
     return [Path(p).expanduser() for p in DEFAULT_KNOWN_HOSTS]
-
-
-def load_trusted(paths: list[Path], *, required: bool) -> paramiko.HostKeys:
-    """The host keys in OpenSSH known_hosts files, read as OpenSSH reads them: comments and
-    lines it cannot parse are skipped, `@cert-authority` lines are not host keys (certificates
-    are not supported: such hosts need their own key line), and a key listed `@revoked` is
-    trusted for no host. A file that cannot be read is an error when `required` (the spec
-    named it), else skipped."""
-    entries: list[paramiko.hostkeys.HostKeyEntry] = []
-    revoked: set[tuple[str, str]] = set()
-    for path in paths:
-        try:
-            text = path.read_text(errors="replace")
-        except OSError as exc:
-            if required:
-                raise SparknetError(
-                    f"cannot read the hosts' keys from {path} ({nodes.describe(exc)}); set "
-                    "known_hosts to an OpenSSH known_hosts file with them"
-                ) from exc
-            continue
-        for line in text.splitlines():
-            line = line.strip()
-            if not line or line.startswith("#") or line.startswith("@cert-authority"):
-                continue
-            marker = line.startswith("@revoked")
-            entry = _entry(line.split(None, 1)[1] if marker else line)
-            if entry is None:
-                continue
-            if marker:
-                revoked.add((entry.key.get_name(), entry.key.get_base64()))
-            else:
-                entries.append(entry)
-    trusted = paramiko.HostKeys()
-    for entry in entries:
-        if (entry.key.get_name(), entry.key.get_base64()) not in revoked:
-            for host in entry.hostnames:
-                trusted.add(host, entry.key.get_name(), entry.key)
-    return trusted
-
-
-def _entry(line: str) -> paramiko.hostkeys.HostKeyEntry | None:
-    """One known_hosts line, or None for a line paramiko cannot read (OpenSSH skips those)."""
-    try:
-        return paramiko.hostkeys.HostKeyEntry.from_line(line)
-    except Exception:  # InvalidHostKey, binascii errors, unknown key types: not a usable line
-        return None
 
 
 def access(spec: ClusterSpec) -> Access:
@@ -259,15 +221,23 @@ def _check_hosts(spec: ClusterSpec) -> None:
             )
 
 
+def _info(spec: ClusterSpec) -> ClusterInfo:
+    """The cluster as the records say it: its hosts, no instance, no price."""
+    return ClusterInfo(spec.name, spec.region, None, [], None, endpoints(spec))
+
+
 def up(
     spec: ClusterSpec,
     *,
+    endpoint_url: str | None = None,
     say: Say = lambda _: None,
     bootstrap: bool = True,
+    any_owner: bool = False,
     force: bool = False,
-) -> list[Endpoint]:
+) -> ClusterInfo:
     """Register the static cluster and, with `bootstrap`, bring Spark up on its hosts (a healthy
-    master and a worker on every host, as for EC2); its nodes.
+    master and a worker on every host, as for EC2); its hosts. `endpoint_url` and `any_owner`
+    change nothing here (no AWS; each host's marker says whose it is).
 
     Everything that can fail without touching a host fails first: the hosts against the
     registry, the key file, each host's key in the trusted known_hosts. The hosts are checked
@@ -296,7 +266,7 @@ def up(
                 _check_hosts(spec)
                 registry.save_entry(spec, None)
             if not bootstrap:
-                return found
+                return _info(spec)
             me = holder(spec.name)
             fresh = markers.take_all(_nodes(spec), reach, me)
             try:
@@ -320,14 +290,26 @@ def up(
                 spec, plan_nodes(spec, reach), reach, say, carried, force
             )
         except KeyboardInterrupt as exc:
-            raise lifecycle.Interrupted(f"interrupted during the bootstrap; {stay}") from exc
+            raise Interrupted(f"interrupted during the bootstrap; {stay}") from exc
         except boot.JobRunning:
             raise  # refused before anything changed
         except SparknetError as exc:
             first, *rest = str(exc).splitlines() or [type(exc).__name__]
             raise sparkops.BootstrapIncomplete("\n".join([f"{first}; {stay}", *rest])) from exc
     sparkops.say_report(report, say)
-    return found
+    return _info(spec)
+
+
+def bootstrap(
+    spec: ClusterSpec,
+    *,
+    endpoint_url: str | None = None,
+    say: Say = lambda _: None,
+    force: bool = False,
+) -> ClusterInfo:
+    """`sparknet cluster bootstrap`: `up` again with its bootstrap (the hosts registered anew,
+    what is done skipped); its hosts."""
+    return up(spec, say=say, bootstrap=True, force=force)
 
 
 def holder(name: str) -> markers.Holder:
@@ -342,18 +324,20 @@ def holder(name: str) -> markers.Holder:
 # --- status and down -----------------------------------------------------------------------------
 
 
-def status(spec: ClusterSpec) -> list[Endpoint]:
-    """The registered static cluster's nodes; `ClusterNotFound` when it is not registered."""
+def status(spec: ClusterSpec, *, endpoint_url: str | None = None) -> ClusterInfo:
+    """The registered static cluster's hosts; `ClusterNotFound` when it is not registered."""
     known = registered_spec(spec.name)
     if known is None:
-        raise lifecycle.ClusterNotFound(
+        raise ClusterNotFound(
             f"static cluster {spec.name} is not up here (not registered); "
             f"`sparknet cluster up {spec.name}` bootstraps its hosts"
         )
-    return endpoints(known)
+    return _info(known)
 
 
-def health(spec: ClusterSpec) -> ClusterHealth:
+def health(
+    spec: ClusterSpec, info: ClusterInfo | None = None, *, endpoint_url: str | None = None
+) -> ClusterHealth:
     """The Spark cluster's health as its master tells it, asked over SSH of the master host
     only (a dead worker host shows as a worker not registered; GPUs are checked where
     `bootstrap.gpus_per_node` fixes them); a SparknetError when the master takes no SSH
@@ -369,8 +353,13 @@ def health(spec: ClusterSpec) -> ClusterHealth:
 
 
 def down(
-    spec: ClusterSpec, *, say: Say = lambda _: None, forget_unreachable: bool = False
-) -> list[str]:
+    spec: ClusterSpec,
+    *,
+    endpoint_url: str | None = None,
+    say: Say = lambda _: None,
+    any_owner: bool = False,
+    forget_unreachable: bool = False,
+) -> DownReport:
     """Stop Spark on every host of the cluster (as registered; from the settings where this
     machine has no entry: stopping what does not run is harmless), its daemons, their systemd
     units and the conf with the secret, and forget the cluster here; the machines stay as they
@@ -383,7 +372,8 @@ def down(
 
     A host that cannot be reached keeps the cluster registered (`StopIncomplete` names it: its
     daemons may still hold the secret), unless `forget_unreachable`: then it is said and
-    forgotten, and stopping whatever still runs there is the user's."""
+    forgotten, and stopping whatever still runs there is the user's. What it stopped, as a
+    `DownReport` that terminated and deleted nothing."""
     spec = current(spec)
     reach = access(spec)
     me = holder(spec.name)
@@ -417,9 +407,11 @@ def down(
         except nodes.NodesFailed as exc:
             if not forget_unreachable:
                 raise StopIncomplete(
-                    f"could not stop Spark on every host ({exc}); the cluster stays registered: "
-                    f"run `sparknet cluster down {spec.name}` again once they answer, or with "
-                    "--forget-unreachable to forget hosts that are gone for good"
+                    "could not stop Spark on every host ({cause}); the cluster stays "
+                    "registered: run `sparknet cluster down {name}` again once they answer, or "
+                    "with {@forget_unreachable} to forget hosts that are gone for good",
+                    cause=exc,
+                    name=spec.name,
                 ) from exc
             failed = set(exc.failures)
             say(f"forgetting without stopping Spark there: {exc}")
@@ -430,4 +422,71 @@ def down(
         registry.forget_local(spec.name)
         registry.forget_entry(spec.name, spec.region)
         registry.remove_lock(spec.name)
-    return stopped
+    return DownReport(spec.name, spec.region, [], [], None, stopped)
+
+
+def teardown(spec: ClusterSpec, *, endpoint_url: str | None, say: Say) -> None:
+    """`down` after a submit's job, of a cluster registered here only: the hosts of one that
+    is not are none of sparknet's business (they may be another cluster's)."""
+    if registered_spec(spec.name) is not None:
+        down(spec, say=say)
+
+
+# --- what the job side asks of a running cluster -------------------------------------------------
+
+
+def in_use(spec: ClusterSpec, endpoint_url: str | None) -> bool:
+    """The cluster is registered here (its hosts run Spark)."""
+    return registered_spec(spec.name) is not None
+
+
+def master_running(spec: ClusterSpec, endpoint_url: str | None) -> bool:
+    """The cluster is up here (registered)."""
+    return registered_spec(spec.name) is not None
+
+
+def check_running(spec: ClusterSpec, endpoint_url: str | None) -> None:
+    """`ClusterNotFound` unless the cluster is up here."""
+    status(spec)
+
+
+def check_launch(spec: ClusterSpec, endpoint_url: str | None) -> None:
+    """`preflight`: the name, the hosts, the key and each host's key, writing nothing."""
+    preflight(spec)
+
+
+def check_owner(spec: ClusterSpec, endpoint_url: str | None) -> None:
+    """Nothing to check here: the hosts are the user's, and each one's marker says which
+    cluster holds it."""
+
+
+def gpus_by_type(spec: ClusterSpec, endpoint_url: str | None) -> dict[str, int]:
+    """None known before the hosts are reached: they are counted then (`plan_nodes`)."""
+    return {}
+
+
+def planned_nodes(spec: ClusterSpec, endpoint_url: str | None) -> tuple[int, int | None]:
+    """(Spark worker nodes, GPUs of each): every host runs a worker; the GPUs are
+    `bootstrap.gpus_per_node`, else known only once the hosts are reached (None)."""
+    return len(spec.hosts), spec.bootstrap.gpus_per_node
+
+
+def nodes_of(spec: ClusterSpec, endpoint_url: str | None) -> tuple[Access, list[Node]]:
+    """How to reach the registered cluster's hosts (their keys from the trusted known_hosts),
+    and the hosts as the bootstrap laid them out, master first."""
+    spec = current(spec)
+    reach = access(spec)
+    return reach, plan_nodes(spec, reach)
+
+
+def reach_node(
+    spec: ClusterSpec, node: str, *, endpoint_url: str | None
+) -> tuple[Endpoint, Access, ClusterSpec]:
+    """Node `node` of the registered cluster (else of `spec`), its access, and that spec."""
+    spec = current(spec)
+    return seam.pick(endpoints(spec), node), access(spec), spec
+
+
+def cost_so_far(spec: ClusterSpec, endpoint_url: str | None) -> float | None:
+    """None: the machines are the user's, and sparknet knows no price of them."""
+    return None

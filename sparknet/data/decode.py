@@ -1,5 +1,7 @@
-"""Image bytes to what shard writing and training use: the decode check, `--max-side`'s shrink,
-and ImageNet's decoders and transforms for training and evaluation.
+"""Image bytes to what shard writing and training use.
+
+The decode check, `--max-side`'s shrink, and ImageNet's decoders and transforms for training
+and evaluation.
 
 Kept apart from `imagenet` (finding a dataset's images and labels): these run per image, in the
 shard writer's processes and in the tasks' DataLoader workers, and torchvision is imported only

@@ -22,7 +22,7 @@ import torch
 
 from sparknet.data import loader
 from sparknet.data.sources import EVAL_BATCH, Source, TaskInput, batch_positions
-from sparknet.errors import SparknetError
+from sparknet.errors import SettingError, SparknetError
 
 # `# lazy: X` below: pyspark and pyarrow only in the functions that touch a frame; the job's
 # checks before a submit (`training.problem`) import this module without Spark
@@ -94,8 +94,10 @@ class FrameSource(Source):
         labels, inputs = self._columns(inp.rows)
         if len(labels) == 0:
             raise SparknetError(
-                f"partition {inp.partition} of {self.name} has no rows (its rows did not spread "
-                "over every worker): give it more rows or pass fewer --workers"
+                "partition {partition} of {name} has no rows (its rows did not spread over every "
+                "worker): give it more rows or pass fewer {@workers}",
+                partition=inp.partition,
+                name=self.name,
             )
         steps = (
             batch_positions(inp.seed, inp.partition, len(labels), rnd * tau + s, batch_size)
@@ -211,16 +213,21 @@ def read_frame(spark, spec: str):
 def _input_column(df, wanted: str | None, name: str) -> str:
     if wanted is not None:
         if wanted not in df.columns:
-            raise SparknetError(
-                f"{name} has no column {wanted!r} (it has: {', '.join(df.columns)}); "
-                "set --input-col"
+            raise SettingError(
+                "{name} has no column {value!r} (it has: {columns}); set {@input_col}",
+                setting="input_col",
+                value=wanted,
+                name=name,
+                columns=", ".join(df.columns),
             )
         return wanted
     found = [c for c in INPUT_COLUMNS if c in df.columns]
     if not found:
         raise SparknetError(
-            f"{name} has no 'image' or 'features' column (it has: {', '.join(df.columns)}); "
-            "set --input-col to the column of encoded images or feature arrays"
+            "{name} has no 'image' or 'features' column (it has: {columns}); set {@input_col} to "
+            "the column of encoded images or feature arrays",
+            name=name,
+            columns=", ".join(df.columns),
         )
     return found[0]
 
@@ -271,10 +278,12 @@ def _check_frame(df, name: str, label_col: str, col: str, kind: str) -> FrameSta
 
     for c in (label_col, col):
         if c not in df.columns:
-            flag = "--label-col" if c == label_col else "--input-col"
-            raise SparknetError(
-                f"{name} has no column {c!r} (it has: {', '.join(df.columns)}); set {flag}"
-            )
+            setting = "label_col" if c == label_col else "input_col"
+            raise SettingError(
+                "{name} has no column {value!r} (it has: {columns}); set "
+                + ("{@label_col}" if c == label_col else "{@input_col}"),
+                setting=setting, value=c, name=name, columns=", ".join(df.columns),
+            )  # fmt: skip
     floats = _label_type(df, label_col, name)
     if _kind(df, col, name) != kind:
         raise SparknetError(f"{name}: column {col!r} must hold {kind} like the training frame's")
@@ -354,7 +363,13 @@ def prepare_frames(
     stats = _check_frame(train_df, name, label_col, col, kind)
     classes = num_classes or stats.hi + 1
     if stats.hi >= classes:
-        raise SparknetError(f"{name}: label {stats.hi} is out of range for --num-classes {classes}")
+        raise SettingError(
+            "{name}: label {label} is out of range for {@num_classes=value}",
+            setting="num_classes",
+            value=classes,
+            name=name,
+            label=stats.hi,
+        )
     if kind == "features":
         shape = feature_shape or (stats.length,)
         if int(np.prod(shape)) != stats.length:
@@ -364,7 +379,13 @@ def prepare_frames(
     else:
         shape = (3, image_size, image_size)
     if stats.rows < workers:
-        raise SparknetError(f"{name} has {stats.rows} rows, fewer than --workers {workers}")
+        raise SettingError(
+            "{name} has {rows} rows, fewer than {@workers=value}",
+            setting="workers",
+            value=workers,
+            name=name,
+            rows=stats.rows,
+        )
     if eval_df is not None:
         held = _check_frame(eval_df, eval_name, label_col, col, kind)
         if held.hi >= classes:

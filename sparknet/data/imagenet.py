@@ -314,23 +314,31 @@ def read_class_list(value: str) -> list[str]:
     wnids separated by commas."""
     path = Path(value)
     if path.is_dir():
-        raise SparknetError(f"--classes {value} is a directory: give a file of wnids or wnid,...")
+        raise SparknetError(
+            "{@classes=value} is a directory: give a file of wnids or wnid,...", value=value
+        )
     if path.is_file():
         try:
             text = path.read_text(encoding="utf-8-sig")  # a BOM is not part of the first wnid
         except (OSError, UnicodeDecodeError) as exc:
             raise SparknetError(
-                f"--classes file {value} cannot be read as UTF-8 text ({exc.__class__.__name__}):"
-                " give a text file of wnids, one a line"
+                "{@classes} file {value} cannot be read as UTF-8 text ({kind}): give a text file "
+                "of wnids, one a line",
+                value=value,
+                kind=exc.__class__.__name__,
             ) from None
         lines = (line.split("#", 1)[0] for line in text.splitlines())
         wnids = [w for line in lines for w in line.replace(",", " ").split()]
     elif os.sep in value or (value.endswith(".txt") and "," not in value):
-        raise SparknetError(f"--classes file {value} does not exist: give a file or wnid,wnid,...")
+        raise SparknetError(
+            "{@classes} file {value} does not exist: give a file or wnid,wnid,...", value=value
+        )
     else:
         wnids = value.replace(",", " ").split()
     if not wnids:
-        raise SparknetError(f"--classes {value!r} names no class: give wnid,wnid,... or a file")
+        raise SparknetError(
+            "{@classes=value} names no class: give wnid,wnid,... or a file", value=repr(value)
+        )
     return wnids
 
 
@@ -343,8 +351,12 @@ def _kept(wnids: list[str], classes: list[str] | None, src: Path) -> list[str]:
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise SparknetError(
-            f"--classes names {unknown[0]}{more}, which is not a train class of {src} "
-            f"({len(wnids)} classes): fix the list"
+            "{@classes} names {first}{more}, which is not a train class of {src} ({count} "
+            "classes): fix the list",
+            first=unknown[0],
+            more=more,
+            src=src,
+            count=len(wnids),
         )
     return sorted(set(classes))
 
@@ -401,10 +413,15 @@ def _scan_val(
     if other and classes is None:
         f, w = other[0]
         raise SparknetError(
-            f"{len(other)} of {len(flat)} validation images are labelled with classes that are "
-            f"not in train (e.g. {src / f.name}: {w}, by {source}): pass --classes with the "
-            "classes to keep (a file of wnids, or wnid,wnid,...) to leave the others out, or "
-            f"add their train images"
+            "{other} of {total} validation images are labelled with classes that are not in "
+            "train (e.g. {example}: {wnid}, by {source}): pass {@classes} with the classes to "
+            "keep (a file of wnids, or wnid,wnid,...) to leave the others out, or add their "
+            "train images",
+            other=len(other),
+            total=len(flat),
+            example=src / f.name,
+            wnid=w,
+            source=source,
         )
     return pairs, len(other)
 

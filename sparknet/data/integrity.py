@@ -177,7 +177,7 @@ def open_verified(store: Store, info: ShardInfo, cache: ShardCache | None) -> Bi
             return open(cache.path(store, info), "rb")
         return _spooled(store, info)
     except MissingObjectError as exc:
-        raise PermanentTaskError(f"{exc}; {fix_hint(store)}") from exc
+        raise PermanentTaskError("{cause}; {fix}", cause=exc, fix=fix_hint(store)) from exc
 
 
 def forget_hashes() -> None:

@@ -185,7 +185,7 @@ def check_reachable(uri: S3Uri, endpoint_url: str | None = None) -> None:
     except UNREACHABLE as exc:
         raise describe_client_error(exc, uri) from exc
     except (bx.BotoCoreError, bx.ClientError):
-        pass
+        pass  # S3 answered: the real request says what is wrong
 
 
 def describe_client_error(exc: BaseException, what: str | S3Uri) -> SparknetError:
@@ -401,7 +401,7 @@ class RangedReader(io.RawIOBase):
         """At the end of the object: read the (empty) rest, so urllib3 returns the connection to
         the pool instead of closing it, then drop the body."""
         if self._body is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # it only keeps the connection: else a new one
                 self._body.read()
         self._drop_body()
 

@@ -1,5 +1,7 @@
-"""The decode check `data shard` runs on every image before any shard is planned, journaled as it
-goes, so an interrupted or repeated run decodes only the images it has not checked yet.
+"""The decode check `data shard` runs on every image before any shard is planned.
+
+Journaled as it goes, so an interrupted or repeated run decodes only the images it has not
+checked yet.
 
 Kept apart from writing: a phase of its own over images rather than shards, with its own files
 in the destination (CHECKS_NAME, JOURNAL_NAME) and its own way of resuming.
@@ -55,7 +57,7 @@ def _load_checks(dest: Path, src: Path) -> tuple[dict[str, list], set[str]]:
         if record["src"] == where:
             known = {str(k): list(v) for k, v in record["images"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
+        pass  # no record, or an unreadable one: every image is checked again
     finished = set(known)
     try:
         with open(dest / JOURNAL_NAME, encoding="utf-8") as f:

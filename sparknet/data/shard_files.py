@@ -1,5 +1,7 @@
-"""One shard on disk: its tar written under a temp name and renamed into place, then its sidecar;
-and what a run keeps, rewrites or removes of the files an earlier run left in the destination.
+"""One shard on disk, and what a run does with the files an earlier run left.
+
+A shard's tar is written under a temp name and renamed into place, then its sidecar; a run
+keeps, rewrites or removes the files an earlier run left in the destination.
 
 Kept apart from planning and checking: this is what runs in the write phase's workers, a shard
 each (`ensure_shard`), and it holds every rule about the files in a destination (their modes,

@@ -1,5 +1,7 @@
-"""Which images go into which shard: each split shuffled once with a seed, then cut evenly into
-shards of about the target size, each with a fingerprint of what it holds.
+"""Which images go into which shard.
+
+Each split shuffled once with a seed, then cut evenly into shards of about the target size, each
+with a fingerprint of what it holds.
 
 Kept apart from writing (`shard_files`): a plan is arithmetic on file sizes and stats, the same
 on every run from the same source, and its fingerprint is what a resumed run compares a shard's

@@ -1,6 +1,7 @@
-"""The workers each phase of `data shard` (the decode check, then the writing) runs on: threads
-or spawned processes, chosen by the size of the source, and a process pool that leaves Ctrl-C
-to the parent.
+"""The workers each phase of `data shard` (the decode check, then the writing) runs on.
+
+Threads or spawned processes, chosen by the size of the source, and a process pool that leaves
+Ctrl-C to the parent.
 
 Kept apart because both phases use it (`shard_checks`, `shards`), and neither imports the other.
 """

@@ -180,8 +180,10 @@ def write_dataset(
         raise SparknetError(f"processes must be at least 1, got {processes}")
     if resize is not None and not (resize.max_side >= MIN_SIDE and 1 <= resize.quality <= 100):
         raise SparknetError(
-            f"--max-side must be at least {MIN_SIDE} and --quality 1..100, got "
-            f"{resize.max_side} and {resize.quality}"
+            "{@max_side} must be at least {least} and {@quality} 1..100, got {side} and {quality}",
+            least=MIN_SIDE,
+            side=resize.max_side,
+            quality=resize.quality,
         )
     src, dest = Path(src), Path(dest)
     if not src.is_dir():

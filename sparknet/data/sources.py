@@ -38,7 +38,7 @@ from sparknet.data.stream import (
     read_shard,
     take_cursor,
 )
-from sparknet.errors import SparknetError
+from sparknet.errors import SettingError, SparknetError
 from sparknet.imports import is_reference, load_callable
 
 # `# lazy: PIL`: only a shard dataset's tasks decode images; a tensor dataset's never do
@@ -221,10 +221,13 @@ class Source(ABC):
 
     def check_workers(self, workers: int) -> None:
         if workers > self.train_size:
-            raise SparknetError(
-                f"{workers} Spark tasks are more than the {self.train_size} training samples of "
-                f"{self.describe()}; run at most {self.train_size} (the `workers` setting: "
-                "train's --workers, sparknet-submit's --set workers=N)"
+            raise SettingError(
+                "{value} Spark tasks are more than the {size} training samples of {data}; run "
+                "at most {size} ({@workers_setting})",
+                setting="workers",
+                value=workers,
+                size=self.train_size,
+                data=self.describe(),
             )
 
 

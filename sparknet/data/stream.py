@@ -27,7 +27,7 @@ import numpy as np
 from webdataset.tariterators import group_by_keys
 
 from sparknet.data.manifest import ShardInfo
-from sparknet.errors import PermanentTaskError, SparknetError
+from sparknet.errors import PermanentTaskError, SettingError
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,13 @@ def epoch_shards(
 ) -> tuple[int, ...]:
     """Indices (into the manifest's shard list) that `partition` reads in `epoch`, in order."""
     if len(counts) < workers:
-        raise SparknetError(
-            f"the dataset has {len(counts)} train shards, fewer than its {workers} Spark tasks "
-            "(each reads shards of its own): run fewer (the `workers` setting: train's "
-            "--workers, sparknet-submit's --set workers=N) or re-shard with a smaller --shard-mb "
-            "(`sparknet data shard`)"
+        raise SettingError(
+            "the dataset has {shards} train shards, fewer than its {value} Spark tasks (each "
+            "reads shards of its own): run fewer ({@workers_setting}) or re-shard with a "
+            "smaller {@shard_mb} (`sparknet data shard`)",
+            setting="workers",
+            value=workers,
+            shards=len(counts),
         )
     return _epoch_shards(tuple(counts), seed, epoch, workers)[partition]
 
@@ -165,7 +167,7 @@ def read_shard(stream: BinaryIO, info: ShardInfo, start: int = 0) -> Iterator[Ra
                 yield _parse(sample)
             produced += 1
     except (tarfile.TarError, OSError, EOFError, ValueError):
-        pass
+        pass  # a broken tar ends the shard: the samples it owes come out as None below
     for _ in range(max(produced, start), info.samples):
         yield None
 

@@ -433,14 +433,17 @@ def _upload_shards(
         info, exc = min(failed, key=lambda pair: todo.index(pair[0]))
         assert exc is not None
         if isinstance(exc, (bx.BotoCoreError, bx.ClientError, boto3.exceptions.Boto3Error)):
-            reason = str(s3.describe_client_error(exc, store.object_uri(info.name)))
+            reason: object = s3.describe_client_error(exc, store.object_uri(info.name))
         elif isinstance(exc, OSError):
             reason = f"reading {src / info.name} failed: {exc}"
         else:
             raise exc
         raise SparknetError(
-            f"{reason}; {len(finished)} of {len(todo)} shards were uploaded and no manifest was "
-            "written: run `sparknet data upload` again to finish (finished shards are skipped)"
+            "{reason}; {finished} of {todo} shards were uploaded and no manifest was written: run "
+            "`sparknet data upload` again to finish (finished shards are skipped)",
+            reason=reason,
+            finished=len(finished),
+            todo=len(todo),
         ) from exc
     return [info.name for info in todo if info.name in finished]
 

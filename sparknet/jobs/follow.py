@@ -1,7 +1,8 @@
-"""Following a job that runs on the master: its rounds as the driver writes them to the run
-prefix, its restarts, what the driver does before its first round, whether it still runs (over
-an SSH connection opened again when it breaks or goes silent), and in the end its outcome, its
-curves and the summary lines.
+"""Following a job that runs on the master, to its outcome.
+
+Its rounds as the driver writes them to the run prefix, its restarts, what the driver does
+before its first round, whether it still runs (over an SSH connection opened again when it
+breaks or goes silent), and in the end its outcome, its curves and the summary lines.
 
 Separate from the flow because `sparknet-submit attach` follows a job the same way, on a job
 some earlier submit started: it needs none of the preflight, the cluster or the teardown."""
@@ -33,9 +34,8 @@ from sparknet.jobs.driver import (
     stamp_submitter,
     stop_session,
 )
+from sparknet.say import Say
 from sparknet.training.report import CURVES, METRICS, is_event, read_metrics, round_rows
-
-Say = Callable[[str], None]
 
 #: seconds between two looks at the run prefix and the driver while the job runs
 POLL_S = 3.0
@@ -197,7 +197,7 @@ def _killed(conn: Conn, node: Node, run_id: str) -> str | None:
     stopped by the death signal it has, see `sparknet.jobs.supervisor`) is gone too, stopped here
     when need be; None for a malformed exit code (the code says it)."""
     jd = job_dir(node, run_id)
-    how = run(conn, how_it_ended(jd)).strip()
+    how = how_it_ended(conn, node, run_id)
     if how == "rc":
         return None
     if succeeds(conn, f"test -e {q(jd + '/' + JOB_CANCELLED)}"):

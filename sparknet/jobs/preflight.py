@@ -1,7 +1,8 @@
-"""A submit's job as given (the cluster, the data, the training settings) and everything checked
-before anything is launched: the dataset (and its bucket's region), the run prefix, the
-cluster's name and GPU counts, what `sparknet train` itself checks, and the settings the driver
-will run with.
+"""A submit's job as given, and everything checked before anything is launched.
+
+The job is the cluster, the data and the training settings; the checks are of the dataset (and
+its bucket's region), the run prefix, the cluster's name and GPU counts, what `sparknet train`
+itself checks, and the settings the driver will run with.
 
 Separate from the flow because these checks cost nothing and launch nothing: the flow runs
 them first and only then brings a cluster up, starts the driver and follows it."""
@@ -15,16 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sparknet.cluster import address, lifecycle, nodes, provider, sparkops
-from sparknet.cluster.aws import instances
+from sparknet.cluster import nodes, provider
 from sparknet.cluster.aws import preflight as aws_preflight
+from sparknet.cluster.records import ClusterNotFound
 from sparknet.cluster.spark import steps
-from sparknet.cluster.spark.plan import Node
 from sparknet.cluster.spec import ClusterSpec
-from sparknet.config import DatasetEntry, TrainConfig
+from sparknet.config import DatasetEntry, TrainConfig, read_section
 from sparknet.data.s3 import S3Uri
 from sparknet.data.store import open_store
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, first_line
 from sparknet.jobs.driver import Master, master_of
 from sparknet.jobs.follow import reconnect_s
 from sparknet.jobs.supervisor import DEFAULT_MAX_RESTARTS
@@ -38,6 +38,25 @@ class PreflightFailed(SparknetError):
 
 
 # --- what the job runs on (pure) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SparkWorkers:
+    """What a job's settings are derived from (`job_config`): the cluster's Spark master URL and
+    the GPUs of each Spark worker node, the master's first (it runs a Spark worker too). Known
+    before launch (`planned_workers`) as well as from a running cluster (`workers_of`)."""
+
+    spark_url: str
+    gpus: tuple[int, ...]
+
+    @property
+    def nodes(self) -> int:
+        return len(self.gpus)
+
+
+def workers_of(master: Master) -> SparkWorkers:
+    """A running cluster's Spark workers, as its master knows them."""
+    return SparkWorkers(master.spark_url, master.gpus or (master.node.gpus,) * master.nodes)
 
 
 @dataclass(frozen=True)
@@ -62,13 +81,17 @@ def resolve_dataset(
     if entry is None:
         known = ", ".join(sorted(datasets)) or "none"
         raise PreflightFailed(
-            f"--s3 {text}: no such dataset in datasets: (known: {known}); give a name from "
-            "sparknet.yaml's datasets: or an s3://bucket/prefix"
+            "{@s3=text}: no such dataset in datasets: (known: {known}); give a name from "
+            "sparknet.yaml's datasets: or an s3://bucket/prefix",
+            text=text,
+            known=known,
         )
     if not entry.uri.startswith("s3://"):
         raise PreflightFailed(
-            f"--s3 {text}: datasets.{text} is {entry.uri}, not on S3; a cluster reads its data "
-            "from S3 (`sparknet data upload` puts it there)"
+            "{@s3=text}: datasets.{text} is {uri}, not on S3; a cluster reads its data from S3 "
+            "(`sparknet data upload` puts it there)",
+            text=text,
+            uri=entry.uri,
         )
     return Dataset(entry.uri.rstrip("/"), entry.endpoint_url)
 
@@ -92,7 +115,7 @@ def runs_bucket(spec: ClusterSpec, dataset: Dataset, reused: bool = False) -> st
     cluster without one: the dataset's bucket (what it was given when it was made); so for a
     static cluster, whose hosts reach S3 with their own credentials, not a role of sparknet's."""
     if spec.bucket is None:
-        if reused or provider.is_static(spec):
+        if reused or not provider.of(spec).LAUNCHES:
             return S3Uri.parse(dataset.uri).bucket
         raise PreflightFailed(
             f"cluster {spec.name} has no `bucket:` in its settings: its nodes could read no data "
@@ -121,13 +144,12 @@ def check_dataset(dataset: Dataset, cfg: TrainConfig | None = None) -> Source:
     try:
         return shard_source(dataset.uri, cfg or TrainConfig(), dataset.endpoint_url)
     except SparknetError as exc:
-        line = first_line(exc)
-        if not line.startswith(f"dataset {dataset.uri}"):
-            line = f"dataset {dataset.uri}: {line}"
-        raise PreflightFailed(line) from exc
+        named = first_line(exc).startswith(f"dataset {dataset.uri}")  # the data layer's words
+        template = "{cause:line}" if named else "dataset {uri}: {cause:line}"
+        raise PreflightFailed(template, uri=dataset.uri, cause=exc) from exc
 
 
-def planned_master(job: Job) -> Master:
+def planned_workers(job: Job) -> SparkWorkers:
     """The cluster's Spark as the job will find it, known before anything is launched: a
     reused cluster's own; a cluster to make: its master and `workers` instances (a static
     one: its hosts), each with its type's GPUs (`bootstrap.gpus_per_node` when set). A static
@@ -135,31 +157,23 @@ def planned_master(job: Job) -> Master:
     the least the job can get (one per host)."""
     spec = job.spec
     if job.reused:
-        return master_of(spec, job.endpoint_url)
-    gpus = spec.bootstrap.gpus_per_node
-    if provider.is_static(spec):
-        count = len(spec.hosts)
-    else:
-        count = spec.workers + 1  # the master runs a Spark worker too
-        if gpus is None:
-            check_gpu_counts(spec, job.endpoint_url)  # one count for every type, or refused
-            ec2 = instances.ec2_client(spec.region, job.endpoint_url)
-            gpus = sparkops.instance_gpus(ec2, [spec.master_type])[spec.master_type]
-    planned = Node(address.Endpoint("master", "planned", 22, "-"), "planned", "-", gpus or 0)
-    return Master(planned, None, f"spark://planned:{spec.bootstrap.master_port}", count)  # type: ignore[arg-type]
+        return workers_of(master_of(spec, job.endpoint_url))
+    check_gpu_counts(spec, job.endpoint_url)  # one count for every type, or refused
+    count, gpus = provider.of(spec).planned_nodes(spec, job.endpoint_url)
+    return SparkWorkers(f"spark://planned:{spec.bootstrap.master_port}", (gpus or 0,) * count)
 
 
 def check_training(job: Job, source: Source, prefix: str) -> None:
     """What `sparknet train` checks before Spark starts (`problem.prepare`: the model by name
     and on a sample of the data, the Spark tasks against the train shards and samples), on
-    the job's settings as the cluster will run them (`job_config` on `planned_master`)."""
+    the job's settings as the cluster will run them (`job_config` on `planned_workers`)."""
     from sparknet.training.problem import prepare  # torch: only here
 
-    cfg = job_config(job.cfg, job.dataset, prefix, planned_master(job), job.spec.name)
+    cfg = job_config(job.cfg, job.dataset, prefix, planned_workers(job), job.spec.name)
     try:
         prepare(cfg, source)
     except SparknetError as exc:
-        raise PreflightFailed(first_line(exc)) from exc
+        raise PreflightFailed("{cause:line}", cause=exc) from exc
 
 
 def check_writable(prefix: str, endpoint_url: str | None) -> None:
@@ -170,7 +184,9 @@ def check_writable(prefix: str, endpoint_url: str | None) -> None:
         store.write_bytes(probe, b"")
         store.delete([probe])
     except SparknetError as exc:
-        raise PreflightFailed(f"run prefix {prefix} is not writable: {first_line(exc)}") from exc
+        raise PreflightFailed(
+            "run prefix {prefix} is not writable: {cause:line}", prefix=prefix, cause=exc
+        ) from exc
 
 
 def check_data_region(job: Job) -> None:
@@ -180,12 +196,123 @@ def check_data_region(job: Job) -> None:
     try:
         aws_preflight.check_bucket_region(job.spec, job.dataset.endpoint_url, bucket)
     except SparknetError as exc:
-        raise PreflightFailed(first_line(exc)) from exc
+        raise PreflightFailed("{cause:line}", cause=exc) from exc
 
 
-def first_line(exc: BaseException) -> str:
-    """The first non-empty line of the message, else the type."""
-    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+# --- what the submit asks for: refused before anything is read or asked of AWS -----------------
+
+
+def check_request(
+    s3: str | None, cluster: str | None, name: str | None, keep: bool, autostop: int | None
+) -> None:
+    """The combinations of a submit's options that cannot work together."""
+    if s3 is None:
+        raise PreflightFailed(
+            "{@s3=dataset} is required (a name from datasets: or s3://bucket/prefix); "
+            "or a command: attach, logs, cancel, list",
+            dataset="DATASET",
+        )
+    if name is not None and cluster is not None:
+        raise PreflightFailed(
+            "{@name=name} names a cluster to make and {@cluster=cluster} one to reuse; "
+            "give one of them",
+            name=name,
+            cluster=cluster,
+        )
+    if autostop is not None and cluster is not None:
+        raise PreflightFailed(
+            "{@autostop} applies to a cluster sparknet-submit makes; {@cluster=cluster} keeps "
+            "its own (`sparknet cluster up {cluster} {@autostop=minutes}` changes it)",
+            cluster=cluster,
+            minutes="MINUTES",
+        )
+    if autostop == 0 and not keep:
+        raise PreflightFailed(
+            "{@autostop=zero} turns the timer off only with {@keep}: a cluster left without it "
+            "runs until `sparknet cluster down`",
+            zero=0,
+        )
+
+
+def cluster_to_use(cluster: str | None, name: str | None, path: Path | None) -> str:
+    """The cluster a submit runs on: the one to reuse (`cluster`), else the one to make:
+    `name`, which must be a `clusters:` entry of the settings file at `path` (a cluster is
+    made from its entry: a typo would make one of the defaults), else the file's only entry."""
+    if cluster is not None:
+        return cluster
+    names = sorted(read_section(path, "clusters")) if path is not None else []
+    if name is None:
+        if len(names) != 1:
+            raise PreflightFailed(
+                "which cluster? give {@cluster=what} (running) or {@name=what} (to make); "
+                "clusters: in the settings has {have}",
+                what="NAME",
+                have=", ".join(names) or "none",
+            )
+        return names[0]
+    if name not in names:
+        if path is None:
+            raise PreflightFailed(
+                "{@name=name}: no settings file (./sparknet.yaml or {@config}) to make it from "
+                "(a cluster is made from its `clusters:` entry)",
+                name=name,
+            )
+        raise PreflightFailed(
+            "{@name=name}: no such entry in {path}'s clusters: (known: {known}); a cluster is "
+            "made from its entry",
+            name=name,
+            path=path,
+            known=", ".join(names) or "none",
+        )
+    return name
+
+
+def check_cluster_options(
+    spec: ClusterSpec,
+    *,
+    instance_types: list[str],
+    spot: bool | None,
+    autostop: int | None,
+    keep: bool,
+    detach: bool,
+    reused: bool,
+) -> None:
+    """What the cluster's provider cannot do is refused even where an option says the default
+    (it would be ignored): instance types and a market where sparknet launches no machine, an
+    autostop timer where there is none, and `detach` of a cluster this submit makes without
+    `keep` and with no timer (Spark would run on after the job until `sparknet cluster down`).
+    A cluster this submit makes with its timer off (`autostop_minutes: 0`) needs `keep`: a
+    detached job, a job out of reach or a failed teardown would leave it running."""
+    cluster = provider.of(spec)
+    given = [
+        option
+        for option, value, allowed in (
+            ("{@instance_type}", instance_types, cluster.LAUNCHES),
+            ("{@spot}/{@on_demand}", spot, cluster.LAUNCHES),
+            ("{@autostop}", autostop, cluster.AUTOSTOP),
+        )
+        if not allowed and value not in (None, [])
+    ]
+    if given:
+        raise PreflightFailed(
+            ", ".join(given) + ": EC2 flags, not for static cluster {name} (its machines are its "
+            "`hosts:`)",
+            name=spec.name,
+        )
+    if not cluster.AUTOSTOP and detach and not keep and not reused:
+        raise PreflightFailed(
+            "{@detach} on static cluster {name}, which this submit brings up: it has no "
+            "autostop timer, so Spark would run on its hosts after the job; add {@keep} to keep "
+            "it on purpose, or `sparknet cluster up {name}` first and {@cluster=name}",
+            name=spec.name,
+        )
+    if not reused and not keep and spec.autostop_minutes == 0:
+        raise PreflightFailed(
+            "cluster {name}'s autostop is off (autostop_minutes: 0), which is allowed only with "
+            "{@keep}: give {@autostop=minutes}, or {@keep} to keep it on purpose",
+            name=spec.name,
+            minutes="MINUTES",
+        )
 
 
 # --- the cluster --------------------------------------------------------------------------------
@@ -195,11 +322,12 @@ def reuse(spec: ClusterSpec, endpoint_url: str | None) -> None:
     """`--cluster NAME`: it must exist and its master run (a static one: be up here), else one
     line and nothing launched."""
     try:
-        provider.check_running(spec, endpoint_url)
-    except lifecycle.ClusterNotFound as exc:
+        provider.of(spec).check_running(spec, endpoint_url)
+    except ClusterNotFound as exc:
         raise PreflightFailed(
-            f"--cluster {spec.name}: {first_line(exc)}, or leave out --cluster to make a "
-            "new cluster"
+            "{@cluster=name}: {cause:line}, or leave out {@cluster} to make a new cluster",
+            name=spec.name,
+            cause=exc,
         ) from exc
 
 
@@ -207,10 +335,12 @@ def check_name_free(spec: ClusterSpec, endpoint_url: str | None) -> None:
     """A submit that makes its cluster (no --cluster) must not find one of that name already
     there: `up` would take it over and the teardown after the job would end it, and the jobs
     on it with it."""
-    if provider.in_use(spec, endpoint_url):
+    if provider.of(spec).in_use(spec, endpoint_url):
         raise PreflightFailed(
-            f"cluster {spec.name} already runs; pass --cluster {spec.name} to reuse it, "
-            "or --name NEW to make another"
+            "cluster {name} already runs; pass {@cluster=name} to reuse it, or {@name=new} to "
+            "make another",
+            name=spec.name,
+            new="NEW",
         )
 
 
@@ -218,21 +348,20 @@ def check_gpu_counts(spec: ClusterSpec, endpoint_url: str | None) -> None:
     """A cluster to make whose master type and worker types have different GPU counts is
     refused before launch (see `node_gpus`); `bootstrap.gpus_per_node` sets one for all. A
     static cluster's hosts are counted once they are reached (`master_of`)."""
-    if spec.bootstrap.gpus_per_node is not None or provider.is_static(spec):
+    if spec.bootstrap.gpus_per_node is not None:
         return
-    ec2 = instances.ec2_client(spec.region, endpoint_url)
-    counts = sparkops.instance_gpus(ec2, [spec.master_type, *spec.instance_types])
+    counts = provider.of(spec).gpus_by_type(spec, endpoint_url)
     if len(set(counts.values())) > 1:
         raise PreflightFailed(_mixed(spec.name, counts))
 
 
-def node_gpus(name: str, master: Master) -> int:
+def node_gpus(name: str, workers: SparkWorkers) -> int:
     """The GPUs of every Spark worker node (the master's included: it runs one too), which
     must be one count: a job runs `gpus_per_worker` tasks on each, so a node with fewer would
     place none and one with more would leave GPUs idle."""
-    counts = set(master.gpus or (master.node.gpus,))
+    counts = set(workers.gpus)
     if len(counts) > 1:
-        raise PreflightFailed(_mixed(name, {f"node {k}": g for k, g in enumerate(master.gpus)}))
+        raise PreflightFailed(_mixed(name, {f"node {k}": g for k, g in enumerate(workers.gpus)}))
     return counts.pop()
 
 
@@ -249,20 +378,20 @@ def _mixed(name: str, counts: Mapping[str, int]) -> str:
 
 
 def job_config(
-    cfg: TrainConfig, dataset: Dataset, prefix: str, master: Master, name: str = "cluster"
+    cfg: TrainConfig, dataset: Dataset, prefix: str, workers: SparkWorkers, name: str = "cluster"
 ) -> TrainConfig:
     """The job's settings as the driver runs them: the data, the run prefix, the cluster's Spark
     master and GPUs (its Spark worker nodes', one count: `node_gpus`), and one Spark task per
     worker GPU (per worker node without GPUs) unless the user chose `workers`."""
-    gpus = node_gpus(name, master)
+    gpus = node_gpus(name, workers)
     update: dict[str, Any] = {
-        "data": dataset.uri, "out": prefix.rstrip("/"), "master": master.spark_url,
+        "data": dataset.uri, "out": prefix.rstrip("/"), "master": workers.spark_url,
         "gpus_per_worker": gpus,
     }  # fmt: skip
     if dataset.endpoint_url:
         update["endpoint_url"] = dataset.endpoint_url
     if "workers" not in cfg.model_fields_set:
-        update["workers"] = master.nodes * max(1, gpus)
+        update["workers"] = workers.nodes * max(1, gpus)
     return TrainConfig(**{**cfg.model_dump(), **update})
 
 
@@ -289,9 +418,9 @@ def preflight(job: Job) -> tuple[str, str]:
     try:  # a bad setting of the SSH deadlines fails now, not once the job runs
         reconnect_s(), nodes.silence_s(), steps.reboot_wait_s()
     except SparknetError as exc:
-        raise PreflightFailed(str(exc)) from exc
+        raise PreflightFailed("{cause}", cause=exc) from exc
     source = check_dataset(job.dataset, job.cfg)
-    if not provider.is_static(job.spec):  # a static cluster's hosts are wherever they are
+    if provider.of(job.spec).REGIONAL:  # a static cluster's hosts are wherever they are
         check_data_region(job)
     if job.reused:
         reuse(job.spec, job.endpoint_url)
@@ -301,8 +430,8 @@ def preflight(job: Job) -> tuple[str, str]:
     check_writable(prefix, job.dataset.endpoint_url)
     if not job.reused:
         try:
-            provider.check_launch(job.spec, job.endpoint_url)
+            provider.of(job.spec).check_launch(job.spec, job.endpoint_url)
         except SparknetError as exc:
-            raise PreflightFailed(str(exc)) from exc
+            raise PreflightFailed("{cause}", cause=exc) from exc
     check_training(job, source, prefix)
     return run_id, prefix

@@ -1,5 +1,6 @@
-"""Jobs that `sparknet-submit` started on clusters' masters, seen from the submitter's machine:
-the local records that find a run id again, and what `attach`, `logs`, `cancel` and `list` do.
+"""Jobs that `sparknet-submit` started on clusters' masters, seen from the submitter's machine.
+
+The local records that find a run id again, and what `attach`, `logs`, `cancel` and `list` do.
 
 A record (`JobRecord`) is a small JSON file per run under the registry home
 (`$SPARKNET_HOME/jobs/RUN.json`, next to `clusters/`), written atomically when the job starts.
@@ -25,7 +26,7 @@ from typing import Any
 import yaml
 
 from sparknet.cluster import nodes, provider, registry
-from sparknet.cluster.remote import Conn, q, run, succeeds
+from sparknet.cluster.remote import Conn, q, run
 from sparknet.cluster.spark.plan import JOB_CANCELLED, Node
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import TrainConfig
@@ -34,6 +35,7 @@ from sparknet.jobs import driver
 from sparknet.jobs.follow import POLL_S
 from sparknet.jobs.preflight import Job
 from sparknet.jobs.supervisor import JOB_CONFIG, RC
+from sparknet.node import job as node_job
 
 #: the records' dir under the registry home, and the marker `cancel` leaves in a job dir
 JOBS_DIR = "jobs"
@@ -41,7 +43,7 @@ CANCELLED = JOB_CANCELLED
 #: the state of a job whose supervisor died and left its driver (or a child of it) running
 ORPHANED = driver.ORPHANED
 #: the state of a job whose supervisor was killed (no exit code) and of which nothing is left
-KILLED = "killed"
+KILLED = node_job.KILLED
 #: how long `cancel` waits for the driver's session to end before it kills it outright
 CANCEL_WAIT_S = driver.CANCEL_WAIT_S
 #: what `list` shows for the jobs of a cluster without a running master
@@ -155,13 +157,16 @@ def locate(
         record = None  # the record's run is on another cluster: look where the user said
     if record is None and cluster is None:
         raise UnknownRun(
-            f"no job {run_id} in {jobs_dir()}; give --cluster NAME to look for it on that "
-            "cluster's master"
+            "no job {run_id} in {dir}; give {@cluster=name} to look for it on that cluster's "
+            "master",
+            run_id=run_id,
+            dir=jobs_dir(),
+            name="NAME",
         )
     name = cluster if record is None else record.cluster
     spec = spec_of(name, None if record is None else record.region)
     endpoint = endpoint_url or (record.endpoint_url if record else None)
-    if not provider.master_running(spec, endpoint):
+    if not provider.of(spec).master_running(spec, endpoint):
         raise ClusterGone(
             f"job {run_id}: cluster {name} has no running master (gone: taken down or "
             "stopped by its autostop timer)"
@@ -211,18 +216,7 @@ def state_of(conn: Conn, node: Node, run_id: str) -> str:
     died without an exit code, and nothing of the job is left), or `gone` (no job dir on this
     master: the cluster was made again under the same name). An exit code wins over the cancel
     marker: a job that ended on its own while a cancel came in ended as its code says."""
-    jd = driver.job_dir(node, run_id)
-    if not succeeds(conn, f"test -d {q(jd)}"):
-        return "gone"
-    rc = driver.driver_rc(conn, node, run_id)
-    if rc is None:
-        return "running"
-    how = run(conn, driver.how_it_ended(jd)).strip()
-    if how in (ORPHANED, CANCELLED):
-        return how
-    if how != "rc":
-        return KILLED
-    return "succeeded" if rc == 0 else f"failed {rc}"
+    return run(conn, driver.on_master(node, "job-state", driver.job_dir(node, run_id))).strip()
 
 
 def ended_at(conn: Conn, node: Node, run_id: str) -> float | None:
@@ -252,11 +246,8 @@ def print_log(
 ) -> None:
     """The driver's last `lines` lines; with `follow`, then what it adds until it ends (read
     from the byte the first look ended at, so nothing is written twice or skipped)."""
-    log = q(f"{driver.job_dir(node, run_id)}/{driver.LOG}")
-    head = run(
-        conn, f"n=$(wc -c < {log} 2>/dev/null || echo 0); echo $n; head -c $n {log} 2>/dev/null "
-        f"| tail -n {int(lines)}",
-    )  # fmt: skip
+    log = f"{driver.job_dir(node, run_id)}/{driver.LOG}"
+    head = run(conn, driver.on_master(node, "log-since", log, 0, "--lines", int(lines)))
     size, _, text = head.partition("\n")
     write(text)
     offset = int(size.strip() or 0)
@@ -264,10 +255,7 @@ def print_log(
         ended = driver.driver_rc(conn, node, run_id) is not None
         # the node counts the bytes it sends (the log's size now): a byte that is no UTF-8
         # arrives as U+FFFD, 3 bytes here, so counting what arrived would shift the offset
-        out = run(
-            conn, f"n=$(wc -c < {log} 2>/dev/null || echo 0); echo $n; [ $n -gt {offset} ] && "
-            f"tail -c +{offset + 1} {log} 2>/dev/null | head -c $((n - {offset})); true",
-        )  # fmt: skip
+        out = run(conn, driver.on_master(node, "log-since", log, offset))
         size, _, chunk = out.partition("\n")
         if chunk:
             write(chunk)
@@ -304,7 +292,7 @@ def _cluster_states(
     endpoint = endpoint_url or recs[0].endpoint_url
     try:
         spec = spec_of(name, region)
-        alive = provider.master_running(spec, endpoint)
+        alive = provider.of(spec).master_running(spec, endpoint)
     except SparknetError:
         alive = False
     if not alive:

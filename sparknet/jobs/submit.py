@@ -1,9 +1,11 @@
-"""`sparknet-submit`: one training job on a cluster, from the submitter's machine (design.md,
-section 2). Checks everything that costs nothing first (`sparknet.jobs.preflight`), ensures the
-cluster through `cluster.provider` (the same functions `sparknet cluster up` and `down` use),
-starts the driver on the master detached from the SSH session (`sparknet.jobs.driver`), follows
-its metrics in the run prefix (`sparknet.jobs.follow`), fetches the curves, and takes the
-cluster down in its `finally` when the job is over (see `teardown_due`).
+"""`sparknet-submit`: one training job on a cluster, from the submitter's machine.
+
+The flow of design.md, section 2. Checks everything that costs nothing first
+(`sparknet.jobs.preflight`), ensures the cluster through `cluster.provider` (the same functions
+`sparknet cluster up` and `down` use), starts the driver on the master detached from the SSH
+session (`sparknet.jobs.driver`), follows its metrics in the run prefix (`sparknet.jobs.follow`),
+fetches the curves, and takes the cluster down in its `finally` when the job is over (see
+`teardown_due`).
 
 It sits between the CLI and cluster/training: no typer here, and the driver itself is the
 node's own `sparknet train`, started with the job's resolved settings."""
@@ -21,13 +23,12 @@ from sparknet.cluster import nodes, provider, registry, repair
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import TrainConfig
 from sparknet.data.store import open_store
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, as_flag, first_line
 from sparknet.jobs.driver import LOG, Master, cancel_job, job_dir, master_of, quietly, start_driver
 from sparknet.jobs.follow import (
     DriverStatus,
     JobOutOfReach,
     Outcome,
-    Say,
     fetch_results,
     follow,
     last_error,
@@ -38,11 +39,12 @@ from sparknet.jobs.preflight import (
     PreflightFailed,
     check_gpu_counts,
     check_name_free,
-    first_line,
     job_config,
     preflight,
+    workers_of,
 )
 from sparknet.jobs.supervisor import DEFAULT_MAX_RESTARTS, restart_line
+from sparknet.say import Say
 
 
 class JobFailed(SparknetError):
@@ -101,8 +103,11 @@ def submit_lock(name: str) -> Iterator[None]:
 
     def busy(holder: str) -> SubmitBusy:
         return SubmitBusy(
-            f"cluster {name} is in use by another sparknet-submit on this machine (PID "
-            f"{holder}); wait for it to end, or give --name NEW to run on a cluster of its own"
+            "cluster {name} is in use by another sparknet-submit on this machine (PID "
+            "{holder}); wait for it to end, or give {@name=new} to run on a cluster of its own",
+            name=name,
+            holder=holder,
+            new="NEW",
         )
 
     path = submit_lock_path(name)
@@ -150,14 +155,19 @@ def _submit(
         if not job.reused:
             say(f"bringing cluster {job.spec.name} up")
             try:
-                provider.up(job.spec, endpoint_url=job.endpoint_url, say=say)
+                provider.of(job.spec).up(
+                    job.spec, endpoint_url=job.endpoint_url, say=say, bootstrap=True,
+                    any_owner=False,
+                )  # fmt: skip
             except registry.ClusterBusy as exc:
                 untouched = True  # another `up`/`down` holds it: nothing there is this submit's
-                raise PreflightFailed(str(exc)) from exc
+                raise PreflightFailed("{cause}", cause=exc) from exc
         master = master_of(job.spec, job.endpoint_url)
-        cfg = job_config(job.cfg, job.dataset, prefix, master, job.spec.name)
+        cfg = job_config(job.cfg, job.dataset, prefix, workers_of(master), job.spec.name)
+        from sparknet.training.rundir import CONFIG_FILE  # lazy: torch (its checkpoints)
+
         open_store(prefix, job.dataset.endpoint_url).write_bytes(
-            "config.yaml", cfg.to_yaml().encode()
+            CONFIG_FILE, cfg.to_yaml().encode()
         )
         if on_job is not None:
             on_job(run_id, prefix, master, cfg)
@@ -170,7 +180,7 @@ def _submit(
         except JobOutOfReach:
             lost = True
             raise
-        cost = provider.cost_so_far(job.spec, job.endpoint_url)
+        cost = provider.of(job.spec).cost_so_far(job.spec, job.endpoint_url)
         fetched = fetch_results(prefix, job.dataset.endpoint_url, job.runs_dir / run_id)
         if outcome.rc != 0:
             why = last_error(outcome.log) or f"the driver exited {outcome.rc}"
@@ -217,7 +227,9 @@ def _run_driver(
             run_id,
             prefix,
             job.dataset.endpoint_url,
-            lambda rows: on_rows(rows, provider.cost_so_far(job.spec, job.endpoint_url)),
+            lambda rows: on_rows(
+                rows, provider.of(job.spec).cost_so_far(job.spec, job.endpoint_url)
+            ),
             on_event=lambda event: say(restart_line(event)),
             on_tick=ticks(
                 DriverStatus(conn, master.node, run_id, say),
@@ -253,7 +265,7 @@ def _cancel_over_a_new_connection(master: Master, run_id: str, say: Say) -> None
                 say(f"job {run_id}: nothing of it runs on the master")
         finally:
             conn.close()
-    except Exception as exc:
+    except Exception as exc:  # however the master is out of reach: said, with the way out
         say(
             f"could not cancel job {run_id} ({first_line(exc)}): it may still run on the master; "
             f"`sparknet-submit cancel {run_id}` ends it"
@@ -297,11 +309,13 @@ def teardown(job: Job, say: Say, after: BaseException | None = None) -> None:
     name = job.spec.name
     say(f"taking cluster {name} down")
     try:
-        provider.down(job.spec, endpoint_url=job.endpoint_url, say=say)
+        provider.of(job.spec).teardown(job.spec, endpoint_url=job.endpoint_url, say=say)
     except Exception as exc:
         failed = TeardownFailed(
-            f"taking cluster {name} down failed: {first_line(exc)}; its instances may still run: "
-            f"`sparknet cluster down {name}` ends them"
+            "taking cluster {name} down failed: {cause:line}; its instances may still run: "
+            "`sparknet cluster down {name}` ends them",
+            name=name,
+            cause=exc,
         )
         failed.after = after
         raise failed from exc
@@ -309,16 +323,18 @@ def teardown(job: Job, say: Say, after: BaseException | None = None) -> None:
 
 def stays_up_line(job: Job) -> str:
     """What ends a cluster that a submit leaves up: its autostop timer (the minutes), or, with
-    the timer off, only `sparknet cluster down`."""
-    why = "reused with --cluster" if job.reused else "--keep" if job.keep else "the job runs"
-    return up_line(job.spec, why)
+    the timer off, only `sparknet cluster down`. The settings it names are spelt as flags: a
+    submit's lines are `sparknet-submit`'s alone."""
+    if job.reused:
+        return up_line(job.spec, f"reused with {as_flag('cluster')}")
+    return up_line(job.spec, as_flag("keep") if job.keep else "the job runs")
 
 
 def up_line(spec: ClusterSpec, why: str) -> str:
     """`cluster NAME stays up (WHY)` and what ends it: `stays_up_line`'s, and `attach`'s at the
     end of a job on a cluster a submit made (WHY: its cost so far)."""
     name, minutes = spec.name, spec.autostop_minutes
-    if provider.is_static(spec):
+    if not provider.of(spec).AUTOSTOP:
         return (
             f"cluster {name} stays up ({why}): Spark runs on its hosts until `sparknet cluster "
             f"down {name}` stops it (a static cluster has no autostop timer)"

@@ -1,5 +1,7 @@
-"""The job's supervisor on a cluster's master: what `sparknet-submit` starts there, detached from
-the SSH session (`nohup setsid`), in the job dir (design.md, section 2).
+"""The job's supervisor on a cluster's master, which restarts a driver that dies.
+
+What `sparknet-submit` starts there, detached from the SSH session (`nohup setsid`), in the job
+dir (design.md, section 2).
 
 It runs the driver, `sparknet train --config job.yaml`, as a child, and while the job runs it
 stamps the autostop activity file of the job (so the timer does not end a cluster that works).
@@ -40,12 +42,14 @@ from typing import Any
 import yaml
 
 from sparknet.cluster.aws import autostop
+from sparknet.errors import as_flag
+from sparknet.node import job as node_job
 
 # `# lazy: X` below: `sparknet-submit attach` imports this module (`restart_line`); boto3 and
 # torch only where the supervisor on the master reads a checkpoint or writes metrics
 
 #: the files of the job dir that the supervisor reads or writes
-JOB_CONFIG, RC, TRAIN_PID = "job.yaml", "driver.rc", "train.pid"
+JOB_CONFIG, RC, TRAIN_PID = "job.yaml", node_job.RC, "train.pid"
 #: a driver's exits that are deliberate ends: success, its own `error:` line, an interrupt
 FINAL_EXITS = frozenset({0, 2, 128 + signal.SIGHUP, 128 + signal.SIGINT, 128 + signal.SIGTERM})
 #: signals that stop a driver on purpose (somebody's kill, Ctrl-C, a closed session): final
@@ -102,14 +106,13 @@ def restart_line(event: dict[str, Any]) -> str:
 
 
 def used_up_line(reason: str, max_restarts: int) -> str:
-    """The supervisor's last `error:` line (the submitter's failure line) once restarts ran out."""
+    """The supervisor's last `error:` line (the submitter's failure line) once restarts ran out;
+    the setting is spelt as `sparknet-submit`'s flag, the only front end that starts a job."""
+    setting = as_flag("max_restarts", max_restarts)
     if max_restarts == 0:
-        return f"the driver died ({reason}); --max-restarts 0: no restart"
+        return f"the driver died ({reason}); {setting}: no restart"
     plural = "s" if max_restarts > 1 else ""
-    return (
-        f"the driver died ({reason}) after {max_restarts} restart{plural}; "
-        f"--max-restarts {max_restarts} used up"
-    )
+    return f"the driver died ({reason}) after {max_restarts} restart{plural}; {setting} used up"
 
 
 @dataclass(frozen=True)

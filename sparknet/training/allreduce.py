@@ -1,5 +1,6 @@
-"""The `allreduce` transport: one Spark barrier stage runs every round, and the workers exchange
-their updates among themselves with torch.distributed.
+"""The `allreduce` transport: one Spark barrier stage runs every round.
+
+The workers exchange their updates among themselves with torch.distributed.
 
 Why: through Spark, every round's updates travel Python worker -> executor JVM -> driver JVM ->
 driver Python and the weights back out as a broadcast; at 100 MB that is ~25x what a gloo
@@ -111,13 +112,23 @@ class Row:
 class Diverged(SparknetError):
     """A worker's loss or weights went non-finite: the run ends (a restart would diverge again)."""
 
+    @classmethod
+    def at(cls, done: int, worker: int, why: str) -> Diverged:
+        """Worker `worker`'s divergence in round `done`, `why` saying what went non-finite."""
+        return cls(
+            "training diverged at round {done}, worker {worker}: {why}; lower {@lr} or check "
+            "the data",
+            done=done, worker=worker, why=why,
+        )  # fmt: skip
+
 
 class StageFailed(Exception):
-    """The stage failed; `permanent` when running it again cannot help."""
+    """The stage failed; `permanent` when running it again cannot help; `why` the driver's own
+    check's words where that check failed it (why the executors left cannot run it)."""
 
-    def __init__(self, message: str, permanent: bool = False) -> None:
+    def __init__(self, message: str, permanent: bool = False, why: str | None = None) -> None:
         super().__init__(message)
-        self.permanent = permanent
+        self.permanent, self.why = permanent, why
 
 
 class _Channel(Listener):
@@ -258,7 +269,7 @@ class AllReduceTransport:
                 tasks = self.frames.by_rank(self.partitions)
             tasks.barrier().mapPartitions(stage_task(plan, self.frames is not None)).collect()
             inbox.put(("finished", None, None))
-        except BaseException as exc:
+        except BaseException as exc:  # handed to the driver's thread, which raises it
             inbox.put(("failed", exc, None))
 
     def _messages(self, inbox: queue.Queue) -> Iterator[int | Row]:
@@ -275,11 +286,11 @@ class AllReduceTransport:
                 if time.monotonic() > look:
                     look = time.monotonic() + _LOOK_S
                     if why := self._short_now():
-                        raise StageFailed(f"an executor was lost: {why}") from None
+                        raise StageFailed(f"an executor was lost: {why}", why=why) from None
                 continue
             if kind == "failed":
-                if why := stopped_from_outside(self.sc, payload):  # no restart can help
-                    raise SparknetError(why) from payload
+                if stopped := stopped_from_outside(self.sc, payload):  # no restart can help
+                    raise stopped from payload
                 raise _failure(payload)
             if kind == "finished":
                 last_word = time.monotonic() + _LAST_WORD_S
@@ -291,7 +302,7 @@ class AllReduceTransport:
             elif "fault" in payload:
                 raise SparknetError(payload["fault"])
             elif "diverged" in payload:
-                raise Diverged(payload["diverged"])
+                raise Diverged.at(**payload["diverged"])
             if payload.get("done"):  # sent once the last round's checkpoint is published
                 return
 

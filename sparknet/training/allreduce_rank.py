@@ -1,5 +1,7 @@
-"""The `allreduce` transport as each rank runs it: one task of the barrier stage sets up the
-process group, then trains, exchanges and steps every round, and rank 0 reports to the driver.
+"""The `allreduce` transport as each rank runs it.
+
+One task of the barrier stage sets up the process group, then trains, exchanges and steps every
+round, and rank 0 reports to the driver.
 
 Kept apart from `allreduce` (the driver's side: where a stage can run, the channel, restarts):
 this is what runs on the executors, in one long Spark task, and it meets the driver only in
@@ -298,10 +300,7 @@ class _Rank:
                 channel.say(fault=faults[0])
             else:
                 bad = diverged[0]
-                channel.say(
-                    diverged=f"training diverged at round {done}, worker {bad.partition}: "
-                    f"{bad.diverged}; lower --lr or check the data"
-                )
+                channel.say(diverged={"done": done, "worker": bad.partition, "why": bad.diverged})
         return True
 
     def _evaluate(self, task: RoundTask, theta: np.ndarray, threads: int) -> EvalResult:

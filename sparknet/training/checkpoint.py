@@ -1,5 +1,6 @@
-"""Run state in a run dir (a local dir or an S3 prefix): checkpoints that a resumed run continues
-from bit for bit.
+"""Checkpoints that a resumed run continues from bit for bit.
+
+They are run state in a run dir (a local dir or an S3 prefix).
 
 `checkpoints/round-NNNNN/` holds the state after N completed rounds: `weights.safetensors` (global
 weights, the model's own keys), `outer.safetensors` (outer momentum, when there is one),

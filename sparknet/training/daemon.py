@@ -1,5 +1,6 @@
-"""Spark's Python worker daemon with torch and sparknet imported once, before it forks the
-workers: opt in with `--conf spark.python.daemon.module=sparknet.training.daemon`.
+"""Spark's Python worker daemon with torch and sparknet imported once, before it forks workers.
+
+Opt in with `--conf spark.python.daemon.module=sparknet.training.daemon`.
 
 pyspark.daemon forks one Python worker per task slot from a single daemon process per executor;
 every worker then imports what its first task unpickles: torch and sparknet, seconds each on a

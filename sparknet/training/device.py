@@ -51,17 +51,19 @@ def select_device(
         ordinal = _spark_gpu_ordinal(addresses[0], cuda_visible_devices)
         if ordinal >= visible_gpus:
             raise PermanentTaskError(
-                f"Spark assigned this task GPU {addresses[0]} but torch sees {visible_gpus} "
-                f"GPU(s) (torch {torch.__version__}): install a CUDA build of torch on the "
-                "workers, or pass --device cpu"
-            )
+                "Spark assigned this task GPU {address} but torch sees {visible} GPU(s) (torch "
+                "{torch}): install a CUDA build of torch on the workers, or pass {@device=cpu}",
+                address=addresses[0], visible=visible_gpus, torch=torch.__version__, cpu="cpu",
+            )  # fmt: skip
         return torch.device("cuda", ordinal)
     if visible_gpus > 0:
         return torch.device("cuda", 0)
     if requested == "cuda":
         raise PermanentTaskError(
-            "--device cuda, but this task has no GPU (Spark assigned none and torch sees none): "
-            "give the workers GPUs (--gpus-per-worker), or pass --device auto or cpu"
+            "{@device=cuda}, but this task has no GPU (Spark assigned none and torch sees none): "
+            "give the workers GPUs ({@gpus_per_worker}), or pass {@device=auto} or cpu",
+            cuda="cuda",
+            auto="auto",
         )
     return torch.device("cpu")
 
@@ -120,16 +122,23 @@ def check_precision(device: torch.device, precision: str) -> None:
         if not torch.cuda.is_bf16_supported(including_emulation=False):
             name = torch.cuda.get_device_name(device)
             raise PermanentTaskError(
-                f"--precision bf16 needs a GPU of compute capability 8.0 or newer (A100, A10G, "
-                f"L4, H100); this task's is {name}: use --precision fp16"
+                "{@precision=bf16} needs a GPU of compute capability 8.0 or newer (A100, A10G, "
+                "L4, H100); this task's is {name}: use {@precision=fp16}",
+                bf16="bf16",
+                name=name,
+                fp16="fp16",
             )
         return
     with torch.autocast(device.type, dtype=dtype):
         works = torch.get_autocast_dtype(device.type) == dtype
     if not works:
         raise PermanentTaskError(
-            f"--precision {precision}: torch {torch.__version__} cannot autocast to it on "
-            f"{device.type}: use --precision fp32"
+            "{@precision=asked}: torch {torch} cannot autocast to it on {device}: use "
+            "{@precision=fp32}",
+            asked=precision,
+            torch=torch.__version__,
+            device=device.type,
+            fp32="fp32",
         )
 
 

@@ -1,5 +1,7 @@
-"""A training run on the driver: check the settings and the run dir, resume or start, start Spark,
-choose the transport, and run the rounds (`rounds`) on the problem (`problem`)."""
+"""A training run on the driver, from its checks to its last round.
+
+Check the settings and the run dir, resume or start, start Spark, choose the transport, and run
+the rounds (`rounds`) on the problem (`problem`)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,8 @@ from typing import Any
 from sparknet.config import DatasetEntry, TrainConfig
 from sparknet.data.frames import Frames
 from sparknet.data.sources import is_frame_spec, resolve_source
-from sparknet.errors import SparknetError
+from sparknet.errors import Line, Placeholder, SettingError, SparknetError
 from sparknet.training import allreduce, checkpoint, rundir, rundir_reach
-from sparknet.training.outer import OuterOptimizer
 from sparknet.training.probe import check_python_workers, user_modules
 from sparknet.training.problem import FrameInput, Problem, frame_problem, prepare
 from sparknet.training.progress_guard import Guard
@@ -28,6 +29,7 @@ from sparknet.training.rounds import (
     RunEvents,
     WarningCallback,
     allreduce_rounds,
+    outer_at,
     spark_rounds,
     write_config,
 )
@@ -98,8 +100,10 @@ def _accepted(
     if changes and not allow_change:
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
         raise SparknetError(
-            f"resuming {run} would change {listed}, so it would no longer equal an "
-            "uninterrupted run; drop the change, or pass --allow-change to continue anyway"
+            "resuming {run} would change {listed}, so it would no longer equal an uninterrupted "
+            "run; drop the change, or pass {@allow_change=True} to continue anyway",
+            run=run,
+            listed=listed,
         )
     return {k: {"stored": a, "now": b} for k, (a, b) in changes.items()}
 
@@ -171,11 +175,9 @@ def _start(
     status = on_status or (lambda _text: None)
     own_session = spark is None
     placed: Frames | None = None
-    if frames is None:
+    if frames is None:  # a dataset is checked before Spark starts, a DataFrame once it runs
         problem = prepare(cfg, resolve_source(cfg, datasets))
-        accepted = _accepted(_effective(changes[0], problem), run, changes[1])
-        begin = _initial_state(cfg, problem, run, resume)
-        begin.changes = accepted
+        begin = _begin(cfg, problem, run, resume, changes)
         if on_start is not None:
             on_start(begin.rounds, cfg.rounds)
     result: RunResult | None = None
@@ -197,9 +199,7 @@ def _start(
         _reach_run_dir(run, spark, cfg.workers, status)
         if frames is not None:
             problem, placed = frame_problem(cfg, spark, frames)
-            accepted = _accepted(_effective(changes[0], problem), run, changes[1])
-            begin = _initial_state(cfg, problem, run, resume)
-            begin.changes = accepted
+            begin = _begin(cfg, problem, run, resume, changes)
         warn = _warner(on_warning)
         guard = Guard(spark.sparkContext, cfg.progress_timeout_s, warn)
         on_row = guard.following(_with_warnings(on_round, warn, begin, cfg.workers * cfg.tau))
@@ -209,8 +209,8 @@ def _start(
             )  # fmt: skip
         return result
     except Exception as exc:  # the application ended under the run: one line, not a traceback
-        if spark is not None and (why := stopped_from_outside(spark.sparkContext, exc)):
-            raise SparknetError(why) from exc
+        if spark is not None and (stopped := stopped_from_outside(spark.sparkContext, exc)):
+            raise stopped from exc
         raise
     finally:
         if placed is not None:
@@ -234,7 +234,7 @@ def _resolve_transport(cfg: TrainConfig, spark) -> TrainConfig:
     why = _allreduce_refusal(sc, cfg)
     wanted = cfg.transport == "allreduce" or cfg.compress != "none"
     if why is not None and wanted:
-        raise SparknetError(why)
+        raise why
     if why is None and (wanted or not is_local_master(sc.master)):
         return cfg.model_copy(update={"transport": "allreduce"})
     return cfg.model_copy(update={"transport": "spark"})
@@ -246,24 +246,26 @@ def _reach_run_dir(run: RunDir, spark, workers: int, status: StatusCallback) -> 
     allreduce rank 0 the checkpoints and the weights). Refused in one line where some do not."""
     if run.on_s3 or is_local_master(spark.sparkContext.master):
         return
-    status("checking that the executors see --out")
+    status(Line("checking that the executors see {@out}"))
     if hosts := rundir_reach.unseen_hosts(spark.sparkContext, run, workers):
         raise rundir_reach.refusal(run, hosts)
 
 
-def _allreduce_refusal(sc, cfg: TrainConfig) -> str | None:
+def _allreduce_refusal(sc, cfg: TrainConfig) -> SparknetError | None:
     why = allreduce.why_not(sc, cfg.workers)
     if why is None:
         return None
-    asked = "--transport allreduce" if cfg.transport == "allreduce" else "--compress"
-    return (
-        f"the allreduce transport ({asked}) cannot run here: {why}; use the spark transport"
-        f"{' without --compress' if cfg.compress != 'none' else ''}"
-    )
+    asked = "{@transport=allreduce}" if cfg.transport == "allreduce" else "{@compress}"
+    without = " without {@compress}" if cfg.compress != "none" else ""
+    return SparknetError(
+        "the allreduce transport (" + asked + ") cannot run here: {why}; use the spark "
+        "transport" + without,
+        allreduce="allreduce", why=why,
+    )  # fmt: skip
 
 
 def _warner(on_warning: WarningCallback | None) -> WarningCallback:
-    """`on_warning`, or a Python warning (the `fit` API has no callback)."""
+    """`on_warning`, or a Python warning for a caller without one (the benchmarks)."""
     return on_warning or (lambda text: warnings.warn(text, RuntimeWarning, stacklevel=3))
 
 
@@ -273,7 +275,7 @@ def _with_warnings(
     begin: Begin,
     steps: int,
 ) -> RoundCallback:
-    """`on_round`, after the round's warnings (Python warnings without a callback: the `fit` API):
+    """`on_round`, after the round's warnings (Python warnings without a callback):
     - once a run, the partitions that found no usable inner optimizer state in the checkpoint
       their round started from (a lost executor's misses are replayed, never recorded; these
       cannot be: the checkpoint lacks them): their optimizers started fresh, so the run no
@@ -300,8 +302,15 @@ def _with_warnings(
         skipped = row.get("skipped_steps", 0)
         if skipped and 2 * skipped >= steps:
             warn(
-                f"round {row['round']}: the fp16 loss scaler skipped {skipped} of {steps} steps "
-                "(gradients overflowed); if this goes on, lower --lr or use --precision bf16"
+                Line(
+                    "round {round}: the fp16 loss scaler skipped {skipped} of {steps} steps "
+                    "(gradients overflowed); if this goes on, lower {@lr} or use "
+                    "{@precision=bf16}",
+                    round=row["round"],
+                    skipped=skipped,
+                    steps=steps,
+                    bf16="bf16",
+                )
             )
         if on_round is not None:
             on_round(row)
@@ -309,27 +318,45 @@ def _with_warnings(
     return on_row
 
 
+def _begin(
+    cfg: TrainConfig,
+    problem: Problem,
+    run: RunDir,
+    resume: bool,
+    changes: tuple[dict[str, tuple[Any, Any]], bool],
+) -> Begin:
+    """Where the rounds start on `problem`, with the changes a resume makes to the settings
+    accepted (recorded in the first resumed row) or refused."""
+    accepted = _accepted(_effective(changes[0], problem), run, changes[1])
+    begin = _initial_state(cfg, problem, run, resume)
+    begin.changes = accepted
+    return begin
+
+
 def _initial_state(cfg: TrainConfig, problem: Problem, run: RunDir, resume: bool) -> Begin:
-    state = problem.model.state_dict()
     layout = StateLayout.of_model(problem.model)
-    buffers = layout.buffer_mask()
     if not resume:
-        outer = OuterOptimizer(layout.flatten(state), cfg.outer_lr, cfg.outer_momentum, buffers)
+        state = problem.model.state_dict()
+        outer = outer_at(cfg, layout, layout.flatten(state), None)
         return Begin(layout, outer, layout.integers(state), 0, 0.0)
     last = checkpoint.latest(run.store)
     if last is None:
         raise SparknetError(
-            f"nothing to resume: {run} has no complete checkpoint; run again without --resume "
-            "to start it over"
+            "nothing to resume: {run} has no complete checkpoint; run again without "
+            "{@resume=True} to start it over",
+            run=run,
         )
-    ckpt = checkpoint.load(run.store, last, layout)
-    if ckpt.rounds >= cfg.rounds:
-        raise SparknetError(
-            f"{run} already ran {ckpt.rounds} rounds; pass --rounds N with N > {ckpt.rounds}"
+    resumed = Begin.from_checkpoint(cfg, run, last, layout)
+    if resumed.rounds >= cfg.rounds:
+        raise SettingError(
+            "{run} already ran {done} rounds; pass {@rounds=n} with N > {done}",
+            setting="rounds",
+            value=cfg.rounds,
+            run=run,
+            done=resumed.rounds,
+            n=Placeholder("N"),
         )
-    outer = OuterOptimizer(ckpt.theta, cfg.outer_lr, cfg.outer_momentum, buffers)
-    outer.load_momentum_buffer(ckpt.outer_momentum)
-    return Begin(layout, outer, ckpt.integers, ckpt.rounds, ckpt.elapsed_s)
+    return resumed
 
 
 def _run(

@@ -1,5 +1,7 @@
-"""The gateway JVM's stderr under a session sparknet starts: held while Spark starts, then passed
-through with Java stack traces left out, and muted once the session stops.
+"""The gateway JVM's stderr under a session sparknet starts.
+
+Held while Spark starts, then passed through with Java stack traces left out, and muted once the
+session stops.
 
 Kept apart from `session`: a line filter with its own lock and reader thread, fed line by line
 (and tested so); the session only decides when it is shown, held or muted.
@@ -108,7 +110,7 @@ def gateway_killed_on_failure(jvm_stderr: HeldStderr):
         yield
     except BaseException:
         for proc in started:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # gone already; what is raised says why
                 proc.kill()
                 proc.wait(timeout=10)
         raise

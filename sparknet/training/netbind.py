@@ -1,5 +1,6 @@
-"""Where the allreduce transport's own sockets listen: rank 0's TCPStore and every rank's gloo
-(and NCCL bootstrap) sockets on the node's cluster address only, never every interface.
+"""Where the allreduce transport's own sockets listen: the node's cluster address only.
+
+Rank 0's TCPStore and every rank's gloo (and NCCL bootstrap) sockets, never on every interface.
 
 Neither is authenticated or encrypted (Spark's RPC encryption does not cover them), so they
 must stay on the addresses the cluster keeps to itself. torch's TCPStore server listens on

@@ -1,7 +1,7 @@
-"""Before round 1: Spark's Python workers can import what a run needs (sparknet, and the user's
-`--model`/`--data` modules), checked with one small job rather than learnt from every task's
-retries.
-"""
+"""Before round 1: Spark's Python workers can import what a run needs.
+
+sparknet, and the user's `--model`/`--data` modules, checked with one small job rather than
+learnt from every task's retries."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pyspark import InheritableThread
 from pyspark.errors import PySparkException
 from pyspark.sql import SparkSession
 
-from sparknet.errors import SparknetError
+from sparknet.errors import Placeholder, SparknetError
 from sparknet.imports import is_reference
 from sparknet.training.transport import describe_task_failure, wait_for_executors
 
@@ -69,11 +69,12 @@ def check_python_workers(spark: SparkSession, tasks: int, modules: Sequence[str]
         )
     if lost := sorted({name for _, names_lost in found for name in names_lost}):
         raise SparknetError(
-            f"Spark's Python workers cannot import {', '.join(lost)} (your --model/--data "
-            "module): ship it to every executor (--conf spark.submit.pyFiles=FILE.py or a .zip, "
-            "--conf spark.executorEnv.PYTHONPATH=DIR on every worker, or install it in their "
-            "Python)"
-        )
+            "Spark's Python workers cannot import {lost} (your {@model}/{@data} module): ship it "
+            "to every executor ({@conf=files} or a .zip, {@conf=path} on every worker, or "
+            "install it in their Python)",
+            lost=", ".join(lost), files=Placeholder("spark.submit.pyFiles=FILE.py"),
+            path=Placeholder("spark.executorEnv.PYTHONPATH=DIR"),
+        )  # fmt: skip
 
 
 def _collect_within(sc, rdd, limit_s: float) -> list:

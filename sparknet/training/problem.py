@@ -1,5 +1,6 @@
-"""What a run trains on what: the data source, its number of classes and the initial model,
-checked on the driver before any Spark job.
+"""What a run trains on what, checked on the driver before any Spark job.
+
+The data source, its number of classes and the initial model.
 
 Kept apart from `driver`: `sparknet-submit` runs `prepare` before it launches a job (no run dir,
 no session), and the Python API hands its DataFrames in as a `FrameInput`.
@@ -15,7 +16,7 @@ import torch
 from sparknet.config import TrainConfig
 from sparknet.data.frames import Frames, prepare_frames, read_frame
 from sparknet.data.sources import Source
-from sparknet.errors import SparknetError
+from sparknet.errors import SettingError
 from sparknet.models import build_model, check_model_accepts
 from sparknet.training.spark_settings import check_security_conf
 
@@ -44,16 +45,18 @@ def check_num_classes(cfg: TrainConfig, source: Source) -> None:
     if manifest is not None and manifest.subset_of:
         labels += f": a subset of {manifest.subset_of} classes, indexed in its own order"
     if want < have:
-        raise SparknetError(
-            f"--num-classes {want} is fewer than the {have} classes of {cfg.data} ({labels}); "
-            f"pass --num-classes {have} or leave it out"
-        )
+        raise SettingError(
+            "{@num_classes=value} is fewer than the {have} classes of {data} ({labels}); pass "
+            "{@num_classes=have} or leave it out",
+            setting="num_classes", value=want, have=have, data=cfg.data, labels=labels,
+        )  # fmt: skip
     # a dataset without a manifest only shows its highest label, not how many classes it has
     if manifest is not None and not cfg.extra_classes:
-        raise SparknetError(
-            f"--num-classes {want}, but {cfg.data} has {have} classes ({labels}); leave it out, "
-            f"or add --extra-classes for a {want}-way head anyway"
-        )
+        raise SettingError(
+            "{@num_classes=value}, but {data} has {have} classes ({labels}); leave it out, or "
+            "add {@extra_classes=True} for a {value}-way head anyway",
+            setting="num_classes", value=want, have=have, data=cfg.data, labels=labels,
+        )  # fmt: skip
 
 
 def prepare(cfg: TrainConfig, source: Source) -> Problem:
@@ -63,15 +66,23 @@ def prepare(cfg: TrainConfig, source: Source) -> Problem:
     check_num_classes(cfg, source)
     num_classes = cfg.num_classes or source.num_classes
     if num_classes is None:
-        raise SparknetError(f"cannot tell how many classes {cfg.data!r} has; pass --num-classes")
+        raise SettingError(
+            "cannot tell how many classes {data!r} has; pass {@num_classes}",
+            setting="num_classes", value=None, data=cfg.data,
+        )  # fmt: skip
     local = (cfg.master or "local").startswith("local")  # its tasks use this machine's GPUs
     if cfg.device == "cuda" and local and not torch.cuda.is_available():
-        raise SparknetError(
-            f"--device cuda, but torch {torch.__version__} sees no GPU on this machine: "
-            "pass --device auto or cpu, or install a CUDA build of torch"
-        )
+        raise SettingError(
+            "{@device=value}, but torch {torch} sees no GPU on this machine: pass "
+            "{@device=auto} or cpu, or install a CUDA build of torch",
+            setting="device", value="cuda", torch=torch.__version__, auto="auto",
+        )  # fmt: skip
     if cfg.fail_once_at and cfg.fail_once_at[1] >= cfg.workers:
-        raise SparknetError(f"fail_once partition {cfg.fail_once_at[1]} >= --workers {cfg.workers}")
+        raise SettingError(
+            "fail_once partition {partition} >= {@workers=workers}",
+            setting="fail_once", value=cfg.fail_once, partition=cfg.fail_once_at[1],
+            workers=cfg.workers,
+        )  # fmt: skip
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, source.input_shape, num_classes)
     check_model_accepts(model, source.example(), num_classes, cfg.model)

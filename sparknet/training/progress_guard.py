@@ -142,7 +142,7 @@ class Guard:
         #: executors it stopped ({id: host}): Spark starts none in their place for this run
         self.stopped: dict[str, str] = {}
         #: why the run ends: a frozen worker whose work no other executor can take
-        self.ended: str | None = None
+        self.ended: SparknetError | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._listener: Listener | None = None
         self._stop = threading.Event()
@@ -200,7 +200,7 @@ class Guard:
             self._listener.close()
         self.beacon = None
         if self.ended is not None and isinstance(exc, Exception):
-            raise SparknetError(self.ended) from exc
+            raise self.ended from exc
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -302,19 +302,21 @@ class Guard:
         self._strikes[partition] = self._strikes.get(partition, 0) + 1
         if self._strikes[partition] > MAX_STRIKES:
             # its work froze on every try: the data or the model, not one machine
-            self.ended = (
-                f"{said}, for the {self._strikes[partition]}th time: its work freezes wherever "
-                "it runs; check its data and the model (or raise progress_timeout_s if a step "
-                "really takes that long)"
-            )
+            self.ended = SparknetError(
+                "{said}, for the {strikes}th time: its work freezes wherever it runs; check its "
+                "data and the model (or raise progress_timeout_s if a step really takes that "
+                "long)",
+                said=said, strikes=self._strikes[partition],
+            )  # fmt: skip
             self.sc.cancelAllJobs()
             return
         if task.executor != "driver" and not self._others(task.executor):
             # no executor is left to take its work: the run ends now, not after the wait for
             # executors (no_executor_timeout_s), as none is started in place of a stopped one
-            self.ended = (
-                f"{said} and no other executor can take its work: check that host (a hung GPU, "
-                "a stuck file system), then --resume from the last checkpoint"
+            self.ended = SparknetError(
+                "{said} and no other executor can take its work: check that host (a hung GPU, a "
+                "stuck file system), then {@resume=True} from the last checkpoint",
+                said=said,
             )
             self._stop_executor(task)
             self.sc.cancelAllJobs()

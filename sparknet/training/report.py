@@ -1,6 +1,8 @@
-"""What a run reports: `metrics.jsonl` (one object per round, and one per event of the job: a
-restart of its driver, `{"event": "restart", ...}`, written by the job's supervisor) and
-`curves.png`, in its run dir (a local dir or an S3 prefix, through its store)."""
+"""What a run reports: `metrics.jsonl` and `curves.png`, in its run dir.
+
+`metrics.jsonl` holds one object per round, and one per event of the job (a restart of its
+driver, `{"event": "restart", ...}`, written by the job's supervisor); the run dir is a local dir
+or an S3 prefix, reached through its store."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""The round loops on the driver: broadcast, let every worker run tau steps, average, step (the
-`spark` transport, a Spark job a round), or follow the rows of one barrier stage (`allreduce`);
-each round's row is recorded before its checkpoint is published.
+"""The round loops on the driver, one per transport.
+
+Broadcast, let every worker run tau steps, average, step (the `spark` transport, a Spark job a
+round), or follow the rows of one barrier stage (`allreduce`); each round's row is recorded
+before its checkpoint is published.
 
 Kept apart from `driver`, which holds what surrounds the loops (the checks, resume, the session,
 the transport chosen): the loops and their state read on their own. Executors import this module
@@ -110,9 +112,9 @@ class _Executors:
 def _raise_diverged(contrib: Contribution, done: int, run: RunDir) -> None:
     bad = next(r for r in contrib.reports if r.diverged is not None)
     raise SparknetError(
-        f"training diverged at round {done}, worker {bad.partition}: {bad.diverged}; lower "
-        f"--lr or check the data; last good checkpoint: {_last_good(run)}"
-    )
+        "{cause}; last good checkpoint: {last}",
+        cause=Diverged.at(done, bad.partition, bad.diverged), last=_last_good(run),
+    )  # fmt: skip
 
 
 def _last_good(run: RunDir) -> str:
@@ -142,6 +144,24 @@ class Begin:
     #: settings a resume changed with --allow-change: {name: {"stored": x, "now": y}}
     changes: dict[str, Any] = field(default_factory=dict)
 
+    @staticmethod
+    def from_checkpoint(cfg: TrainConfig, run: RunDir, rounds: int, layout: StateLayout) -> Begin:
+        """Where the checkpoint after `rounds` left the run: its weights, integer state, elapsed
+        time and outer momentum (a resume and a replay go on from there alike)."""
+        ckpt = checkpoint.load(run.store, rounds, layout)
+        outer = outer_at(cfg, layout, ckpt.theta, ckpt.outer_momentum)
+        return Begin(layout, outer, ckpt.integers, ckpt.rounds, ckpt.elapsed_s)
+
+
+def outer_at(
+    cfg: TrainConfig, layout: StateLayout, theta: np.ndarray, momentum: np.ndarray | None
+) -> OuterOptimizer:
+    """The outer optimizer at `theta` with `momentum` as its buffer (None: a fresh one): the one
+    way a run makes one, whether it starts, resumes, or replays from a checkpoint."""
+    outer = OuterOptimizer(theta, cfg.outer_lr, cfg.outer_momentum, layout.buffer_mask())
+    outer.load_momentum_buffer(momentum)
+    return outer
+
 
 @dataclass
 class Loop:
@@ -159,6 +179,14 @@ class Loop:
     warn: WarningCallback
     #: the run's progress guard, which the workers report to (None: no guard)
     guard: Guard | None = None
+
+    def first_task(self, begin: Begin, run_id: str) -> RoundTask:
+        """The task of the first round from `begin`; a later round's is a `replace` of it."""
+        problem = self.problem
+        return RoundTask(
+            self.cfg, problem.source, run_id, begin.rounds, begin.layout, begin.integers,
+            problem.num_classes, problem.source.input_shape, self.run.store.uri,
+        )  # fmt: skip
 
     def record(self, row: dict[str, Any], begin: Begin) -> None:
         """A round's row into metrics.jsonl and the event file (before its checkpoint is
@@ -192,7 +220,7 @@ def spark_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
     task ran on another) is not stepped with: the rounds since the last complete checkpoint (or
     since the run began) run again from there, and the run ends with the weights of a run
     without the loss (`_Segment`)."""
-    cfg, problem, run = loop.cfg, loop.problem, loop.run
+    cfg, run = loop.cfg, loop.run
     layout = begin.layout
     train_frame = placed.train if placed is not None else None
     eval_frame = placed.eval if placed is not None else None
@@ -201,10 +229,7 @@ def spark_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
     try:
         beacon = loop.guard.beacon if loop.guard is not None else None
         transport = SparkTransport(loop.spark.sparkContext, cfg.workers, beacon=beacon)
-        base = RoundTask(
-            cfg, problem.source, "", begin.rounds, layout, begin.integers,
-            problem.num_classes, problem.source.input_shape, run.store.uri,
-        )  # fmt: skip
+        base = loop.first_task(begin, run_id="")  # each segment's own run_id replaces it
         executors = _Executors()
         seg = _Segment.at(loop, begin)  # a copy: a replay may go back to `begin` itself
         theta, integers, r, replays = seg.outer.theta.numpy(), seg.integers, seg.first, 0
@@ -225,7 +250,7 @@ def spark_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
                 seen: dict[str, Any] = {}  # the executors lost and joined, for the next row
                 executors.after_round(seen, transport)
                 if replays == REPLAYS:
-                    raise SparknetError(_replays_spent(done, seg.first))
+                    raise _replays_spent(done, seg.first)
                 replays += 1
                 if pending is not None:  # the workers wrote states into it: not the run's
                     checkpoint.discard(run.store, pending)
@@ -288,11 +313,7 @@ class _Segment:
     @staticmethod
     def at(loop: Loop, b: Begin) -> _Segment:
         """A segment from `b`, with an outer optimizer of its own (`b`'s is never stepped)."""
-        outer = OuterOptimizer(
-            b.outer.theta.numpy(), loop.cfg.outer_lr, loop.cfg.outer_momentum,
-            b.layout.buffer_mask(),
-        )  # fmt: skip
-        outer.load_momentum_buffer(b.outer.momentum_buffer)
+        outer = outer_at(loop.cfg, b.layout, b.outer.theta.numpy(), b.outer.momentum_buffer)
         return _Segment(b.rounds, outer, b.integers, b.elapsed_s)
 
 
@@ -316,13 +337,14 @@ def _replay_line(done: int, missed: list[int], again: int, replays: int) -> str:
     )
 
 
-def _replays_spent(done: int, again: int) -> str:
-    then = "run it again with --resume" if again else "run it again"
-    return (
-        f"round {done}: partitions still found no inner optimizer state after {REPLAYS} replays "
-        f"from {_from_where(again)}: executors keep being lost; {then} once the cluster keeps "
-        "its executors, or train with --inner-state reset"
-    )
+def _replays_spent(done: int, again: int) -> SparknetError:
+    then = "run it again with {@resume=True}" if again else "run it again"
+    return SparknetError(
+        "round {done}: partitions still found no inner optimizer state after {replays} replays "
+        "from {where}: executors keep being lost; " + then + " once the cluster keeps its "
+        "executors, or train with {@inner_state=reset}",
+        done=done, replays=REPLAYS, where=_from_where(again), reset="reset",
+    )  # fmt: skip
 
 
 def allreduce_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
@@ -333,11 +355,7 @@ def allreduce_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
     transport = AllReduceTransport(
         loop.spark.sparkContext, cfg.workers, placed, loop.guard, pack=cfg.pack_workers
     )
-    base = RoundTask(
-        cfg, loop.problem.source, uuid.uuid4().hex[:12], begin.rounds, begin.layout,
-        begin.integers, loop.problem.num_classes, loop.problem.source.input_shape,
-        run.store.uri,
-    )  # fmt: skip
+    base = loop.first_task(begin, run_id=uuid.uuid4().hex[:12])
     executors = _Executors()
     restarts = 0
     stage_begin = begin
@@ -349,7 +367,9 @@ def allreduce_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
                            executors)  # fmt: skip
                 break
             except Diverged as exc:
-                raise SparknetError(f"{exc}; last good checkpoint: {_last_good(run)}") from exc
+                raise SparknetError(
+                    "{cause}; last good checkpoint: {last}", cause=exc, last=_last_good(run)
+                ) from exc
             except StageFailed as exc:
                 if exc.permanent or restarts == RESTARTS:
                     raise SparknetError(f"the allreduce stage failed: {exc}") from exc
@@ -413,16 +433,17 @@ def _wait_to_restart(loop: Loop, transport: AllReduceTransport, exc: StageFailed
     if lost and all(one.split("@", 1)[0] in stopped for one in lost):
         # stopped by the progress guard for a frozen worker: Spark starts none in their place
         raise SparknetError(
-            f"the allreduce stage cannot run again: {_lost_ones(lost)} "
-            f"{'was' if len(lost) == 1 else 'were'} stopped (a worker there made no progress), "
-            f"so {why}; check that host (a hung GPU, a stuck file system) and --resume, or "
-            f"--resume --allow-change with fewer --workers (last good checkpoint: "
-            f"{_last_good(loop.run)})"
-        )
+            "the allreduce stage cannot run again: {lost} {were} stopped (a worker there made no "
+            "progress), so {why}; check that host (a hung GPU, a stuck file system) and "
+            "{@resume=True}, or {@resume=True} {@allow_change=True} with fewer {@workers} (last "
+            "good checkpoint: {last})",
+            lost=_lost_ones(lost), were="was" if len(lost) == 1 else "were", why=why,
+            last=_last_good(loop.run),
+        )  # fmt: skip
     wait_s = loop.cfg.no_executor_timeout_s
     upto = f"up to {wait_s:g} s" if wait_s else "without end (no_executor_timeout_s is 0)"
     failed = f"the allreduce stage failed ({exc})"
-    if why not in str(exc):  # the driver's own check failed it, in these words
+    if why != exc.why:  # the driver's own check failed it, in these words
         failed += f" and cannot run again yet: {why}"
     loop.warn(
         f"{failed}; waiting {upto} for {_lost_ones(transport.lost())} to come back or be replaced"
@@ -432,12 +453,13 @@ def _wait_to_restart(loop: Loop, transport: AllReduceTransport, exc: StageFailed
         lost = transport.lost()
         one = len(lost) == 1
         raise SparknetError(
-            f"the allreduce stage cannot run again: {_lost_ones(lost)} "
-            f"{'is' if one else 'are'} gone and no executor came in "
-            f"{'its' if one else 'their'} place in {wait_s:g} s, so {why}; bring "
-            "the host back and --resume, or --resume --allow-change with fewer --workers (last "
-            f"good checkpoint: {_last_good(loop.run)}; no_executor_timeout_s sets the wait)"
-        )
+            "the allreduce stage cannot run again: {lost} {are} gone and no executor came in "
+            "{their} place in {wait_s} s, so {why}; bring the host back and {@resume=True}, or "
+            "{@resume=True} {@allow_change=True} with fewer {@workers} (last good checkpoint: "
+            "{last}; no_executor_timeout_s sets the wait)",
+            lost=_lost_ones(lost), are="is" if one else "are", their="its" if one else "their",
+            wait_s=f"{wait_s:g}", why=why, last=_last_good(loop.run),
+        )  # fmt: skip
 
 
 def _lost_ones(lost: list[str]) -> str:
@@ -453,12 +475,7 @@ def _restart_state(loop: Loop, begin: Begin) -> Begin:
     last = checkpoint.latest(loop.run.store)
     if last is None or last <= begin.rounds:
         return begin
-    ckpt = checkpoint.load(loop.run.store, last, begin.layout)
-    outer = OuterOptimizer(
-        ckpt.theta, loop.cfg.outer_lr, loop.cfg.outer_momentum, begin.layout.buffer_mask()
-    )
-    outer.load_momentum_buffer(ckpt.outer_momentum)
-    return Begin(begin.layout, outer, ckpt.integers, ckpt.rounds, ckpt.elapsed_s)
+    return Begin.from_checkpoint(loop.cfg, loop.run, last, begin.layout)
 
 
 class RunEvents:

@@ -30,7 +30,7 @@ from sparknet.config import TrainConfig, yaml_section
 from sparknet.data import s3
 from sparknet.data.s3 import S3Uri
 from sparknet.data.store import MissingObjectError, S3Store, Store, open_store
-from sparknet.errors import SparknetError
+from sparknet.errors import SettingError, SparknetError
 from sparknet.training import checkpoint
 from sparknet.training.report import CURVES, METRICS
 
@@ -67,7 +67,7 @@ def read_run_config(run_dir: str | Path, endpoint_url: str | None = None) -> dic
     store = open_store(str(run_dir), endpoint_url)
     last = checkpoint.latest(store)
     names = [f"{checkpoint.name(last)}/{checkpoint.CONFIG}"] if last is not None else []
-    for name in [*names, "config.yaml"]:
+    for name in [*names, CONFIG_FILE]:
         try:
             data = store.read_bytes(name)
         except MissingObjectError:
@@ -106,12 +106,17 @@ class RunDir:
         itself, or any other scheme)."""
         if out.startswith("s3://"):
             if not S3Uri.parse(out).key.strip("/"):
-                raise SparknetError(
-                    f"--out {out}: a run needs its own prefix; write it as s3://BUCKET/PREFIX/RUN"
+                raise SettingError(
+                    "{@out=value}: a run needs its own prefix; write it as s3://BUCKET/PREFIX/RUN",
+                    setting="out",
+                    value=out,
                 )
             return cls(out, open_store(out, endpoint_url))
         if "://" in out:
-            raise SparknetError(f"--out {out}: write a local path or s3://BUCKET/PREFIX/RUN")
+            raise SettingError(
+                "{@out=value}: write a local path or s3://BUCKET/PREFIX/RUN",
+                setting="out", value=out,
+            )  # fmt: skip
         path = str(Path(out).expanduser())  # as the store reads it, so the lock is on that dir
         return cls(path, open_store(path))
 
@@ -147,15 +152,18 @@ def check_out(run: RunDir) -> None:
     if run.on_s3:
         assert isinstance(run.store, S3Store)
         if _is_object(run.store):
-            raise SparknetError(
-                f"--out {run}: that is an object (a file) in S3; choose a prefix for the run"
+            raise SettingError(
+                "{@out=value}: that is an object (a file) in S3; choose a prefix for the run",
+                setting="out",
+                value=str(run),
             )
         return
     for path in (run.local, *run.local.parents):
         if path.exists() and not path.is_dir():
-            raise SparknetError(
-                f"--out {run.local}: {path} is a file; choose a directory for the run"
-            )
+            raise SettingError(
+                "{@out=value}: {path} is a file; choose a directory for the run",
+                setting="out", value=str(run.local), path=path,
+            )  # fmt: skip
 
 
 def _is_object(store: S3Store) -> bool:
@@ -192,11 +200,16 @@ def check(run: RunDir, resume: bool) -> None:
             raise SparknetError(f"nothing to resume: {run} is not a sparknet run dir")
     elif entries and not _is_unfinished_run(run, entries):
         if CONFIG_FILE in entries and all(is_run_entry(e) for e in entries):
-            raise SparknetError(
-                f"{run} already holds a run; pass --resume to continue it or choose another --out"
+            raise SettingError(
+                "{value} already holds a run; pass {@resume=True} to continue it or choose "
+                "another {@out}",
+                setting="out",
+                value=str(run),
             )
-        raise SparknetError(
-            f"--out {run} is not empty and is not a sparknet run dir; choose another --out"
+        raise SettingError(
+            "{@out=value} is not empty and is not a sparknet run dir; choose another {@out}",
+            setting="out",
+            value=str(run),
         )
 
 
@@ -249,16 +262,22 @@ def _flocked(run_dir: Path) -> Iterator[None]:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as exc:
-        raise SparknetError(f"--out {run_dir}: cannot create it: {exc.strerror}") from exc
+        raise SettingError(
+            "{@out=value}: cannot create it: {reason}",
+            setting="out", value=str(run_dir), reason=exc.strerror,
+        ) from exc  # fmt: skip
     try:
         if not os.access(run_dir, os.W_OK):
-            raise SparknetError(f"--out {run_dir}: not writable; choose another --out")
+            raise SettingError(
+                "{@out=value}: not writable; choose another {@out}",
+                setting="out", value=str(run_dir),
+            )  # fmt: skip
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
             raise SparknetError(
-                f"another sparknet run is using {run_dir}; wait for it to end or choose "
-                "another --out"
+                "another sparknet run is using {dir}; wait for it to end or choose another {@out}",
+                dir=run_dir,
             ) from exc
         yield
     finally:
@@ -351,11 +370,12 @@ class S3Lock(Lock):
     def _busy(self, owner: str, age: float) -> SparknetError:
         who = f" ({owner})" if owner else ""
         return SparknetError(
-            f"another sparknet run{who} is using {self.store.uri}: its lock {self.where} was "
-            f"renewed {age:.0f} s ago; wait for it to end or choose another --out (the lock "
-            f"expires {max(0.0, STALE_S - age):.0f} s after its last renewal; if that run is "
-            f"surely gone, delete {self.where} to take the dir now)"
-        )
+            "another sparknet run{who} is using {uri}: its lock {lock} was renewed {age} s ago; "
+            "wait for it to end or choose another {@out} (the lock expires {left} s after its "
+            "last renewal; if that run is surely gone, delete {lock} to take the dir now)",
+            who=who, uri=self.store.uri, lock=self.where, age=f"{age:.0f}",
+            left=f"{max(0.0, STALE_S - age):.0f}",
+        )  # fmt: skip
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -376,7 +396,7 @@ class S3Lock(Lock):
             elif _code(exc) in _LOST:
                 self._recheck(sent)
         except bx.BotoCoreError:
-            pass
+            pass  # no answer (a dropped connection): the next beat tries again
 
     def _recheck(self, sent: float) -> None:
         """A conditional renewal lost: still ours when the object holds our token (an answer
@@ -400,9 +420,11 @@ class S3Lock(Lock):
         if not self.lost and silent > LOST_AFTER_S:
             self.lost = True
             raise SparknetError(
-                f"this run could not renew its lock on {self.store.uri} for {silent:.0f} s, so "
-                f"another run may take the dir over; it stops so the two do not mix their files "
-                "(check the connection to S3, then resume it with --resume)"
+                "this run could not renew its lock on {uri} for {silent} s, so another run may "
+                "take the dir over; it stops so the two do not mix their files (check the "
+                "connection to S3, then resume it with {@resume=True})",
+                uri=self.store.uri,
+                silent=f"{silent:.0f}",
             )
         if self.lost:
             raise SparknetError(

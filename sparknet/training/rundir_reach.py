@@ -57,7 +57,9 @@ def unseen_hosts(sc: SparkContext, run: RunDir, workers: int) -> list[str]:
 def refusal(run: RunDir, hosts: list[str]) -> InputError:
     """The one line for a run whose executors on `hosts` do not see its local run dir."""
     return InputError(
-        f"--out {run} is a path on the driver's machine, but the executors on "
-        f"{', '.join(hosts)} do not see it (Spark's tasks write checkpoint files into it): "
-        "give an s3:// --out or a path every node mounts at the same place (NFS, EFS)"
+        "{@out=run} is a path on the driver's machine, but the executors on {hosts} do not see "
+        "it (Spark's tasks write checkpoint files into it): give an s3:// {@out} or a path "
+        "every node mounts at the same place (NFS, EFS)",
+        run=str(run),
+        hosts=", ".join(hosts),
     )

@@ -21,7 +21,7 @@ from pyspark import SparkContext
 from pyspark.errors import PySparkException
 from pyspark.sql import SparkSession
 
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, first_line
 from sparknet.spark_security import UI_HOST
 from sparknet.training.jvm_stderr import HeldStderr, gateway_killed_on_failure
 from sparknet.training.spark_settings import (
@@ -162,25 +162,16 @@ def _start_failure(
             "check that the master is reachable from here and has a worker with free cores"
         )
     return (
-        f"could not start Spark (master {master}): {_first_line(exc)}; check "
+        f"could not start Spark (master {master}): {first_line(exc)}; check "
         "that Java 17+ is installed (java on PATH or JAVA_HOME) and that the master is "
         "reachable"
     )
 
 
-def _first_line(exc: Exception) -> str:
-    """str(exc)'s first line; a Py4J error's str asks the JVM, which may be gone."""
-    try:
-        text = str(exc).strip()
-    except Exception:
-        return type(exc).__name__
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _java_message(exc: Exception) -> str | None:
     """The message of the Java exception behind a Py4J error (e.g. SparkContext's own checks)."""
     java = getattr(exc, "java_exception", None)
-    text = _first_line(java) if java is not None else ""
+    text = first_line(java) if java is not None else ""
     first = text if text != type(java).__name__ else ""
     _, sep, message = first.partition(": ")
     return message.strip() or None if sep else None
@@ -213,8 +204,8 @@ _STOPPED_HERE: weakref.WeakSet[SparkContext] = weakref.WeakSet()
 _REMOVED = re.compile(r"Master removed our application: (\w+)")
 
 
-def stopped_from_outside(sc: SparkContext, exc: BaseException) -> str | None:
-    """One line for a run whose Spark application was ended under it, by the master (killed
+def stopped_from_outside(sc: SparkContext, exc: BaseException) -> SparknetError | None:
+    """The one-line error of a run whose Spark application was ended under it, by the master (killed
     there, or failed) or by anything else that stopped its context, not by sparknet; None
     when it still runs, or sparknet stopped it. `exc` is what the run raised (a job's
     failure, or a call into the stopped context): its text may name the master's reason.
@@ -232,9 +223,10 @@ def stopped_from_outside(sc: SparkContext, exc: BaseException) -> str | None:
         if session.sparkContext is sc:
             held.release(show=False)
     why = f"the master removed it: {removed.group(1)}" if removed else "its context stopped"
-    return (
-        f"Spark stopped the application while it ran ({why}): it was killed on the master or "
-        "given up there; to go on from the last checkpoint, run again with --resume"
+    return SparknetError(
+        "Spark stopped the application while it ran ({why}): it was killed on the master or "
+        "given up there; to go on from the last checkpoint, run again with {@resume=True}",
+        why=why,
     )
 
 
@@ -245,9 +237,9 @@ def _chain_text(exc: BaseException) -> str:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # the JVM may be gone: its text is skipped
             parts.append(str(current))
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # the same
             parts.append(str(getattr(current, "java_exception", "") or ""))
         current = current.__cause__ or current.__context__
     return "\n".join(parts)
@@ -260,17 +252,17 @@ def stop_quietly(session: SparkSession) -> None:
     JVM may be gone already (SIGTERM to the process group): its py4j error must not replace
     the interrupt the user sees. The JVM's Python workers write to the same pipe: a worker whose
     task is cancelled while it sends its result prints a BrokenPipeError traceback there."""
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):  # the JVM may be gone (see above): nothing to mark
         if not session.sparkContext._jsc.sc().isStopped():
             _STOPPED_HERE.add(session.sparkContext)
     held = _JVM_STDERR.get(session)
     if held is not None:
         held.release(show=False)
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):  # a gone JVM runs no jobs and prints nothing
         session.sparkContext.cancelAllJobs()
         jvm = session.sparkContext._jvm
         jvm.System.setErr(jvm.java.io.PrintStream(jvm.java.io.OutputStream.nullOutputStream()))
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):  # a gone JVM's error must not replace the interrupt
         session.stop()
     if (private := _LOCAL_DIRS.pop(session, None)) is not None:
         shutil.rmtree(private, ignore_errors=True)

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from sparknet.errors import SparknetError
+from sparknet.errors import Placeholder, SettingError, SparknetError
 from sparknet.spark_security import RPC_HARDENING, SECURITY, UI_READ_ONLY
 
 #: Local mode retries nothing unless told to; a demanding user expects a flaky task to be retried.
@@ -205,8 +205,10 @@ def check_user_conf(master: str, conf: Mapping[str, str], gpus_per_worker: int) 
     its security down."""
     check_security_conf(master, conf)
     if "spark.master" in conf:
-        raise SparknetError(
-            f"Spark setting spark.master={conf['spark.master']}: choose the master with --master"
+        raise SettingError(
+            "Spark setting spark.master={value}: choose the master with {@master}",
+            setting="spark_conf",
+            value=conf["spark.master"],
         )
     if conf.get("spark.speculation", "false").strip().lower() == "true":
         raise SparknetError(
@@ -214,20 +216,25 @@ def check_user_conf(master: str, conf: Mapping[str, str], gpus_per_worker: int) 
             "another executor without its partition's optimizer state; drop it"
         )
     if gpus_per_worker and is_local_master(master):
-        raise SparknetError(
-            f"--gpus-per-worker needs a cluster master (--master spark://..., yarn, k8s://...); "
-            f"{master} runs every task in one process, where a task trains on cuda:0 when "
-            "there is a GPU"
-        )
+        raise SettingError(
+            "{@gpus_per_worker} needs a cluster master ({@master=cluster}, yarn, k8s://...); "
+            "{master} runs every task in one process, where a task trains on cuda:0 when there "
+            "is a GPU",
+            setting="gpus_per_worker", value=gpus_per_worker, master=master,
+            cluster=Placeholder("spark://..."),
+        )  # fmt: skip
     if "spark.task.cpus" in conf and not _positive_int(conf["spark.task.cpus"]):
         raise SparknetError(
             f"Spark setting spark.task.cpus={conf['spark.task.cpus']}: the cores each task "
             "takes must be a whole number, at least 1"
         )
     if gpus_per_worker and (given := [k for k in GPU_KEYS if k in conf]):
-        raise SparknetError(
-            f"--gpus-per-worker sets {given[0]}; drop one of the two (the Spark setting or "
-            "--gpus-per-worker)"
+        raise SettingError(
+            "{@gpus_per_worker} sets {key}; drop one of the two (the Spark setting or "
+            "{@gpus_per_worker})",
+            setting="gpus_per_worker",
+            value=gpus_per_worker,
+            key=given[0],
         )
 
 

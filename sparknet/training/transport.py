@@ -71,16 +71,31 @@ class TaskFault:
 
     partition: int
     message: str
+    #: the fault itself where it is sparknet's own and pickles (as its template and values):
+    #: raised on the driver as it is, so each front end spells its settings
+    error: PermanentTaskError | None = None
 
     @staticmethod
     def of(partition: int, exc: BaseException) -> TaskFault:
         # a DataLoader worker re-raises it with its traceback in the message: keep the cause line
+        # (raised by the task itself, it is one line and crosses whole)
+        if isinstance(exc, PermanentTaskError) and "\n" not in str(exc) and _pickles(exc):
+            return TaskFault(partition, str(exc), exc)
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         mark = "PermanentTaskError: "
         causes = [ln.split(mark, 1)[1] for ln in lines if mark in ln]
         if causes:
             return TaskFault(partition, causes[-1])
         return TaskFault(partition, lines[0] if lines else type(exc).__name__)
+
+
+def _pickles(exc: BaseException) -> bool:
+    """Whether `exc` crosses to the driver whole (a value of its message may not pickle)."""
+    try:
+        pickle.dumps(exc)
+    except Exception:  # any value that does not pickle: the fault travels as its text
+        return False
+    return True
 
 
 def _fault_first(combine: Callable[[R, R], R]) -> Callable:
@@ -149,7 +164,7 @@ def describe_task_failure(exc: Exception) -> str:
     python_side = [m for m in found if m.group(1) not in _WRAPPERS]
     if python_side:
         name, msg = python_side[-1].groups()
-        return msg if name == "SparknetError" else f"{name}: {msg}"
+        return msg if name in ("SparknetError", "SettingError") else f"{name}: {msg}"
     return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
@@ -333,7 +348,7 @@ def _wait_until_listed(sc: SparkContext, rdd, partitions: int, limit_s: float = 
 
 def _release(rdd) -> None:
     """Unpersist, quietly: the session may be gone already (and its blocks with it)."""
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):  # the session (and the blocks) may be gone already
         rdd.unpersist()
 
 
@@ -588,5 +603,5 @@ class SparkTransport:
         finally:
             bc.destroy()
         if isinstance(result, TaskFault):
-            raise PermanentTaskError(result.message)
+            raise result.error or PermanentTaskError(result.message)
         return result, broadcast_s

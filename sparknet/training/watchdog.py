@@ -1,6 +1,8 @@
-"""The driver's executor watchdog: a run on a cluster master that has had no Spark executor for a
-set time (`TrainConfig.no_executor_timeout_s`, 5 minutes by default) ends with one line saying
-so, instead of waiting forever.
+"""The driver's executor watchdog: a run with no executor for too long ends in one line.
+
+A run on a cluster master that has had no Spark executor for a set time
+(`TrainConfig.no_executor_timeout_s`, 5 minutes by default) ends with one line saying so,
+instead of waiting forever.
 
 Spark itself waits without end for executors: a standalone master that died and was started
 again has the workers kill the executors of every application it does not know, and the
@@ -60,12 +62,13 @@ class ExecutorWatchdog:
         self._thread: threading.Thread | None = None
 
     @property
-    def message(self) -> str:
-        return (
-            f"no Spark executor for {self.timeout_s:g} s: the cluster lost every executor of "
-            "this run (its workers are gone, or a restarted master had them killed), so the "
-            "run stops; --resume continues it from its last checkpoint once the cluster is "
-            "whole (no_executor_timeout_s sets the wait)"
+    def error(self) -> NoExecutors:
+        return NoExecutors(
+            "no Spark executor for {wait} s: the cluster lost every executor of this run (its "
+            "workers are gone, or a restarted master had them killed), so the run stops; "
+            "{@resume=True} continues it from its last checkpoint once the cluster is whole "
+            "(no_executor_timeout_s sets the wait)",
+            wait=f"{self.timeout_s:g}",
         )
 
     def __enter__(self) -> ExecutorWatchdog:
@@ -103,4 +106,4 @@ class ExecutorWatchdog:
         if self._thread is not None:
             self._thread.join()
         if self.fired and isinstance(exc, Exception):
-            raise NoExecutors(self.message) from exc
+            raise self.error from exc

@@ -10,8 +10,10 @@ import pytest
 import typer.testing
 from typer.testing import CliRunner
 
-from sparknet.cluster import lifecycle, registry
+from sparknet.cluster import ec2 as aws_provider
+from sparknet.cluster import registry
 from sparknet.errors import SparknetError
+from sparknet.jobs import driver
 
 
 @pytest.fixture
@@ -59,7 +61,7 @@ def test_a_submit_lock_that_cannot_be_made_is_one_line_exit_2(tmp_path, monkeypa
     monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     (tmp_path / "sparknet.yaml").write_text("clusters:\n  c1: {bucket: b-b}\n")
     ups: list[str] = []
-    monkeypatch.setattr(lifecycle, "up", lambda spec, **kw: ups.append(spec.name))
+    monkeypatch.setattr(aws_provider, "up", lambda spec, **kw: ups.append(spec.name))
     line = _one_error_line(CliRunner().invoke(submit_app, ["--s3", "s3://b-b/x"]))
     assert line == (
         f"error: cannot take the lock {tmp_path}/home/submits/c1.lock: Not a directory; make "
@@ -89,8 +91,8 @@ def test_cluster_down_question_unanswered_or_interrupted_is_one_line(home, monke
     from sparknet.cli.cluster import cluster_app, life
 
     downs: list[str] = []
-    monkeypatch.setattr(lifecycle, "down", lambda spec, **kw: downs.append(spec.name))
-    monkeypatch.setattr(life, "_running_jobs", lambda *args: ["R1"])
+    monkeypatch.setattr(aws_provider, "down", lambda spec, **kw: downs.append(spec.name))
+    monkeypatch.setattr(driver, "jobs_on", lambda *args, **kwargs: ["R1"])
     monkeypatch.setattr(life, "_on_terminal", lambda: True)
     runner = CliRunner()
     eof = runner.invoke(cluster_app, ["down", "c1"], input="")
@@ -107,10 +109,10 @@ def test_cluster_down_question_unanswered_or_interrupted_is_one_line(home, monke
     )
     assert "Aborted" not in eof.stderr + ctrl_c.stderr and downs == []
 
-    def interrupted(*args):
+    def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C while the master is asked for its jobs
 
-    monkeypatch.setattr(life, "_running_jobs", interrupted)
+    monkeypatch.setattr(driver, "jobs_on", interrupted)
     asking = runner.invoke(cluster_app, ["down", "c1"])
     assert (asking.exit_code, asking.stderr) == (
         130,
@@ -203,8 +205,8 @@ def test_a_submit_whose_ami_does_not_resolve_is_refused_before_up(
         f"clusters:\n  c1: {{bucket: {bucket}, data_prefix: ds/, ami_parameter: /no/such}}\n"
     )
     calls: list[str] = []
-    monkeypatch.setattr(lifecycle, "up", lambda spec, **kw: calls.append(f"up {spec.name}"))
-    monkeypatch.setattr(lifecycle, "down", lambda spec, **kw: calls.append(f"down {spec.name}"))
+    monkeypatch.setattr(aws_provider, "up", lambda spec, **kw: calls.append(f"up {spec.name}"))
+    monkeypatch.setattr(aws_provider, "down", lambda spec, **kw: calls.append(f"down {spec.name}"))
     line = _one_error_line(CliRunner().invoke(submit_app, ["--s3", uri]))
     assert line.startswith("error: SSM parameter /no/such does not exist in us-east-1"), line
     assert calls == []

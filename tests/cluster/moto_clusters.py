@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from sparknet.cluster import lifecycle, registry
+from sparknet.cluster import ec2 as aws_provider
+from sparknet.cluster import records, registry
 from sparknet.cluster.spec import ClusterSpec
 from tests.conftest import SPARKNET
 from tests.moto_server import amazon_ami
@@ -84,8 +85,8 @@ def moto_spec(
     try:
         yield spec
     finally:
-        with contextlib.suppress(lifecycle.ClusterNotFound):
-            lifecycle.down(spec, endpoint_url=endpoint)
+        with contextlib.suppress(records.ClusterNotFound):
+            aws_provider.down(spec, endpoint_url=endpoint)
 
 
 @contextlib.contextmanager

@@ -26,12 +26,12 @@ import boto3
 import pytest
 from typer.testing import CliRunner
 
-from sparknet.cluster import ami, lifecycle, registry
+from sparknet.cluster import ami, registry
+from sparknet.cluster import ec2 as aws_provider
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.aws import images
-from sparknet.cluster.remote import run
 from sparknet.cluster.spark import bootstrap
-from sparknet.cluster.spark.plan import FACTS, Context, Node, Plan, parse_facts
+from sparknet.cluster.spark.plan import Context, Node, Plan, node_facts
 from sparknet.cluster.spark.wheel import Wheel, build_wheel
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
@@ -218,7 +218,7 @@ def test_bake_makes_a_tagged_image_with_the_steps_done_and_removes_the_builder(
 
     node = Node(Endpoint("master", "127.0.0.1"), prefix=str(prefix))
     conn = invoke.Context()  # in tmp_path: python -c finds no sparknet in the cwd there
-    facts = parse_facts(run(conn, FACTS), node.prefix)
+    facts = node_facts(conn, node.prefix)
     plan = Plan((node,), wheel, "", python_env=str(REPO / ".venv"))
     ctx = Context(plan, node, facts)
     steps = [cls(ctx) for cls in ami.load_image().steps]
@@ -513,10 +513,10 @@ def test_cluster_up_launches_the_recorded_baked_ami(moto_endpoint, tmp_path, mon
         instance_types=["m5.large"], allowed_cidr="203.0.113.9/32", root_volume_gb=120,
     )  # fmt: skip
     try:
-        lifecycle.up(spec, endpoint_url=moto_endpoint, wait_timeout_s=60, wait_delay_s=0.2)
+        aws_provider.up(spec, endpoint_url=moto_endpoint, wait_timeout_s=60, wait_delay_s=0.2)
         found = ec2.describe_instances(
             Filters=[{"Name": f"tag:{TAG_CLUSTER}", "Values": [spec.name]}]
         )["Reservations"]
         assert [i["ImageId"] for r in found for i in r["Instances"]] == [baked]
     finally:
-        lifecycle.down(spec, endpoint_url=moto_endpoint)
+        aws_provider.down(spec, endpoint_url=moto_endpoint)

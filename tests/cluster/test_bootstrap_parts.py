@@ -23,7 +23,7 @@ from sparknet.cluster.spark import spark_conf as sc
 from sparknet.cluster.spark.daemons import MASTER_CLASS, WORKER_CLASS, Master, Worker
 from sparknet.cluster.spark.health import ClusterHealth, Expected, WorkerState, judge
 from sparknet.cluster.spark.plan import (
-    ENV_PROBE,
+    FACTS_SCRIPT,
     PIP_NETWORK,
     AmiEnv,
     Context,
@@ -34,10 +34,11 @@ from sparknet.cluster.spark.plan import (
     python_problem,
     python_version,
 )
-from sparknet.cluster.spark.steps import PYTHON_FIX, TORCH_NEW_ENOUGH, NodePython, Step
+from sparknet.cluster.spark.steps import PYTHON_FIX, TORCH_FITS, NodePython, Step
 from sparknet.cluster.spark.wheel import Wheel
 from sparknet.cluster.spec import BootstrapSettings
 from sparknet.errors import SparknetError
+from sparknet.node import files
 
 # --- the GPU discovery script ---------------------------------------------------------------
 
@@ -221,7 +222,7 @@ def test_torch_older_than_2_8_does_not_fit(tmp_path) -> None:
     fake = tmp_path / "torch-2.7.1+cu126.dist-info"
     fake.mkdir()
     (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.7.1+cu126\n")
-    code = [sys.executable, "-c", TORCH_NEW_ENOUGH]
+    code = [sys.executable, "-c", files.script(TORCH_FITS), "2.8", "--quick"]
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     old = subprocess.run(code, env=env, capture_output=True, text=True, timeout=60)
     assert old.returncode == 1
@@ -273,12 +274,18 @@ def test_facts_from_one_command() -> None:
     )  # fmt: skip
 
 
-def test_the_env_probe_reads_an_envs_python_and_torch_without_importing_it() -> None:
-    """What the facts command runs in each AMI env, run here in the repo's venv."""
+def test_the_env_probe_reads_an_envs_python_and_torch_without_importing_it(tmp_path) -> None:
+    """What the facts script runs in each AMI env, run here with the repo's venv as one."""
+    python = tmp_path / "env" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
     out = subprocess.run(
-        [sys.executable, "-c", ENV_PROBE], capture_output=True, text=True, check=True
-    ).stdout
-    assert out.split() == [
+        ["sh", "-s", "--", str(tmp_path / "env"), str(tmp_path / "none")],
+        input=files.script(FACTS_SCRIPT), capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert out.split("@envs\n")[1].split("@python")[0].split() == [
+        str(tmp_path / "env"),
         ".".join(map(str, sys.version_info[:3])),
         importlib.metadata.version("torch"),
     ]
@@ -584,7 +591,7 @@ class Recorder:
             return Result(stderr=self.stderr, exited=1, command=command)
         out = (
             "/v/lib/python3.11/site-packages/pyspark\n"
-            if "submodule_search_locations" in command
+            if "sparknet.node spark-home" in command
             else ""
         )
         return Result(stdout=out, exited=0, command=command)

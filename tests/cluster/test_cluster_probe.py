@@ -15,7 +15,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from sparknet.cluster import inventory, lifecycle, registry
+from sparknet.cluster import ec2 as aws_provider
+from sparknet.cluster import inventory, records, registry
 from sparknet.cluster.spec import TAG_OWNER, ClusterSpec
 from tests.cluster import test_lifecycle
 from tests.cluster.test_lifecycle import REGION, _left, _settings_file, _up, cli
@@ -121,8 +122,8 @@ def test_terraform_state_is_kept_per_region_and_down_in_another_region_is_refuse
     state = _fake_terraform_state(tf)
     held = state.read_text()
 
-    with pytest.raises(lifecycle.ClusterNotFound) as info:
-        lifecycle.down(west, endpoint_url=moto_endpoint)
+    with pytest.raises(records.ClusterNotFound) as info:
+        aws_provider.down(west, endpoint_url=moto_endpoint)
     assert "it is in us-east-1" in str(info.value) and "--region us-east-1" in str(info.value)
     gone = cli("down", tf.name, "--region", "us-west-2", cwd=tmp_path)
     assert gone.returncode == 1, gone.stderr
@@ -226,7 +227,7 @@ def test_a_stopped_master_is_priced_at_its_volume_shown_stopped_and_started_by_u
     ec2 = boto3.client("ec2", region_name=REGION)
     ec2.stop_instances(InstanceIds=[info.master.id])
 
-    stopped = lifecycle.status(spec, endpoint_url=moto_endpoint)
+    stopped = aws_provider.status(spec, endpoint_url=moto_endpoint)
     assert stopped.master.state == "stopped"
     assert stopped.cost.compute == pytest.approx(2 * 0.526)  # the two g4dn.xlarge workers only
     assert stopped.cost.ebs_gib == 3 * 120  # the master's volume still bills
@@ -235,7 +236,7 @@ def test_a_stopped_master_is_priced_at_its_volume_shown_stopped_and_started_by_u
     assert shown.returncode == 0, shown.stderr
     assert any(info.master.id in ln and "stopped" in ln for ln in shown.stdout.splitlines())
 
-    again = lifecycle.up(spec, endpoint_url=moto_endpoint, wait_timeout_s=20, wait_delay_s=0.2)
+    again = aws_provider.up(spec, endpoint_url=moto_endpoint, wait_timeout_s=20, wait_delay_s=0.2)
     assert again.master.id == info.master.id and again.master.state == "running"
     assert _left(spec)["instances"] == 3
 
@@ -405,7 +406,7 @@ def test_up_with_fewer_workers_terminates_the_newest_surplus(spec, moto_endpoint
     done = cli("up", spec.name, "--workers", "1", "--no-bootstrap", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "terminating 2 surplus workers (newest first)" in done.stderr
-    now = lifecycle.status(spec, endpoint_url=moto_endpoint)
+    now = aws_provider.status(spec, endpoint_url=moto_endpoint)
     assert [w.id for w in now.workers] == [w.id for w in first.workers]
     assert now.master.id == first.master.id
     assert registry.registered()[spec.name].workers == 1
@@ -429,14 +430,14 @@ def test_sweep_goes_past_a_cluster_whose_down_fails_with_any_error(
     _up(spec.model_copy(update={"workers": 0}), moto_endpoint)
     for path in registry.registry_dir().glob("*.json"):
         path.unlink()
-    real_down = lifecycle.down
+    real_down = aws_provider.down
 
     def down(spec, **kw):
         if spec.name == broken:
             raise ResponseParserError("Unable to parse response, invalid XML received")
         return real_down(spec, **kw)
 
-    monkeypatch.setattr(lifecycle, "down", down)
+    monkeypatch.setattr(aws_provider, "down", down)
     monkeypatch.chdir(tmp_path)
     swept = CliRunner().invoke(app, ["cluster", "sweep", "--region", REGION, "--yes"])
     lines = swept.stdout.splitlines()

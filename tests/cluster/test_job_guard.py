@@ -46,6 +46,10 @@ def cluster(tmp_path, monkeypatch):
 
     monkeypatch.setattr(boot, "run_on_nodes", run_on_nodes)
     node = Node(Endpoint("master", "10.0.0.5"), prefix=str(tmp_path / "master"))
+    python = Path(node.python)  # the node's venv, as a bootstrap left it: this venv's Python
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
     plan = Plan((node,), Wheel(Path("w.whl"), "1", "d"), "s" * 32)
     return plan, tmp_path / "master", rounds
 
@@ -88,7 +92,7 @@ def test_a_new_master_under_a_running_job_is_refused_before_anything(cluster, jo
         "bootstrap with --force to go on anyway"
     )
     assert rounds == []
-    assert sorted(p.name for p in prefix.iterdir()) == [JOBS_DIR]  # nothing made there
+    assert sorted(p.name for p in prefix.iterdir()) == [JOBS_DIR, "venv"]  # nothing made there
     assert job.poll() is None
 
 

@@ -14,7 +14,8 @@ import pytest
 import yaml
 from botocore.exceptions import ClientError
 
-from sparknet.cluster import inventory, lifecycle, registry
+from sparknet.cluster import ec2 as aws_provider
+from sparknet.cluster import inventory, registry
 from sparknet.cluster.aws import instances, preflight
 from sparknet.cluster.aws.foundation import node_role_name
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
@@ -65,7 +66,7 @@ def _left(spec: ClusterSpec) -> dict[str, int]:
 
 
 def _up(spec, endpoint):
-    return lifecycle.up(spec, endpoint_url=endpoint, wait_timeout_s=60, wait_delay_s=0.2)
+    return aws_provider.up(spec, endpoint_url=endpoint, wait_timeout_s=60, wait_delay_s=0.2)
 
 
 def test_up_makes_master_and_workers_and_twice_changes_nothing(spec, moto_endpoint):
@@ -88,7 +89,7 @@ def test_up_makes_master_and_workers_and_twice_changes_nothing(spec, moto_endpoi
 
 def test_down_leaves_nothing_with_the_cluster_tag(spec, moto_endpoint):
     info = _up(spec, moto_endpoint)
-    report = lifecycle.down(spec, endpoint_url=moto_endpoint)
+    report = aws_provider.down(spec, endpoint_url=moto_endpoint)
     assert sorted(report.terminated) == sorted(i.id for i in info.instances)
     assert any(d.startswith("vpc:") for d in report.deleted)
     assert report.cost_usd is not None and report.cost_usd >= 0
@@ -334,5 +335,5 @@ def test_a_failed_clean_up_says_what_is_left_and_down_removes_it(spec, moto_endp
 
     monkeypatch.setattr(instances, "ec2_client", real_client)
     monkeypatch.setattr(instances, "terminate", real_terminate)
-    lifecycle.down(spec, endpoint_url=moto_endpoint)
+    aws_provider.down(spec, endpoint_url=moto_endpoint)
     assert _left(spec) == {"instances": 0, "vpcs": 0, "security_groups": 0, "roles": 0}

@@ -17,7 +17,8 @@ from datetime import timedelta
 import boto3
 import pytest
 
-from sparknet.cluster import inventory, lifecycle, registry
+from sparknet.cluster import ec2 as aws_provider
+from sparknet.cluster import inventory, registry
 from sparknet.cluster.aws import instances, launcher, prices
 from sparknet.cluster.aws.foundation import node_role_name
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE, ClusterSpec
@@ -134,7 +135,7 @@ def test_the_lock_refuses_while_held_and_is_free_after_its_holder_is_killed(
     )  # fmt: skip
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(registry.ClusterBusy, match=f"PID {holder.pid}"):
-        lifecycle.down(spec, endpoint_url=moto_endpoint)
+        aws_provider.down(spec, endpoint_url=moto_endpoint)
     assert _left(spec) == INTACT
     with (
         pytest.raises(registry.ClusterBusy, match=f"PID {holder.pid}"),
@@ -302,7 +303,9 @@ def test_sweep_touches_only_the_callers_clusters_unless_all_owners(
     finally:
         for name in (theirs.name, old):
             if name in inventory.tagged_clusters(REGION, endpoint_url=moto_endpoint):
-                lifecycle.down(spec.model_copy(update={"name": name}), endpoint_url=moto_endpoint)
+                aws_provider.down(
+                    spec.model_copy(update={"name": name}), endpoint_url=moto_endpoint
+                )
 
 
 # --- point 9: `down` of a name that does not exist ---------------------------------------------
@@ -351,7 +354,7 @@ def test_up_and_status_price_the_running_instances_volumes_and_addresses(
 
     # what runs, not what the spec now says
     changed = spec.model_copy(update={"workers": 8, "instance_types": ["p5.48xlarge"]})
-    assert lifecycle.status(changed, endpoint_url=moto_endpoint).cost == info.cost
+    assert aws_provider.status(changed, endpoint_url=moto_endpoint).cost == info.cost
 
     shown = cli("status", spec.name, "--region", REGION, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
@@ -369,11 +372,11 @@ def test_down_prices_each_instances_life_from_what_ran(spec, moto_endpoint):
     lives_h = [(two_hours_on - i.launched_at).total_seconds() / 3600 for i in found]
     per = prices.hourly_costs(ec2, found)
     expected = sum(per[i.id].total * h for i, h in zip(found, lives_h, strict=True))
-    assert lifecycle.lifetime_cost(ec2, found, two_hours_on) == pytest.approx(expected)
+    assert aws_provider.lifetime_cost(ec2, found, two_hours_on) == pytest.approx(expected)
     assert expected == pytest.approx(2 * (COMPUTE + EBS + IPV4), rel=0.01)
 
     started = min(i.launched_at for i in info.instances)
-    report = lifecycle.down(spec, endpoint_url=moto_endpoint)
+    report = aws_provider.down(spec, endpoint_url=moto_endpoint)
     elapsed_h = (time.time() - started.timestamp()) / 3600
     assert 0 < report.cost_usd <= (COMPUTE + EBS + IPV4) * elapsed_h
 

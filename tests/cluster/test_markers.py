@@ -101,8 +101,13 @@ def _spec(root: Path, name: str = "lab") -> ClusterSpec:
 
 def _fake_worker(root: Path, node: str) -> subprocess.Popen:
     """A process that the worker's stop takes for the node's Spark worker (its command line
-    holds the worker's class and the node's conf dir), with its pid file."""
+    holds the worker's class and the node's conf dir), with its pid file, and the node's venv
+    that started it (its Python is this venv's: the stop runs `sparknet.node` there)."""
     (root / node / "run").mkdir(parents=True, exist_ok=True)
+    python = root / node / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True, exist_ok=True)
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
     conf = str(root / node / "conf")
     argv = [sys.executable, "-c", "import time; time.sleep(120)", WORKER_CLASS, conf]
     proc = subprocess.Popen(argv, start_new_session=True)
@@ -123,7 +128,7 @@ def test_down_stops_only_the_hosts_its_marker_holds(hosts, monkeypatch) -> None:
     mine, theirs = _fake_worker(hosts, "master"), _fake_worker(hosts, "worker-1")
     said: list[str] = []
     try:
-        stopped = static.down(_spec(hosts), say=said.append)
+        stopped = static.down(_spec(hosts), say=said.append).stopped
         assert stopped == ["master"]
         assert mine.wait(timeout=30) is not None
         assert theirs.poll() is None  # the other cluster's Spark runs on

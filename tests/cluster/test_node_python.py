@@ -21,7 +21,8 @@ import pytest
 from sparknet.cluster import nodes
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.spark import bootstrap as b
-from sparknet.cluster.spark.plan import Context, Facts, Node, Plan, facts_command
+from sparknet.cluster.spark import plan as plan_module
+from sparknet.cluster.spark.plan import Context, Facts, Node, Plan
 from sparknet.cluster.spark.spark_conf import Ports
 from sparknet.cluster.spark.steps import PYTHON_FIX, NodePython, PythonEnv
 from sparknet.cluster.spark.wheel import build_wheel
@@ -131,7 +132,7 @@ def test_an_image_env_with_old_torch_and_an_old_python3_is_refused_first_for_the
     pointed at the test's env instead of /opt/pytorch (this machine has none, and the tests
     that run alongside must not find one)."""
     env = env_with_torch(tmp_path / "env", "2.3.1")
-    monkeypatch.setattr(b, "FACTS", facts_command((str(env),)))
+    monkeypatch.setattr(plan_module, "AMI_TORCH_ENVS", (str(env),))
     bin_dir = tmp_path / "bin"
     stand_in(
         bin_dir, "python3",
@@ -177,7 +178,7 @@ def test_an_image_env_on_python_3_10_with_old_torch_does_not_stop_a_python3_that
         'case "$*" in -c*importlib.metadata*) echo "3.10.12 2.3.1"; exit 0;; esac\n'
         f'echo "env python $* run" >> {tmp_path}/ran; exit 99',
     )  # fmt: skip
-    monkeypatch.setattr(b, "FACTS", facts_command((str(env),)))
+    monkeypatch.setattr(plan_module, "AMI_TORCH_ENVS", (str(env),))
     group = start_nodes(tmp_path / "ssh", 1)
     try:
         node = Node(group.endpoints[0], address="127.0.0.2", prefix=str(tmp_path / "prefix"))

@@ -274,9 +274,9 @@ def spec(moto_endpoint, tmp_path, monkeypatch):
 
 
 def _up(spec, endpoint):
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import ec2 as aws_provider
 
-    return lifecycle.up(spec, endpoint_url=endpoint, wait_timeout_s=60, wait_delay_s=0.2)
+    return aws_provider.up(spec, endpoint_url=endpoint, wait_timeout_s=60, wait_delay_s=0.2)
 
 
 def _ec2():
@@ -288,7 +288,8 @@ def _ec2():
 def test_up_imports_a_tagged_key_pair_and_pins_each_nodes_host_key(spec, moto_endpoint, moto_nodes):
     import yaml
 
-    from sparknet.cluster import lifecycle, registry
+    from sparknet.cluster import ec2 as aws_provider
+    from sparknet.cluster import registry
     from sparknet.cluster.spec import TAG_CLUSTER, TAG_OWNER, TAG_ROLE
 
     group = moto_nodes(spec.name, spec.workers)
@@ -326,14 +327,14 @@ def test_up_imports_a_tagged_key_pair_and_pins_each_nodes_host_key(spec, moto_en
     # and the pins are the ones the nodes present: every node answers over SSH
     group.serve(ec2)
     endpoints = seam.endpoints(
-        spec.name, lifecycle.status(spec, endpoint_url=moto_endpoint).instances
+        spec.name, aws_provider.status(spec, endpoint_url=moto_endpoint).instances
     )
     names = nodes.run_all(
         endpoints, access, lambda ep, c: c.run("echo $SSH_CONNECTION", hide=True).stdout, 30
     )
     assert sorted(names) == ["master", "worker-1", "worker-2"]
 
-    report = lifecycle.down(spec, endpoint_url=moto_endpoint)
+    report = aws_provider.down(spec, endpoint_url=moto_endpoint)
     assert f"key-pair:sparknet-{spec.name}" in report.deleted
     assert not ec2.describe_key_pairs(
         Filters=[{"Name": f"tag:{TAG_CLUSTER}", "Values": [spec.name]}]
@@ -550,7 +551,7 @@ def test_cli_status_shows_each_nodes_address_and_ssh_command(
 def test_the_users_own_key_pair_is_used_and_never_deleted(
     spec, moto_endpoint, moto_nodes, tmp_path
 ):
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import ec2 as aws_provider
 
     group = moto_nodes(spec.name, 0)
     ec2 = _ec2()
@@ -578,17 +579,17 @@ def test_the_users_own_key_pair_is_used_and_never_deleted(
         assert conn.run("echo mine", hide=True).stdout == "mine\n"
     finally:
         conn.close()
-    lifecycle.down(spec, endpoint_url=moto_endpoint)
+    aws_provider.down(spec, endpoint_url=moto_endpoint)
     assert ec2.describe_key_pairs(KeyNames=[name])["KeyPairs"]  # the user's: kept
     assert key_file.is_file()
 
 
 def group_endpoint(spec, moto_endpoint) -> Endpoint:
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import ec2 as aws_provider
 
-    return seam.endpoints(spec.name, lifecycle.status(spec, endpoint_url=moto_endpoint).instances)[
-        0
-    ]
+    return seam.endpoints(
+        spec.name, aws_provider.status(spec, endpoint_url=moto_endpoint).instances
+    )[0]
 
 
 def test_cli_tunnel_forwards_the_master_uis_to_local_ports(

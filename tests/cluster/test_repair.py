@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparknet.cluster import lifecycle, registry, repair
+from sparknet.cluster import records, registry, repair
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
 
@@ -36,7 +36,7 @@ def test_a_loss_is_repaired_and_said(monkeypatch, said) -> None:
 
 def test_an_interrupt_during_the_repair_is_an_interrupt(monkeypatch, said) -> None:
     def interrupted(*_a, **_k):
-        raise lifecycle.Interrupted("interrupted during the bootstrap; ...")
+        raise records.Interrupted("interrupted during the bootstrap; ...")
 
     watch = _watch(monkeypatch, said, repair.Losses(False, ("x",)), interrupted)
     with pytest.raises(KeyboardInterrupt):

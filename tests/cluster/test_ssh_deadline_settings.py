@@ -10,7 +10,8 @@ import contextlib
 
 import pytest
 
-from sparknet.cluster import lifecycle, nodes, openssh, registry
+from sparknet.cluster import ec2 as aws_provider
+from sparknet.cluster import nodes, openssh, registry
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.nodes import Access
 from sparknet.cluster.remote import CommandFailed
@@ -66,7 +67,7 @@ def test_cluster_up_refuses_a_bad_wait_setting_before_launching(tmp_path, monkey
     from sparknet.cli.cluster import cluster_app
 
     launched = []
-    monkeypatch.setattr(lifecycle, "up", lambda spec, **kw: launched.append(spec))
+    monkeypatch.setattr(aws_provider, "up", lambda spec, **kw: launched.append(spec))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     monkeypatch.setenv(env, "abc")

@@ -133,7 +133,8 @@ def test_a_submit_whose_master_goes_silent_exits_1_naming_attach_within_the_wind
     from typer.testing import CliRunner
 
     from sparknet.cli.submit import submit_app
-    from sparknet.cluster import lifecycle, registry
+    from sparknet.cluster import ec2 as aws_provider
+    from sparknet.cluster import registry
 
     group = sshd_nodes(1)
     endpoint = group.endpoints[0]
@@ -152,8 +153,8 @@ def test_a_submit_whose_master_goes_silent_exits_1_naming_attach_within_the_wind
     monkeypatch.setattr(flow, "preflight", lambda job: ("R1", f"{prefix}/"))
     monkeypatch.setattr(flow, "check_name_free", lambda spec, endpoint_url: None)
     monkeypatch.setattr(flow, "check_gpu_counts", lambda spec, endpoint_url: None)
-    monkeypatch.setattr(lifecycle, "up", lambda spec, **kwargs: None)
-    monkeypatch.setattr(lifecycle, "down", lambda spec, **kwargs: pytest.fail("taken down"))
+    monkeypatch.setattr(aws_provider, "up", lambda spec, **kwargs: None)
+    monkeypatch.setattr(aws_provider, "down", lambda spec, **kwargs: pytest.fail("taken down"))
     monkeypatch.setattr(flow, "master_of", lambda spec, endpoint_url: master)
     monkeypatch.setattr(follow, "POLL_S", 0.2)
     monkeypatch.setenv(nodes.SILENCE_ENV, "1")

@@ -21,7 +21,8 @@ import boto3
 import pytest
 import yaml
 
-from sparknet.cluster import lifecycle, registry
+from sparknet.cluster import ec2 as aws_provider
+from sparknet.cluster import ec2_up, registry
 from sparknet.cluster.aws import instances, quotas
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
 from sparknet.config import TrainConfig
@@ -62,7 +63,7 @@ def check(spec: ClusterSpec, endpoint: str, **changes: Any) -> list[str]:
     """`up`'s checks of `spec` (with `changes`); the lines they said."""
     spec = spec.model_copy(update=changes)
     said: list[str] = []
-    lifecycle.check_before_up(
+    ec2_up.check_before_up(
         spec,
         instances.ec2_client(REGION, endpoint),
         instances.ssm_client(REGION, endpoint),
@@ -254,7 +255,7 @@ def test_up_keeps_instances_a_lagging_describe_does_not_list(spec, moto_endpoint
     answers their ids with InvalidInstanceID.NotFound (the fault front): `up` still waits for,
     pins and returns every instance it launched."""
     aws_faults.unseen_instances_s = 3.0
-    info = lifecycle.up(spec, endpoint_url=aws_faults_url(), wait_timeout_s=60, wait_delay_s=0.2)
+    info = aws_provider.up(spec, endpoint_url=aws_faults_url(), wait_timeout_s=60, wait_delay_s=0.2)
 
     assert info.master is not None and len(info.workers) == 2
     assert ("DescribeInstances", "lagging") in aws_faults.injected
@@ -272,7 +273,7 @@ def test_a_launch_refused_for_quota_names_the_quota_not_capacity(spec, moto_endp
     every type: the line names the quota to raise, and `up` leaves nothing."""
     aws_faults.fail("RunInstances", "VcpuLimitExceeded", times=None)
     with pytest.raises(SparknetError) as refused:
-        lifecycle.up(spec, endpoint_url=aws_faults_url(), wait_timeout_s=60, wait_delay_s=0.2)
+        aws_provider.up(spec, endpoint_url=aws_faults_url(), wait_timeout_s=60, wait_delay_s=0.2)
 
     line = str(refused.value)
     assert "\n" not in line and "no capacity" not in line

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: what the install must read back: rules and policies through rules.py, and the module's files
+#: what the install must read back: rules and policies through rules.py, the module's files,
+#: and the node's scripts
 CHECK = """
 import sys
 from pathlib import Path
@@ -47,6 +48,9 @@ policy = rules.policy_document("instance-role", partition="aws", region="us-east
     cluster="demo")
 print(ingress, rules.network()["az_count"], rules.bucket_settings()["versioning"],
       len(policy["Statement"]), sorted(p.name for p in INFRA_DIR.glob("*.tf")))
+from sparknet.node import files
+print("scripts", *(len(files.script(n)) > 0 for n in ("marker.sh", "apt_install.sh",
+      "torch_fits.py")))
 """
 
 
@@ -285,6 +289,7 @@ def test_an_installed_sparknet_reads_the_rules_without_the_repo(installed, tmp_p
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("[", 2)[1].startswith("22, 0]"), result.stdout
     assert "3 Enabled 5" in result.stdout and "'versions.tf'" in result.stdout
+    assert "scripts True True True" in result.stdout  # what runs before the wheel: its files
 
 
 def test_the_package_links_infra_rather_than_copying_it() -> None:

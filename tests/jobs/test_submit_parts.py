@@ -3,8 +3,6 @@ The flow end to end is tests/jobs/test_submit.py."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 from sparknet.config import DatasetEntry, TrainConfig
@@ -121,16 +119,6 @@ def test_a_finished_driver_leaves_its_exit_code_and_removes_its_stamp(tmp_path) 
     assert follow.last_error(driver.driver_log(Context(), node, "R2")) == "model not found"
     assert not (tmp_path / "autostop" / "activity" / "job-R2").exists()
     assert (tmp_path / "autostop" / "activity").is_dir()
-
-
-def test_submit_shares_every_training_flag_of_train() -> None:
-    from sparknet.cli import train as train_command
-    from sparknet.cli.submit import NOT_SHARED, submit
-
-    train_flags = set(inspect.signature(train_command.train).parameters) - NOT_SHARED
-    submit_flags = set(inspect.signature(submit).parameters)
-    assert train_flags <= submit_flags
-    assert {"s3", "cluster", "workers", "keep", "spot", "instance_type"} <= submit_flags
 
 
 @pytest.fixture
@@ -599,16 +587,16 @@ def test_ctrl_c_right_after_the_driver_starts_cancels_it(tmp_path, monkeypatch) 
 
 
 def _flow_without_aws(monkeypatch, *, up=None, down=None) -> None:
-    """flow.submit past its preflight with `lifecycle.up`/`down` replaced: what they raise
+    """flow.submit past its preflight with `aws_provider.up`/`down` replaced: what they raise
     (an interrupt while up runs, AWS out of reach while down runs) cannot be had from moto on
     demand."""
-    from sparknet.cluster import lifecycle
+    from sparknet.cluster import ec2 as aws_provider
 
     monkeypatch.setattr(flow, "preflight", lambda job: ("R1", "s3://b-b/runs/c1/R1/"))
     monkeypatch.setattr(flow, "check_name_free", lambda spec, endpoint_url: None)
     monkeypatch.setattr(flow, "check_gpu_counts", lambda spec, endpoint_url: None)
-    monkeypatch.setattr(lifecycle, "up", up)
-    monkeypatch.setattr(lifecycle, "down", down)
+    monkeypatch.setattr(aws_provider, "up", up)
+    monkeypatch.setattr(aws_provider, "down", down)
 
 
 def _interrupt(*args, **kwargs):
@@ -716,11 +704,13 @@ def test_the_gpus_of_a_job_are_every_spark_worker_nodes_and_mixed_counts_are_ref
     from sparknet.cluster.spark.plan import Node
     from sparknet.cluster.spec import ClusterSpec
 
+    four = preflight.SparkWorkers("spark://x:7077", (4, 4))
     node = Node(Endpoint("master", "127.0.0.1", 22, "me"), "127.0.0.1", "/opt/sparknet", 4)
-    four = driver.Master(node, None, "spark://x:7077", 2, (4, 4))  # type: ignore[arg-type]
+    master = driver.Master(node, None, "spark://x:7077", 2)  # type: ignore[arg-type]
+    assert preflight.workers_of(master) == four  # no counts listed: the master's, every node
     cfg = preflight.job_config(TrainConfig(), preflight.Dataset("s3://b-b/x"), "s3://b-b/r/", four)
     assert (cfg.gpus_per_worker, cfg.workers) == (4, 8)
-    mixed = driver.Master(node, None, "spark://x:7077", 3, (0, 1, 1))  # type: ignore[arg-type]
+    mixed = preflight.SparkWorkers("spark://x:7077", (0, 1, 1))
     with pytest.raises(preflight.PreflightFailed, match=r"cluster c1's nodes have different GPU"):
         preflight.job_config(
             TrainConfig(), preflight.Dataset("s3://b-b/x"), "s3://b-b/r/", mixed, "c1"

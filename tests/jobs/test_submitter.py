@@ -7,12 +7,14 @@ must prove they were never reached."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import pytest
 from typer.testing import CliRunner
 
-from sparknet.cluster import inventory, lifecycle, registry
+from sparknet.cluster import ec2 as aws_provider
+from sparknet.cluster import inventory, registry
 from sparknet.errors import SparknetError
 from sparknet.jobs import driver, follow, records
 from sparknet.jobs import submit as flow
@@ -40,8 +42,8 @@ def launches(monkeypatch) -> list[str]:
     def down(spec, **kwargs):
         calls.append(f"down {spec.name}")
 
-    monkeypatch.setattr(lifecycle, "up", up)
-    monkeypatch.setattr(lifecycle, "down", down)
+    monkeypatch.setattr(aws_provider, "up", up)
+    monkeypatch.setattr(aws_provider, "down", down)
     return calls
 
 
@@ -170,7 +172,7 @@ def test_a_second_submit_of_a_name_is_refused_and_ends_nothing_of_the_first(
             "wait for it to end, then run this again"
         )
 
-    monkeypatch.setattr(lifecycle, "up", busy)
+    monkeypatch.setattr(aws_provider, "up", busy)
     held = _submit("--s3", "s3://b-b/x")
     assert held.exit_code == 2, held.stderr
     assert held.stderr.splitlines()[-1].startswith("error: cluster c1 is busy: another")
@@ -201,6 +203,10 @@ def _node(tmp_path):
     from sparknet.cluster.address import Endpoint
     from sparknet.cluster.spark.plan import Node
 
+    python = tmp_path / "m" / "venv" / "bin" / "python"  # the master's venv: this one's Python
+    python.parent.mkdir(parents=True, exist_ok=True)
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
     return Node(Endpoint("master", "127.0.0.1", 22, "me"), "127.0.0.1", str(tmp_path / "m"), 0)
 
 
@@ -210,7 +216,7 @@ def test_attach_to_an_ended_job_says_how_it_ended_and_that_its_cluster_is_still_
     """A job that ended (succeeded after its 3 rounds) before `attach` came: one line says so,
     its rounds are not replayed, the summary follows; the cluster its submit made is said to
     be still up, with its cost so far and the autostop minutes that end it."""
-    from sparknet.cluster import nodes, provider
+    from sparknet.cluster import nodes
     from sparknet.cluster.spec import ClusterSpec
 
     node = _node(tmp_path)
@@ -233,7 +239,7 @@ def test_attach_to_an_ended_job_says_how_it_ended_and_that_its_cluster_is_still_
     master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
     monkeypatch.setattr(records, "locate", lambda *a: records.Located(record, spec, master))
     monkeypatch.setattr(nodes, "connect", lambda *a: _Shell())
-    monkeypatch.setattr(provider, "cost_so_far", lambda spec, endpoint_url: 1.234)
+    monkeypatch.setattr(aws_provider, "cost_so_far", lambda spec, endpoint_url: 1.234)
     done = _submit("attach", "R1")
     assert done.exit_code == 0, done.stderr
     err = done.stderr.splitlines()
@@ -253,7 +259,7 @@ def test_cluster_down_names_the_jobs_it_cancels_and_asks_on_a_terminal(home, mon
     goes on; on a terminal it asks, and a no leaves everything as it is (exit 1); --yes
     does not ask."""
     from sparknet.cli.cluster import cluster_app, life
-    from sparknet.cluster.lifecycle import DownReport
+    from sparknet.cluster.records import DownReport
 
     downs: list[str] = []
 
@@ -261,8 +267,8 @@ def test_cluster_down_names_the_jobs_it_cancels_and_asks_on_a_terminal(home, mon
         downs.append(spec.name)
         return DownReport(spec.name, spec.region, [], [], None)
 
-    monkeypatch.setattr(lifecycle, "down", down)
-    monkeypatch.setattr(life, "_running_jobs", lambda *args: ["R1"])
+    monkeypatch.setattr(aws_provider, "down", down)
+    monkeypatch.setattr(driver, "jobs_on", lambda *args, **kwargs: ["R1"])
     runner = CliRunner()
     said = "cluster c1 runs job R1: taking it down cancels it (`sparknet-submit cancel RUN`"
     script = runner.invoke(cluster_app, ["down", "c1"])
@@ -284,36 +290,31 @@ def test_cluster_down_names_the_jobs_it_cancels_and_asks_on_a_terminal(home, mon
 def test_the_jobs_running_on_a_master_are_found_there(home, monkeypatch, tmp_path) -> None:
     """`cluster down` asks the master which jobs' sessions are alive: a running one is named,
     one that ended is not; a master that does not answer names none (down goes on)."""
-    import sys
-
-    from sparknet.cli.cluster import life
-    from sparknet.cluster import nodes, provider, registry
+    from sparknet.cluster import nodes, registry
     from sparknet.cluster.aws import owner
     from sparknet.cluster.spec import ClusterSpec
     from sparknet.config import TrainConfig
 
-    node = _node(tmp_path)
+    node = _node(tmp_path)  # its venv's python: this venv's
     bin_dir = tmp_path / "m" / "venv" / "bin"
-    bin_dir.mkdir(parents=True)
     (bin_dir / "sparknet").write_text('#!/bin/sh\ncase "$*" in *J1*) sleep 60;; esac\n')
-    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     for exe in bin_dir.iterdir():
         exe.chmod(0o755)
     shell = _Shell()
     for run_id in ("J1", "J2"):
         driver.start_driver(shell, node, run_id, TrainConfig())
     master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
-    monkeypatch.setattr(provider, "master_running", lambda spec, endpoint_url: True)
+    monkeypatch.setattr(aws_provider, "master_running", lambda spec, endpoint_url: True)
     monkeypatch.setattr(driver, "master_of", lambda spec, endpoint_url: master)
     monkeypatch.setattr(nodes, "connect", lambda *a, **k: shell)
     spec = ClusterSpec(name="c1")
-    mine = (spec, None, True)  # any owner: no AWS here to read owner tags from
-    assert life._running_jobs(*mine) == []  # not bootstrapped from here: nothing asked
+    mine = {"any_owner": True}  # any owner: no AWS here to read owner tags from
+    assert driver.jobs_on(spec, None, **mine) == []  # not bootstrapped from here: nothing asked
     registry.secret_file("c1").parent.mkdir(parents=True, exist_ok=True)
     registry.secret_file("c1").write_text("s")
     try:
         deadline = time.monotonic() + 60  # J2's session ends at once, J1's runs on
-        while (found := life._running_jobs(*mine)) != ["J1"]:
+        while (found := driver.jobs_on(spec, None, **mine)) != ["J1"]:
             assert time.monotonic() < deadline, found
             time.sleep(0.1)
     finally:
@@ -323,7 +324,7 @@ def test_the_jobs_running_on_a_master_are_found_there(home, monkeypatch, tmp_pat
         raise SparknetError("no route to host")
 
     monkeypatch.setattr(nodes, "connect", unreachable)
-    assert life._running_jobs(*mine) == []
+    assert driver.jobs_on(spec, None, **mine) == []
 
     def theirs(spec, owner, endpoint_url=None):
         raise inventory.NotYours("cluster c1 in us-east-1 belongs to bob")
@@ -331,7 +332,7 @@ def test_the_jobs_running_on_a_master_are_found_there(home, monkeypatch, tmp_pat
     monkeypatch.setattr(nodes, "connect", lambda *a, **k: pytest.fail("logged in to theirs"))
     monkeypatch.setattr(owner, "caller_owner", lambda region, endpoint_url: "me")
     monkeypatch.setattr(inventory, "check_owner", theirs)
-    assert life._running_jobs(spec, None) == []  # down refuses it; nothing of theirs asked
+    assert driver.jobs_on(spec, None) == []  # down refuses it; nothing of theirs asked
 
 
 # --- 12: the messages ----------------------------------------------------------------------------

@@ -320,12 +320,12 @@ def test_an_application_ended_from_outside_is_one_line_naming_why():
     from sparknet.training import session
 
     killed = RuntimeError("Job aborted: Master removed our application: KILLED")
-    line = session.stopped_from_outside(_StoppableContext(stopped=False), _wrapped(killed))
+    line = str(session.stopped_from_outside(_StoppableContext(stopped=False), _wrapped(killed)))
     assert line.startswith("Spark stopped the application while it ran (the master removed it")
     assert "--resume" in line
     assert session.stopped_from_outside(_StoppableContext(stopped=False), RuntimeError("x")) is None
-    assert "its context stopped" in session.stopped_from_outside(
-        _StoppableContext(stopped=True), RuntimeError("x")
+    assert "its context stopped" in str(
+        session.stopped_from_outside(_StoppableContext(stopped=True), RuntimeError("x"))
     )
     ours = _StoppableContext(stopped=True)
     session._STOPPED_HERE.add(ours)  # sparknet stopped it (an interrupt, a failed stage)

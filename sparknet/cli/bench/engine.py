@@ -1,8 +1,9 @@
-"""`sparknet bench throughput|sync-cost|data-stream|images-per-core|shard-workers|precision|
-startup|all`: the engine's own figures, each against the reference it stands in for. Each prints
-its figures and writes `<name>.json` (with its headline rows) into `--out`; `all` runs them one
-process each, then prints one table of the headlines. None asserts: a goal missed shows in the
-figures, it does not fail."""
+"""The engine's own figures, each against the reference it stands in for.
+
+`sparknet bench throughput|sync-cost|data-stream|images-per-core|shard-workers|precision|
+startup|all`. Each prints its figures and writes `<name>.json` (with its headline rows) into
+`--out`; `all` runs them one process each, then prints one table of the headlines. None asserts:
+a goal missed shows in the figures, it does not fail."""
 
 from __future__ import annotations
 

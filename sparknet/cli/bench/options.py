@@ -1,5 +1,7 @@
-"""What every `sparknet bench` subcommand shares: `--out`, the checks of its options (one
-`error:` line, exit 2) and the run itself (Ctrl-C stops it, its Spark with it, and exits 130)."""
+"""What every `sparknet bench` subcommand shares.
+
+`--out`, the checks of its options (one `error:` line, exit 2) and the run itself (Ctrl-C stops
+it, its Spark with it, and exits 130)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""`sparknet bench sync|scaling|convergence|peers`: the paper's analysis as measurements on
-this machine, and sparknet against TorchDistributor and plain PyTorch. Each prints its table,
-writes `<name>.json`, `<name>.csv` and a plot into `--out`, and asserts nothing: a goal missed
-is a line in the report."""
+"""`sparknet bench sync|scaling|convergence|peers`: the paper's analysis, measured here.
+
+The measurements are taken on this machine, with sparknet against TorchDistributor and plain
+PyTorch. Each prints its table, writes `<name>.json`, `<name>.csv` and a plot into `--out`, and
+asserts nothing: a goal missed is a line in the report."""
 
 from __future__ import annotations
 

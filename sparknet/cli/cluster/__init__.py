@@ -1,7 +1,8 @@
-"""`sparknet cluster ...`: EC2 GPU clusters (or a static cluster's hosts) up, down, status,
-bootstrap, list and sweep, and ssh or a tunnel to a node. One module per group of commands:
-life.py (one cluster's life), inventory.py (a region's clusters by tag), ssh.py (a node through
-OpenSSH); options.py holds what they share."""
+"""`sparknet cluster ...`: EC2 GPU clusters, or a static cluster's hosts, and their nodes.
+
+Up, down, status, bootstrap, list and sweep, and ssh or a tunnel to a node. One module per group
+of commands: life.py (one cluster's life), inventory.py (a region's clusters by tag), ssh.py (a
+node through OpenSSH); options.py holds what they share."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""`sparknet cluster list|sweep`: every cluster with resources in a region, by its tags, and
-taking down those nobody wants (neither registered here nor in `clusters:`).
+"""`sparknet cluster list|sweep`: every cluster with resources in a region, by its tags.
+
+`sweep` takes down those nobody wants (neither registered here nor in `clusters:`).
 
 Apart from life.py: these start from a region, not from a named cluster, and `sweep` acts on
 many at once (a failure is reported and the next one taken).
@@ -13,9 +14,9 @@ import typer
 
 from sparknet.cli.cluster.life import print_down
 from sparknet.cli.cluster.options import cluster_spec, fail_cluster
-from sparknet.cli.common import ConfigOption, DebugOption, EndpointOption, console, fail, first_line
+from sparknet.cli.common import ConfigOption, DebugOption, EndpointOption, console, fail
 from sparknet.config import find_config_file, read_section
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, first_line
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
 # (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
@@ -30,27 +31,27 @@ def cluster_list(
     """Clusters with resources in the region (by tag), whether this machine knows them, and
     their owners (`-`: resources made before sparknet tagged owners)."""
     from sparknet import aws  # lazy: boto3
-    from sparknet.cluster import inventory, lifecycle, registry  # lazy: boto3, fabric
+    from sparknet.cluster import ec2, inventory, provider, registry  # lazy: boto3, fabric
 
     specs = registry.registered()
     # static clusters first, whatever the region and whether AWS answers: nothing of them is
     # in AWS
     for name, spec in sorted(specs.items()):
-        if spec.provider == "static":
+        if not provider.of(spec).REGIONAL:
             print(f"{name}\tstatic, {len(spec.hosts)} hosts\t-\tregistered\towner -")
     try:
         found = inventory.tagged_clusters(aws.check_region(region), endpoint_url=endpoint_url)
     except SparknetError as exc:
         fail(exc, debug)
     known = {
-        name for name, spec in specs.items() if spec.region == region and spec.provider == "aws"
+        name for name, spec in specs.items() if spec.region == region and provider.of(spec).REGIONAL
     }
     for name in sorted(set(found) | known):
         cluster = found.get(name, inventory.TaggedCluster(name))
         live = sum(item.startswith("instance:") for item in cluster.items)
         where = "registered" if name in known else "not registered"
         owners = ", ".join(sorted(owner or "-" for owner in cluster.owners)) or "-"
-        left = "" if live else f"\t{lifecycle.leftover_note(name)}"
+        left = "" if live else f"\t{ec2.leftover_note(name)}"
         print(
             f"{name}\t{live} instances\t{len(cluster.items) - live} other resources\t{where}"
             f"\towner {owners}{left}"
@@ -78,7 +79,7 @@ def cluster_sweep(
     """Tagged resources of your clusters (sparknet:owner = your AWS identity) that are neither
     registered here nor in `clusters:`; `--yes` deletes them (the bucket is kept)."""
     from sparknet import aws  # lazy: boto3
-    from sparknet.cluster import inventory, lifecycle  # lazy: boto3, fabric
+    from sparknet.cluster import ec2, inventory  # lazy: boto3, fabric
     from sparknet.cluster.aws import owner  # lazy: boto3
 
     try:
@@ -100,7 +101,8 @@ def cluster_sweep(
         if yes:
             try:
                 spec = cluster_spec(name, config, {"region": region}, any_name=True)
-                report = lifecycle.down(
+                # an orphan is tagged EC2 resources, whatever provider a settings entry names
+                report = ec2.down(
                     spec, endpoint_url=endpoint_url, say=console.print, any_owner=all_owners
                 )
             except Exception as exc:  # any failure (an AWS 500 too): report it, go on to the next
@@ -120,18 +122,19 @@ def cluster_sweep(
 def _wanted(region: str, config: Path | None) -> set[str]:
     """The clusters of `region` that `sweep` leaves alone: registered here, or in `clusters:`
     of the settings file (whose region is us-east-1 unless it says otherwise)."""
-    from sparknet.cluster import registry  # lazy: boto3
+    from sparknet.cluster import provider, registry  # lazy: boto3
 
     # a static cluster owns nothing in AWS: resources tagged with its name are another's
     wanted = {
         name
         for name, spec in registry.registered().items()
-        if spec.region == region and spec.provider == "aws"
+        if spec.region == region and provider.of(spec).REGIONAL
     }
     path = find_config_file(config)
     if path is not None:
         for name, entry in read_section(path, "clusters").items():
             entry = entry or {}
-            if entry.get("region", "us-east-1") == region and entry.get("provider") != "static":
+            here = entry.get("region", "us-east-1") == region
+            if here and provider.named(entry.get("provider")).REGIONAL:
                 wanted.add(name)
     return wanted

@@ -1,6 +1,7 @@
-"""`sparknet cluster up|down|status|bootstrap`: a cluster's life, on EC2 or on a static cluster's
-hosts, and what each command prints of it (its instances, each node's `ssh` line, what a `down`
-removed, Spark's health).
+"""`sparknet cluster up|down|status|bootstrap`: a cluster's life, and what each command prints.
+
+On EC2 or on a static cluster's hosts; a command prints the cluster's instances, each node's
+`ssh` line, what a `down` removed, Spark's health.
 
 Apart from inventory.py (`list`, `sweep`: every cluster of a region by its tags) and ssh.py
 (`ssh`, `tunnel`: one node through the OpenSSH client): these act on one named cluster.
@@ -30,10 +31,9 @@ from sparknet.cli.common import (
     EndpointOption,
     console,
     fail,
-    first_line,
     interrupts,
 )
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, first_line
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
 # (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
@@ -133,7 +133,8 @@ def cluster_up(
     bootstrap leaves the instances up (exit 1: `cluster bootstrap` finishes it) until their
     backstop terminates them, backstop_minutes after their last boot. Refuses
     (exit 1) a cluster of that name tagged with another owner unless --any-owner."""
-    from sparknet.cluster import lifecycle  # lazy: boto3, fabric
+    from sparknet.cluster import provider  # lazy: boto3, fabric
+    from sparknet.cluster.records import Interrupted  # lazy: boto3
 
     flags = dict(
         workers=workers, instance_types=instance_type, master_type=master_type, spot=spot,
@@ -150,44 +151,49 @@ def cluster_up(
         with interrupts(caught, stop_at=1, note=note):
             try:
                 spec = cluster_spec(name, config, flags)
-                if spec.provider == "static":
-                    _static_up(spec, bootstrap=not no_bootstrap)
-                    return
-                info = lifecycle.up(
-                    spec, endpoint_url=endpoint_url, say=_say, any_owner=any_owner,
-                    bootstrap=not no_bootstrap,
+                info = provider.of(spec).up(
+                    spec, endpoint_url=endpoint_url, say=_say, bootstrap=not no_bootstrap,
+                    any_owner=any_owner,
                 )  # fmt: skip
             except KeyboardInterrupt as exc:  # before `up` made anything
-                raise lifecycle.Interrupted("interrupted; nothing was made") from exc
+                raise Interrupted("interrupted; nothing was made") from exc
     except SparknetError as exc:
         fail_cluster(exc, debug, caught)
+    _print_up(spec, info, bootstrapped=not no_bootstrap)
+
+
+def _print_cluster(spec, info) -> None:
+    """The cluster's machines: its instances, or the user's hosts with each one's `ssh` line."""
+    if info.hosts:
+        print(f"cluster {info.name} (static, {len(info.hosts)} hosts)")
+        for endpoint in info.hosts:
+            _print_ssh_line(spec, endpoint)
+        return
     _print_instances(info)
+
+
+def _print_up(spec, info, *, bootstrapped: bool) -> None:
+    """What `up` made, what it costs, and what ends it: the instances, or Spark on the user's
+    hosts (the machines stay)."""
+    name = info.name
+    _print_cluster(spec, info)
+    if info.hosts:
+        done = "is up" if bootstrapped else "is registered (not bootstrapped)"
+        print(
+            f"cluster {name} {done}; `sparknet cluster down {name}` stops its Spark "
+            "(the machines stay)"
+        )
+        return
     print(
         f"cluster {name} is up; estimated cost {info.cost.describe()}; "
         f"`sparknet cluster down {name} --region {info.region}` ends it"
     )
-    if no_bootstrap:
+    if not bootstrapped:
         print(
             f"not bootstrapped: the instances power off (terminate) {spec.backstop_minutes} "
             f"minutes after their last boot unless `sparknet cluster bootstrap {name} --region "
             f"{info.region}` finishes them by then"
         )
-
-
-def _static_up(spec, *, bootstrap: bool, force: bool = False) -> None:
-    """`up` (and `cluster bootstrap`) of a static cluster: its hosts bootstrapped, each node's
-    SSH line."""
-    from sparknet.cluster import static  # lazy: boto3, fabric
-
-    found = static.up(spec, say=_say, bootstrap=bootstrap, force=force)
-    print(f"cluster {spec.name} (static, {len(found)} hosts)")
-    for endpoint in found:
-        _print_ssh_line(spec, endpoint)
-    done = "is up" if bootstrap else "is registered (not bootstrapped)"
-    print(
-        f"cluster {spec.name} {done}; `sparknet cluster down {spec.name}` stops its Spark "
-        "(the machines stay)"
-    )
 
 
 def cluster_down(
@@ -213,26 +219,30 @@ def cluster_down(
     its hosts and forget it (exit 1 naming a host that does not answer). The sparknet-submit
     jobs running on it are named first, as they are cancelled with it: on a terminal it asks
     (unless --yes); otherwise it goes on."""
-    from sparknet.cluster import lifecycle  # lazy: boto3, fabric
+    from sparknet.cluster import provider  # lazy: boto3, fabric
+    from sparknet.cluster.records import Interrupted  # lazy: boto3
 
     caught = Caught()
     spec = on_cluster(lambda spec: spec, name, region, config, debug)
     _confirm_jobs_end(spec, endpoint_url, yes, debug, any_owner)
-    static = spec.provider == "static"
-    finish = f"`sparknet cluster down {name}" + ("`" if static else f" --region {spec.region}`")
+    cluster = provider.of(spec)
+    where = f" --region {spec.region}" if cluster.REGIONAL else ""
+    finish = f"`sparknet cluster down {name}{where}`"
     note = f"taking {name} down to the end so nothing is left half-deleted; again to stop it"
     try:
         with interrupts(caught, stop_at=2, note=note):
-            if static:
-                _static_down(spec, forget_unreachable)
-                return
-            report = lifecycle.down(
-                spec, endpoint_url=endpoint_url, say=console.print, any_owner=any_owner
-            )
+            report = cluster.down(
+                spec, endpoint_url=endpoint_url, say=_say, any_owner=any_owner,
+                forget_unreachable=forget_unreachable,
+            )  # fmt: skip
     except KeyboardInterrupt:
-        fail_cluster(lifecycle.Interrupted(f"interrupted; run {finish} to finish"), debug, caught)
+        fail_cluster(Interrupted(f"interrupted; run {finish} to finish"), debug, caught)
     except SparknetError as exc:
         fail_cluster(exc, debug, caught)
+    if report.stopped is not None:  # the machines stay: Spark on them was stopped
+        print(f"stopped Spark on {', '.join(report.stopped) or 'no host'}")
+        print(f"cluster {name} is down (static: its hosts keep running)")
+        return
     print_down(report)
     print(f"cluster {name} is down")
 
@@ -244,8 +254,10 @@ def _confirm_jobs_end(
     when the user says so (exit 1 otherwise). Not on a terminal (a script, CI, a clean-up),
     `down` goes on after the line: a teardown that waits for an answer nobody gives would
     leave the cluster billed."""
+    from sparknet.jobs import driver  # lazy: boto3, fabric
+
     try:
-        running = _running_jobs(spec, endpoint_url, any_owner)
+        running = driver.jobs_on(spec, endpoint_url, any_owner=any_owner)
     except KeyboardInterrupt:  # while the master is asked: nothing was done yet
         fail(SparknetError(f"interrupted; cluster {spec.name} not taken down"), debug, 130)
     if not running:
@@ -283,48 +295,6 @@ def _on_terminal() -> bool:
     return sys.stdin.isatty() and sys.stderr.isatty()
 
 
-#: seconds `down` gives the master to answer which jobs run there before it goes on without
-#: naming them (a master that is running but unreachable is taken down all the same)
-JOBS_ASK_S = 10.0
-
-
-def _running_jobs(spec, endpoint_url: str | None, any_owner: bool = False) -> list[str]:
-    """The run ids of the sparknet-submit jobs whose session is alive on the cluster's master;
-    none where it has no running master or it does not answer (`down` ends what runs there
-    all the same). Asked only of a cluster bootstrapped from here (its secret is here, as for
-    any job submitted from here) and, unless `any_owner`, the caller's own: `down` refuses
-    another principal's cluster, and logs in to nothing of theirs before it does."""
-    from sparknet.cluster import inventory, nodes, provider, registry  # lazy: boto3, fabric
-    from sparknet.cluster.aws import owner  # lazy: boto3
-    from sparknet.cluster.spark.bootstrap import running_jobs  # lazy: fabric
-    from sparknet.jobs import driver  # lazy: boto3, fabric
-
-    if not registry.secret_file(spec.name).is_file():
-        return []
-    try:
-        if not provider.master_running(spec, endpoint_url):
-            return []
-        if not any_owner and not provider.is_static(spec):
-            caller = owner.caller_owner(spec.region, endpoint_url)
-            inventory.check_owner(spec, caller, endpoint_url)
-        master = driver.master_of(spec, endpoint_url)
-        conn = nodes.connect(master.node.endpoint, master.access, timeout=JOBS_ASK_S)
-        try:
-            return running_jobs(conn, master.node)
-        finally:
-            conn.close()
-    except SparknetError:
-        return []
-
-
-def _static_down(spec, forget_unreachable: bool) -> None:
-    from sparknet.cluster import static  # lazy: boto3, fabric
-
-    stopped = static.down(spec, say=_say, forget_unreachable=forget_unreachable)
-    print(f"stopped Spark on {', '.join(stopped) or 'no host'}")
-    print(f"cluster {spec.name} is down (static: its hosts keep running)")
-
-
 def print_down(report) -> None:
     """What a `down` removed, one line each, and what the instances cost as they ran."""
     for item in report.terminated:
@@ -350,23 +320,23 @@ def cluster_status(
 ) -> None:
     """The cluster's instances, found by tag, and each node's SSH address and command; exit 1
     when it has none."""
-    from sparknet.cluster import lifecycle, sparkops  # lazy: boto3, fabric
+    from sparknet.cluster import ec2, provider, sparkops  # lazy: boto3, fabric
 
     spec = on_cluster(lambda spec: spec, name, region, config, debug)
-    if spec.provider == "static":
-        _static_status(spec, debug)
-        return
+    cluster = provider.of(spec)
     try:
-        info = lifecycle.status(spec, endpoint_url=endpoint_url)
+        info = cluster.status(spec, endpoint_url=endpoint_url)
     except SparknetError as exc:
         fail_cluster(exc, debug)
-    if not info.instances:
-        print(
-            f"cluster {name} has no live instances in {info.region}: "
-            f"{lifecycle.leftover_note(name)}"
-        )
+    spec = cluster.current(spec)
+    if not info.instances and not info.hosts:
+        print(f"cluster {name} has no live instances in {info.region}: {ec2.leftover_note(name)}")
         raise typer.Exit(1)
-    _print_instances(info)
+    _print_cluster(spec, info)
+    if info.hosts:  # the user's machines: Spark's health is what there is to say of them
+        if not _print_health(spec, info, endpoint_url):
+            raise typer.Exit(1)
+        return
     _print_ssh(spec, info)
     print(f"estimated cost {info.cost.describe()}")
     if _print_health(spec, info, endpoint_url) is None:  # no second wait for the same master
@@ -379,36 +349,16 @@ def _print_health(spec, info, endpoint_url: str | None) -> bool | None:
     """The Spark cluster's health (workers registered, cores, GPUs) as its master tells it; one
     line when the nodes cannot be asked. Whether it is healthy (None: the nodes cannot be
     asked)."""
-    from sparknet.cluster import sparkops, static  # lazy: boto3, fabric
+    from sparknet.cluster import provider  # lazy: boto3, fabric
 
     try:
-        if spec.provider == "static":
-            health = static.health(spec)
-        else:
-            health = sparkops.spark_health(spec, info.instances, endpoint_url=endpoint_url)
+        health = provider.of(spec).health(spec, info, endpoint_url=endpoint_url)
     except SparknetError as exc:
         print(f"Spark: the nodes cannot be reached ({first_line(exc)})")
         return None
     for line in health.lines():
         print(line)
     return health.ok
-
-
-def _static_status(spec, debug: bool) -> None:
-    """A static cluster's hosts (each node's SSH line) and its Spark health; exit 1 when it is
-    not registered here, not healthy, or its master cannot be asked."""
-    from sparknet.cluster import static  # lazy: boto3, fabric
-
-    try:
-        found = static.status(spec)
-        spec = static.current(spec)
-    except SparknetError as exc:
-        fail_cluster(exc, debug)
-    print(f"cluster {spec.name} (static, {len(found)} hosts)")
-    for endpoint in found:
-        _print_ssh_line(spec, endpoint)
-    if not _print_health(spec, None, None):
-        raise typer.Exit(1)
 
 
 def cluster_bootstrap(
@@ -429,15 +379,15 @@ def cluster_bootstrap(
     when a step fails (the line names node and step) or the cluster is not healthy. Refuses
     (exit 2) to start or restart the master, or restart a running worker, while a job runs on
     the cluster, unless --force."""
-    from sparknet.cluster import lifecycle  # lazy: boto3, fabric
+    from sparknet.cluster import provider  # lazy: boto3, fabric
+    from sparknet.cluster.records import Interrupted  # lazy: boto3
 
     spec = on_cluster(lambda spec: spec, name, region, config, debug)
     try:
-        if spec.provider == "static":
-            _static_up(spec, bootstrap=True, force=force)
-            return
-        lifecycle.bootstrap_nodes(spec, endpoint_url=endpoint_url, say=_say, force=force)
+        info = provider.of(spec).bootstrap(spec, endpoint_url=endpoint_url, say=_say, force=force)
     except KeyboardInterrupt:
-        fail_cluster(lifecycle.Interrupted("interrupted; run it again to finish"), debug)
+        fail_cluster(Interrupted("interrupted; run it again to finish"), debug)
     except SparknetError as exc:
         fail_cluster(exc, debug)
+    if info.hosts:  # a static cluster's bootstrap registers its hosts anew, as `up` does
+        _print_up(spec, info, bootstrapped=True)

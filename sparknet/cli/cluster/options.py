@@ -1,6 +1,8 @@
-"""What every `sparknet cluster` command shares: its common options, the spec of the cluster it
-names (the registry's, the settings file's, the flags), and how it fails (the exit code says
-whether the command or the cluster's state was wrong).
+"""What every `sparknet cluster` command shares.
+
+Its common options, the spec of the cluster it names (the registry's, the settings file's, the
+flags), and how it fails (the exit code says whether the command or the cluster's state was
+wrong).
 
 Apart from the commands, which are grouped by what they do (life.py, inventory.py, ssh.py):
 `sparknet-submit` resolves a cluster's spec the same way (`cluster_spec`).
@@ -16,7 +18,7 @@ import typer
 from pydantic import ValidationError
 
 from sparknet.cli.common import Caught, fail, signal_exit
-from sparknet.config import describe_validation_error, find_config_file, read_section
+from sparknet.config import find_config_file, read_section, validation_error
 from sparknet.errors import SparknetError
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
@@ -40,7 +42,7 @@ def cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_n
     `any_name`: `down` and `sweep` remove by tag, and a tag may carry a name sparknet no longer
     accepts (an older sparknet's, or a person's): everything else is validated, the name is not.
     """
-    from sparknet.cluster import nodes  # lazy: fabric
+    from sparknet.cluster import nodes, provider  # lazy: fabric, boto3
     from sparknet.cluster.registry import registered  # lazy: boto3
     from sparknet.cluster.spark import steps  # lazy: fabric
     from sparknet.cluster.spec import ClusterSpec  # lazy: boto3
@@ -51,7 +53,7 @@ def cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_n
     known = registered().get(name)
     if known is not None:
         base = known.model_dump()
-        if known.provider == "static":
+        if not provider.of(known).LAUNCHES:
             del base["workers"]  # counted from hosts, which the settings file may change
     path = find_config_file(config)
     if path is not None:
@@ -73,9 +75,7 @@ def cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_n
     try:
         spec = ClusterSpec.model_validate(base)
     except ValidationError as exc:
-        raise SparknetError(
-            f"cluster {name}: {describe_validation_error(exc, ClusterSpec)}"
-        ) from exc
+        raise validation_error(exc, ClusterSpec, where=f"cluster {name}: ") from exc
     return spec.model_copy(update={"name": name})
 
 
@@ -101,14 +101,14 @@ def fail_cluster(exc: SparknetError, debug: bool, caught: Caught | None = None) 
     not there, another's, in another region), 128 + the signal's number where a signal stopped
     it (130 Ctrl-C, 143 SIGTERM), and 2 for everything a user fixes in the command or settings."""
     # lazy: boto3, fabric
-    from sparknet.cluster import inventory, lifecycle, registry, sparkops, static
+    from sparknet.cluster import inventory, records, registry, sparkops, static
 
     state = (
-        registry.ClusterBusy, lifecycle.ClusterNotFound, inventory.NotYours,
+        registry.ClusterBusy, records.ClusterNotFound, inventory.NotYours,
         inventory.OtherRegion, sparkops.BootstrapIncomplete, static.StopIncomplete,
         static.HostsChanged,
     )  # fmt: skip
-    if isinstance(exc, lifecycle.Interrupted) and (code := signal_exit(caught)):
+    if isinstance(exc, records.Interrupted) and (code := signal_exit(caught)):
         fail(exc, debug, code)
     if isinstance(exc, sparkops.BootstrapIncomplete) and not debug:
         # the error line, then each failed node's last output lines

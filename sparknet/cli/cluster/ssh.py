@@ -1,6 +1,7 @@
-"""`sparknet cluster ssh|tunnel`: one node of a cluster through the OpenSSH client, with the
-cluster's key and pinned host keys (a shell, a command, or the Spark UIs forwarded to
-localhost).
+"""`sparknet cluster ssh|tunnel`: one node of a cluster through the OpenSSH client.
+
+With the cluster's key and pinned host keys: a shell, a command, or the Spark UIs forwarded to
+localhost.
 
 Apart from life.py: these hand the terminal to `ssh` (exec), and `ssh` reads its own words after
 NAME (`_split_command`), not click.
@@ -32,32 +33,15 @@ def _reach(
     """The endpoint of `node` of cluster `name` and the cluster's access, its host keys pinned
     afresh from EC2 (the instances' user data: right even after a lost registry or a new public
     address); a one-line error (exit 2) for an unknown node, exit 1 for a cluster not there."""
-    from sparknet.cluster import lifecycle, seam, sshkeys  # lazy: boto3, fabric
-    from sparknet.cluster.aws import instances, keys  # lazy: boto3, fabric
+    from sparknet.cluster import provider  # lazy: boto3, fabric
 
     spec = on_cluster(lambda spec: spec, name, region, config, debug)
     try:
         if shutil.which("ssh") is None:
             raise SparknetError("the OpenSSH client `ssh` is not on PATH; install openssh-client")
-        if spec.provider == "static":
-            from sparknet.cluster import static  # lazy: boto3, fabric
-
-            spec = static.current(spec)
-            return seam.pick(static.endpoints(spec), node), static.access(spec), spec
-        ec2 = instances.ec2_client(spec.region, endpoint_url)
-        found = [i for i in instances.find(ec2, spec.name) if i.state in ("pending", "running")]
-        if not found:
-            raise lifecycle.ClusterNotFound(
-                f"cluster {name} has no running instances in {spec.region}; "
-                f"`sparknet cluster up {name}` starts it"
-            )
-        access = sshkeys.access_for(spec)
-        sshkeys.check_key_file(access)
-        keys.pin_cluster(ec2, spec.name, found, access.known_hosts)
-        endpoint = seam.endpoint_named(spec.name, found, node)
+        return provider.of(spec).reach_node(spec, node, endpoint_url=endpoint_url)
     except SparknetError as exc:
         fail_cluster(exc, debug)
-    return endpoint, access, spec
 
 
 #: the options of `cluster ssh` that may also follow NAME (click reads none there: the command

@@ -1,2 +1,4 @@
-"""EC2: the foundation (boto3 or Terraform), instances, security rules, spot, keys, baked
-images and the autostop that runs on the master."""
+"""EC2: everything a cluster needs of AWS.
+
+The foundation (boto3 or Terraform), instances, security rules, spot, keys, baked images and the
+autostop that runs on the master."""

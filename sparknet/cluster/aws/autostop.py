@@ -1,9 +1,10 @@
-"""The autostop timer on an EC2 cluster's master: when nothing has happened on the cluster for
-`minutes`, it terminates every instance of the cluster (itself included), so a cluster that a
-submitter forgot, or lost with its laptop, stops costing money. Until it runs, each instance's
-backstop (a power-off its user data schedules at each boot: `userdata`) ends it instead; once
-the timer runs, the bootstrap cancels every node's backstop (`daemons.BackstopOff`), and the
-timer alone ends the cluster.
+"""The autostop timer on an EC2 cluster's master: an idle cluster terminates itself.
+
+When nothing has happened on the cluster for `minutes`, it terminates every instance of the
+cluster (itself included), so a cluster that a submitter forgot, or lost with its laptop, stops
+costing money. Until it runs, each instance's backstop (a power-off its user data schedules at
+each boot: `userdata`) ends it instead; once the timer runs, the bootstrap cancels every node's
+backstop (`daemons.BackstopOff`), and the timer alone ends the cluster.
 
 Everything lives in the master's state dir, ``<prefix>/autostop/`` (`state_dir`):
 

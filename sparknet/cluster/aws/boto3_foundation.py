@@ -1,5 +1,6 @@
-"""The boto3 foundation: every resource of `foundation.py` found or made with plain API calls,
-for users without Terraform.
+"""The boto3 foundation, for users without Terraform.
+
+Every resource of `foundation.py` found or made with plain API calls.
 
 Separate from `terraform_foundation.py` (the other backend, behind the same `Foundation`) and
 from `boto3_teardown.py`: making is one method per resource on `Boto3Foundation`, which the

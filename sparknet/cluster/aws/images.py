@@ -1,5 +1,7 @@
-"""Where a cluster's image comes from: the region's newest baked AMI (recorded in SSM by `sparknet
-ami bake`, else found by its tag), the spec's own, or the Deep Learning AMI's public parameter."""
+"""Where a cluster's image comes from.
+
+The region's newest baked AMI (recorded in SSM by `sparknet ami bake`, else found by its tag),
+the spec's own, or the Deep Learning AMI's public parameter."""
 
 from __future__ import annotations
 

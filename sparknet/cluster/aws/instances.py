@@ -1,8 +1,10 @@
-"""Ephemeral cluster instances with boto3: the `Instance` record, clients, and the life after a
-launch: wait until ready, find by tag, start, terminate.
+"""Ephemeral cluster instances with boto3.
+
+The `Instance` record, clients, and the life after a launch: wait until ready, find by tag,
+start, terminate.
 
 A handful of functions over plain boto3 clients, with results as small frozen dataclasses, so
-`lifecycle.py` (and a `static` provider) can drive them without knowing EC2's response shapes.
+the `aws` provider (`ec2.py`, `ec2_up.py`) can drive them without knowing EC2's response shapes.
 Every failure a user can fix reaches them as a one-line `SparknetError`. What comes before a
 launch (`preflight.py`), the launch itself (`launcher.py`) and what instances cost
 (`prices.py`) are modules of their own: most callers need only this one, to find a cluster's
@@ -32,7 +34,7 @@ LIVE_STATES = ("pending", "running", "shutting-down", "stopping", "stopped")
 
 @dataclass(frozen=True)
 class Instance:
-    """One EC2 instance of a cluster, as `lifecycle.py` and `nodes.py` need it.
+    """One EC2 instance of a cluster, as `ec2.py` and `nodes.py` need it.
 
     `role` is the instance's `sparknet:role` tag; `public_ip` is None until AWS assigns one (or
     never, in a private subnet), so refresh through `wait_ready` or `find` after a launch.

@@ -1,11 +1,13 @@
-"""A cluster's SSH keys on EC2: the key pair its instances launch with (sparknet's own, imported
-and tagged, or the user's), and each node's host key, handed to the node through cloud-init user
-data and pinned from EC2's copy of it (an authenticated channel, unlike the first connection)."""
+"""A cluster's SSH keys on EC2: the key pair its instances launch with, and each node's host key.
+
+The key pair is sparknet's own (imported and tagged) or the user's; a node's host key is handed
+to the node through cloud-init user data and pinned from EC2's copy of it (an authenticated
+channel, unlike the first connection)."""
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from sparknet.cluster.aws import instances, preflight, userdata
 from sparknet.cluster.aws.instances import Instance
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
 from sparknet.errors import SparknetError
+from sparknet.say import Say
 
 # --- host keys through cloud-init --------------------------------------------------------------
 
@@ -102,7 +105,7 @@ def check_key_name(name: str) -> str:
     return name
 
 
-def ensure_key_pair(ec2: Any, spec: ClusterSpec, say: Callable[[str], None]) -> str | None:
+def ensure_key_pair(ec2: Any, spec: ClusterSpec, say: Say) -> str | None:
     """The EC2 key pair the cluster's instances launch with, and its private key here.
 
     With the spec's own `key_name` (and `key_file`) nothing is made: the name is checked to

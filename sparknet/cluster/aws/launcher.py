@@ -1,5 +1,7 @@
-"""Launching a role's instances: on-demand or spot, falling back across instance types and AZs
-on capacity errors, idempotent per ClientToken prefix.
+"""Launching a role's instances, on-demand or spot.
+
+Falling back across instance types and AZs on capacity errors, idempotent per ClientToken
+prefix.
 
 Its own module because the fallback, the tokens that make a retried `up` safe and the request's
 security defaults are one piece that only `up` and an AMI bake use; everything after the launch

@@ -1,5 +1,6 @@
-"""Who is calling AWS, as the `sparknet:owner` tag value every resource of a cluster carries: in a
-shared account a cluster's name is no proof of whose it is."""
+"""Who is calling AWS, as the `sparknet:owner` tag value every resource of a cluster carries.
+
+In a shared account a cluster's name is no proof of whose it is."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""What `up` (and an AMI bake) learns and checks before anything is made: the AMI, that the
-instance types, AZs, key pair and root volume fit the region, that the bucket is in it, and the
-caller's address.
+"""What `up` (and an AMI bake) learns and checks before anything is made.
+
+The AMI, that the instance types, AZs, key pair and root volume fit the region, that the bucket
+is in it, and the caller's address.
 
 Apart from the launch itself (`launcher.py`) because these run first, on their own, so that a
 wrong input fails in one line before a foundation or a master exists to clean up.
@@ -12,7 +13,7 @@ import ipaddress
 import os
 import re
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import botocore.exceptions as bx
@@ -21,6 +22,7 @@ from sparknet import aws
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.data import s3
 from sparknet.errors import InputError, SparknetError
+from sparknet.say import Say
 
 #: AWS's own "what is my IP" endpoint; `SPARKNET_CHECKIP_URL` overrides it (tests, proxies)
 CHECKIP_URL = "https://checkip.amazonaws.com"
@@ -47,9 +49,12 @@ def resolve_ami(spec: ClusterSpec, ssm: Any) -> str:
     except bx.ClientError as exc:
         if aws.error_code(exc) == "ParameterNotFound":
             raise InputError(
-                f"SSM parameter {spec.ami_parameter} does not exist in {region}; pass --ami "
-                "AMI_ID to `cluster up` (e.g. one `make ami` baked), or set ami or "
-                "ami_parameter in the cluster's `clusters:` entry"
+                "SSM parameter {parameter} does not exist in {region}; pass {@ami=image} to "
+                "`cluster up` (e.g. one `make ami` baked), or set ami or ami_parameter in the "
+                "cluster's `clusters:` entry",
+                parameter=spec.ami_parameter,
+                region=region,
+                image="AMI_ID",
             ) from exc
         raise aws.describe_error(
             exc, f"reading SSM parameter {spec.ami_parameter} in {region}"
@@ -182,7 +187,7 @@ def check_bucket_region(
     spec: ClusterSpec,
     endpoint_url: str | None = None,
     bucket: str | None = None,
-    say: Callable[[str], None] | None = None,
+    say: Say | None = None,
 ) -> None:
     """`bucket` (default: the cluster's `bucket:`) is in the cluster's region, unless the spec
     sets `cross_region_data`: every read of a dataset in another region is billed per GB (each
@@ -227,7 +232,9 @@ def caller_cidr(timeout: float = 3.0) -> str:
         address = ipaddress.IPv4Address(text)
     except (OSError, ValueError) as exc:
         raise SparknetError(
-            f"could not learn your public IPv4 address from {url} ({aws.one_line(exc)}); "
-            "pass --allowed-cidr (e.g. 203.0.113.7/32)"
+            "could not learn your public IPv4 address from {url} ({why}); pass "
+            "{@allowed_cidr} (e.g. 203.0.113.7/32)",
+            url=url,
+            why=aws.one_line(exc),
         ) from exc
     return f"{address}/32"

@@ -1,5 +1,6 @@
-"""What running instances cost per hour, from the bundled price table (`prices.json`) and
-EC2's spot price history: the estimates `up`, `status` and `down` print.
+"""What running instances cost per hour: the estimates `up`, `status` and `down` print.
+
+From the bundled price table (`prices.json`) and EC2's spot price history.
 
 Apart from `instances.py` because an estimate is never needed to run a cluster, and a failed
 price lookup is None, never an error that could stop one.

@@ -1,5 +1,4 @@
-"""The EC2 vCPU quotas a cluster launches against, compared with what it needs before `up`
-makes anything.
+"""The EC2 vCPU quotas a cluster launches against, checked before `up` makes anything.
 
 New accounts start with 0 vCPUs for the G and P families: without this check RunInstances
 refuses the workers (VcpuLimitExceeded) only after the foundation is built and the master
@@ -14,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ from sparknet import aws
 from sparknet.cluster.aws.instances import describe
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
 from sparknet.errors import InputError
+from sparknet.say import Say
 
 #: Service Quotas' EC2 codes and names of the running-instance vCPU quotas, by (spot, class);
 #: as AWS lists them (`aws service-quotas list-aws-default-service-quotas --service-code ec2`)
@@ -49,8 +49,6 @@ _CLASSES = {
     "p": "p",
 }
 _LIVE = ["pending", "running"]
-
-Say = Callable[[str], None]
 
 
 def quota_class(instance_type: str) -> str | None:
@@ -94,7 +92,13 @@ class Need:
 
 
 class QuotasUnreadable(Exception):
-    """Service Quotas did not answer (no permission, or an endpoint without it)."""
+    """Service Quotas did not answer (no permission, or an endpoint without it): the message
+    is AWS's error code (or the error's type); `denied` says a permission of the caller is what
+    is missing."""
+
+    def __init__(self, why: str, denied: bool = False) -> None:
+        super().__init__(why)
+        self.denied = denied
 
 
 def default_vcpus(ec2: Any, types: Iterable[str]) -> dict[str, int]:
@@ -144,20 +148,21 @@ def applied_quota(quotas: Any, code: str) -> float:
         return float(quotas.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"])
     except bx.ClientError as exc:
         if aws.error_code(exc) != "NoSuchResourceException":
-            raise QuotasUnreadable(_why(exc)) from exc
+            raise _unreadable(exc) from exc
     except bx.BotoCoreError as exc:
-        raise QuotasUnreadable(_why(exc)) from exc
+        raise _unreadable(exc) from exc
     try:
         answer = quotas.get_aws_default_service_quota(ServiceCode="ec2", QuotaCode=code)
         return float(answer["Quota"]["Value"])
     except (bx.ClientError, bx.BotoCoreError) as exc:
-        raise QuotasUnreadable(_why(exc)) from exc
+        raise _unreadable(exc) from exc
 
 
-def _why(exc: BaseException) -> str:
+def _unreadable(exc: BaseException) -> QuotasUnreadable:
     if isinstance(exc, bx.ClientError):
-        return aws.error_code(exc) or "no answer"
-    return type(exc).__name__
+        code = aws.error_code(exc)
+        return QuotasUnreadable(code or "no answer", denied=code in aws.DENIED_CODES)
+    return QuotasUnreadable(type(exc).__name__)
 
 
 def needs(spec: ClusterSpec, vcpus: dict[str, int]) -> tuple[Need, list[Need]]:
@@ -190,7 +195,7 @@ def check_quotas(spec: ClusterSpec, ec2: Any, quotas: Any, say: Say) -> None:
         fix = (
             "; allow the caller servicequotas:GetServiceQuota and GetAWSDefaultServiceQuota "
             "to check them first"
-            if str(exc) in aws.DENIED_CODES
+            if exc.denied
             else ""
         )
         say(

@@ -1,5 +1,7 @@
-"""The cluster security group's rules and the node role's IAM documents, read from the data files
-under infra/ that Terraform reads too, so the Terraform and boto3 foundations cannot drift apart.
+"""The cluster security group's rules and the node role's IAM documents.
+
+Read from the data files under infra/ that Terraform reads too, so the Terraform and boto3
+foundations cannot drift apart.
 
 `infra/rules/security-group.json` holds ``{"ingress": [...], "egress": [...]}``; a rule is
 ``{"description", "protocol", "from_port", "to_port"}`` plus, for ingress, ``"source"``:

@@ -1,8 +1,10 @@
-"""A spot worker's two-minute warning. About two minutes before EC2 takes a spot instance back
-it posts an interruption notice in that instance's metadata (IMDS), and only the instance
-itself can read it. So an attached submitter's loss check (`repair.losses`) asks each spot
-worker over SSH, ``python -m sparknet.cluster.aws.spot``, and a noticed worker is a loss at once:
-its replacement starts launching two minutes before its executors would vanish mid-round.
+"""A spot worker's two-minute warning, read on the worker itself.
+
+About two minutes before EC2 takes a spot instance back it posts an interruption notice in that
+instance's metadata (IMDS), and only the instance itself can read it. So an attached submitter's
+loss check (`repair.losses`) asks each spot worker over SSH,
+``python -m sparknet.cluster.aws.spot``, and a noticed worker is a loss at once: its
+replacement starts launching two minutes before its executors would vanish mid-round.
 
 IMDSv2 only (sparknet's instances require the session token), at the endpoint botocore's
 setting names (``AWS_EC2_METADATA_SERVICE_ENDPOINT``, default ``http://169.254.169.254/``),

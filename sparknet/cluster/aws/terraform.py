@@ -1,5 +1,7 @@
-"""Runs the Terraform foundation (infra/) through python-terraform: init, apply, output, destroy,
-with each cluster's state in its own directory and failures as one-line `SparknetError`s.
+"""Runs the Terraform foundation (infra/) through python-terraform.
+
+Init, apply, output, destroy, with each cluster's state in its own directory and failures as
+one-line `SparknetError`s.
 
 Where state lives: the module declares ``backend "local" {}`` and `init` sets its ``path`` to
 ``<state_dir>/terraform.tfstate`` with ``-backend-config``; ``TF_DATA_DIR`` points at
@@ -120,7 +122,9 @@ class TerraformRunner:
                 plugin_dir=str(self.plugin_dir),
             )  # fmt: skip
         except SparknetError as exc:
-            raise SparknetError(f"{exc} (providers only from {self.plugin_dir})") from exc
+            raise SparknetError(
+                "{cause} (providers only from {plugins})", cause=exc, plugins=self.plugin_dir
+            ) from exc
 
     def _var_file(self, variables: Mapping[str, Any]) -> str:
         """`variables` as a JSON var-file in the state dir: lists, maps and bools reach Terraform

@@ -1,5 +1,6 @@
-"""The Terraform foundation: the module in `infra/` applied and destroyed for a cluster, its
-outputs read back as the same `Foundation` the boto3 backend returns.
+"""The Terraform foundation: the module in `infra/` applied and destroyed for a cluster.
+
+Its outputs are read back as the same `Foundation` the boto3 backend returns.
 
 Separate from `boto3_foundation.py` so that the Terraform runner and its state stay out of the
 path of users without Terraform; the bucket (kept out of a cluster's state) and the sweep after

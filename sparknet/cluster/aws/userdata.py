@@ -1,5 +1,6 @@
-"""The cloud-init user data every EC2 instance sparknet launches gets: the node's host key, and
-the backstop that ends the instance when nothing else will.
+"""The cloud-init user data every EC2 instance sparknet launches gets.
+
+The node's host key, and the backstop that ends the instance when nothing else will.
 
 The host key: cloud-init installs `ssh_keys` before sshd starts and deletes the image's own keys
 (`ssh_deletekeys`); with `ssh_keys` given it generates no others, so the key sparknet pins is
@@ -30,6 +31,8 @@ from __future__ import annotations
 import shlex
 
 import yaml
+
+from sparknet.node import files
 
 #: where the backstop's script lives on a node: cloud-init's per-boot scripts dir
 BACKSTOP_SCRIPT = "/var/lib/cloud/scripts/per-boot/sparknet-backstop"
@@ -62,7 +65,7 @@ def backstop_script(minutes: int) -> str:
         "sparknet backstop: no autostop timer has taken over since this boot; "
         "powering off (the instance terminates)"
     )
-    return f"#!/bin/sh\nexec shutdown -P +{int(minutes)} {shlex.quote(why)}\n"
+    return files.template("backstop.sh", minutes=int(minutes), why=shlex.quote(why))
 
 
 def cancel_command(sudo: str) -> str:

@@ -25,27 +25,19 @@ from sparknet.cluster.remote import TAIL_LINES, CommandFailed, Conn, q, run, tai
 from sparknet.cluster.spark.daemons import Autostop, BackstopOff, Master, Worker
 from sparknet.cluster.spark.health import ClusterHealth, Expected, cluster_health, master_json
 from sparknet.cluster.spark.plan import (
-    FACTS,
-    JOB_CANCELLED,
-    JOB_PID,
     JOBS_DIR,
     Context,
     Facts,
     Node,
     Plan,
-    parse_facts,
+    node_facts,
 )
 from sparknet.cluster.spark.spark_conf import load_or_create_secret
 from sparknet.cluster.spark.steps import PREPARE, Step
 from sparknet.cluster.spark.wheel import Wheel, build_wheel, source_checkout
 from sparknet.errors import SparknetError
-
-Say = Callable[[str], None]
-
-
-def _quiet(_line: str) -> None:
-    pass
-
+from sparknet.node.command import node_command
+from sparknet.say import Say, quiet
 
 # --- the runner ----------------------------------------------------------------------------------
 
@@ -71,7 +63,7 @@ class StepFailed(SparknetError):
         self.node, self.step, self.what, self.tail = node, step, what, tail
 
 
-def run_steps(node: str, steps: Sequence[Step], conn: Conn, say: Say = _quiet) -> NodeReport:
+def run_steps(node: str, steps: Sequence[Step], conn: Conn, say: Say = quiet) -> NodeReport:
     """Each step in order on one node: skipped when its check says done, else applied and
     checked again (a step whose check still fails is a bug in it, reported like a failure)."""
     applied: list[str] = []
@@ -94,7 +86,7 @@ def run_steps(node: str, steps: Sequence[Step], conn: Conn, say: Say = _quiet) -
 
 def gather_facts(conn: Conn, node: Node) -> Facts:
     try:
-        return parse_facts(run(conn, FACTS), node.prefix)
+        return node_facts(conn, node.prefix)
     except CommandFailed as exc:
         raise StepFailed(node.name, "facts", exc.what, exc.tail) from None
 
@@ -167,7 +159,7 @@ def bootstrap(
     plan: Plan,
     access: Access,
     *,
-    say: Say = _quiet,
+    say: Say = quiet,
     timeout: float = 3600,
     health_wait_s: float = 120,
     force: bool = False,
@@ -248,9 +240,13 @@ def check_jobs_unharmed(plan: Plan, access: Access) -> None:
         more = f" (and {len(jobs) - 1} more)" if len(jobs) > 1 else ""
         how = f" (`sparknet-submit cancel {runs[0]}`)" if runs else ""
         raise JobRunning(
-            f"{jobs[0]}{more} runs on the cluster, and this bootstrap would {'; '.join(harm)}: "
-            "its executors would be killed and the job would wait for them forever; wait for "
-            f"it to end or cancel it{how}, or bootstrap with --force to go on anyway"
+            "{job}{more} runs on the cluster, and this bootstrap would {harm}: its executors "
+            "would be killed and the job would wait for them forever; wait for it to end or "
+            "cancel it{how}, or bootstrap with {@force} to go on anyway",
+            job=jobs[0],
+            more=more,
+            harm="; ".join(harm),
+            how=how,
         )
 
 
@@ -325,23 +321,15 @@ def stop_on(nodes_: Sequence[Node], name: str, conn: Conn) -> None:
     # stopping reads only the nodes' paths and facts from a plan: no wheel, no secret
     plan = Plan(tuple(nodes_), Wheel(Path("unused.whl"), "", ""), "")
     node = next(n for n in plan.nodes if n.name == name)
-    stop_node(Context(plan, node, parse_facts(run(conn, FACTS), node.prefix)), conn)
-
-
-def _each_live_job(node: Node, action: str) -> str:
-    """The shell loop that runs `action` (with `$d` the job dir, `$p` its session) for every
-    sparknet-submit job on `node` whose process session is still alive."""
-    jobs = q(node.path(JOBS_DIR))
-    return (
-        f'for d in {jobs}/*/; do p=$(cat "${{d}}{JOB_PID}" 2>/dev/null) || continue; '
-        f'kill -0 -- "-$p" 2>/dev/null || continue; {action}; done; true'
-    )
+    stop_node(Context(plan, node, node_facts(conn, node.prefix)), conn)
 
 
 def running_jobs(conn: Conn, node: Node) -> list[str]:
     """The run ids of the sparknet-submit jobs whose session is alive on `node` (the master:
-    where `cluster down` finds the jobs it ends, `end_jobs`)."""
-    out = run(conn, _each_live_job(node, 'basename "$d"'))
+    where `cluster down` finds the jobs it ends, `end_jobs`); none where the node has no venv
+    (no job could run there)."""
+    command = node_command(node.python, "jobs-live", node.path(JOBS_DIR), unless_absent=True)
+    out = run(conn, command)
     return sorted(line.strip() for line in out.splitlines() if line.strip())
 
 
@@ -350,8 +338,7 @@ def end_jobs(node: Node, conn: Conn) -> None:
     to its supervisor's process group: the driver and its Spark driver JVM with it), marked as
     cancelled: without the daemons it could never finish, and on a static host, which stays
     up, nothing else would ever end it."""
-    action = f'touch "${{d}}{JOB_CANCELLED}"; kill -TERM -- "-$p" 2>/dev/null'
-    run(conn, _each_live_job(node, action))
+    run(conn, node_command(node.python, "jobs-end", node.path(JOBS_DIR), unless_absent=True))
 
 
 def stop_node(ctx: Context, conn: Conn) -> None:

@@ -1,16 +1,18 @@
-"""The Spark standalone daemons as steps: the master and the workers from the venv's pyspark
-(`spark-class`: the pip pyspark has no `sbin/start-*.sh`), as systemd units where systemd runs,
-else as background processes in their own session with pid files under the prefix."""
+"""The Spark standalone daemons as steps: the master and the workers.
+
+Run from the venv's pyspark (`spark-class`: the pip pyspark has no `sbin/start-*.sh`), as
+systemd units where systemd runs, else as background processes in their own session with pid
+files under the prefix."""
 
 from __future__ import annotations
 
 import json
-import shlex
 
 from sparknet.cluster.aws import autostop, userdata
 from sparknet.cluster.remote import TAIL_LINES, CommandFailed, Conn, q, succeeds, tail_lines, upload
 from sparknet.cluster.spark.spark_conf import systemd_unit
 from sparknet.cluster.spark.steps import Step, conf_files, sha256_hex
+from sparknet.node.command import node_command
 from sparknet.spark_security import UI_HOST
 
 #: Spark's daemon classes, run through spark-class
@@ -25,7 +27,8 @@ class Daemon(Step):
     """A Spark daemon (master or worker) from the venv's pyspark. Done when it runs with exactly
     today's command line, environment and conf (their hash, the stamp): a changed setting
     restarts it. A systemd unit where systemd runs, else a background process in its own session
-    whose pid file is under the prefix (stopped through its process group)."""
+    whose pid file is under the prefix (stopped through its process group), started, checked,
+    waited for and stopped by `sparknet.node` there (`node.daemon`)."""
 
     role = "daemon"
     klass = ""
@@ -46,11 +49,7 @@ class Daemon(Step):
         }
 
     def spark_home(self, conn: Conn) -> str:
-        code = (
-            "import importlib.util as u; "
-            "print(u.find_spec('pyspark').submodule_search_locations[0])"
-        )
-        return self.run(conn, f"{q(self.ctx.node.python)} -c {q(code)}").strip()
+        return self.run(conn, node_command(self.ctx.node.python, "spark-home")).strip()
 
     def stamp(self, spark_home: str) -> str:
         what = [self.argv(spark_home), self.env(spark_home), sorted(conf_files(self.ctx).items())]
@@ -82,22 +81,24 @@ class Daemon(Step):
             return succeeds(
                 conn, f"systemctl is-active -q {q(self.unit)} && grep -qF {q(stamp)} {unit}"
             )
-        return succeeds(conn, f'{self._alive()} && [ "$(cat {q(self.stamp_file)})" = {stamp} ]')
+        stamped = ["--stamp-file", self.stamp_file, "--stamp", stamp]
+        return succeeds(conn, self._node("daemon-running", *self._which(), *stamped))
 
     def running(self, conn: Conn) -> bool:
         """Whether the daemon runs now, whatever its command line and conf."""
         if self.ctx.facts.systemd:
             return succeeds(conn, f"systemctl is-active -q {q(self.unit)}")
-        return succeeds(conn, self._alive())
+        return succeeds(conn, self._node("daemon-running", *self._which()))
 
-    def _alive(self) -> str:
-        """A shell test: the pid file names a live process running this daemon of this prefix."""
-        cmdline = '"/proc/$(cat ' + q(self.pid_file) + ')/cmdline"'
-        return (
-            f"[ -s {q(self.pid_file)} ] && [ -r {cmdline} ]"
-            f" && tr '\\0' '\\n' < {cmdline} | grep -qxF {q(self.klass)}"
-            f" && tr '\\0' '\\n' < {cmdline} | grep -qF {q(self.own_path)}"
-        )
+    def _node(self, *args: object, unless_absent: bool = False) -> str:
+        """The command line of `sparknet.node` on this node (`node.daemon`: the pid-file
+        daemon's start, check, wait and stop are functions of the wheel there)."""
+        return node_command(self.ctx.node.python, *args, unless_absent=unless_absent)
+
+    def _which(self) -> list[str]:
+        """What tells this daemon of this prefix from any other process: its pid file, its
+        class (a word of its command line) and a path only this prefix's daemon has."""
+        return ["--pid-file", self.pid_file, "--klass", self.klass, "--own", self.own_path]
 
     @property
     def own_path(self) -> str:
@@ -114,13 +115,13 @@ class Daemon(Step):
         self.wait(conn)
 
     def _start(self, conn: Conn, home: str) -> None:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env(home).items())
+        env = [w for k, v in self.env(home).items() for w in ("--env", f"{k}={v}")]
         self.run(
             conn,
-            f"cd {q(self.ctx.node.prefix)} || exit 1; env {env} nohup setsid {q(*self.argv(home))}"
-            f" > {q(self.log_file)} 2>&1 < /dev/null & echo $! > {q(self.pid_file)}"
-            f" && echo {self.stamp(home)} > {q(self.stamp_file)}",
-        )
+            self._node("daemon-start", "--pid-file", self.pid_file, "--stamp-file",
+                       self.stamp_file, "--stamp", self.stamp(home), "--log", self.log_file,
+                       "--cwd", self.ctx.node.prefix, *env, "--", *self.argv(home)),
+        )  # fmt: skip
 
     def _apply_unit(self, conn: Conn, home: str) -> None:
         text = systemd_unit(
@@ -153,15 +154,12 @@ class Daemon(Step):
         if self.ctx.facts.systemd:
             self._stop_unit(conn, remove)
             return
-        pid = f"$(cat {q(self.pid_file)})"
         self.run(
             conn,
-            f"if {self._alive()}; then p={pid}; kill -TERM -- -$p 2>/dev/null || kill -TERM $p;"
-            " for i in $(seq 150); do [ -d /proc/$p ] || break; sleep 0.2; done;"
-            " [ -d /proc/$p ] && kill -KILL -- -$p 2>/dev/null; true; fi;"
-            f" rm -f {q(self.pid_file)} {q(self.stamp_file)}",
+            self._node("daemon-stop", *self._which(), "--stamp-file", self.stamp_file,
+                       unless_absent=True),
             timeout=60,
-        )
+        )  # fmt: skip
 
     @property
     def unit_file(self) -> str:
@@ -210,12 +208,9 @@ class Daemon(Step):
         another prefix's daemon, and on a loaded machine that takes seconds."""
         if self.ctx.facts.systemd:
             return
-        pid = f"$(cat {q(self.pid_file)} 2>/dev/null)"
         self._until(
             conn,
-            f"end=$(( $(date +%s) + {DAEMON_START_S} )); while [ $(date +%s) -lt $end ]; do"
-            f" if {self._alive()}; then exit 0; fi; p={pid};"
-            ' [ -n "$p" ] && [ -d /proc/$p ] || exit 1; sleep 0.2; done; exit 1',
+            self._node("daemon-wait", *self._which(), "--within", DAEMON_START_S),
             DAEMON_START_S,
             f"the {self.role} did not start within {DAEMON_START_S} s",
         )
@@ -252,17 +247,9 @@ class Master(Daemon):
         """Workers started before the master listens wait 5-15 s to retry: wait for its port."""
         super().wait(conn)
         host, port = self.ctx.node.rpc_host, self.ctx.plan.ports.master
-        code = (
-            "import socket, time, sys\n"
-            f"end = time.monotonic() + {MASTER_START_S}\n"
-            "while time.monotonic() < end:\n"
-            f"    try: socket.create_connection(({host!r}, {port}), 1).close(); sys.exit(0)\n"
-            "    except OSError: time.sleep(0.2)\n"
-            "sys.exit(1)\n"
-        )
         self._until(
             conn,
-            f"{q(self.ctx.node.python)} -c {q(code)}",
+            self._node("wait-port", host, port, "--within", MASTER_START_S),
             MASTER_START_S,
             f"the master did not listen on {host}:{port} within {MASTER_START_S} s",
         )
@@ -349,8 +336,7 @@ class Autostop(Daemon):
         super().wait(conn)
         self._until(
             conn,
-            f"end=$(( $(date +%s) + {DAEMON_START_S} )); while [ $(date +%s) -lt $end ]; do"
-            f" [ -s {q(self.deadline_file)} ] && exit 0; sleep 0.2; done; exit 1",
+            self._node("wait-file", self.deadline_file, "--within", DAEMON_START_S),
             DAEMON_START_S,
             f"the autostop timer did not check within {DAEMON_START_S} s",
         )

@@ -1,6 +1,8 @@
-"""Whether a Spark standalone cluster is healthy: every expected worker registered with the
-master and ALIVE, with the cores and GPUs expected, and no other worker ALIVE, as the master's
-JSON (`:8080/json/`, read on the master node over SSH) tells it."""
+"""Whether a Spark standalone cluster is healthy, as the master's JSON tells it.
+
+Every expected worker registered with the master and ALIVE, with the cores and GPUs expected,
+and no other worker ALIVE; the JSON is the master's `:8080/json/`, read on the master node over
+SSH."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""What the bootstrap knows of a cluster: its nodes (`Node`), what they install and how their
-daemons are set up (`Plan`), what one command tells about a node (`Facts`), and one node's
-step inputs together (`Context`)."""
+"""What the bootstrap knows of a cluster.
+
+Its nodes (`Node`), what they install and how their daemons are set up (`Plan`), what one
+command tells about a node (`Facts`), and one node's step inputs together (`Context`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.aws.autostop import Settings as AutostopSettings
 from sparknet.cluster.nodes import Access
-from sparknet.cluster.remote import Conn, q, succeeds
+from sparknet.cluster.remote import Conn, q, run_script, succeeds
 from sparknet.cluster.seam import node_layout
 from sparknet.cluster.spark.spark_conf import (
     DEFAULT_PREFIX,
@@ -31,11 +32,12 @@ from sparknet.cluster.spark.spark_conf import (
 from sparknet.cluster.spark.wheel import Wheel
 from sparknet.cluster.spec import PACKAGE_INDEX_NODE, PACKAGE_INDEX_PYTORCH
 from sparknet.errors import SparknetError
+from sparknet.node import job as node_job
 
 #: a job's dir on its master is ``<prefix>/jobs/<run id>`` (sparknet-submit's); its session's pid
 #: file there (the supervisor's, whose process group is the whole job), and the marker of a job
 #: that was ended on purpose
-JOBS_DIR, JOB_PID, JOB_CANCELLED = "jobs", "driver.pid", "cancelled"
+JOBS_DIR, JOB_PID, JOB_CANCELLED = "jobs", node_job.PID, node_job.CANCELLED
 
 # --- what a node is, and what sparknet learns about it -------------------------------------------
 
@@ -143,7 +145,7 @@ class Plan:
                 if spec:
                     needs[f"pyspark {self.pyspark_version}"] = SpecifierSet(spec)
         except (importlib.metadata.PackageNotFoundError, InvalidSpecifier):
-            pass
+            pass  # no such pyspark here, or a bound it cannot read: the wheel's bound decides
         spec = wheel_requires_python(self.wheel.path)
         if spec:
             needs[f"sparknet {self.wheel.version}"] = SpecifierSet(spec)
@@ -185,14 +187,6 @@ PIP_NETWORK = "--retries 3 --timeout 20"
 #: where the Deep Learning AMIs with PyTorch keep it (a venv on newer ones, conda on older)
 AMI_TORCH_ENVS = ("/opt/pytorch", "/opt/conda/envs/pytorch")
 
-#: Python code that prints an env's Python version and its torch's (`-`: none), the torch read
-#: from its metadata: importing it takes seconds, and the version decides whether the env is used
-ENV_PROBE = (
-    "import importlib.metadata as m, platform; "
-    't = [d.version for d in m.distributions(name="torch")]; '
-    'print(platform.python_version(), t[0] if t else "-")'
-)
-
 
 def torch_new_enough(version: str | None) -> bool:
     """Whether torch `version` ("2.8.0+cu128") is TORCH_MIN or newer; False for none."""
@@ -218,7 +212,7 @@ class AmiEnv:
 
 
 def parse_ami_env(line: str) -> AmiEnv:
-    """One line of the facts command's `@envs` section: the env's path, then ENV_PROBE's output
+    """One line of the facts script's `@envs` section: the env's path, then its probe's output
     (nothing where its python does not run)."""
     path, *probe = line.split()
     python = probe[0] if probe and re.fullmatch(r"\d+\.\d+\.\d+\S*", probe[0]) else None
@@ -243,23 +237,15 @@ class Facts:
     python: str | None = None
 
 
-def facts_command(envs: tuple[str, ...] = AMI_TORCH_ENVS) -> str:
-    """The one command that prints a node's Facts, looking for torch envs at `envs`."""
-    probe = f'"$d/bin/python" -c {q(ENV_PROBE)} 2>/dev/null'
-    return (
-        "echo @user; id -un; echo @uid; id -u; echo @nproc; nproc;"
-        " echo @meminfo; cat /proc/meminfo;"
-        " echo @systemd; if [ -d /run/systemd/system ]; then echo yes; else echo no; fi;"
-        " echo @mounts; cat /proc/mounts;"
-        " echo @nvme; grep -H . /sys/block/nvme*/device/model 2>/dev/null;"
-        f' echo @envs; for d in {q(*envs)}; do [ -x "$d/bin/python" ] && echo "$d $({probe})";'
-        " done;"
-        " echo @python; python3 --version 2>&1;"
-        " true"
-    )
+#: the package's script that prints a node's Facts (it runs before the wheel is there)
+FACTS_SCRIPT = "facts.sh"
 
 
-FACTS = facts_command()
+def node_facts(conn: Conn, prefix: str, envs: tuple[str, ...] | None = None) -> Facts:
+    """The node's Facts, from one run of FACTS_SCRIPT, looking for torch envs at `envs`
+    (default AMI_TORCH_ENVS)."""
+    found = run_script(conn, FACTS_SCRIPT, *(AMI_TORCH_ENVS if envs is None else envs))
+    return parse_facts(found, prefix)
 
 
 def parse_facts(text: str, prefix: str) -> Facts:

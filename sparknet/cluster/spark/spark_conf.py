@@ -1,8 +1,8 @@
-"""What a node's Spark daemons run with, as plain text and numbers: the per-cluster secret, the
-`spark-defaults.conf`, the GPU discovery script, the worker's cores, memory and local dirs, and
-the systemd unit. Pure functions, so they are tested without a node; `steps.py` and
-`daemons.py` ship them.
-"""
+"""What a node's Spark daemons run with, as plain text and numbers.
+
+The per-cluster secret, the `spark-defaults.conf`, the GPU discovery script, the worker's cores,
+memory and local dirs, and the systemd unit. Pure functions, so they are tested without a node;
+`steps.py` and `daemons.py` ship them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparknet.errors import SparknetError
+from sparknet.node import files
 from sparknet.spark_security import SECURITY
 
 #: bytes of randomness in a cluster's Spark secret (hex: twice as many characters)
@@ -97,18 +98,7 @@ def spark_defaults(
 #: nvidia-smi fails the script (set -e), so the worker refuses to start instead of offering none.
 #: nvidia-smi is in `nvidia-utils-<branch>`, which the nvidia-driver step installs next to the
 #: headless driver `ubuntu-drivers install --gpgpu` installs without it.
-GPU_DISCOVERY_SCRIPT = """#!/bin/sh
-# written by sparknet bootstrap: the GPUs Spark's worker offers, from nvidia-smi
-set -e
-ids=$(nvidia-smi --query-gpu=index --format=csv,noheader)
-printf '{"name": "gpu", "addresses": ['
-sep=
-for id in $ids; do
-  printf '%s"%s"' "$sep" "$id"
-  sep=', '
-done
-printf ']}\\n'
-"""
+GPU_DISCOVERY_SCRIPT = files.script("gpus.sh")
 
 
 #: memory a worker leaves to the OS, the daemons and page cache: 2 GiB plus 10% of the node
@@ -222,23 +212,7 @@ def systemd_unit(
     restarted when it dies. `stamp` (a hash of what the daemon runs with) is written into the
     unit so a changed configuration reads as a changed unit, and so a restart."""
     environment = " ".join(f'"{k}={v}"' for k, v in env.items())
-    return "\n".join(
-        [
-            f"# written by sparknet bootstrap; stamp {stamp}",
-            "[Unit]",
-            f"Description={description}",
-            "After=network-online.target",
-            "Wants=network-online.target",
-            "",
-            "[Service]",
-            f"User={user}",
-            f"Environment={environment}",
-            "ExecStart=" + " ".join(argv),
-            "Restart=on-failure",
-            "RestartSec=5",
-            "",
-            "[Install]",
-            "WantedBy=multi-user.target",
-            "",
-        ]
-    )
+    return files.template(
+        "daemon.service", stamp=stamp, description=description, user=user,
+        environment=environment, exec_start=" ".join(argv),
+    )  # fmt: skip

@@ -1,5 +1,6 @@
-"""The install and configuration steps of a node, each with `check` (already done?) and
-`apply`: the node's Python against what it must run (before anything installs), the prefix's
+"""The install and configuration steps of a node, each with `check` (already done?) and `apply`.
+
+The node's Python against what it must run (before anything installs), the prefix's
 directories, Java and the OS packages, the NVIDIA driver (only where a GPU node's `nvidia-smi`
 fails), a venv with torch (over an existing env whose torch fits), the submitter's pyspark, the
 sparknet wheel (which must then start), and `spark-defaults.conf` with the cluster's secret."""
@@ -12,7 +13,16 @@ import re
 import fabric
 
 from sparknet.cluster import nodes
-from sparknet.cluster.remote import CommandFailed, Conn, ConnectionLost, q, run, succeeds, upload
+from sparknet.cluster.remote import (
+    CommandFailed,
+    Conn,
+    ConnectionLost,
+    q,
+    run,
+    run_script,
+    succeeds,
+    upload,
+)
 from sparknet.cluster.spark.plan import (
     JOBS_DIR,
     PIP_NETWORK,
@@ -28,6 +38,7 @@ from sparknet.cluster.spark.spark_conf import (
     spark_defaults,
 )
 from sparknet.errors import SparknetError
+from sparknet.node.command import node_command
 
 # --- steps ---------------------------------------------------------------------------------------
 
@@ -50,6 +61,18 @@ class Step:
 
     def run(self, conn: Conn, command: str, timeout: float | None = None) -> str:
         return run(conn, command, timeout or self.timeout)
+
+    def script(
+        self,
+        conn: Conn,
+        name: str,
+        *args: str,
+        timeout: float | None = None,
+        python: str | None = None,
+    ) -> str:
+        """The package's script `name` run on the node (`remote.run_script`; a Python one by
+        `python`): a step that runs before the wheel is there."""
+        return run_script(conn, name, *args, timeout=timeout or self.timeout, python=python)
 
 
 #: what a node whose Python cannot run its pyspark or sparknet is told to do
@@ -137,6 +160,10 @@ class Dirs(Step):
         )
 
 
+#: the package's script that installs OS packages with apt (before the node has a venv)
+APT_INSTALL = "apt_install.sh"
+
+
 class OsPackages(Step):
     """Java 17+ for Spark (and python3-venv, curl): skipped where `java -version` says 17+."""
 
@@ -155,9 +182,7 @@ class OsPackages(Step):
         return bool(self.ctx.base_env) or succeeds(conn, "python3 -c 'import ensurepip'")
 
     def apply(self, conn: Conn) -> None:
-        s = self.ctx.sudo
-        apt = f"{s}env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300"
-        self.run(conn, f"{apt} update -qq && {apt} install -y -qq {q(*self.PACKAGES)}")
+        self.script(conn, APT_INSTALL, *self.PACKAGES)
 
 
 #: what prints the node's boot id, new at every boot: how a reboot is told from a node that
@@ -185,14 +210,8 @@ FABRIC_MANAGER = "nvidia-fabricmanager"
 DRIVER_PACKAGES = "dpkg-query -W -f='${db:Status-Abbrev} ${Package}\\n' 'nvidia-headless-no-dkms-*'"
 
 
-def nvswitches(devices: str) -> str:
-    """Shell that exits 0 where the PCI tree under `devices` has an NVSwitch (PCI_DEVICES)."""
-    return (
-        f"( for d in {q(devices)}/*; do"
-        ' [ "$(cat "$d/vendor" 2>/dev/null)" = 0x10de ] &&'
-        ' case "$(cat "$d/class" 2>/dev/null)" in 0x0680*) exit 0;; esac;'
-        " done; exit 1 )"
-    )
+#: the package's script that exits 0 where a PCI tree has an NVSwitch
+NVSWITCHES = "nvswitches.sh"
 
 
 def driver_branches(listed: str) -> set[str]:
@@ -221,8 +240,21 @@ class NvidiaDriver(Step):
     def check(self, conn: Conn) -> bool:
         if self.ctx.node.gpus == 0:
             return True
-        fabric = f"! {nvswitches(PCI_DEVICES)} || systemctl is-active --quiet {FABRIC_MANAGER}"
-        return succeeds(conn, f"nvidia-smi -L >/dev/null && {{ {fabric}; }}")
+        if not succeeds(conn, "nvidia-smi -L >/dev/null"):
+            return False
+        return not self._nvswitches(conn) or succeeds(
+            conn, f"systemctl is-active --quiet {FABRIC_MANAGER}"
+        )
+
+    def _nvswitches(self, conn: Conn) -> bool:
+        """Whether the node has NVSwitches (the package's NVSWITCHES, on PCI_DEVICES)."""
+        try:
+            self.script(conn, NVSWITCHES, PCI_DEVICES, timeout=60)
+        except ConnectionLost:
+            raise
+        except CommandFailed:
+            return False
+        return True
 
     def apply(self, conn: Conn) -> None:
         if not self.ctx.plan.install_drivers:
@@ -233,24 +265,21 @@ class NvidiaDriver(Step):
                 "there, or set bootstrap: gpus_per_node: 0",
                 [],
             )
-        fabric = succeeds(conn, nvswitches(PCI_DEVICES))
+        fabric = self._nvswitches(conn)
         if succeeds(conn, "nvidia-smi -L"):  # a working driver (an AMI's) is left as it is
             if fabric:
                 self._fabric_manager_runs(conn, f"{FABRIC_MANAGER}-<the driver's branch>")
             return
         s = self.ctx.sudo
-        apt = f"{s}env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300"
-        self.run(
-            conn,
-            f"{apt} update -qq && {apt} install -y -qq ubuntu-drivers-common"
-            f" && {s}ubuntu-drivers install --gpgpu",
-        )
+        self.script(conn, APT_INSTALL, "ubuntu-drivers-common")
+        self.run(conn, f"{s}ubuntu-drivers install --gpgpu")
         branch = self._branch(conn)
         packages = [f"nvidia-utils-{branch}"]
         if fabric:  # enabled now, it starts at the boot that loads the driver
             packages.append(f"nvidia-fabricmanager-{branch.split('-')[0]}")
-        enable = f" && {s}systemctl enable {FABRIC_MANAGER}" if fabric else ""
-        self.run(conn, f"{apt} install -y -qq {q(*packages)}{enable}")
+        self.script(conn, APT_INSTALL, "--no-update", *packages)
+        if fabric:
+            self.run(conn, f"{s}systemctl enable {FABRIC_MANAGER}")
         if not succeeds(conn, "nvidia-smi -L"):  # else loaded without a reboot
             self.reboot(conn)
             self._loaded(conn)
@@ -363,18 +392,9 @@ BASE_PTH = "_sparknet_base.pth"
 
 #: "2.8": the oldest torch the nodes run (`spark_conf.TORCH_MIN`)
 TORCH_FLOOR = ".".join(map(str, TORCH_MIN))
-#: Python code (lines) that exits with one line saying why unless the env has a torch of
-#: TORCH_MIN or newer, by its metadata (no import: seconds on every check)
-TORCH_NEW_ENOUGH = (
-    "import importlib.metadata as m, re, sys\n"
-    "try:\n"
-    "    v = m.version('torch')\n"
-    "except m.PackageNotFoundError:\n"
-    "    sys.exit('no torch')\n"
-    f"if tuple(int(x) for x in re.findall(r'\\d+', v)[:2]) < {TORCH_MIN!r}:\n"
-    f"    sys.exit(f'torch {{v}} is older than {TORCH_FLOOR}, which the allreduce rendezvous "
-    "needs')\n"
-)
+#: the package's script that fails, saying why, unless an env's torch fits the node (run by
+#: that env's Python, before the wheel is on the node)
+TORCH_FITS = "torch_fits.py"
 
 
 class PythonEnv(Step):
@@ -387,15 +407,15 @@ class PythonEnv(Step):
     name = "python-env"
     timeout = 1800
 
-    def _torch_fits(self, quick: bool = False) -> str:
-        """Python code that fails, its last line saying why, unless torch fits the node: torch
-        TORCH_MIN or newer (from its metadata), and on a GPU node one that sees the GPUs. `quick`
-        on a node without GPUs only reads the version (importing torch takes seconds on every
-        check; `apply` imports it)."""
-        if quick and not self.ctx.node.gpus:
-            return TORCH_NEW_ENOUGH
-        cuda = "assert torch.cuda.is_available(), 'no GPU'; " if self.ctx.node.gpus else ""
-        return f"{TORCH_NEW_ENOUGH}import torch; {cuda}print(torch.__version__)"
+    def _torch_fits(
+        self, conn: Conn, python: str, quick: bool = False, timeout: float | None = None
+    ) -> None:
+        """CommandFailed, its last line saying why, unless `python`'s torch fits the node
+        (the package's TORCH_FITS): torch TORCH_MIN or newer (from its metadata), and on a GPU
+        node one that sees the GPUs. `quick` on a node without GPUs only reads the version
+        (importing torch takes seconds on every check; `apply` imports it)."""
+        flags = [*(["--quick"] if quick else []), *(["--gpus"] if self.ctx.node.gpus else [])]
+        self.script(conn, TORCH_FITS, TORCH_FLOOR, *flags, timeout=timeout, python=python)
 
     def check(self, conn: Conn) -> bool:
         """A venv of its own, or one laid over today's base env, whose torch fits."""
@@ -404,8 +424,15 @@ class PythonEnv(Step):
         if base:
             line = q(self._base_line(conn, base))
             made = f"{{ {made} || grep -qxF {line} {self._site(n.python)}/{BASE_PTH}; }}"
-        fits = f"{q(n.python)} -c {q(self._torch_fits(quick=True))}"
-        return succeeds(conn, f"{made} && {fits}", timeout=120)
+        if not succeeds(conn, made, timeout=120):
+            return False
+        try:
+            self._torch_fits(conn, n.python, quick=True, timeout=120)
+        except ConnectionLost:
+            raise
+        except CommandFailed:
+            return False
+        return True
 
     @staticmethod
     def _site(python: str) -> str:
@@ -421,7 +448,7 @@ class PythonEnv(Step):
         if base:
             python = f"{base}/bin/python"
             try:
-                self.run(conn, f"{q(python)} -c {q(self._torch_fits())}", timeout=120)
+                self._torch_fits(conn, python, timeout=120)
             except CommandFailed as exc:
                 if self.ctx.plan.python_env:  # asked for, so not silently replaced
                     raise CommandFailed(  # the runner adds the last line: why it does not fit
@@ -450,9 +477,9 @@ class PythonEnv(Step):
         self.run(
             conn,
             f"rm -rf {q(n.venv)} && python3 -m venv {q(n.venv)}"
-            f" && {f'{install} {index}'.rstrip()} {q(f'torch>={TORCH_FLOOR}')} torchvision"
-            f" && {q(n.python)} -c {q(self._torch_fits())}",
+            f" && {f'{install} {index}'.rstrip()} {q(f'torch>={TORCH_FLOOR}')} torchvision",
         )
+        self._torch_fits(conn, n.python)
 
     def _driver_cuda(self, conn: Conn) -> str | None:
         """The highest CUDA version the driver runs, as `nvidia-smi` prints it."""
@@ -482,23 +509,6 @@ class Pyspark(Step):
 
 #: the file in the node's venv that records the digest of the sparknet wheel installed there
 WHEEL_MARK = "sparknet-wheel.sha256"
-
-
-#: Python code that fails unless every package sparknet requires is installed (by name: the
-#: versions are the env's; importing them all would take seconds on every bootstrap)
-DEPENDENCIES_THERE = """
-import importlib.metadata as m, re, sys
-missing = []
-for req in m.requires("sparknet") or []:
-    if "extra ==" in req:
-        continue
-    name = re.split(r"[ ;<>=!~\\[(]", req, maxsplit=1)[0]
-    try:
-        m.distribution(name)
-    except m.PackageNotFoundError:
-        missing.append(name)
-sys.exit(f"missing: {' '.join(missing)}" if missing else 0)
-"""
 
 
 class SparknetWheel(Step):
@@ -538,7 +548,7 @@ class SparknetWheel(Step):
         self.run(conn, f"{pip} --no-deps --force-reinstall {q(remote)}")
         # sparknet's dependencies: already there over the AMI's env or the test venv; a node
         # that lacks some gets them from the index (pip leaves satisfied ones alone)
-        if not succeeds(conn, f"{q(n.python)} -c {q(DEPENDENCIES_THERE)}", timeout=120):
+        if not succeeds(conn, node_command(n.python, "dependencies"), timeout=120):
             self.run(conn, f"{pip} {q(remote)}")
         try:
             self.run(conn, self.starts, timeout=120)

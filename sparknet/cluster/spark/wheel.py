@@ -1,5 +1,6 @@
-"""The sparknet wheel every node installs, built from the submitter's checkout, so the nodes run
-exactly the submitter's code."""
+"""The sparknet wheel every node installs, built from the submitter's checkout.
+
+So the nodes run exactly the submitter's code."""
 
 from __future__ import annotations
 

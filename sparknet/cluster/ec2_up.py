@@ -1,11 +1,11 @@
-"""A cluster's life on EC2: `up` (idempotent; tears down what it made on error or Ctrl-C),
-`down`, `status`, and `cluster bootstrap` again on its running instances.
+"""Bringing an EC2 cluster up, with its checks before and its bootstrap at the end.
 
-The registry is a convenience, never the truth: `down`, `status` and `sweep` find everything by
-the `sparknet:cluster` tag (inventory.py), so a lost laptop or a deleted registry still leaves no
-instance running by accident. `up` and `down` of one cluster hold a lock in the registry dir, so
-two of them on one machine never work on the same cluster at once. What runs on the nodes (the
-bootstrap, stopping Spark before the instances go) is sparkops.py's.
+`up` is idempotent and removes what it made on error or Ctrl-C; the checks it makes come before
+it writes or launches anything.
+
+The `aws` provider (ec2.py) calls it; it is a module of its own as the longest part of an EC2
+cluster's life. `up` holds the cluster's lock in the registry dir, so two of them on one machine
+never work on one cluster at once; what runs on the nodes (the bootstrap) is sparkops.py's.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from __future__ import annotations
 import secrets
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,54 +34,16 @@ from sparknet.cluster.aws import (
 )
 from sparknet.cluster.aws.instances import Instance
 from sparknet.cluster.aws.owner import caller_owner
-from sparknet.cluster.aws.prices import Hourly
+from sparknet.cluster.records import ClusterInfo, Interrupted
 from sparknet.cluster.spark import bootstrap as boot
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
-
-Say = Callable[[str], None]
-
-
-class ClusterNotFound(SparknetError):
-    """`down` of a name with no tagged resources in the region and no registry entry."""
-
-
-class Interrupted(SparknetError):
-    """Ctrl-C or SIGTERM stopped `up` (after its clean-up) or `down`."""
-
-
-@dataclass(frozen=True)
-class ClusterInfo:
-    name: str
-    region: str
-    master: Instance | None
-    workers: list[Instance]
-    #: what the instances cost per hour as they run (type, market, EBS, public IPv4)
-    cost: Hourly
-
-    @property
-    def instances(self) -> list[Instance]:
-        return ([self.master] if self.master else []) + self.workers
-
-    @property
-    def hourly_usd(self) -> float | None:
-        return self.cost.total if self.instances else None
-
-
-@dataclass(frozen=True)
-class DownReport:
-    name: str
-    region: str
-    terminated: list[str]
-    deleted: list[str]
-    #: the estimated cost of the instances' lives, where prices are known
-    cost_usd: float | None
-
+from sparknet.say import Say
 
 # --- up ----------------------------------------------------------------------------------------
 
 
-def _by_role(found: list[Instance], role: str) -> list[Instance]:
+def by_role(found: list[Instance], role: str) -> list[Instance]:
     return [i for i in found if i.role == role]
 
 
@@ -124,7 +84,7 @@ def _has_terraform_state(spec: ClusterSpec) -> bool:
     )
 
 
-def _destroy_foundation(spec: ClusterSpec, endpoint_url: str | None) -> list[str]:
+def destroy_foundation(spec: ClusterSpec, endpoint_url: str | None) -> list[str]:
     """Terraform's destroy where its state is known; else by tag with boto3 (a lost state dir,
     or a foundation another backend made)."""
     if _has_terraform_state(spec):
@@ -236,12 +196,13 @@ def _bootstrap_after_up(
     mirror, than for one a fresh instance cures, and relaunching costs minutes each time): the
     one-line error says they run and are billed until their backstop (`userdata`) ends them,
     and what finishes or ends them before that."""
-    where = f"{spec.name} --region {spec.region}"
+    name, region = spec.name, spec.region
     stay = (
         f"the cluster's {len(info.instances)} instances stay up and registered (and are "
         f"billed) until their backstop powers them off (terminates them) "
         f"{spec.backstop_minutes} minutes after their last boot: `sparknet cluster bootstrap "
-        f"{where}` before then finishes it, `sparknet cluster down {where}` ends them now"
+        f"{name} --region {region}` before then finishes it, `sparknet cluster down {name} "
+        f"--region {region}` ends them now"
     )
     try:
         report = sparkops.bootstrap_instances(spec, ec2, info.instances, say, carried)
@@ -288,7 +249,7 @@ def _build(
             client_token_prefix=made.prefix,
             key_name=spec.key_name or keys.key_pair_name(spec.name),
         )  # fmt: skip
-        if not _by_role(running, "master"):
+        if not by_role(running, "master"):
             say(f"launching the master ({spec.master_type})")
             master = launcher.launch(
                 ec2, spec, role="master", count=1, spot=False,
@@ -297,7 +258,7 @@ def _build(
                 **common,
             )  # fmt: skip
             made.launched += [i.id for i in master]
-        missing = spec.workers - len(_by_role(running, "worker"))
+        missing = spec.workers - len(by_role(running, "worker"))
         if missing > 0:
             market = "spot" if spec.spot else "on-demand"
             say(f"launching {missing} {market} workers ({', '.join(spec.instance_types)})")
@@ -321,19 +282,22 @@ def _build(
         except Exception as undo_exc:
             # the one case where something may be left running: say so, and what ends it
             interrupted = isinstance(exc, KeyboardInterrupt)
-            why = "interrupted" if interrupted else str(exc)
             raise (Interrupted if interrupted else SparknetError)(
-                f"{why}; removing what this `up` made then failed too ({undo_exc}); run "
-                f"`sparknet cluster down {spec.name} --region {spec.region}` to remove the rest"
+                "{why}; removing what this `up` made then failed too ({undo}); run "
+                "`sparknet cluster down {name} --region {region}` to remove the rest",
+                why="interrupted" if interrupted else exc,
+                undo=undo_exc,
+                name=spec.name,
+                region=spec.region,
             ) from exc
         if isinstance(exc, KeyboardInterrupt):
             raise Interrupted(
                 "interrupted; everything this `up` created was removed again"
             ) from exc
         raise
-    masters = _by_role(ready, "master")
+    masters = by_role(ready, "master")
     return ClusterInfo(
-        spec.name, spec.region, masters[0] if masters else None, _by_role(ready, "worker"),
+        spec.name, spec.region, masters[0] if masters else None, by_role(ready, "worker"),
         prices.hourly_cost(ec2, ready),
     )  # fmt: skip
 
@@ -358,7 +322,7 @@ def _shrink(
     `up --workers 1` of a cluster with 4 workers means 1 worker: the spec is what the user pays
     for, and the registry records it. The newest go first: the oldest have the warmest caches
     and the settled host keys."""
-    workers = _by_role(running, "worker")
+    workers = by_role(running, "worker")
     extra = len(workers) - spec.workers
     if extra <= 0:
         return running
@@ -386,143 +350,10 @@ def _undo(spec: ClusterSpec, ec2: Any, made: _Made, endpoint_url: str | None, sa
     if spec.foundation == "terraform":
         if not made.had_foundation:
             # the lock keeps other `up`s on this machine out of the state this run applied
-            _destroy_foundation(spec, endpoint_url)
+            destroy_foundation(spec, endpoint_url)
     elif made.created:
         boto3_teardown.destroy_boto3(spec, endpoint_url=endpoint_url, only=made.created)
     if not made.had_entry:
         registry.forget_entry(spec.name, spec.region)
         registry.forget_local(spec.name)
         registry.remove_lock(spec.name)
-
-
-# --- down and status ---------------------------------------------------------------------------
-
-
-def _check_exists(spec: ClusterSpec, endpoint_url: str | None) -> None:
-    """Refuse `down` of a name that has nothing to take down in the region: no registry entry,
-    no Terraform state and no tagged resource there. A typo or a wrong region must not read as
-    success while the real cluster runs on, so the error names the clusters that do exist, and
-    the region where this machine knows the name."""
-    if spec.region in inventory.known_regions(spec.name):
-        return
-    found = inventory.tagged_clusters(spec.region, endpoint_url=endpoint_url)
-    if spec.name in found:
-        return
-    raise ClusterNotFound(_not_found(spec, sorted(found)))
-
-
-def _not_found(spec: ClusterSpec, there: list[str]) -> str:
-    """One line: no cluster `spec.name` in its region, where it is instead, what is there."""
-    elsewhere = sorted(inventory.known_regions(spec.name) - {spec.region})
-    if elsewhere:
-        return (
-            f"no cluster {spec.name} in {spec.region}; it is in {', '.join(elsewhere)} "
-            f"(registered here): pass --region {elsewhere[0]}"
-        )
-    listed = (
-        f"clusters there: {', '.join(there)}"
-        if there
-        else f"there are no sparknet clusters in {spec.region}"
-    )
-    return (
-        f"no cluster {spec.name} in {spec.region} (no tagged resources, not registered here); "
-        f"{listed}; check the name and --region"
-    )
-
-
-def down(
-    spec: ClusterSpec,
-    *,
-    endpoint_url: str | None = None,
-    say: Say = lambda _: None,
-    any_owner: bool = False,
-) -> DownReport:
-    """Terminate the cluster's instances (waiting until they are gone), delete its foundation,
-    and estimate what its instances cost as they ran. Works from tags alone; holds the cluster's
-    lock; `ClusterNotFound` when there is nothing of that name to take down, `NotYours` when
-    another principal's owner tag is on it (unless `any_owner`)."""
-    ec2 = instances.ec2_client(spec.region, endpoint_url)
-    if not instances.find(ec2, spec.name):
-        _check_exists(spec, endpoint_url)  # before the lock: a typo leaves no file behind
-    if not any_owner:
-        inventory.check_owner(spec, caller_owner(spec.region, endpoint_url), endpoint_url)
-    with registry.cluster_lock(spec.name):
-        found = instances.find(ec2, spec.name)
-        cost = lifetime_cost(ec2, found, datetime.now(UTC))
-        sparkops.stop_spark(spec, ec2, found, say)
-        say(f"terminating {len(found)} instances")
-        terminated = instances.terminate_cluster(ec2, spec.name, wait=True, delay_s=1.0)
-        deleted = keys.delete_key_pairs(ec2, spec.name)
-        deleted += _destroy_foundation(spec, endpoint_url)
-        if spec.name not in registry.registered() or registry.registered_in(spec.name, spec.region):
-            registry.forget_local(spec.name)  # not the key of the name's cluster in another region
-        registry.forget_entry(spec.name, spec.region)
-        registry.remove_lock(spec.name)
-    return DownReport(spec.name, spec.region, terminated, deleted, cost)
-
-
-def lifetime_cost(ec2: Any, found: list[Instance], now: datetime) -> float | None:
-    """USD the instances cost from launch to `now` at their current hourly price (type, market,
-    EBS, public IPv4); None when any price is unknown."""
-    hourly_of = prices.hourly_costs(ec2, found)
-    total = 0.0
-    for inst in found:
-        hourly = hourly_of[inst.id].total
-        if hourly is None:
-            return None
-        total += hourly * max(0.0, (now - inst.launched_at).total_seconds()) / 3600
-    return total
-
-
-def status(spec: ClusterSpec, *, endpoint_url: str | None = None) -> ClusterInfo:
-    """The cluster's live instances and what they cost per hour; `ClusterNotFound` (naming the
-    clusters that exist) when the region has nothing of that name at all."""
-    ec2 = instances.ec2_client(spec.region, endpoint_url)
-    found = instances.find(ec2, spec.name)
-    if not found:
-        _check_exists(spec, endpoint_url)
-    masters = _by_role(found, "master")
-    return ClusterInfo(
-        spec.name, spec.region, masters[0] if masters else None, _by_role(found, "worker"),
-        prices.hourly_cost(ec2, found),
-    )  # fmt: skip
-
-
-def leftover_note(name: str) -> str:
-    """What `cluster status` and `list` say of a cluster with no live instance whose registry
-    entry, Terraform state or tagged resources are still there: the autostop timer (or a hand)
-    terminates instances only, and `down` removes the rest (key pair, security group, node
-    role, network, entry)."""
-    return f"terminated (autostop?); `sparknet cluster down {name}` cleans up"
-
-
-# --- the bootstrap again -----------------------------------------------------------------------
-
-
-def _live(ec2: Any, spec: ClusterSpec) -> list[Instance]:
-    """The cluster's running instances; `ClusterNotFound` when it has none."""
-    found = [i for i in instances.find(ec2, spec.name) if i.state == "running"]
-    if not found:
-        raise ClusterNotFound(
-            f"cluster {spec.name} has no running instances in {spec.region}; "
-            f"`sparknet cluster up {spec.name}` starts it"
-        )
-    return found
-
-
-def bootstrap_nodes(
-    spec: ClusterSpec,
-    *,
-    endpoint_url: str | None = None,
-    say: Say = lambda _: None,
-    force: bool = False,
-) -> boot.BootstrapReport:
-    """`sparknet cluster bootstrap`: the bootstrap again on the cluster's running instances
-    (idempotent: what is done is skipped), under the cluster's lock; `JobRunning` where it
-    would restart the master under a running job, unless `force`."""
-    ec2 = instances.ec2_client(spec.region, endpoint_url)
-    found = _live(ec2, spec)
-    with registry.cluster_lock(spec.name):
-        report = sparkops.bootstrap_instances(spec, ec2, found, say, force=force)
-    sparkops.say_report(report, say)
-    return report

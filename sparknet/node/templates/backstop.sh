@@ -1,0 +1,2 @@
+#!/bin/sh
+exec shutdown -P +$minutes $why
