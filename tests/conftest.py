@@ -326,7 +326,7 @@ def moto_nodes(tmp_path, monkeypatch):
     2 workers on moto to loopback sshd nodes through `SPARKNET_NODE_ENDPOINTS` (set for this
     test and the CLI subprocesses it starts); every sshd is stopped by PID at the end of the
     test."""
-    from sparknet.cluster.seam import ENDPOINTS_ENV
+    from sparknet.cluster.node_endpoints import ENDPOINTS_ENV
     from tests.sshd import MotoNodes
 
     made: list[MotoNodes] = []

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparknet.cluster import seam, sshkeys
+from sparknet.cluster import node_endpoints, sshkeys
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.aws import keys
 from sparknet.cluster.aws.spot import ENDPOINT_ENV
@@ -113,7 +113,7 @@ def static_cluster_entry(
     nodes, over the repo's .venv with 1 core and 1 GiB per worker, on free ports (`bootstrap`
     adds settings); and the seam file ``root/endpoints.json`` giving each node its address
     from `addresses` and its install prefix ``root/<node>`` (two nodes on one host need their
-    own): point `seam.ENDPOINTS_ENV` at it."""
+    own): point `node_endpoints.ENDPOINTS_ENV` at it."""
     layout = {
         f"{name}/{node}/node": {"address": address, "prefix": str(root / node)}
         for node, address in addresses.items()
@@ -425,7 +425,7 @@ def _descendants(pid: int) -> list[int]:
 
 class MotoNodes:
     """Loopback sshd nodes standing in for the instances of cluster `cluster` on moto, through
-    the seam of `seam.py` (its `ENDPOINTS_ENV` file, which CLI subprocesses see too).
+    the seam of `node_endpoints.py` (its `ENDPOINTS_ENV` file, which CLI subprocesses see too).
 
     Each node's port is fixed before anything launches (the master's and `workers` workers';
     `reserve` adds more), so `up` pins and finds each node's address at once. `serve` then
@@ -492,7 +492,7 @@ class MotoNodes:
 
         with self._lock:
             found = [i for i in instances.find(ec2, self.cluster) if i.id not in self.departed]
-            named = seam.node_names(found)
+            named = node_endpoints.node_names(found)
             self.reserve([name for name, _ in named])
             for name, inst in named:
                 if self.serving.get(name) == inst.id and name in self.servers:

@@ -118,7 +118,7 @@ def attach(
     143)."""
     from sparknet.cluster import provider, repair  # lazy: boto3, fabric
     from sparknet.jobs import records  # lazy: boto3, fabric
-    from sparknet.jobs.driver import LOG, job_dir  # lazy: boto3, fabric
+    from sparknet.jobs.driver_control import LOG, job_dir  # lazy: boto3, fabric
     from sparknet.jobs.follow import (  # lazy: boto3, fabric
         DriverStatus,
         fetch_results,
@@ -198,7 +198,7 @@ def _ended_outcome(conn, found, run_id: str, state: str):
     """The outcome of a job that ended before `attach` came: said in one line (how, after how
     many rounds), its rounds not replayed."""
     from sparknet.data.store import open_store  # lazy: boto3
-    from sparknet.jobs.driver import driver_log, driver_rc  # lazy: boto3, fabric
+    from sparknet.jobs.driver_control import driver_log, driver_rc  # lazy: boto3, fabric
     from sparknet.jobs.follow import Outcome  # lazy: boto3, fabric
     from sparknet.training.report import read_metrics  # lazy: boto3
 

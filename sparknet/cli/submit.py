@@ -113,7 +113,7 @@ def submit(
         return
     caught = Caught()
     started = False  # an error before the flow starts is in the command or settings: exit 2
-    ending = flow.Ending()  # a signal during the checks below: "nothing was launched"
+    ending = flow.ClusterOutcome()  # a signal during the checks below: "nothing was launched"
     try:
         preflight.check_request(s3, cluster, name, keep, autostop)
         path = find_config_file(config)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sparknet import aws, interrupts
-from sparknet.cluster import address, nodes, registry, seam, sshkeys
+from sparknet.cluster import address, node_endpoints, nodes, registry, sshkeys
 from sparknet.cluster.aws import instances, keys, launcher, preflight, userdata
 from sparknet.cluster.aws.boto3_foundation import ensure_boto3
 from sparknet.cluster.aws.boto3_teardown import destroy_boto3
@@ -249,7 +249,7 @@ class Baked:
 
 
 @dataclass
-class _Made:
+class _MadeByBake:
     """What one bake made so far: everything its clean-up removes (the image only on failure)."""
 
     name: str
@@ -286,7 +286,7 @@ def bake(
     gpus = gpu_count(ec2, settings.instance_type)
     with tempfile.TemporaryDirectory(prefix="sparknet-bake-") as tmp:
         wheel = wheel or build_wheel(source_checkout(), Path(tmp))
-        made = _Made(spec.name)
+        made = _MadeByBake(spec.name)
         try:
             baked = _bake(spec, base, settings, image, wheel, gpus, ec2, made, say, root,
                           timeout_s, delay_s)  # fmt: skip
@@ -343,7 +343,7 @@ def _bake(
     wheel: Wheel,
     gpus: int,
     ec2: Any,
-    made: _Made,
+    made: _MadeByBake,
     say: Say,
     root: str,
     timeout_s: float,
@@ -370,7 +370,7 @@ def _bake(
     ready = instances.wait_ready(ec2, [made.builder], timeout_s, delay_s=delay_s)
     access = sshkeys.access_for(spec)
     keys.pin_cluster(ec2, spec.name, ready, access.known_hosts)
-    (endpoint,) = seam.endpoints(spec.name, ready)
+    (endpoint,) = node_endpoints.endpoints(spec.name, ready)
     node = Node(endpoint, prefix=settings.prefix, gpus=gpus)
     plan = Plan(
         (node,), wheel, "", python_env=settings.python_env, package_index=settings.package_index
@@ -540,7 +540,7 @@ def snapshots_of(ec2: Any, image_id: str, builder: str | None = None) -> list[st
 def _clean_up(
     spec: ClusterSpec,
     ec2: Any,
-    made: _Made,
+    made: _MadeByBake,
     endpoint_url: str | None,
     say: Say,
     *,

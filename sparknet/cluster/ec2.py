@@ -7,7 +7,7 @@ The registry is a convenience, never the truth: `down`, `status` and `sweep` fin
 the `sparknet:cluster` tag (inventory.py), so a lost laptop or a deleted registry still leaves no
 instance running by accident. `up` and `down` of one cluster hold a lock in the registry dir, so
 two of them on one machine never work on the same cluster at once. What runs on the nodes (the
-bootstrap, stopping Spark before the instances go) is sparkops.py's.
+bootstrap, stopping Spark before the instances go) is spark_nodes.py's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import contextlib
 from datetime import UTC, datetime
 from typing import Any
 
-from sparknet.cluster import ec2_up, inventory, registry, seam, sparkops, sshkeys
+from sparknet.cluster import ec2_up, inventory, node_endpoints, registry, spark_nodes, sshkeys
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.aws import instances, keys, owner, prices
 from sparknet.cluster.aws.instances import Instance
@@ -75,7 +75,7 @@ def check_launch(spec: ClusterSpec, endpoint_url: str | None) -> None:
 def gpus_by_type(spec: ClusterSpec, endpoint_url: str | None) -> dict[str, int]:
     """GPUs of each instance type the cluster would launch (the master's and the workers')."""
     ec2 = instances.ec2_client(spec.region, endpoint_url)
-    return sparkops.instance_gpus(ec2, [spec.master_type, *spec.instance_types])
+    return spark_nodes.instance_gpus(ec2, [spec.master_type, *spec.instance_types])
 
 
 def planned_nodes(spec: ClusterSpec, endpoint_url: str | None) -> tuple[int, int | None]:
@@ -85,7 +85,7 @@ def planned_nodes(spec: ClusterSpec, endpoint_url: str | None) -> tuple[int, int
     gpus = spec.bootstrap.gpus_per_node
     if gpus is None:
         ec2 = instances.ec2_client(spec.region, endpoint_url)
-        gpus = sparkops.instance_gpus(ec2, [spec.master_type])[spec.master_type]
+        gpus = spark_nodes.instance_gpus(ec2, [spec.master_type])[spec.master_type]
     return spec.workers + 1, gpus
 
 
@@ -152,7 +152,7 @@ def down(
     with registry.cluster_lock(spec.name):
         found = instances.find(ec2, spec.name)
         cost = lifetime_cost(ec2, found, datetime.now(UTC))
-        sparkops.stop_spark(spec, ec2, found, say)
+        spark_nodes.stop_spark(spec, ec2, found, say)
         say(f"terminating {len(found)} instances")
         terminated = instances.terminate_cluster(ec2, spec.name, wait=True, delay_s=1.0)
         deleted = keys.delete_key_pairs(ec2, spec.name)
@@ -233,8 +233,8 @@ def bootstrap(
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     found = _live(ec2, spec)
     with registry.cluster_lock(spec.name):
-        report = sparkops.bootstrap_instances(spec, ec2, found, say, force=force)
-    sparkops.say_report(report, say)
+        report = spark_nodes.bootstrap_instances(spec, ec2, found, say, force=force)
+    spark_nodes.say_report(report, say)
     masters = ec2_up.by_role(found, "master")
     return ClusterInfo(
         spec.name, spec.region, masters[0] if masters else None,
@@ -243,8 +243,8 @@ def bootstrap(
 
 
 def health(spec: ClusterSpec, info: ClusterInfo, *, endpoint_url: str | None) -> ClusterHealth:
-    """Spark's health as the master of `info`'s instances tells it (`sparkops.spark_health`)."""
-    return sparkops.spark_health(spec, info.instances, endpoint_url=endpoint_url)
+    """Spark's health as the master of `info`'s instances tells it (`spark_nodes.spark_health`)."""
+    return spark_nodes.spark_health(spec, info.instances, endpoint_url=endpoint_url)
 
 
 # --- what the job side asks of a running cluster -------------------------------------------------
@@ -285,7 +285,7 @@ def nodes_of(spec: ClusterSpec, endpoint_url: str | None) -> tuple[Access, list[
     bootstrap laid them out, master first."""
     ec2 = instances.ec2_client(spec.region, endpoint_url)
     found = [i for i in instances.find(ec2, spec.name) if i.state == "running"]
-    return sparkops.reach(spec, ec2, found), sparkops.plan_nodes(spec, ec2, found)
+    return spark_nodes.reach(spec, ec2, found), spark_nodes.plan_nodes(spec, ec2, found)
 
 
 def reach_node(
@@ -304,7 +304,7 @@ def reach_node(
     access = sshkeys.access_for(spec)
     sshkeys.check_key_file(access)
     keys.pin_cluster(ec2, spec.name, found, access.known_hosts)
-    return seam.endpoint_named(spec.name, found, node), access, spec
+    return node_endpoints.endpoint_named(spec.name, found, node), access, spec
 
 
 def cost_so_far(spec: ClusterSpec, endpoint_url: str | None) -> float | None:

@@ -5,7 +5,7 @@ it writes or launches anything.
 
 The `aws` provider (ec2.py) calls it; it is a module of its own as the longest part of an EC2
 cluster's life. `up` holds the cluster's lock in the registry dir, so two of them on one machine
-never work on one cluster at once; what runs on the nodes (the bootstrap) is sparkops.py's.
+never work on one cluster at once; what runs on the nodes (the bootstrap) is spark_nodes.py's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sparknet import aws
-from sparknet.cluster import inventory, registry, sparkops, sshkeys
+from sparknet.cluster import inventory, registry, spark_nodes, sshkeys
 from sparknet.cluster.aws import (
     boto3_foundation,
     boto3_teardown,
@@ -101,7 +101,7 @@ def launch_prefix(name: str) -> str:
 
 
 @dataclass
-class _Made:
+class _MadeByUp:
     """What one `up` made so far: the only things its clean-up may remove."""
 
     prefix: str
@@ -181,7 +181,7 @@ def up(
     ):
         # what the bootstrap brings from here is ready before anything is launched: a broken
         # checkout or a secret others can read fails before any money is spent
-        carried = sparkops.carry_or_unlock(spec, Path(tmp)) if bootstrap else None
+        carried = spark_nodes.carry_or_unlock(spec, Path(tmp)) if bootstrap else None
         info = _build(spec, ec2, ami, cidr, endpoint_url, say, wait_timeout_s, wait_delay_s)
         if carried is not None:
             _bootstrap_after_up(spec, ec2, info, say, carried)
@@ -189,7 +189,7 @@ def up(
 
 
 def _bootstrap_after_up(
-    spec: ClusterSpec, ec2: Any, info: ClusterInfo, say: Say, carried: sparkops.Carried
+    spec: ClusterSpec, ec2: Any, info: ClusterInfo, say: Say, carried: spark_nodes.BootstrapPayload
 ) -> None:
     """The bootstrap as the last part of `up`. Its failure or Ctrl-C leaves the instances as
     they are (a step fails far more often for a reason the user fixes, such as a package
@@ -205,15 +205,15 @@ def _bootstrap_after_up(
         f"--region {region}` ends them now"
     )
     try:
-        report = sparkops.bootstrap_instances(spec, ec2, info.instances, say, carried)
+        report = spark_nodes.bootstrap_instances(spec, ec2, info.instances, say, carried)
     except KeyboardInterrupt as exc:
         raise Interrupted(f"interrupted during the bootstrap; {stay}") from exc
     except boot.JobRunning:
         raise  # refused before anything changed: nothing is incomplete
     except SparknetError as exc:
         first, *rest = str(exc).splitlines() or [type(exc).__name__]
-        raise sparkops.BootstrapIncomplete("\n".join([f"{first}; {stay}", *rest])) from exc
-    sparkops.say_report(report, say)
+        raise spark_nodes.BootstrapIncomplete("\n".join([f"{first}; {stay}", *rest])) from exc
+    spark_nodes.say_report(report, say)
 
 
 def _build(
@@ -227,7 +227,7 @@ def _build(
     wait_delay_s: float,
 ) -> ClusterInfo:
     """`up` once the checks passed, under the cluster's lock."""
-    made = _Made(
+    made = _MadeByUp(
         prefix=launch_prefix(spec.name),
         had_foundation=_foundation_exists(spec, ec2),
         had_entry=registry.entry_path(spec.name).exists(),
@@ -333,7 +333,7 @@ def _shrink(
     return [i for i in running if i.id not in ids]
 
 
-def _undo(spec: ClusterSpec, ec2: Any, made: _Made, endpoint_url: str | None, say: Say) -> None:
+def _undo(spec: ClusterSpec, ec2: Any, made: _MadeByUp, endpoint_url: str | None, say: Say) -> None:
     """Remove what one `up` made, and nothing else: the instances it launched (the ids
     `launch` returned, and any carrying its unique ClientToken prefix: a launch whose answer a
     Ctrl-C cut off), the foundation resources it created, and the registry entry it wrote.

@@ -2,8 +2,8 @@
 
 With what key and pinned host keys (`Access`), one connection (`connect`, and again after a
 node's reboot: `reconnect_after_restart`), and one function on every node at once (`run_all`).
-Where each node is reached is seam.py's (an `Endpoint`), the key and the pins are sshkeys.py's,
-and the same trust in OpenSSH's options is openssh.py's.
+Where each node is reached is node_endpoints.py's (an `Endpoint`), the key and the pins are
+sshkeys.py's, and the same trust in OpenSSH's options is openssh.py's.
 
 Every connection refuses a host whose key is not already pinned in the cluster's known_hosts
 (paramiko's `RejectPolicy`): Fabric's default (`AutoAddPolicy`, no known_hosts) would trust

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from sparknet.cluster import address, nodes, provider, registry, seam, sparkops, static
+from sparknet.cluster import address, node_endpoints, nodes, provider, registry, spark_nodes, static
 from sparknet.cluster.aws import instances, spot
 from sparknet.cluster.aws.instances import Instance
 from sparknet.cluster.records import Interrupted
@@ -67,7 +67,7 @@ def losses(spec: ClusterSpec, *, endpoint_url: str | None = None) -> Losses:
             f"{missing} of {spec.workers} worker instances are gone"
         ]
     try:
-        health = sparkops.spark_health(spec, live, endpoint_url=endpoint_url)
+        health = spark_nodes.spark_health(spec, live, endpoint_url=endpoint_url)
     except SparknetError as exc:
         return Losses(True, (f"the master takes no connection ({str(exc).splitlines()[0]})",))
     if (silent := _master_silent(health)) is not None:
@@ -111,14 +111,14 @@ def spot_notices(
     instances that has one, asked over SSH of each node's own metadata service; and one line
     per node that could not be asked (it counts as unnoticed: if it is going, EC2's state or
     the Spark master says so soon)."""
-    ids = {n: i.id for n, i in seam.node_names(running) if i.role == "worker" and i.spot}
+    ids = {n: i.id for n, i in node_endpoints.node_names(running) if i.role == "worker" and i.spot}
     if not ids:
         return {}, []
     found: dict[str, spot.Notice] = {}
     try:
         ec2 = instances.ec2_client(spec.region, endpoint_url)
-        access = sparkops.reach(spec, ec2, running)
-        plan = {n.name: n for n in sparkops.plan_nodes(spec, ec2, running)}
+        access = spark_nodes.reach(spec, ec2, running)
+        plan = {n.name: n for n in spark_nodes.plan_nodes(spec, ec2, running)}
     except SparknetError as exc:
         return found, [f"the workers ({str(exc).splitlines()[0]})"]
 

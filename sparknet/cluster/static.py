@@ -34,10 +34,10 @@ from sparknet.cluster import (
     address,
     inventory,
     markers,
+    node_endpoints,
     nodes,
     registry,
-    seam,
-    sparkops,
+    spark_nodes,
     sshkeys,
 )
 from sparknet.cluster.address import Endpoint
@@ -270,7 +270,7 @@ def up(
             me = holder(spec.name)
             fresh = markers.take_all(_nodes(spec), reach, me)
             try:
-                carried = sparkops.carry(spec, Path(tmp))
+                carried = spark_nodes.carry(spec, Path(tmp))
             except BaseException:
                 if not had_entry:
                     markers.release_all([n for n in _nodes(spec) if n.name in fresh], reach, me)
@@ -286,7 +286,7 @@ def up(
             f"{spec.name}` stops what started"
         )
         try:
-            report = sparkops.bootstrap_locked(
+            report = spark_nodes.bootstrap_locked(
                 spec, plan_nodes(spec, reach), reach, say, carried, force
             )
         except KeyboardInterrupt as exc:
@@ -295,8 +295,8 @@ def up(
             raise  # refused before anything changed
         except SparknetError as exc:
             first, *rest = str(exc).splitlines() or [type(exc).__name__]
-            raise sparkops.BootstrapIncomplete("\n".join([f"{first}; {stay}", *rest])) from exc
-    sparkops.say_report(report, say)
+            raise spark_nodes.BootstrapIncomplete("\n".join([f"{first}; {stay}", *rest])) from exc
+    spark_nodes.say_report(report, say)
     return _info(spec)
 
 
@@ -348,7 +348,7 @@ def health(
     fixed = spec.bootstrap.gpus_per_node
     expected = [Expected(n.name, n.rpc_host, spec.bootstrap.worker_cores, fixed) for n in planned]
     return cluster_health(
-        planned[0], sparkops.ports_of(spec), expected, reach, connect_timeout=STATUS_CONNECT_S
+        planned[0], spark_nodes.ports_of(spec), expected, reach, connect_timeout=STATUS_CONNECT_S
     )
 
 
@@ -484,7 +484,7 @@ def reach_node(
 ) -> tuple[Endpoint, Access, ClusterSpec]:
     """Node `node` of the registered cluster (else of `spec`), its access, and that spec."""
     spec = current(spec)
-    return seam.pick(endpoints(spec), node), access(spec), spec
+    return node_endpoints.pick(endpoints(spec), node), access(spec), spec
 
 
 def cost_so_far(spec: ClusterSpec, endpoint_url: str | None) -> float | None:

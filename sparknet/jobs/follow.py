@@ -22,7 +22,7 @@ from sparknet.cluster.remote import Conn, ConnectionLost, q, run, succeeds
 from sparknet.cluster.spark.plan import JOB_CANCELLED, Node
 from sparknet.data.store import open_store
 from sparknet.errors import SparknetError
-from sparknet.jobs.driver import (
+from sparknet.jobs.driver_control import (
     LOG,
     ORPHANED,
     Master,

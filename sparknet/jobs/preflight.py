@@ -25,7 +25,7 @@ from sparknet.config import DatasetEntry, TrainConfig, read_section
 from sparknet.data.s3 import S3Uri
 from sparknet.data.store import open_store
 from sparknet.errors import SparknetError, first_line
-from sparknet.jobs.driver import Master, master_of
+from sparknet.jobs.driver_control import Master, master_of
 from sparknet.jobs.follow import reconnect_s
 from sparknet.jobs.supervisor import DEFAULT_MAX_RESTARTS
 

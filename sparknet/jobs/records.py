@@ -31,7 +31,7 @@ from sparknet.cluster.spark.plan import JOB_CANCELLED, Node
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import TrainConfig
 from sparknet.errors import SparknetError
-from sparknet.jobs import driver
+from sparknet.jobs import driver_control
 from sparknet.jobs.follow import POLL_S
 from sparknet.jobs.preflight import Job
 from sparknet.jobs.supervisor import JOB_CONFIG, RC
@@ -41,11 +41,11 @@ from sparknet.node import job as node_job
 JOBS_DIR = "jobs"
 CANCELLED = JOB_CANCELLED
 #: the state of a job whose supervisor died and left its driver (or a child of it) running
-ORPHANED = driver.ORPHANED
+ORPHANED = driver_control.ORPHANED
 #: the state of a job whose supervisor was killed (no exit code) and of which nothing is left
 KILLED = node_job.KILLED
 #: how long `cancel` waits for the driver's session to end before it kills it outright
-CANCEL_WAIT_S = driver.CANCEL_WAIT_S
+CANCEL_WAIT_S = driver_control.CANCEL_WAIT_S
 #: what `list` shows for the jobs of a cluster without a running master
 GONE = "cluster gone"
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -126,11 +126,11 @@ def records() -> list[JobRecord]:
 
 
 def record_of(
-    job: Job, run_id: str, prefix: str, master: driver.Master, cfg: TrainConfig
+    job: Job, run_id: str, prefix: str, master: driver_control.Master, cfg: TrainConfig
 ) -> JobRecord:
     """The record of a job `sparknet-submit` starts now."""
     return JobRecord(
-        run_id, job.spec.name, job.spec.region, prefix, driver.job_dir(master.node, run_id),
+        run_id, job.spec.name, job.spec.region, prefix, driver_control.job_dir(master.node, run_id),
         time.time(), cfg.rounds, job.endpoint_url, job.dataset.endpoint_url, not job.reused,
     )  # fmt: skip
 
@@ -144,7 +144,7 @@ class Located:
 
     record: JobRecord
     spec: ClusterSpec
-    master: driver.Master
+    master: driver_control.Master
 
 
 def locate(
@@ -172,7 +172,7 @@ def locate(
             "stopped by its autostop timer)"
             + (f"; its run prefix {record.prefix} keeps what the job wrote" if record else "")
         )
-    master = driver.master_of(spec, endpoint)
+    master = driver_control.master_of(spec, endpoint)
     if record is None:
         record = _record_from_master(spec, master, run_id, endpoint)
         save(record)
@@ -180,11 +180,11 @@ def locate(
 
 
 def _record_from_master(
-    spec: ClusterSpec, master: driver.Master, run_id: str, endpoint_url: str | None
+    spec: ClusterSpec, master: driver_control.Master, run_id: str, endpoint_url: str | None
 ) -> JobRecord:
     """A record built from the job dir on the master: job.yaml says the run prefix, the S3
     endpoint and the rounds; its mtime is when the job started."""
-    jd = driver.job_dir(master.node, run_id)
+    jd = driver_control.job_dir(master.node, run_id)
     conn = nodes.connect(master.node.endpoint, master.access)
     try:
         text = run(conn, f"cat {q(jd + '/' + JOB_CONFIG)} 2>/dev/null || true")
@@ -216,21 +216,23 @@ def state_of(conn: Conn, node: Node, run_id: str) -> str:
     died without an exit code, and nothing of the job is left), or `gone` (no job dir on this
     master: the cluster was made again under the same name). An exit code wins over the cancel
     marker: a job that ended on its own while a cancel came in ended as its code says."""
-    return run(conn, driver.on_master(node, "job-state", driver.job_dir(node, run_id))).strip()
+    return run(
+        conn, driver_control.on_master(node, "job-state", driver_control.job_dir(node, run_id))
+    ).strip()
 
 
 def ended_at(conn: Conn, node: Node, run_id: str) -> float | None:
     """When the driver wrote its exit code (None: it did not)."""
-    rc = f"{driver.job_dir(node, run_id)}/{RC}"
+    rc = f"{driver_control.job_dir(node, run_id)}/{RC}"
     text = run(conn, f"stat -c %Y {q(rc)} 2>/dev/null || true").strip()
     return float(text) if text else None
 
 
 def cancel(conn: Conn, node: Node, run_id: str, wait_s: float = CANCEL_WAIT_S) -> str | None:
-    """End the job (`driver.cancel_job`: marked cancelled, its session ended and waited for,
+    """End the job (`driver_control.cancel_job`: marked cancelled, its session ended and waited for,
     SIGKILL after `wait_s`); None. A job none of whose processes is left is left as it is: its
     state."""
-    if not driver.cancel_job(conn, node, run_id, wait_s):
+    if not driver_control.cancel_job(conn, node, run_id, wait_s):
         return state_of(conn, node, run_id)
     return None
 
@@ -246,16 +248,16 @@ def print_log(
 ) -> None:
     """The driver's last `lines` lines; with `follow`, then what it adds until it ends (read
     from the byte the first look ended at, so nothing is written twice or skipped)."""
-    log = f"{driver.job_dir(node, run_id)}/{driver.LOG}"
-    head = run(conn, driver.on_master(node, "log-since", log, 0, "--lines", int(lines)))
+    log = f"{driver_control.job_dir(node, run_id)}/{driver_control.LOG}"
+    head = run(conn, driver_control.on_master(node, "log-since", log, 0, "--lines", int(lines)))
     size, _, text = head.partition("\n")
     write(text)
     offset = int(size.strip() or 0)
     while follow:
-        ended = driver.driver_rc(conn, node, run_id) is not None
+        ended = driver_control.driver_rc(conn, node, run_id) is not None
         # the node counts the bytes it sends (the log's size now): a byte that is no UTF-8
         # arrives as U+FFFD, 3 bytes here, so counting what arrived would shift the offset
-        out = run(conn, driver.on_master(node, "log-since", log, offset))
+        out = run(conn, driver_control.on_master(node, "log-since", log, offset))
         size, _, chunk = out.partition("\n")
         if chunk:
             write(chunk)
@@ -297,7 +299,7 @@ def _cluster_states(
         alive = False
     if not alive:
         return {r.run_id: GONE for r in recs}
-    master = driver.master_of(spec, endpoint)
+    master = driver_control.master_of(spec, endpoint)
     conn = nodes.connect(master.node.endpoint, master.access)
     try:
         return {r.run_id: state_of(conn, master.node, r.run_id) for r in recs}

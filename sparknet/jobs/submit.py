@@ -3,9 +3,9 @@
 The flow of design.md, section 2. Checks everything that costs nothing first
 (`sparknet.jobs.preflight`), ensures the cluster through `cluster.provider` (the same functions
 `sparknet cluster up` and `down` use), starts the driver on the master detached from the SSH
-session (`sparknet.jobs.driver`), follows its metrics in the run prefix (`sparknet.jobs.follow`),
-fetches the curves, and takes the cluster down in its `finally` when the job is over (see
-`teardown_due`).
+session (`sparknet.jobs.driver_control`), follows its metrics in the run prefix
+(`sparknet.jobs.follow`), fetches the curves, and takes the cluster down in its `finally` when
+the job is over (see `teardown_due`).
 
 It sits between the CLI and cluster/training: no typer here, and the driver itself is the
 node's own `sparknet train`, started with the job's resolved settings."""
@@ -24,7 +24,15 @@ from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import TrainConfig
 from sparknet.data.store import open_store
 from sparknet.errors import SparknetError, as_flag, first_line
-from sparknet.jobs.driver import LOG, Master, cancel_job, job_dir, master_of, quietly, start_driver
+from sparknet.jobs.driver_control import (
+    LOG,
+    Master,
+    cancel_job,
+    job_dir,
+    master_of,
+    quietly,
+    start_driver,
+)
 from sparknet.jobs.follow import (
     DriverStatus,
     JobOutOfReach,
@@ -81,7 +89,7 @@ OnJob = Callable[[str, str, Master, TrainConfig], None]
 
 
 @dataclass
-class Ending:
+class ClusterOutcome:
     """What became of the cluster when `submit` returned or raised, for the caller's last
     line: "down" (taken down), "up" (stays up: --keep, --cluster, a job left running), or ""
     (nothing was launched). A teardown that failed raises TeardownFailed instead."""
@@ -124,7 +132,7 @@ def submit(
     say: Say,
     on_rows: Callable[[list[dict[str, Any]], float | None], None],
     on_job: OnJob | None = None,
-    ending: Ending | None = None,
+    ending: ClusterOutcome | None = None,
 ) -> Result:
     """Preflight, cluster, driver, follow, fetch; then teardown (see `teardown_due`) whatever
     happened, Ctrl-C and SIGTERM included (the CLI turns those into KeyboardInterrupt). A
@@ -141,9 +149,9 @@ def _submit(
     say: Say,
     on_rows: Callable[[list[dict[str, Any]], float | None], None],
     on_job: OnJob | None,
-    ending: Ending | None,
+    ending: ClusterOutcome | None,
 ) -> Result:
-    ending = Ending() if ending is None else ending
+    ending = ClusterOutcome() if ending is None else ending
     run_id, prefix = preflight(job)
     if not job.reused:
         check_name_free(job.spec, job.endpoint_url)

@@ -23,10 +23,10 @@ from sparknet.training.problem import FrameInput, Problem, frame_problem, prepar
 from sparknet.training.progress_guard import Guard
 from sparknet.training.report import MetricsLog, plot_curves
 from sparknet.training.rounds import (
-    Begin,
-    Loop,
     RoundCallback,
+    RunContext,
     RunEvents,
+    StartPoint,
     WarningCallback,
     allreduce_rounds,
     outer_at,
@@ -78,7 +78,7 @@ def _resume_changes(cfg: TrainConfig, run: RunDir) -> dict[str, tuple[Any, Any]]
     return cfg.trajectory_changes(stored)
 
 
-def _effective(changes: dict[str, tuple[Any, Any]], problem: Problem) -> dict[str, tuple]:
+def _changes_that_matter(changes: dict[str, tuple[Any, Any]], problem: Problem) -> dict[str, tuple]:
     """Leave out changes that change nothing for this problem: a `num_classes` that equals the
     one the dataset gives (the stored run left it to the dataset), an `image_size` of data that
     is not images."""
@@ -93,7 +93,7 @@ def _effective(changes: dict[str, tuple[Any, Any]], problem: Problem) -> dict[st
     return out
 
 
-def _accepted(
+def _recorded_changes(
     changes: dict[str, tuple[Any, Any]], run: RunDir, allow_change: bool
 ) -> dict[str, Any]:
     """Changes are refused, or with --allow-change returned to be recorded in metrics.jsonl."""
@@ -139,7 +139,7 @@ def train(
         checkpoint.discard_incomplete(run.store)  # an interrupted run's; never resumed from
         changes = _resume_changes(cfg, run) if resume else {}
         if resume and checkpoint.latest(run.store) == cfg.rounds:
-            _accepted(changes, run, allow_change)
+            _recorded_changes(changes, run, allow_change)
             return _finished(cfg, run)
         return _start(
             cfg, run, lock, resume, (changes, allow_change), spark, on_start, on_round,
@@ -272,7 +272,7 @@ def _warner(on_warning: WarningCallback | None) -> WarningCallback:
 def _with_warnings(
     on_round: RoundCallback | None,
     warn: WarningCallback,
-    begin: Begin,
+    begin: StartPoint,
     steps: int,
 ) -> RoundCallback:
     """`on_round`, after the round's warnings (Python warnings without a callback):
@@ -324,21 +324,21 @@ def _begin(
     run: RunDir,
     resume: bool,
     changes: tuple[dict[str, tuple[Any, Any]], bool],
-) -> Begin:
+) -> StartPoint:
     """Where the rounds start on `problem`, with the changes a resume makes to the settings
     accepted (recorded in the first resumed row) or refused."""
-    accepted = _accepted(_effective(changes[0], problem), run, changes[1])
+    accepted = _recorded_changes(_changes_that_matter(changes[0], problem), run, changes[1])
     begin = _initial_state(cfg, problem, run, resume)
     begin.changes = accepted
     return begin
 
 
-def _initial_state(cfg: TrainConfig, problem: Problem, run: RunDir, resume: bool) -> Begin:
+def _initial_state(cfg: TrainConfig, problem: Problem, run: RunDir, resume: bool) -> StartPoint:
     layout = StateLayout.of_model(problem.model)
     if not resume:
         state = problem.model.state_dict()
         outer = outer_at(cfg, layout, layout.flatten(state), None)
-        return Begin(layout, outer, layout.integers(state), 0, 0.0)
+        return StartPoint(layout, outer, layout.integers(state), 0, 0.0)
     last = checkpoint.latest(run.store)
     if last is None:
         raise SparknetError(
@@ -346,7 +346,7 @@ def _initial_state(cfg: TrainConfig, problem: Problem, run: RunDir, resume: bool
             "{@resume=True} to start it over",
             run=run,
         )
-    resumed = Begin.from_checkpoint(cfg, run, last, layout)
+    resumed = StartPoint.from_checkpoint(cfg, run, last, layout)
     if resumed.rounds >= cfg.rounds:
         raise SettingError(
             "{run} already ran {done} rounds; pass {@rounds=n} with N > {done}",
@@ -362,7 +362,7 @@ def _initial_state(cfg: TrainConfig, problem: Problem, run: RunDir, resume: bool
 def _run(
     cfg: TrainConfig,
     problem: Problem,
-    begin: Begin,
+    begin: StartPoint,
     run: RunDir,
     lock: Lock,
     spark,
@@ -377,7 +377,7 @@ def _run(
         if not begin.changes:  # changed settings are the run's only once a checkpoint has them
             write_config(run, cfg)
         metrics = MetricsLog(run.store, keep_rounds=begin.rounds)
-        loop = Loop(
+        loop = RunContext(
             cfg, problem, run, lock, spark, own_session, metrics, events, on_round, warn, guard
         )  # fmt: skip
         if cfg.transport == "allreduce":

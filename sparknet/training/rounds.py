@@ -133,7 +133,7 @@ def _eval_work(task: RoundTask, theta, partition, attempt, threads, local_dir, r
 
 
 @dataclass
-class Begin:
+class StartPoint:
     """Where the round loop starts: fresh from the model's initial weights, or a checkpoint."""
 
     layout: StateLayout
@@ -145,12 +145,14 @@ class Begin:
     changes: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
-    def from_checkpoint(cfg: TrainConfig, run: RunDir, rounds: int, layout: StateLayout) -> Begin:
+    def from_checkpoint(
+        cfg: TrainConfig, run: RunDir, rounds: int, layout: StateLayout
+    ) -> StartPoint:
         """Where the checkpoint after `rounds` left the run: its weights, integer state, elapsed
         time and outer momentum (a resume and a replay go on from there alike)."""
         ckpt = checkpoint.load(run.store, rounds, layout)
         outer = outer_at(cfg, layout, ckpt.theta, ckpt.outer_momentum)
-        return Begin(layout, outer, ckpt.integers, ckpt.rounds, ckpt.elapsed_s)
+        return StartPoint(layout, outer, ckpt.integers, ckpt.rounds, ckpt.elapsed_s)
 
 
 def outer_at(
@@ -164,7 +166,7 @@ def outer_at(
 
 
 @dataclass
-class Loop:
+class RunContext:
     """What both round loops share: the run, its reports and the caller's callbacks."""
 
     cfg: TrainConfig
@@ -180,7 +182,7 @@ class Loop:
     #: the run's progress guard, which the workers report to (None: no guard)
     guard: Guard | None = None
 
-    def first_task(self, begin: Begin, run_id: str) -> RoundTask:
+    def first_task(self, begin: StartPoint, run_id: str) -> RoundTask:
         """The task of the first round from `begin`; a later round's is a `replace` of it."""
         problem = self.problem
         return RoundTask(
@@ -188,7 +190,7 @@ class Loop:
             problem.num_classes, problem.source.input_shape, self.run.store.uri,
         )  # fmt: skip
 
-    def record(self, row: dict[str, Any], begin: Begin) -> None:
+    def record(self, row: dict[str, Any], begin: StartPoint) -> None:
         """A round's row into metrics.jsonl and the event file (before its checkpoint is
         published: a published checkpoint always has its row; a resume drops the rows past its
         checkpoint, so a row without one is harmless)."""
@@ -212,7 +214,7 @@ class Loop:
 REPLAYS = RESTARTS
 
 
-def spark_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
+def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> bytes:
     """The rounds as one Spark job each (the `spark` transport); returns the final weights as
     model.safetensors bytes.
 
@@ -311,7 +313,7 @@ class _Segment:
     t_start: float = field(default_factory=time.perf_counter)
 
     @staticmethod
-    def at(loop: Loop, b: Begin) -> _Segment:
+    def at(loop: RunContext, b: StartPoint) -> _Segment:
         """A segment from `b`, with an outer optimizer of its own (`b`'s is never stepped)."""
         outer = outer_at(loop.cfg, b.layout, b.outer.theta.numpy(), b.outer.momentum_buffer)
         return _Segment(b.rounds, outer, b.integers, b.elapsed_s)
@@ -347,7 +349,7 @@ def _replays_spent(done: int, again: int) -> SparknetError:
     )  # fmt: skip
 
 
-def allreduce_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
+def allreduce_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> bytes:
     """The rounds as one barrier stage (the `allreduce` transport). A failed stage runs again
     from the last complete checkpoint, at most `allreduce.RESTARTS` times; returns the final
     weights (the last round always ends with a checkpoint) as model.safetensors bytes."""
@@ -392,11 +394,11 @@ def allreduce_rounds(loop: Loop, begin: Begin, placed: Frames | None) -> bytes:
 
 
 def _one_stage(
-    loop: Loop,
+    loop: RunContext,
     transport,
     base: RoundTask,
-    stage_begin: Begin,
-    begin: Begin,
+    stage_begin: StartPoint,
+    begin: StartPoint,
     restarts: int,
     executors: _Executors,
 ) -> None:
@@ -419,7 +421,7 @@ def _one_stage(
             loop.on_round(row)
 
 
-def _wait_to_restart(loop: Loop, transport: AllReduceTransport, exc: StageFailed) -> None:
+def _wait_to_restart(loop: RunContext, transport: AllReduceTransport, exc: StageFailed) -> None:
     """A failed stage runs again only where it can: a barrier stage needs a task slot for every
     worker at once, and on a static cluster a lost host never comes back (Spark would hold the
     stage, waiting without end). With executors that cannot run it, wait up to
@@ -469,13 +471,13 @@ def _lost_ones(lost: list[str]) -> str:
     return f"executor{'s' if len(lost) > 1 else ''} {', '.join(lost)}"
 
 
-def _restart_state(loop: Loop, begin: Begin) -> Begin:
+def _restart_state(loop: RunContext, begin: StartPoint) -> StartPoint:
     """Where a failed stage runs again from: the last complete checkpoint, or where the run
     began when none was written since."""
     last = checkpoint.latest(loop.run.store)
     if last is None or last <= begin.rounds:
         return begin
-    return Begin.from_checkpoint(loop.cfg, loop.run, last, begin.layout)
+    return StartPoint.from_checkpoint(loop.cfg, loop.run, last, begin.layout)
 
 
 class RunEvents:

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from sparknet.cluster import ec2 as aws_provider
 from sparknet.cluster import registry
 from sparknet.errors import SparknetError
-from sparknet.jobs import driver
+from sparknet.jobs import driver_control
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_cluster_down_question_unanswered_or_interrupted_is_one_line(home, monke
 
     downs: list[str] = []
     monkeypatch.setattr(aws_provider, "down", lambda spec, **kw: downs.append(spec.name))
-    monkeypatch.setattr(driver, "jobs_on", lambda *args, **kwargs: ["R1"])
+    monkeypatch.setattr(driver_control, "jobs_on", lambda *args, **kwargs: ["R1"])
     monkeypatch.setattr(life, "_on_terminal", lambda: True)
     runner = CliRunner()
     eof = runner.invoke(cluster_app, ["down", "c1"], input="")
@@ -112,7 +112,7 @@ def test_cluster_down_question_unanswered_or_interrupted_is_one_line(home, monke
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C while the master is asked for its jobs
 
-    monkeypatch.setattr(driver, "jobs_on", interrupted)
+    monkeypatch.setattr(driver_control, "jobs_on", interrupted)
     asking = runner.invoke(cluster_app, ["down", "c1"])
     assert (asking.exit_code, asking.stderr) == (
         130,

@@ -1,6 +1,6 @@
 """The AMI bake on moto: the builder instance is mapped to a loopback sshd node through the seam
-of seam.py (`moto_nodes`, host key read back from the builder's user data), so the key pair,
-the pinned host key and the install steps run over real SSH; moto's CreateImage is available
+of node_endpoints.py (`moto_nodes`, host key read back from the builder's user data), so the key
+pair, the pinned host key and the install steps run over real SSH; moto's CreateImage is available
 at once.
 
 The node installs over the repo's .venv (`--python-env`, as a node over the Deep Learning AMI's

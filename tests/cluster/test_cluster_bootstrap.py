@@ -1,6 +1,6 @@
 """`sparknet cluster up` end to end: moto's instances are loopback sshd nodes (the seam of
-`seam.py`, each sshd serving the host key sparknet put in its instance's user data), and `up`
-ends with a real Spark standalone cluster on them, started over SSH, healthy as its master
+`node_endpoints.py`, each sshd serving the host key sparknet put in its instance's user data), and
+`up` ends with a real Spark standalone cluster on them, started over SSH, healthy as its master
 tells it. The CLI runs as a subprocess, as a user runs it (the jobs run on such a cluster are
 test_submit.py's and test_submit_detach.py's).
 
@@ -68,7 +68,7 @@ def _until(value, timeout: float = 60.0):
 
 
 def test_up_bootstraps_a_healthy_cluster_and_down_stops_it(cluster, tmp_path) -> None:
-    from sparknet.cluster import registry, repair, sparkops
+    from sparknet.cluster import registry, repair, spark_nodes
     from sparknet.cluster.aws import instances, keys
     from sparknet.cluster.spec import ClusterSpec
 
@@ -114,7 +114,7 @@ def test_up_bootstraps_a_healthy_cluster_and_down_stops_it(cluster, tmp_path) ->
     # GPUs from the instance type where the spec does not say (g5.xlarge: one A10G)
     spec = ClusterSpec.model_validate({**entry, "name": name, "bootstrap": {}})
     ec2 = moto_ec2()
-    assert [n.gpus for n in sparkops.plan_nodes(spec, ec2, instances.find(ec2, name))] == [1, 1]
+    assert [n.gpus for n in spark_nodes.plan_nodes(spec, ec2, instances.find(ec2, name))] == [1, 1]
 
     # where docs/clusters.md sends users for a job: the master node, whose venv's Python finds
     # the node's Spark conf dir, secret included (a job run that way is test_bootstrap.py's);

@@ -16,7 +16,7 @@ from pathlib import Path
 import invoke
 import pytest
 
-from sparknet.cluster import markers, nodes, registry, seam, sparkops, sshkeys, static
+from sparknet.cluster import markers, node_endpoints, nodes, registry, spark_nodes, sshkeys, static
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.spark.daemons import WORKER_CLASS
 from sparknet.cluster.spark.plan import Node
@@ -83,7 +83,7 @@ def hosts(tmp_path, monkeypatch):
         for node in ("master", "worker-1")
     }
     (tmp_path / "endpoints.json").write_text(json.dumps(layout))
-    monkeypatch.setenv(seam.ENDPOINTS_ENV, str(tmp_path / "endpoints.json"))
+    monkeypatch.setenv(node_endpoints.ENDPOINTS_ENV, str(tmp_path / "endpoints.json"))
 
     def run_all(endpoints, access, fn, timeout, **kw):  # each "host" in a local shell
         return {e.name: fn(e, invoke.Context()) for e in endpoints}
@@ -151,9 +151,9 @@ def test_up_of_hosts_another_registry_holds_is_refused_naming_it(hosts, monkeypa
     cluster lab holds: one line naming lab and its registry, nothing run, nothing kept (the
     free host it took meanwhile is given back, no entry, no lock)."""
     conn = invoke.Context()
-    monkeypatch.setattr(sparkops, "carry", lambda spec, wheel_dir: None)
+    monkeypatch.setattr(spark_nodes, "carry", lambda spec, wheel_dir: None)
     ran: list[str] = []
-    monkeypatch.setattr(sparkops, "bootstrap_locked", lambda *a, **k: ran.append("bootstrap"))
+    monkeypatch.setattr(spark_nodes, "bootstrap_locked", lambda *a, **k: ran.append("bootstrap"))
     lab = static.holder("lab")
     assert markers.take(conn, _node(hosts, "worker-1"), lab)[0] == markers.TAKEN
     monkeypatch.setenv(registry.HOME_ENV, str(hosts / "other-home"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import invoke
 import pytest
 
-from sparknet.cluster import markers, nodes, registry, sparkops, static
+from sparknet.cluster import markers, nodes, registry, spark_nodes, static
 from sparknet.errors import SparknetError
 from tests.cluster.test_markers import _fake_worker, _node, _spec, hosts  # noqa: F401
 
@@ -64,7 +64,7 @@ def test_a_remade_registry_id_is_not_another_cluster(hosts, monkeypatch) -> None
     )
     assert "lab" in registry.registered()
     assert markers.Holder.parse((hosts / "master" / markers.MARKER).read_text()) == before
-    monkeypatch.setattr(sparkops, "carry", lambda spec, wheel_dir: None)
+    monkeypatch.setattr(spark_nodes, "carry", lambda spec, wheel_dir: None)
     with pytest.raises(markers.HostHeld) as held:
         static.up(_spec(hosts))
     assert "\n" not in str(held.value)

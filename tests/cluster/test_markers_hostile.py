@@ -16,7 +16,7 @@ from pathlib import Path
 import invoke
 import pytest
 
-from sparknet.cluster import markers, registry, sparkops, static
+from sparknet.cluster import markers, registry, spark_nodes, static
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.remote import CommandFailed
 from sparknet.cluster.spark.plan import Node
@@ -83,9 +83,9 @@ def test_one_machine_listed_twice_is_refused_before_anything_runs(hosts, monkeyp
     (root / "endpoints.json").write_text(
         json.dumps({"lab/master/node": one, "lab/worker-1/node": one})
     )
-    monkeypatch.setattr(sparkops, "carry", lambda spec, wheel_dir: None)
+    monkeypatch.setattr(spark_nodes, "carry", lambda spec, wheel_dir: None)
     ran: list[str] = []
-    monkeypatch.setattr(sparkops, "bootstrap_locked", lambda *a, **k: ran.append("bootstrap"))
+    monkeypatch.setattr(spark_nodes, "bootstrap_locked", lambda *a, **k: ran.append("bootstrap"))
     with pytest.raises(markers.SameMachine) as err:
         static.up(_spec(root))
     line = str(err.value)
@@ -164,7 +164,7 @@ def test_a_host_that_cannot_be_reached_gives_back_the_hosts_taken(tmp_path, monk
 def test_a_refusal_says_where_the_marker_is(hosts, monkeypatch) -> None:  # noqa: F811
     """Where the holding registry is gone (a laptop lost, an `up` killed and its home wiped),
     `sparknet cluster down` there cannot free the host: the line names the marker to remove."""
-    monkeypatch.setattr(sparkops, "carry", lambda spec, wheel_dir: None)
+    monkeypatch.setattr(spark_nodes, "carry", lambda spec, wheel_dir: None)
     gone = markers.Holder("lab", "f" * 16, "bob@lost-laptop:/home/bob/.sparknet/clusters", "t1")
     master = Node(Endpoint("master", "10.0.0.5"), prefix=str(hosts / "master"))
     assert markers.take(invoke.Context(), master, gone)[0] == markers.TAKEN
@@ -176,7 +176,7 @@ def test_a_refusal_says_where_the_marker_is(hosts, monkeypatch) -> None:  # noqa
 
 def test_a_markers_words_cannot_break_the_refusals_one_line(hosts, monkeypatch) -> None:  # noqa: F811
     """A marker is another's text: a line break or a terminal escape in it is not repeated."""
-    monkeypatch.setattr(sparkops, "carry", lambda spec, wheel_dir: None)
+    monkeypatch.setattr(spark_nodes, "carry", lambda spec, wheel_dir: None)
     (hosts / "master").mkdir()
     planted = {"holder": "x/lab", "cluster": "lab\nerror: all good", "registry": "x",
                "where": "\x1b]0;pwned\x07bob@desk:/b"}  # fmt: skip

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from sparknet.cluster import nodes, openssh, seam, sshkeys
+from sparknet.cluster import node_endpoints, nodes, openssh, sshkeys
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.aws import keys, userdata
 from sparknet.cluster.nodes import Access
@@ -326,7 +326,7 @@ def test_up_imports_a_tagged_key_pair_and_pins_each_nodes_host_key(spec, moto_en
     assert len(pinned) == 3
     # and the pins are the ones the nodes present: every node answers over SSH
     group.serve(ec2)
-    endpoints = seam.endpoints(
+    endpoints = node_endpoints.endpoints(
         spec.name, aws_provider.status(spec, endpoint_url=moto_endpoint).instances
     )
     names = nodes.run_all(
@@ -381,7 +381,7 @@ def test_a_node_replaced_with_another_host_key_is_refused(spec, moto_endpoint, m
     try:
         from sparknet.cluster.aws import instances
 
-        endpoint = seam.endpoints(spec.name, [instances.Instance.from_ec2(found[0])])[0]
+        endpoint = node_endpoints.endpoints(spec.name, [instances.Instance.from_ec2(found[0])])[0]
         with pytest.raises(SparknetError) as caught:
             nodes.connect(endpoint, sshkeys.access_for(spec), timeout=10)
         assert "\n" not in str(caught.value) and "host key changed" in str(caught.value)
@@ -587,7 +587,7 @@ def test_the_users_own_key_pair_is_used_and_never_deleted(
 def group_endpoint(spec, moto_endpoint) -> Endpoint:
     from sparknet.cluster import ec2 as aws_provider
 
-    return seam.endpoints(
+    return node_endpoints.endpoints(
         spec.name, aws_provider.status(spec, endpoint_url=moto_endpoint).instances
     )[0]
 
@@ -700,7 +700,7 @@ def test_nodes_served_while_up_runs_answer_at_once(spec, moto_endpoint, moto_nod
     with group.watch(_ec2()):
         info = _up(spec, moto_endpoint)
         out = nodes.run_all(
-            seam.endpoints(spec.name, info.instances), sshkeys.access_for(spec),
+            node_endpoints.endpoints(spec.name, info.instances), sshkeys.access_for(spec),
             lambda ep, c: c.run("true", hide=True).exited, timeout=30,
         )  # fmt: skip
     assert out == {"master": 0, "worker-1": 0, "worker-2": 0}

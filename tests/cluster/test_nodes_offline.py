@@ -1,6 +1,7 @@
-"""nodes.py, seam.py, sshkeys.py and openssh.py without a network: addresses, node names, the
-seam's override file, the cloud-init host key, known_hosts pinning, key rules, and the `ssh`
-command line."""
+"""nodes.py, node_endpoints.py, sshkeys.py and openssh.py without a network.
+
+Addresses, node names, the seam's override file, the cloud-init host key, known_hosts pinning,
+key rules, and the `ssh` command line."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from sparknet.cli.cluster.ssh import _split_command
-from sparknet.cluster import address, nodes, openssh, seam, sshkeys
+from sparknet.cluster import address, node_endpoints, nodes, openssh, sshkeys
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.aws import keys
 from sparknet.cluster.aws.instances import Instance
@@ -92,54 +93,56 @@ def test_endpoint_address_is_known_hosts_form():
 def test_workers_are_named_by_launch_time_then_id():
     found = [inst("i-c", "worker", minutes=1), inst("i-b", "worker"), inst("i-a", "worker"),
              inst("i-m", "master", minutes=5)]  # fmt: skip
-    named = [(name, i.id) for name, i in seam.node_names(found)]
+    named = [(name, i.id) for name, i in node_endpoints.node_names(found)]
     assert named == [("master", "i-m"), ("worker-1", "i-a"), ("worker-2", "i-b"),
                      ("worker-3", "i-c")]  # fmt: skip
 
 
 def test_the_seam_is_the_public_ip_unless_the_override_file_names_the_node(tmp_path, monkeypatch):
     found = [inst("i-m", "master", "198.51.100.7"), inst("i-w", "worker", "198.51.100.8")]
-    monkeypatch.delenv(seam.ENDPOINTS_ENV, raising=False)
-    assert seam.endpoints("c1", found) == [
+    monkeypatch.delenv(node_endpoints.ENDPOINTS_ENV, raising=False)
+    assert node_endpoints.endpoints("c1", found) == [
         Endpoint("master", "198.51.100.7"),
         Endpoint("worker-1", "198.51.100.8"),
     ]
     override = tmp_path / "endpoints.json"
     override.write_text(json.dumps({"c1/worker-1": "root@127.0.0.1:2201", "i-m": "127.0.0.1:2200"}))
-    monkeypatch.setenv(seam.ENDPOINTS_ENV, str(override))
-    assert seam.endpoints("c1", found) == [
+    monkeypatch.setenv(node_endpoints.ENDPOINTS_ENV, str(override))
+    assert node_endpoints.endpoints("c1", found) == [
         Endpoint("master", "127.0.0.1", 2200, "ubuntu"),
         Endpoint("worker-1", "127.0.0.1", 2201, "root"),
     ]
     # another cluster's entries do not apply
-    assert seam.endpoints("c2", found)[1] == Endpoint("worker-1", "198.51.100.8")
+    assert node_endpoints.endpoints("c2", found)[1] == Endpoint("worker-1", "198.51.100.8")
 
 
 def test_a_node_without_a_public_ip_is_one_line(monkeypatch):
-    monkeypatch.delenv(seam.ENDPOINTS_ENV, raising=False)
+    monkeypatch.delenv(node_endpoints.ENDPOINTS_ENV, raising=False)
     with pytest.raises(SparknetError, match=r"^master \(i-m, running\) has no public IP address"):
-        seam.endpoints("c1", [inst("i-m", "master", None)])
+        node_endpoints.endpoints("c1", [inst("i-m", "master", None)])
 
 
 def test_pick_names_the_nodes_there_are():
     found = [Endpoint("master", "h"), Endpoint("worker-1", "h")]
-    assert seam.pick(found, "worker-1") is found[1]
+    assert node_endpoints.pick(found, "worker-1") is found[1]
     with pytest.raises(SparknetError, match=r"^no node 'worker-2'; the cluster's nodes: master"):
-        seam.pick(found, "worker-2")
+        node_endpoints.pick(found, "worker-2")
     with pytest.raises(SparknetError, match=r"^no node 'mastr' \(master or worker-N\)"):
-        seam.pick(found, "mastr")
+        node_endpoints.pick(found, "mastr")
 
 
 def test_a_pending_worker_keeps_no_one_from_the_master(monkeypatch):
     """`cluster ssh` picks its node before it asks for an address: a worker still pending (no
     public IP yet) is an error only for a user who asks for that worker."""
-    monkeypatch.delenv(seam.ENDPOINTS_ENV, raising=False)
+    monkeypatch.delenv(node_endpoints.ENDPOINTS_ENV, raising=False)
     found = [inst("i-m", "master"), inst("i-w", "worker", None, minutes=1)]
-    assert seam.endpoint_named("c1", found, "master") == Endpoint("master", "198.51.100.1")
+    assert node_endpoints.endpoint_named("c1", found, "master") == Endpoint(
+        "master", "198.51.100.1"
+    )
     with pytest.raises(SparknetError, match=r"^worker-1 \(i-w, running\) has no public IP"):
-        seam.endpoint_named("c1", found, "worker-1")
+        node_endpoints.endpoint_named("c1", found, "worker-1")
     with pytest.raises(SparknetError, match=r"^no node 'worker-2'; the cluster's nodes: master, "):
-        seam.endpoint_named("c1", found, "worker-2")
+        node_endpoints.endpoint_named("c1", found, "worker-2")
 
 
 def test_pinning_skips_a_node_with_no_address_yet(monkeypatch, tmp_path):
@@ -148,7 +151,7 @@ def test_pinning_skips_a_node_with_no_address_yet(monkeypatch, tmp_path):
     import base64
     from types import SimpleNamespace
 
-    monkeypatch.delenv(seam.ENDPOINTS_ENV, raising=False)
+    monkeypatch.delenv(node_endpoints.ENDPOINTS_ENV, raising=False)
     text, public = keys.host_key_user_data(60)
     data = {"Value": base64.b64encode(text.encode()).decode()}
     ec2 = SimpleNamespace(

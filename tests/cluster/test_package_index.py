@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sparknet.cli.cluster.options import cluster_spec
-from sparknet.cluster import sparkops
+from sparknet.cluster import spark_nodes
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.spark import bootstrap as boot
 from sparknet.cluster.spark.plan import Node
@@ -30,9 +30,9 @@ def test_the_setting_reaches_the_plan(tmp_path, monkeypatch, index) -> None:
     spec = cluster_spec("exp1", settings_file(tmp_path, index), {})
     got = []
     monkeypatch.setattr(boot, "bootstrap", lambda plan, *a, **k: got.append(plan))
-    carried = sparkops.Carried(Wheel(tmp_path / "w.whl", "1", "d"), "ab" * 32)
+    carried = spark_nodes.BootstrapPayload(Wheel(tmp_path / "w.whl", "1", "d"), "ab" * 32)
     node = Node(Endpoint("master", "127.0.0.1"))
-    sparkops.bootstrap_locked(spec, [node], None, lambda _line: None, carried)  # type: ignore[arg-type]
+    spark_nodes.bootstrap_locked(spec, [node], None, lambda _line: None, carried)  # type: ignore[arg-type]
     assert [p.package_index for p in got] == [index]
 
 

@@ -17,7 +17,7 @@ from sparknet.cluster.nodes import Access
 from sparknet.cluster.remote import CommandFailed
 from sparknet.cluster.spark import steps
 from sparknet.errors import SparknetError
-from sparknet.jobs import driver, follow, preflight
+from sparknet.jobs import driver_control, follow, preflight
 from sparknet.jobs import submit as flow
 
 SETTINGS = [
@@ -91,7 +91,7 @@ def test_a_cancel_that_cannot_reach_the_master_says_the_job_may_run_on(monkeypat
         raise SparknetError(f"{endpoint}: no SSH connection within 20 s (timed out)")
 
     monkeypatch.setattr(nodes, "connect", unreachable)
-    master = driver.Master.__new__(driver.Master)
+    master = driver_control.Master.__new__(driver_control.Master)
     object.__setattr__(master, "node", type("N", (), {"endpoint": "master"})())
     object.__setattr__(master, "access", None)
     said: list[str] = []
@@ -262,7 +262,7 @@ def test_a_cancel_that_finds_nothing_running_says_so(monkeypatch):
 
     monkeypatch.setattr(nodes, "connect", lambda endpoint, access, timeout=20: Conn())
     monkeypatch.setattr(flow, "cancel_job", lambda conn, node, run_id, wait_s=None: False)
-    master = driver.Master.__new__(driver.Master)
+    master = driver_control.Master.__new__(driver_control.Master)
     object.__setattr__(master, "node", type("N", (), {"endpoint": "master"})())
     object.__setattr__(master, "access", None)
     said: list[str] = []

@@ -19,7 +19,7 @@ import pytest
 
 from sparknet.cluster import nodes, remote
 from sparknet.cluster.spark.plan import Node
-from sparknet.jobs import driver, follow
+from sparknet.jobs import driver_control, follow
 from sparknet.jobs import submit as flow
 
 pytestmark = pytest.mark.integration
@@ -145,7 +145,7 @@ def test_a_submit_whose_master_goes_silent_exits_1_naming_attach_within_the_wind
     (venv / "sparknet").write_text("#!/bin/sh\nexec sleep 60\n")  # a driver that trains on
     for f in ("python", "sparknet"):
         (venv / f).chmod(0o755)
-    master = driver.Master(
+    master = driver_control.Master(
         Node(endpoint, "127.0.0.1", str(root), 0), group.access, "spark://x:1", 1
     )
     prefix = tmp_path / "prefix"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparknet.cluster.seam import ENDPOINTS_ENV
+from sparknet.cluster.node_endpoints import ENDPOINTS_ENV
 from tests.conftest import SPARKNET
 from tests.sshd import daemon_pids, static_cluster_entry
 

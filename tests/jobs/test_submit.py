@@ -1,5 +1,5 @@
 """`sparknet-submit` end to end, as a user runs it (a subprocess): moto's server is the cloud,
-moto's instances are loopback sshd nodes (the seam of `seam.py`, as in
+moto's instances are loopback sshd nodes (the seam of `node_endpoints.py`, as in
 test_cluster_bootstrap.py), the bootstrap starts a real Spark standalone cluster on them, and a
 tiny sharded dataset (40 small images) lies in moto's S3.
 

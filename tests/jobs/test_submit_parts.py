@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sparknet.config import DatasetEntry, TrainConfig
-from sparknet.jobs import driver, follow, preflight
+from sparknet.jobs import driver_control, follow, preflight
 from sparknet.jobs import submit as flow
 from tests.moto_server import amazon_ami
 
@@ -92,7 +92,7 @@ def test_the_driver_starts_detached_and_returns_at_once(tmp_path) -> None:
     node = _fake_node(tmp_path, "echo training; sleep 60")
     cfg = TrainConfig()
     started = time.monotonic()
-    driver.start_driver(Context(), node, "R1", cfg)
+    driver_control.start_driver(Context(), node, "R1", cfg)
     assert time.monotonic() - started < 10
     job = tmp_path / "jobs" / "R1"
     pid = int((job / "driver.pid").read_text())
@@ -101,10 +101,12 @@ def test_the_driver_starts_detached_and_returns_at_once(tmp_path) -> None:
     activity = tmp_path / "autostop" / "activity" / "job-R1"
     _wait_for(activity.exists)
     _wait_for(lambda: "training" in (job / "driver.log").read_text())
-    assert driver.driver_rc(Context(), node, "R1") is None
-    driver.cancel_driver(Context(), node, "R1")
+    assert driver_control.driver_rc(Context(), node, "R1") is None
+    driver_control.cancel_driver(Context(), node, "R1")
     _wait_for(lambda: subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode)
-    assert driver.driver_rc(Context(), node, "R1") == -1  # killed: no rc file, counts as failed
+    assert (
+        driver_control.driver_rc(Context(), node, "R1") == -1
+    )  # killed: no rc file, counts as failed
 
 
 def test_a_finished_driver_leaves_its_exit_code_and_removes_its_stamp(tmp_path) -> None:
@@ -112,11 +114,11 @@ def test_a_finished_driver_leaves_its_exit_code_and_removes_its_stamp(tmp_path) 
 
     # exit 2: `sparknet train`'s own error line, a deliberate end (no restart)
     node = _fake_node(tmp_path, "echo 'error: model not found'; exit 2")
-    driver.start_driver(Context(), node, "R2", TrainConfig())
+    driver_control.start_driver(Context(), node, "R2", TrainConfig())
     job = tmp_path / "jobs" / "R2"
     _wait_for(lambda: (job / "driver.rc").exists())
-    assert driver.driver_rc(Context(), node, "R2") == 2
-    assert follow.last_error(driver.driver_log(Context(), node, "R2")) == "model not found"
+    assert driver_control.driver_rc(Context(), node, "R2") == 2
+    assert follow.last_error(driver_control.driver_log(Context(), node, "R2")) == "model not found"
     assert not (tmp_path / "autostop" / "activity" / "job-R2").exists()
     assert (tmp_path / "autostop" / "activity").is_dir()
 
@@ -269,7 +271,7 @@ def test_a_jobs_state_from_its_job_dir_and_cancel_ends_its_whole_session(tmp_pat
     )
     conn = Context()
     for run_id in ("J1", "J2", "J3"):
-        driver.start_driver(conn, node, run_id, TrainConfig())
+        driver_control.start_driver(conn, node, run_id, TrainConfig())
     _wait_for(lambda: (tmp_path / "jobs" / "J2" / "driver.rc").exists())
     _wait_for(lambda: (tmp_path / "jobs" / "J3" / "driver.rc").exists())
     assert records.state_of(conn, node, "J1") == "running"
@@ -304,7 +306,7 @@ def test_logs_prints_the_last_lines_then_follows_to_the_end(tmp_path) -> None:
     from sparknet.jobs import records
 
     node = _fake_node(tmp_path, "for i in 1 2 3; do echo line $i; done; sleep 1; echo last")
-    driver.start_driver(Context(), node, "L1", TrainConfig())
+    driver_control.start_driver(Context(), node, "L1", TrainConfig())
     _wait_for(lambda: "line 3" in (tmp_path / "jobs" / "L1" / "driver.log").read_text())
     got: list[str] = []
     records.print_log(Context(), node, "L1", 2, False, got.append)
@@ -497,20 +499,22 @@ def test_follow_survives_an_ssh_drop_and_gives_a_job_out_of_reach_up_after_the_g
     from invoke import Context
 
     node = _fake_node(tmp_path, "sleep 2; exit 0")
-    master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
-    driver.start_driver(Context(), node, "S1", TrainConfig())
+    master = driver_control.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    driver_control.start_driver(Context(), node, "S1", TrainConfig())
     runs = tmp_path / "prefix"
     runs.mkdir()
     conn = _Dropping(down=range(2, 8))
     outcome = follow.follow(conn, master, "S1", str(runs), None, lambda rows: None, poll_s=0.1)
     assert outcome.rc == 0 and conn.closed >= 1 and conn.calls > 8
 
-    driver.start_driver(Context(), _fake_node_again(tmp_path, node), "S2", TrainConfig())
+    driver_control.start_driver(Context(), _fake_node_again(tmp_path, node), "S2", TrainConfig())
     down = _Dropping(down=range(2, 10**6))
     with pytest.raises(follow.JobOutOfReach, match="`sparknet-submit attach S2` follows it again"):
         follow.follow(down, master, "S2", str(runs), None, lambda rows: None, 0.05, grace_s=0.5)
-    assert driver.driver_rc(Context(), node, "S2") is None  # it runs on: nothing cancelled it
-    driver.cancel_driver(Context(), node, "S2")
+    assert (
+        driver_control.driver_rc(Context(), node, "S2") is None
+    )  # it runs on: nothing cancelled it
+    driver_control.cancel_driver(Context(), node, "S2")
 
 
 def _fake_node_again(tmp_path, node):
@@ -528,9 +532,9 @@ def test_a_malformed_exit_code_is_a_failure_not_a_traceback(tmp_path) -> None:
     job = tmp_path / "jobs" / "M1"
     job.mkdir(parents=True)
     (job / "driver.rc").write_text("12x\n")
-    assert driver.driver_rc(Context(), node, "M1") == -1
+    assert driver_control.driver_rc(Context(), node, "M1") == -1
     assert records.state_of(Context(), node, "M1") == "failed -1"
-    assert driver.parse_rc(" 3\n") == 3
+    assert driver_control.parse_rc(" 3\n") == 3
 
 
 def test_logs_follow_counts_bytes_so_invalid_utf8_shifts_nothing(tmp_path) -> None:
@@ -541,7 +545,7 @@ def test_logs_follow_counts_bytes_so_invalid_utf8_shifts_nothing(tmp_path) -> No
     from sparknet.jobs import records
 
     node = _fake_node(tmp_path, r"echo start; sleep 1; printf 'x\377y\n'; sleep 1; echo 'line two'")
-    driver.start_driver(Context(), node, "U1", TrainConfig())
+    driver_control.start_driver(Context(), node, "U1", TrainConfig())
     _wait_for(lambda: "start" in (tmp_path / "jobs" / "U1" / "driver.log").read_text())
     got: list[str] = []
     records.print_log(Context(), node, "U1", 1, True, got.append, poll_s=0.1)
@@ -565,7 +569,7 @@ def test_ctrl_c_right_after_the_driver_starts_cancels_it(tmp_path, monkeypatch) 
             pass
 
     node = _fake_node(tmp_path, "sleep 60")
-    master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    master = driver_control.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
     monkeypatch.setattr(nodes, "connect", lambda endpoint, access: Local())
     job = preflight.Job(
         ClusterSpec(name="c1"), True, False, preflight.Dataset("s3://b-b/x"), TrainConfig()
@@ -706,7 +710,7 @@ def test_the_gpus_of_a_job_are_every_spark_worker_nodes_and_mixed_counts_are_ref
 
     four = preflight.SparkWorkers("spark://x:7077", (4, 4))
     node = Node(Endpoint("master", "127.0.0.1", 22, "me"), "127.0.0.1", "/opt/sparknet", 4)
-    master = driver.Master(node, None, "spark://x:7077", 2)  # type: ignore[arg-type]
+    master = driver_control.Master(node, None, "spark://x:7077", 2)  # type: ignore[arg-type]
     assert preflight.workers_of(master) == four  # no counts listed: the master's, every node
     cfg = preflight.job_config(TrainConfig(), preflight.Dataset("s3://b-b/x"), "s3://b-b/r/", four)
     assert (cfg.gpus_per_worker, cfg.workers) == (4, 8)

@@ -38,7 +38,7 @@ def static_settings(moto_endpoint, dataset, sshd_nodes, tmp_path, monkeypatch): 
     """./sparknet.yaml (cwd tmp_path) with the hosts of a cluster (its `provider` left to the
     flag) and the dataset `tiny`; the registry under tmp_path. The name and the nodes."""
     from sparknet.cluster import registry
-    from sparknet.cluster.seam import ENDPOINTS_ENV
+    from sparknet.cluster.node_endpoints import ENDPOINTS_ENV
 
     monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     group = sshd_nodes(2)  # after moto: the hosts' sessions get its endpoint

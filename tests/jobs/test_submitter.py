@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from sparknet.cluster import ec2 as aws_provider
 from sparknet.cluster import inventory, registry
 from sparknet.errors import SparknetError
-from sparknet.jobs import driver, follow, records
+from sparknet.jobs import driver_control, follow, records
 from sparknet.jobs import submit as flow
 from tests.moto_server import amazon_ami
 
@@ -236,7 +236,7 @@ def test_attach_to_an_ended_job_says_how_it_ended_and_that_its_cluster_is_still_
         "R1", "c1", "us-east-1", f"{run_dir}/", str(job), time.time() - 60, 3, made=True
     )
     spec = ClusterSpec(name="c1", autostop_minutes=17)
-    master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    master = driver_control.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
     monkeypatch.setattr(records, "locate", lambda *a: records.Located(record, spec, master))
     monkeypatch.setattr(nodes, "connect", lambda *a: _Shell())
     monkeypatch.setattr(aws_provider, "cost_so_far", lambda spec, endpoint_url: 1.234)
@@ -268,7 +268,7 @@ def test_cluster_down_names_the_jobs_it_cancels_and_asks_on_a_terminal(home, mon
         return DownReport(spec.name, spec.region, [], [], None)
 
     monkeypatch.setattr(aws_provider, "down", down)
-    monkeypatch.setattr(driver, "jobs_on", lambda *args, **kwargs: ["R1"])
+    monkeypatch.setattr(driver_control, "jobs_on", lambda *args, **kwargs: ["R1"])
     runner = CliRunner()
     said = "cluster c1 runs job R1: taking it down cancels it (`sparknet-submit cancel RUN`"
     script = runner.invoke(cluster_app, ["down", "c1"])
@@ -302,19 +302,21 @@ def test_the_jobs_running_on_a_master_are_found_there(home, monkeypatch, tmp_pat
         exe.chmod(0o755)
     shell = _Shell()
     for run_id in ("J1", "J2"):
-        driver.start_driver(shell, node, run_id, TrainConfig())
-    master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+        driver_control.start_driver(shell, node, run_id, TrainConfig())
+    master = driver_control.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
     monkeypatch.setattr(aws_provider, "master_running", lambda spec, endpoint_url: True)
-    monkeypatch.setattr(driver, "master_of", lambda spec, endpoint_url: master)
+    monkeypatch.setattr(driver_control, "master_of", lambda spec, endpoint_url: master)
     monkeypatch.setattr(nodes, "connect", lambda *a, **k: shell)
     spec = ClusterSpec(name="c1")
     mine = {"any_owner": True}  # any owner: no AWS here to read owner tags from
-    assert driver.jobs_on(spec, None, **mine) == []  # not bootstrapped from here: nothing asked
+    assert (
+        driver_control.jobs_on(spec, None, **mine) == []
+    )  # not bootstrapped from here: nothing asked
     registry.secret_file("c1").parent.mkdir(parents=True, exist_ok=True)
     registry.secret_file("c1").write_text("s")
     try:
         deadline = time.monotonic() + 60  # J2's session ends at once, J1's runs on
-        while (found := driver.jobs_on(spec, None, **mine)) != ["J1"]:
+        while (found := driver_control.jobs_on(spec, None, **mine)) != ["J1"]:
             assert time.monotonic() < deadline, found
             time.sleep(0.1)
     finally:
@@ -324,7 +326,7 @@ def test_the_jobs_running_on_a_master_are_found_there(home, monkeypatch, tmp_pat
         raise SparknetError("no route to host")
 
     monkeypatch.setattr(nodes, "connect", unreachable)
-    assert driver.jobs_on(spec, None, **mine) == []
+    assert driver_control.jobs_on(spec, None, **mine) == []
 
     def theirs(spec, owner, endpoint_url=None):
         raise inventory.NotYours("cluster c1 in us-east-1 belongs to bob")
@@ -332,7 +334,7 @@ def test_the_jobs_running_on_a_master_are_found_there(home, monkeypatch, tmp_pat
     monkeypatch.setattr(nodes, "connect", lambda *a, **k: pytest.fail("logged in to theirs"))
     monkeypatch.setattr(owner, "caller_owner", lambda region, endpoint_url: "me")
     monkeypatch.setattr(inventory, "check_owner", theirs)
-    assert driver.jobs_on(spec, None) == []  # down refuses it; nothing of theirs asked
+    assert driver_control.jobs_on(spec, None) == []  # down refuses it; nothing of theirs asked
 
 
 # --- 12: the messages ----------------------------------------------------------------------------

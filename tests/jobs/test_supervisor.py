@@ -21,7 +21,7 @@ from sparknet.cluster.address import Endpoint
 from sparknet.cluster.spark.plan import Node
 from sparknet.config import TrainConfig
 from sparknet.data.store import open_store
-from sparknet.jobs import driver, follow, preflight
+from sparknet.jobs import driver_control, follow, preflight
 from sparknet.jobs import submit as flow
 from sparknet.jobs.supervisor import restart_line
 from sparknet.training.report import MetricsLog, plot_curves, read_metrics, round_rows
@@ -71,7 +71,7 @@ def _node(tmp_path: Path, train: str, *, shell: bool = True) -> Node:
 def _start(node: Node, tmp_path: Path, max_restarts: int) -> Path:
     """The detached supervisor of job R with run prefix tmp_path/run; the job dir."""
     cfg = TrainConfig(out=str(tmp_path / "run"))
-    driver.start_driver(Context(), node, "R", cfg, max_restarts=max_restarts)
+    driver_control.start_driver(Context(), node, "R", cfg, max_restarts=max_restarts)
     return Path(node.path("jobs", "R"))
 
 
@@ -104,7 +104,7 @@ def test_a_killed_driver_resumes_from_its_checkpoint_and_the_submitter_sees_one_
     )
     node = _node(tmp_path, train, shell=False)
     job = _start(node, tmp_path, max_restarts=2)
-    master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    master = driver_control.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
     shown: list[int] = []
     events: list[dict] = []
     outcome = follow.follow(
@@ -136,12 +136,12 @@ def test_a_killed_driver_resumes_from_its_checkpoint_and_the_submitter_sees_one_
 def test_a_driver_that_dies_every_time_is_restarted_max_restarts_times(tmp_path) -> None:
     node = _node(tmp_path, "kill -9 $$")
     job = _start(node, tmp_path, max_restarts=2)
-    _wait_for(lambda: driver.driver_rc(Context(), node, "R") is not None)
-    assert driver.driver_rc(Context(), node, "R") == 137  # 128 + SIGKILL, as a shell says
+    _wait_for(lambda: driver_control.driver_rc(Context(), node, "R") is not None)
+    assert driver_control.driver_rc(Context(), node, "R") == 137  # 128 + SIGKILL, as a shell says
     # no checkpoint: every restart starts over with the job's settings
     assert _calls(tmp_path) == [f"train --config {job}/job.yaml"] * 3
     assert [(e["attempt"], e["after_round"]) for e in _events(tmp_path / "run")] == [(1, 0), (2, 0)]
-    log = driver.driver_log(Context(), node, "R")
+    log = driver_control.driver_log(Context(), node, "R")
     assert "driver died (killed by SIGKILL); restart 2/2 from the start" in log
     assert follow.last_error(log) == (
         "the driver died (killed by SIGKILL) after 2 restarts; --max-restarts 2 used up"
@@ -161,8 +161,8 @@ def test_a_driver_that_dies_every_time_is_restarted_max_restarts_times(tmp_path)
 def test_which_ends_are_restarted(tmp_path, body, max_restarts, calls, rc) -> None:
     node = _node(tmp_path, body)
     _start(node, tmp_path, max_restarts=max_restarts)
-    _wait_for(lambda: driver.driver_rc(Context(), node, "R") is not None)
-    assert driver.driver_rc(Context(), node, "R") == rc
+    _wait_for(lambda: driver_control.driver_rc(Context(), node, "R") is not None)
+    assert driver_control.driver_rc(Context(), node, "R") == rc
     assert len(_calls(tmp_path)) == calls
     assert len(_events(tmp_path / "run")) == calls - 1
 
@@ -173,12 +173,14 @@ def test_a_cancel_ends_the_supervisor_and_the_driver_without_a_restart(tmp_path)
     _wait_for(lambda: (job / "train.pid").exists())
     supervisor, train = int((job / "driver.pid").read_text()), int((job / "train.pid").read_text())
     assert os.getsid(supervisor) == supervisor and os.getsid(train) == supervisor
-    driver.cancel_driver(Context(), node, "R")
+    driver_control.cancel_driver(Context(), node, "R")
     _wait_for(lambda: _gone(supervisor) and _gone(train))
     # the signal went to the supervisor alone; what the driver left (its `sleep`) went with the
     # supervisor's end
     _wait_for(lambda: _group(supervisor) == [])
-    assert driver.driver_rc(Context(), node, "R") == -1  # cancelled: no exit code, as before
+    assert (
+        driver_control.driver_rc(Context(), node, "R") == -1
+    )  # cancelled: no exit code, as before
     assert len(_calls(tmp_path)) == 1 and _events(tmp_path / "run") == []
     assert "restart" not in (job / "driver.log").read_text()
     assert not (tmp_path / "node" / "autostop" / "activity" / "job-R").exists()
@@ -281,7 +283,7 @@ def test_the_submitter_stops_a_driver_that_outlives_its_killed_supervisor(
     os.kill(supervisor, 9)
     _wait_for(lambda: _gone(supervisor))
     assert records.state_of(Context(), node, "R") == records.ORPHANED and not _gone(train)
-    monkeypatch.setattr(driver, "CANCEL_WAIT_S", 0.0)  # SIGKILL right after the SIGTERM
+    monkeypatch.setattr(driver_control, "CANCEL_WAIT_S", 0.0)  # SIGKILL right after the SIGTERM
     outcome = _follow(node, tmp_path)
     assert _gone(train) and _group(supervisor) == []
     assert outcome.rc == -1
@@ -307,7 +309,7 @@ def test_an_interrupted_submit_cancels_its_job_and_waits_until_it_is_gone(
     signals = tmp_path / "signals"
     stopping = f"trap 'echo TERM >> {signals}; sleep 1; exit 143' TERM"  # 1 s to stop
     node = _node(tmp_path, f"{stopping}; sleep 60 & wait")
-    master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    master = driver_control.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
     monkeypatch.setattr(nodes, "connect", lambda endpoint, access: Local())
     job = preflight.Job(
         ClusterSpec(name="c1"), True, False, preflight.Dataset("s3://b-b/x"), TrainConfig(),
@@ -334,7 +336,7 @@ def test_an_interrupted_submit_cancels_its_job_and_waits_until_it_is_gone(
 def _follow(node: Node, tmp_path: Path):
     """`follow.follow` of job R, with the local shell as the master's SSH session."""
     (tmp_path / "run").mkdir(exist_ok=True)
-    master = driver.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
+    master = driver_control.Master(node, None, "spark://x:7077", 1)  # type: ignore[arg-type]
     return follow.follow(
         Context(), master, "R", str(tmp_path / "run"), None, lambda rows: None, poll_s=0.05
     )

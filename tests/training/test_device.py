@@ -281,7 +281,7 @@ def test_a_round_whose_fp16_scaler_skipped_most_steps_is_warned_about():
     the count; fewer is none (a loss scaler skips a step now and then by design)."""
     from sparknet.training import driver, rounds
 
-    begin = rounds.Begin(None, None, {}, 0, 0.0)
+    begin = rounds.StartPoint(None, None, {}, 0, 0.0)
     warned, rows = [], []
     on_row = driver._with_warnings(rows.append, warned.append, begin, steps=8)
     on_row({"round": 1, "skipped_steps": 3})

@@ -96,14 +96,14 @@ def test_resume_changes_that_change_nothing_for_the_data_are_not_changes():
     """digits: 10 classes from the dataset, and no images to crop: `--num-classes 10` and
     `--image-size 32` on a resume are what ran already; `--lr` is a change."""
     from sparknet.data.sources import resolve_source
-    from sparknet.training.driver import _effective
+    from sparknet.training.driver import _changes_that_matter
     from sparknet.training.problem import prepare
 
     cfg = TrainConfig(data="digits", **SMALL)
     problem = prepare(cfg, resolve_source(cfg, None))
     changes = {"num_classes": (None, 10), "image_size": (64, 32), "lr": (0.05, 0.1)}
-    assert _effective(changes, problem) == {"lr": (0.05, 0.1)}
-    assert _effective({"num_classes": (None, 7)}, problem) == {"num_classes": (None, 7)}
+    assert _changes_that_matter(changes, problem) == {"lr": (0.05, 0.1)}
+    assert _changes_that_matter({"num_classes": (None, 7)}, problem) == {"num_classes": (None, 7)}
 
 
 @pytest.mark.parametrize(

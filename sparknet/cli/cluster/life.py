@@ -53,9 +53,9 @@ _COLUMNS = ("role", "id", "state", "type", "az", "public ip", "spot", "node")
 def _print_instances(info) -> None:
     """The cluster's instances: a table on a terminal; tab-separated lines when stdout is a
     file or a pipe, which has no width (rich would assume 80 columns and cut the ids)."""
-    from sparknet.cluster import seam  # lazy: fabric
+    from sparknet.cluster import node_endpoints  # lazy: fabric
 
-    names = {inst.id: name for name, inst in seam.node_names(info.instances)}
+    names = {inst.id: name for name, inst in node_endpoints.node_names(info.instances)}
     rows = [
         (i.role, i.id, i.state, i.type, i.az, i.public_ip or "-", "yes" if i.spot else "",
          names.get(i.id, "-"))
@@ -81,11 +81,11 @@ def _print_instances(info) -> None:
 def _print_ssh(spec, info) -> None:
     """Each node's SSH address and the `ssh` command that reaches it (the cluster's key and
     pinned host keys), one tab-separated line per node."""
-    from sparknet.cluster import seam  # lazy: fabric
+    from sparknet.cluster import node_endpoints  # lazy: fabric
 
-    for name, inst in seam.node_names(info.instances):
+    for name, inst in node_endpoints.node_names(info.instances):
         try:
-            endpoint = seam.endpoint_of(spec.name, name, inst)
+            endpoint = node_endpoints.endpoint_of(spec.name, name, inst)
         except SparknetError:
             print(f"ssh {name}	-	(no public address while {inst.state})")
             continue
@@ -254,10 +254,10 @@ def _confirm_jobs_end(
     when the user says so (exit 1 otherwise). Not on a terminal (a script, CI, a clean-up),
     `down` goes on after the line: a teardown that waits for an answer nobody gives would
     leave the cluster billed."""
-    from sparknet.jobs import driver  # lazy: boto3, fabric
+    from sparknet.jobs import driver_control  # lazy: boto3, fabric
 
     try:
-        running = driver.jobs_on(spec, endpoint_url, any_owner=any_owner)
+        running = driver_control.jobs_on(spec, endpoint_url, any_owner=any_owner)
     except KeyboardInterrupt:  # while the master is asked: nothing was done yet
         fail(SparknetError(f"interrupted; cluster {spec.name} not taken down"), debug, 130)
     if not running:
@@ -320,7 +320,7 @@ def cluster_status(
 ) -> None:
     """The cluster's instances, found by tag, and each node's SSH address and command; exit 1
     when it has none."""
-    from sparknet.cluster import ec2, provider, sparkops  # lazy: boto3, fabric
+    from sparknet.cluster import ec2, provider, spark_nodes  # lazy: boto3, fabric
 
     spec = on_cluster(lambda spec: spec, name, region, config, debug)
     cluster = provider.of(spec)
@@ -342,7 +342,7 @@ def cluster_status(
     if _print_health(spec, info, endpoint_url) is None:  # no second wait for the same master
         print("autostop: unknown: the master does not answer")
     else:
-        print(sparkops.autostop_status(spec, info.instances, endpoint_url=endpoint_url))
+        print(spark_nodes.autostop_status(spec, info.instances, endpoint_url=endpoint_url))
 
 
 def _print_health(spec, info, endpoint_url: str | None) -> bool | None:

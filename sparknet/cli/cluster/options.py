@@ -101,16 +101,16 @@ def fail_cluster(exc: SparknetError, debug: bool, caught: Caught | None = None) 
     not there, another's, in another region), 128 + the signal's number where a signal stopped
     it (130 Ctrl-C, 143 SIGTERM), and 2 for everything a user fixes in the command or settings."""
     # lazy: boto3, fabric
-    from sparknet.cluster import inventory, records, registry, sparkops, static
+    from sparknet.cluster import inventory, records, registry, spark_nodes, static
 
     state = (
         registry.ClusterBusy, records.ClusterNotFound, inventory.NotYours,
-        inventory.OtherRegion, sparkops.BootstrapIncomplete, static.StopIncomplete,
+        inventory.OtherRegion, spark_nodes.BootstrapIncomplete, static.StopIncomplete,
         static.HostsChanged,
     )  # fmt: skip
     if isinstance(exc, records.Interrupted) and (code := signal_exit(caught)):
         fail(exc, debug, code)
-    if isinstance(exc, sparkops.BootstrapIncomplete) and not debug:
+    if isinstance(exc, spark_nodes.BootstrapIncomplete) and not debug:
         # the error line, then each failed node's last output lines
         first, *rest = str(exc).splitlines()
         print("\n".join([f"error: {first}", *rest]), file=sys.stderr)

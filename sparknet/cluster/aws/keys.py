@@ -15,7 +15,7 @@ import botocore.exceptions as bx
 import yaml
 
 from sparknet import aws
-from sparknet.cluster import seam, sshkeys
+from sparknet.cluster import node_endpoints, sshkeys
 from sparknet.cluster.aws import instances, preflight, userdata
 from sparknet.cluster.aws.instances import Instance
 from sparknet.cluster.spec import TAG_CLUSTER, ClusterSpec
@@ -69,9 +69,9 @@ def pin_cluster(ec2: Any, cluster: str, found: Sequence[Instance], known_hosts: 
     address."""
     pins: dict[str, str] = {}
     unpinned = []
-    for name, inst in seam.node_names(found):
+    for name, inst in node_endpoints.node_names(found):
         try:
-            endpoint = seam.endpoint_of(cluster, name, inst)
+            endpoint = node_endpoints.endpoint_of(cluster, name, inst)
         except SparknetError:
             continue  # no address yet (pending): nothing can connect to it to be refused
         public = host_public_key(user_data_of(ec2, inst.id))

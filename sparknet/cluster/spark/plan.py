@@ -16,9 +16,9 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.aws.autostop import Settings as AutostopSettings
+from sparknet.cluster.node_endpoints import node_layout
 from sparknet.cluster.nodes import Access
 from sparknet.cluster.remote import Conn, q, run_script, succeeds
-from sparknet.cluster.seam import node_layout
 from sparknet.cluster.spark.spark_conf import (
     DEFAULT_PREFIX,
     TORCH_MIN,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sparknet import aws
-from sparknet.cluster import nodes, registry, seam, sshkeys
+from sparknet.cluster import node_endpoints, nodes, registry, sshkeys
 from sparknet.cluster.aws import autostop, instances, keys
 from sparknet.cluster.aws.autostop import Settings as AutostopSettings
 from sparknet.cluster.aws.instances import Instance
@@ -59,7 +59,7 @@ def plan_nodes(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> list[Node]
     """The cluster's instances as the bootstrap's nodes, master first: each reached at its
     seam endpoint, its daemons bound to its private address, its GPUs those of its instance
     type unless `bootstrap.gpus_per_node` says otherwise."""
-    named = seam.node_names(found)
+    named = node_endpoints.node_names(found)
     if not named or named[0][0] != "master":
         raise SparknetError(
             f"cluster {spec.name} has no running master; `sparknet cluster up {spec.name}` "
@@ -70,7 +70,7 @@ def plan_nodes(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> list[Node]
     return [
         laid_out(
             spec.name,
-            seam.endpoint_of(spec.name, name, inst),
+            node_endpoints.endpoint_of(spec.name, name, inst),
             inst.private_ip,
             override if override is not None else gpus[inst.type],
         )
@@ -92,7 +92,7 @@ def reach(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> nodes.Access:
 
 
 @dataclass(frozen=True)
-class Carried:
+class BootstrapPayload:
     """What the bootstrap brings to the nodes from this machine."""
 
     #: the sparknet wheel of this checkout (in a directory that lives as long as the bootstrap)
@@ -101,15 +101,15 @@ class Carried:
     secret: str = field(repr=False)
 
 
-def carry(spec: ClusterSpec, wheel_dir: Path) -> Carried:
+def carry(spec: ClusterSpec, wheel_dir: Path) -> BootstrapPayload:
     """The wheel of this checkout, built into `wheel_dir`, then the cluster's secret (made
     0600 on first use; one others can read is refused): the wheel first, so a checkout that
     does not build leaves no secret behind."""
     wheel = build_wheel(source_checkout(), wheel_dir)
-    return Carried(wheel, load_or_create_secret(registry.secret_file(spec.name)))
+    return BootstrapPayload(wheel, load_or_create_secret(registry.secret_file(spec.name)))
 
 
-def carry_or_unlock(spec: ClusterSpec, wheel_dir: Path) -> Carried:
+def carry_or_unlock(spec: ClusterSpec, wheel_dir: Path) -> BootstrapPayload:
     """`carry` as `up`'s first step under the lock; when it fails, a cluster this machine
     has no entry for is left without the lock file just made (nothing else was written)."""
     had_entry = registry.entry_path(spec.name).exists()
@@ -126,7 +126,7 @@ def bootstrap_instances(
     ec2: Any,
     found: list[Instance],
     say: Say,
-    carried: Carried | None = None,
+    carried: BootstrapPayload | None = None,
     force: bool = False,
 ) -> boot.BootstrapReport:
     """The bootstrap of the cluster's `found` instances, under its lock."""
@@ -139,7 +139,7 @@ def bootstrap_locked(
     planned: list[Node],
     access: nodes.Access,
     say: Say,
-    carried: Carried | None = None,
+    carried: BootstrapPayload | None = None,
     force: bool = False,
 ) -> boot.BootstrapReport:
     """The bootstrap of the cluster's `planned` nodes (any provider's), under its lock:
