@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, first_line
 from sparknet.imports import is_reference, load_callable
 
 # `# lazy: torchvision` (seconds): only its architectures need it; the built-in models and a
@@ -101,7 +101,7 @@ def check_model_accepts(
     except Exception as exc:
         raise SparknetError(
             f"model {name!r} cannot take inputs of shape {tuple(sample.shape)}: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            f"{type(exc).__name__}: {first_line(exc)}"
         ) from exc
     if not isinstance(out, torch.Tensor) or out.shape != (1, num_classes):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__

@@ -33,7 +33,7 @@ from sparknet.cluster.aws.boto3_foundation import ensure_boto3
 from sparknet.cluster.aws.boto3_teardown import destroy_boto3
 from sparknet.cluster.aws.images import RECORD_PARAMETER, ROLE_AMI, check_parameter_name, record
 from sparknet.cluster.aws.owner import caller_owner
-from sparknet.cluster.remote import CommandFailed, run
+from sparknet.cluster.remote import CommandFailed, run, run_script
 from sparknet.cluster.spark import bootstrap
 from sparknet.cluster.spark.plan import Node, Plan
 from sparknet.cluster.spark.spark_conf import DEFAULT_PREFIX
@@ -48,6 +48,7 @@ from sparknet.cluster.spec import (
     tag_value,
 )
 from sparknet.errors import InputError, SparknetError
+from sparknet.node.command import node_command
 from sparknet.say import Say, quiet
 
 #: the image's definition, in the checkout (beside pyproject.toml)
@@ -417,18 +418,6 @@ def _install(
         ) from exc
 
 
-#: prints torch's version and the CUDA version it was built for ("none" for a CPU build), from
-#: its metadata and torch/version.py: importing torch takes seconds, and needs no GPU to say this
-_TORCH_VERSIONS = """
-import importlib.metadata as m
-d = m.distribution("torch")
-lines = d.locate_file("torch/version.py").read_text().splitlines()
-found = [ln.split("=", 1)[1] for ln in lines if ln.startswith("cuda") and "=" in ln]
-cuda = found[0].strip().strip(chr(34) + chr(39)) if found else ""
-print(d.version, cuda if cuda not in ("", "None") else "none")
-"""
-
-
 def _versions_and_clean(
     plan: Plan, access: nodes.Access, image: Image, root: str, builder: str, say: Say
 ) -> tuple[str, str]:
@@ -438,16 +427,13 @@ def _versions_and_clean(
     the bake (`scan_refusal`), before anything is imaged."""
     node = plan.master
 
-    def as_root(command: str) -> str:
-        return f'if [ "$(id -u)" = 0 ]; then {command}; else sudo -n {command}; fi'
-
     def one(_endpoint: address.Endpoint, conn: Any) -> tuple[str, str, dict[str, str]]:
-        sudo = 's=; [ "$(id -u)" = 0 ] || s="sudo -n "; '  # ${s}: split into its two words
-        run(conn, sudo + userdata.cancel_command("${s}"))
-        out = run(conn, f"{shlex.quote(node.python)} -c {shlex.quote(_TORCH_VERSIONS)}")
+        run_script(conn, userdata.BACKSTOP_TOOL, "cancel", userdata.BACKSTOP_SCRIPT)
+        out = run(conn, node_command(node.python, "torch-build"))  # node.torch_build
         torch, cuda = [*out.split(), "none", "none"][:2]
-        run(conn, as_root(cleanup_command(image, node.prefix, root)), timeout=300)
-        found = scan_found(run(conn, as_root(scan_command(image, node.prefix, root)), timeout=900))
+        sudo = "" if run(conn, "id -u").strip() == "0" else "sudo -n "  # the login user's
+        run(conn, sudo + cleanup_command(image, node.prefix, root), timeout=300)
+        found = scan_found(run(conn, sudo + scan_command(image, node.prefix, root), timeout=900))
         return torch, cuda, found
 
     say("cleaning the builder, then scanning it for credentials and private keys left")

@@ -33,7 +33,7 @@ from invoke.exceptions import UnexpectedExit
 
 from sparknet import interrupts
 from sparknet.cluster.address import Endpoint
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, first_line
 
 # paramiko logs a failed handshake (a node still booting) with its traceback from the transport
 # thread; with no handler Python prints that to stderr. The error reaches the user as one line.
@@ -75,8 +75,7 @@ def describe(exc: BaseException) -> str:
         tail = (result.stderr or result.stdout or "").strip().splitlines()
         last = f": {tail[-1].strip()}" if tail else ""
         return f"`{result.command}` exited {result.exited}{last}"
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return lines[0] if lines else type(exc).__name__
+    return first_line(exc)
 
 
 def _fabric_config() -> fabric.Config:

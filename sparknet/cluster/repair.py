@@ -24,7 +24,7 @@ from sparknet.cluster.records import Interrupted
 from sparknet.cluster.remote import q, run
 from sparknet.cluster.spark.health import ClusterHealth
 from sparknet.cluster.spec import ClusterSpec
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, first_line
 from sparknet.say import Say
 
 #: instance states of a member that is gone or going (EC2 ends a spot instance so)
@@ -69,7 +69,7 @@ def losses(spec: ClusterSpec, *, endpoint_url: str | None = None) -> Losses:
     try:
         health = spark_nodes.spark_health(spec, live, endpoint_url=endpoint_url)
     except SparknetError as exc:
-        return Losses(True, (f"the master takes no connection ({str(exc).splitlines()[0]})",))
+        return Losses(True, (f"the master takes no connection ({first_line(exc)})",))
     if (silent := _master_silent(health)) is not None:
         return Losses(True, (silent,))
     lines += [p for p in health.problems if "is not registered" in p]
@@ -88,7 +88,7 @@ def _static_losses(spec: ClusterSpec) -> Losses:
     try:
         health = static.health(spec)
     except SparknetError as exc:
-        return Losses(True, (f"the master takes no connection ({str(exc).splitlines()[0]})",))
+        return Losses(True, (f"the master takes no connection ({first_line(exc)})",))
     if (silent := _master_silent(health)) is not None:
         return Losses(True, (silent,))
     return Losses(False, tuple(p for p in health.problems if "is not registered" in p))
@@ -120,7 +120,7 @@ def spot_notices(
         access = spark_nodes.reach(spec, ec2, running)
         plan = {n.name: n for n in spark_nodes.plan_nodes(spec, ec2, running)}
     except SparknetError as exc:
-        return found, [f"the workers ({str(exc).splitlines()[0]})"]
+        return found, [f"the workers ({first_line(exc)})"]
 
     def ask(endpoint: address.Endpoint, conn) -> None:
         out = run(
@@ -216,7 +216,7 @@ class Watch:
             # interrupt of the submitter all the same, never a repair that merely failed
             raise KeyboardInterrupt(str(exc)) from exc
         except SparknetError as exc:
-            first = next(iter(str(exc).splitlines()), type(exc).__name__)
-            self.say(f"cluster {self.spec.name}: check or repair failed ({first}); the job goes on")
+            why = first_line(exc)
+            self.say(f"cluster {self.spec.name}: check or repair failed ({why}); the job goes on")
         finally:
             self._last = time.monotonic()

@@ -31,7 +31,7 @@ from sparknet.cluster.spark.plan import Node, Plan, laid_out
 from sparknet.cluster.spark.spark_conf import Ports, load_or_create_secret
 from sparknet.cluster.spark.wheel import Wheel, build_wheel, source_checkout
 from sparknet.cluster.spec import ClusterSpec
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, first_line
 from sparknet.say import Say
 
 
@@ -192,7 +192,7 @@ def autostop_status(
         finally:
             conn.close()
     except SparknetError as exc:
-        return f"autostop: unknown: {next(iter(str(exc).splitlines()), 'no answer')}"
+        return f"autostop: unknown: {first_line(exc)}"
     return autostop.status_line(text or None, time.time())
 
 
@@ -228,7 +228,6 @@ def stop_spark(spec: ClusterSpec, ec2: Any, found: list[Instance], say: Say) -> 
         access = reach(spec, ec2, running)
         boot.stop_daemons(plan_nodes(spec, ec2, running), access, timeout=60)
     except SparknetError as exc:
-        first = next(iter(str(exc).splitlines()), "")
-        say(f"could not stop the Spark daemons first ({first}); terminating ends them")
+        say(f"could not stop the Spark daemons first ({first_line(exc)}); terminating ends them")
     else:
         say(f"stopped the Spark daemons on {len(running)} nodes")

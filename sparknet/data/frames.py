@@ -22,7 +22,7 @@ import torch
 
 from sparknet.data import loader
 from sparknet.data.sources import EVAL_BATCH, Source, TaskInput, batch_positions
-from sparknet.errors import SettingError, SparknetError
+from sparknet.errors import SettingError, SparknetError, first_line
 
 # `# lazy: X` below: pyspark and pyarrow only in the functions that touch a frame; the job's
 # checks before a submit (`training.problem`) import this module without Spark
@@ -206,8 +206,7 @@ def read_frame(spark, spec: str):
             return spark.read.parquet(target)
         return spark.table(target)
     except Exception as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise SparknetError(f"cannot read {spec}: {first}") from exc
+        raise SparknetError(f"cannot read {spec}: {first_line(exc)}") from exc
 
 
 def _input_column(df, wanted: str | None, name: str) -> str:

@@ -1,15 +1,17 @@
 """`python -m sparknet.node COMMAND ...`: the command line the submitter sends a node over SSH.
 
-Each command is one function of `daemon` or `job`; a wait that ends without what it waited for
-exits 1 with one line on stderr (the submitter adds the daemon's log)."""
+Each command is one function of a module of this package (`daemon`, `job`, `dependencies`,
+`spark_master`, `torch_build`); a wait that ends without what it waited for exits 1 with one line
+on stderr (the submitter adds the daemon's log)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Sequence
 
-from sparknet.node import daemon, dependencies, job
+from sparknet.node import daemon, dependencies, job, spark_master, torch_build
 
 #: the commands on one job dir
 JOB_COMMANDS = {
@@ -64,7 +66,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--within", type=float, required=True)
     sub.add_parser("spark-home", help="print the venv's pyspark dir")
+    p = sub.add_parser("master-json", help="print the Spark master's state (its UI's /json/)")
+    p.add_argument("host")
+    p.add_argument("port", type=int)
     sub.add_parser("dependencies", help="exit 1 naming sparknet's requirements not installed")
+    sub.add_parser("torch-build", help="print torch's version and the CUDA it was built for")
 
     for name, what in JOB_COMMANDS.items():
         sub.add_parser(name, help=what).add_argument("job_dir")
@@ -111,6 +117,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _failed(f"{a.path} is not written within {a.within:g} s")
     elif c == "spark-home":
         print(daemon.spark_home())
+    elif c == "master-json":
+        try:
+            print(spark_master.master_json(a.host, a.port))
+        except OSError as exc:  # the line a traceback would end with: what the status shows
+            return _failed(traceback.format_exception_only(exc)[-1].strip())
+    elif c == "torch-build":
+        print(*torch_build.torch_build())
     elif c == "dependencies":
         absent = dependencies.missing()
         if absent:

@@ -28,7 +28,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from sparknet.data.store import LocalStore, MissingObjectError, Store, open_store
-from sparknet.errors import SparknetError, WriteRefused, is_permanent
+from sparknet.errors import SparknetError, WriteRefused, first_line, is_permanent
 from sparknet.training.state import StateLayout
 
 CHECKPOINTS = "checkpoints"
@@ -173,7 +173,7 @@ _DAMAGE = (ValueError, KeyError, TypeError, RuntimeError, SafetensorError)
 
 
 def _damaged(store: Store, rounds: int, file: str, exc: Exception) -> SparknetError:
-    detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    detail = first_line(exc)
     return SparknetError(
         f"checkpoint {store.uri}/{name(rounds)} is damaged ({file}: {detail}); delete that "
         "checkpoint dir to resume from the one before it"

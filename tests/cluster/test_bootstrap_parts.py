@@ -20,8 +20,14 @@ from sparknet.cluster.address import Endpoint
 from sparknet.cluster.remote import q, succeeds, upload
 from sparknet.cluster.spark import bootstrap as b
 from sparknet.cluster.spark import spark_conf as sc
-from sparknet.cluster.spark.daemons import MASTER_CLASS, WORKER_CLASS, Master, Worker
-from sparknet.cluster.spark.health import ClusterHealth, Expected, WorkerState, judge
+from sparknet.cluster.spark.daemons import MASTER_CLASS, UNIT_SCRIPT, WORKER_CLASS, Master, Worker
+from sparknet.cluster.spark.health import (
+    ClusterHealth,
+    Expected,
+    WorkerState,
+    judge,
+    master_json,
+)
 from sparknet.cluster.spark.plan import (
     FACTS_SCRIPT,
     PIP_NETWORK,
@@ -568,6 +574,19 @@ def test_a_worker_nobody_expects_is_a_problem() -> None:
     assert [w.node for w in health.workers] == ["master"]
 
 
+def test_a_master_node_without_sparknet_does_not_answer_and_says_why(tmp_path) -> None:
+    """The master's JSON is read on the node by its venv's `sparknet.node`; a node whose venv
+    is not there (a host only registered, a bootstrap cut off before it) runs no master of
+    this install: the status says the master does not answer, and why."""
+    python = str(tmp_path / "venv" / "bin" / "python")
+    with pytest.raises(b.CommandFailed) as caught:
+        master_json(invoke.Context(), python, 1)
+    assert caught.value.tail == [f"sparknet is not installed in {python}"]
+    with pytest.raises(b.CommandFailed) as caught:  # sparknet there, nothing listening
+        master_json(invoke.Context(), sys.executable, 1)
+    assert caught.value.tail[-1].startswith("urllib.error.URLError: <urlopen error")
+
+
 # --- a systemd node, recorded ------------------------------------------------------------------
 
 
@@ -608,7 +627,7 @@ class Recorder:
         return stdin, SimpleNamespace(channel=channel), SimpleNamespace(read=lambda: b"")
 
 
-def test_on_a_systemd_node_the_worker_is_a_unit_restarted_with_sudo() -> None:
+def test_on_a_systemd_node_the_worker_is_a_unit_the_unit_script_starts() -> None:
     node = Node(Endpoint("worker-1", "203.0.113.9"), address="10.0.0.6", gpus=2)
     master = Node(Endpoint("master", "203.0.113.8"), address="10.0.0.5")
     plan = Plan((master, node), Wheel(Path("w.whl"), "1", "d"), "topsecret" * 4)
@@ -631,10 +650,8 @@ def test_on_a_systemd_node_the_worker_is_a_unit_restarted_with_sudo() -> None:
     assert '"SPARK_LOCAL_DIRS=/opt/dlami/nvme/sparknet"' in env
     assert '"SPARK_CONF_DIR=/opt/sparknet/conf"' in env
     assert conn.commands[-1] == (
-        "sudo -n install -m 0644 /opt/sparknet/run/sparknet-worker.service "
-        "/etc/systemd/system/sparknet-worker.service && sudo -n systemctl daemon-reload && "
-        "sudo -n systemctl enable -q sparknet-worker.service && "
-        "sudo -n systemctl restart sparknet-worker.service"
+        "sh -s -- start sparknet-worker.service /opt/sparknet/run/sparknet-worker.service "
+        "/etc/systemd/system/sparknet-worker.service"
     )
     assert all(plan.secret not in c for c in conn.commands)
     assert plan.secret not in unit
@@ -662,8 +679,36 @@ def test_on_a_systemd_master_the_autostop_timer_is_a_unit_with_its_settings() ->
         "ExecStart=/opt/sparknet/venv/bin/python -m sparknet.cluster.aws.autostop run --state "
         "/opt/sparknet/autostop"
     ) in lines
-    assert "sudo -n systemctl restart sparknet-autostop.service" in conn.commands[-2]
+    assert conn.commands[-2].startswith("sh -s -- start sparknet-autostop.service ")
     assert "/opt/sparknet/autostop/deadline.json" in conn.commands[-1]  # the first check
+
+
+def test_the_autostop_timer_is_done_only_with_todays_settings_written() -> None:
+    """A changed setting (minutes) restarts the timer: the unit's stamp covers them, and the
+    settings file the timer reads must say them too (a file written by hand, or half gone)."""
+    from sparknet.cluster.aws.autostop import Settings
+    from sparknet.cluster.spark.daemons import Autostop
+
+    ctx = systemd_master()
+    settings = Settings("exp1", "eu-west-1", 45)
+    plan = Plan(ctx.plan.nodes, ctx.plan.wheel, ctx.plan.secret, autostop=settings)
+    step = Autostop(Context(plan, ctx.node, ctx.facts))
+
+    class Node(Recorder):
+        def __init__(self, written: str) -> None:
+            super().__init__()
+            self.written = written
+
+        def run(self, command: str, **kwargs):
+            from invoke.runners import Result
+
+            if command.startswith("cat /opt/sparknet/autostop/settings.json"):
+                return Result(stdout=self.written, exited=0, command=command)
+            return super().run(command, **kwargs)
+
+    assert step.check(Node(settings.to_json()))
+    assert not step.check(Node(Settings("exp1", "eu-west-1", 30).to_json()))
+    assert not step.check(Node(""))
 
 
 def test_a_plan_needs_nodes_with_distinct_names() -> None:
@@ -689,56 +734,77 @@ UNIT = "/etc/systemd/system/sparknet-master.service"
 
 def test_stopping_a_systemd_daemon_for_good_disables_and_removes_its_unit() -> None:
     """`down` of a static cluster leaves the machines running: a unit still enabled would
-    start Spark again at the next boot. A unit never installed is no error (systemctl's own
-    complaints are muted); the command ends by checking that the unit is down and gone."""
+    start Spark again at the next boot, so `remove` goes to the unit script (which disables
+    and deletes it), a plain stop only stops it."""
     conn = Recorder()
     Master(systemd_master()).stop(conn, remove=True)
-    (command,) = conn.commands
-    assert command.startswith(
-        "sudo -n systemctl stop sparknet-master.service 2>/dev/null; sudo -n systemctl disable "
-        f"-q sparknet-master.service 2>/dev/null; sudo -n rm -f {UNIT}; "
-        "sudo -n systemctl daemon-reload; "
-    )
-    check = command.split("daemon-reload; ", 1)[1]
-    assert "true" not in check.split(";")
-    assert check.startswith("st=$(systemctl is-active sparknet-master.service); case $st in ")
-    assert f"[ ! -e {UNIT} ]" in check
+    assert conn.commands == [f"sh -s -- remove sparknet-master.service {UNIT}"]
     conn = Recorder()
     Master(systemd_master()).stop(conn)
-    (command,) = conn.commands
-    assert command.startswith("sudo -n systemctl stop sparknet-master.service 2>/dev/null; ")
-    assert "disable" not in command and UNIT not in command
+    assert conn.commands == ["sh -s -- stop sparknet-master.service"]
 
 
-def test_the_unit_checks_fail_when_a_unit_stays_active_or_installed(tmp_path) -> None:
-    """The check itself, run by a shell with a `systemctl` stand-in (this machine's init is not
-    systemd) that says what state the unit is in, and with the unit file there or not."""
+def unit_script(tmp_path: Path, state: str, *args: str) -> tuple[subprocess.CompletedProcess, list]:
+    """The unit script (`daemons.UNIT_SCRIPT`) run with `args` by a login user (uid 1000) on a
+    node whose `systemctl` is a stand-in (this machine's init is not systemd) that says the
+    unit is in `state`, and whose `sudo` runs the command: its result, and what ran, in order
+    (`sudo ...` for each command sudo ran, then each call of systemctl)."""
+    tools, log = tmp_path / "bin", tmp_path / "ran.log"
+    tools.mkdir(exist_ok=True)
+    log.unlink(missing_ok=True)
+    for name, body in {
+        "id": "echo 1000",
+        "sudo": f'[ "$1" = -n ] && shift; echo "sudo $*" >> {log}; exec "$@"',
+        "systemctl": f'echo "systemctl $*" >> {log}; [ "$1" = is-active ] && echo {state}; true',
+    }.items():
+        (tools / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tools / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{tools}:{os.environ['PATH']}")
+    done = subprocess.run(
+        ["sh", "-s", "--", *args], input=files.script(UNIT_SCRIPT), env=env,
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    return done, log.read_text().splitlines() if log.exists() else []
+
+
+def test_the_unit_script_installs_and_restarts_the_unit_through_sudo(tmp_path) -> None:
+    staged, unit = tmp_path / "staged.service", tmp_path / "etc" / "u.service"
+    staged.write_text("[Unit]\n")
+    unit.parent.mkdir()
+    done, ran = unit_script(tmp_path, "active", "start", "u.service", str(staged), str(unit))
+    assert done.returncode == 0, done.stderr
+    assert unit.read_text() == "[Unit]\n" and stat.S_IMODE(unit.stat().st_mode) == 0o644
+    assert [r for r in ran if r.startswith("sudo")] == [
+        f"sudo install -m 0644 {staged} {unit}", "sudo systemctl daemon-reload",
+        "sudo systemctl enable -q u.service", "sudo systemctl restart u.service",
+    ]  # fmt: skip
+
+
+def test_the_unit_script_fails_when_a_unit_stays_active_or_installed(tmp_path) -> None:
+    """A unit never installed is no error; one still running (or starting: a restart loop),
+    or with `remove` still installed, fails the run saying which on stderr."""
     unit = tmp_path / "sparknet-master.service"
-    tool = tmp_path / "bin" / "systemctl"
-    tool.parent.mkdir()
-    master = Master(systemd_master())
-    env = dict(os.environ, PATH=f"{tool.parent}:{os.environ['PATH']}")
-
-    def check(state: str, installed: bool, unit_file: str | None = str(unit)):
-        tool.write_text(f"#!/bin/sh\necho {state}\n[ {state} = active ]\n")
-        tool.chmod(0o755)
-        unit.unlink(missing_ok=True)
-        if installed:
-            unit.touch()
-        command = master.stopped(unit_file)
-        return subprocess.run(["sh", "-c", command], env=env, capture_output=True, text=True)
-
-    assert check("inactive", False).returncode == 0
-    assert check("unknown", False).returncode == 0
-    assert check("failed", False).returncode == 0
+    for state in ("inactive", "unknown", "failed"):
+        done, ran = unit_script(tmp_path, state, "stop", "sparknet-master.service")
+        assert done.returncode == 0, done.stderr
+        assert ran[0] == "sudo systemctl stop sparknet-master.service"
     for state in ("active", "activating", "deactivating"):
-        done = check(state, False)
+        done, _ = unit_script(tmp_path, state, "stop", "sparknet-master.service")
         assert done.returncode == 1
         assert done.stderr.strip() == f"sparknet-master.service is still {state}"
-    done = check("inactive", True)
+    unit.touch()
+    done, ran = unit_script(tmp_path, "inactive", "remove", "sparknet-master.service", str(unit))
+    assert done.returncode == 0, done.stderr
+    assert not unit.exists()
+    assert [r for r in ran if r.startswith("sudo")] == [
+        "sudo systemctl stop sparknet-master.service",
+        "sudo systemctl disable -q sparknet-master.service", f"sudo rm -f {unit}",
+        "sudo systemctl daemon-reload",
+    ]  # fmt: skip
+    unit.mkdir()  # what `rm -f` cannot remove: the unit stays installed
+    done, _ = unit_script(tmp_path, "inactive", "remove", "sparknet-master.service", str(unit))
     assert done.returncode == 1
-    assert done.stderr.strip() == f"{unit} is still there"
-    assert check("inactive", True, None).returncode == 0  # a plain stop leaves the unit
+    assert done.stderr.strip().endswith(f"{unit} is still there")
 
 
 def test_a_unit_that_will_not_stop_fails_the_node_and_keeps_the_conf() -> None:
@@ -747,7 +813,7 @@ def test_a_unit_that_will_not_stop_fails_the_node_and_keeps_the_conf() -> None:
     enabled would start the master at the next boot, and without its conf it would start
     with no authentication."""
     stderr = "sudo: a password is required\nsparknet-worker.service is still active\n"
-    conn = Recorder("is-active sparknet-worker", stderr)
+    conn = Recorder("remove sparknet-worker.service", stderr)
     with pytest.raises(b.CommandFailed) as caught:
         b.stop_node(systemd_master(), conn)
     assert str(caught.value) == (
@@ -765,10 +831,8 @@ def test_stopping_a_node_stops_both_daemons_even_off_the_first_node() -> None:
     master of an EC2 cluster has), then deletes its conf."""
     conn = Recorder()
     b.stop_node(systemd_master("worker-1"), conn)
-    stops = [c.split(" 2>", 1)[0] for c in conn.commands if "systemctl stop" in c]
+    stops = [c.split()[4] for c in conn.commands if c.startswith("sh -s -- remove ")]
     assert stops == [
-        "sudo -n systemctl stop sparknet-autostop.service",
-        "sudo -n systemctl stop sparknet-worker.service",
-        "sudo -n systemctl stop sparknet-master.service",
-    ]
+        "sparknet-autostop.service", "sparknet-worker.service", "sparknet-master.service",
+    ]  # fmt: skip
     assert conn.commands[-1] == "rm -f /opt/sparknet/conf/spark-defaults.conf"

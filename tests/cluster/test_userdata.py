@@ -18,6 +18,7 @@ import yaml
 from sparknet.cluster import ami
 from sparknet.cluster.aws import keys, userdata
 from sparknet.cluster.spec import MAX_BACKSTOP_MINUTES, MIN_BACKSTOP_MINUTES, ClusterSpec
+from sparknet.node import files
 from tests.sshd import boot, scheduled_shutdown, shutdown_env
 
 CLOUD_INIT = shutil.which("cloud-init")
@@ -85,24 +86,46 @@ def test_the_backstop_powers_off_after_its_minutes_at_every_boot(tmp_path) -> No
     assert boot(text, node, env) == [userdata.BACKSTOP_SCRIPT]
     assert scheduled_shutdown(node) is not None
 
-    assert armed(env) == [userdata.ARMED_SHUTDOWN]  # as logind says (the stand-in busctl)
+    script = str(node / "per-boot" / Path(userdata.BACKSTOP_SCRIPT).name)  # as booted
+    # the shutdown as logind says (the stand-in busctl)
+    assert armed(env, script) == [userdata.ARMED_SCRIPT, userdata.ARMED_SHUTDOWN]
 
-    cancel = userdata.cancel_command("")
-    assert cancel.startswith(f"rm -f {userdata.BACKSTOP_SCRIPT} && ")
-    command = cancel.split(" && ", 1)[1]  # the script is the node's: not on this machine
-    subprocess.run(command, shell=True, env={**env}, check=True, timeout=30)
+    as_root = root_login(node, env)
+    assert backstop("cancel", script, as_root).returncode == 0
     assert scheduled_shutdown(node) is None
-    assert armed(env) == []
+    assert armed(env, script) == []
 
 
-def armed(env: dict[str, str]) -> list[str]:
-    """What `userdata.armed_command` finds of the backstop on this machine as a node with `env`
-    (the per-boot script is the node's, never this machine's: only the shutdown can show)."""
-    done = subprocess.run(
-        userdata.armed_command(), shell=True, env=env, capture_output=True, text=True,
-        check=True, timeout=30,
+def backstop(action: str, script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The package's backstop script (`userdata.BACKSTOP_TOOL`) run as the node's `sh -s`
+    runs it, with `action` and the per-boot `script` (the node's, never this machine's)."""
+    return subprocess.run(
+        ["sh", "-s", "--", action, script], input=files.script(userdata.BACKSTOP_TOOL),
+        env=env, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
+
+
+def armed(env: dict[str, str], script: str) -> list[str]:
+    """What `armed` finds of the backstop on this machine as a node with `env`."""
+    done = backstop("armed", script, env)
+    assert done.returncode == 0, done.stderr
     return done.stdout.split()
+
+
+def root_login(where: Path, env: dict[str, str], uid: int = 0, sudo_log: Path | None = None):
+    """`env` with stand-ins first on its PATH (in `where`/login): an `id` that says the login
+    user's `uid` (the tests run as whoever runs them), and a `sudo` that runs its command,
+    writing it to `sudo_log`."""
+    tools = where / "login"
+    tools.mkdir(parents=True, exist_ok=True)
+    log = sudo_log or where / "sudo.log"
+    for name, body in {
+        "id": f"echo {uid}",
+        "sudo": f'[ "$1" = -n ] && shift; echo "sudo $*" >> {log}; exec "$@"',
+    }.items():
+        (tools / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tools / name).chmod(0o755)
+    return {**env, "PATH": f"{tools}:{env['PATH']}"}
 
 
 def test_the_cancel_passes_on_an_image_without_shutdown(tmp_path) -> None:
@@ -120,15 +143,28 @@ def test_the_cancel_passes_on_an_image_without_shutdown(tmp_path) -> None:
     env = {"PATH": str(bin_dir)}
     assert subprocess.run(str(script), env=env, capture_output=True, timeout=30).returncode == 127
 
-    cancel = userdata.cancel_command("").replace(userdata.BACKSTOP_SCRIPT, str(script))
-    done = subprocess.run(cancel, shell=True, env=env, capture_output=True, text=True, timeout=30)
+    done = backstop("cancel", str(script), root_login(tmp_path, env))
     assert done.returncode == 0, done.stderr
     assert not script.exists()
-    armed_there = userdata.armed_command().replace(userdata.BACKSTOP_SCRIPT, str(script))
-    found = subprocess.run(
-        armed_there, shell=True, env=env, capture_output=True, text=True, timeout=30
-    )
+    found = backstop("armed", str(script), env)
     assert (found.returncode, found.stdout) == (0, "")
+
+
+def test_the_cancel_runs_as_root_through_sudo_for_a_login_user(tmp_path) -> None:
+    """On an image's own user (uid 1000, as on EC2) the cancel goes through `sudo -n`: the
+    script is root's, and so is a scheduled shutdown."""
+    node = tmp_path / "node"
+    env = shutdown_env(node)
+    boot(keys.host_key_user_data(45)[0], node, env)
+    script = node / "per-boot" / Path(userdata.BACKSTOP_SCRIPT).name
+    log = tmp_path / "sudo.log"
+    done = backstop("cancel", str(script), root_login(tmp_path, env, 1000, log))
+    assert done.returncode == 0, done.stderr
+    assert not script.exists() and scheduled_shutdown(node) is None
+    assert log.read_text().splitlines() == [
+        f"sudo rm -f {script}",
+        "sudo sh -c command -v shutdown >/dev/null || exit 0; exec shutdown -c",
+    ]
 
 
 def test_no_backstop_without_an_executable_per_boot_script(tmp_path) -> None:
@@ -150,11 +186,9 @@ def test_the_backstop_setting_refuses_minutes_out_of_range(minutes) -> None:
         ClusterSpec(name="ud", backstop_minutes=minutes)
 
 
-def test_backstop_off_cancels_as_root_through_sudo_on_a_users_node() -> None:
-    """On an image's own user (uid 1000, as on EC2) the cancel goes through `sudo -n`: the
-    script is root's, and so is a scheduled shutdown. It applies where the node still has a
-    backstop (the script, or a scheduled shutdown), and not where it has none: a second
-    bootstrap of a finished cluster applies nothing."""
+def test_backstop_off_cancels_where_a_backstop_is_left() -> None:
+    """It applies where the node still has a backstop (the script, or a scheduled shutdown),
+    and not where it has none: a second bootstrap of a finished cluster applies nothing."""
     from sparknet.cluster.spark.daemons import BackstopOff
     from tests.cluster.test_bootstrap_parts import Recorder, systemd_master
 
@@ -166,23 +200,21 @@ def test_backstop_off_cancels_as_root_through_sudo_on_a_users_node() -> None:
             self.armed = armed
 
         def run(self, command: str, **kwargs):
-            if command == userdata.armed_command():
+            if command == asked:
                 self.commands.append(command)
                 from invoke.runners import Result
 
                 return Result(stdout=self.armed, exited=0, command=command)
-            if command == userdata.cancel_command("sudo -n "):
+            if command == cancel:
                 self.armed = ""
             return super().run(command, **kwargs)
 
-    cancel = (
-        f"sudo -n rm -f {userdata.BACKSTOP_SCRIPT} && "
-        "sudo -n sh -c 'command -v shutdown >/dev/null || exit 0; exec shutdown -c'"
-    )
+    asked = f"sh -s -- armed {userdata.BACKSTOP_SCRIPT}"
+    cancel = f"sh -s -- cancel {userdata.BACKSTOP_SCRIPT}"
     for armed in ("script\nshutdown\n", "shutdown\n", "script\n"):
         step, conn = BackstopOff(systemd_master("worker-1")), Node(armed)
         assert not step.check(conn)
         step.apply(conn)
         assert step.check(conn)
-        assert [c for c in conn.commands if c != userdata.armed_command()] == [cancel]
+        assert [c for c in conn.commands if c != asked] == [cancel]
     assert BackstopOff(systemd_master("worker-1")).check(Node(""))

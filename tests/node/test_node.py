@@ -203,8 +203,53 @@ def test_the_module_answers_as_the_submitter_reads_it(tmp_path, capsys) -> None:
     assert err.strip().endswith("is not written within 0.1 s")
 
 
+def test_the_masters_state_is_its_uis_json_or_the_line_a_traceback_ends_with(capsys) -> None:
+    """`master-json` prints the master UI's `/json/` page; where nothing answers, it exits 1
+    with the one line `cluster status` shows as why the master does not answer."""
+    import http.server
+
+    class Master(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"status": "ALIVE", "path": "%s"}' % self.path.encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args) -> None:
+            pass  # quiet
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Master)
+    threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
+    try:
+        assert main(["master-json", "127.0.0.1", str(server.server_port)]) == 0
+        out, _ = capsys.readouterr()
+        assert out == '{"status": "ALIVE", "path": "/json/"}\n'
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["master-json", "127.0.0.1", str(port)]) == 1
+    _, err = capsys.readouterr()
+    assert err.startswith("urllib.error.URLError: <urlopen error [Errno 111]")
+    assert len(err.splitlines()) == 1
+
+
+def test_torchs_build_is_read_from_its_files(capsys) -> None:
+    """What a baked image's tags say of torch: its version and the CUDA it was built for."""
+    import importlib.metadata
+    import re
+
+    assert main(["torch-build"]) == 0
+    version, cuda = capsys.readouterr().out.split()
+    assert version == importlib.metadata.version("torch")
+    assert cuda == "none" or re.fullmatch(r"\d+\.\d+", cuda), cuda
+
+
 def test_the_scripts_and_templates_are_files_of_the_package() -> None:
-    for name in ("marker.sh", "apt_install.sh", "facts.sh", "nvswitches.sh", "gpus.sh"):
+    for name in ("marker.sh", "apt_install.sh", "facts.sh", "nvswitches.sh", "gpus.sh",
+                 "systemd_unit.sh", "backstop.sh"):  # fmt: skip
         checked = subprocess.run(
             ["sh", "-n"], input=files.script(name), text=True, capture_output=True
         )

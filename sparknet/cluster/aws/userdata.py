@@ -16,10 +16,11 @@ runs every executable file of ``/var/lib/cloud/scripts/per-boot`` at the end of 
 a `runcmd`: the NVIDIA driver step reboots the node, and a `shutdown -P +N` scheduled once is
 gone after a reboot. The script runs late in the boot, when systemd-logind (which holds a
 scheduled shutdown) is up, which a `bootcmd` does not wait for. Once the master's timer runs,
-the bootstrap cancels the backstop on every node (`cancel_command`): the scheduled shutdown, and
-the script, so no later boot schedules it again. Whether a node still has a backstop to cancel
-is `armed_command`'s: the script, or the shutdown systemd-logind holds (its ScheduledShutdown
-property), so a second bootstrap of a cluster whose backstops are gone has nothing to do.
+the bootstrap cancels the backstop on every node (`BACKSTOP_TOOL`'s `cancel`): the scheduled
+shutdown, and the script, so no later boot schedules it again. Whether a node still has a
+backstop to cancel is its `armed`: the script, or the shutdown systemd-logind holds (its
+ScheduledShutdown property), so a second bootstrap of a cluster whose backstops are gone has
+nothing to do.
 
 An image without systemd's `shutdown` has no backstop: the script fails at each boot (exit
 127), and nothing can be scheduled; the cancel then removes the script and has no shutdown to
@@ -68,34 +69,10 @@ def backstop_script(minutes: int) -> str:
     return files.template("backstop.sh", minutes=int(minutes), why=shlex.quote(why))
 
 
-def cancel_command(sudo: str) -> str:
-    """The shell command that cancels a node's backstop (`sudo`: ``''`` as root, else
-    ``'sudo -n '``): the script first, so no later boot schedules it again, then the pending
-    shutdown. Idempotent: with nothing scheduled, `shutdown -c` does nothing; on an image
-    without `shutdown` (looked up on root's PATH) nothing can be scheduled, and there is
-    nothing to cancel."""
-    cancel = "command -v shutdown >/dev/null || exit 0; exec shutdown -c"
-    return f"{sudo}rm -f {shlex.quote(BACKSTOP_SCRIPT)} && {sudo}sh -c {shlex.quote(cancel)}"
+#: the package script (`sparknet.node.files.script`) that prints what of a node's backstop is
+#: left (`sh -s -- armed BACKSTOP_SCRIPT`) and cancels it (`sh -s -- cancel BACKSTOP_SCRIPT`, as
+#: root: `sudo -n` where the login user is not)
+BACKSTOP_TOOL = "backstop.sh"
 
-
-#: what `armed_command` prints for each part of a backstop a node still has
+#: what its `armed` prints for each part of a backstop a node still has, one word a line
 ARMED_SCRIPT, ARMED_SHUTDOWN = "script", "shutdown"
-
-#: systemd-logind's property of the pending shutdown: ``(st) "poweroff" USEC`` when one is
-#: scheduled, ``(st) "" 0`` when none is (readable without root)
-_SCHEDULED = (
-    "busctl get-property org.freedesktop.login1 /org/freedesktop/login1 "
-    "org.freedesktop.login1.Manager ScheduledShutdown"
-)
-
-
-def armed_command() -> str:
-    """The shell command that prints what of the backstop a node still has, one word a line:
-    `ARMED_SCRIPT` while the per-boot script is there (the next boot schedules a power-off),
-    `ARMED_SHUTDOWN` while logind holds a scheduled shutdown. Nothing when the backstop is
-    gone, or on a node without logind (there `shutdown` schedules nothing either)."""
-    return (
-        f"if test -e {shlex.quote(BACKSTOP_SCRIPT)}; then echo {ARMED_SCRIPT}; fi; "
-        f'case "$({_SCHEDULED} 2>/dev/null)" in '
-        f"'(st) \"\"'*|'') ;; *) echo {ARMED_SHUTDOWN} ;; esac"
-    )

@@ -254,7 +254,7 @@ def _active_apps(conn: Conn, plan: Plan) -> list[str]:
     """The ids of the applications the master lists as running; none where it does not answer
     (a dead master knows of none)."""
     try:
-        listed = master_json(conn, plan.ports.master_ui).get("activeapps", [])
+        listed = master_json(conn, plan.master.python, plan.ports.master_ui).get("activeapps", [])
     except (CommandFailed, ValueError, AttributeError):
         return []
     return [str(app.get("id")) for app in listed if isinstance(app, dict)]

@@ -15,6 +15,9 @@ from sparknet.cluster.spark.steps import Step, conf_files, sha256_hex
 from sparknet.node.command import node_command
 from sparknet.spark_security import UI_HOST
 
+#: the package script that installs, (re)starts, stops and removes a daemon's systemd unit
+UNIT_SCRIPT = "systemd_unit.sh"
+
 #: Spark's daemon classes, run through spark-class
 MASTER_CLASS = "org.apache.spark.deploy.master.Master"
 WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
@@ -136,12 +139,7 @@ class Daemon(Step):
         )
         staged = self.ctx.node.path("run", self.unit)
         upload(conn, text.encode(), staged, 0o644)
-        s, unit = self.ctx.sudo, q(self.unit)
-        self.run(
-            conn,
-            f"{s}install -m 0644 {q(staged)} {q(self.unit_file)} && {s}systemctl"
-            f" daemon-reload && {s}systemctl enable -q {unit} && {s}systemctl restart {unit}",
-        )
+        self.script(conn, UNIT_SCRIPT, "start", self.unit, staged, self.unit_file)
 
     def stop(self, conn: Conn, *, remove: bool = False) -> None:
         """Stop the daemon if it runs (by its pid file's process group, TERM then KILL); with
@@ -167,19 +165,11 @@ class Daemon(Step):
 
     def _stop_unit(self, conn: Conn, remove: bool) -> None:
         """`systemctl stop` (and with `remove`: disable, delete the unit file, reload), each
-        step's complaint about a unit that is not there muted, then `stopped` as the verdict."""
-        s, unit = self.ctx.sudo, q(self.unit)
-        gone = (
-            f"; {s}systemctl disable -q {unit} 2>/dev/null; {s}rm -f {q(self.unit_file)}; "
-            f"{s}systemctl daemon-reload"
-            if remove
-            else ""
-        )
-        command = f"{s}systemctl stop {unit} 2>/dev/null{gone}; " + self.stopped(
-            self.unit_file if remove else None
-        )
+        step's complaint about a unit that is not there muted, then the verdict: the unit
+        neither runs nor starts, and with `remove` its file is gone (UNIT_SCRIPT)."""
+        args = ("remove", self.unit, self.unit_file) if remove else ("stop", self.unit)
         try:
-            self.run(conn, command)
+            self.script(conn, UNIT_SCRIPT, *args)
         except CommandFailed as exc:
             why = f" ({exc.tail[-1]})" if exc.tail else ""
             raise CommandFailed(
@@ -187,20 +177,6 @@ class Daemon(Step):
                 "user needs sudo without a password (sudo -n) for systemctl",
                 exc.tail,
             ) from None
-
-    def stopped(self, unit_file: str | None = None) -> str:
-        """A shell test: the unit neither runs nor starts (systemd's states other than
-        inactive, failed, unknown: active, activating as in a restart loop, deactivating,
-        reloading), and `unit_file`, when given, is gone; else it says which on stderr."""
-        unit = q(self.unit)
-        test = (
-            f"st=$(systemctl is-active {unit}); case $st in inactive|failed|unknown) ;; "
-            f'*) echo "{self.unit} is still $st" >&2; exit 1;; esac'
-        )
-        if unit_file is not None:
-            there = q(f"{unit_file} is still there")
-            test += f"; [ ! -e {q(unit_file)} ] || {{ echo {there} >&2; exit 1; }}"
-        return test
 
     def wait(self, conn: Conn) -> None:
         """Until the pid file names the daemon's JVM. `spark-class` is a shell script that runs a
@@ -311,11 +287,11 @@ class Autostop(Daemon):
         return sha256_hex(json.dumps(what, sort_keys=True))[:16]
 
     def check(self, conn: Conn) -> bool:
+        """Running with today's stamp, and its settings file says today's settings."""
+        if not super().check(conn):
+            return False
         settings = q(f"{self.state}/{autostop.SETTINGS}")
-        want = sha256_hex(self.settings.to_json())
-        return super().check(conn) and succeeds(
-            conn, f"[ \"$(sha256sum < {settings} | cut -d' ' -f1)\" = {want} ]"
-        )
+        return self.run(conn, f"cat {settings} 2>/dev/null; true") == self.settings.to_json()
 
     @property
     def deadline_file(self) -> str:
@@ -346,13 +322,16 @@ class BackstopOff(Step):
     """Cancel the node's backstop (`userdata`: the shutdown its user data schedules at each
     boot), which the master's autostop timer replaces: run on every node of an EC2 cluster once
     the timer runs, never before, so a bootstrap cut off earlier leaves every instance to its
-    backstop. Done when the node has none left (`userdata.armed_command`: no per-boot script,
-    no scheduled shutdown), so a second bootstrap of a finished cluster applies nothing."""
+    backstop. Done when the node has none left (`userdata.BACKSTOP_TOOL`'s `armed`: no per-boot
+    script, no scheduled shutdown), so a second bootstrap of a finished cluster applies nothing."""
 
     name = "backstop-off"
 
     def check(self, conn: Conn) -> bool:
-        return not self.run(conn, userdata.armed_command()).split()
+        return not self._backstop(conn, "armed").split()
 
     def apply(self, conn: Conn) -> None:
-        self.run(conn, userdata.cancel_command(self.ctx.sudo))
+        self._backstop(conn, "cancel")
+
+    def _backstop(self, conn: Conn, action: str) -> str:
+        return self.script(conn, userdata.BACKSTOP_TOOL, action, userdata.BACKSTOP_SCRIPT)

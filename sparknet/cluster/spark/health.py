@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 from sparknet.cluster import nodes
 from sparknet.cluster.nodes import Access
-from sparknet.cluster.remote import CommandFailed, Conn, q, run
+from sparknet.cluster.remote import CommandFailed, Conn, run
 from sparknet.cluster.spark.plan import Node
 from sparknet.cluster.spark.spark_conf import Ports
 from sparknet.errors import SparknetError
+from sparknet.node.command import node_command
 from sparknet.spark_security import UI_HOST
 
 # --- health --------------------------------------------------------------------------------------
@@ -103,13 +104,16 @@ def _unexpected(master_json: dict, addresses: set[str]) -> list[str]:
     ]
 
 
-def master_json(conn: Conn, ui_port: int) -> dict:
-    """The master's state as JSON, fetched on the master node (its UI binds 127.0.0.1 there)."""
-    code = (
-        "import urllib.request; print(urllib.request.urlopen("
-        f"'http://{UI_HOST}:{ui_port}/json/', timeout=5).read().decode())"
-    )
-    return json.loads(run(conn, f"python3 -c {q(code)}", timeout=30))
+def master_json(conn: Conn, python: str, ui_port: int) -> dict:
+    """The master's state as JSON, read on the master node (its UI binds 127.0.0.1 there) by
+    `sparknet.node` in the node's venv (`python`). A node whose venv is not there (a bootstrap
+    that ended before it, a static host only registered) runs no Spark master of this install:
+    CommandFailed saying so, as a master that does not answer."""
+    command = node_command(python, "master-json", UI_HOST, ui_port, unless_absent=True)
+    out = run(conn, command, timeout=30)
+    if not out.strip():
+        raise CommandFailed("no answer", [f"sparknet is not installed in {python}"])
+    return json.loads(out)
 
 
 def cluster_health(
@@ -131,7 +135,7 @@ def cluster_health(
     try:
         while True:
             try:
-                health = judge(master_json(conn, ports.master_ui), url, expected)
+                health = judge(master_json(conn, master.python, ports.master_ui), url, expected)
             except (CommandFailed, ValueError) as exc:
                 what = exc.tail[-1] if isinstance(exc, CommandFailed) and exc.tail else str(exc)
                 health = ClusterHealth(url, (), (f"the master does not answer ({what})",))
