@@ -11,9 +11,9 @@ from __future__ import annotations
 import errno
 import re
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import PurePath
-from typing import Any
+from typing import Any, Self
 
 #: how a front end spells a setting named in a message: `(setting, value)` -> text; the value is
 #: `NO_VALUE` where the message names the setting alone
@@ -134,6 +134,9 @@ class SparknetError(Exception):
     """
 
     spelling: Spelling = staticmethod(as_flag)
+    #: lines shown under the message (a failed node's last output): no part of the one line
+    #: that says what to fix, so a front end shows them apart (`with_details`)
+    details: tuple[str, ...] = ()
 
     def __init__(self, template: str = "", /, **values: Any) -> None:
         super().__init__(template)
@@ -158,6 +161,11 @@ class SparknetError(Exception):
                 value.respell(spelling)
         return self
 
+    def with_details(self, lines: Iterable[str]) -> Self:
+        """This error with `lines` shown under its message (`str` ends with them)."""
+        self.details = tuple(lines)
+        return self
+
     def settings(self) -> list[str]:
         """The settings the message names, in order."""
         names = (f[1] for f in string.Formatter().parse(self.template) if f[1])
@@ -167,7 +175,7 @@ class SparknetError(Exception):
             return []
 
     def __str__(self) -> str:
-        return self.worded(self.spelling)
+        return "\n".join([self.worded(self.spelling), *self.details])
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as template and values (a task's error reaches the driver still as data),

@@ -147,6 +147,34 @@ def test_a_setting_error_crosses_a_process_whole():
     assert worded("plain text", as_keyword) == "plain text"
 
 
+def test_a_rank_fault_crosses_the_allreduce_channel_whole():
+    """The `allreduce` stage's rank 0 tells the driver of a permanent fault as JSON: the error
+    crosses whole (its class and template: `fit()` spells it in keywords); an error that does
+    not pickle crosses as its text."""
+    import json
+
+    from sparknet.errors import PermanentTaskError
+    from sparknet.training.transport import TaskFault
+
+    exc = PermanentTaskError(
+        "{@device=cuda}, but this task has no GPU: give the workers GPUs ({@gpus_per_worker})",
+        cuda="cuda",
+    )
+    back = TaskFault.raised(json.loads(json.dumps(TaskFault.of(1, exc).said())))
+    assert type(back) is PermanentTaskError
+    assert back.worded(as_keyword) == (
+        "device='cuda', but this task has no GPU: give the workers GPUs (gpus_per_worker=)"
+    )
+    assert (
+        str(back)
+        == "--device cuda, but this task has no GPU: give the workers GPUs (--gpus-per-worker)"
+    )
+    unpicklable = PermanentTaskError("bad {what}", what=lambda: None)
+    said = TaskFault.of(0, unpicklable).said()
+    assert "error" not in said
+    assert str(TaskFault.raised(said)) == str(unpicklable)
+
+
 def test_places_and_command_options_read_in_each_front_end():
     exc = SparknetError("see {@help}; run at most 3 ({@workers_setting}); smaller {@shard_mb}")
     assert str(exc) == (

@@ -211,8 +211,9 @@ def _bootstrap_after_up(
     except boot.JobRunning:
         raise  # refused before anything changed: nothing is incomplete
     except SparknetError as exc:
-        first, *rest = str(exc).splitlines() or [type(exc).__name__]
-        raise spark_nodes.BootstrapIncomplete("\n".join([f"{first}; {stay}", *rest])) from exc
+        raise spark_nodes.BootstrapIncomplete(
+            "{cause:line}; {stay}", cause=exc, stay=stay
+        ).with_details(exc.details) from exc
     spark_nodes.say_report(report, say)
 
 

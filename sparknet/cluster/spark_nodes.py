@@ -163,7 +163,7 @@ def bootstrap_locked(
         except boot.JobRunning as exc:
             raise boot.JobRunning("cluster {name}: {cause}", name=spec.name, cause=exc) from None
         except SparknetError as exc:  # a step failed, a node is unreachable, or not healthy
-            raise BootstrapIncomplete("{cause}", cause=exc) from exc
+            raise BootstrapIncomplete("{cause}", cause=exc).with_details(exc.details) from exc
 
 
 def autostop_settings(spec: ClusterSpec) -> AutostopSettings | None:

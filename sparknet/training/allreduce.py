@@ -51,6 +51,7 @@ from sparknet.training.progress_guard import Guard
 from sparknet.training.session import stopped_from_outside
 from sparknet.training.spark_settings import is_local_master
 from sparknet.training.transport import (
+    TaskFault,
     conf_int,
     describe_task_failure,
     dynamic_allocation,
@@ -300,7 +301,7 @@ class AllReduceTransport:
             elif "row" in payload:
                 yield Row(payload["row"], conn if payload.get("ack") else None)
             elif "fault" in payload:
-                raise SparknetError(payload["fault"])
+                raise TaskFault.raised(payload)
             elif "diverged" in payload:
                 raise Diverged.at(**payload["diverged"])
             if payload.get("done"):  # sent once the last round's checkpoint is published

@@ -161,7 +161,7 @@ class _Round:
     """What every rank learns of a round from the others."""
 
     report: WorkerReport | None
-    fault: str | None
+    fault: TaskFault | None
 
 
 class _Rank:
@@ -259,10 +259,10 @@ class _Rank:
                     except Exception as exc:
                         if not is_permanent(exc):
                             raise  # the stage fails and runs again from the last checkpoint
-                        channel.say(fault=TaskFault.of(0, exc).message)  # a full disk: no restart
+                        channel.say(**TaskFault.of(0, exc).said())  # a full disk: no restart
                         return
 
-    def _begin(self, store, done: int) -> tuple[str | None, str | None]:
+    def _begin(self, store, done: int) -> tuple[str | None, TaskFault | None]:
         """(the checkpoint dir being assembled, None), or (None, this rank's permanent fault:
         a full or read-only run dir, which every rank then hears of instead of a restart)."""
         try:
@@ -270,7 +270,7 @@ class _Rank:
         except Exception as exc:
             if not is_permanent(exc):
                 raise
-            return None, TaskFault.of(self.rank, exc).message
+            return None, TaskFault.of(self.rank, exc)
 
     def _train(self, task, theta, attempt, threads, local_dir, live):
         """(this rank's contribution, None) or (None, its permanent fault: `is_permanent`, such
@@ -287,7 +287,7 @@ class _Rank:
         except Exception as exc:
             if not is_permanent(exc):
                 raise
-            return None, TaskFault.of(self.rank, exc).message
+            return None, TaskFault.of(self.rank, exc)
 
     def _stopped(self, everyone: list, done: int, channel: _ToDriver | None) -> bool:
         """Whether a rank's fault or divergence ends the run here (every rank sees the same)."""
@@ -297,7 +297,7 @@ class _Rank:
             return False
         if channel is not None:
             if faults:
-                channel.say(fault=faults[0])
+                channel.say(**faults[0].said())
             else:
                 bad = diverged[0]
                 channel.say(diverged={"done": done, "worker": bad.partition, "why": bad.diverged})

@@ -20,6 +20,7 @@ spread again (docs/how-it-works.md: "How it works").
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import gc
@@ -87,6 +88,22 @@ class TaskFault:
         if causes:
             return TaskFault(partition, causes[-1])
         return TaskFault(partition, lines[0] if lines else type(exc).__name__)
+
+    def said(self) -> dict[str, str]:
+        """The fault as a JSON message (the `allreduce` stage's channel to the driver): its text,
+        and the error itself pickled where it crosses whole (`raised` reads both)."""
+        message = {"fault": self.message}
+        if self.error is not None:
+            message["error"] = base64.b64encode(pickle.dumps(self.error)).decode()
+        return message
+
+    @staticmethod
+    def raised(message: dict[str, str]) -> SparknetError:
+        """The error a `said` message names, for the driver to raise: the task's own where it
+        crossed whole (so each front end spells its settings), else one of its text."""
+        if "error" in message:
+            return pickle.loads(base64.b64decode(message["error"]))
+        return PermanentTaskError(message["fault"])
 
 
 def _pickles(exc: BaseException) -> bool:

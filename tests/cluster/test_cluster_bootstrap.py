@@ -247,6 +247,9 @@ def test_a_failed_bootstrap_keeps_the_instances_and_says_how_to_go_on(cluster, t
         "backstop powers them off (terminates them) 60 minutes after their last boot: "
         f"`sparknet cluster bootstrap {name} --region {REGION}` before then finishes it" in first
     )
+    lines = up.stderr.splitlines()
+    # under it, the node's last output lines (`details`), never part of the one error line
+    assert lines[lines.index(first) + 1] == "--- master, step dirs, last output:"
     assert "Traceback" not in up.stderr
     assert len(instances.find(moto_ec2(), name)) == 2
     assert name in registry.registered()

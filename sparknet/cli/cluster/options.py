@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from sparknet.cli.common import Caught, fail, signal_exit
 from sparknet.config import find_config_file, read_section, validation_error
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, first_line
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
 # (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
@@ -112,8 +112,7 @@ def fail_cluster(exc: SparknetError, debug: bool, caught: Caught | None = None) 
         fail(exc, debug, code)
     if isinstance(exc, spark_nodes.BootstrapIncomplete) and not debug:
         # the error line, then each failed node's last output lines
-        first, *rest = str(exc).splitlines()
-        print("\n".join([f"error: {first}", *rest]), file=sys.stderr)
+        print("\n".join([f"error: {first_line(exc)}", *exc.details]), file=sys.stderr)
         raise typer.Exit(1)
     fail(exc, debug, 1 if isinstance(exc, state) else 2)
 

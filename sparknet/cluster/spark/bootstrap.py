@@ -145,14 +145,17 @@ class BootstrapFailed(SparknetError):
     line; the lines after it hold each failure's last output lines."""
 
     def __init__(self, failures: Sequence[StepFailed]) -> None:
-        head = "bootstrap failed: " + "; ".join(str(f) for f in failures)
-        body = [
-            f"--- {f.node}, step {f.step}, last output:\n" + "\n".join(f"  {ln}" for ln in f.tail)
+        super().__init__("bootstrap failed: " + "; ".join(str(f) for f in failures))
+        self.failures = list(failures)
+        self.with_details(
+            line
             for f in failures
             if f.tail
-        ]
-        super().__init__("\n".join([head, *body]))
-        self.failures = list(failures)
+            for line in [
+                f"--- {f.node}, step {f.step}, last output:",
+                *(f"  {ln}" for ln in f.tail),
+            ]
+        )
 
 
 def bootstrap(
@@ -201,11 +204,11 @@ def bootstrap(
         registered = {w.node for w in health.workers}
         missing = [n for n in plan.nodes if n.name not in registered]
         raise SparknetError(
-            f"the Spark cluster is not healthy: {'; '.join(health.problems)}"
-            + "".join(
-                f"\n--- {name}, worker log:\n" + "\n".join(f"  {ln}" for ln in lines)
-                for name, lines in _worker_logs(plan, access, missing).items()
-            )
+            "the Spark cluster is not healthy: {problems}", problems="; ".join(health.problems)
+        ).with_details(
+            line
+            for name, lines in _worker_logs(plan, access, missing).items()
+            for line in [f"--- {name}, worker log:", *(f"  {ln}" for ln in lines)]
         )
     return BootstrapReport(reports, health)
 
