@@ -94,16 +94,21 @@ def shard_problems(
         return [p for p in pool.map(check, shards) if p]
 
 
+class DatasetMismatch(SparknetError):
+    """The dataset's shards differ from its manifest; the message begins with the dataset's
+    URI, so a caller that names the dataset itself does not name it twice."""
+
+
 def check_present(store: Store, manifest: Manifest) -> None:
     """Every shard of `manifest` is in `store` with its size (and sha256 metadata on S3), or one
     line naming the first bad one, how many there are, and what to do."""
     problems = shard_problems(all_shards(manifest), lambda i: _head_problem(store, i), HEAD_THREADS)
     if problems:
         more = f" (and {len(problems) - 1} more shards)" if len(problems) > 1 else ""
-        raise SparknetError(
-            f"dataset {store.uri} does not match its manifest: {problems[0]}{more}; "
-            f"{fix_hint(store)}"
-        )
+        raise DatasetMismatch(
+            "dataset {uri} does not match its manifest: {problem}{more}; {fix}",
+            uri=store.uri, problem=problems[0], more=more, fix=fix_hint(store),
+        )  # fmt: skip
 
 
 # ---- in the task --------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import DatasetEntry, TrainConfig, read_section
 from sparknet.data.s3 import S3Uri
 from sparknet.data.store import open_store
-from sparknet.errors import SparknetError, first_line
+from sparknet.errors import SparknetError
 from sparknet.jobs.driver_control import Master, master_of
 from sparknet.jobs.follow import reconnect_s
 from sparknet.jobs.supervisor import DEFAULT_MAX_RESTARTS
@@ -139,12 +139,13 @@ def check_dataset(dataset: Dataset, cfg: TrainConfig | None = None) -> Source:
     the manifest reads, every shard it lists is there with the manifest's size (a HEAD each,
     in parallel), the train split has samples. The source, for `check_training`."""
     # sources imports torch: only once a submit checks its data, not for `--help`
+    from sparknet.data.integrity import DatasetMismatch
     from sparknet.data.sources import shard_source
 
     try:
         return shard_source(dataset.uri, cfg or TrainConfig(), dataset.endpoint_url)
     except SparknetError as exc:
-        named = first_line(exc).startswith(f"dataset {dataset.uri}")  # the data layer's words
+        named = isinstance(exc, DatasetMismatch)  # names the dataset itself
         template = "{cause:line}" if named else "dataset {uri}: {cause:line}"
         raise PreflightFailed(template, uri=dataset.uri, cause=exc) from exc
 
