@@ -2,8 +2,9 @@
 
 An error's message names settings, never a front end's spelling of them: the template `lower
 {@workers} or add executors` reads `lower --workers ...` on the command line, `lower workers=
-...` from `sparknet.fit`, `lower workers ...` for a YAML key. This module is also the one place
-that tells a permanent fault (no retry can heal it) from a transient one.
+...` from `sparknet.fit`. (A `sparknet.yaml` key is read by the command line, which spells it; a
+bad value there reads `invalid setting workers: ...` for every front end.) This module is also
+the one place that tells a permanent fault (no retry can heal it) from a transient one.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ PLACES: dict[str, dict[str, str]] = {
     "workers_setting": {
         "flag": "the `workers` setting: train's --workers, sparknet-submit's --set workers=N",
         "keyword": "the workers= keyword",
-        "key": "the `workers` setting",
     },
 }
 
@@ -69,23 +69,16 @@ def as_flag(setting: str, value: Any = NO_VALUE) -> str:
 
 
 def as_keyword(setting: str, value: Any = NO_VALUE) -> str:
-    """`sparknet.fit`'s spelling: `workers=`, `workers=5`, `out='runs/a'`, `resume=True`."""
+    """`sparknet.fit`'s spelling: `workers=`, `workers=5`, `out='runs/a'`, `resume=True`; a Spark
+    setting (the command line's `--conf`) is the caller's own SparkSession's."""
+    if setting == "conf":
+        return "the SparkSession's " + ("conf" if value is NO_VALUE else str(_plain(value)))
     if setting in COMMAND_ONLY:
         return as_flag(setting, value)
     place = _place(setting, value, "keyword")
     if place is not None:
         return place
     return f"{setting}=" if value is NO_VALUE else f"{setting}={_plain(value)!r}"
-
-
-def as_key(setting: str, value: Any = NO_VALUE) -> str:
-    """A YAML file's spelling: `workers`, `workers: 5`."""
-    if setting in COMMAND_ONLY:
-        return as_flag(setting, value)
-    place = _place(setting, value, "key")
-    if place is not None:
-        return place
-    return setting if value is NO_VALUE else f"{setting}: {_plain(value)}"
 
 
 class _Words(string.Formatter):

@@ -26,7 +26,6 @@ from sparknet.errors import (
     SettingError,
     SparknetError,
     as_flag,
-    as_key,
     as_keyword,
     worded,
 )
@@ -184,7 +183,9 @@ def test_places_and_command_options_read_in_each_front_end():
     assert exc.worded(as_keyword) == (
         "see help(sparknet.fit); run at most 3 (the workers= keyword); smaller --shard-mb"
     )
-    assert exc.worded(as_key).startswith("see `sparknet train --help`; run at most 3 (the `work")
+    spark = SparknetError("ship it ({@conf=files})", files=Placeholder("spark.submit.pyFiles=F"))
+    assert str(spark) == "ship it (--conf spark.submit.pyFiles=F)"
+    assert spark.worded(as_keyword) == "ship it (the SparkSession's spark.submit.pyFiles=F)"
 
 
 ROWS = [([float(i % 3), 1.0, 0.5, float(i % 2)], i % 2) for i in range(6)]

@@ -1,7 +1,8 @@
 """Where a node is reached over SSH: its `Endpoint`, and the one parser of users' addresses.
 
-The addresses users give are ``[user@]host[:port]`` (static hosts, the endpoint seam). At the
-bottom of `cluster/`: a cluster's spec checks its hosts with it, before anything reaches a node."""
+The addresses users give are ``[user@]host[:port]`` (static hosts, the endpoints file of
+`node_endpoints`). At the bottom of `cluster/`: a cluster's spec checks its hosts with it, before
+anything reaches a node."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ ENDPOINTS_ENV = "SPARKNET_NODE_ENDPOINTS"
 _NODE_NAME = re.compile(r"^(?:master|worker-[1-9][0-9]*)$")
 
 
-def _seam() -> dict[str, Any]:
+def _entries() -> dict[str, Any]:
     """The `ENDPOINTS_ENV` file's mapping as it is; empty when the variable is unset."""
     path = os.environ.get(ENDPOINTS_ENV)
     if not path:
@@ -47,16 +47,16 @@ def _seam() -> dict[str, Any]:
 
 
 def _overrides() -> dict[str, str]:
-    """The seam's addresses: its entries whose value is a ``user@host:port`` string."""
-    return {k: v for k, v in _seam().items() if isinstance(v, str)}
+    """The endpoints file's addresses: its entries whose value is a ``user@host:port`` string."""
+    return {k: v for k, v in _entries().items() if isinstance(v, str)}
 
 
 def node_layout(cluster: str, name: str) -> dict[str, str]:
-    """Where node `name` of `cluster` sits on its machine, from the seam's
+    """Where node `name` of `cluster` sits on its machine, from the endpoints file's
     ``<cluster>/<name>/node`` entry (an object): ``address``, the private address its Spark
     daemons bind (default: the instance's private IP) and ``prefix``, where the bootstrap
     installs (default: /opt/sparknet). Tests run several nodes on one host this way."""
-    entry = _seam().get(f"{cluster}/{name}/node") or {}
+    entry = _entries().get(f"{cluster}/{name}/node") or {}
     if not isinstance(entry, dict):
         raise SparknetError(f"{ENDPOINTS_ENV}: {cluster}/{name}/node is not a JSON object")
     return {str(k): str(v) for k, v in entry.items() if k in ("address", "prefix")}

@@ -57,8 +57,8 @@ def instance_gpus(ec2: Any, types: list[str]) -> dict[str, int]:
 
 def plan_nodes(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> list[Node]:
     """The cluster's instances as the bootstrap's nodes, master first: each reached at its
-    seam endpoint, its daemons bound to its private address, its GPUs those of its instance
-    type unless `bootstrap.gpus_per_node` says otherwise."""
+    endpoint (`node_endpoints`), its daemons bound to its private address, its GPUs those of its
+    instance type unless `bootstrap.gpus_per_node` says otherwise."""
     named = node_endpoints.node_names(found)
     if not named or named[0][0] != "master":
         raise SparknetError(
@@ -219,8 +219,8 @@ def spark_health(
 def stop_spark(spec: ClusterSpec, ec2: Any, found: list[Instance], say: Say) -> None:
     """Stop the Spark daemons before the instances go, where this machine bootstrapped them
     (the cluster's secret is here): a daemon outlives nothing on EC2, but on a node that is not
-    terminated (the seam's, a test's) it would. Best effort: nodes that cannot be reached are
-    said and skipped, as terminating ends their daemons anyway."""
+    terminated (one the endpoints file points at, a test's) it would. Best effort: nodes that
+    cannot be reached are said and skipped, as terminating ends their daemons anyway."""
     running = [i for i in found if i.state == "running"]
     if not running or not registry.secret_file(spec.name).is_file():
         return

@@ -159,7 +159,7 @@ def _check_all_trusted(spec: ClusterSpec, pins: dict[str, list[str]]) -> None:
 
 
 def plan_nodes(spec: ClusterSpec, reach: Access) -> list[Node]:
-    """The hosts as the bootstrap's nodes: the daemons bind the host's address (the seam's
+    """The hosts as the bootstrap's nodes: the daemons bind the host's address (the endpoints file's
     ``<cluster>/<node>/node`` entry may give another, and an install prefix: the tests run
     several nodes on one machine); GPUs `bootstrap.gpus_per_node`, else as many as
     `nvidia-smi` lists on each host."""

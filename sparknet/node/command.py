@@ -17,8 +17,9 @@ def node_command(python: str, *args: object, unless_absent: bool = False) -> str
     """`python -m sparknet.node ARGS`, quoted for the node's shell: one short line over SSH.
     With `unless_absent`, a node whose Python lacks this package succeeds doing nothing: what
     the command would find or end was never started there by it (a host whose bootstrap ended
-    before its venv, or whose venv has a sparknet from before this package)."""
+    before its venv, or whose venv has a sparknet from before this package). A shell `if`, so
+    what follows it on the same line still runs."""
     line = " ".join(shlex.quote(str(word)) for word in node_argv(python, *map(str, args)))
     if not unless_absent:
         return line
-    return f"{shlex.quote(python)} -c 'import {MODULE}' 2>/dev/null || exit 0; {line}"
+    return f"if {shlex.quote(python)} -c 'import {MODULE}' 2>/dev/null; then {line}; fi"

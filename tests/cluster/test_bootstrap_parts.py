@@ -251,6 +251,21 @@ def test_systemd_unit_runs_the_daemon_with_its_env_and_stamp() -> None:
     assert "Restart=on-failure" in lines
 
 
+def test_a_unit_keeps_each_word_whole_whatever_the_path() -> None:
+    """A prefix with a space, a quote, `%` or `$` stays one word of ExecStart and of
+    Environment= as systemd splits them (quotes, backslash escapes; `%%` and `$$` for the
+    literal characters, which systemd would otherwise expand)."""
+    import shlex
+
+    prefix = '/srv/my nodes/100% "$HOME"'
+    argv = [f"{prefix}/bin/spark-class", MASTER_CLASS, "--host", "10.0.0.5"]
+    unit = sc.systemd_unit("m", "ubuntu", {"SPARK_HOME": prefix}, argv, "s").splitlines()
+    (exec_start,) = [ln.removeprefix("ExecStart=") for ln in unit if ln.startswith("ExecStart=")]
+    (env,) = [ln.removeprefix("Environment=") for ln in unit if ln.startswith("Environment=")]
+    assert shlex.split(exec_start.replace("%%", "%").replace("$$", "$")) == argv
+    assert shlex.split(env.replace("%%", "%")) == [f"SPARK_HOME={prefix}"]
+
+
 FACTS = """@user
 ubuntu
 @uid
@@ -581,7 +596,10 @@ def test_a_master_node_without_sparknet_does_not_answer_and_says_why(tmp_path) -
     python = str(tmp_path / "venv" / "bin" / "python")
     with pytest.raises(b.CommandFailed) as caught:
         master_json(invoke.Context(), python, 1)
-    assert caught.value.tail == [f"sparknet is not installed in {python}"]
+    assert caught.value.tail == [
+        f"{python} has no sparknet.node: no venv yet, or one an older sparknet made; "
+        "`sparknet cluster bootstrap` installs it"
+    ]
     with pytest.raises(b.CommandFailed) as caught:  # sparknet there, nothing listening
         master_json(invoke.Context(), sys.executable, 1)
     assert caught.value.tail[-1].startswith("urllib.error.URLError: <urlopen error")

@@ -185,10 +185,14 @@ def test_the_command_line_runs_the_module_and_quotes_its_words() -> None:
     )
     guarded = node_command("/p/py", "jobs-end", "/p/jobs", unless_absent=True)
     assert guarded == (
-        "/p/py -c 'import sparknet.node' 2>/dev/null || exit 0; "
-        "/p/py -m sparknet.node jobs-end /p/jobs"
+        "if /p/py -c 'import sparknet.node' 2>/dev/null; then "
+        "/p/py -m sparknet.node jobs-end /p/jobs; fi"
     )
-    assert subprocess.run(["sh", "-c", guarded]).returncode == 0  # no venv: nothing to end
+    # no venv: nothing to end, and what follows on the line still runs
+    after = subprocess.run(["sh", "-c", guarded + "; echo after"], capture_output=True, text=True)
+    assert (after.returncode, after.stdout) == (0, "after\n")
+    here = node_command(sys.executable, "spark-home", unless_absent=True)  # this venv has it
+    assert subprocess.run(["sh", "-c", here], capture_output=True, text=True).stdout.strip()
 
 
 def test_the_module_answers_as_the_submitter_reads_it(tmp_path, capsys) -> None:

@@ -112,7 +112,8 @@ def master_json(conn: Conn, python: str, ui_port: int) -> dict:
     command = node_command(python, "master-json", UI_HOST, ui_port, unless_absent=True)
     out = run(conn, command, timeout=30)
     if not out.strip():
-        raise CommandFailed("no answer", [f"sparknet is not installed in {python}"])
+        why = f"{python} has no sparknet.node: no venv yet, or one an older sparknet made"
+        raise CommandFailed("no answer", [f"{why}; `sparknet cluster bootstrap` installs it"])
     return json.loads(out)
 
 

@@ -75,9 +75,9 @@ class Node:
 
 
 def laid_out(cluster: str, endpoint: Endpoint, address: str | None, gpus: int = 0) -> Node:
-    """Node `endpoint` of `cluster` where the seam's ``<cluster>/<node>/node`` entry places it
-    (its own private address and install prefix: several nodes on one host), else at `address`
-    under DEFAULT_PREFIX: the one place either provider lays a node out."""
+    """Node `endpoint` of `cluster` where the endpoints file's ``<cluster>/<node>/node`` entry
+    places it (its own private address and install prefix: several nodes on one host), else at
+    `address` under DEFAULT_PREFIX: the one place either provider lays a node out."""
     layout = node_layout(cluster, endpoint.name)
     return Node(
         endpoint,

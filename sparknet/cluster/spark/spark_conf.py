@@ -211,8 +211,19 @@ def systemd_unit(
     """A systemd service running one Spark daemon in the foreground (as spark-class does),
     restarted when it dies. `stamp` (a hash of what the daemon runs with) is written into the
     unit so a changed configuration reads as a changed unit, and so a restart."""
-    environment = " ".join(f'"{k}={v}"' for k, v in env.items())
+    environment = " ".join(_unit_word(f"{k}={v}", always=True) for k, v in env.items())
+    exec_start = " ".join(_unit_word(w.replace("$", "$$")) for w in argv)  # $: a variable there
     return files.template(
         "daemon.service", stamp=stamp, description=description, user=user,
-        environment=environment, exec_start=" ".join(argv),
+        environment=environment, exec_start=exec_start,
     )  # fmt: skip
+
+
+def _unit_word(word: str, always: bool = False) -> str:
+    """`word` as systemd splits a unit's command line and Environment=: quoted (where it holds a
+    space, a quote or a backslash, or `always`), `%` doubled (a specifier otherwise), so a path
+    with a space stays one word."""
+    word = word.replace("%", "%%")
+    if not always and word and not any(c.isspace() or c in "\\\"'" for c in word):
+        return word
+    return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
