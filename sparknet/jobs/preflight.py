@@ -22,6 +22,7 @@ from sparknet.cluster.records import ClusterNotFound
 from sparknet.cluster.spark import steps
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import DatasetEntry, TrainConfig, read_section
+from sparknet.data.integrity import DatasetMismatch
 from sparknet.data.s3 import S3Uri
 from sparknet.data.store import open_store
 from sparknet.errors import SparknetError
@@ -139,7 +140,6 @@ def check_dataset(dataset: Dataset, cfg: TrainConfig | None = None) -> Source:
     the manifest reads, every shard it lists is there with the manifest's size (a HEAD each,
     in parallel), the train split has samples. The source, for `check_training`."""
     # sources imports torch: only once a submit checks its data, not for `--help`
-    from sparknet.data.integrity import DatasetMismatch
     from sparknet.data.sources import shard_source
 
     try:
