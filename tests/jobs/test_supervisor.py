@@ -178,9 +178,8 @@ def test_a_cancel_ends_the_supervisor_and_the_driver_without_a_restart(tmp_path)
     # the signal went to the supervisor alone; what the driver left (its `sleep`) went with the
     # supervisor's end
     _wait_for(lambda: _group(supervisor) == [])
-    assert (
-        driver_control.driver_rc(Context(), node, "R") == -1
-    )  # cancelled: no exit code, as before
+    rc = driver_control.driver_rc(Context(), node, "R")
+    assert rc == -1  # cancelled: no exit code, as before
     assert len(_calls(tmp_path)) == 1 and _events(tmp_path / "run") == []
     assert "restart" not in (job / "driver.log").read_text()
     assert not (tmp_path / "node" / "autostop" / "activity" / "job-R").exists()
@@ -276,9 +275,10 @@ def test_the_submitter_stops_a_driver_that_outlives_its_killed_supervisor(
     `list` reads `killed`, as the submitter said."""
     from sparknet.jobs import records
 
-    node = _node(tmp_path, "trap '' TERM; exec sleep 60")
+    trapped = tmp_path / "trapped"  # the driver ignores SIGTERM from here on
+    node = _node(tmp_path, f"trap '' TERM; : > {trapped}; exec sleep 60")
     job = _start(node, tmp_path, max_restarts=0)
-    _wait_for(lambda: (job / "train.pid").exists())
+    _wait_for(lambda: (job / "train.pid").exists() and trapped.exists())
     supervisor, train = int((job / "driver.pid").read_text()), int((job / "train.pid").read_text())
     os.kill(supervisor, 9)
     _wait_for(lambda: _gone(supervisor))
