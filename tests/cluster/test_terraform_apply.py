@@ -108,6 +108,32 @@ def _doc(document: Any) -> Any:
     return json.loads(urllib.parse.unquote(document)) if isinstance(document, str) else document
 
 
+def drop_retried_route_tables(vpc: str) -> list[str]:
+    """Delete the route tables of `vpc` that a retried CreateRouteTable left: moto ignores the
+    request's ClientToken, which AWS honours (the retry gets the first table back), so on a busy
+    machine a provider's retry after a slow answer makes a second table with the same tags and
+    no subnet. Only such a twin goes; a table that differs in anything else is left to fail
+    `end_state`. Returns the ids deleted."""
+    ec2 = boto3.client("ec2", region_name=REGION)
+    tables = [
+        t
+        for t in ec2.describe_route_tables(Filters=[{"Name": "vpc-id", "Values": [vpc]}])[
+            "RouteTables"
+        ]
+        if not any(a.get("Main") for a in t.get("Associations", []))
+    ]
+    kept = [t for t in tables if t.get("Associations")]
+    twins = [
+        t["RouteTableId"]
+        for t in tables
+        if not t.get("Associations")
+        and any(_tags(t.get("Tags", [])) == _tags(k.get("Tags", [])) for k in kept)
+    ]
+    for table in twins:
+        ec2.delete_route_table(RouteTableId=table)
+    return twins
+
+
 def end_state(spec: ClusterSpec, vpc: str, group: str, role: str) -> dict[str, Any]:
     """What a foundation is in AWS, with the cluster's names made generic."""
     ec2 = boto3.client("ec2", region_name=REGION)
@@ -227,6 +253,8 @@ def applied(moto_endpoint, tmp_path_factory):
         runner.apply(variables)
         out = runner.output()
         py = ensure_boto3(py_spec, allowed_cidr=CIDR, endpoint_url=moto_endpoint)
+        for vpc in (out["vpc_id"], py.vpc_id):
+            drop_retried_route_tables(vpc)
         yield {
             "runner": runner,
             "variables": variables,
