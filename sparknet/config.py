@@ -189,9 +189,35 @@ class TrainConfig(BaseModel):
         "config.yaml records the one that ran",
     )
     compress: Annotated[
-        Literal["none", "bf16", "fp16"],
-        Flag("allreduce only: none, bf16 or fp16, the precision updates travel in"),
-    ] = Field("none", description="allreduce only: the precision the averaged update travels in")
+        Literal["none", "bf16", "fp16", "int8", "int4"],
+        Flag(
+            "allreduce only: none, bf16, fp16, int8 or int4 (blocks with a scale each), what "
+            "updates travel as"
+        ),
+    ] = Field("none", description="allreduce only: what the averaged update travels as")
+    overlap: Annotated[
+        bool,
+        Flag(
+            "allreduce only: each round's exchange crosses while the next round computes (the "
+            "outer step lands a round late)"
+        ),
+    ] = Field(
+        False,
+        description="allreduce only: a round's exchange runs while the next round computes; "
+        "its outer step lands one round late, each worker's own progress kept on top",
+    )
+    fragments: Annotated[
+        int,
+        Flag(
+            "allreduce only: the model's layers in N fragments, one synced after each round "
+            "(each every N rounds; Streaming DiLoCo)"
+        ),
+    ] = Field(
+        1,
+        ge=1,
+        description="allreduce only: the layers in this many fragments, one synced after each "
+        "round in turn, so a round moves 1/N of the bytes (Streaming DiLoCo)",
+    )
     no_executor_timeout_s: float = Field(
         300.0,
         ge=0,
@@ -287,13 +313,22 @@ class TrainConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _compress_needs_allreduce(self) -> TrainConfig:
-        if self.compress != "none" and self.transport == "spark":
+    def _slow_link_options_need_allreduce(self) -> TrainConfig:
+        if self.transport == "spark" and (asked := self.allreduce_options):
             raise ValueError(
-                f"compress {self.compress!r} applies to the allreduce transport only; use "
-                "transport allreduce (or auto), or drop compress"
+                f"{' and '.join(asked)} {'applies' if len(asked) == 1 else 'apply'} to the "
+                "allreduce transport only; use transport allreduce (or auto), or drop "
+                f"{'it' if len(asked) == 1 else 'them'}"
             )
         return self
+
+    @property
+    def allreduce_options(self) -> list[str]:
+        """The names of the settings given that only the `allreduce` transport has (`auto`
+        then picks it)."""
+        given = {"compress": self.compress != "none", "overlap": self.overlap}
+        given["fragments"] = self.fragments > 1
+        return [name for name, on in given.items() if on]
 
     @property
     def fail_once_at(self) -> tuple[int, int] | None:
@@ -318,7 +353,7 @@ class TrainConfig(BaseModel):
 TRAJECTORY_SETTINGS = (
     "model", "num_classes", "data", "label_col", "input_col", "image_size", "workers", "tau",
     "batch_size", "optimizer", "lr", "momentum", "weight_decay", "outer", "outer_lr",
-    "outer_momentum", "inner_state", "seed", "precision", "compress",
+    "outer_momentum", "inner_state", "seed", "precision", "compress", "overlap", "fragments",
 )  # fmt: skip
 
 

@@ -25,13 +25,16 @@ import torch
 import torch.distributed as dist
 from pyspark import BarrierTaskContext, SparkFiles
 
+from sparknet.config import TrainConfig
 from sparknet.data.frames import rank_rows
 from sparknet.data.store import open_store
 from sparknet.errors import is_permanent
 from sparknet.training import checkpoint, device, netbind, progress
-from sparknet.training.outer import OuterOptimizer
+from sparknet.training.compress import exchange_mean
+from sparknet.training.outer import OuterOptimizer, outer_at
 from sparknet.training.report import eval_row, round_row
 from sparknet.training.state import StateLayout
+from sparknet.training.sync import Exchange, Synchronizer, fragments_of
 from sparknet.training.transport import TaskFault, array_of, threads_per_task
 from sparknet.training.worker import (
     EvalResult,
@@ -42,9 +45,6 @@ from sparknet.training.worker import (
     evaluate_partition,
     train_partition,
 )
-
-#: what the update travels as under `compress`
-_WIRE = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -202,65 +202,116 @@ class _Rank:
         cfg, plan, base = self.cfg, self.plan, self.plan.base
         theta0, momentum = plan.weights.value
         layout = base.layout
-        outer = OuterOptimizer(
-            array_of(theta0), cfg.outer_lr, cfg.outer_momentum, layout.buffer_mask()
-        )
-        if momentum is not None:
-            outer.load_momentum_buffer(array_of(momentum))
-        theta, integers = outer.theta.numpy(), base.integers
+        integers = base.integers
         store = open_store(base.run_dir, cfg.endpoint_url)
-        live = LiveInner(average_in_place=cfg.outer == "average" and cfg.compress == "none")
+        live = LiveInner()
+        syncs = self._syncs(
+            on, array_of(theta0), None if momentum is None else array_of(momentum), live
+        )
         local_dir = SparkFiles.getRootDirectory()
         attempt = plan.restart + self.ctx.attemptNumber()
         t_start = time.perf_counter()
-        for r in range(base.round, cfg.rounds):
-            done = r + 1
-            due = checkpoint.due(cfg.checkpoint_every, done, cfg.rounds)
-            stage_dir, fault = self._begin(store, done) if due else (None, None)
-            task = replace(base, round=r, integers=integers, checkpoint_dir=stage_dir)
-            t0 = time.perf_counter()
-            contrib = None
-            if fault is None:
-                contrib, fault = self._train(task, theta, attempt, threads, local_dir, live)
-            t_exchange = time.perf_counter()
-            everyone: list[Any] = [None] * self.world
-            report = contrib.reports[0] if contrib is not None else None
-            with progress.waiting():
-                dist.all_gather_object(everyone, _Round(report, fault))
-            if self._stopped(everyone, done, channel):
-                return
-            assert contrib is not None
-            if live.weights is not None:  # plain averaging: the weights, in the model's buffer
-                summed = live.weights
-            else:
-                assert contrib.delta_sum is not None
-                summed = torch.from_numpy(contrib.delta_sum)
-            with progress.waiting():
-                mean = _mean(summed, self.world, cfg.compress, on).numpy()
-                integers = _from_rank0(contrib.integers, layout)
-            exchange_s = time.perf_counter() - t_exchange
-            theta = mean if live.weights is not None else outer.step(mean)
-            row = round_row(done, [e.report for e in everyone], time.perf_counter() - t0, 0.0)
-            row["seconds"]["exchange"] = exchange_s
-            if plan.evaluates and checkpoint.due(cfg.eval_every, done, cfg.rounds):
-                eval_task = replace(task, integers=integers, checkpoint_dir=None)
-                row.update(eval_row(self._evaluate(eval_task, theta, threads)))
-            if channel is None:
-                continue
-            row["elapsed_s"] = plan.elapsed_s + time.perf_counter() - t_start
-            with progress.waiting():  # the driver's acknowledgement; the store's own deadlines
-                channel.row(row, ack=due)
-                if due:
-                    try:
-                        checkpoint.write(
-                            store, done, layout, theta, integers, outer.momentum_buffer,
-                            row["elapsed_s"], cfg.to_yaml(),
-                        )  # fmt: skip
-                    except Exception as exc:
-                        if not is_permanent(exc):
-                            raise  # the stage fails and runs again from the last checkpoint
-                        channel.say(**TaskFault.of(0, exc).said())  # a full disk: no restart
-                        return
+        try:
+            for r in range(base.round, cfg.rounds):
+                done = r + 1
+                due = checkpoint.due(cfg.checkpoint_every, done, cfg.rounds)
+                stage_dir, fault = self._begin(store, done) if due else (None, None)
+                task = replace(base, round=r, integers=integers, checkpoint_dir=stage_dir)
+                t0 = time.perf_counter()
+                contrib = None
+                if fault is None:
+                    contrib, fault = self._train(
+                        task, syncs.start, attempt, threads, local_dir, live
+                    )
+                everyone: list[Any] = [None] * self.world
+                report = contrib.reports[0] if contrib is not None else None
+                with progress.waiting():
+                    dist.all_gather_object(everyone, _Round(report, fault))
+                if self._stopped(everyone, done, channel):
+                    return
+                assert contrib is not None
+                with progress.waiting():
+                    exchange_s = syncs.end_round(r, contrib.delta_sum)
+                    integers = _from_rank0(contrib.integers, layout)
+                # a rank that could not write its part of the checkpoint ends the run (said)
+                if stage_dir is not None and not self._kept(syncs, stage_dir, done, channel):
+                    return
+                # after the last round, what is evaluated and kept as the model holds every
+                # worker's progress; the checkpoint keeps the run's own state (a longer run's)
+                final = syncs.final_weights() if done == cfg.rounds else None
+                theta = syncs.theta if final is None else final
+                row = round_row(done, [e.report for e in everyone], time.perf_counter() - t0, 0.0)
+                row["seconds"]["exchange"] = exchange_s
+                if plan.evaluates and checkpoint.due(cfg.eval_every, done, cfg.rounds):
+                    eval_task = replace(task, integers=integers, checkpoint_dir=None)
+                    row.update(eval_row(self._evaluate(eval_task, theta, threads)))
+                if channel is None:
+                    continue
+                row["elapsed_s"] = plan.elapsed_s + time.perf_counter() - t_start
+                with progress.waiting():  # the driver's acknowledgement; the store's own deadlines
+                    channel.row(row, ack=due)
+                    if due:
+                        try:
+                            checkpoint.write(
+                                store, done, layout, syncs.theta, integers, syncs.momentum_buffer,
+                                row["elapsed_s"], cfg.to_yaml(),
+                                final=None if final is syncs.theta else final,
+                            )  # fmt: skip
+                        except Exception as exc:
+                            if not is_permanent(exc):
+                                raise  # the stage fails and runs again from the last checkpoint
+                            channel.say(**TaskFault.of(0, exc).said())  # a full disk: no restart
+                            return
+        finally:
+            syncs.close()
+
+    def _syncs(
+        self, on: torch.device, theta: np.ndarray, momentum: np.ndarray | None, live: LiveInner
+    ) -> _Blocking | Synchronizer:
+        """How this stage's ranks sync: in fragments or behind compute (`sync`), else the
+        blocking round, which averages the model's own buffer where it can (`live`)."""
+        cfg, base = self.cfg, self.plan.base
+        world = self.world
+        if cfg.fragments == 1 and not cfg.overlap:
+            outer = outer_at(cfg, base.layout, theta, momentum)
+            return _Blocking(
+                outer, cfg, live, lambda buf: exchange_mean(buf, world, cfg.compress, on)
+            )
+        group = dist.new_group(backend=_backend(on))  # the exchange thread's own collectives
+        state = None
+        if base.round > 0:
+            state = checkpoint.read_rank(
+                base.run_dir, base.round, self.rank, _sync_tag(cfg), endpoint_url=cfg.endpoint_url
+            )
+        return Synchronizer(
+            base.layout, fragments_of(base.layout, cfg.fragments), theta,
+            lr=cfg.outer_lr, momentum=cfg.outer_momentum, momentum_buffer=momentum,
+            overlap=cfg.overlap, rank_state=state,
+            exchange=lambda buf: exchange_mean(buf, world, cfg.compress, on, group),
+        )  # fmt: skip
+
+    def _kept(
+        self, syncs: _Blocking | Synchronizer, stage_dir: str, done: int, channel: _ToDriver | None
+    ) -> bool:
+        """Whether every rank wrote its own part of the checkpoint (`sync.RankState`, where the
+        ranks hold one): rank 0 publishes the checkpoint only after this. A rank's permanent
+        fault (a full disk) ends the run, as in `_begin`."""
+        state = syncs.rank_state()
+        if state is None:
+            return True
+        fault = None
+        try:
+            checkpoint.write_rank(
+                stage_dir, self.rank, state, _sync_tag(self.cfg), endpoint_url=self.cfg.endpoint_url
+            )
+        except Exception as exc:
+            if not is_permanent(exc):
+                raise
+            fault = TaskFault.of(self.rank, exc)
+        everyone: list[Any] = [None] * self.world
+        with progress.waiting():
+            dist.all_gather_object(everyone, _Round(None, fault))
+        return not self._stopped(everyone, done, channel)
 
     def _begin(self, store, done: int) -> tuple[str | None, TaskFault | None]:
         """(the checkpoint dir being assembled, None), or (None, this rank's permanent fault:
@@ -314,26 +365,53 @@ class _Rank:
         return EvalResult(loss, int(correct), int(correct5), int(count), int(skipped))
 
 
-#: a host buffer is all-reduced in up to this many pieces, each divided while gloo sums the
-#: next, of at least `_PIECE_MIN` floats (below that a piece's fixed cost outweighs the overlap)
-_PIECES, _PIECE_MIN = 4, 4 << 20
+class _Blocking:
+    """The blocking round: every rank starts from the global weights, and the mean update is
+    stepped as soon as it has crossed. Under plain averaging the ranks average the model's own
+    buffer (`LiveInner.average_in_place`): the weights are the mean, with no update written."""
+
+    def __init__(
+        self, outer: OuterOptimizer, cfg: TrainConfig, live: LiveInner, exchange: Exchange
+    ) -> None:
+        self._outer, self._exchange = outer, exchange
+        live.average_in_place = cfg.outer == "average" and cfg.compress == "none"
+        self.live = live
+        self.theta = outer.theta.numpy()
+
+    @property
+    def start(self) -> np.ndarray:
+        return self.theta
+
+    @property
+    def momentum_buffer(self) -> np.ndarray | None:
+        return self._outer.momentum_buffer
+
+    def end_round(self, rnd: int, delta: np.ndarray | None) -> float:
+        """The mean of the ranks' updates stepped into the global weights; returns the seconds
+        the exchange took."""
+        t0 = time.perf_counter()
+        if self.live.weights is not None:  # plain averaging: the weights, in the model's buffer
+            self.theta = self._exchange(self.live.weights).numpy()
+        else:
+            assert delta is not None
+            self.theta = self._outer.step(self._exchange(torch.from_numpy(delta)).numpy())
+        return time.perf_counter() - t0
+
+    def final_weights(self) -> np.ndarray:
+        """The global weights: nothing of any worker's is left unsent."""
+        return self.theta
+
+    def rank_state(self) -> None:
+        """Nothing of a rank's own outlives the round: every rank starts from the global weights."""
+        return None
+
+    def close(self) -> None:
+        pass
 
 
-def _mean(flat: torch.Tensor, world: int, compress: str, on: torch.device) -> torch.Tensor:
-    """`flat` (on the host) <- its mean over the ranks, in place; on the wire as `compress`
-    says. A host buffer goes in pieces, each all-reduced on gloo's own threads, so dividing one
-    overlaps summing the next (at 100 MB the division alone is a pass of ~4 ms)."""
-    wire = _WIRE[compress]
-    if wire is None and on.type != "cuda":
-        n = max(1, min(_PIECES, flat.numel() // _PIECE_MIN))
-        pieces = [(piece, dist.all_reduce(piece, async_op=True)) for piece in flat.chunk(n)]
-        for piece, work in pieces:
-            work.wait()
-            piece.div_(world)
-        return flat
-    buf = flat.to(device=on, dtype=wire or flat.dtype)
-    dist.all_reduce(buf)
-    return flat.copy_(buf.to(device="cpu", dtype=flat.dtype)).div_(world)
+def _sync_tag(cfg: TrainConfig) -> str:
+    """What a rank's checkpointed sync state was made under: kept only for the same settings."""
+    return f"fragments={cfg.fragments} overlap={cfg.overlap}"
 
 
 def _from_rank0(integers: dict[str, np.ndarray] | None, layout: StateLayout) -> dict:

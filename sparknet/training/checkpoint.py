@@ -5,6 +5,9 @@ They are run state in a run dir (a local dir or an S3 prefix).
 `checkpoints/round-NNNNN/` holds the state after N completed rounds: `weights.safetensors` (global
 weights, the model's own keys), `outer.safetensors` (outer momentum, when there is one),
 `inner/partition-KKKKK.pt` (each worker's optimizer state, written by the workers themselves),
+`final.safetensors` (the model, where a run with fragments or overlap ended here),
+`inner/partition-KKKKK.sync.safetensors` (under fragments or overlap, each worker's own weights
+and progress, `sync.RankState`, written likewise),
 `config.yaml` (the settings that produced it; a resume compares against these) and `state.json`,
 the manifest. S3 has no rename, so local dirs and S3 share one rule instead of a staged dir
 renamed into place: every file is written whole (a temp name and a rename locally, one PUT on
@@ -30,11 +33,15 @@ from safetensors.torch import save as save_safetensors
 from sparknet.data.store import LocalStore, MissingObjectError, Store, open_store
 from sparknet.errors import SparknetError, WriteRefused, first_line, is_permanent
 from sparknet.training.state import StateLayout
+from sparknet.training.sync import RankState
 
 CHECKPOINTS = "checkpoints"
 CONFIG = "config.yaml"
 WEIGHTS = "weights.safetensors"
 OUTER = "outer.safetensors"
+#: the model a run that ends here keeps, where it differs from the run's weights (`sync`'s final
+#: weights: every worker's progress in, which a longer run would still have in flight)
+FINAL = "final.safetensors"
 #: the manifest: written last, so its presence means every other file is complete
 MANIFEST = "state.json"
 _NAME = re.compile(r"^round-(\d{5,})$")
@@ -75,6 +82,56 @@ def write_inner(
     torch.save(state, buf)
     store = open_store(checkpoint_dir, endpoint_url)
     store.write_bytes(_inner_name(partition), buf.getvalue(), parents=False)
+
+
+def _rank_name(partition: int) -> str:
+    return f"inner/partition-{partition:05d}.sync.safetensors"
+
+
+def write_rank(
+    checkpoint_dir: str, partition: int, state: RankState, tag: str, *,
+    endpoint_url: str | None = None,
+) -> None:  # fmt: skip
+    """A worker's own weights and progress (`sync.RankState`) into the checkpoint being
+    assembled, as `write_inner` writes its optimizer state; `tag` says what settings made it."""
+    tensors = {"local": torch.from_numpy(state.local), "unsent": torch.from_numpy(state.unsent)}
+    meta = {"tag": tag}
+    if state.sent is not None:
+        tensors["sent"] = torch.from_numpy(state.sent)
+        meta["fragment"] = str(state.fragment)
+    store = open_store(checkpoint_dir, endpoint_url)
+    data = save_safetensors(tensors, metadata=meta)
+    store.write_bytes(_rank_name(partition), data, parents=False)
+
+
+def read_rank(
+    run_dir: str, rounds: int, partition: int, tag: str, *, endpoint_url: str | None = None
+) -> RankState | None:
+    """A worker's `RankState` from the checkpoint after `rounds`, or None where there is none or
+    it was made under other settings (`tag`): the worker then starts from the global weights."""
+    store = open_store(run_dir, endpoint_url)
+    try:
+        data = store.read_bytes(f"{name(rounds)}/{_rank_name(partition)}")
+    except MissingObjectError:
+        return None
+    try:
+        tensors, meta = load_safetensors(data), _metadata(data)
+        if meta.get("tag") != tag:
+            return None
+        sent = tensors.get("sent")
+        return RankState(
+            tensors["local"].numpy(), tensors["unsent"].numpy(),
+            None if sent is None else sent.numpy(),
+            None if sent is None else int(meta["fragment"]),
+        )  # fmt: skip
+    except _DAMAGE as exc:
+        raise _damaged(store, rounds, _rank_name(partition), exc) from exc
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """A safetensors file's `__metadata__` (its header is 8 bytes of length, then JSON)."""
+    length = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + length]).get("__metadata__") or {}
 
 
 def read_inner(
@@ -120,6 +177,8 @@ def write(
     outer_momentum: np.ndarray | None,
     elapsed_s: float,
     config_text: str,
+    *,
+    final: np.ndarray | None = None,
 ) -> str:
     """Complete the checkpoint for `rounds` (the workers wrote their inner states) and publish it
     by writing its manifest last, with the settings that produced it: an interrupted
@@ -128,6 +187,8 @@ def write(
     where = name(rounds)
     store.write_bytes(f"{where}/{CONFIG}", config_text.encode())
     store.write_bytes(f"{where}/{WEIGHTS}", state_dict_bytes(layout.unflatten(theta, integers)))
+    if final is not None:
+        store.write_bytes(f"{where}/{FINAL}", state_dict_bytes(layout.unflatten(final, integers)))
     if outer_momentum is not None:
         momentum = {"momentum_buffer": torch.from_numpy(outer_momentum)}
         store.write_bytes(f"{where}/{OUTER}", state_dict_bytes(momentum))
@@ -181,13 +242,15 @@ def _damaged(store: Store, rounds: int, file: str, exc: Exception) -> SparknetEr
 
 
 def read_weights(store: Store, rounds: int) -> bytes:
-    """The checkpoint's weights file, checked to parse as safetensors (never handed on unread:
-    a damaged file would become a damaged model.safetensors)."""
-    data = store.read_bytes(f"{name(rounds)}/{WEIGHTS}")
+    """The model a run that ended at the checkpoint after `rounds` keeps: its final weights
+    where it has them, else its weights; checked to parse as safetensors (never handed on
+    unread: a damaged file would become a damaged model.safetensors)."""
+    file = FINAL if store.size(f"{name(rounds)}/{FINAL}") is not None else WEIGHTS
+    data = store.read_bytes(f"{name(rounds)}/{file}")
     try:
         load_safetensors(data)
     except _DAMAGE as exc:
-        raise _damaged(store, rounds, WEIGHTS, exc) from exc
+        raise _damaged(store, rounds, file, exc) from exc
     return data
 
 

@@ -18,6 +18,7 @@ from sparknet.data.frames import Frames
 from sparknet.data.sources import is_frame_spec, resolve_source
 from sparknet.errors import Line, Placeholder, SettingError, SparknetError
 from sparknet.training import allreduce, checkpoint, rundir, rundir_reach
+from sparknet.training.outer import outer_at
 from sparknet.training.probe import check_python_workers, user_modules
 from sparknet.training.problem import FrameInput, Problem, frame_problem, prepare
 from sparknet.training.progress_guard import Guard
@@ -29,7 +30,6 @@ from sparknet.training.rounds import (
     StartPoint,
     WarningCallback,
     allreduce_rounds,
-    outer_at,
     spark_rounds,
     write_config,
 )
@@ -37,6 +37,7 @@ from sparknet.training.rundir import CONFIG_FILE, MODEL_FILE, Lock, RunDir, read
 from sparknet.training.session import start_session, stop_quietly, stopped_from_outside
 from sparknet.training.spark_settings import is_local_master
 from sparknet.training.state import StateLayout
+from sparknet.training.sync import layers_of
 from sparknet.training.transport import wait_for_executors
 from sparknet.training.watchdog import ExecutorWatchdog
 
@@ -226,13 +227,14 @@ def _start(
 def _resolve_transport(cfg: TrainConfig, spark) -> TrainConfig:
     """The transport that runs, recorded in the run's config.yaml: `auto` is `allreduce` on a
     cluster master whose executors give every worker a task slot at once (DataFrames too),
-    or wherever it can run when `compress` asks for it; else `spark`. An `allreduce` that
+    or wherever it can run when an option of its own (`compress`, `overlap`, `fragments`) asks
+    for it; else `spark`. An `allreduce` that
     cannot run is an error saying why."""
     if cfg.transport == "spark":
         return cfg
     sc = spark.sparkContext
     why = _allreduce_refusal(sc, cfg)
-    wanted = cfg.transport == "allreduce" or cfg.compress != "none"
+    wanted = cfg.transport == "allreduce" or bool(cfg.allreduce_options)
     if why is not None and wanted:
         raise why
     if why is None and (wanted or not is_local_master(sc.master)):
@@ -255,13 +257,23 @@ def _allreduce_refusal(sc, cfg: TrainConfig) -> SparknetError | None:
     why = allreduce.why_not(sc, cfg.workers)
     if why is None:
         return None
-    asked = "{@transport=allreduce}" if cfg.transport == "allreduce" else "{@compress}"
-    without = " without {@compress}" if cfg.compress != "none" else ""
+    options = cfg.allreduce_options
+    asked = "{@transport=allreduce}" if cfg.transport == "allreduce" else _settings(options)
+    without = " without " + _settings(options) if options else ""
     return SparknetError(
         "the allreduce transport (" + asked + ") cannot run here: {why}; use the spark "
         "transport" + without,
         allreduce="allreduce", why=why,
     )  # fmt: skip
+
+
+#: the allreduce transport's own settings, as an error's template names them
+_TEMPLATE = {"compress": "{@compress}", "overlap": "{@overlap}", "fragments": "{@fragments}"}
+
+
+def _settings(names: list[str]) -> str:
+    """Settings named in an error's template (each front end spells them): `a`, `a and b`."""
+    return " and ".join(_TEMPLATE[name] for name in names)
 
 
 def _warner(on_warning: WarningCallback | None) -> WarningCallback:
@@ -335,6 +347,12 @@ def _begin(
 
 def _initial_state(cfg: TrainConfig, problem: Problem, run: RunDir, resume: bool) -> StartPoint:
     layout = StateLayout.of_model(problem.model)
+    if cfg.fragments > (layers := len(layers_of(layout))):
+        raise SettingError(
+            "{@fragments=value} is more than the {layers} layers with weights of {model}; "
+            "lower {@fragments}",
+            setting="fragments", value=cfg.fragments, layers=layers, model=cfg.model,
+        )  # fmt: skip
     if not resume:
         state = problem.model.state_dict()
         outer = outer_at(cfg, layout, layout.flatten(state), None)

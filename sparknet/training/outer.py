@@ -15,8 +15,14 @@ variance can go below zero and make every evaluation NaN.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from sparknet.config import TrainConfig
+    from sparknet.training.state import StateLayout
 
 
 def mean_update(delta_sum: np.ndarray, workers: int) -> np.ndarray:
@@ -67,6 +73,14 @@ class OuterOptimizer:
             self.theta[self._buffers] = mean
         return self.theta.numpy()
 
+    def trial(self, delta: np.ndarray) -> np.ndarray:
+        """The weights `step(delta)` would give, this optimizer left as it is."""
+        group, mask = self._opt.param_groups[0], self._buffers
+        buffers = None if mask is None else mask.numpy()
+        other = OuterOptimizer(self.theta.numpy(), group["lr"], group["momentum"], buffers)
+        other.load_momentum_buffer(None if (b := self.momentum_buffer) is None else b.copy())
+        return other.step(delta).copy()
+
     @property
     def momentum_buffer(self) -> np.ndarray | None:
         buf = self._opt.state.get(self.theta, {}).get("momentum_buffer")
@@ -75,3 +89,13 @@ class OuterOptimizer:
     def load_momentum_buffer(self, buf: np.ndarray | None) -> None:
         if buf is not None:
             self._opt.state[self.theta]["momentum_buffer"] = torch.tensor(buf)
+
+
+def outer_at(
+    cfg: TrainConfig, layout: StateLayout, theta: np.ndarray, momentum: np.ndarray | None
+) -> OuterOptimizer:
+    """The outer optimizer at `theta` with `momentum` as its buffer (None: a fresh one): the one
+    way a run makes one, whether it starts, resumes, or replays from a checkpoint."""
+    outer = OuterOptimizer(theta, cfg.outer_lr, cfg.outer_momentum, layout.buffer_mask())
+    outer.load_momentum_buffer(momentum)
+    return outer

@@ -32,7 +32,7 @@ from sparknet.errors import SparknetError
 from sparknet.training import checkpoint
 from sparknet.training.allreduce import RESTARTS, AllReduceTransport, Diverged, StageFailed
 from sparknet.training.events import EventLog
-from sparknet.training.outer import OuterOptimizer, mean_update
+from sparknet.training.outer import OuterOptimizer, mean_update, outer_at
 from sparknet.training.problem import Problem
 from sparknet.training.progress_guard import Guard
 from sparknet.training.report import MetricsLog, eval_row, round_row
@@ -153,16 +153,6 @@ class StartPoint:
         ckpt = checkpoint.load(run.store, rounds, layout)
         outer = outer_at(cfg, layout, ckpt.theta, ckpt.outer_momentum)
         return StartPoint(layout, outer, ckpt.integers, ckpt.rounds, ckpt.elapsed_s)
-
-
-def outer_at(
-    cfg: TrainConfig, layout: StateLayout, theta: np.ndarray, momentum: np.ndarray | None
-) -> OuterOptimizer:
-    """The outer optimizer at `theta` with `momentum` as its buffer (None: a fresh one): the one
-    way a run makes one, whether it starts, resumes, or replays from a checkpoint."""
-    outer = OuterOptimizer(theta, cfg.outer_lr, cfg.outer_momentum, layout.buffer_mask())
-    outer.load_momentum_buffer(momentum)
-    return outer
 
 
 @dataclass

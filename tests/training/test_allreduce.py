@@ -175,13 +175,13 @@ def _mean_rank(rank: int, port: int, got) -> None:
     import torch
     import torch.distributed as dist
 
-    from sparknet.training import allreduce_rank
+    from sparknet.training import compress
 
-    allreduce_rank._PIECE_MIN = 2
+    compress._PIECE_MIN = 2
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         flat = torch.arange(10, dtype=torch.float32) * (rank + 1)
-        out = allreduce_rank._mean(flat, 2, "none", torch.device("cpu"))
+        out = compress.exchange_mean(flat, 2, "none", torch.device("cpu"))
         assert out is flat  # in place
         got.put((rank, flat.tolist()))
     finally:
