@@ -32,6 +32,9 @@ from sparknet.errors import NO_VALUE, Line, SettingError, SparknetError
 
 ENV_PREFIX = "SPARKNET_TRAIN_"
 
+#: the steps of the first rounds under tau auto, before a choice is made from measured rounds
+TAU_PROBE = 10
+
 #: DiLoCo's outer optimizer settings (Douillard et al. 2023), used when `outer: nesterov` is
 #: chosen without an explicit `outer_lr` / `outer_momentum`.
 NESTEROV_DEFAULT_LR = 0.7
@@ -117,7 +120,21 @@ class TrainConfig(BaseModel):
     workers: Annotated[int, Flag("K: Spark partitions, one worker each")] = Field(
         2, ge=1, description="Spark partitions, one worker each"
     )
-    tau: Annotated[int, Flag()] = Field(10, ge=1, description="local steps per round")
+    tau: Annotated[
+        Annotated[int, Field(ge=1)] | Literal["auto"],
+        Flag(
+            "local steps per round; auto: chosen as the run goes, the fewest that keep the "
+            "exchange within tau_share of a round"
+        ),
+    ] = Field(10, description="local steps per round; auto: chosen from the measured rounds")
+    tau_share: float = Field(
+        0.10,
+        gt=0,
+        lt=1,
+        description="tau auto: the share of a round the exchange may take (the paper's model, "
+        "round = tau x step + exchange, from the rounds measured); every choice is in "
+        "metrics.jsonl",
+    )
     rounds: Annotated[int, Flag()] = Field(30, ge=1)
     batch_size: Annotated[int, Flag()] = Field(32, ge=1, description="per worker")
     optimizer: Annotated[Literal["sgd", "adamw"], Flag("inner optimizer: sgd or adamw")] = "sgd"
@@ -286,6 +303,20 @@ class TrainConfig(BaseModel):
             )
         return value
 
+    @field_validator("tau", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, value: Any) -> Any:
+        """One line for a bad tau, rather than one per member of its union."""
+        if value == "auto":
+            return value
+        try:
+            steps = int(value) if not isinstance(value, bool | float) else None
+        except (TypeError, ValueError):
+            steps = None
+        if steps is None or steps < 1:
+            raise ValueError("a whole number of steps (at least 1) or auto")
+        return steps
+
     @field_validator("out", mode="before")
     @classmethod
     def _out_as_text(cls, out: Any) -> Any:
@@ -329,6 +360,11 @@ class TrainConfig(BaseModel):
         given = {"compress": self.compress != "none", "overlap": self.overlap}
         given["fragments"] = self.fragments > 1
         return [name for name, on in given.items() if on]
+
+    @property
+    def first_tau(self) -> int:
+        """The steps of the run's first round: tau, or under tau auto the probe it starts at."""
+        return TAU_PROBE if self.tau == "auto" else self.tau
 
     @property
     def fail_once_at(self) -> tuple[int, int] | None:

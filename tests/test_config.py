@@ -54,7 +54,7 @@ def test_saved_config_round_trips(tmp_path: Path):
     [
         (
             {"sets": ["tau=0"]},
-            "invalid setting tau: Input should be greater than or equal to 1 (got 0)",
+            "invalid setting tau: a whole number of steps (at least 1) or auto (got 0)",
         ),
         ({"sets": ["outer_lr=0.5"]}, "outer 'average' has no lr or momentum"),
         ({"sets": ["optimizer=lbfgs"]}, "invalid setting optimizer"),

@@ -198,8 +198,8 @@ def test_fit_errors_name_keywords_and_keep_their_class(spark, tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
     cases = [
-        ({"tau": 0}, SettingError, "invalid setting tau: Input should be greater than or equal "
-         "to 1 (got 0)"),
+        ({"tau": 0}, SettingError, "invalid setting tau: a whole number of steps (at least 1) or "
+         "auto (got 0)"),
         ({"workers": 9}, SettingError, "the DataFrame has 6 rows, fewer than workers=9"),
         ({"out": afile}, SettingError, f"out={str(afile)!r}: {afile} is a file; choose a "
          "directory for the run"),

@@ -53,7 +53,7 @@ def make_task(precision: str, model: str, tau: int, batch_size: int, run_dir: st
     source = TensorSource.load(SYNTHETIC_IMAGES)
     return RoundTask(
         cfg, source, uuid.uuid4().hex[:12], 0, layout, layout.integers(state), NUM_CLASSES,
-        INPUT_SHAPE, run_dir,
+        INPUT_SHAPE, run_dir, cfg.first_tau,
     )  # fmt: skip
 
 

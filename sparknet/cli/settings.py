@@ -36,9 +36,13 @@ def flag_of(field: FieldInfo) -> Flag | None:
 
 def option_type(annotation: Any) -> type:
     """The type the command line reads a setting's value as: the setting's own, less `None`;
-    a choice (`Literal`) is read as text, so the model names the choices when one is wrong."""
+    a choice (`Literal`), or a number or a word (`tau`: 10 or auto), is read as text, so the
+    model names the choices when one is wrong."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+        kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(kinds) > 1:
+            return str
+        annotation = kinds[0]
     if typing.get_origin(annotation) is Literal:
         return type(typing.get_args(annotation)[0])
     return annotation

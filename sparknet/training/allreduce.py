@@ -225,6 +225,7 @@ class AllReduceTransport:
         momentum: np.ndarray | None,
         elapsed_s: float,
         restart: int,
+        tau_state: dict[str, Any] | None = None,
     ) -> Iterator[int | Row]:
         """Run rounds base.round+1 .. cfg.rounds as one barrier stage. Yields the round the
         stage starts after (again, if Spark itself runs the stage anew), then a `Row` per
@@ -244,6 +245,7 @@ class AllReduceTransport:
             evaluates=self.frames is None or self.frames.eval is not None,
             beacon=self.guard.beacon if self.guard is not None else None,
             collective_timeout_s=self.guard.collective_timeout_s() if self.guard else None,
+            tau_state=tau_state,
         )  # fmt: skip
         group = f"{GROUP_PREFIX}allreduce-{uuid.uuid4().hex[:12]}"
         job = threading.Thread(

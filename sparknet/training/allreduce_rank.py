@@ -29,7 +29,7 @@ from sparknet.config import TrainConfig
 from sparknet.data.frames import rank_rows
 from sparknet.data.store import open_store
 from sparknet.errors import is_permanent
-from sparknet.training import checkpoint, device, netbind, progress
+from sparknet.training import checkpoint, device, netbind, progress, tau_choice
 from sparknet.training.compress import exchange_mean
 from sparknet.training.outer import OuterOptimizer, outer_at
 from sparknet.training.report import eval_row, round_row
@@ -69,6 +69,8 @@ class StagePlan:
     #: the process group's timeout: past the driver's deadline for a frozen rank, so that the
     #: driver names it first (None: torch's default)
     collective_timeout_s: float | None = None
+    #: under tau auto, the chooser as the stage's checkpoint left it (rank 0 chooses)
+    tau_state: dict[str, Any] | None = None
 
 
 def stage_task(plan: StagePlan, frames: bool):
@@ -210,13 +212,15 @@ class _Rank:
         )
         local_dir = SparkFiles.getRootDirectory()
         attempt = plan.restart + self.ctx.attemptNumber()
+        chooser = tau_choice.chooser_of(cfg, plan.tau_state) if self.rank == 0 else None
+        tau = base.tau
         t_start = time.perf_counter()
         try:
             for r in range(base.round, cfg.rounds):
                 done = r + 1
                 due = checkpoint.due(cfg.checkpoint_every, done, cfg.rounds)
                 stage_dir, fault = self._begin(store, done) if due else (None, None)
-                task = replace(base, round=r, integers=integers, checkpoint_dir=stage_dir)
+                task = replace(base, round=r, integers=integers, checkpoint_dir=stage_dir, tau=tau)
                 t0 = time.perf_counter()
                 contrib = None
                 if fault is None:
@@ -242,6 +246,11 @@ class _Rank:
                 theta = syncs.theta if final is None else final
                 row = round_row(done, [e.report for e in everyone], time.perf_counter() - t0, 0.0)
                 row["seconds"]["exchange"] = exchange_s
+                if cfg.tau == "auto":  # rank 0 chooses from its own row; every rank runs it
+                    box = [tau_choice.after_round(chooser, task.tau, row)]
+                    with progress.waiting():
+                        dist.broadcast_object_list(box, src=0)
+                    tau = box[0]
                 if plan.evaluates and checkpoint.due(cfg.eval_every, done, cfg.rounds):
                     eval_task = replace(task, integers=integers, checkpoint_dir=None)
                     row.update(eval_row(self._evaluate(eval_task, theta, threads)))
@@ -256,6 +265,7 @@ class _Rank:
                                 store, done, layout, syncs.theta, integers, syncs.momentum_buffer,
                                 row["elapsed_s"], cfg.to_yaml(),
                                 final=None if final is syncs.theta else final,
+                                tau_state=None if chooser is None else chooser.state(),
                             )  # fmt: skip
                         except Exception as exc:
                             if not is_permanent(exc):

@@ -54,6 +54,8 @@ class Checkpoint:
     integers: dict[str, np.ndarray]
     outer_momentum: np.ndarray | None
     elapsed_s: float
+    #: under tau auto, the chooser's state after this round (`TauChooser.state`)
+    tau_state: dict | None = None
 
 
 def due(every: int, done: int, last: int) -> bool:
@@ -179,6 +181,7 @@ def write(
     config_text: str,
     *,
     final: np.ndarray | None = None,
+    tau_state: dict | None = None,
 ) -> str:
     """Complete the checkpoint for `rounds` (the workers wrote their inner states) and publish it
     by writing its manifest last, with the settings that produced it: an interrupted
@@ -192,8 +195,10 @@ def write(
     if outer_momentum is not None:
         momentum = {"momentum_buffer": torch.from_numpy(outer_momentum)}
         store.write_bytes(f"{where}/{OUTER}", state_dict_bytes(momentum))
-    manifest = json.dumps({"rounds": rounds, "elapsed_s": elapsed_s})
-    store.write_bytes(f"{where}/{MANIFEST}", manifest.encode())
+    manifest: dict = {"rounds": rounds, "elapsed_s": elapsed_s}
+    if tau_state is not None:
+        manifest["tau_choice"] = tau_state
+    store.write_bytes(f"{where}/{MANIFEST}", json.dumps(manifest).encode())
     return where
 
 
@@ -261,6 +266,7 @@ def load(store: Store, rounds: int, layout: StateLayout) -> Checkpoint:
     try:
         state = json.loads(store.read_bytes(f"{where}/{MANIFEST}"))
         stored_rounds, elapsed_s = int(state["rounds"]), float(state["elapsed_s"])
+        tau_state = state.get("tau_choice")
         file = WEIGHTS
         weights = load_safetensors(store.read_bytes(f"{where}/{WEIGHTS}"))
         theta, integers = layout.flatten(weights), layout.integers(weights)
@@ -277,4 +283,5 @@ def load(store: Store, rounds: int, layout: StateLayout) -> Checkpoint:
         integers=integers,
         outer_momentum=None if momentum is None else momentum.numpy(),
         elapsed_s=elapsed_s,
+        tau_state=tau_state,
     )

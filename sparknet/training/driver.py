@@ -203,7 +203,7 @@ def _start(
             begin = _begin(cfg, problem, run, resume, changes)
         warn = _warner(on_warning)
         guard = Guard(spark.sparkContext, cfg.progress_timeout_s, warn)
-        on_row = guard.following(_with_warnings(on_round, warn, begin, cfg.workers * cfg.tau))
+        on_row = guard.following(_with_warnings(on_round, warn, begin, cfg.workers * cfg.first_tau))
         with ExecutorWatchdog(spark.sparkContext, cfg.no_executor_timeout_s), guard:
             result = _run(
                 cfg, problem, begin, run, lock, spark, own_session, placed, on_row, warn, guard

@@ -29,7 +29,7 @@ import numpy as np
 from sparknet.config import TrainConfig
 from sparknet.data.frames import Frames
 from sparknet.errors import SparknetError
-from sparknet.training import checkpoint
+from sparknet.training import checkpoint, tau_choice
 from sparknet.training.allreduce import RESTARTS, AllReduceTransport, Diverged, StageFailed
 from sparknet.training.events import EventLog
 from sparknet.training.outer import OuterOptimizer, mean_update, outer_at
@@ -143,6 +143,8 @@ class StartPoint:
     elapsed_s: float
     #: settings a resume changed with --allow-change: {name: {"stored": x, "now": y}}
     changes: dict[str, Any] = field(default_factory=dict)
+    #: under tau auto, the chooser as the checkpoint left it (`TauChooser.state`)
+    tau_state: dict[str, Any] | None = None
 
     @staticmethod
     def from_checkpoint(
@@ -152,7 +154,9 @@ class StartPoint:
         time and outer momentum (a resume and a replay go on from there alike)."""
         ckpt = checkpoint.load(run.store, rounds, layout)
         outer = outer_at(cfg, layout, ckpt.theta, ckpt.outer_momentum)
-        return StartPoint(layout, outer, ckpt.integers, ckpt.rounds, ckpt.elapsed_s)
+        return StartPoint(
+            layout, outer, ckpt.integers, ckpt.rounds, ckpt.elapsed_s, tau_state=ckpt.tau_state
+        )
 
 
 @dataclass
@@ -178,6 +182,7 @@ class RunContext:
         return RoundTask(
             self.cfg, problem.source, run_id, begin.rounds, begin.layout, begin.integers,
             problem.num_classes, problem.source.input_shape, self.run.store.uri,
+            tau=tau_choice.next_tau(self.cfg, begin.tau_state),
         )  # fmt: skip
 
     def record(self, row: dict[str, Any], begin: StartPoint) -> None:
@@ -225,13 +230,14 @@ def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> 
         executors = _Executors()
         seg = _Segment.at(loop, begin)  # a copy: a replay may go back to `begin` itself
         theta, integers, r, replays = seg.outer.theta.numpy(), seg.integers, seg.first, 0
+        chooser, tau = tau_choice.chooser_of(cfg, begin.tau_state), base.tau
         while r < cfg.rounds:
             loop.lock.check()
             done = r + 1
             pending = done if checkpoint.due(cfg.checkpoint_every, done, cfg.rounds) else None
             stage = checkpoint.begin(run.store, done) if pending is not None else None
             task = replace(
-                base, run_id=seg.run_id, round=r, integers=integers, checkpoint_dir=stage
+                base, run_id=seg.run_id, round=r, integers=integers, checkpoint_dir=stage, tau=tau
             )
             t0 = time.perf_counter()
             contrib, broadcast_s = transport.map_reduce(
@@ -247,7 +253,10 @@ def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> 
                 if pending is not None:  # the workers wrote states into it: not the run's
                     checkpoint.discard(run.store, pending)
                     pending = None
-                seg = _Segment.at(loop, _restart_state(loop, begin))
+                again = _restart_state(loop, begin)
+                seg = _Segment.at(loop, again)
+                chooser = tau_choice.chooser_of(cfg, again.tau_state)
+                tau = tau_choice.next_tau(cfg, again.tau_state)
                 executors.dropped([*loop.rewind(seg.first), seen])
                 loop.warn(_replay_line(done, missed, seg.first, replays))
                 transport.rebalance()  # every state comes from the checkpoint now: spread
@@ -260,6 +269,7 @@ def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> 
             integers = contrib.integers
             round_s = time.perf_counter() - t0
             row = round_row(done, contrib.reports, round_s, broadcast_s)
+            tau = tau_choice.after_round(chooser, task.tau, row)
             executors.after_round(row, transport)
             if evaluates and checkpoint.due(cfg.eval_every, done, cfg.rounds):
                 eval_task = replace(task, integers=integers, checkpoint_dir=None)
@@ -273,6 +283,7 @@ def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> 
                 checkpoint.write(
                     run.store, done, layout, theta, integers, seg.outer.momentum_buffer,
                     row["elapsed_s"], cfg.to_yaml(),
+                    tau_state=None if chooser is None else chooser.state(),
                 )  # fmt: skip
                 pending = None
                 write_config(run, cfg)
@@ -354,9 +365,11 @@ def allreduce_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None)
     try:
         while True:
             try:
-                _one_stage(loop, transport, replace(base, round=stage_begin.rounds,
-                           integers=stage_begin.integers), stage_begin, begin, restarts,
-                           executors)  # fmt: skip
+                first = replace(
+                    base, round=stage_begin.rounds, integers=stage_begin.integers,
+                    tau=tau_choice.next_tau(cfg, stage_begin.tau_state),
+                )  # fmt: skip
+                _one_stage(loop, transport, first, stage_begin, begin, restarts, executors)
                 break
             except Diverged as exc:
                 raise SparknetError(
@@ -396,7 +409,7 @@ def _one_stage(
     publishes the round's checkpoint), then shown."""
     rows = transport.stage(
         base, stage_begin.outer.theta.numpy(), stage_begin.outer.momentum_buffer,
-        stage_begin.elapsed_s, restarts,
+        stage_begin.elapsed_s, restarts, stage_begin.tau_state,
     )  # fmt: skip
     for message in rows:
         if isinstance(message, int):  # the stage (re)starts after this round

@@ -41,6 +41,8 @@ class RoundTask:
     num_classes: int
     input_shape: tuple[int, ...]
     run_dir: str
+    #: this round's inner steps: the setting, or under tau auto the round's choice
+    tau: int
     #: where this round's checkpoint is being assembled, when the round ends with one
     checkpoint_dir: str | None = None
 
@@ -463,7 +465,7 @@ def _train(
 
     torch.manual_seed(task_seed(cfg.seed, partition, task.round))
     inp = TaskInput(partition, cfg.workers, cfg.seed, task.run_id, threads, rows)
-    batches = task.source.train_batches(inp, task.round, cfg.tau, cfg.batch_size)
+    batches = task.source.train_batches(inp, task.round, task.tau, cfg.batch_size)
     done = _inner_steps(task, model, optimizer, scaler, batches, partition, attempt, on)
     bad = _first_nonfinite(done.losses, done.steps)  # waits for the device's queued steps
     t2 = time.perf_counter()
@@ -487,7 +489,7 @@ def _train(
         delta = task.layout.pseudo_gradient(theta, state, out=live.delta if live else None)
         finite = bool(np.isfinite(delta).all())
     if not finite:
-        return _diverged(partition, f"weights non-finite after step {cfg.tau}", t1 - t0, miss)
+        return _diverged(partition, f"weights non-finite after step {task.tau}", t1 - t0, miss)
     if live is not None:
         live.optimizer, live.scaler = optimizer, scaler
     if live is None or task.checkpoint_dir is not None:

@@ -217,7 +217,7 @@ def _task(tmp_path, model: str = "probe", **settings) -> tuple[RoundTask, np.nda
     layout = StateLayout.of(state)
     task = RoundTask(
         cfg, TensorSource.load("digits"), uuid.uuid4().hex[:12], 0, layout,
-        layout.integers(state), 10, (1, 8, 8), str(tmp_path),
+        layout.integers(state), 10, (1, 8, 8), str(tmp_path), cfg.first_tau,
     )  # fmt: skip
     return task, layout.flatten(state)
 

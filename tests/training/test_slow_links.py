@@ -1,20 +1,24 @@
-"""The options for slow links (overlap, fragments, int8/int4) on a real local Spark (local[2,2],
-the allreduce transport): a retried stage and a resumed run end with the very model of an
-undisturbed run, a longer resumed run goes on as if the shorter one had never ended, and the
-options that need the allreduce transport or a model with enough layers are refused before
-Spark runs a task. The math itself is pinned in test_sync and test_compress."""
+"""The options for slow links (overlap, fragments, int8/int4, tau auto) on a real local Spark
+(local[2,2], the allreduce transport): a retried stage and a resumed run end with the very model
+of an undisturbed run, a longer resumed run goes on as if the shorter one had never ended, tau
+auto chooses from the measured rounds and keeps its chooser across a resume, and the options
+that need the allreduce transport or a model with enough layers are refused before Spark runs a
+task. The math itself is pinned in test_sync, test_compress and test_tau_choice."""
 
 from __future__ import annotations
 
 import filecmp
+import json
+import math
 from pathlib import Path
 
 import pytest
 
-from sparknet.config import TrainConfig, load_train_config
+from sparknet.config import TAU_PROBE, TrainConfig, load_train_config
 from sparknet.errors import SettingError
 from sparknet.training.driver import train
 from sparknet.training.rundir import read_run_config
+from sparknet.training.tau_choice import TauChooser
 from tests.helpers import assert_state_close, load_run_model
 
 pytestmark = pytest.mark.integration
@@ -102,3 +106,32 @@ def test_more_fragments_than_layers_is_refused_before_spark_runs(spark, tmp_path
 def test_the_spark_transport_refuses_the_options_in_one_line(options):
     with pytest.raises(ValueError, match="allreduce transport only"):
         TrainConfig(**{**SETTINGS, "transport": "spark"}, **options)
+
+
+@pytest.mark.parametrize("transport", ["spark", "allreduce"])
+def test_tau_auto_chooses_from_measured_rounds_and_a_resume_goes_on_with_it(
+    spark, tmp_path, transport
+):
+    """The probe's rounds, then the tau the paper's model asks for (the exchange at most
+    tau_share of a round) from their measured step and exchange, recorded with its reasons; a
+    resume goes on with the chooser its checkpoint kept."""
+    settings = {**SETTINGS, "transport": transport, "checkpoint_every": 3, "eval_every": 0}
+    cfg = TrainConfig(out=tmp_path / "auto", rounds=6, **{**settings, "tau": "auto"})
+    rows = train(cfg, spark=spark).metrics
+    assert [r["tau"] for r in rows[:5]] == [TAU_PROBE] * 5
+    choice = rows[4]["tau_choice"]
+    want = math.ceil(choice["exchange_s"] * 0.9 / (0.1 * choice["step_s"]))
+    assert choice["tau"] == min(max(want, 1), 1000) == rows[5]["tau"]
+    assert choice["share"] <= 0.1 + 1e-9
+    kept = json.loads((tmp_path / "auto/checkpoints/round-00006/state.json").read_text())
+    resumed = load_train_config(
+        base=read_run_config(cfg.out), flags={"rounds": 8, "transport": transport}, environ={}
+    )
+    more = train(resumed, resume=True, spark=spark).metrics
+    assert more[6]["tau"] == TauChooser.from_state(kept["tau_choice"]).next_tau()
+
+
+def test_a_tau_that_is_neither_steps_nor_auto_is_one_line():
+    for bad in (0, "fast", True):
+        with pytest.raises(SettingError, match=r"^invalid setting tau: a whole number of steps"):
+            load_train_config(base={}, flags={"tau": bad}, environ={})
