@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -272,8 +273,8 @@ class _Rank:
                                 raise  # the stage fails and runs again from the last checkpoint
                             channel.say(**TaskFault.of(0, exc).said())  # a full disk: no restart
                             return
-        finally:
-            syncs.close()
+        finally:  # under an exception, a peer the exchange in flight waits on may be gone
+            syncs.close(failed=sys.exc_info()[0] is not None)
 
     def _syncs(
         self, on: torch.device, theta: np.ndarray, momentum: np.ndarray | None, live: LiveInner
@@ -287,7 +288,10 @@ class _Rank:
             return _Blocking(
                 outer, cfg, live, lambda buf: exchange_mean(buf, world, cfg.compress, on)
             )
-        group = dist.new_group(backend=_backend(on))  # the exchange thread's own collectives
+        timeout = self.plan.collective_timeout_s
+        group = dist.new_group(  # the exchange thread's own collectives, as patient as the rest
+            backend=_backend(on), **({"timeout": timedelta(seconds=timeout)} if timeout else {})
+        )
         state = None
         if base.round > 0:
             state = checkpoint.read_rank(
@@ -415,7 +419,7 @@ class _Blocking:
         """Nothing of a rank's own outlives the round: every rank starts from the global weights."""
         return None
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         pass
 
 

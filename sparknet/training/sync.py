@@ -35,9 +35,11 @@ is simply run again on resume.
 
 from __future__ import annotations
 
-import concurrent.futures
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,8 +179,8 @@ class Synchronizer:
         state = rank_state or RankState(self.G.copy(), np.zeros_like(self.G))
         self.w = np.array(state.local, dtype=np.float32, copy=True)
         self.P = np.array(state.unsent, dtype=np.float32, copy=True)
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="exchange")
-        self._pending: tuple[int, np.ndarray, concurrent.futures.Future] | None = None
+        self._thread = _Courier()
+        self._pending: tuple[int, np.ndarray, Future] | None = None
         #: the fragment sent after the last round (none yet: every fragment has progress unsent)
         self._last_sent: int | None = None
         if state.sent is not None:
@@ -277,7 +279,36 @@ class Synchronizer:
         q, sent, _ = self._pending
         return RankState(self.w.copy(), self.P.copy(), sent.copy(), q)
 
-    def close(self) -> None:
-        """Wait for an exchange in flight (a collective cannot be abandoned half-way on one
-        rank) and stop the exchange thread."""
-        self._thread.shutdown(wait=True)
+    def close(self, *, failed: bool = False) -> None:
+        """Stop the exchange thread once the exchange in flight, if any, is done (a collective
+        cannot be abandoned half-way on one rank); after a failure, without waiting for it: the
+        peer it waits on may be gone, and the thread must not keep the process alive."""
+        self._thread.close(wait=not failed)
+
+
+class _Courier:
+    """One daemon thread that runs the exchanges in order: unlike a `ThreadPoolExecutor`'s
+    thread, it never holds up the process's exit while a collective waits on a dead peer."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="sparknet-exchange", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[torch.Tensor], torch.Tensor], arg: torch.Tensor) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, arg))
+        return future
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, arg = job
+            try:
+                future.set_result(fn(arg))
+            except BaseException as exc:  # handed to whoever waits on it
+                future.set_exception(exc)
+
+    def close(self, *, wait: bool) -> None:
+        self._jobs.put(None)
+        if wait:
+            self._thread.join()
