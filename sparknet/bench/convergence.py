@@ -14,6 +14,8 @@ every round and stopped at the first round whose test accuracy reaches the datas
 
 Datasets (`RECIPES`): scikit-learn's bundled digits, and `imagenet_like`, a generated ImageNet-like
 set of small RGB crops of scikit-learn's two bundled photos, made here without any download.
+`imagenet-like-wide` (the same set, a 40 MB MLP) is `bench peers`' alone: its target takes
+hundreds of steps, beyond this sweep's rounds.
 
 Cost on 2 cores (measured while other jobs shared them): digits 4.2 min with `max_rounds` 30,
 the generated set 4.6 min with the default 60; both at the defaults about 10 min. Most of it is
@@ -32,7 +34,7 @@ import shutil
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,11 +42,16 @@ from sparknet.bench.common import BenchReport, pyplot, save_figure
 from sparknet.config import NESTEROV_DEFAULT_LR, NESTEROV_DEFAULT_MOMENTUM, TrainConfig
 from sparknet.training.spark_settings import embedded_master
 
+if TYPE_CHECKING:
+    from torch import nn
+
 # `# lazy: X` below: `bench peers` imports this module for its recipes; torch, PIL, Spark and
 # matplotlib only where data are made, a session runs or the plot is drawn
 
 #: the names `--data` takes, in the order they are run
 DATASETS = ("digits", "imagenet-like")
+#: what `bench peers` takes besides: a recipe whose model the links bind
+PEERS_DATASETS = (*DATASETS, "imagenet-like-wide")
 
 COLUMNS = [
     "dataset", "workers", "tau", "outer", "target", "rounds", "samples", "seconds",
@@ -68,6 +75,8 @@ class Recipe:
     compare, and low enough that the reference setting, K=1 and tau=1 (plain minibatch SGD, one
     step a round), reaches it within the CLI's default 60 rounds: then every setting has a
     chance to, and "not reached" says something about the setting rather than the target.
+    `bench peers`' own recipe is the exception: its target takes every contender tens of
+    seconds of training, so that seconds to it tell them apart.
     """
 
     data: str
@@ -77,6 +86,9 @@ class Recipe:
     batch_size: int = 32
     lr: float = 0.05
     momentum: float = 0.9
+    #: `bench peers`: steps between evaluations (sparknet's: the first round past them), as
+    #: many as take a small part of the seconds to the target
+    eval_steps: int = 10
 
 
 RECIPES: dict[str, Recipe] = {
@@ -98,6 +110,33 @@ RECIPES: dict[str, Recipe] = {
         model="cnn",
         target=0.55,
         why="K=1 tau=1 reaches it in ~35 rounds; the best settings level off near 0.8",
+    ),
+    # `bench peers`' own: the generated set again, and a model whose parameters are large
+    # against its compute (`wide_mlp`), so that 1 Gbit/s and 100 Mbit/s bind DDP. Measured on
+    # the 2-core VM, 1 thread, batch 32, others' tests sharing it (2026-12-06): plain PyTorch
+    # steps in ~36 ms, so DDP's all-reduce, 4 x params x 2(K-1)/K = 40 MB sent by each rank a
+    # step at K=2, would need 8.9 Gbit/s; at 1 Gbit/s it takes 0.32 s (9x the step), at
+    # 100 Mbit/s 3.2 s (90x). In `bench peers` (1gbit, 20 s each): DDP 170 samples/s against
+    # plain's 871, 87% of its training waiting on the all-reduce, the link 95% full.
+    # The target, from simulations in one process (K=2 DDP as batch-64 SGD; local SGD as two
+    # models averaged every tau steps; the test set every 25 or 50 steps): at lr 0.05 the MLP
+    # diverges after ~750 steps, at 0.01 and 0.003 it levels off near 0.80 within ~400 and
+    # ~700 steps (a noisy plateau: 0.78-0.83); at 0.002 batch-64 SGD first reaches 0.80 at step
+    # 775 (0.78 at 600), local SGD at tau=50 at 650 (each worker's steps; steady from 950),
+    # and every curve levels off at 0.81-0.83 after ~1000. At the ~64 ms a step each of K=2
+    # ranks takes in `bench peers` on 2 cores (plain: ~37 ms), that is >= 40 s of training
+    # for sparknet and DDP, >= 13 exchanges at tau=50, and ~40 s for plain PyTorch.
+    "imagenet-like-wide": Recipe(
+        data="sparknet.bench.convergence:imagenet_like",
+        model="sparknet.bench.convergence:wide_mlp",
+        target=0.80,
+        why="lr 0.002 on the 40 MB wide_mlp: simulated, K=2 synchronous SGD first reaches it at "
+        "step 775 and local SGD (tau=50) at 650, both leveling off at 0.81-0.83 past ~1000; "
+        "at bench peers' ~64 ms a step on 2 cores, >= 40 s of training and >= 13 exchanges "
+        "for the best, timed to ~2 s (evaluated every 30 steps or 2 s, sparknet every round "
+        "past 30 steps)",
+        lr=0.002,
+        eval_steps=30,
     ),
 }
 
@@ -147,6 +186,26 @@ def imagenet_like():
     train = _generate(photos, TRAIN_PER_CLASS, np.random.default_rng([SEED, 0]))
     test = _generate(photos, TEST_PER_CLASS, np.random.default_rng([SEED, 1]))
     return train, test
+
+
+#: `wide_mlp`'s hidden layers, on the 3 x IMAGE_SIZE x IMAGE_SIZE values of a flattened image
+WIDE_LAYERS = (2048, 2048, 2048)
+
+
+def wide_mlp(num_classes: int = 10) -> nn.Module:
+    """`imagenet-like-wide`'s model: WIDE_LAYERS of ReLU units on a flattened image, 10.0M
+    parameters (40 MB in float32) for ~36 ms of a step of 32 images on one core. Its parameters
+    are large against its compute, so that DDP's all-reduce of them each step, not the step, is
+    what a 1 Gbit/s link limits. A `module:factory` model, as a user's own would be
+    (`sparknet.models.build_model`)."""
+    from torch import nn  # lazy: torch
+
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = 3 * IMAGE_SIZE * IMAGE_SIZE
+    for units in WIDE_LAYERS:
+        layers += [nn.Linear(width, units), nn.ReLU()]
+        width = units
+    return nn.Sequential(*layers, nn.Linear(width, num_classes))
 
 
 def _photos() -> list[np.ndarray]:

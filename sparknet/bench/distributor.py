@@ -6,9 +6,11 @@ and one plain PyTorch process.
 Both train exactly what a sparknet run trains: the same `build_model` under the same seed, the
 same data (`load_data`), rank k of K on sparknet's shard k with sparknet's batch order
 (`shard`, `batch_positions`), cross-entropy, `torch.optim.SGD(lr, momentum)` without weight
-decay, evaluated on the whole test set. Rank 0 evaluates every `eval_every` steps with the
-clock stopped (the ranks wait in a barrier, then for its one-float stop decision), so `train_s`
-is training alone. DDP keeps its defaults: rank 0's BatchNorm buffers are broadcast every step.
+decay, evaluated on the whole test set. Rank 0 evaluates every `eval_every` steps (sooner where
+those would take more than `eval_s` seconds) with the clock stopped (the ranks wait in a
+barrier, then for its stop decision and the steps to the next evaluation), so `train_s` is
+training alone. DDP keeps its defaults: rank 0's BatchNorm buffers are broadcast every step. Its
+own runtime statistics, taken every step, say how long rank 0 waited on the all-reduces.
 
 What TorchDistributor needs and costs (pyspark 4.3.0, torch 2.14.1, measured on this 2-core
 machine while other jobs shared it: figures vary ~2x from run to run):
@@ -46,6 +48,7 @@ machine while other jobs shared it: figures vary ~2x from run to run):
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -87,6 +90,10 @@ class PeerSpec:
     max_steps: int  # give up after this many steps
     max_seconds: float  # or after this many seconds of training (checked when evaluating)
     eval_every: int  # steps between evaluations on the whole test set
+    #: evaluate sooner where `eval_every` steps would take more than this many seconds of
+    #: training (a step of seconds on a slow link), so that a time to the target is known to
+    #: within it; the steps to the next evaluation come from the last ones' seconds per step
+    eval_s: float = math.inf
     #: hand back rank 0's final weights (`PeerRun.state`), for tests that compare them
     keep_state: bool = False
 
@@ -94,8 +101,11 @@ class PeerSpec:
         for name in ("workers", "batch_size", "threads", "max_steps", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.lr <= 0 or self.max_seconds <= 0:
-            raise ValueError(f"lr and max_seconds must be positive: {self.lr}, {self.max_seconds}")
+        if self.lr <= 0 or self.max_seconds <= 0 or self.eval_s <= 0:
+            raise ValueError(
+                f"lr, max_seconds and eval_s must be positive: {self.lr}, {self.max_seconds}, "
+                f"{self.eval_s}"
+            )
 
 
 @dataclass
@@ -109,6 +119,11 @@ class PeerRun:
     #: wall seconds of the whole call, as the caller waited (set by the caller's side)
     wall_s: float = 0.0
     state: dict | None = None  # rank 0's final state_dict, when `PeerSpec.keep_state`
+    #: DDP: seconds of training rank 0 waited on the all-reduces (`_ddp_seconds`); None
+    #: without a process group, or where DDP gave no statistics
+    wait_s: float | None = None
+    #: DDP: seconds the all-reduces were under way, first bucket's launch to last one's end
+    busy_s: float | None = None
 
     @property
     def samples_per_s(self) -> float:
@@ -202,32 +217,37 @@ def _fit(spec: PeerSpec, started: float, rank: int, world: int) -> PeerRun:
     torch.manual_seed(spec.seed)  # sparknet's driver builds its model under the seed
     model = build_model(spec.model, split.input_shape, split.num_classes)
     net = torch.nn.parallel.DistributedDataParallel(model) if group else model
+    if group:  # its runtime statistics of every step, not of every 100th after the 10th
+        net._set_ddp_runtime_logging_sample_rate(1)
     opt = torch.optim.SGD(net.parameters(), lr=spec.lr, momentum=spec.momentum)
     part = shard(len(split.train), world, rank, spec.seed)
     torch.manual_seed(task_seed(spec.seed, rank, 0))  # as sparknet's worker k, round 0
     curve: list[tuple[float, int, float]] = []
     setup_s = time.time() - started
     step, train_s, reached = 0, 0.0, None
+    due, last = 0, (0, 0.0)  # the next evaluation's step; the last one's step and train_s
     model.train()
     clock = time.perf_counter()
     while True:
-        if step % spec.eval_every == 0 or step == spec.max_steps:
+        if step == due or step == spec.max_steps:
             if group:
                 dist.barrier()  # the clock stops when the slowest rank is done
             train_s += time.perf_counter() - clock if step else 0.0  # 0 before any step
-            stop = torch.zeros(1)
+            told = torch.zeros(2)  # stop, and the steps to the next evaluation
             if rank == 0:
                 acc = _accuracy(model, split.test)
                 curve.append((train_s, step * world * spec.batch_size, acc))
                 if acc >= spec.target:
                     reached = train_s
                 done = reached is not None or step >= spec.max_steps
-                stop[0] = float(done or train_s >= spec.max_seconds)
+                told[0] = float(done or train_s >= spec.max_seconds)
+                told[1] = _steps_to_next(spec, step - last[0], train_s - last[1])
             if group:
-                dist.broadcast(stop, 0)  # the others wait here while rank 0 evaluates
+                dist.broadcast(told, 0)  # the others wait here while rank 0 evaluates
             clock = time.perf_counter()
-            if stop.item():
+            if told[0].item():
                 break
+            due, last = step + int(told[1].item()), (step, train_s)
         pos = batch_positions(spec.seed, rank, len(part), step, spec.batch_size)
         x, y = make_batch(split.train, part[pos])
         opt.zero_grad(set_to_none=True)
@@ -236,7 +256,37 @@ def _fit(spec: PeerSpec, started: float, rank: int, world: int) -> PeerRun:
         step += 1
     state = {k: v.clone() for k, v in model.state_dict().items()} if spec.keep_state else None
     samples = step * world * spec.batch_size
-    return PeerRun(step, samples, train_s, setup_s, curve, reached, state=state)
+    run = PeerRun(step, samples, train_s, setup_s, curve, reached, state=state)
+    if group:
+        run.wait_s, run.busy_s = _ddp_seconds(net, step)
+    return run
+
+
+def _steps_to_next(spec: PeerSpec, steps: int, seconds: float) -> int:
+    """Steps to the next evaluation: `eval_every`, fewer where they would take more than
+    `eval_s` seconds at the last steps' pace; after step 0 (no pace yet) one step, where an
+    `eval_s` is set, to measure one."""
+    if math.isinf(spec.eval_s):
+        return spec.eval_every
+    if steps == 0:
+        return 1
+    return max(1, min(spec.eval_every, int(spec.eval_s * steps / max(seconds, 1e-9))))
+
+
+def _ddp_seconds(net, steps: int) -> tuple[float | None, float | None]:
+    """(wait, busy) seconds of this rank's `steps` steps, from DDP's own runtime statistics
+    (`_get_ddp_logging_data`: mean nanoseconds over the steps sampled, every step here): wait,
+    per step the all-reduce's end less the end of the backward's compute, the all-reduce time
+    the backward did not hide; busy, the all-reduces from the first bucket's launch to the last
+    one's end. (None, None) where this torch gives no such figures (a private interface). A
+    rank whose compute is slower makes the other wait in the all-reduce: counted here too."""
+    try:
+        data = net._get_ddp_logging_data()
+        comm = float(data["avg_backward_comm_time"]) / 1e9
+        hidden = float(data["avg_backward_compute_comm_overlap_time"]) / 1e9
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError):
+        return None, None
+    return max(comm - hidden, 0.0) * steps, comm * steps
 
 
 def _accuracy(model, test) -> float:

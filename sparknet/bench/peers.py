@@ -16,12 +16,15 @@ so in one line and measures unshaped only, on loopback, with `local-cluster` exe
 
 Reported per link, dataset and contender: samples/s, bytes on the wire per sample (the links'
 counters), seconds of training to the dataset's target accuracy, the accuracy at the end of the
-budget; per link and dataset, sparknet's best against TorchDistributor and the issue's goal.
+budget, the share of the training time spent waiting on the network and the rate the exchange
+moved bytes at against the link's (`WAIT_NOTE`); per link and dataset, sparknet's best against
+TorchDistributor and the issue's goal.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import math
@@ -37,18 +40,50 @@ from pathlib import Path
 from typing import Any
 
 from sparknet.bench.common import BenchReport, pyplot, save_figure
-from sparknet.bench.convergence import DATASETS, RECIPES
-from sparknet.bench.links import Link, NetLab, die_with_parent, why_no_delay, why_no_namespaces
-from sparknet.bench.peers_run import KINDS, Contender, PeersSpec, Settings
+from sparknet.bench.convergence import PEERS_DATASETS, RECIPES
+from sparknet.bench.links import (
+    Link,
+    NetLab,
+    die_with_parent,
+    parse_links,
+    why_no_delay,
+    why_no_namespaces,
+)
+from sparknet.bench.peers_run import (
+    COMPRESS,
+    EVAL_S,
+    KINDS,
+    Contender,
+    PeersSpec,
+    Settings,
+    Variant,
+)
 from sparknet.errors import SparknetError
 
 Status = Callable[[str], None]
-__all__ = ["DATASETS", "KINDS", "Plan", "contenders_of", "run"]
+#: the names `--data` takes: `bench convergence`'s, and a model that the links bind
+DATASETS = PEERS_DATASETS
+__all__ = ["DATASETS", "KINDS", "Plan", "Variant", "contenders_of", "run", "taus_of", "variants_of"]
 
 COLUMNS = [
     "link", "dataset", "contender", "samples_per_s", "wire_bytes_per_sample", "target",
-    "seconds_to_target", "accuracy_at_budget", "setup_s", "exchange_share",
+    "seconds_to_target", "accuracy_at_budget", "setup_s", "wait_share", "wire_rate_share",
 ]  # fmt: skip
+
+#: how `wait_share` and `wire_rate_share` are measured, a note of every report
+WAIT_NOTE = (
+    "wait_share: the share of a contender's seconds of training spent waiting on the network: "
+    "sparknet allreduce, the rows' seconds.exchange (under overlap only what compute did not "
+    "hide); spark, seconds.broadcast + aggregate; TorchDistributor, DDP's own runtime "
+    "statistics of rank 0, per step the all-reduce's end less the backward's compute end (the "
+    "all-reduce time the backward did not hide; a rank slower to compute counts there too); "
+    "plain PyTorch, 0. wire_rate_share: the bytes the links carried, per worker, a second of "
+    "the exchange's time on the link, over the link's rate (1.0: a link kept full): sparknet's "
+    "from round 2 on (round 1 carries the start), in its wait, under overlap in its whole "
+    "training time (spark's evaluations send the weights out too: more bytes than its "
+    "exchange's); DDP's over the run, in its all-reduces from the first bucket's launch to "
+    "the last one's end"
+)
 
 #: the issue's goals: sparknet's best seconds to the target over TorchDistributor's, by rate
 #: (None: unshaped); rates without a goal are reported without one
@@ -66,18 +101,68 @@ class Plan(Settings):
     out: Path
 
 
-def contenders_of(kinds: Sequence[str], taus: Sequence[int], outers: Sequence[str]) -> list:
-    """Every contender asked for: `allreduce` at each tau and outer optimizer, `spark` at each
-    tau with plain averaging (its outer optimizers are `allreduce`'s), the others once."""
+def contenders_of(
+    kinds: Sequence[str],
+    taus: Sequence[int | str],
+    outers: Sequence[str],
+    variants: Sequence[Variant] = (Variant(),),
+) -> list[Contender]:
+    """Every contender asked for: `allreduce` at each tau, outer optimizer and variant (its
+    slow-link settings), `spark` at each tau with plain averaging (its outer optimizers and
+    slow-link settings are `allreduce`'s), the others once."""
     out: list[Contender] = []
     for kind in kinds:
         if kind == "allreduce":
-            out += [Contender(kind, t, o) for t in taus for o in outers]
+            out += [
+                Contender(kind, t, o, v.compress, v.overlap, v.fragments)
+                for t in taus
+                for o in outers
+                for v in variants
+            ]
         elif kind == "spark":
             out += [Contender(kind, t, "average") for t in taus]
         else:
             out.append(Contender(kind))
     return out
+
+
+def taus_of(text: str) -> list[int | str]:
+    """`--tau`'s values: whole numbers >= 1 or `auto` (sparknet chooses as the run goes),
+    comma-separated, each once."""
+    values: list[int | str] = []
+    for term in (t.strip() for t in text.split(",")):
+        if term == "auto":
+            values.append(term)
+        elif term.isdigit() and int(term) >= 1:
+            values.append(int(term))
+        else:
+            raise SparknetError(
+                f"--tau takes whole numbers >= 1 or auto, comma-separated, got {text!r}"
+            )
+    _once(values, "--tau")
+    return values
+
+
+def variants_of(text: str) -> list[Variant]:
+    """`--variants`' values: each `none` or +-joined slow-link settings of the allreduce
+    transport (`Variant.parse`), comma-separated, each once."""
+    found = []
+    for term in text.split(","):
+        try:
+            found.append(Variant.parse(term))
+        except ValueError as exc:
+            raise SparknetError(
+                f"--variants takes none or +-joined {', '.join(COMPRESS)}, overlap, fragN, "
+                f"comma-separated (e.g. none,int8,int8+overlap+frag4), got {text!r}: {exc}"
+            ) from None
+    _once([v.name for v in found], "--variants")
+    return found
+
+
+def _once(values: Sequence[Any], what: str) -> None:
+    twice = list(dict.fromkeys(str(v) for v in values if list(values).count(v) > 1))
+    if twice:
+        raise SparknetError(f"{what} lists {', '.join(twice)} more than once")
 
 
 def run(plan: Plan, on_status: Status = lambda _t: None) -> BenchReport:
@@ -97,6 +182,7 @@ def run(plan: Plan, on_status: Status = lambda _t: None) -> BenchReport:
             f"0 ms ({', '.join(lk.name for lk in links)})"
         )
         on_status(notes[-1])
+    notes.append(WAIT_NOTE)
     if plan.workers * plan.threads > (os.cpu_count() or 1):
         notes.append(
             f"K={plan.workers} ranks of {plan.threads} threads share {os.cpu_count()} cores: "
@@ -117,6 +203,11 @@ def run(plan: Plan, on_status: Status = lambda _t: None) -> BenchReport:
             raise SparknetError(f"no link was measured: {'; '.join(notes[-len(links) :])}")
     rows = table(outcomes, plan)
     notes += goal_notes(rows, links, plan)
+    notes += [
+        f"{r['link']}, {r['dataset']}: {r['contender']} ended at tau={r['tau_last']:g}"
+        for r in rows
+        if r.get("tau_last") is not None
+    ]
     report = BenchReport(
         name="peers",
         title=f"sparknet, TorchDistributor and plain PyTorch, K={plan.workers}, "
@@ -153,6 +244,8 @@ def _plan_doc(plan: Plan) -> dict[str, Any]:
         "threads": plan.threads, "batch_size": plan.batch_size, "budget_s": plan.budget_s,
         "reps": plan.reps, "seed": plan.seed,
         "targets": {d: RECIPES[d].target for d in plan.datasets},
+        "recipes": {d: dataclasses.asdict(RECIPES[d]) for d in plan.datasets},
+        "eval_s": EVAL_S,
     }  # fmt: skip
 
 
@@ -266,14 +359,14 @@ def _median(values: list[float | None]) -> float | None:
 
 def table(outcomes: list[dict[str, Any]], plan: Plan) -> list[dict[str, Any]]:
     """A row per link, dataset and contender: medians over the repetitions (seconds to the
-    target only when every repetition reached it)."""
+    target only when every repetition reached it; the wait and rate shares over those that
+    measured them)."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for o in outcomes:
         groups.setdefault((o["link"], o["dataset"], o["contender"]), []).append(o)
     rows = []
     for (link, dataset, contender), runs in groups.items():
         target = RECIPES[dataset].target
-        exchange = [o["exchange_s"] / o["train_s"] for o in runs if o.get("exchange_s") is not None]
         rows.append({
             "link": link, "dataset": dataset, "contender": contender, "kind": runs[0]["kind"],
             "samples_per_s": _median([o["samples"] / o["train_s"] for o in runs]),
@@ -282,14 +375,45 @@ def table(outcomes: list[dict[str, Any]], plan: Plan) -> list[dict[str, Any]]:
             "seconds_to_target": _median([seconds_to(o["curve"], target) for o in runs]),
             "accuracy_at_budget": _median([accuracy_at(o["curve"], plan.budget_s) for o in runs]),
             "setup_s": _median([o["setup_s"] for o in runs]),
-            "exchange_share": statistics.median(exchange) if exchange else None,
+            "wait_share": _median_of([wait_share(o) for o in runs]),
+            "wire_rate_share": _median_of([wire_rate_share(o, plan.workers) for o in runs]),
+            "tau_last": _median_of([o.get("tau_last") for o in runs]),
+            "busy_what": runs[0].get("busy_what", "exchange"),
         })  # fmt: skip
     return rows
 
 
+def wait_share(run: dict[str, Any]) -> float | None:
+    """The share of a run's seconds of training spent waiting on the network (`WAIT_NOTE`)."""
+    wait = run.get("wait_s")
+    return wait / run["train_s"] if wait is not None and run["train_s"] > 0 else None
+
+
+def wire_rate_share(run: dict[str, Any], workers: int) -> float | None:
+    """The bytes a worker put on its link a second of the exchange's time there, over the
+    link's rate (`WAIT_NOTE`); None unshaped, for plain PyTorch, or without that time."""
+    rate = _rate_of(run["link"])
+    busy = run.get("busy_s")
+    if rate is None or not busy or run["kind"] == "plain":
+        return None
+    carried = run.get("busy_bytes")
+    return (run["wire_bytes"] if carried is None else carried) / workers * 8 / busy / rate
+
+
+def _rate_of(link: str) -> int | None:
+    """The rate of a link by its name (`Link.name`, which `parse_links` reads back)."""
+    return parse_links(link)[0].rate_bit
+
+
+def _median_of(values: list[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
 def goal_notes(rows: list[dict[str, Any]], links: list[Link], plan: Plan) -> list[str]:
     """Per link and dataset: sparknet's best seconds to the target over TorchDistributor's,
-    against the goal for that rate, and where the time goes when it is missed."""
+    against the goal for that rate, where each one's time went (waiting on the network, the
+    link's use), and more of that when the goal is missed."""
     notes = []
     rate_of = {lk.name: lk.rate_bit for lk in links}
     for link in dict.fromkeys(r["link"] for r in rows):
@@ -303,23 +427,59 @@ def goal_notes(rows: list[dict[str, Any]], links: list[Link], plan: Plan) -> lis
             best = min(reached, key=lambda r: r["seconds_to_target"]) if reached else None
             goal = GOALS.get(rate_of.get(link))
             head = f"{link}, {dataset}:"
-            if best is None or theirs["seconds_to_target"] is None:
-                who = "no sparknet setting" if best is None else "TorchDistributor"
-                notes.append(f"{head} {who} reached the target in {plan.budget_s:g} s; no ratio")
+            if best is None:
+                notes.append(
+                    f"{head} no sparknet setting reached the target in {plan.budget_s:g} s; "
+                    f"no ratio{_network(ours, theirs)}"
+                )
+                continue
+            ours_text = (
+                f"{head} sparknet's best ({best['contender']}) {best['seconds_to_target']:.1f} s"
+                f" to {best['target']:g}"
+            )
+            if theirs["seconds_to_target"] is None:  # theirs > budget: the ratio is a bound
+                bound = best["seconds_to_target"] / plan.budget_s
+                line = (
+                    f"{ours_text}; TorchDistributor did not reach it in {plan.budget_s:g} s: "
+                    f"< {bound:.2f}x"
+                )
+                if goal is not None:
+                    line += f", goal <= {goal:g}x {'met' if bound <= goal else 'not decided'}"
+                notes.append(line + _network([best], theirs))
                 continue
             ratio = best["seconds_to_target"] / theirs["seconds_to_target"]
             line = (
-                f"{head} sparknet's best ({best['contender']}) {best['seconds_to_target']:.1f} s"
-                f" to {best['target']:g} against TorchDistributor's "
-                f"{theirs['seconds_to_target']:.1f} s: {ratio:.2f}x"
+                f"{ours_text} against TorchDistributor's {theirs['seconds_to_target']:.1f} s: "
+                f"{ratio:.2f}x"
             )
             if goal is not None:
                 met = ratio <= goal
                 line += f", goal <= {goal:g}x {'met' if met else f'missed by {ratio / goal:.2f}x'}"
                 if not met:
                     line += _where_time_goes(best, theirs, here, plan)
-            notes.append(line)
+            notes.append(line + _network([best], theirs))
     return notes
+
+
+def _network(ours: list[dict[str, Any]], theirs: dict[str, Any]) -> str:
+    """`; network wait: ...` for sparknet's rows `ours` (the best one, or all when none reached
+    the target) and TorchDistributor's, each with the link's use where the link is shaped."""
+
+    def said(r: dict[str, Any], name: str) -> str | None:
+        if r.get("wait_share") is None:
+            return None
+        use = r.get("wire_rate_share")
+        link = ""
+        if use is not None and r.get("busy_what") == "training":  # overlap: a lower bound
+            link = f" (the link at {use:.0%} of its rate over training)"
+        elif use is not None:
+            link = f" (exchange at {use:.0%} of the link's rate)"
+        return f"{name} {r['wait_share']:.0%}{link}"
+
+    parts = [said(r, r["contender"] if len(ours) > 1 else "sparknet") for r in ours]
+    parts.append(said(theirs, "TorchDistributor"))
+    known = [p for p in parts if p is not None]
+    return f"; network wait: {', '.join(known)} of training" if known else ""
 
 
 def _where_time_goes(
@@ -329,8 +489,6 @@ def _where_time_goes(
     parts = [
         f"sparknet {best['samples_per_s']:.0f} samples/s against {theirs['samples_per_s']:.0f}"
     ]
-    if best.get("exchange_share") is not None:
-        parts.append(f"{best['exchange_share']:.0%} of its training time in the exchange")
     if plain is not None and plain["samples_per_s"]:
         ideal = plan.workers * plain["samples_per_s"]
         parts.append(

@@ -11,10 +11,28 @@ The lab's namespaces share this machine's disk, so a run dir here is one every n
 Every contender trains the same model on the same data with the same K, batch,
 threads, inner optimizer and seed (`PeersSpec`), for the same seconds of training (`budget_s`,
 evaluations excluded), evaluated on the whole test set as it goes:
-- sparknet: `sparknet.training.driver.train`, evaluated after every round (every tau steps);
-- TorchDistributor and plain PyTorch: `sparknet.bench.distributor`, every `eval_every` steps.
+- sparknet: `sparknet.training.driver.train`, evaluated after the first round past every
+  recipe's `eval_steps` steps (every round at tau >= those, and under tau auto): its averaged
+  model exists only at a round's end;
+- TorchDistributor and plain PyTorch: `sparknet.bench.distributor`, every `eval_steps` steps, or
+  sooner where those take more than EVAL_S seconds of training (a large model on a slow link:
+  seconds a step), so that a time to the target is known to within EVAL_S.
 Bytes on the wire are the lab's link counters (or loopback's) read before and after each run:
 its start, its evaluations and its end included, as a user's network would carry them.
+
+Seconds waiting on the network, per run (`Outcome.wait_s`; the notes of `peers` say the same):
+- sparknet `allreduce`: the rows' `seconds.exchange`, rank 0's wait for the mean of the updates
+  (under overlap only what compute did not hide); `spark`: `seconds.broadcast` + `aggregate`,
+  the weights sent out and the updates summed through Spark (its scheduling included);
+- TorchDistributor: DDP's own runtime statistics of rank 0, per step the all-reduce's end less
+  the end of the backward's compute: the all-reduce time the backward did not hide;
+- plain PyTorch: none.
+`busy_s` is how long the exchange had the link: sparknet's blocking exchange its wait, under
+overlap its whole training time (the exchange runs behind compute: an upper bound), both from
+round 2 on, with `busy_bytes` the bytes the links carried meanwhile (round 1 carries the run's
+start: the weights sent out, Spark's tasks); DDP's the all-reduces from the first bucket's
+launch to the last one's end, each step (with the run's `wire_bytes`: the start is one
+all-reduce's worth).
 """
 
 from __future__ import annotations
@@ -22,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import shutil
 import sys
 import time
@@ -38,26 +57,103 @@ from sparknet.config import TrainConfig
 
 #: what `--contenders` takes: sparknet's two transports, TorchDistributor's two modes, plain
 KINDS = ("allreduce", "spark", "distributor", "distributor-local", "plain")
-#: steps between evaluations (sparknet's: rounds of tau steps, at least one)
-EVAL_EVERY = 10
+#: what a variant's `compress` may be: the allreduce transport's formats but `none`
+COMPRESS = ("bf16", "fp16", "int8", "int4")
+#: TorchDistributor's and plain's evaluations: at most this many seconds of training apart
+EVAL_S = 2.0
 #: rounds a sparknet run is given at most; the budget ends it long before
 MAX_ROUNDS = 100_000
 
 
 @dataclass(frozen=True)
+class Variant:
+    """The allreduce transport's slow-link settings a contender runs with (all off: `none`),
+    written as `bench peers` takes them: `int8+overlap+frag4`."""
+
+    compress: str = "none"
+    overlap: bool = False
+    fragments: int = 1
+
+    def __post_init__(self) -> None:
+        if self.compress != "none" and self.compress not in COMPRESS:
+            raise ValueError(f"compress is none or one of {', '.join(COMPRESS)}: {self.compress}")
+        if self.fragments < 1:
+            raise ValueError(f"fragments must be at least 1, got {self.fragments}")
+
+    @property
+    def words(self) -> list[str]:
+        """What a label shows: nothing for `none`."""
+        words = [] if self.compress == "none" else [self.compress]
+        words += ["overlap"] if self.overlap else []
+        return words + ([f"frag{self.fragments}"] if self.fragments > 1 else [])
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.words) or "none"
+
+    @staticmethod
+    def parse(text: str) -> Variant:
+        """`none`, or `+`-joined terms, each once: a format of COMPRESS, `overlap`, `fragN`
+        (N >= 2). ValueError, saying what is wrong, for anything else."""
+        terms = [t.strip() for t in text.split("+")]
+        if terms == ["none"]:
+            return Variant()
+        fields: dict[str, Any] = {}
+        for term in terms:
+            frag = re.fullmatch(r"frag(\d+)", term)
+            key: str
+            value: Any
+            if term in COMPRESS:
+                key, value = "compress", term
+            elif term == "overlap":
+                key, value = "overlap", True
+            elif frag and int(frag.group(1)) >= 2:
+                key, value = "fragments", int(frag.group(1))
+            else:
+                raise ValueError(
+                    f"{term!r} is none of {', '.join(COMPRESS)}, overlap, fragN (N >= 2)"
+                )
+            if key in fields:
+                raise ValueError(f"{text!r} sets {key} twice")
+            fields[key] = value
+        return Variant(**fields)
+
+
+@dataclass(frozen=True)
 class Contender:
-    """One way to train: `kind` in KINDS; sparknet's kinds with their tau and outer optimizer."""
+    """One way to train: `kind` in KINDS; sparknet's kinds with their tau (a number of steps,
+    or `auto`) and outer optimizer, `allreduce` with its slow-link settings (`Variant`)."""
 
     kind: str
-    tau: int = 0
+    tau: int | str = 0
     outer: str = ""
+    compress: str = "none"
+    overlap: bool = False
+    fragments: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind != "allreduce" and self.variant != Variant():
+            raise ValueError(f"{self.variant.name} is the allreduce transport's, not {self.kind}'s")
+
+    @property
+    def variant(self) -> Variant:
+        return Variant(self.compress, self.overlap, self.fragments)
 
     @property
     def label(self) -> str:
-        if self.kind in ("allreduce", "spark"):
-            return f"sparknet {self.kind} tau={self.tau} {self.outer}"
+        if self.sparknet:
+            return " ".join(
+                ["sparknet", self.kind, f"tau={self.tau}", self.outer, *self.variant.words]
+            )
         return {"distributor": "TorchDistributor", "distributor-local": "TorchDistributor local",
                 "plain": "plain PyTorch"}[self.kind]  # fmt: skip
+
+    @property
+    def slug(self) -> str:
+        """Its run dir's name (with the dataset's and repetition's around it)."""
+        return "-".join(
+            str(p) for p in (self.kind, self.tau, self.outer, *self.variant.words) if p != ""
+        )
 
     @property
     def sparknet(self) -> bool:
@@ -120,8 +216,17 @@ class Outcome:
     wire_bytes: int
     #: (train seconds, samples, test accuracy) at every evaluation
     curve: list[tuple[float, int, float]] = field(default_factory=list)
-    #: sparknet only: seconds of the round's exchange (allreduce) or broadcast and sum (spark)
-    exchange_s: float | None = None
+    #: seconds of training spent waiting on the network (what, per kind: the module's docstring);
+    #: None where it could not be measured
+    wait_s: float | None = None
+    #: seconds the exchange had the link (the module's docstring); None where unknown
+    busy_s: float | None = None
+    #: sparknet: bytes the links carried from round 2 on (None: `wire_bytes` stands for them)
+    busy_bytes: int | None = None
+    #: what `busy_s` is: the exchange's time, or under overlap the training's
+    busy_what: str = "exchange"
+    #: sparknet under tau auto: the tau of its last round
+    tau_last: int | None = None
 
 
 def wire_bytes(counters: tuple[int, list[str]] | None) -> int:
@@ -140,22 +245,28 @@ class _Spent(Exception):
     """Raised from `on_round` once a sparknet run has trained its budget."""
 
 
+def eval_rounds(tau: int | str, steps: int) -> int:
+    """Rounds between a sparknet run's evaluations: the first round past every `steps` steps;
+    every round under tau auto (its rounds are as long as it makes them)."""
+    return 1 if tau == "auto" else -(-steps // int(tau))
+
+
 def run_sparknet(spark, spec: PeersSpec, dataset: str, c: Contender, run_dir: Path) -> dict:
     """One sparknet run: `budget_s` seconds of rounds (each round's `seconds.total`, its
-    evaluation not included), evaluated after the first round past every EVAL_EVERY steps
-    (every round at tau >= EVAL_EVERY), as often as the other contenders."""
+    evaluation not included), evaluated every `eval_rounds`."""
     from sparknet.training.driver import train  # lazy: torch, pyspark, boto3
 
     recipe = RECIPES[dataset]
     cfg = TrainConfig(
         model=recipe.model, data=recipe.data, batch_size=spec.batch_size, lr=recipe.lr,
         momentum=recipe.momentum, workers=spec.workers, tau=c.tau, outer=c.outer,
-        rounds=MAX_ROUNDS, eval_every=-(-EVAL_EVERY // c.tau), checkpoint_every=0,
-        transport=c.kind,
+        rounds=MAX_ROUNDS, eval_every=eval_rounds(c.tau, recipe.eval_steps), checkpoint_every=0,
+        transport=c.kind, compress=c.compress, overlap=c.overlap, fragments=c.fragments,
         master=spec.master, seed=spec.seed, out=str(run_dir),
     )  # fmt: skip
     curve: list[tuple[float, int, float]] = []
-    spent = {"train_s": 0.0, "samples": 0, "exchange_s": 0.0, "first": 0.0}
+    spent: dict[str, Any] = {"train_s": 0.0, "samples": 0, "wait_s": 0.0, "first": 0.0}
+    mark: dict[str, Any] = {}  # the links' bytes, the wait and training seconds after round 1
     started = time.perf_counter()
 
     def on_round(row: dict[str, Any]) -> None:
@@ -164,7 +275,11 @@ def run_sparknet(spark, spec: PeersSpec, dataset: str, c: Contender, run_dir: Pa
         seconds = row["seconds"]
         spent["train_s"] += seconds["total"]
         spent["samples"] += row["samples"]
-        spent["exchange_s"] += seconds.get("exchange", seconds["broadcast"] + seconds["aggregate"])
+        spent["wait_s"] += seconds.get("exchange", seconds["broadcast"] + seconds["aggregate"])
+        spent["tau"] = row.get("tau")
+        spent["bytes"] = wire_bytes(spec.counters)
+        if row["round"] == 1:
+            mark.update(spent)
         if "eval_accuracy" in row:
             curve.append((spent["train_s"], spent["samples"], row["eval_accuracy"]))
         if spent["train_s"] >= spec.budget_s:
@@ -173,9 +288,14 @@ def run_sparknet(spark, spec: PeersSpec, dataset: str, c: Contender, run_dir: Pa
     shutil.rmtree(run_dir, ignore_errors=True)
     with contextlib.suppress(_Spent):
         train(cfg, spark=spark, on_round=on_round)
+    busy = "train_s" if c.overlap else "wait_s"
     return {
         "samples": spent["samples"], "train_s": spent["train_s"], "setup_s": spent["first"],
-        "curve": curve, "exchange_s": spent["exchange_s"],
+        "curve": curve, "wait_s": spent["wait_s"],
+        "busy_s": spent[busy] - mark[busy] if mark else None,
+        "busy_bytes": spent["bytes"] - mark["bytes"] if mark else None,
+        "busy_what": "training" if c.overlap else "exchange",
+        "tau_last": spent.get("tau") if c.tau == "auto" else None,
     }  # fmt: skip
 
 
@@ -189,7 +309,7 @@ def run_peer(spark, spec: PeersSpec, dataset: str, c: Contender) -> dict:
         data=recipe.data, model=recipe.model, workers=1 if c.kind == "plain" else spec.workers,
         batch_size=spec.batch_size, lr=recipe.lr, momentum=recipe.momentum,
         threads=spec.threads, seed=spec.seed, target=math.inf, max_steps=10**9,
-        max_seconds=spec.budget_s, eval_every=EVAL_EVERY,
+        max_seconds=spec.budget_s, eval_every=recipe.eval_steps, eval_s=EVAL_S,
     )  # fmt: skip
     if c.kind == "plain":
         run = run_plain(peer)
@@ -198,6 +318,8 @@ def run_peer(spark, spec: PeersSpec, dataset: str, c: Contender) -> dict:
     return {
         "samples": run.samples, "train_s": run.train_s, "setup_s": run.setup_s,
         "curve": [tuple(p) for p in run.curve],
+        "wait_s": 0.0 if c.kind == "plain" else run.wait_s,
+        "busy_s": None if c.kind == "plain" else run.busy_s,
     }  # fmt: skip
 
 
@@ -238,7 +360,7 @@ def main(spec_path: str, results_path: str) -> None:
         for dataset in spec.datasets:
             for rep in range(spec.reps):
                 for c in order(spec.contenders, rep):
-                    run_dir = Path(spec.runs_dir) / f"{dataset}-{c.kind}-{c.tau}-{c.outer}-{rep}"
+                    run_dir = Path(spec.runs_dir) / f"{dataset}-{c.slug}-{rep}"
                     if c.sparknet:
                         warm_up(spark, spec, dataset)
                     before, t0 = wire_bytes(spec.counters), time.perf_counter()

@@ -69,6 +69,9 @@ def test_ddp_on_the_standalone_cluster_trains(standalone):
     assert accuracy[0] < 2 * CHANCE < min(accuracy[1:]) and max(accuracy) > 5 * CHANCE, accuracy
     assert cluster.seconds_to_target is None
     assert 0 < cluster.train_s < cluster.setup_s < cluster.wall_s
+    # DDP's own timing of its all-reduces: the part not hidden within the part under way
+    assert cluster.wait_s is not None and cluster.busy_s is not None
+    assert 0 <= cluster.wait_s <= cluster.busy_s < cluster.train_s
 
 
 def test_ddp_step_equals_one_sgd_step_on_both_ranks_batches(spark):

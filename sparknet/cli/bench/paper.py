@@ -111,7 +111,11 @@ def convergence(
 
 
 def peers(
-    data: str = typer.Option("digits,imagenet-like", help="digits, imagenet-like, or both"),
+    data: str = typer.Option(
+        "digits,imagenet-like",
+        help="digits, imagenet-like, imagenet-like-wide (a 40 MB MLP that the links bind; give "
+        "it --budget-s 150), comma-separated",
+    ),
     links: str = typer.Option(
         "unshaped,10gbit:0.5ms,10gbit:10ms,1gbit:0.5ms,1gbit:10ms,100mbit:0.5ms,100mbit:10ms",
         help="emulated links (RATE:DELAY, or unshaped), comma-separated",
@@ -121,8 +125,14 @@ def peers(
         help="allreduce and spark (sparknet's transports), distributor (TorchDistributor on the "
         "cluster), distributor-local (its local_mode), plain (one PyTorch process)",
     ),
-    tau: str = typer.Option("1,10,50", help="sparknet's tau values"),
+    tau: str = typer.Option("1,10,50", help="sparknet's tau values; auto: chosen as it runs"),
     outer: str = typer.Option("average,nesterov", help="sparknet's outer optimizers (allreduce)"),
+    variants: str = typer.Option(
+        "none",
+        help="allreduce's slow-link settings, each crossing every allreduce tau and outer: "
+        "none, or +-joined int8, int4, bf16, fp16, overlap, fragN (N >= 2), comma-separated, "
+        "e.g. none,int8,int8+overlap+frag4",
+    ),
     workers: int = typer.Option(2, help="K: Spark workers, each in its own namespace"),
     threads: int = typer.Option(1, help="torch threads (and Spark cores) per worker"),
     batch_size: int = typer.Option(32, help="samples per step per worker"),
@@ -132,9 +142,10 @@ def peers(
     out: Path = OutOption,
     debug: bool = DebugOption,
 ) -> None:
-    """sparknet (both transports, each tau and outer optimizer) against TorchDistributor (DDP)
-    and plain PyTorch: samples/s, bytes on the wire per sample, seconds to a target accuracy
-    and the accuracy reached in a fixed time, on emulated links (network namespaces and tc)."""
+    """sparknet (both transports, each tau and outer optimizer, allreduce with each variant)
+    against TorchDistributor (DDP) and plain PyTorch: samples/s, bytes on the wire per sample,
+    seconds to a target accuracy, the accuracy reached in a fixed time and the share of it spent
+    waiting on the network, on emulated links (network namespaces and tc)."""
     from sparknet.bench import links as lab  # lazy: +4 ms to `sparknet --help`
     from sparknet.bench import peers as bench  # lazy: numpy
 
@@ -146,7 +157,9 @@ def peers(
         plan = bench.Plan(
             datasets=names(data, "--data", bench.DATASETS),
             links=distinct_links(lab.parse_links(links)),
-            contenders=bench.contenders_of(kinds, ints(tau, "--tau"), outers),
+            contenders=bench.contenders_of(
+                kinds, bench.taus_of(tau), outers, bench.variants_of(variants)
+            ),
             workers=within(workers, 2, lab.MAX_WORKERS, "--workers"),
             threads=at_least(threads, 1, "--threads"),
             batch_size=at_least(batch_size, 1, "--batch-size"),
