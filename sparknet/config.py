@@ -282,6 +282,14 @@ class TrainConfig(BaseModel):
             }
         return conf
 
+    @field_validator("fragments", mode="before")
+    @classmethod
+    def _fragments_not_a_bool(cls, value: Any) -> Any:
+        """YAML's `true` is not a number of fragments (it read as 1)."""
+        if isinstance(value, bool):
+            raise ValueError(f"a whole number of fragments (1: none), not {str(value).lower()}")
+        return value
+
     @field_validator("no_executor_timeout_s", "progress_timeout_s", mode="before")
     @classmethod
     def _seconds_not_a_bool(cls, value: Any) -> Any:
@@ -390,6 +398,7 @@ TRAJECTORY_SETTINGS = (
     "model", "num_classes", "data", "label_col", "input_col", "image_size", "workers", "tau",
     "batch_size", "optimizer", "lr", "momentum", "weight_decay", "outer", "outer_lr",
     "outer_momentum", "inner_state", "seed", "precision", "compress", "overlap", "fragments",
+    "tau_share",
 )  # fmt: skip
 
 

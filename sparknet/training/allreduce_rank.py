@@ -297,6 +297,11 @@ class _Rank:
             state = checkpoint.read_rank(
                 base.run_dir, base.round, self.rank, _sync_tag(cfg), endpoint_url=cfg.endpoint_url
             )
+        found: list[Any] = [None] * world
+        with progress.waiting():
+            dist.all_gather_object(found, state is not None)
+        if any(found) and not all(found):  # every rank raises it: no restart heals it
+            raise checkpoint.rank_state_missing(base.run_dir, base.round, found.index(False))
         return Synchronizer(
             base.layout, fragments_of(base.layout, cfg.fragments), theta,
             lr=cfg.outer_lr, momentum=cfg.outer_momentum, momentum_buffer=momentum,
@@ -424,8 +429,9 @@ class _Blocking:
 
 
 def _sync_tag(cfg: TrainConfig) -> str:
-    """What a rank's checkpointed sync state was made under: kept only for the same settings."""
-    return f"fragments={cfg.fragments} overlap={cfg.overlap}"
+    """What a rank's checkpointed sync state was made under: kept only for the same settings
+    (a resume that changed one with allow_change starts every worker from the global weights)."""
+    return f"fragments={cfg.fragments} overlap={cfg.overlap} workers={cfg.workers}"
 
 
 def _from_rank0(integers: dict[str, np.ndarray] | None, layout: StateLayout) -> dict:

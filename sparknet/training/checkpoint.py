@@ -31,9 +31,16 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from sparknet.data.store import LocalStore, MissingObjectError, Store, open_store
-from sparknet.errors import SparknetError, WriteRefused, first_line, is_permanent
+from sparknet.errors import (
+    PermanentTaskError,
+    SparknetError,
+    WriteRefused,
+    first_line,
+    is_permanent,
+)
 from sparknet.training.state import StateLayout
 from sparknet.training.sync import RankState
+from sparknet.training.tau_choice import TauChooser
 
 CHECKPOINTS = "checkpoints"
 CONFIG = "config.yaml"
@@ -134,6 +141,15 @@ def _metadata(data: bytes) -> dict[str, str]:
     """A safetensors file's `__metadata__` (its header is 8 bytes of length, then JSON)."""
     length = int.from_bytes(data[:8], "little")
     return json.loads(data[8 : 8 + length]).get("__metadata__") or {}
+
+
+def rank_state_missing(run_dir: str, rounds: int, partition: int) -> PermanentTaskError:
+    """The error for a checkpoint in which some workers' `RankState` files are and one is not:
+    the ranks cannot go on from it together (what they have in flight would not match)."""
+    return PermanentTaskError(
+        f"checkpoint {run_dir}/{name(rounds)} is damaged ({_rank_name(partition)} is missing); "
+        "delete that checkpoint dir to resume from the one before it"
+    )
 
 
 def read_inner(
@@ -251,6 +267,12 @@ def read_weights(store: Store, rounds: int) -> bytes:
     where it has them, else its weights; checked to parse as safetensors (never handed on
     unread: a damaged file would become a damaged model.safetensors)."""
     file = FINAL if store.size(f"{name(rounds)}/{FINAL}") is not None else WEIGHTS
+    if file == WEIGHTS and store.size(f"{name(rounds)}/{_rank_name(0)}") is not None:
+        raise SparknetError(
+            f"checkpoint {store.uri}/{name(rounds)} holds no model of its own ({FINAL}): its "
+            "weights lack what the workers had not yet exchanged (fragments, overlap); resume "
+            "with more rounds, which makes one"
+        )
     data = store.read_bytes(f"{name(rounds)}/{file}")
     try:
         load_safetensors(data)
@@ -267,6 +289,8 @@ def load(store: Store, rounds: int, layout: StateLayout) -> Checkpoint:
         state = json.loads(store.read_bytes(f"{where}/{MANIFEST}"))
         stored_rounds, elapsed_s = int(state["rounds"]), float(state["elapsed_s"])
         tau_state = state.get("tau_choice")
+        if tau_state is not None:
+            TauChooser.from_state(tau_state)  # a damaged one is said here, naming its file
         file = WEIGHTS
         weights = load_safetensors(store.read_bytes(f"{where}/{WEIGHTS}"))
         theta, integers = layout.flatten(weights), layout.integers(weights)

@@ -16,7 +16,8 @@ of a flat buffer over the ranks):
   correction). Chosen over the eager update (Kale, Douillard et al. 2025), which steps each
   worker's outer optimizer on its own estimate of the mean: that needs K outer states, all
   different, checkpointed and kept apart; here every rank holds one global state, the same on
-  every rank, as without overlap. With one worker and `average` it is blocking DiLoCo exactly.
+  every rank, as without overlap. With one worker and `average` it is blocking DiLoCo (up to
+  float rounding).
 
 The bookkeeping, per fragment q: G_q the global weights (the same on every rank), w_q the rank's
 weights, P_q its progress not yet sent (a round's update, start minus end, is added to it). A sync

@@ -12,7 +12,8 @@ so the chooser takes the smallest tau whose predicted share is at most `share`:
 How it reads the measurements, and why:
 
 - Round 1 runs at the probe `first` and never counts: it carries the run's start-up (Python
-  workers started, torch imported, the first batch read, lazy initialisation).
+  workers started, torch imported, the first batch read, lazy initialisation). Nor does the
+  first round of a resume or of a restarted stage (`from_state`): it starts all that again.
 - C is a round's compute over its own tau, so rounds run at different taus mix; C and S are
   always medians, which the odd slow round does not move.
 - The first choice waits for `FIRST_CHOICE` (4) measured rounds, rounds 2 to 5, and takes their
@@ -95,6 +96,8 @@ class TauChooser:
             raise ValueError(
                 f"first must be a whole number from low={low} to high={high} (got {first!r})"
             )
+        #: the next round observed is a (re)start's first, which carries its start-up: not counted
+        self._startup = True
         self.share, self.first, self.low, self.high = float(share), first, low, high
         self._tau = first
         self._seen = 0  # rounds observed, round 1 included
@@ -114,8 +117,9 @@ class TauChooser:
                 raise ValueError(f"{name} must be a finite number of seconds, >= 0 (got {value!r})")
         self._seen += 1
         self._decision = None
-        if self._seen == 1:
-            return  # the start-up round
+        if self._startup:  # the round a run, a resume or a restarted stage began with
+            self._startup = False
+            return
         measured = (compute_s / tau, float(exchange_s))
         self._regime = [*self._regime, measured][-REGIME:]
         chosen = self._choose()
@@ -222,9 +226,11 @@ def chooser_of(cfg: TrainConfig, state: dict[str, Any] | None) -> TauChooser | N
     else a new one that starts at the probe."""
     if cfg.tau != "auto":
         return None
-    if state is not None:
-        return TauChooser.from_state(state)
-    return TauChooser(share=cfg.tau_share, first=cfg.first_tau)
+    if state is None:
+        return TauChooser(share=cfg.tau_share, first=cfg.first_tau)
+    chooser = TauChooser.from_state(state)
+    chooser.share = cfg.tau_share  # a resume that changed it did so with allow_change
+    return chooser
 
 
 def next_tau(cfg: TrainConfig, state: dict[str, Any] | None) -> int:

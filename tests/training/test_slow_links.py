@@ -10,12 +10,14 @@ from __future__ import annotations
 import filecmp
 import json
 import math
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 
 from sparknet.config import TAU_PROBE, TrainConfig, load_train_config
-from sparknet.errors import SettingError
+from sparknet.errors import SettingError, SparknetError
 from sparknet.training.driver import train
 from sparknet.training.rundir import read_run_config
 from sparknet.training.tau_choice import TauChooser
@@ -129,9 +131,49 @@ def test_tau_auto_chooses_from_measured_rounds_and_a_resume_goes_on_with_it(
     )
     more = train(resumed, resume=True, spark=spark).metrics
     assert more[6]["tau"] == TauChooser.from_state(kept["tau_choice"]).next_tau()
+    manifest = tmp_path / "auto/checkpoints/round-00008/state.json"
+    damaged = json.loads(manifest.read_text())
+    damaged["tau_choice"]["version"] = 99
+    manifest.write_text(json.dumps(damaged))
+    further = resumed.model_copy(update={"rounds": 10})
+    with pytest.raises(SparknetError, match=r"round-00008 is damaged \(state.json: "):
+        train(further, resume=True, spark=spark)
 
 
 def test_a_tau_that_is_neither_steps_nor_auto_is_one_line():
     for bad in (0, "fast", True):
         with pytest.raises(SettingError, match=r"^invalid setting tau: a whole number of steps"):
             load_train_config(base={}, flags={"tau": bad}, environ={})
+
+
+def test_a_checkpoint_without_its_workers_state_or_model_is_refused_in_one_line(spark, tmp_path):
+    """Under fragments and overlap a checkpoint's weights lack what the workers had not yet
+    exchanged: a mid-run checkpoint gives no model, a lost final.safetensors is not replaced by
+    the weights, and one worker's missing state stops the resume before any rank trains."""
+    cfg = TrainConfig(
+        out=tmp_path / "run", rounds=4, **{**SETTINGS, "model": "mlp", "eval_every": 0},
+        overlap=True, fragments=2,
+    )  # fmt: skip
+    train(cfg, spark=spark)
+
+    def copy(name: str) -> Path:
+        shutil.copytree(tmp_path / "run", tmp_path / name)
+        (tmp_path / name / "model.safetensors").unlink()
+        return tmp_path / name
+
+    no_final = copy("no-final")
+    (no_final / "checkpoints/round-00004/final.safetensors").unlink()
+    mid = copy("mid")
+    shutil.rmtree(mid / "checkpoints/round-00004")
+    missing = copy("missing")
+    shutil.rmtree(missing / "checkpoints/round-00004")
+    (missing / "checkpoints/round-00002/inner/partition-00001.sync.safetensors").unlink()
+    for run_dir, rounds, words in (
+        (no_final, 4, "holds no model of its own (final.safetensors)"),
+        (mid, 2, "holds no model of its own (final.safetensors)"),
+        (missing, 4, "is damaged (inner/partition-00001.sync.safetensors is missing)"),
+    ):
+        again = cfg.model_copy(update={"out": str(run_dir), "rounds": rounds})
+        with pytest.raises(SparknetError, match=re.escape(words)):
+            train(again, resume=True, spark=spark)
+        assert not (run_dir / "model.safetensors").exists()

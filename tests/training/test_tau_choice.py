@@ -229,6 +229,8 @@ def later_rounds() -> list[tuple[float, float]]:
 
 @pytest.mark.parametrize("stop_after", [1, 3, 5, 12, 22])
 def test_a_resumed_chooser_chooses_as_the_uninterrupted_one(stop_after):
+    """Restored from its state, it chooses as the one that went on, once its own start-up
+    round (a resume's: new Python workers) has passed uncounted."""
     whole = Run(TauChooser(share=0.2, first=5, low=2, high=800), seed=11)
     for _ in range(stop_after):
         whole.round(0.01, 0.08)
@@ -237,6 +239,8 @@ def test_a_resumed_chooser_chooses_as_the_uninterrupted_one(stop_after):
     assert resumed.next_tau() == whole.chooser.next_tau()
     assert resumed.decision() == whole.chooser.decision()
     assert resumed.state() == whole.chooser.state()
+    resumed.observe(resumed.next_tau(), 50.0, 50.0)  # its start-up round: never counted
+    assert resumed.next_tau() == whole.chooser.next_tau() and resumed.decision() is None
     rng = random.Random(99)
     for C, S in later_rounds():
         noise = (1 + rng.uniform(-NOISE, NOISE), 1 + rng.uniform(-NOISE, NOISE))
