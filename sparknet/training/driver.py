@@ -203,7 +203,7 @@ def _start(
             begin = _begin(cfg, problem, run, resume, changes)
         warn = _warner(on_warning)
         guard = Guard(spark.sparkContext, cfg.progress_timeout_s, warn)
-        on_row = guard.following(_with_warnings(on_round, warn, begin, cfg.workers * cfg.first_tau))
+        on_row = guard.following(_with_warnings(on_round, warn, begin, cfg))
         with ExecutorWatchdog(spark.sparkContext, cfg.no_executor_timeout_s), guard:
             result = _run(
                 cfg, problem, begin, run, lock, spark, own_session, placed, on_row, warn, guard
@@ -285,7 +285,7 @@ def _with_warnings(
     on_round: RoundCallback | None,
     warn: WarningCallback,
     begin: StartPoint,
-    steps: int,
+    cfg: TrainConfig,
 ) -> RoundCallback:
     """`on_round`, after the round's warnings (Python warnings without a callback):
     - once a run, the partitions that found no usable inner optimizer state in the checkpoint
@@ -294,8 +294,8 @@ def _with_warnings(
       longer equals one that went on from that checkpoint. Not for the first resumed round of
       a run that changed the inner optimizer, `inner_state` or the number of workers (no usable
       states are stored for them: expected).
-    - an fp16 round whose loss scaler skipped at least half of its `steps` (gradients overflowed):
-      the round learnt little or nothing, and only metrics.jsonl would say so."""
+    - an fp16 round whose loss scaler skipped at least half of its steps, all workers' (gradients
+      overflowed): the round learnt little or nothing, and only metrics.jsonl would say so."""
     expected = {"optimizer", "inner_state", "workers"} & set(begin.changes)
     inexact = False  # said once: the run stays inexact
 
@@ -312,6 +312,7 @@ def _with_warnings(
                 "metrics.jsonl"
             )
         skipped = row.get("skipped_steps", 0)
+        steps = cfg.workers * row.get("tau", cfg.first_tau)  # a row names its tau under auto
         if skipped and 2 * skipped >= steps:
             warn(
                 Line(

@@ -70,6 +70,17 @@ class Fragment:
             return flat[start:stop]
         return np.concatenate([flat[a:b] for a, b in self.spans])
 
+    def gather(self, flat: np.ndarray) -> np.ndarray:
+        """The fragment's values of `flat`, in a new array of its own (one copy)."""
+        if len(self.spans) == 1:
+            return self.take(flat).copy()
+        return self.take(flat)  # concatenated: already a new array
+
+    def zero(self, flat: np.ndarray) -> None:
+        """`flat`'s fragment <- 0, in place."""
+        for start, stop in self.spans:
+            flat[start:stop] = 0.0
+
     def put(self, flat: np.ndarray, values: np.ndarray) -> None:
         """`flat`'s fragment <- `values` (as `take` laid them out)."""
         at = 0
@@ -223,7 +234,7 @@ class Synchronizer:
             if self._pending is not None and self._pending[0] == q:
                 f.put(final, outer.trial(self._pending[2].result().numpy()))
             elif q != self._last_sent:  # the fragment synced last has nothing unsent
-                unsent = torch.from_numpy(f.take(self.P).copy())
+                unsent = torch.from_numpy(f.gather(self.P))
                 mean = self._thread.submit(self._exchange, unsent).result()
                 f.put(final, outer.trial(mean.numpy()))
         return final
@@ -231,15 +242,16 @@ class Synchronizer:
     def _take_unsent(self, q: int) -> np.ndarray:
         """Fragment `q`'s progress not yet sent (a copy), zeroed: from now it is in flight."""
         f = self.fragments[q]
-        sent = f.take(self.P).copy()
-        f.put(self.P, np.zeros(f.size, np.float32))
+        sent = f.gather(self.P)
+        f.zero(self.P)
         return sent
 
     def _send(self, q: int, sent: np.ndarray) -> None:
-        """Start the exchange of fragment `q`'s progress on the exchange thread; what was sent
-        is kept for a checkpoint taken while it is in flight."""
+        """Start the exchange of fragment `q`'s progress on the exchange thread. Under overlap
+        what was sent is kept as sent, for a checkpoint taken while it is in flight (the
+        exchange averages its buffer in place); blocking, it lands before any checkpoint."""
         assert self._pending is None, "one exchange in flight at a time"
-        buffer = torch.from_numpy(sent.copy())  # the exchange's own: `sent` stays as sent
+        buffer = torch.from_numpy(sent.copy() if self.overlap else sent)
         self._pending = (q, sent, self._thread.submit(self._exchange, buffer))
 
     def _land(self) -> float:

@@ -283,7 +283,9 @@ def test_a_round_whose_fp16_scaler_skipped_most_steps_is_warned_about():
 
     begin = rounds.StartPoint(None, None, {}, 0, 0.0)
     warned, rows = [], []
-    on_row = driver._with_warnings(rows.append, warned.append, begin, steps=8)
+    on_row = driver._with_warnings(
+        rows.append, warned.append, begin, TrainConfig(workers=2, tau=4)
+    )  # 8 steps a round
     on_row({"round": 1, "skipped_steps": 3})
     on_row({"round": 2, "skipped_steps": 4})
     assert [r["round"] for r in rows] == [1, 2]
@@ -291,3 +293,6 @@ def test_a_round_whose_fp16_scaler_skipped_most_steps_is_warned_about():
         "round 2: the fp16 loss scaler skipped 4 of 8 steps (gradients overflowed); if this "
         "goes on, lower --lr or use --precision bf16"
     ]
+    auto = driver._with_warnings(None, warned.append, begin, TrainConfig(workers=2, tau="auto"))
+    auto({"round": 7, "tau": 50, "skipped_steps": 40})  # 40 of 100: the round's own tau counts
+    assert len(warned) == 1
