@@ -105,6 +105,9 @@ bench: install
 	$(VENV)/bin/sparknet bench scaling
 	$(VENV)/bin/sparknet bench convergence
 	$(VENV)/bin/sparknet bench peers --data imagenet-like --links unshaped,10gbit,1gbit,100mbit --budget-s 10
+	$(VENV)/bin/sparknet bench peers --data imagenet-like-wide --links unshaped,1gbit,100mbit \
+	    --contenders allreduce,distributor --tau 50 --outer average --variants none,int8+overlap \
+	    --budget-s 75 --out bench/wide
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) *.egg-info .pytest_cache .ruff_cache

@@ -32,8 +32,11 @@ from sparknet.errors import NO_VALUE, Line, SettingError, SparknetError
 
 ENV_PREFIX = "SPARKNET_TRAIN_"
 
-#: the steps of the first rounds under tau auto, before a choice is made from measured rounds
-TAU_PROBE = 10
+#: the steps of the first rounds under tau auto, before a choice is made from measured rounds:
+#: the paper's tau (SparkNet trained ImageNet at tau=50), so that on a slow link the probe's
+#: rounds, an exchange each, are not spent on a handful of steps (at 100 Mbit/s, `bench peers`:
+#: five rounds of 10 steps took 20 s of a 55 s run to the target, for 50 steps)
+TAU_PROBE = 50
 
 #: DiLoCo's outer optimizer settings (Douillard et al. 2023), used when `outer: nesterov` is
 #: chosen without an explicit `outer_lr` / `outer_momentum`.
@@ -124,7 +127,7 @@ class TrainConfig(BaseModel):
         Annotated[int, Field(ge=1)] | Literal["auto"],
         Flag(
             "local steps per round; auto: chosen as the run goes, the fewest that keep the "
-            "exchange within tau_share of a round"
+            "exchange within tau_share of a round, at most tau_max"
         ),
     ] = Field(10, description="local steps per round; auto: chosen from the measured rounds")
     tau_share: float = Field(
@@ -134,6 +137,13 @@ class TrainConfig(BaseModel):
         description="tau auto: the share of a round the exchange may take (the paper's model, "
         "round = tau x step + exchange, from the rounds measured); every choice is in "
         "metrics.jsonl",
+    )
+    tau_max: int = Field(
+        100,
+        ge=1,
+        description="tau auto: the most steps a round may take, whatever the exchange costs. "
+        "The share rule knows the exchange's cost, not what drift between averages costs: at "
+        "100 Mbit/s it asked for ~700 steps where 100 reached the target sooner (bench peers)",
     )
     rounds: Annotated[int, Flag()] = Field(30, ge=1)
     batch_size: Annotated[int, Flag()] = Field(32, ge=1, description="per worker")
@@ -202,8 +212,9 @@ class TrainConfig(BaseModel):
         "auto",
         description="how updates travel: spark (broadcast + tree sum, one job per round), "
         "allreduce (one barrier stage for all rounds, torch.distributed); auto: allreduce on a "
-        "cluster master whose executors hold a task slot per worker, else spark. A run's "
-        "config.yaml records the one that ran",
+        "cluster master whose executors hold a task slot per worker, else spark (a resume keeps "
+        "the one its checkpoint was made on where it can run). A run's config.yaml records the "
+        "one that ran",
     )
     compress: Annotated[
         Literal["none", "bf16", "fp16", "int8", "int4"],
@@ -372,7 +383,7 @@ class TrainConfig(BaseModel):
     @property
     def first_tau(self) -> int:
         """The steps of the run's first round: tau, or under tau auto the probe it starts at."""
-        return TAU_PROBE if self.tau == "auto" else self.tau
+        return min(TAU_PROBE, self.tau_max) if self.tau == "auto" else self.tau
 
     @property
     def fail_once_at(self) -> tuple[int, int] | None:
@@ -398,7 +409,7 @@ TRAJECTORY_SETTINGS = (
     "model", "num_classes", "data", "label_col", "input_col", "image_size", "workers", "tau",
     "batch_size", "optimizer", "lr", "momentum", "weight_decay", "outer", "outer_lr",
     "outer_momentum", "inner_state", "seed", "precision", "compress", "overlap", "fragments",
-    "tau_share",
+    "tau_share", "tau_max",
 )  # fmt: skip
 
 

@@ -193,7 +193,8 @@ def _start(
             status("waiting for Spark's executors")
             if cores := wait_for_executors(spark.sparkContext, cfg.workers):
                 status(f"{len(cores)} executors registered ({sum(cores.values())} cores)")
-        cfg = _resolve_transport(cfg, spark)  # refusals first
+        ran = rundir.ran_transport(run.store) if resume else None
+        cfg = _resolve_transport(cfg, spark, ran)  # refusals first
         status("starting Python workers")
         data = None if frames is not None or cfg.data in (datasets or {}) else cfg.data
         check_python_workers(spark, cfg.workers, user_modules(cfg.model, data))
@@ -224,12 +225,13 @@ def _start(
                     raise  # once every file is written, a signal while Spark stops is no failure
 
 
-def _resolve_transport(cfg: TrainConfig, spark) -> TrainConfig:
-    """The transport that runs, recorded in the run's config.yaml: `auto` is `allreduce` on a
-    cluster master whose executors give every worker a task slot at once (DataFrames too),
-    or wherever it can run when an option of its own (`compress`, `overlap`, `fragments`) asks
-    for it; else `spark`. An `allreduce` that
-    cannot run is an error saying why."""
+def _resolve_transport(cfg: TrainConfig, spark, ran: str | None) -> TrainConfig:
+    """The transport that runs, recorded in the run's config.yaml: `auto` is `allreduce`
+    wherever it can run when an option of its own (`compress`, `overlap`, `fragments`) asks
+    for it; else, for a resume, the transport its checkpoint was made on (`ran`) where that can
+    run, so that it goes on bit for bit; else `allreduce` on a cluster master whose executors
+    give every worker a task slot at once (DataFrames too), `spark` otherwise. An `allreduce`
+    that cannot run is an error saying why."""
     if cfg.transport == "spark":
         return cfg
     sc = spark.sparkContext
@@ -237,7 +239,8 @@ def _resolve_transport(cfg: TrainConfig, spark) -> TrainConfig:
     wanted = cfg.transport == "allreduce" or bool(cfg.allreduce_options)
     if why is not None and wanted:
         raise why
-    if why is None and (wanted or not is_local_master(sc.master)):
+    preferred = ran or ("spark" if is_local_master(sc.master) else "allreduce")
+    if why is None and (wanted or preferred == "allreduce"):
         return cfg.model_copy(update={"transport": "allreduce"})
     return cfg.model_copy(update={"transport": "spark"})
 

@@ -64,7 +64,28 @@ def read_run_config(run_dir: str | Path, endpoint_url: str | None = None) -> dic
     checkpoint was made with (the run dir's `config.yaml` may already hold the changes of an
     `--allow-change` resume that was interrupted before its first checkpoint). `run_dir` is a
     local dir or an s3:// URI."""
-    store = open_store(str(run_dir), endpoint_url)
+    section = _run_section(open_store(str(run_dir), endpoint_url), str(run_dir))
+    # the transport that ran is the run's record, not a setting to keep: unless the resume
+    # names one, `auto` decides again where it runs now, preferring the one that ran
+    # (`ran_transport`)
+    if isinstance(section, dict):
+        section.pop("transport", None)
+    return section
+
+
+def ran_transport(store: Store) -> str | None:
+    """The transport the newest complete checkpoint of a run was made on (None where a run
+    has none recorded): a resume under `auto` keeps it where it can run, so that the resumed
+    run is bit for bit the one that never stopped."""
+    try:
+        section = _run_section(store, "the run dir")
+    except SparknetError:
+        return None
+    ran = section.get("transport") if isinstance(section, dict) else None
+    return ran if ran in ("spark", "allreduce") else None
+
+
+def _run_section(store: Store, run_dir: str) -> Any:
     last = checkpoint.latest(store)
     names = [f"{checkpoint.name(last)}/{checkpoint.CONFIG}"] if last is not None else []
     for name in [*names, CONFIG_FILE]:
@@ -79,13 +100,7 @@ def read_run_config(run_dir: str | Path, endpoint_url: str | None = None) -> dic
             raise SparknetError(
                 f"config file {where} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
             ) from exc
-        section = yaml_section(text, where, "train")
-        # the transport that ran is the run's record, not a setting to keep: unless the resume
-        # names one, `auto` decides again where it runs now (the weights are the same up to
-        # float rounding either way)
-        if isinstance(section, dict):
-            section.pop("transport", None)
-        return section
+        return yaml_section(text, where, "train")
     raise SparknetError(f"{run_dir} has no config.yaml: it is not a sparknet run dir")
 
 

@@ -9,8 +9,10 @@ weights cross host<->device once per round each way.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,7 +54,9 @@ class WorkerReport:
     partition: int
     loss: float
     samples: int
+    #: the weights, the inner optimizer and the data's first batch: the round's start-up
     load_s: float
+    #: the tau steps alone
     compute_s: float
     inner_state_miss: bool = False
     #: samples that could not be read or decoded (a corrupt JPEG, a truncated tar member)
@@ -331,6 +335,17 @@ def _scaled_step(
     return scaler.get_scale() >= before
 
 
+def _started(batches: Iterator) -> Iterator:
+    """`batches` with its first batch already read: what a round's data costs before its first
+    step (a shard stream opened, loader processes started, a partition's rows turned into
+    arrays) is a round's fixed cost, not a step's. It goes into the load seconds, so that the
+    compute seconds are tau steps, which tau auto divides by tau (`tau_choice`): counted as
+    compute, it made a step look cheaper the larger tau was, and tau grew on its own."""
+    batches = iter(batches)
+    first = next(batches, None)
+    return batches if first is None else itertools.chain((first,), batches)
+
+
 def _inner_steps(
     task: RoundTask,
     model: nn.Module,
@@ -461,11 +476,11 @@ def _train(
     model.train()
     store = InnerStateStore(local_dir, task.run_id)
     optimizer, scaler, miss = _inner_for_round(task, model, partition, store, on, live)
-    t1 = time.perf_counter()
 
     torch.manual_seed(task_seed(cfg.seed, partition, task.round))
     inp = TaskInput(partition, cfg.workers, cfg.seed, task.run_id, threads, rows)
-    batches = task.source.train_batches(inp, task.round, task.tau, cfg.batch_size)
+    batches = _started(task.source.train_batches(inp, task.round, task.tau, cfg.batch_size))
+    t1 = time.perf_counter()
     done = _inner_steps(task, model, optimizer, scaler, batches, partition, attempt, on)
     bad = _first_nonfinite(done.losses, done.steps)  # waits for the device's queued steps
     t2 = time.perf_counter()

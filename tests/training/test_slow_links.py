@@ -118,7 +118,8 @@ def test_tau_auto_chooses_from_measured_rounds_and_a_resume_goes_on_with_it(
     tau_share of a round) from their measured step and exchange, recorded with its reasons; a
     resume goes on with the chooser its checkpoint kept."""
     settings = {**SETTINGS, "transport": transport, "checkpoint_every": 3, "eval_every": 0}
-    cfg = TrainConfig(out=tmp_path / "auto", rounds=6, **{**settings, "tau": "auto"})
+    auto = {"tau": "auto", "tau_max": 1000}  # the bound's own tests: test_tau_choice
+    cfg = TrainConfig(out=tmp_path / "auto", rounds=6, **{**settings, **auto})
     rows = train(cfg, spark=spark).metrics
     assert [r["tau"] for r in rows[:5]] == [TAU_PROBE] * 5
     choice = rows[4]["tau_choice"]

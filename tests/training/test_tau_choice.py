@@ -1,15 +1,23 @@
-"""The tau chooser on synthetic rounds: known C and S, noise from a seeded RNG."""
+"""The tau chooser on synthetic rounds (known C and S, noise from a seeded RNG), and what a
+worker's report gives it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
+import time
 
 import pytest
 
+from sparknet.config import TrainConfig
+from sparknet.data.sources import TensorSource
+from sparknet.models import build_model
 from sparknet.training import tau_choice
+from sparknet.training.state import StateLayout
 from sparknet.training.tau_choice import TauChooser, predicted_share
+from sparknet.training.worker import RoundTask, train_partition
 
 #: the noise the chooser must ride out without moving tau: +-10% on each measurement
 NOISE = 0.10
@@ -251,6 +259,29 @@ def test_a_resumed_chooser_chooses_as_the_uninterrupted_one(stop_after):
         assert resumed.decision() == whole.chooser.decision()
 
 
+def test_a_resume_with_a_lower_bound_brings_tau_under_it_at_once():
+    run = Run(TauChooser(), seed=3)
+    run.rounds(10, 0.001, 0.5)  # ideal 4500: clamped at the class's 1000
+    assert run.chooser.next_tau() == 1000
+    cfg = TrainConfig(tau="auto", tau_max=120, tau_share=0.2)
+    resumed = tau_choice.chooser_of(cfg, json.loads(json.dumps(run.chooser.state())))
+    assert (resumed.next_tau(), resumed.high, resumed.share) == (120, 120, 0.2)
+    resumed.observe(120, 0.12, 0.5)  # the resume's start-up round
+    for _ in range(12):
+        resumed.observe(resumed.next_tau(), 0.001 * resumed.next_tau(), 0.5)
+        assert resumed.next_tau() == 120
+    with pytest.raises(ValueError, match="high"):
+        resumed.retarget(0.1, 0)
+
+
+@pytest.mark.parametrize(("tau_max", "first"), [(100, 50), (30, 30)])
+def test_a_runs_chooser_starts_at_the_probe_within_tau_max(tau_max, first):
+    chooser = tau_choice.chooser_of(TrainConfig(tau="auto", tau_max=tau_max), None)
+    assert (chooser.next_tau(), chooser.high) == (first, tau_max)
+    assert TrainConfig(tau="auto", tau_max=tau_max).first_tau == first
+    assert tau_choice.chooser_of(TrainConfig(tau=7, tau_max=tau_max), None) is None
+
+
 def test_a_state_of_another_version_is_refused():
     state = TauChooser().state()
     with pytest.raises(ValueError, match="version"):
@@ -312,3 +343,36 @@ def test_the_module_says_its_rules():
     assert doc is not None
     for rule in ("Round 1", "median", "Hysteresis", "BAND", "share"):
         assert rule in doc
+
+
+#: what the data of `SlowStart` costs before its first batch: a shard stream opened, loader
+#: processes started, rows turned into arrays
+START_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowStart(TensorSource):
+    """The digits, whose batches take START_S to start each round."""
+
+    def train_batches(self, inp, rnd, tau, batch_size):
+        time.sleep(START_S)
+        yield from super().train_batches(inp, rnd, tau, batch_size)
+
+
+def test_a_rounds_data_start_up_is_not_counted_as_its_steps(tmp_path):
+    """The worker's compute seconds are its tau steps alone: a start-up counted there makes a
+    step look cheaper the larger tau is (C = compute / tau), and tau auto then grew tau on its
+    own on the spark transport, whose rows become arrays at each round's start."""
+    cfg = TrainConfig(model="mlp", data="digits", workers=2, tau=3, batch_size=16)
+    model = build_model("mlp", (1, 8, 8), 10)
+    state = model.state_dict()
+    layout = StateLayout.of(state)
+    source = SlowStart(**dataclasses.asdict(TensorSource.load("digits")))
+    task = RoundTask(
+        cfg, source, "slowstart01", 0, layout, layout.integers(state), 10, (1, 8, 8),
+        str(tmp_path), cfg.first_tau,
+    )  # fmt: skip
+    report = train_partition(task, layout.flatten(state), 0, local_dir=tmp_path).reports[0]
+    assert report.samples == 3 * 16
+    assert report.load_s >= START_S
+    assert report.compute_s < START_S / 2  # three steps of a small MLP: milliseconds
