@@ -205,15 +205,15 @@ class TrainConfig(BaseModel):
     transport: Annotated[
         Literal["auto", "spark", "allreduce"],
         Flag(
-            "auto (default: allreduce on a cluster master with a task slot per worker, else "
-            "spark), spark, or allreduce"
+            "auto (default: allreduce on a cluster master with a task slot per worker, or "
+            "for a resumed allreduce run; else spark), spark, or allreduce"
         ),
     ] = Field(
         "auto",
         description="how updates travel: spark (broadcast + tree sum, one job per round), "
         "allreduce (one barrier stage for all rounds, torch.distributed); auto: allreduce on a "
-        "cluster master whose executors hold a task slot per worker, else spark (a resume keeps "
-        "the one its checkpoint was made on where it can run). A run's config.yaml records the "
+        "cluster master whose executors hold a task slot per worker, else spark (a resume of an "
+        "allreduce run stays on allreduce where it can run). A run's config.yaml records the "
         "one that ran",
     )
     compress: Annotated[

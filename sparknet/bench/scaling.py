@@ -162,8 +162,8 @@ def per_step(runs: Sequence[Measured]) -> float:
 def step_slope(runs: Sequence[Measured]) -> float | None:
     """Seconds each further step adds to a round: the least-squares slope of the rounds'
     seconds against tau over `runs`, the paper's model fitted to them (a round also holds
-    costs that do not grow with tau, some inside the workers' step timers: the first batch
-    read, the data iterator set up; under `spark` the weights' unpickling). None where the
+    costs that do not grow with tau: the weights and the first batch read before the workers'
+    step timers start, the exchange after they stop). None where the
     runs share one tau, or their taus are too close for the noise (a slope not above zero)."""
     taus = [m.tau for m in runs for _ in m.round_s]
     if len(set(taus)) > 1:

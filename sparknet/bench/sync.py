@@ -61,9 +61,10 @@ def measure(
 ) -> dict[str, float]:
     """Medians over the rounds after the first, for one transport and model size: `sync_s`
     (the round less its compute), and its parts where the rows have them: `load_s` (the
-    weights into the model, with the broadcast under `spark`), `exchange_s` (allreduce: the
-    collectives, and the division into the mean that overlaps them) and `rest_s` (the update
-    computed or the weights checked, the outer step, the row made)."""
+    weights into the model, with the broadcast under `spark`, and the round's first batch),
+    `exchange_s` (allreduce: the collectives, and the division into the mean that overlaps
+    them) and `rest_s` (the update computed or the weights checked, the outer step, the row
+    made)."""
     from sparknet.training.driver import train  # lazy: pyspark, boto3
 
     run_dir = out / "runs" / f"{transport}-{size_mb:g}mb"

@@ -193,7 +193,7 @@ def _start(
             status("waiting for Spark's executors")
             if cores := wait_for_executors(spark.sparkContext, cfg.workers):
                 status(f"{len(cores)} executors registered ({sum(cores.values())} cores)")
-        ran = rundir.ran_transport(run.store) if resume else None
+        ran = rundir.ran_transport(run.store) if resume and cfg.transport == "auto" else None
         cfg = _resolve_transport(cfg, spark, ran)  # refusals first
         status("starting Python workers")
         data = None if frames is not None or cfg.data in (datasets or {}) else cfg.data
@@ -228,10 +228,11 @@ def _start(
 def _resolve_transport(cfg: TrainConfig, spark, ran: str | None) -> TrainConfig:
     """The transport that runs, recorded in the run's config.yaml: `auto` is `allreduce`
     wherever it can run when an option of its own (`compress`, `overlap`, `fragments`) asks
-    for it; else, for a resume, the transport its checkpoint was made on (`ran`) where that can
-    run, so that it goes on bit for bit; else `allreduce` on a cluster master whose executors
-    give every worker a task slot at once (DataFrames too), `spark` otherwise. An `allreduce`
-    that cannot run is an error saying why."""
+    for it, or when a resumed run's checkpoint was made on it (`ran`), so that it goes on bit
+    for bit; else `allreduce` on a cluster master whose executors give every worker a task
+    slot at once (DataFrames too), `spark` otherwise. A run that ran on `spark` is not kept
+    there: moved to a cluster, it gets the faster transport (the same weights up to float
+    rounding). An `allreduce` that cannot run is an error saying why."""
     if cfg.transport == "spark":
         return cfg
     sc = spark.sparkContext
@@ -239,8 +240,7 @@ def _resolve_transport(cfg: TrainConfig, spark, ran: str | None) -> TrainConfig:
     wanted = cfg.transport == "allreduce" or bool(cfg.allreduce_options)
     if why is not None and wanted:
         raise why
-    preferred = ran or ("spark" if is_local_master(sc.master) else "allreduce")
-    if why is None and (wanted or preferred == "allreduce"):
+    if why is None and (wanted or ran == "allreduce" or not is_local_master(sc.master)):
         return cfg.model_copy(update={"transport": "allreduce"})
     return cfg.model_copy(update={"transport": "spark"})
 

@@ -64,28 +64,7 @@ def read_run_config(run_dir: str | Path, endpoint_url: str | None = None) -> dic
     checkpoint was made with (the run dir's `config.yaml` may already hold the changes of an
     `--allow-change` resume that was interrupted before its first checkpoint). `run_dir` is a
     local dir or an s3:// URI."""
-    section = _run_section(open_store(str(run_dir), endpoint_url), str(run_dir))
-    # the transport that ran is the run's record, not a setting to keep: unless the resume
-    # names one, `auto` decides again where it runs now, preferring the one that ran
-    # (`ran_transport`)
-    if isinstance(section, dict):
-        section.pop("transport", None)
-    return section
-
-
-def ran_transport(store: Store) -> str | None:
-    """The transport the newest complete checkpoint of a run was made on (None where a run
-    has none recorded): a resume under `auto` keeps it where it can run, so that the resumed
-    run is bit for bit the one that never stopped."""
-    try:
-        section = _run_section(store, "the run dir")
-    except SparknetError:
-        return None
-    ran = section.get("transport") if isinstance(section, dict) else None
-    return ran if ran in ("spark", "allreduce") else None
-
-
-def _run_section(store: Store, run_dir: str) -> Any:
+    store = open_store(str(run_dir), endpoint_url)
     last = checkpoint.latest(store)
     names = [f"{checkpoint.name(last)}/{checkpoint.CONFIG}"] if last is not None else []
     for name in [*names, CONFIG_FILE]:
@@ -100,8 +79,46 @@ def _run_section(store: Store, run_dir: str) -> Any:
             raise SparknetError(
                 f"config file {where} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
             ) from exc
-        return yaml_section(text, where, "train")
+        section = yaml_section(text, where, "train")
+        # the transport that ran is the run's record, not a setting to keep: unless the resume
+        # names one, `auto` decides again where it runs now (keeping `allreduce` where it can:
+        # `ran_transport`)
+        section.pop("transport", None)
+        return _as_it_ran(section)
     raise SparknetError(f"{run_dir} has no config.yaml: it is not a sparknet run dir")
+
+
+#: settings added since a run dir could have been written, at the values such a run ran with
+#: where today's default differs: its chooser's bound before `tau_max` came (under tau auto)
+_BEFORE_THEY_CAME = {"tau_max": 1000}
+
+
+def _as_it_ran(section: dict[str, Any]) -> dict[str, Any]:
+    """A stored run's settings with those it predates filled in as it ran: a resume of it
+    then goes on as it would have (the stored value of a setting is what a resume compares)."""
+    if section.get("tau") == "auto":
+        return {**{k: v for k, v in _BEFORE_THEY_CAME.items() if k not in section}, **section}
+    return section
+
+
+def ran_transport(store: Store) -> str | None:
+    """The transport the newest complete checkpoint of a run was made on (None where the run
+    has no checkpoint, or it records none): a resume under `auto` keeps `allreduce` where it
+    can run, so that the resumed run is bit for bit the one that never stopped. The run dir's
+    own config.yaml is no record of it: each attempt rewrites it as it starts."""
+    last = checkpoint.latest(store)
+    if last is None:
+        return None
+    name = f"{checkpoint.name(last)}/{checkpoint.CONFIG}"
+    try:
+        text = store.read_bytes(name).decode()
+    except (MissingObjectError, UnicodeDecodeError):
+        return None
+    try:
+        ran = yaml_section(text, name, "train").get("transport")
+    except SparknetError:
+        return None
+    return ran if ran in ("spark", "allreduce") else None
 
 
 def is_run_entry(name: str) -> bool:

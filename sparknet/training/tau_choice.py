@@ -9,7 +9,8 @@ so the chooser takes the smallest tau whose predicted share is at most `share`:
 
     tau >= S*(1 - share) / (share*C), rounded up and kept within [low, high].
 
-`high`, a run's `tau_max` (100 by default), bounds it because the model prices the exchange and
+`high` (a run passes its `tau_max`, 100 by default; the class's own 1000 is for a chooser used
+alone) bounds it because the model prices the exchange and
 not what the workers' drift between averages costs: at 100 Mbit/s (`bench peers`,
 `imagenet-like-wide`, K=2) the 10% goal asked for ~700 steps a round, and tau=100 reached the
 target in 55 s, 200 in 57 s, 400 in 78 s and the chooser's 708 in 81 s (the samples it took grew
@@ -194,6 +195,7 @@ class TauChooser:
         self.share, self.high = float(share), high
         self.first = min(self.first, high)
         self._tau = min(self._tau, high)
+        self._decision = None  # the last choice's, made for the old goal and bound
 
     # ---- resume -------------------------------------------------------------------------------
 

@@ -340,7 +340,9 @@ def _started(batches: Iterator) -> Iterator:
     step (a shard stream opened, loader processes started, a partition's rows turned into
     arrays) is a round's fixed cost, not a step's. It goes into the load seconds, so that the
     compute seconds are tau steps, which tau auto divides by tau (`tau_choice`): counted as
-    compute, it made a step look cheaper the larger tau was, and tau grew on its own."""
+    compute, it made a step look cheaper the larger tau was, and tau grew on its own. The
+    first batch's own read goes with it, one step's read in tau: C a little low where batches
+    are read in turn, right where a loader prefetches them."""
     batches = iter(batches)
     first = next(batches, None)
     return batches if first is None else itertools.chain((first,), batches)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import filecmp
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from sparknet.config import TrainConfig
 from sparknet.errors import SparknetError
+from sparknet.training import driver
 from sparknet.training.driver import train
 from sparknet.training.report import read_metrics
 from tests.helpers import assert_state_close, assert_state_equal, load_run_model
@@ -93,6 +95,32 @@ def test_auto_is_spark_on_a_local_master(spark, tmp_path):
     assert cfg.transport == "auto"
     train(cfg, spark=spark)
     assert _transport(tmp_path / "auto") == "spark"
+
+
+@pytest.mark.parametrize(
+    ("master", "ran", "fits", "chosen"),
+    [
+        ("local[2]", None, True, "spark"),
+        ("local[2]", "spark", True, "spark"),
+        ("local[2]", "allreduce", True, "allreduce"),  # a resume goes on bit for bit
+        ("local[2]", "allreduce", False, "spark"),  # where it cannot run: the one that can
+        ("spark://m:7077", None, True, "allreduce"),
+        ("spark://m:7077", "spark", True, "allreduce"),  # moved to a cluster: the faster one
+        ("spark://m:7077", "allreduce", False, "spark"),
+    ],
+)
+def test_auto_chooses_from_the_master_and_the_transport_a_resume_ran_on(
+    monkeypatch, master, ran, fits, chosen
+):
+    """The decision alone, on a stand-in session (a cluster master cannot run here): whether
+    the stage fits is `_allreduce_refusal`'s, tested on real Spark beside this."""
+    refusal = None if fits else SparknetError("2 task slot(s) for 3 workers")
+    monkeypatch.setattr(driver, "_allreduce_refusal", lambda sc, cfg: refusal)
+    session = SimpleNamespace(sparkContext=SimpleNamespace(master=master))
+    cfg = driver._resolve_transport(TrainConfig(**SETTINGS), session, ran)
+    assert cfg.transport == chosen
+    given = TrainConfig(**{**SETTINGS, "transport": "spark"})
+    assert driver._resolve_transport(given, session, "allreduce").transport == "spark"
 
 
 def test_a_stage_that_does_not_fit_is_refused_before_training(spark, tmp_path):

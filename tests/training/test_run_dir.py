@@ -6,12 +6,14 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import yaml
 
 from sparknet.config import TrainConfig, load_train_config
 from sparknet.errors import SparknetError
+from sparknet.training import checkpoint
 from sparknet.training.driver import train
 from sparknet.training.report import read_metrics
-from sparknet.training.rundir import read_run_config
+from sparknet.training.rundir import RunDir, ran_transport, read_run_config
 from tests.helpers import failed_tasks
 
 pytestmark = pytest.mark.integration
@@ -145,3 +147,43 @@ def test_a_published_checkpoint_already_has_its_metrics_row(spark, tmp_path, mon
     out = tmp_path / "run"
     train(TrainConfig(rounds=2, checkpoint_every=1, out=out, **SMALL), spark=spark)
     assert rows_when_published == {1: [1], 2: [1, 2]}
+
+
+def _stored_run(out, train_section: dict, checkpoint_section: dict | None = None) -> None:
+    """A run dir's files as a run writes them: config.yaml, and a complete checkpoint (its
+    manifest and config) where `checkpoint_section` is given."""
+    out.mkdir(parents=True)
+    (out / "config.yaml").write_text(yaml.safe_dump({"train": train_section}))
+    if checkpoint_section is not None:
+        at = out / checkpoint.name(2)
+        at.mkdir(parents=True)
+        (at / checkpoint.CONFIG).write_text(yaml.safe_dump({"train": checkpoint_section}))
+        (at / checkpoint.MANIFEST).write_text("{}")
+
+
+def test_a_tau_auto_run_from_before_tau_max_resumes_with_the_bound_it_ran_with(tmp_path):
+    """Its chooser was bounded at 1000 then: a resume with today's default of 100 would clamp its
+    tau, unrecorded; the stored settings say 1000, so only an --allow-change lowers it."""
+    _stored_run(tmp_path / "old", {"tau": "auto", "tau_share": 0.1})
+    stored = read_run_config(tmp_path / "old")
+    assert stored["tau_max"] == 1000
+    resumed = load_train_config(base=stored, flags={"rounds": 40}, environ={})
+    assert resumed.tau_max == 1000
+    assert resumed.trajectory_changes(TrainConfig(**stored)) == {}
+    today = TrainConfig(tau="auto")
+    assert today.trajectory_changes(TrainConfig(**stored)) == {"tau_max": (1000, 100)}
+    _stored_run(tmp_path / "fixed", {"tau": 20})
+    assert "tau_max" not in read_run_config(tmp_path / "fixed")
+    _stored_run(tmp_path / "new", {"tau": "auto", "tau_max": 60})
+    assert read_run_config(tmp_path / "new")["tau_max"] == 60
+
+
+def test_the_transport_that_ran_is_read_from_the_checkpoint_alone(tmp_path):
+    """The run dir's config.yaml is rewritten by every attempt as it starts: an interrupted
+    resume on another transport must not become the record."""
+    _stored_run(tmp_path / "a", {"transport": "spark"}, {"transport": "allreduce"})
+    assert ran_transport(RunDir.open(str(tmp_path / "a")).store) == "allreduce"
+    _stored_run(tmp_path / "b", {"transport": "allreduce"})  # no checkpoint yet
+    assert ran_transport(RunDir.open(str(tmp_path / "b")).store) is None
+    _stored_run(tmp_path / "c", {}, {"transport": "auto"})  # not a transport that ran
+    assert ran_transport(RunDir.open(str(tmp_path / "c")).store) is None
