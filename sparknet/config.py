@@ -32,11 +32,13 @@ from sparknet.errors import NO_VALUE, Line, SettingError, SparknetError
 
 ENV_PREFIX = "SPARKNET_TRAIN_"
 
-#: the steps of the first rounds under tau auto, before a choice is made from measured rounds:
-#: the paper's tau (SparkNet trained ImageNet at tau=50), so that on a slow link the probe's
-#: rounds, an exchange each, are not spent on a handful of steps (at 100 Mbit/s, `bench peers`:
-#: five rounds of 10 steps took 20 s of a 55 s run to the target, for 50 steps)
-TAU_PROBE = 50
+#: the steps of the first rounds under tau auto, before a choice is made from measured rounds
+#: (a run's `tau_max` where that is lower): the default bound itself, so that the probe's rounds
+#: cost the fewest exchanges for their steps. On a slow link an exchange is most of a round
+#: (`bench peers` at 100 Mbit/s: five probe rounds of 10 steps took 20 s of a 55 s run to the
+#: target, of 50 steps 26 s), and it is the tau such a link is then given; on a fast one the
+#: first choice brings it down after five rounds
+TAU_PROBE = 100
 
 #: DiLoCo's outer optimizer settings (Douillard et al. 2023), used when `outer: nesterov` is
 #: chosen without an explicit `outer_lr` / `outer_momentum`.

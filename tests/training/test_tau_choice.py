@@ -274,7 +274,7 @@ def test_a_resume_with_a_lower_bound_brings_tau_under_it_at_once():
         resumed.retarget(0.1, 0)
 
 
-@pytest.mark.parametrize(("tau_max", "first"), [(100, 50), (30, 30)])
+@pytest.mark.parametrize(("tau_max", "first"), [(1000, 100), (100, 100), (30, 30)])
 def test_a_runs_chooser_starts_at_the_probe_within_tau_max(tau_max, first):
     chooser = tau_choice.chooser_of(TrainConfig(tau="auto", tau_max=tau_max), None)
     assert (chooser.next_tau(), chooser.high) == (first, tau_max)
