@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -295,12 +296,13 @@ class TrainConfig(BaseModel):
             }
         return conf
 
-    @field_validator("fragments", mode="before")
+    @field_validator("fragments", "tau_max", mode="before")
     @classmethod
-    def _fragments_not_a_bool(cls, value: Any) -> Any:
-        """YAML's `true` is not a number of fragments (it read as 1)."""
+    def _count_not_a_bool(cls, value: Any, info: ValidationInfo) -> Any:
+        """YAML's `true` (`yes`, `on`) is not a count (it read as 1)."""
         if isinstance(value, bool):
-            raise ValueError(f"a whole number of fragments (1: none), not {str(value).lower()}")
+            what = {"fragments": "of fragments (1: none)", "tau_max": "of steps"}[info.field_name]
+            raise ValueError(f"a whole number {what}, not {str(value).lower()}")
         return value
 
     @field_validator("no_executor_timeout_s", "progress_timeout_s", mode="before")
@@ -402,7 +404,10 @@ class TrainConfig(BaseModel):
         """{setting: (before, now)} for the settings whose change alters what a resumed run
         computes; `rounds`, evaluation, checkpoints and where it runs may change freely."""
         old, new = before.model_dump(mode="json"), self.model_dump(mode="json")
-        return {k: (old[k], new[k]) for k in TRAJECTORY_SETTINGS if old[k] != new[k]}
+        names = TRAJECTORY_SETTINGS
+        if "auto" not in (old["tau"], new["tau"]):  # the chooser's settings: nothing to choose
+            names = tuple(k for k in names if k not in TAU_AUTO_SETTINGS)
+        return {k: (old[k], new[k]) for k in names if old[k] != new[k]}
 
 
 #: the settings that decide the weights a run computes, round by round; resuming with any of them
@@ -413,6 +418,8 @@ TRAJECTORY_SETTINGS = (
     "outer_momentum", "inner_state", "seed", "precision", "compress", "overlap", "fragments",
     "tau_share", "tau_max",
 )  # fmt: skip
+#: the settings of tau auto alone: with a fixed tau on both sides of a resume, nothing
+TAU_AUTO_SETTINGS = ("tau_share", "tau_max")
 
 
 class DatasetEntry(BaseModel):

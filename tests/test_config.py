@@ -60,6 +60,8 @@ def test_saved_config_round_trips(tmp_path: Path):
         ({"sets": ["optimizer=lbfgs"]}, "invalid setting optimizer"),
         ({"sets": ["taus=3"]}, "unknown setting 'taus'"),
         ({"sets": ["tau"]}, "--set expects key=value"),
+        ({"sets": ["tau_max=yes"]}, "invalid setting tau_max: a whole number of steps, not true"),
+        ({"sets": ["tau_max=0"]}, "invalid setting tau_max"),
         ({"config_file": Path("/nonexistent/sparknet.yaml")}, "cannot read config file"),
     ],
 )
@@ -136,3 +138,16 @@ def test_an_empty_spark_section_is_none_and_a_nested_value_is_refused(tmp_path: 
         f"config file {cfg_file}: spark setting 'spark.jars.packages' is a list; give it one "
         "value (text, a number, true/false), as Spark takes it"
     )
+
+
+def test_the_choosers_settings_change_nothing_between_two_fixed_taus():
+    """With a fixed tau on both sides of a resume tau_share and tau_max choose nothing: not a
+    change to refuse; once either side is auto they are."""
+    fixed = TrainConfig(tau=5)
+    assert TrainConfig(tau=5, tau_max=7, tau_share=0.3).trajectory_changes(fixed) == {}
+    assert TrainConfig(tau="auto", tau_max=7).trajectory_changes(fixed) == {
+        "tau": (5, "auto"),
+        "tau_max": (100, 7),
+    }
+    auto = TrainConfig(tau="auto")
+    assert TrainConfig(tau="auto", tau_max=7).trajectory_changes(auto) == {"tau_max": (100, 7)}

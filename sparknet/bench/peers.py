@@ -74,7 +74,8 @@ COLUMNS = [
 WAIT_NOTE = (
     "wait_share: the share of a contender's seconds of training spent waiting on the network: "
     "sparknet allreduce, the rows' seconds.exchange (under overlap only what compute did not "
-    "hide); spark, seconds.broadcast + aggregate; TorchDistributor, DDP's own runtime "
+    "hide); spark, seconds.broadcast + aggregate (the round's first batch read included); "
+    "TorchDistributor, DDP's own runtime "
     "statistics of rank 0, per step the all-reduce's end less the backward's compute end (the "
     "all-reduce time the backward did not hide; a rank slower to compute counts there too); "
     "plain PyTorch, 0. wire_rate_share: the bytes the links carried, per worker, a second of "

@@ -23,7 +23,8 @@ its start, its evaluations and its end included, as a user's network would carry
 Seconds waiting on the network, per run (`Outcome.wait_s`; the notes of `peers` say the same):
 - sparknet `allreduce`: the rows' `seconds.exchange`, rank 0's wait for the mean of the updates
   (under overlap only what compute did not hide); `spark`: `seconds.broadcast` + `aggregate`,
-  the weights sent out and the updates summed through Spark (its scheduling included);
+  the weights sent out and the updates summed through Spark (its scheduling included, and the
+  round's first batch, which the rows count with the weights' load: an over-estimate);
 - TorchDistributor: DDP's own runtime statistics of rank 0, per step the all-reduce's end less
   the end of the backward's compute: the all-reduce time the backward did not hide;
 - plain PyTorch: none.

@@ -64,7 +64,17 @@ def read_run_config(run_dir: str | Path, endpoint_url: str | None = None) -> dic
     checkpoint was made with (the run dir's `config.yaml` may already hold the changes of an
     `--allow-change` resume that was interrupted before its first checkpoint). `run_dir` is a
     local dir or an s3:// URI."""
-    store = open_store(str(run_dir), endpoint_url)
+    section = _stored(open_store(str(run_dir), endpoint_url), str(run_dir))
+    # the transport that ran is the run's record, not a setting to keep: unless the resume
+    # names one, `auto` decides again where it runs now (keeping `allreduce` where it can:
+    # `ran_transport`)
+    section.pop("transport", None)
+    return _as_it_ran(section)
+
+
+def _stored(store: Store, run_dir: str) -> dict[str, Any]:
+    """The `train:` section of the newest complete checkpoint's config.yaml, else (no
+    checkpoint, or it lost that file) of the run dir's."""
     last = checkpoint.latest(store)
     names = [f"{checkpoint.name(last)}/{checkpoint.CONFIG}"] if last is not None else []
     for name in [*names, CONFIG_FILE]:
@@ -79,12 +89,7 @@ def read_run_config(run_dir: str | Path, endpoint_url: str | None = None) -> dic
             raise SparknetError(
                 f"config file {where} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
             ) from exc
-        section = yaml_section(text, where, "train")
-        # the transport that ran is the run's record, not a setting to keep: unless the resume
-        # names one, `auto` decides again where it runs now (keeping `allreduce` where it can:
-        # `ran_transport`)
-        section.pop("transport", None)
-        return _as_it_ran(section)
+        return yaml_section(text, where, "train")
     raise SparknetError(f"{run_dir} has no config.yaml: it is not a sparknet run dir")
 
 
@@ -102,22 +107,14 @@ def _as_it_ran(section: dict[str, Any]) -> dict[str, Any]:
 
 
 def ran_transport(store: Store) -> str | None:
-    """The transport the newest complete checkpoint of a run was made on (None where the run
-    has no checkpoint, or it records none): a resume under `auto` keeps `allreduce` where it
-    can run, so that the resumed run is bit for bit the one that never stopped. The run dir's
-    own config.yaml is no record of it: each attempt rewrites it as it starts."""
-    last = checkpoint.latest(store)
-    if last is None:
-        return None
-    name = f"{checkpoint.name(last)}/{checkpoint.CONFIG}"
+    """The transport a resumed run last ran on, from the settings its resume continues
+    (`read_run_config`'s file): a resume under `auto` keeps `allreduce` where it can run, so
+    that the resumed run is bit for bit the one that never stopped. None where none is
+    recorded."""
     try:
-        text = store.read_bytes(name).decode()
-    except (MissingObjectError, UnicodeDecodeError):
-        return None
-    try:
-        ran = yaml_section(text, name, "train").get("transport")
+        ran = _stored(store, store.uri).get("transport")
     except SparknetError:
-        return None
+        return None  # the resume's own reading of the same file says what is wrong with it
     return ran if ran in ("spark", "allreduce") else None
 
 

@@ -178,12 +178,17 @@ def test_a_tau_auto_run_from_before_tau_max_resumes_with_the_bound_it_ran_with(t
     assert read_run_config(tmp_path / "new")["tau_max"] == 60
 
 
-def test_the_transport_that_ran_is_read_from_the_checkpoint_alone(tmp_path):
-    """The run dir's config.yaml is rewritten by every attempt as it starts: an interrupted
-    resume on another transport must not become the record."""
+def test_the_transport_that_ran_is_read_where_the_resumed_settings_are(tmp_path):
+    """The checkpoint's config.yaml first (the run dir's is rewritten by every attempt as it
+    starts: an interrupted resume on another transport must not become the record), the run
+    dir's where the checkpoint lost its own."""
     _stored_run(tmp_path / "a", {"transport": "spark"}, {"transport": "allreduce"})
     assert ran_transport(RunDir.open(str(tmp_path / "a")).store) == "allreduce"
-    _stored_run(tmp_path / "b", {"transport": "allreduce"})  # no checkpoint yet
-    assert ran_transport(RunDir.open(str(tmp_path / "b")).store) is None
+    _stored_run(tmp_path / "b", {"transport": "allreduce"}, {"transport": "spark"})
+    (tmp_path / "b" / checkpoint.name(2) / checkpoint.CONFIG).unlink()
+    assert ran_transport(RunDir.open(str(tmp_path / "b")).store) == "allreduce"
     _stored_run(tmp_path / "c", {}, {"transport": "auto"})  # not a transport that ran
     assert ran_transport(RunDir.open(str(tmp_path / "c")).store) is None
+    _stored_run(tmp_path / "d", {"transport": "allreduce"}, {"transport": "allreduce"})
+    (tmp_path / "d" / checkpoint.name(2) / checkpoint.CONFIG).write_bytes(b"\xff")
+    assert ran_transport(RunDir.open(str(tmp_path / "d")).store) is None
