@@ -654,4 +654,15 @@ def load_train_config(
     try:
         return TrainConfig(**merged)
     except ValidationError as exc:
-        raise validation_error(exc) from exc
+        raise validation_error(exc, where=_stored_where(exc, merged, base)) from exc
+
+
+def _stored_where(exc: ValidationError, merged: Mapping[str, Any], base: Mapping | None) -> str:
+    """`{file}: ` where the first bad value is a resumed run's own, unchanged (a `base` that
+    says where it was read from: `rundir.StoredSettings`), so the error names the file to fix;
+    else nothing."""
+    where = getattr(base, "where", None)
+    loc = exc.errors()[0]["loc"]
+    if where is None or not loc or loc[0] not in base or merged.get(loc[0]) != base[loc[0]]:
+        return ""
+    return f"{where}: "

@@ -33,7 +33,7 @@ from sparknet.training.rounds import (
     spark_rounds,
     write_config,
 )
-from sparknet.training.rundir import CONFIG_FILE, MODEL_FILE, Lock, RunDir, read_run_config
+from sparknet.training.rundir import MODEL_FILE, Lock, RunDir, read_run_config
 from sparknet.training.session import start_session, stop_quietly, stopped_from_outside
 from sparknet.training.spark_settings import is_local_master
 from sparknet.training.state import StateLayout
@@ -70,12 +70,11 @@ def default_run_dir(cfg: TrainConfig) -> Path:
 def _resume_changes(cfg: TrainConfig, run: RunDir) -> dict[str, tuple[Any, Any]]:
     """{setting: (stored, now)} for the settings that decide the weights and differ from the
     stored run's."""
+    section = read_run_config(run.text, cfg.endpoint_url)
     try:
-        stored = TrainConfig(**read_run_config(run.text, cfg.endpoint_url))
+        stored = TrainConfig(**section)
     except (ValueError, TypeError) as exc:
-        raise SparknetError(
-            f"{run.child(CONFIG_FILE)} is not a config sparknet can resume"
-        ) from exc
+        raise SparknetError(f"{section.where} is not a config sparknet can resume") from exc
     return cfg.trajectory_changes(stored)
 
 

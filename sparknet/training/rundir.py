@@ -59,7 +59,16 @@ _RUN_EXTRAS = re.compile(
 )
 
 
-def read_run_config(run_dir: str | Path, endpoint_url: str | None = None) -> dict[str, Any]:
+class StoredSettings(dict[str, Any]):
+    """A stored run's `train:` settings, and the file they were read from (`where`): a value
+    there that no longer validates is named with its file (`load_train_config`)."""
+
+    def __init__(self, section: dict[str, Any], where: str) -> None:
+        super().__init__(section)
+        self.where = where
+
+
+def read_run_config(run_dir: str | Path, endpoint_url: str | None = None) -> StoredSettings:
     """The `train:` section of the settings a `--resume` continues: those its newest complete
     checkpoint was made with (the run dir's `config.yaml` may already hold the changes of an
     `--allow-change` resume that was interrupted before its first checkpoint). `run_dir` is a
@@ -69,10 +78,10 @@ def read_run_config(run_dir: str | Path, endpoint_url: str | None = None) -> dic
     # names one, `auto` decides again where it runs now (keeping `allreduce` where it can:
     # `ran_transport`)
     section.pop("transport", None)
-    return _as_it_ran(section)
+    return StoredSettings(_as_it_ran(section), section.where)
 
 
-def _stored(store: Store, run_dir: str) -> dict[str, Any]:
+def _stored(store: Store, run_dir: str) -> StoredSettings:
     """The `train:` section of the newest complete checkpoint's config.yaml, else (no
     checkpoint, or it lost that file) of the run dir's."""
     last = checkpoint.latest(store)
@@ -89,7 +98,7 @@ def _stored(store: Store, run_dir: str) -> dict[str, Any]:
             raise SparknetError(
                 f"config file {where} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
             ) from exc
-        return yaml_section(text, where, "train")
+        return StoredSettings(yaml_section(text, where, "train"), where)
     raise SparknetError(f"{run_dir} has no config.yaml: it is not a sparknet run dir")
 
 

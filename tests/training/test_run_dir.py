@@ -192,3 +192,20 @@ def test_the_transport_that_ran_is_read_where_the_resumed_settings_are(tmp_path)
     _stored_run(tmp_path / "d", {"transport": "allreduce"}, {"transport": "allreduce"})
     (tmp_path / "d" / checkpoint.name(2) / checkpoint.CONFIG).write_bytes(b"\xff")
     assert ran_transport(RunDir.open(str(tmp_path / "d")).store) is None
+
+
+def test_a_bad_stored_value_is_named_with_the_file_it_is_in(tmp_path):
+    """A resume's settings come from the newest checkpoint's config.yaml, not the run dir's:
+    the error names that file, so the user edits the one that is read; a value the resume
+    overrides is no fault of the file."""
+    _stored_run(tmp_path / "r", {"tau": 5}, {"tau": 0})
+    stored = read_run_config(tmp_path / "r")
+    at = f"{tmp_path / 'r'}/{checkpoint.name(2)}/{checkpoint.CONFIG}"
+    assert stored.where == at
+    with pytest.raises(SparknetError) as exc:
+        load_train_config(base=stored, flags={"rounds": 4}, environ={})
+    assert str(exc.value).startswith(f"{at}: invalid setting tau:")
+    with pytest.raises(SparknetError) as exc:
+        load_train_config(base=stored, flags={"tau": 3, "lr": -1.0}, environ={})
+    assert str(exc.value).startswith("invalid setting lr:")
+    assert load_train_config(base=stored, flags={"tau": 3}, environ={}).tau == 3
