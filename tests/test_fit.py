@@ -3,6 +3,8 @@ names `fit()` arguments; integral float labels (StringIndexer's) train. Real loc
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 import sparknet
@@ -84,3 +86,52 @@ def test_fit_resume_continues_from_the_stored_settings_and_says_which_round(spar
         on_status=lambda text: events.append(("status", text)),
     )  # fmt: skip
     assert events == [("start", 2, 3), ("status", "starting Python workers")]
+
+
+def test_fit_logs_a_line_a_round_and_keeps_sparks_log_at_warn_meanwhile(spark, tmp_path, caplog):
+    """Spark's INFO lines (a few per task) would bury the round lines: WARN while fit runs,
+    the user's level again after; a level asked for is used as given, a wrong one refused."""
+    sc = spark.sparkContext
+    root = sc._jvm.org.apache.logging.log4j.LogManager.getRootLogger()
+    before = str(root.getLevel().toString())
+    seen: list[tuple[int, str]] = []
+
+    def on_round(row):
+        seen.append((row["round"], str(root.getLevel().toString())))
+
+    caplog.set_level(logging.INFO, logger="sparknet")
+    try:
+        sc.setLogLevel("INFO")
+        sparknet.fit(_frame(spark, ROWS), out=tmp_path / "a", on_round=on_round,
+                     **{**SMALL, "rounds": 2})  # fmt: skip
+        assert seen == [(1, "WARN"), (2, "WARN")]
+        assert str(root.getLevel().toString()) == "INFO"
+        lines = [r.getMessage() for r in caplog.records if r.name == "sparknet"]
+        rounds = [line for line in lines if line.startswith("round ")]
+        assert [line.split("  ")[0] for line in rounds] == ["round 1/2", "round 2/2"]
+        assert all(" samples/s  " in line and line.endswith(" s") for line in rounds)
+
+        seen.clear()
+        sparknet.fit(_frame(spark, ROWS), out=tmp_path / "b", on_round=on_round,
+                     spark_log_level="error", **SMALL)  # fmt: skip
+        assert seen == [(1, "ERROR")]
+        assert str(root.getLevel().toString()) == "INFO"
+        with pytest.raises(SparknetError, match=r"^spark_log_level 'LOUD' is not a log level"):
+            sparknet.fit(_frame(spark, ROWS), out=tmp_path / "c", spark_log_level="LOUD", **SMALL)
+        assert not (tmp_path / "c").exists()
+
+        class Enough(Exception):
+            pass
+
+        def stop(row):
+            if row["round"] == 2:
+                raise Enough
+
+        with pytest.raises(Enough):  # the caller's own exception, as raised
+            sparknet.fit(_frame(spark, ROWS), out=tmp_path / "d", on_round=stop,
+                         **{**SMALL, "rounds": 3, "checkpoint_every": 1})  # fmt: skip
+        assert str(root.getLevel().toString()) == "INFO"
+        sparknet.fit(_frame(spark, ROWS), out=tmp_path / "d", resume=True)
+        assert [r["round"] for r in read_metrics(tmp_path / "d")] == [1, 2, 3]
+    finally:
+        sc.setLogLevel(before)

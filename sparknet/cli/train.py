@@ -26,15 +26,11 @@ from sparknet.cli.common import (
 from sparknet.cli.settings import ConfOption, SetOption, with_settings
 from sparknet.config import find_config_file, load_datasets, load_train_config
 from sparknet.errors import SparknetError, WriteRefused, is_permanent
+from sparknet.training.round_line import round_line, round_text
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
 # (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
 # `sparknet --help` and every other command import this module
-
-
-def _fmt(row: dict[str, Any]) -> str:
-    acc = f"  acc {row['eval_accuracy']:.3f}" if "eval_accuracy" in row else ""
-    return f"loss {row['loss']:.4f}{acc}  {row['samples_per_s']:.0f} samples/s"
 
 
 def _summary(result) -> Table:
@@ -186,11 +182,9 @@ class _Report:
         self._interrupted()
         self.done = row["round"]
         if self.live:
-            self.progress.update(self.bar, completed=row["round"], info=_fmt(row))
+            self.progress.update(self.bar, completed=row["round"], info=round_text(row))
         else:
-            _line(
-                f"round {row['round']}/{self.total}  {_fmt(row)}  {row['seconds']['total']:.1f} s"
-            )
+            _line(round_line(row, self.total))
 
     def warning(self, text: str) -> None:
         """A line above the bar (or among the plain lines) that the run goes on after."""

@@ -56,7 +56,6 @@ def test_spark_submit_of_a_fit_script_trains_on_the_cluster(standalone, tmp_path
     env.pop("PYSPARK_DRIVER_PYTHON", None)
     done = spark_submit(
         "--master", standalone.master, "--conf", "spark.executor.memory=1g",
-        "--conf", "spark.log.level=WARN",
         str(SCRIPT), "--out", str(out), "--rounds", str(ROUNDS), "--tau", "10",
         env=env, timeout=240,
     )  # fmt: skip
@@ -71,6 +70,11 @@ def test_spark_submit_of_a_fit_script_trains_on_the_cluster(standalone, tmp_path
     weights = load_file(out / "model.safetensors")
     assert weights and all(t.isfinite().all() for t in weights.values())
     assert f"run dir {out}: test accuracy {rows[-1]['eval_accuracy']:.3f}" in done.stdout
+    # a line a round where logging was never set up (on stdout: spark-submit's PythonRunner
+    # merges the script's stderr into it), and not Spark's INFO lines about each task
+    said = [line.split("  ")[0] for line in done.stdout.splitlines() if line.startswith("round ")]
+    assert said == [f"round {r}/{ROUNDS}" for r in range(1, ROUNDS + 1)]
+    assert " INFO TaskSetManager" not in done.stderr
     # the tasks ran on the cluster's two workers, not in a local-mode JVM
     new = apps(standalone.work_dirs) - before
     assert {app.parent for app in new} == set(standalone.work_dirs)
