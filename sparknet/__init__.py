@@ -8,8 +8,9 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from sparknet.api import fit
+    from sparknet.training.saved_model import load_model
 
-__all__ = ["fit"]
+__all__ = ["fit", "load_model"]
 
 
 def __getattr__(name: str):
@@ -20,4 +21,8 @@ def __getattr__(name: str):
         from sparknet.api import fit  # lazy: torch, pyspark, boto3
 
         return fit
+    if name == "load_model":
+        from sparknet.training.saved_model import load_model  # lazy: torch, boto3
+
+        return load_model
     raise AttributeError(f"module 'sparknet' has no attribute {name!r}")

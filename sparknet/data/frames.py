@@ -45,6 +45,10 @@ class FrameSource(Source):
     loader_workers: int | None
     name: str = "a DataFrame"
 
+    @property
+    def input_kind(self) -> str:
+        return self.kind
+
     def describe(self) -> str:
         return self.name
 

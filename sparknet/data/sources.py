@@ -204,6 +204,12 @@ class Source(ABC):
     input_shape: tuple[int, ...]
     train_size: int
 
+    @property
+    def input_kind(self) -> str:
+        """What an input is before the model takes it: `tensor` (a Dataset's sample, as it
+        is), `features` (a numeric array) or `image` (encoded, decoded and transformed)."""
+        return "tensor"
+
     @abstractmethod
     def describe(self) -> str: ...
 
@@ -280,6 +286,10 @@ class ShardSource(Source):
 
     TRAIN = "train"
     EVAL = "val"
+
+    @property
+    def input_kind(self) -> str:
+        return "image"
 
     @property
     def num_classes(self) -> int:  # type: ignore[override]

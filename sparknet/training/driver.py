@@ -34,6 +34,7 @@ from sparknet.training.rounds import (
     write_config,
 )
 from sparknet.training.rundir import MODEL_FILE, Lock, RunDir, read_run_config
+from sparknet.training.saved_model import ModelInfo, write_info
 from sparknet.training.session import start_session, stop_quietly, stopped_from_outside
 from sparknet.training.spark_settings import is_local_master
 from sparknet.training.state import StateLayout
@@ -397,6 +398,7 @@ def _run(
     try:
         if not begin.changes:  # changed settings are the run's only once a checkpoint has them
             write_config(run, cfg)
+        write_info(run.store, ModelInfo.of(cfg, problem.source, problem.num_classes))
         metrics = MetricsLog(run.store, keep_rounds=begin.rounds)
         loop = RunContext(
             cfg, problem, run, lock, spark, own_session, metrics, events, on_round, warn, guard

@@ -35,6 +35,8 @@ from sparknet.training import checkpoint
 from sparknet.training.report import CURVES, METRICS
 
 MODEL_FILE = "model.safetensors"
+#: what the model is (`saved_model`): its name, outputs and input, for loading it from the dir
+MODEL_INFO = "model.json"
 CONFIG_FILE = "config.yaml"
 #: the S3 lock object (a local run dir is locked with flock and holds no such file)
 LOCK = ".sparknet-lock"
@@ -47,14 +49,14 @@ HEARTBEAT_S = 30.0
 LOST_AFTER_S = STALE_S / 2
 
 #: what a run writes into its dir; anything else there is not a run's
-RUN_ENTRIES = {CONFIG_FILE, METRICS, checkpoint.CHECKPOINTS, MODEL_FILE, CURVES, LOCK}
+RUN_ENTRIES = {CONFIG_FILE, METRICS, checkpoint.CHECKPOINTS, MODEL_FILE, MODEL_INFO, CURVES, LOCK}
 #: the start of the token a driver puts in a local run dir for its executors to read
 #: (rundir_reach); removed at once, but a driver killed meanwhile leaves it: then ignored
 REACH_TOKEN = ".sparknet-reach."
 #: temp names of the files above (the store's `.NAME.<pid>.<hex>.tmp`, and older versions'),
 #: and TensorBoard's event files
 _RUN_EXTRAS = re.compile(
-    r"^\.(config\.yaml|metrics\.jsonl|model\.safetensors|curves\.png)(\..+)?\.tmp(\.png)?$"
+    r"^\.(config\.yaml|metrics\.jsonl|model\.safetensors|model\.json|curves\.png)(\..+)?\.tmp(\.png)?$"
     r"|^events\.out\.tfevents\."
 )
 

@@ -6,6 +6,7 @@ the `moto_endpoint` fixture before Spark starts), exactly as they would reach S3
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -17,8 +18,10 @@ import boto3
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 
+import sparknet
 from sparknet.config import TrainConfig
 from sparknet.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, sha256_file
 from sparknet.data.shards import write_dataset
@@ -27,8 +30,9 @@ from sparknet.data.stream import epoch_shards, read_positions
 from sparknet.errors import SparknetError
 from sparknet.training.driver import train
 from sparknet.training.report import read_metrics
+from sparknet.training.saved_model import read_info
 from tests.conftest import SPARKNET
-from tests.imagenet_tree import corrupt_jpeg, make_tree
+from tests.imagenet_tree import corrupt_jpeg, make_tree, wnid
 
 pytestmark = pytest.mark.integration
 
@@ -91,6 +95,39 @@ def test_named_s3_dataset_trains_well_above_chance(shards, bucket, tmp_path):
     manifest = Manifest.loads((shards / MANIFEST_NAME).read_text(), "manifest")
     cached = [p for p in cache.rglob("*") if p.is_file()]
     assert len(cached) == len(manifest.shards("train")) + len(manifest.shards("val"))
+
+    # the run dir is the model: its recorded transform (torchvision's, not sparknet's decoder)
+    # on the val shards' images gives the run's own accuracy, with the dataset's class names
+    info = read_info(tmp_path / "run")
+    assert (info.input.kind, info.input.shape, info.input.resize) == ("image", (3, 32, 32), 37)
+    assert info.classes == manifest.classes
+    assert [c.wnid for c in info.classes] == sorted(wnid(k) for k in range(CLASSES))
+    accuracy = _accuracy(sparknet.load_model(tmp_path / "run"), info, shards)
+    assert accuracy == pytest.approx(final["eval_accuracy"], abs=0.03)  # JPEG draft decoding
+
+
+def _accuracy(model, info, shards: Path) -> float:
+    """Top-1 of `model` over the val shards, each image made an input as `info` says."""
+    from PIL import Image
+    from torchvision.transforms import v2
+
+    spec = info.input
+    transform = v2.Compose([
+        v2.Resize(spec.resize, antialias=True), v2.CenterCrop(spec.image_size), v2.ToImage(),
+        v2.ToDtype(torch.float32, scale=True), v2.Normalize(spec.mean, spec.std),
+    ])  # fmt: skip
+    inputs, labels = [], []
+    for shard in sorted(shards.glob("val-*.tar")):
+        with tarfile.open(shard) as tar:
+            members = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+        for name, data in members.items():
+            if name.endswith(".jpg"):
+                image = Image.open(io.BytesIO(data)).convert("RGB")
+                inputs.append(transform(image))
+                labels.append(int(members[name[: -len("jpg")] + "cls"]))
+    with torch.no_grad():
+        predicted = model(torch.stack(inputs)).argmax(1)
+    return float((predicted == torch.tensor(labels)).float().mean())
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import subprocess
 import boto3
 import pytest
 
+import sparknet
 from sparknet.config import TrainConfig, load_train_config
 from sparknet.errors import SparknetError
 from sparknet.training import rundir
@@ -18,6 +19,7 @@ from sparknet.training.driver import train
 from sparknet.training.report import read_metrics
 from sparknet.training.rundir import read_run_config
 from tests.conftest import REPO, SPARKNET
+from tests.helpers import assert_state_equal, load_run_model
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +58,7 @@ def test_an_interrupted_s3_run_resumes_to_the_bytes_of_an_uninterrupted_local_on
         train(cfg, spark=spark, on_round=interrupt)
     stored = _keys(s3, bucket, "runs/a")
     assert {k for k in stored if not k.startswith(("checkpoints/", "events."))} == {
-        "config.yaml", "metrics.jsonl",
+        "config.yaml", "metrics.jsonl", "model.json",
     }  # fmt: skip
     for rnd in (1, 2):  # the workers wrote their own states into each checkpoint
         ckpt = f"checkpoints/round-{rnd:05d}/"
@@ -77,6 +79,8 @@ def test_an_interrupted_s3_run_resumes_to_the_bytes_of_an_uninterrupted_local_on
     assert result.run_dir == uri and [r["round"] for r in result.metrics] == [1, 2, 3, 4]
     stored = _keys(s3, bucket, "runs/a")
     assert stored["model.safetensors"] == (local / "model.safetensors").read_bytes()
+    loaded = sparknet.load_model(uri, moto_endpoint).state_dict()  # the model, from S3
+    assert_state_equal(loaded, load_run_model(local))
     assert stored["curves.png"][:8] == b"\x89PNG\r\n\x1a\n"
     assert [json.loads(x)["round"] for x in stored["metrics.jsonl"].splitlines()] == [1, 2, 3, 4]
     assert (

@@ -1,0 +1,131 @@
+"""What a run's model is, recorded beside its weights, so that a run dir is a model to load.
+
+`model.safetensors` holds weights only; rebuilding the module needs the model's name, its number
+of classes and the shape of its input, and using it needs what an input must be made into (an
+image's eval resize, crop and normalisation) and what its outputs mean (the classes' names).
+Before this file a user guessed them (`config.yaml` records `num_classes: null` where the data
+decided it). `model.json` records all of it when a run starts; `load_model` rebuilds the module
+from it and the final weights, from a local run dir or an `s3://` one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from sparknet.config import TrainConfig
+from sparknet.data.decode import IMAGENET_MEAN, IMAGENET_STD, eval_resize
+from sparknet.data.manifest import ClassInfo
+from sparknet.data.sources import Source
+from sparknet.data.store import MissingObjectError, Store, open_store
+from sparknet.errors import SparknetError, first_line
+from sparknet.models import build_model
+from sparknet.training.rundir import MODEL_FILE, MODEL_INFO
+
+FORMAT = 1
+
+
+class ModelInput(BaseModel):
+    """What the model takes: `shape` is one input's (C, H, W for images). An `image` input is
+    an encoded image decoded to RGB, its shorter side resized to `resize`, centre-cropped to
+    `image_size`, scaled to [0, 1] and normalised with `mean` and `std` (torchvision's
+    ImageNet evaluation); a `tensor` (a Dataset's samples) or `features` (a DataFrame's
+    numeric arrays, reshaped to `shape`) input goes in as it is."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["tensor", "features", "image"]
+    shape: tuple[int, ...]
+    image_size: int | None = None
+    resize: int | None = None
+    mean: tuple[float, float, float] | None = None
+    std: tuple[float, float, float] | None = None
+
+
+class ModelInfo(BaseModel):
+    """`model.json`: the model by name (as `--model` takes it), its outputs and its input."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal[1] = FORMAT
+    model: str
+    num_classes: int = Field(ge=1)
+    input: ModelInput
+    #: what each output means, where the data names its classes: a shard dataset's manifest's
+    #: (`wnid` is the class's id there, a WordNet id for ImageNet)
+    classes: list[ClassInfo] | None = None
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, source: Source, num_classes: int) -> ModelInfo:
+        shape = tuple(source.input_shape)
+        kind = source.input_kind
+        if kind == "image":
+            size = shape[-1]
+            spec = ModelInput(
+                kind="image", shape=shape, image_size=size, resize=eval_resize(size),
+                mean=IMAGENET_MEAN, std=IMAGENET_STD,
+            )  # fmt: skip
+        else:
+            spec = ModelInput(kind=kind, shape=shape)
+        manifest = getattr(source, "manifest", None)
+        classes = list(manifest.classes) if manifest is not None else None
+        return cls(model=cfg.model, num_classes=num_classes, input=spec, classes=classes)
+
+
+def write_info(store: Store, info: ModelInfo) -> None:
+    store.write_bytes(
+        MODEL_INFO, (info.model_dump_json(indent=2, exclude_none=True) + "\n").encode()
+    )
+
+
+def read_info(run: str | Path, endpoint_url: str | None = None) -> ModelInfo:
+    """A run dir's `model.json`; one line naming what to do where it cannot be read."""
+    data = _read(
+        run, endpoint_url, MODEL_INFO,
+        "it is not a sparknet run dir, or its run started before run dirs recorded their "
+        "model (build it with sparknet.models.build_model and load model.safetensors into it)",
+    )  # fmt: skip
+    try:
+        return ModelInfo.model_validate_json(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "the file"
+        raise SparknetError(f"{run}/{MODEL_INFO} is damaged: {where}: {err['msg']}") from exc
+
+
+def load_model(run: str | Path, endpoint_url: str | None = None) -> torch.nn.Module:
+    """The model a finished run trained, with its final weights, in eval mode on the CPU.
+
+    Args:
+        run: the run dir, a local path or an `s3://` URI.
+        endpoint_url: an S3-compatible endpoint (else `AWS_ENDPOINT_URL` or AWS).
+
+    `read_info(run)` says what an input must be made into and what each output means.
+    """
+    info = read_info(run, endpoint_url)
+    data = _read(
+        run, endpoint_url, MODEL_FILE,
+        f"its run has not finished; `sparknet train --resume --out {run}` finishes it",
+    )  # fmt: skip
+    model = build_model(info.model, info.input.shape, info.num_classes)
+    try:
+        model.load_state_dict(load_safetensors(data), strict=True)
+    except (RuntimeError, SafetensorError) as exc:
+        raise SparknetError(
+            f"{run}/{MODEL_FILE} does not fit {info.model!r} as {MODEL_INFO} records it: "
+            f"{first_line(exc)}"
+        ) from exc
+    return model.eval()
+
+
+def _read(run: str | Path, endpoint_url: str | None, name: str, missing: str) -> bytes:
+    """A run dir's file `name`; where it is not there, one line: `RUN has no NAME: {missing}`."""
+    try:
+        return open_store(str(run), endpoint_url).read_bytes(name)
+    except MissingObjectError:
+        raise SparknetError(f"{run} has no {name}: {missing}") from None
