@@ -305,14 +305,24 @@ def test_logs_prints_the_last_lines_then_follows_to_the_end(tmp_path) -> None:
 
     from sparknet.jobs import records
 
-    node = _fake_node(tmp_path, "for i in 1 2 3; do echo line $i; done; sleep 1; echo last")
+    go = tmp_path / "go"  # the job's last line waits for it: no race with a busy machine
+    node = _fake_node(
+        tmp_path,
+        f"for i in 1 2 3; do echo line $i; done; while [ ! -e {go} ]; do sleep 0.05; done; "
+        "echo last",
+    )
     driver_control.start_driver(Context(), node, "L1", TrainConfig())
     _wait_for(lambda: "line 3" in (tmp_path / "jobs" / "L1" / "driver.log").read_text())
     got: list[str] = []
     records.print_log(Context(), node, "L1", 2, False, got.append)
     assert "".join(got) == "line 2\nline 3\n"
     got.clear()
-    records.print_log(Context(), node, "L1", 1, True, got.append, poll_s=0.1)
+
+    def shown(text: str) -> None:  # the last line printed: only then does the job go on
+        got.append(text)
+        go.touch()
+
+    records.print_log(Context(), node, "L1", 1, True, shown, poll_s=0.1)
     assert "".join(got) == "line 3\nlast\n"
 
 
