@@ -51,7 +51,7 @@ def fit(
 
     Args:
         df: a pyspark DataFrame with a label column of class indices and an input column of
-            encoded images (binary) or fixed-length numeric arrays.
+            encoded images (binary), fixed-length numeric arrays or Spark ML vectors.
         label_col: the label column.
         input_col: the input column; default `image` or `features`, whichever `df` has.
         eval_df: a frame of the same columns to report test loss, top-1 and top-5 on.

@@ -230,6 +230,7 @@ STANDALONE_MODULES = frozenset(
         "tests/training/test_spark_submit.py",
         "tests/training/test_run_dir_s3.py",
         "tests/bench/test_bench_distributor.py",
+        "tests/ml/test_spark_ml_standalone.py",
     )
 )
 

@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config",),
     ("training", "cluster"),  # they meet in jobs and cli, never in each other
     ("api", "bench", "jobs"),
+    ("ml",),  # Spark ML stages: the estimator fits through the API
     ("cli", "__init__"),  # `sparknet.fit`: the package's public face, above the API it names
 )
 

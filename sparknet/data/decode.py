@@ -180,11 +180,15 @@ def eval_transform(image_size: int) -> Compose:
     )
 
 
-def normalize(batch: torch.Tensor) -> torch.Tensor:
-    """A uint8 (N, 3, H, W) batch to float32 scaled to [0, 1] and normalized with ImageNet's
-    mean and std, as `ToDtype(scale=True)` + `Normalize` would do image by image."""
+def normalize(
+    batch: torch.Tensor,
+    mean: tuple[float, float, float] = IMAGENET_MEAN,
+    std: tuple[float, float, float] = IMAGENET_STD,
+) -> torch.Tensor:
+    """A uint8 (N, 3, H, W) batch to float32 scaled to [0, 1] and normalized with `mean` and
+    `std` (ImageNet's), as `ToDtype(scale=True)` + `Normalize` would do image by image."""
     import torch  # lazy: torch
 
-    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
-    return batch.to(torch.float32).div_(255).sub_(mean).div_(std)
+    m = torch.tensor(mean).view(1, 3, 1, 1)
+    s = torch.tensor(std).view(1, 3, 1, 1)
+    return batch.to(torch.float32).div_(255).sub_(m).div_(s)

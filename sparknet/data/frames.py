@@ -6,8 +6,8 @@ to task k as Arrow record batches. Nothing is collected to the driver and nothin
 another system: a table, a Parquet dataset or any query result trains as it is.
 
 A frame holds a label column of class indices and an input column that is either encoded images
-(binary: decoded and transformed like shard samples) or fixed-length numeric arrays (features,
-reshaped to `feature_shape`).
+(binary: decoded and transformed like shard samples) or fixed-length numbers (features: arrays,
+or Spark ML vectors taken as arrays, reshaped to `feature_shape`).
 """
 
 from __future__ import annotations
@@ -235,6 +235,17 @@ def _input_column(df, wanted: str | None, name: str) -> str:
     return found[0]
 
 
+def as_arrays(df, col: str):
+    """`df` with a Spark ML vector column (what `VectorAssembler` makes) as float arrays, the
+    form features travel in; any other column as it is."""
+    from pyspark.ml.functions import vector_to_array  # lazy: pyspark
+    from pyspark.ml.linalg import VectorUDT  # lazy: pyspark
+
+    if col in df.columns and isinstance(df.schema[col].dataType, VectorUDT):
+        return df.withColumn(col, vector_to_array(col, "float32"))
+    return df
+
+
 def _kind(df, col: str, name: str) -> Literal["image", "features"]:
     from pyspark.sql.types import ArrayType, BinaryType, NumericType  # lazy: pyspark
 
@@ -245,7 +256,7 @@ def _kind(df, col: str, name: str) -> Literal["image", "features"]:
         return "features"
     raise SparknetError(
         f"{name}: column {col!r} is {dtype.simpleString()}; it must hold encoded images "
-        "(binary) or numeric arrays"
+        "(binary), numeric arrays or Spark ML vectors"
     )
 
 
@@ -362,6 +373,9 @@ def prepare_frames(
     from pyspark.sql import functions as F  # lazy: pyspark
 
     col = _input_column(train_df, input_col, name)
+    train_df = as_arrays(train_df, col)
+    if eval_df is not None:
+        eval_df = as_arrays(eval_df, col)
     kind = _kind(train_df, col, name)
     stats = _check_frame(train_df, name, label_col, col, kind)
     classes = num_classes or stats.hi + 1

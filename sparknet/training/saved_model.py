@@ -10,6 +10,7 @@ from it and the final weights, from a local run dir or an `s3://` one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -85,17 +86,50 @@ def write_info(store: Store, info: ModelInfo) -> None:
 
 def read_info(run: str | Path, endpoint_url: str | None = None) -> ModelInfo:
     """A run dir's `model.json`; one line naming what to do where it cannot be read."""
-    data = _read(
-        run, endpoint_url, MODEL_INFO,
-        "it is not a sparknet run dir, or its run started before run dirs recorded their "
-        "model (build it with sparknet.models.build_model and load model.safetensors into it)",
-    )  # fmt: skip
-    try:
-        return ModelInfo.model_validate_json(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "the file"
-        raise SparknetError(f"{run}/{MODEL_INFO} is damaged: {where}: {err['msg']}") from exc
+    return _info(open_store(str(run), endpoint_url), run)
+
+
+@dataclass(frozen=True)
+class SavedModel:
+    """A run's model as data: its `model.json` and its final weights' bytes, read once. What
+    the driver ships to executors (Spark ML's transform) and what a saved pipeline stage holds,
+    so neither needs the run dir again."""
+
+    info: ModelInfo
+    weights: bytes
+    #: where it came from, for messages: the run dir, or a saved stage's path
+    where: str
+
+    @classmethod
+    def read(cls, run: str | Path, endpoint_url: str | None = None) -> SavedModel:
+        """A finished run's model; one line naming what to do where the run dir has none."""
+        store = open_store(str(run), endpoint_url)
+        info = _info(store, run)
+        weights = _read(
+            store, run, MODEL_FILE,
+            f"its run has not finished; `sparknet train --resume --out {run}` finishes it",
+        )  # fmt: skip
+        return cls(info, weights, str(run))
+
+    @classmethod
+    def of(cls, info_json: str | bytes, weights: bytes, where: str) -> SavedModel:
+        return cls(_parsed(info_json, where), weights, where)
+
+    def info_json(self) -> str:
+        return self.info.model_dump_json(exclude_none=True)
+
+    def build(self) -> torch.nn.Module:
+        """The module with these weights, in eval mode on the CPU."""
+        info = self.info
+        model = build_model(info.model, info.input.shape, info.num_classes)
+        try:
+            model.load_state_dict(load_safetensors(self.weights), strict=True)
+        except (RuntimeError, SafetensorError) as exc:
+            raise SparknetError(
+                f"{self.where}/{MODEL_FILE} does not fit {info.model!r} as {MODEL_INFO} records "
+                f"it: {first_line(exc)}"
+            ) from exc
+        return model.eval()
 
 
 def load_model(run: str | Path, endpoint_url: str | None = None) -> torch.nn.Module:
@@ -107,25 +141,30 @@ def load_model(run: str | Path, endpoint_url: str | None = None) -> torch.nn.Mod
 
     `read_info(run)` says what an input must be made into and what each output means.
     """
-    info = read_info(run, endpoint_url)
+    return SavedModel.read(run, endpoint_url).build()
+
+
+def _info(store: Store, run: str | Path) -> ModelInfo:
     data = _read(
-        run, endpoint_url, MODEL_FILE,
-        f"its run has not finished; `sparknet train --resume --out {run}` finishes it",
+        store, run, MODEL_INFO,
+        "it is not a sparknet run dir, or its run started before run dirs recorded their "
+        "model (build it with sparknet.models.build_model and load model.safetensors into it)",
     )  # fmt: skip
-    model = build_model(info.model, info.input.shape, info.num_classes)
+    return _parsed(data, str(run))
+
+
+def _parsed(data: str | bytes, where: str) -> ModelInfo:
     try:
-        model.load_state_dict(load_safetensors(data), strict=True)
-    except (RuntimeError, SafetensorError) as exc:
-        raise SparknetError(
-            f"{run}/{MODEL_FILE} does not fit {info.model!r} as {MODEL_INFO} records it: "
-            f"{first_line(exc)}"
-        ) from exc
-    return model.eval()
+        return ModelInfo.model_validate_json(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "the file"
+        raise SparknetError(f"{where}/{MODEL_INFO} is damaged: {field}: {err['msg']}") from exc
 
 
-def _read(run: str | Path, endpoint_url: str | None, name: str, missing: str) -> bytes:
+def _read(store: Store, run: str | Path, name: str, missing: str) -> bytes:
     """A run dir's file `name`; where it is not there, one line: `RUN has no NAME: {missing}`."""
     try:
-        return open_store(str(run), endpoint_url).read_bytes(name)
+        return store.read_bytes(name)
     except MissingObjectError:
         raise SparknetError(f"{run} has no {name}: {missing}") from None
