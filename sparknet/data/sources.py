@@ -283,6 +283,8 @@ class ShardSource(Source):
     loader_workers: int | None
     cache_dir: str | None
     cache_bytes: int
+    #: the split evaluations read (`sparknet evaluate --split` may name another)
+    eval_split: str = "val"
 
     TRAIN = "train"
     EVAL = "val"
@@ -358,9 +360,9 @@ class ShardSource(Source):
     def eval_batches(self, inp: TaskInput) -> Iterator:
         from sparknet.data.decode import EvalDecoder  # lazy: PIL
 
-        if not _split_samples(self.manifest, self.EVAL):  # missing or empty: like no val
+        if not _split_samples(self.manifest, self.eval_split):  # missing or empty: like no val
             return
-        mine = self.manifest.shards(self.EVAL)[inp.partition :: inp.workers]
+        mine = self.manifest.shards(self.eval_split)[inp.partition :: inp.workers]
 
         def items() -> Iterator:
             for info in mine:

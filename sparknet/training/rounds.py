@@ -6,7 +6,7 @@ before its checkpoint is published.
 
 Kept apart from `driver`, which holds what surrounds the loops (the checks, resume, the session,
 the transport chosen): the loops and their state read on their own. Executors import this module
-by name, for the task functions a round pickles (`_train_work`, `_eval_work`).
+by name, for the task functions a round pickles (`train_work`, `eval_work`).
 """
 
 from __future__ import annotations
@@ -122,13 +122,13 @@ def _last_good(run: RunDir) -> str:
     return "none" if last is None else run.child(checkpoint.name(last))
 
 
-def _train_work(task: RoundTask, theta, partition, attempt, threads, local_dir, rows):
+def train_work(task: RoundTask, theta, partition, attempt, threads, local_dir, rows):
     return train_partition(
         task, theta, partition, attempt=attempt, threads=threads, local_dir=local_dir, rows=rows
     )
 
 
-def _eval_work(task: RoundTask, theta, partition, attempt, threads, local_dir, rows):
+def eval_work(task: RoundTask, theta, partition, attempt, threads, local_dir, rows):
     return evaluate_partition(task, theta, partition, threads=threads, rows=rows)
 
 
@@ -241,7 +241,7 @@ def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> 
             )
             t0 = time.perf_counter()
             contrib, broadcast_s = transport.map_reduce(
-                theta, functools.partial(_train_work, task), Contribution.combine, train_frame
+                theta, functools.partial(train_work, task), Contribution.combine, train_frame
             )
             missed = _missed(contrib) if r > seg.first else []
             if missed:  # not stepped with: replayed from the last checkpoint
@@ -274,7 +274,7 @@ def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> 
             if evaluates and checkpoint.due(cfg.eval_every, done, cfg.rounds):
                 eval_task = replace(task, integers=integers, checkpoint_dir=None)
                 ev, _ = transport.map_reduce(
-                    theta, functools.partial(_eval_work, eval_task), EvalResult.combine, eval_frame
+                    theta, functools.partial(eval_work, eval_task), EvalResult.combine, eval_frame
                 )
                 row.update(eval_row(ev))
             row["elapsed_s"] = seg.elapsed_s + time.perf_counter() - seg.t_start

@@ -48,8 +48,19 @@ HEARTBEAT_S = 30.0
 #: another run may take it over as stale)
 LOST_AFTER_S = STALE_S / 2
 
+#: where `sparknet evaluate` reports into a run dir, by default
+EVALUATIONS = "evaluations"
 #: what a run writes into its dir; anything else there is not a run's
-RUN_ENTRIES = {CONFIG_FILE, METRICS, checkpoint.CHECKPOINTS, MODEL_FILE, MODEL_INFO, CURVES, LOCK}
+RUN_ENTRIES = {
+    CONFIG_FILE,
+    METRICS,
+    checkpoint.CHECKPOINTS,
+    MODEL_FILE,
+    MODEL_INFO,
+    CURVES,
+    LOCK,
+    EVALUATIONS,
+}
 #: the start of the token a driver puts in a local run dir for its executors to read
 #: (rundir_reach); removed at once, but a driver killed meanwhile leaves it: then ignored
 REACH_TOKEN = ".sparknet-reach."

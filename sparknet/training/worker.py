@@ -47,6 +47,8 @@ class RoundTask:
     tau: int
     #: where this round's checkpoint is being assembled, when the round ends with one
     checkpoint_dir: str | None = None
+    #: an evaluation also counts (label, prediction) pairs (`sparknet evaluate`)
+    confusion: bool = False
 
 
 @dataclass
@@ -101,15 +103,21 @@ class EvalResult:
     correct5: int = 0  # the label is among the 5 highest logits
     count: int = 0
     skipped: int = 0
+    #: [label, top-1 prediction] counts, where the task asked for them (`RoundTask.confusion`)
+    confusion: np.ndarray | None = None
 
     @staticmethod
     def combine(a: EvalResult, b: EvalResult) -> EvalResult:
+        pairs = b.confusion if a.confusion is None else a.confusion
+        if a.confusion is not None and b.confusion is not None:
+            pairs = a.confusion + b.confusion
         return EvalResult(
             a.loss_sum + b.loss_sum,
             a.correct + b.correct,
             a.correct5 + b.correct5,
             a.count + b.count,
             a.skipped + b.skipped,
+            pairs,
         )
 
 
@@ -551,6 +559,10 @@ def evaluate_partition(
         correct = torch.zeros((), dtype=torch.int64, device=on)
         correct5 = torch.zeros((), dtype=torch.int64, device=on)
         count = skipped = 0
+        classes = task.num_classes
+        pairs = torch.zeros(
+            classes * classes if task.confusion else 0, dtype=torch.int64, device=on
+        )
         inp = TaskInput(partition, cfg.workers, cfg.seed, task.run_id, threads, rows)
         for batch in task.source.eval_batches(inp):
             skipped += batch.skipped
@@ -565,5 +577,8 @@ def evaluate_partition(
             correct += (top[:, 0] == y).sum()
             correct5 += (top == y[:, None]).any(1).sum()
             count += len(batch.y)
+            if task.confusion:
+                pairs += torch.bincount(y * classes + top[:, 0], minlength=classes * classes)
             progress.step()
-    return EvalResult(float(loss_sum), int(correct), int(correct5), count, skipped)
+    confusion = pairs.view(classes, classes).cpu().numpy() if task.confusion else None
+    return EvalResult(float(loss_sum), int(correct), int(correct5), count, skipped, confusion)

@@ -29,8 +29,9 @@ from sparknet.data.store import LocalStore
 from sparknet.data.stream import epoch_shards, read_positions
 from sparknet.errors import SparknetError
 from sparknet.training.driver import train
+from sparknet.training.evaluation import evaluate
 from sparknet.training.report import read_metrics
-from sparknet.training.saved_model import read_info
+from sparknet.training.saved_model import read_info, write_info
 from tests.conftest import SPARKNET
 from tests.imagenet_tree import corrupt_jpeg, make_tree, wnid
 
@@ -104,6 +105,21 @@ def test_named_s3_dataset_trains_well_above_chance(shards, bucket, tmp_path):
     assert [c.wnid for c in info.classes] == sorted(wnid(k) for k in range(CLASSES))
     accuracy = _accuracy(sparknet.load_model(tmp_path / "run"), info, shards)
     assert accuracy == pytest.approx(final["eval_accuracy"], abs=0.03)  # JPEG draft decoding
+
+    # `sparknet evaluate` over the same split on S3 is the run's own final evaluation, each
+    # class named as the manifest names it; its report goes into the run dir
+    done = _cli("evaluate", "run", "--data", "imagenet", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "run/evaluations/imagenet-val/evaluation.json").read_text())
+    assert (report["top1"], report["top5"], report["samples"]) == (
+        final["eval_accuracy"],
+        final["eval_top5"],
+        final["eval_samples"],
+    )
+    assert [(c["wnid"], c["name"]) for c in report["classes"]] == [
+        (c.wnid, c.name) for c in info.classes
+    ]
+    assert [c["samples"] for c in report["classes"]] == [10] * CLASSES
 
 
 def _accuracy(model, info, shards: Path) -> float:
@@ -273,6 +289,38 @@ def test_dataframe_of_the_same_images_reaches_the_same_band(spark, tree, tmp_pat
     assert result.final["eval_samples"] == CLASSES * 10
     assert result.final["eval_accuracy"] >= 0.6, result.final
     assert not spark.sparkContext._jsc.getPersistentRDDs(), "the persisted frame was released"
+    # the same frame evaluated after the run: its final evaluation, in this session
+    ev = evaluate(tmp_path / "run", f"parquet:{tmp_path / 'val.parquet'}", spark=spark)
+    assert (ev.samples, ev.top1, ev.top5) == (
+        CLASSES * 10,
+        result.final["eval_accuracy"],
+        result.final["eval_top5"],
+    )
+    assert ev.loss == pytest.approx(result.final["eval_loss"], rel=1e-9)
+    assert not spark.sparkContext._jsc.getPersistentRDDs()
+
+
+def test_any_split_evaluates_and_other_classes_are_refused_before_spark(spark, shards, tmp_path):
+    run = tmp_path / "run"
+    train(TrainConfig(data=str(shards), rounds=1, eval_every=0, loader_workers=1, out=run, **FAST),
+          spark=spark)  # fmt: skip
+    ev = evaluate(run, str(shards), split="train", spark=spark)
+    assert ev.split == "train" and ev.samples == CLASSES * 60
+    assert ev.confusion.sum(1).tolist() == [60] * CLASSES
+    with pytest.raises(SparknetError, match=r"has no split 'test' \(it has: train, val\); pass"):
+        evaluate(run, str(shards), split="test", spark=object())
+
+    info = read_info(run)
+    renamed = info.model_copy(
+        update={"classes": [*info.classes[:3], info.classes[4], info.classes[3], *info.classes[5:]]}
+    )
+    write_info(LocalStore(run), renamed)
+    with pytest.raises(SparknetError) as exc:
+        evaluate(run, str(shards), spark=object())  # refused before any Spark call
+    assert str(exc.value) == (
+        f"the classes of {shards} are not the model's: class 3 is {wnid(3)!r} there and "
+        f"{wnid(4)!r} in {run}; evaluate on a dataset sharded with the same classes"
+    )
 
 
 def test_feature_table_trains_from_cli_flags(spark, tmp_path):

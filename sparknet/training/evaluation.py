@@ -1,0 +1,292 @@
+"""`sparknet evaluate`: a finished run's model over a whole split, on Spark as training evaluates.
+
+Each of K partitions runs the very evaluation a training round runs (`evaluate_partition`: the
+run's device, precision, decoder and batches), so with the run's K the top-1 equals the run's
+own final evaluation on the same split; each partition also counts its (label, prediction)
+pairs, which give per-class accuracy and the confusion matrix. The data is a shard dataset (any
+split its manifest has), a built-in or `module:factory` dataset (its test set), or a DataFrame
+(`parquet:PATH`, `table:NAME`).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sparknet.config import DatasetEntry, TrainConfig, load_train_config
+from sparknet.data.frames import prepare_frames, read_frame
+from sparknet.data.manifest import ClassInfo
+from sparknet.data.sources import ShardSource, Source, is_frame_spec, resolve_source
+from sparknet.data.store import Store
+from sparknet.errors import SparknetError
+from sparknet.models import check_model_accepts
+from sparknet.training.probe import check_python_workers, user_modules
+from sparknet.training.rounds import eval_work
+from sparknet.training.rundir import read_run_config
+from sparknet.training.saved_model import ModelInfo, SavedModel
+from sparknet.training.session import start_session, stop_quietly
+from sparknet.training.spark_settings import is_local_master
+from sparknet.training.state import StateLayout
+from sparknet.training.transport import SparkTransport, wait_for_executors
+from sparknet.training.worker import EvalResult, RoundTask
+
+StatusCallback = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ClassScore:
+    """One class's share of an evaluation: its samples and how many were predicted right."""
+
+    index: int
+    #: the manifest's id and name for it (a WordNet id and words for ImageNet), where it has them
+    wnid: str | None
+    name: str | None
+    samples: int
+    correct: int
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.correct / self.samples if self.samples else None
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A run's model over one split: loss, top-1, top-5 and the [label, prediction] counts."""
+
+    run: str
+    data: str
+    #: the shard split read (None: a dataset's test set or a DataFrame's rows)
+    split: str | None
+    samples: int
+    #: samples that could not be read or decoded (counted in no figure)
+    skipped: int
+    loss: float
+    top1: float
+    top5: float
+    #: [label, top-1 prediction] counts, classes x classes
+    confusion: np.ndarray
+    classes: list[ClassInfo] | None
+
+    def per_class(self) -> list[ClassScore]:
+        known = {c.index: c for c in self.classes or []}
+        rows, right = self.confusion.sum(1), np.diag(self.confusion)
+        scores = []
+        for i in range(len(rows)):
+            c = known.get(i)
+            wnid, name = (c.wnid, c.name) if c is not None else (None, None)
+            scores.append(ClassScore(i, wnid, name, int(rows[i]), int(right[i])))
+        return scores
+
+    def as_json(self) -> dict[str, Any]:
+        """What `evaluation.json` holds: the figures, each class's, and the confusion counts."""
+        return {
+            "run": self.run, "data": self.data, "split": self.split, "samples": self.samples,
+            "skipped_samples": self.skipped, "loss": self.loss, "top1": self.top1,
+            "top5": self.top5,
+            "classes": [
+                {"index": c.index, "wnid": c.wnid, "name": c.name, "samples": c.samples,
+                 "correct": c.correct, "accuracy": c.accuracy}
+                for c in self.per_class()
+            ],
+            "confusion": self.confusion.tolist(),
+        }  # fmt: skip
+
+
+#: the most classes the confusion picture shows (a 1000-class matrix is a grey square)
+PICTURE_CLASSES = 100
+EVALUATION_JSON = "evaluation.json"
+CONFUSION_PNG = "confusion.png"
+
+
+def write_report(evaluation: Evaluation, store: Store) -> list[str]:
+    """`evaluation.json` and, for up to `PICTURE_CLASSES` classes, `confusion.png` (each row
+    a true class, as shares of its samples); the names written."""
+    store.write_bytes(EVALUATION_JSON, (json.dumps(evaluation.as_json(), indent=1) + "\n").encode())
+    written = [EVALUATION_JSON]
+    classes = len(evaluation.confusion)
+    if classes <= PICTURE_CLASSES:
+        store.write_bytes(CONFUSION_PNG, _confusion_png(evaluation))
+        written.append(CONFUSION_PNG)
+    return written
+
+
+def _confusion_png(evaluation: Evaluation) -> bytes:
+    import matplotlib  # lazy: matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # lazy: matplotlib
+
+    counts = evaluation.confusion.astype(float)
+    shares = counts / np.maximum(counts.sum(1, keepdims=True), 1)
+    classes = len(shares)
+    side = min(4 + classes * 0.12, 16)
+    fig, ax = plt.subplots(figsize=(side + 1.5, side), constrained_layout=True)
+    image = ax.imshow(shares, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
+    fig.colorbar(image, ax=ax, label="share of the true class's samples")
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(f"{evaluation.data}: top-1 {evaluation.top1:.4f} over {evaluation.samples}")
+    if classes <= 30:
+        names = [c.wnid or str(c.index) for c in evaluation.per_class()]
+        ax.set_xticks(range(classes), names, rotation=90, fontsize=7)
+        ax.set_yticks(range(classes), names, fontsize=7)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    plt.close(fig)
+    return png.getvalue()
+
+
+def evaluate(
+    run: str | Path,
+    data: str,
+    *,
+    split: str | None = None,
+    workers: int | None = None,
+    master: str | None = None,
+    endpoint_url: str | None = None,
+    label_col: str | None = None,
+    input_col: str | None = None,
+    device: str | None = None,
+    spark=None,
+    datasets: dict[str, DatasetEntry] | None = None,
+    on_status: StatusCallback | None = None,
+) -> Evaluation:
+    """Evaluate the final model of `run` on `data`, with the run's settings but for the data
+    (and `workers`, `master`, the columns, where given). Checked before Spark starts: the run
+    has a model, the data's classes are the model's; a DataFrame's right after it starts."""
+    status = on_status or (lambda _text: None)
+    saved = SavedModel.read(run, endpoint_url)
+    flags = {
+        "data": data, "eval_data": None, "out": str(run), "transport": "spark",
+        "workers": workers, "master": master, "endpoint_url": endpoint_url,
+        "label_col": label_col, "input_col": input_col, "device": device,
+    }  # fmt: skip
+    cfg = load_train_config(flags=flags, environ={}, base=read_run_config(run, endpoint_url))
+    frames = is_frame_spec(data)
+    if split is not None and frames:
+        raise SparknetError(
+            "{@split} names a split of a shard dataset; {data} is a DataFrame", data=data
+        )
+    source = None if frames else _source(cfg, datasets, split, saved.info)
+    own_session = spark is None
+    placed = None
+    try:
+        if own_session:
+            status("starting Spark")
+            spark = start_session(cfg.master, cfg.workers, cfg.spark_conf, cfg.gpus_per_worker)
+        sc = spark.sparkContext
+        if not is_local_master(sc.master):
+            status("waiting for Spark's executors")
+            wait_for_executors(sc, cfg.workers)
+        status("starting Python workers")
+        named = frames or data in (datasets or {})  # no module of the user's to import
+        check_python_workers(spark, cfg.workers, user_modules(cfg.model, None if named else data))
+        if frames:
+            source, placed = prepare_frames(
+                read_frame(spark, data), None, workers=cfg.workers, label_col=cfg.label_col,
+                input_col=cfg.input_col, num_classes=None, image_size=cfg.image_size,
+                loader_workers=cfg.loader_workers, name=data,
+            )  # fmt: skip
+            _check_fit(saved, source, data)
+        status(f"evaluating on {cfg.workers} partitions")
+        ev = _evaluate(cfg, saved, source, spark, placed.train if placed is not None else None)
+    finally:
+        if placed is not None:
+            placed.release()
+        if own_session and spark is not None:
+            stop_quietly(spark)
+    if ev.count == 0:
+        raise SparknetError(f"{data} gave no sample to evaluate on" + _skipped(ev.skipped))
+    assert ev.confusion is not None
+    return Evaluation(
+        str(run), data, _split_of(source), ev.count, ev.skipped, ev.loss_sum / ev.count,
+        ev.correct / ev.count, ev.correct5 / ev.count, ev.confusion, saved.info.classes,
+    )  # fmt: skip
+
+
+def _source(cfg: TrainConfig, datasets, split: str | None, info: ModelInfo) -> Source:
+    source = resolve_source(cfg, datasets)
+    if isinstance(source, ShardSource):
+        chosen = split or ShardSource.EVAL
+        if chosen not in source.manifest.splits:
+            have = ", ".join(sorted(source.manifest.splits))
+            raise SparknetError(
+                "{data} has no split {split!r} (it has: {have}); pass {@split}",
+                data=cfg.data, split=chosen, have=have,
+            )  # fmt: skip
+        source = replace(source, eval_split=chosen)
+    elif split is not None:
+        raise SparknetError(
+            "{@split} names a split of a shard dataset; {data} is not one", data=cfg.data
+        )
+    _check_fit(SavedModel(info, b"", cfg.out or ""), source, cfg.data)
+    return source
+
+
+def _check_fit(saved: SavedModel, source: Source, data: str) -> None:
+    """The data's classes and input are the model's, or one line saying how they differ."""
+    info = saved.info
+    have = source.num_classes
+    if have is not None and have > info.num_classes:
+        raise SparknetError(
+            f"{data} has labels up to {have - 1}, but the model of {saved.where} has "
+            f"{info.num_classes} classes: evaluate it on data of its own classes"
+        )
+    manifest = getattr(source, "manifest", None)
+    if manifest is not None and info.classes is not None:
+        ours = [c.wnid for c in info.classes]
+        theirs = [c.wnid for c in manifest.classes]
+        if ours != theirs:
+            differ = next(
+                (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+                min(len(ours), len(theirs)),
+            )
+            raise SparknetError(
+                f"the classes of {data} are not the model's: class {differ} is "
+                f"{_at(theirs, differ)} there and {_at(ours, differ)} in {saved.where}; "
+                "evaluate on a dataset sharded with the same classes"
+            )
+    if tuple(source.input_shape) != tuple(info.input.shape):
+        raise SparknetError(
+            f"{data} gives inputs of shape {tuple(source.input_shape)}, but the model of "
+            f"{saved.where} takes {tuple(info.input.shape)}"
+        )
+
+
+def _at(wnids: list[str], i: int) -> str:
+    return repr(wnids[i]) if i < len(wnids) else "missing"
+
+
+def _evaluate(cfg: TrainConfig, saved: SavedModel, source: Source, spark, frame) -> EvalResult:
+    model = saved.build()
+    check_model_accepts(model, source.example(), saved.info.num_classes, cfg.model)
+    layout = StateLayout.of_model(model)
+    state = model.state_dict()
+    task = RoundTask(
+        cfg, source, uuid.uuid4().hex, 0, layout, layout.integers(state), saved.info.num_classes,
+        tuple(saved.info.input.shape), str(cfg.out), tau=1, confusion=True,
+    )  # fmt: skip
+    transport = SparkTransport(spark.sparkContext, cfg.workers)
+    try:
+        ev, _ = transport.map_reduce(
+            layout.flatten(state), functools.partial(eval_work, task), EvalResult.combine, frame
+        )
+    finally:
+        transport.close()
+    return ev
+
+
+def _split_of(source: Source | None) -> str | None:
+    return source.eval_split if isinstance(source, ShardSource) else None
+
+
+def _skipped(skipped: int) -> str:
+    return f" ({skipped} could not be read or decoded)" if skipped else ""
