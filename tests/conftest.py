@@ -42,6 +42,19 @@ def spark(moto_endpoint):
     session.stop()
 
 
+@pytest.fixture(scope="session")
+def digits_run(spark, tmp_path_factory) -> tuple[Path, dict]:
+    """A finished run on digits (mlp, 3 rounds, evaluated at the end) and its final row, for
+    the tests of what uses a run's model; they leave the run dir as it is."""
+    from sparknet.config import TrainConfig
+    from sparknet.training.driver import train
+
+    out = tmp_path_factory.mktemp("digits") / "run"
+    cfg = TrainConfig(model="mlp", workers=2, tau=10, rounds=3, batch_size=32, lr=0.1,
+                      eval_every=0, out=out)  # fmt: skip
+    return out, train(cfg, spark=spark).final
+
+
 @pytest.fixture
 def sc(spark):
     return spark.sparkContext

@@ -17,7 +17,7 @@ from rich.console import Console
 from typer.core import TyperOption
 
 from sparknet import interrupts as signals
-from sparknet.errors import first_line
+from sparknet.errors import SparknetError, first_line
 from sparknet.interrupts import hold, holding
 
 #: progress and notes go to stderr; results (tables, summaries) to stdout. A line printed is
@@ -142,3 +142,23 @@ def quiet_py4j() -> None:
     py4j = logging.getLogger("py4j")  # its own loggers too ("py4j.clientserver")
     py4j.addHandler(logging.NullHandler())
     py4j.propagate = False
+
+
+@contextlib.contextmanager
+def spark_command(debug: bool, interrupted: str) -> Iterator[None]:
+    """The body of a command that runs Spark jobs for a result (`evaluate`, `predict`): a
+    signal stops it with the line `interrupted` (exit 128 + the signal), a SparknetError is
+    one line, py4j's logging of calls cut short is dropped."""
+    caught = Caught()
+    try:
+        if not debug:
+            quiet_py4j()
+        with interrupts(caught):
+            yield
+    except (KeyboardInterrupt, Exception) as exc:
+        if isinstance(exc, KeyboardInterrupt) or caught_signal(caught) is not None:
+            signum = caught_signal(caught) or signal.SIGINT
+            fail(SparknetError(interrupted), debug, 128 + signum)
+        if isinstance(exc, SparknetError):
+            fail(exc, debug)
+        raise

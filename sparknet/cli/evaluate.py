@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
 from sparknet.cli.common import (
-    Caught,
     ConfigOption,
     DebugOption,
     EndpointOption,
-    caught_signal,
     console,
-    fail,
-    interrupts,
-    quiet_py4j,
     results,
+    spark_command,
 )
 from sparknet.config import find_config_file, load_datasets
-from sparknet.errors import SparknetError
 
 #: the weakest classes the summary lists (all of them are in evaluation.json)
 WEAKEST = 5
@@ -52,32 +46,20 @@ def evaluate(
     debug: bool = DebugOption,
 ) -> None:
     """Evaluate a finished run's model on a dataset: loss, top-1, top-5, per-class accuracy."""
-    caught = Caught()
-    try:
-        config = find_config_file(config)
-        datasets = load_datasets(config)
+    with spark_command(debug, "interrupted; nothing was written"):
+        datasets = load_datasets(find_config_file(config))
         from sparknet.data.store import open_store  # lazy: boto3
         from sparknet.training.evaluation import evaluate as run_evaluation  # lazy: torch, Spark
         from sparknet.training.evaluation import write_report  # lazy: torch, Spark
 
-        if not debug:
-            quiet_py4j()
-        with interrupts(caught):
-            ev = run_evaluation(
-                run, data, split=split, workers=workers, master=master,
-                endpoint_url=endpoint_url, label_col=label_col, input_col=input_col,
-                device=device, datasets=datasets, on_status=lambda text: console.print(text),
-            )  # fmt: skip
-            where = report or f"{run.rstrip('/')}/evaluations/{_slug(data, ev.split)}"
-            written = write_report(ev, open_store(where, endpoint_url))
-        results.print(_summary(ev, where, written))
-    except (KeyboardInterrupt, Exception) as exc:
-        if isinstance(exc, KeyboardInterrupt) or caught_signal(caught) is not None:
-            signum = caught_signal(caught) or signal.SIGINT
-            fail(SparknetError("interrupted; nothing was written"), debug, 128 + signum)
-        if isinstance(exc, SparknetError):
-            fail(exc, debug)
-        raise
+        ev = run_evaluation(
+            run, data, split=split, workers=workers, master=master, endpoint_url=endpoint_url,
+            label_col=label_col, input_col=input_col, device=device, datasets=datasets,
+            on_status=lambda text: console.print(text),
+        )  # fmt: skip
+        where = report or f"{run.rstrip('/')}/evaluations/{_slug(data, ev.split)}"
+        written = write_report(ev, open_store(where, endpoint_url))
+    results.print(_summary(ev, where, written))
 
 
 def _slug(data: str, split: str | None) -> str:

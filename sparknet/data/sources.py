@@ -18,7 +18,7 @@ import importlib.util
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ from sparknet.data.integrity import check_present, open_verified
 from sparknet.data.manifest import Manifest, ShardInfo
 from sparknet.data.store import Store, load_manifest, open_store
 from sparknet.data.stream import (
+    RawSample,
     epoch_shards,
     keep_cursor,
     prefetch,
@@ -324,6 +325,12 @@ class ShardSource(Source):
             cache = ShardCache(Path(self.cache_dir).expanduser(), self.cache_bytes)
         return open_verified(self.store, info, cache)
 
+    def samples(self, info: ShardInfo) -> Iterator[RawSample | None]:
+        """One shard's samples in order, None for a bad one, its bytes checked against the
+        manifest first (as every read of a shard is)."""
+        with self._open(info) as stream:
+            yield from read_shard(stream, info)
+
     def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
         from sparknet.data.decode import TrainDecoder  # lazy: PIL
 
@@ -366,9 +373,8 @@ class ShardSource(Source):
 
         def items() -> Iterator:
             for info in mine:
-                with self._open(info) as stream:
-                    for s in read_shard(stream, info):
-                        yield None if s is None else (s.data, s.label, 0)
+                for s in self.samples(info):
+                    yield None if s is None else (s.data, s.label, 0)
 
         def steps() -> Iterator[list]:
             chunk: list = []
@@ -388,6 +394,24 @@ class ShardSource(Source):
 
 #: the executor-local shard cache when `cache_dir` is not set (expanded on the executor)
 DEFAULT_CACHE_DIR = "~/.cache/sparknet/shards"
+
+
+def with_split(source: Source | None, data: str, split: str | None) -> Source | None:
+    """`source` evaluating on `split` (`sparknet evaluate`, `predict`): a shard dataset's split
+    (default val); a split asked of other data (None: a DataFrame) is refused in one line."""
+    if not isinstance(source, ShardSource):
+        if split is not None:
+            raise SparknetError(
+                "{@split} names a split of a shard dataset; {data} is not one", data=data
+            )
+        return source
+    chosen = split or ShardSource.EVAL
+    if chosen not in source.manifest.splits:
+        raise SparknetError(
+            "{data} has no split {split!r} (it has: {have}); pass {@split}",
+            data=data, split=chosen, have=", ".join(sorted(source.manifest.splits)),
+        )  # fmt: skip
+    return replace(source, eval_split=chosen)
 
 
 def is_frame_spec(spec: str) -> bool:

@@ -108,6 +108,11 @@ class SparknetModel(Model, HasInputCol, HasModelOutputs, MLWritable, MLReadable)
         """What the model takes and gives: its name, input, number of classes and their names."""
         return self._model().info
 
+    @property
+    def saved(self) -> SavedModel:
+        """The model as data: `model.json` and the weights' bytes."""
+        return self._model()
+
     def module(self):
         """The `torch.nn.Module` with the model's weights, in eval mode on the CPU."""
         return self._model().build()

@@ -15,7 +15,7 @@ import io
 import json
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +24,14 @@ import numpy as np
 from sparknet.config import DatasetEntry, TrainConfig, load_train_config
 from sparknet.data.frames import prepare_frames, read_frame
 from sparknet.data.manifest import ClassInfo
-from sparknet.data.sources import ShardSource, Source, is_frame_spec, resolve_source
+from sparknet.data.sources import ShardSource, Source, is_frame_spec, resolve_source, with_split
 from sparknet.data.store import Store
 from sparknet.errors import SparknetError
 from sparknet.models import check_model_accepts
 from sparknet.training.probe import check_python_workers, user_modules
 from sparknet.training.rounds import eval_work
 from sparknet.training.rundir import read_run_config
-from sparknet.training.saved_model import ModelInfo, SavedModel
+from sparknet.training.saved_model import SavedModel
 from sparknet.training.session import start_session, stop_quietly
 from sparknet.training.spark_settings import is_local_master
 from sparknet.training.state import StateLayout
@@ -171,11 +171,9 @@ def evaluate(
     }  # fmt: skip
     cfg = load_train_config(flags=flags, environ={}, base=read_run_config(run, endpoint_url))
     frames = is_frame_spec(data)
-    if split is not None and frames:
-        raise SparknetError(
-            "{@split} names a split of a shard dataset; {data} is a DataFrame", data=data
-        )
-    source = None if frames else _source(cfg, datasets, split, saved.info)
+    source = with_split(None if frames else resolve_source(cfg, datasets), data, split)
+    if source is not None:
+        check_fit(saved, source, data)
     own_session = spark is None
     placed = None
     try:
@@ -195,7 +193,7 @@ def evaluate(
                 input_col=cfg.input_col, num_classes=None, image_size=cfg.image_size,
                 loader_workers=cfg.loader_workers, name=data,
             )  # fmt: skip
-            _check_fit(saved, source, data)
+            check_fit(saved, source, data)
         status(f"evaluating on {cfg.workers} partitions")
         ev = _evaluate(cfg, saved, source, spark, placed.train if placed is not None else None)
     finally:
@@ -212,26 +210,7 @@ def evaluate(
     )  # fmt: skip
 
 
-def _source(cfg: TrainConfig, datasets, split: str | None, info: ModelInfo) -> Source:
-    source = resolve_source(cfg, datasets)
-    if isinstance(source, ShardSource):
-        chosen = split or ShardSource.EVAL
-        if chosen not in source.manifest.splits:
-            have = ", ".join(sorted(source.manifest.splits))
-            raise SparknetError(
-                "{data} has no split {split!r} (it has: {have}); pass {@split}",
-                data=cfg.data, split=chosen, have=have,
-            )  # fmt: skip
-        source = replace(source, eval_split=chosen)
-    elif split is not None:
-        raise SparknetError(
-            "{@split} names a split of a shard dataset; {data} is not one", data=cfg.data
-        )
-    _check_fit(SavedModel(info, b"", cfg.out or ""), source, cfg.data)
-    return source
-
-
-def _check_fit(saved: SavedModel, source: Source, data: str) -> None:
+def check_fit(saved: SavedModel, source: Source, data: str) -> None:
     """The data's classes and input are the model's, or one line saying how they differ."""
     info = saved.info
     have = source.num_classes

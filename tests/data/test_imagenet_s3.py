@@ -28,6 +28,7 @@ from sparknet.data.shards import write_dataset
 from sparknet.data.store import LocalStore
 from sparknet.data.stream import epoch_shards, read_positions
 from sparknet.errors import SparknetError
+from sparknet.ml.batch_predict import predict
 from sparknet.training.driver import train
 from sparknet.training.evaluation import evaluate
 from sparknet.training.report import read_metrics
@@ -307,6 +308,18 @@ def test_any_split_evaluates_and_other_classes_are_refused_before_spark(spark, s
     ev = evaluate(run, str(shards), split="train", spark=spark)
     assert ev.split == "train" and ev.samples == CLASSES * 60
     assert ev.confusion.sum(1).tolist() == [60] * CLASSES
+    # `sparknet predict` of the val split: a row per sample, keyed as the shards key it, right
+    # as often as the evaluation counts
+    val = evaluate(run, str(shards), spark=spark)
+    done = predict(run, str(shards), f"parquet:{tmp_path / 'p'}", spark=spark)
+    table = pq.read_table(tmp_path / "p").to_pandas()
+    assert done.rows == len(table) == CLASSES * 10 and done.skipped == 0
+    keys = set()
+    for shard in shards.glob("val-*.tar"):
+        with tarfile.open(shard) as tar:
+            keys |= {m.name.rsplit(".", 1)[0] for m in tar.getmembers() if m.isfile()}
+    assert set(table["key"]) == keys
+    assert (table["prediction"] == table["label"]).mean() == pytest.approx(val.top1, abs=1e-12)
     with pytest.raises(SparknetError, match=r"has no split 'test' \(it has: train, val\); pass"):
         evaluate(run, str(shards), split="test", spark=object())
 

@@ -10,21 +10,11 @@ import subprocess
 import numpy as np
 import pytest
 
-from sparknet.config import TrainConfig
 from sparknet.errors import SparknetError
-from sparknet.training.driver import train
 from sparknet.training.evaluation import evaluate
 from tests.conftest import REPO, SPARKNET
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def digits_run(spark, tmp_path_factory):
-    out = tmp_path_factory.mktemp("evaluate") / "run"
-    cfg = TrainConfig(model="mlp", workers=2, tau=10, rounds=3, batch_size=32, lr=0.1,
-                      eval_every=0, out=out)  # fmt: skip
-    return out, train(cfg, spark=spark).final
 
 
 def test_the_evaluation_is_the_runs_own_final_one_with_each_class(spark, digits_run):
@@ -70,7 +60,7 @@ def test_the_cli_prints_the_figures_and_writes_its_report(digits_run, tmp_path):
         ("digits", {"split": "train"},
          "--split names a split of a shard dataset; digits is not one"),
         ("parquet:/nowhere", {"split": "val"},
-         "--split names a split of a shard dataset; parquet:/nowhere is a DataFrame"),
+         "--split names a split of a shard dataset; parquet:/nowhere is not one"),
         ("no-such-data", {}, "unknown dataset 'no-such-data': use digits, "),
     ],
     ids=["split-of-digits", "split-of-a-frame", "unknown-data"],

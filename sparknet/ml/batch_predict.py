@@ -1,0 +1,206 @@
+"""`sparknet predict`: a run's model over a dataset, a Parquet row per input, on Spark.
+
+Every source becomes a DataFrame that `SparknetModel.transform` scores on the executors: a
+shard dataset's split is read shard by shard in Spark tasks (each shard checked against the
+manifest, as training reads it), a built-in or `module:factory` dataset's test set is sent from
+the driver, and a DataFrame is read as it is. A row keeps what names its input: a shard
+sample's key and label, a dataset sample's index and label, a frame's other columns (or
+`key_cols`). The Parquet dataset appears whole or not at all: it is written beside its
+destination and renamed into place once Spark has committed it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparknet.config import DatasetEntry, load_train_config
+from sparknet.data.frames import read_frame
+from sparknet.data.sources import (
+    ShardSource,
+    TensorSource,
+    is_frame_spec,
+    load_data,
+    resolve_source,
+    with_split,
+)
+from sparknet.errors import SparknetError, first_line
+from sparknet.ml.model import SparknetModel
+from sparknet.training.evaluation import check_fit
+from sparknet.training.rundir import read_run_config
+from sparknet.training.session import start_session, stop_quietly
+
+StatusCallback = Callable[[str], None]
+
+#: the columns a prediction row adds
+PREDICTED = ("prediction", "top_k", "probability")
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """What `predict` wrote: where, how many rows, and the inputs that could not be read."""
+
+    out: str
+    rows: int
+    skipped: int
+
+
+def predict(
+    run: str | Path,
+    data: str,
+    out: str,
+    *,
+    split: str | None = None,
+    top_k: int | None = None,
+    key_cols: list[str] | None = None,
+    workers: int | None = None,
+    master: str | None = None,
+    endpoint_url: str | None = None,
+    input_col: str | None = None,
+    batch_size: int = 64,
+    spark=None,
+    datasets: dict[str, DatasetEntry] | None = None,
+    on_status: StatusCallback | None = None,
+) -> Predicted:
+    """Write `out` (`parquet:PATH`, which must not exist) with a row per input of `data`:
+    its key columns, `prediction` (the class index), `top_k` (the `top_k` likeliest, default
+    5 or the classes if fewer) and `probability` (an array, one per class)."""
+    status = on_status or (lambda _text: None)
+    target = _target(out)
+    model = SparknetModel.from_run(str(run), endpoint_url)
+    classes = model.info.num_classes
+    k = min(5, classes) if top_k is None else top_k
+    if not 1 <= k <= classes:
+        raise SparknetError(
+            "{@top_k=k}: the model has {classes} classes; pass 1 to {classes}", k=k,
+            classes=classes,
+        )  # fmt: skip
+    base = read_run_config(run, endpoint_url)
+    flags = {"data": data, "workers": workers, "master": master, "endpoint_url": endpoint_url}
+    cfg = load_train_config(flags=flags, environ={}, base=base)
+    frames = is_frame_spec(data)
+    source = with_split(None if frames else resolve_source(cfg, datasets), data, split)
+    if source is not None:
+        check_fit(model.saved, source, data)
+    own_session = spark is None
+    try:
+        if own_session:
+            status("starting Spark")
+            spark = start_session(cfg.master, cfg.workers, cfg.spark_conf, cfg.gpus_per_worker)
+        _refuse_existing(spark, target)
+        if frames:
+            df, keys, skipped = read_frame(spark, data), key_cols, None
+        else:
+            df, keys, skipped = _source_frame(spark, source)
+        column = input_col or ("image" if model.info.input.kind == "image" else "features")
+        keys = keys if keys is not None else [c for c in df.columns if c != column]
+        missing = [c for c in keys if c not in df.columns]
+        if missing:
+            raise SparknetError(
+                "{data} has no column {column!r} (it has: {columns}); pass {@key_col} with "
+                "columns it has",
+                data=data, column=missing[0], columns=", ".join(df.columns),
+            )  # fmt: skip
+        model = model.copy(
+            {model.inputCol: column, model.topK: k, model.topKCol: "top_k",
+             model.batchSize: batch_size}
+        )  # fmt: skip
+        clash = [c for c in keys if c in PREDICTED]
+        if clash:
+            raise SparknetError(
+                "{data} has a column {column!r}, a name the prediction columns take: pass "
+                "{@key_col} without it",
+                data=data, column=clash[0],
+            )  # fmt: skip
+        scored = _rows(model.transform(df.select(*keys, column)), keys)
+        status(f"predicting into {target}")
+        rows = _write(spark, scored, target)
+        dropped = skipped.value if skipped is not None else 0
+    finally:
+        if own_session and spark is not None:
+            stop_quietly(spark)
+    return Predicted(target, rows, dropped)
+
+
+def _target(out: str) -> str:
+    kind, _, path = out.partition(":")
+    if kind != "parquet" or not path:
+        raise SparknetError("{@out=out}: write predictions as parquet:PATH", out=out)
+    return path
+
+
+def _rows(scored, keys: list[str]):
+    """The key columns and the prediction columns, as plain types a Parquet reader outside
+    Spark takes (an integer class, an array of probabilities rather than Spark ML's vector)."""
+    from pyspark.ml.functions import vector_to_array  # lazy: pyspark
+    from pyspark.sql import functions as F  # lazy: pyspark
+
+    return scored.select(
+        *keys,
+        F.col("prediction").cast("int").alias("prediction"),
+        F.col("top_k"),
+        vector_to_array("probability", "float32").alias("probability"),
+    )
+
+
+def _source_frame(spark, source):
+    """A dataset as a DataFrame of (key, label, input): a shard split read in Spark tasks, a
+    Dataset's test set from the driver; with the accumulator of samples that could not be
+    read (None where none can be bad)."""
+    if isinstance(source, TensorSource):
+        test = load_data(source.spec).test
+        rows = [
+            (i, int(y), [float(v) for v in x.flatten().tolist()])
+            for i, (x, y) in enumerate(test)
+        ]  # fmt: skip
+        df = spark.createDataFrame(rows, "index long, label long, features array<float>")
+        return df, ["index", "label"], None
+    assert isinstance(source, ShardSource)
+    shards = source.manifest.shards(source.eval_split)
+    skipped = spark.sparkContext.accumulator(0)
+
+    def read(infos: Iterator) -> Iterator[tuple]:
+        for info in infos:
+            for s in source.samples(info):
+                if s is None:
+                    skipped.add(1)
+                else:
+                    yield (s.key, s.label, bytearray(s.data))
+
+    rdd = spark.sparkContext.parallelize(shards, max(1, len(shards))).mapPartitions(read)
+    df = spark.createDataFrame(rdd, "key string, label long, image binary")
+    return df, ["key", "label"], skipped
+
+
+def _hadoop_path(spark, path: str):
+    jvm = spark.sparkContext._jvm
+    hpath = jvm.org.apache.hadoop.fs.Path(path)
+    return hpath, hpath.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+
+
+def _refuse_existing(spark, target: str) -> None:
+    hpath, fs = _hadoop_path(spark, target)
+    if fs.exists(hpath):
+        raise SparknetError("{target} exists: choose another {@out}, or remove it", target=target)
+
+
+def _write(spark, scored, target: str) -> int:
+    """Write beside `target`, then rename into place; nothing at `target` unless whole."""
+    temp = f"{target.rstrip('/')}.sparknet-{uuid.uuid4().hex[:8]}.tmp"
+    tpath, fs = _hadoop_path(spark, temp)
+    try:
+        scored.write.parquet(temp)
+        rows = spark.read.parquet(temp).count()
+        final, _ = _hadoop_path(spark, target)
+        if not fs.rename(tpath, final):
+            raise SparknetError(f"could not move the predictions into {target}")
+        return rows
+    except Exception as exc:
+        if isinstance(exc, SparknetError):
+            raise
+        raise SparknetError(f"writing {target} failed: {first_line(exc)}") from exc
+    finally:
+        if fs.exists(tpath):
+            fs.delete(tpath, True)

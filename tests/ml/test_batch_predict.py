@@ -1,0 +1,102 @@
+"""`sparknet predict` on real local Spark: a Parquet row per input with what names it, the
+predictions a plain forward pass of the run's weights gives; a DataFrame keeps its other
+columns; the destination appears whole or not at all; refusals are one line before Spark
+writes. (A shard split: tests/data/test_imagenet_s3.py.)"""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import sparknet
+from sparknet.data.sources import digits
+from sparknet.errors import SparknetError
+from sparknet.ml.batch_predict import predict
+from tests.conftest import REPO, SPARKNET
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_row_per_test_sample_as_the_weights_predict_it(spark, digits_run, tmp_path):
+    run, final = digits_run
+    done = predict(run, "digits", f"parquet:{tmp_path / 'p'}", top_k=3, spark=spark)
+    assert (done.rows, done.skipped) == (360, 0)
+    table = pq.read_table(tmp_path / "p").to_pandas().sort_values("index")
+    assert list(table.columns) == ["index", "label", "prediction", "top_k", "probability"]
+    inputs, labels = digits()[1].tensors
+    with torch.no_grad():
+        logits = sparknet.load_model(run)(inputs)
+    assert table["index"].tolist() == list(range(360))
+    assert table["label"].tolist() == labels.tolist()
+    assert table["prediction"].tolist() == logits.argmax(1).tolist()
+    assert np.stack(table["top_k"]).tolist() == logits.topk(3, dim=1).indices.tolist()
+    probability = np.stack(table["probability"])
+    assert np.allclose(probability, logits.softmax(1).numpy(), atol=1e-6)
+    assert (table["prediction"] == table["label"]).mean() == final["eval_accuracy"]
+
+
+def test_a_frame_keeps_its_other_columns_or_the_ones_named(spark, digits_run, tmp_path):
+    run, _ = digits_run
+    inputs, _labels = digits()[1].tensors
+    rows = [(f"img-{i}", i % 7, x.flatten().tolist()) for i, x in enumerate(inputs[:20])]
+    spark.createDataFrame(rows, "id string, batch int, features array<float>").write.parquet(
+        str(tmp_path / "in")
+    )
+    data = f"parquet:{tmp_path / 'in'}"
+    predict(run, data, f"parquet:{tmp_path / 'all'}", spark=spark)
+    predict(run, data, f"parquet:{tmp_path / 'id'}", key_cols=["id"], spark=spark)
+    every, named = (pq.read_table(tmp_path / n).to_pandas() for n in ("all", "id"))
+    assert list(every.columns) == ["id", "batch", "prediction", "top_k", "probability"]
+    assert list(named.columns) == ["id", "prediction", "top_k", "probability"]
+    assert len(named) == 20 and len(named["top_k"][0]) == 5
+    with torch.no_grad():
+        want = sparknet.load_model(run)(inputs[:20]).argmax(1).tolist()
+    assert named.sort_values("id", key=lambda s: s.str[4:].astype(int))["prediction"].tolist() \
+        == want  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("data", "out", "extra", "message"),
+    [
+        ("digits", "csv:/tmp/x", {}, "--out csv:/tmp/x: write predictions as parquet:PATH"),
+        ("digits", "parquet:{tmp}/p", {"top_k": 11},
+         "--top-k 11: the model has 10 classes; pass 1 to 10"),
+        ("digits", "parquet:{tmp}/p", {"split": "val"},
+         "--split names a split of a shard dataset; digits is not one"),
+        ("parquet:{tmp}/in", "parquet:{tmp}/p", {"key_cols": ["nope"]},
+         "parquet:{tmp}/in has no column 'nope' (it has: features); pass --key-col with "
+         "columns it has"),
+        ("digits", "parquet:{tmp}/taken", {}, "{tmp}/taken exists: choose another --out, or "
+         "remove it"),
+    ],
+    ids=["not-parquet", "top-k", "split", "key-col", "exists"],
+)  # fmt: skip
+def test_refusals_are_one_line_and_write_nothing(spark, digits_run, tmp_path, data, out, extra,
+                                                 message):  # fmt: skip
+    run, _ = digits_run
+    spark.createDataFrame([([0.0] * 64,)], "features array<float>").write.parquet(
+        str(tmp_path / "in")
+    )
+    (tmp_path / "taken").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(SparknetError) as exc:
+        predict(run, data.format(tmp=tmp_path), out.format(tmp=tmp_path), spark=spark, **extra)
+    assert str(exc.value) == message.format(tmp=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_the_cli_says_how_many_rows_it_wrote(digits_run, tmp_path):
+    run, _ = digits_run
+    done = subprocess.run(
+        [str(SPARKNET), "predict", str(run), "--data", "digits", "--out",
+         f"parquet:{tmp_path / 'p'}", "--top-k", "2"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{tmp_path / 'p'}: 360 rows"
+    assert len(pq.read_table(tmp_path / "p")["top_k"][0]) == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["p"]  # no temp dir left beside it
