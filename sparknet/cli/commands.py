@@ -13,12 +13,13 @@ from sparknet.cli.bench import bench_app
 from sparknet.cli.cluster import cluster_app
 from sparknet.cli.data import data_app
 from sparknet.cli.evaluate import evaluate
+from sparknet.cli.export import export
 from sparknet.cli.predict import predict
 
 #: what `sparknet --help` says above the commands
 HELP = """\
-Command line: `sparknet train` (the main job on one machine), `sparknet evaluate` and
-`sparknet predict` (a run's model on a dataset), `sparknet data ...` (datasets on
+Command line: `sparknet train` (the main job on one machine), `sparknet evaluate`,
+`sparknet predict` and `sparknet export` (a run's model), `sparknet data ...` (datasets on
 local disk or S3), `sparknet cluster ...` (EC2 GPU clusters), `sparknet bench ...` (the
 performance figures). One module per command group; this one puts them in one typer app, which
 `sparknet.cli.main` runs once signals are caught."""
@@ -35,6 +36,7 @@ def _root() -> None:
 app.command(name="train")(train_command.train)
 app.command(name="evaluate")(evaluate)
 app.command(name="predict")(predict)
+app.command(name="export")(export)
 app.add_typer(data_app, name="data")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(ami_app, name="ami")

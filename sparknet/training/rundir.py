@@ -48,8 +48,9 @@ HEARTBEAT_S = 30.0
 #: another run may take it over as stale)
 LOST_AFTER_S = STALE_S / 2
 
-#: where `sparknet evaluate` reports into a run dir, by default
+#: where `sparknet evaluate` reports into a run dir, and `sparknet export` writes, by default
 EVALUATIONS = "evaluations"
+EXPORTED_TORCHSCRIPT, EXPORTED_PROGRAM = "model.torchscript.pt", "model.pt2"
 #: what a run writes into its dir; anything else there is not a run's
 RUN_ENTRIES = {
     CONFIG_FILE,

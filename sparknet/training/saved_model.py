@@ -10,6 +10,8 @@ from it and the final weights, from a local run dir or an `s3://` one.
 
 from __future__ import annotations
 
+import io
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -26,7 +28,12 @@ from sparknet.data.sources import Source
 from sparknet.data.store import MissingObjectError, Store, open_store
 from sparknet.errors import SparknetError, first_line
 from sparknet.models import build_model
-from sparknet.training.rundir import MODEL_FILE, MODEL_INFO
+from sparknet.training.rundir import (
+    EXPORTED_PROGRAM,
+    EXPORTED_TORCHSCRIPT,
+    MODEL_FILE,
+    MODEL_INFO,
+)
 
 FORMAT = 1
 
@@ -168,3 +175,44 @@ def _read(store: Store, run: str | Path, name: str, missing: str) -> bytes:
         return store.read_bytes(name)
     except MissingObjectError:
         raise SparknetError(f"{run} has no {name}: {missing}") from None
+
+
+#: the formats `sparknet export` writes, and the file name each gets in a run dir
+EXPORT_FORMATS = {"torchscript": EXPORTED_TORCHSCRIPT, "torch-export": EXPORTED_PROGRAM}
+
+
+def exported(saved: SavedModel, format: str) -> bytes:
+    """The model as a file that torch alone loads (no sparknet, no model code), with
+    `model.json` inside it: what its input must be made into and what its outputs mean.
+
+    - `torchscript`: `torch.jit.load(f, _extra_files={"model.json": ""})`. Scripted where
+      the model's code allows (its control flow kept), else traced.
+    - `torch-export`: `torch.export.load(f, extra_files={"model.json": ""}).module()`, the
+      format torch now prefers (TorchScript is deprecated), any batch size.
+    """
+    model = saved.build()
+    example = torch.zeros((2, *saved.info.input.shape))
+    extra = {MODEL_INFO: saved.info_json()}
+    buf = io.BytesIO()
+    with warnings.catch_warnings():  # torch.jit's deprecation: the user asked for the format
+        warnings.simplefilter("ignore", FutureWarning)
+        if format == "torchscript":
+            try:
+                module = torch.jit.script(model)
+            except Exception:  # TorchScript refuses much of Python: a trace records the ops
+                with torch.no_grad():
+                    module = torch.jit.trace(model, example, check_trace=False)
+            torch.jit.save(module, buf, _extra_files=extra)
+        elif format == "torch-export":
+            batch = torch.export.Dim("batch")
+            try:
+                program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+            except Exception as exc:  # what torch.export cannot trace, said in its words
+                raise SparknetError(
+                    f"torch.export cannot export {saved.info.model!r}: {first_line(exc)}; try "
+                    "the torchscript format"
+                ) from exc
+            torch.export.save(program, buf, extra_files=extra)
+        else:
+            raise SparknetError(f"sparknet exports {', '.join(EXPORT_FORMATS)}, not {format!r}")
+    return buf.getvalue()
