@@ -178,6 +178,15 @@ class TrainConfig(BaseModel):
         description="run dir, a local path or s3://bucket/prefix; default "
         "runs/<model>-<data>-<time>",
     )
+    mlflow: Annotated[
+        str | None,
+        Flag("MLflow tracking URI (default MLFLOW_TRACKING_URI): settings, rounds, the model"),
+    ] = Field(
+        None,
+        description="an MLflow tracking URI (http://host:5000, file:///dir, databricks, ...) to "
+        "log the run to: settings as params, a step a round, the run dir's files and the "
+        "model; default MLFLOW_TRACKING_URI; needs pip install 'sparknet[mlflow]'",
+    )
     master: Annotated[str | None, Flag("Spark master; default local[<cores>,4]")] = Field(
         None, description="Spark master; default embedded local[cores,4]"
     )

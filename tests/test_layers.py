@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "sparknet"
 #: parts of the package, bottom first; a module imports only parts of a lower layer, or its own
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "say"),  # the ground floor: errors, progress lines, signals, clients
-    ("interrupts", "imports", "spark_security", "processes"),
+    ("interrupts", "imports", "spark_security", "processes", "environment"),
     # what runs on a node (the wheel's side of a command line): never the submitter's cluster/
     ("node",),
     ("aws",),

@@ -420,6 +420,11 @@ def preflight(job: Job) -> tuple[str, str]:
         reconnect_s(), nodes.silence_s(), steps.reboot_wait_s()
     except SparknetError as exc:
         raise PreflightFailed("{cause}", cause=exc) from exc
+    if job.cfg.mlflow is not None:  # the node's sparknet is installed without the extra
+        raise PreflightFailed(
+            "{@mlflow} is for runs on this machine or a Spark cluster you already have: a "
+            "cluster's nodes have no MLflow; leave it out (the run dir keeps every metric)"
+        )
     source = check_dataset(job.dataset, job.cfg)
     if provider.of(job.spec).REGIONAL:  # a static cluster's hosts are wherever they are
         check_data_region(job)

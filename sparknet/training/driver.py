@@ -34,11 +34,12 @@ from sparknet.training.rounds import (
     write_config,
 )
 from sparknet.training.rundir import MODEL_FILE, Lock, RunDir, read_run_config
-from sparknet.training.saved_model import ModelInfo, write_info
+from sparknet.training.saved_model import ModelInfo, SavedModel, write_info
 from sparknet.training.session import start_session, stop_quietly, stopped_from_outside
 from sparknet.training.spark_settings import is_local_master
 from sparknet.training.state import StateLayout
 from sparknet.training.sync import layers_of
+from sparknet.training.tracking import Tracker, check_installed
 from sparknet.training.transport import wait_for_executors
 from sparknet.training.watchdog import ExecutorWatchdog
 
@@ -135,6 +136,7 @@ def train(
         frames = FrameInput()
     run = RunDir.open(cfg.out, cfg.endpoint_url)
     rundir.check_out(run)
+    check_installed(cfg)
     with rundir.locked(run) as lock:
         rundir.check(run, resume)
         checkpoint.discard_incomplete(run.store)  # an interrupted run's; never resumed from
@@ -395,20 +397,29 @@ def _run(
     guard: Guard | None = None,
 ) -> RunResult:
     events = RunEvents(run, cfg, begin.rounds)
+    tracker: Tracker | None = None
     try:
         if not begin.changes:  # changed settings are the run's only once a checkpoint has them
             write_config(run, cfg)
-        write_info(run.store, ModelInfo.of(cfg, problem.source, problem.num_classes))
+        info = ModelInfo.of(cfg, problem.source, problem.num_classes)
+        write_info(run.store, info)
         metrics = MetricsLog(run.store, keep_rounds=begin.rounds)
+        tracker = Tracker.start(cfg, run.store, run.text, warn)
         loop = RunContext(
-            cfg, problem, run, lock, spark, own_session, metrics, events, on_round, warn, guard
+            cfg, problem, run, lock, spark, own_session, metrics, events,
+            tracker.following(on_round), warn, guard,
         )  # fmt: skip
         if cfg.transport == "allreduce":
             model_bytes = allreduce_rounds(loop, begin, placed)
         else:
             model_bytes = spark_rounds(loop, begin, placed)
+        run.store.write_bytes(MODEL_FILE, model_bytes)
+        plot_curves(metrics.rounds, run.store)
+    except BaseException as exc:
+        if tracker is not None:
+            tracker.stop(interrupted=isinstance(exc, KeyboardInterrupt))
+        raise
     finally:
         events.close()
-    run.store.write_bytes(MODEL_FILE, model_bytes)
-    plot_curves(metrics.rounds, run.store)
+    tracker.finish(SavedModel(info, model_bytes, run.text))
     return RunResult(run.result, cfg.rounds, metrics.rounds)

@@ -51,6 +51,8 @@ LOST_AFTER_S = STALE_S / 2
 #: where `sparknet evaluate` reports into a run dir, and `sparknet export` writes, by default
 EVALUATIONS = "evaluations"
 EXPORTED_TORCHSCRIPT, EXPORTED_PROGRAM = "model.torchscript.pt", "model.pt2"
+#: the run's MLflow run (training/tracking.py)
+MLFLOW_RUN = "mlflow.json"
 #: what a run writes into its dir; anything else there is not a run's
 RUN_ENTRIES = {
     CONFIG_FILE,
@@ -68,7 +70,7 @@ REACH_TOKEN = ".sparknet-reach."
 #: temp names of the files above (the store's `.NAME.<pid>.<hex>.tmp`, and older versions'),
 #: and TensorBoard's event files
 _RUN_EXTRAS = re.compile(
-    r"^\.(config\.yaml|metrics\.jsonl|model\.safetensors|model\.json|curves\.png)(\..+)?\.tmp(\.png)?$"
+    r"^\.(config\.yaml|metrics\.jsonl|model\.safetensors|model\.json|curves\.png|mlflow\.json)(\..+)?\.tmp(\.png)?$"
     r"|^events\.out\.tfevents\."
 )
 

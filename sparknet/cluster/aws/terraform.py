@@ -30,6 +30,7 @@ from typing import Any
 
 from python_terraform import IsFlagged, Terraform
 
+from sparknet.environment import variables
 from sparknet.errors import SparknetError
 
 #: the oldest Terraform the modules are written for (`required_version` in infra/): 1.9 is the
@@ -214,16 +215,8 @@ class TerraformRunner:
         with _ENV_LOCK, warnings.catch_warnings():
             # python-terraform 0.10 logs failures with the deprecated Logger.warn
             warnings.simplefilter("ignore", DeprecationWarning)
-            saved = {key: os.environ.get(key) for key in settings}
-            os.environ.update(settings)
-            try:
+            with variables(settings):
                 yield
-            finally:
-                for key, value in saved.items():
-                    if value is None:
-                        os.environ.pop(key, None)
-                    else:
-                        os.environ[key] = value
 
 
 #: commands that would ask for input and colour their output unless told not to
