@@ -13,6 +13,10 @@ Spark ML's own models keep their data), so a saved pipeline loads where the run 
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+from collections.abc import Iterator
+
 from pyspark.ml import Model
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import HasInputCol, HasPredictionCol, HasProbabilityCol
@@ -25,7 +29,7 @@ from pyspark.ml.util import (
     MLWriter,
 )
 
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, first_line
 from sparknet.ml.predict import (
     PREDICTION,
     PROBABILITY,
@@ -40,6 +44,34 @@ from sparknet.training.saved_model import ModelInfo, SavedModel
 DEVICES = ("auto", "cpu", "cuda")
 #: the struct column the UDF fills, spread into the output columns and dropped
 _STRUCT = "_sparknet_prediction"
+
+
+def add_setter(cls: type, name: str) -> None:
+    """`cls.setName(value)` for the Param `name`, as every Spark ML stage has for its own
+    (`setPredictionCol`, `setLr` for `lr`, `setBatchSize` for `batch_size`)."""
+    words = name.split("_")
+    method = "set" + "".join(w[:1].upper() + w[1:] for w in words)
+
+    def setter(self, value):
+        return self._set(**{name: value})
+
+    setter.__name__ = method
+    setter.__doc__ = f"Sets the value of :py:attr:`{name}`."
+    setattr(cls, method, setter)
+
+
+def check_names(stage: Params, params: dict[str, object], aliases: dict[str, str]) -> None:
+    """One line for a keyword that is no Param of `stage`, with the Param it likely meant
+    (`aliases`: names it may be given in `sparknet.fit`'s spelling, as `out` for `runsDir`)."""
+    for name in params:
+        if stage.hasParam(name):
+            continue
+        meant = aliases.get(name)
+        if meant is None:
+            close = difflib.get_close_matches(name, [p.name for p in stage.params], n=1)
+            meant = close[0] if close else None
+        hint = f" (did you mean {meant}?)" if meant else ""
+        raise SparknetError(f"{type(stage).__name__} has no Param {name!r}{hint}")
 
 
 class HasModelOutputs(HasPredictionCol, HasProbabilityCol):
@@ -57,6 +89,12 @@ class HasModelOutputs(HasPredictionCol, HasProbabilityCol):
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(topK=0, topKCol="topK")
+
+    def setPredictionCol(self, value: str):
+        return self._set(predictionCol=value)
+
+    def setProbabilityCol(self, value: str):
+        return self._set(probabilityCol=value)
 
     def output_params(self) -> dict[str, object]:
         names = ("predictionCol", "probabilityCol", "topK", "topKCol")
@@ -92,6 +130,7 @@ class SparknetModel(Model, HasInputCol, HasModelOutputs, MLWritable, MLReadable)
         super().__init__()
         self._setDefault(batchSize=64, device="auto")
         self._saved: SavedModel | None = None
+        check_names(self, params, {"input_col": "inputCol", "top_k": "topK"})
         self._set(**params)
 
     @classmethod
@@ -99,6 +138,7 @@ class SparknetModel(Model, HasInputCol, HasModelOutputs, MLWritable, MLReadable)
         """The model of a finished run dir (local or `s3://`), read on the driver now; one line
         where the dir holds none."""
         saved = SavedModel.read(run, endpoint_url)
+        saved.build()  # a model its weights do not fit is refused here, not in every task
         model = cls(runDir=str(run), **params)
         model._saved = saved
         return model
@@ -124,7 +164,9 @@ class SparknetModel(Model, HasInputCol, HasModelOutputs, MLWritable, MLReadable)
                     "this SparknetModel has no model: make it with SparknetModel.from_run(RUN) "
                     "or SparknetEstimator.fit(df)"
                 )
-            self._saved = SavedModel.read(self.getOrDefault(self.runDir))
+            saved = SavedModel.read(self.getOrDefault(self.runDir))
+            saved.build()  # as from_run
+            self._saved = saved
         return self._saved
 
     def _transform(self, dataset):
@@ -163,17 +205,29 @@ class SparknetModel(Model, HasInputCol, HasModelOutputs, MLWritable, MLReadable)
         device = self.getOrDefault(self.device)
         if device not in DEVICES:
             raise SparknetError(f"device={device!r}: set it to one of {', '.join(DEVICES)}")
+        master = dataset.sparkSession.sparkContext.master
+        if device == "cuda" and master.startswith("local") and not _cuda():
+            raise SparknetError(
+                f"device='cuda', but torch sees no GPU on this machine ({master}): set device "
+                "to auto or cpu"
+            )
         outputs = {PREDICTION: self.getPredictionCol(), PROBABILITY: self.getProbabilityCol()}
         if top_k:
             outputs[TOP_K] = self.getOrDefault(self.topKCol)
         params = {PREDICTION: "predictionCol", PROBABILITY: "probabilityCol", TOP_K: "topKCol"}
+        # Spark matches names without regard to case (spark.sql.caseSensitive is off)
+        have = {c.lower(): c for c in dataset.columns}
+        if _STRUCT.lower() in have:
+            raise SparknetError(f"the DataFrame has a column {_STRUCT!r}, a name sparknet uses")
         for role, name in outputs.items():
-            if name in dataset.columns or name == _STRUCT:
+            if not name.strip():
+                raise SparknetError(f"{params[role]} is empty: name the column")
+            if name.lower() in have:
                 raise SparknetError(
-                    f"the DataFrame already has a column {name!r}; set {params[role]} to "
-                    "another name (or drop the column)"
+                    f"the DataFrame already has a column {have[name.lower()]!r}; set "
+                    f"{params[role]} to another name (or drop the column)"
                 )
-        if len(set(outputs.values())) < len(outputs):
+        if len({n.lower() for n in outputs.values()}) < len(outputs):
             raise SparknetError(f"two output columns share a name ({outputs}); name each apart")
         return outputs
 
@@ -194,6 +248,10 @@ class _ModelWriter(MLWriter):
 
     def saveImpl(self, path: str) -> None:
         saved = self.instance._model()
+        jvm = self.sc._jvm
+        where = jvm.org.apache.hadoop.fs.Path(path)
+        if where.getFileSystem(self.sc._jsc.hadoopConfiguration()).exists(where):
+            raise SparknetError(f"{path} exists: save with model.write().overwrite().save(...)")
         DefaultParamsWriter.saveMetadata(self.instance, path, self.sparkSession)
         row = [(saved.info_json(), bytearray(saved.weights))]
         frame = self.sparkSession.createDataFrame(row, "model string, weights binary")
@@ -206,12 +264,44 @@ class _ModelReader(MLReader):
         self.cls = cls
 
     def load(self, path: str) -> SparknetModel:
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
-        model = self.cls()
-        model._resetUid(metadata["uid"])
-        DefaultParamsReader.getAndSetParams(model, metadata)
-        rows = self.sparkSession.read.parquet(f"{path}/data").collect()
-        if len(rows) != 1:
-            raise SparknetError(f"{path}/data holds {len(rows)} models, not one: save it again")
-        model._saved = SavedModel.of(rows[0].model, bytes(rows[0].weights), path)
+        """The saved model; one line where `path` is no saved SparknetModel or is damaged."""
+        with saved_stage(path, SparknetModel, self.sparkSession) as metadata:
+            model = self.cls()
+            model._resetUid(metadata["uid"])
+            DefaultParamsReader.getAndSetParams(model, metadata)
+            rows = self.sparkSession.read.parquet(f"{path}/data").collect()
+            if len(rows) != 1 or not {"model", "weights"} <= set(rows[0].asDict()):
+                raise SparknetError(f"{path}/data is not one saved model: save it again")
+            saved = SavedModel.of(rows[0].model, bytes(rows[0].weights), path)
+        saved.build()  # weights that do not fit are refused here, not in every task
+        model._saved = saved
         return model
+
+
+@contextlib.contextmanager
+def saved_stage(path: str, stage: type, spark) -> Iterator[dict]:
+    """The Spark ML metadata of a stage saved at `path`, for the block that loads it: one
+    line where `path` holds another stage, or is damaged (Spark's and Python's many words
+    for a missing file, a schema, a param that is none, made one)."""
+    try:
+        metadata = DefaultParamsReader.loadMetadata(path, spark)
+        made, wanted = metadata.get("class"), f"{stage.__module__}.{stage.__name__}"
+        if made != wanted:
+            raise SparknetError(f"{path} holds a {made}, not a {stage.__name__}")
+        yield metadata
+    except SparknetError:
+        raise
+    except Exception as exc:
+        raise SparknetError(
+            f"{path} is not a saved {stage.__name__}, or is damaged: {first_line(exc)}"
+        ) from exc
+
+
+def _cuda() -> bool:
+    import torch  # lazy: torch is imported where a model is built
+
+    return torch.cuda.is_available()
+
+
+for _name in ("inputCol", "topK", "topKCol", "batchSize", "device", "runDir"):
+    add_setter(SparknetModel, _name)

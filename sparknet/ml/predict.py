@@ -77,25 +77,49 @@ def column_input(df, column: str, info: ModelInfo, where: str) -> ColumnInput:
 
 def checked_column(inp: ColumnInput, where: str):
     """The input column as the UDF takes it, checked row by row on the executors before any
-    row reaches Python: a null, or an array of another length, fails the task with one line
-    (Spark's `raise_error`) rather than a reshape error deep in pyspark."""
+    row reaches Python: a null, an array of another length, or a null, NaN or infinite number
+    in it fails the task with one line (Spark's `raise_error`), where a reshape error deep in
+    pyspark, or a silent prediction from NaN, would be. (The null test comes first: Spark's
+    `vector_to_array` of a null fails in the JVM.)"""
     from pyspark.ml.functions import vector_to_array  # lazy: pyspark
     from pyspark.sql import functions as F  # lazy: pyspark
 
-    col = F.col(inp.column)
+    raw = column_of(inp.column)
     null = F.raise_error(F.lit(f"sparknet: a row's {inp.column!r} is null; drop or fill it"))
     if inp.images:
-        return F.when(col.isNull(), null).otherwise(col)
-    if inp.vector:
-        col = vector_to_array(col, "float32")
-    wrong = F.raise_error(
-        F.format_string(
-            f"sparknet: a row's {inp.column!r} holds %d values, but the model of {where} takes "
-            f"{inp.length}",
-            F.size(col),
-        )
+        return F.when(raw.isNull(), null).otherwise(raw)
+    col = vector_to_array(raw, "float32") if inp.vector else raw
+    pattern = (
+        _literal(f"sparknet: a row's {inp.column!r} holds ") + "%d"
+        + _literal(f" values, but the model of {where} takes {inp.length}")
+    )  # fmt: skip
+    wrong = F.raise_error(F.format_string(pattern, F.size(col)))
+    bad = F.raise_error(
+        F.lit(f"sparknet: a row's {inp.column!r} holds a null, NaN or infinite number; fill or "
+              "drop it")
+    )  # fmt: skip
+    finite = F.forall(
+        col, lambda v: v.isNotNull() & ~F.isnan(v) & (F.abs(v) != float("inf"))
+    )  # fmt: skip
+    return (
+        F.when(raw.isNull(), null)
+        .when(F.size(col) != inp.length, wrong)
+        .when(~finite, bad)
+        .otherwise(col)
     )
-    return F.when(col.isNull(), null).when(F.size(col) != inp.length, wrong).otherwise(col)
+
+
+def column_of(name: str):
+    """A column by its name as it is: a `.` or a backtick in it is part of the name, not a
+    path into a struct."""
+    from pyspark.sql import functions as F  # lazy: pyspark
+
+    return F.col("`" + name.replace("`", "``") + "`")
+
+
+def _literal(text: str) -> str:
+    """`text` for `format_string`'s pattern, its own `%` kept as text (a run dir may hold one)."""
+    return text.replace("%", "%%")
 
 
 def prediction_udf(saved: SavedModel, inp: ColumnInput, *, top_k: int, batch_size: int,
@@ -122,12 +146,15 @@ def prediction_udf(saved: SavedModel, inp: ColumnInput, *, top_k: int, batch_siz
     def make_predict_fn() -> Callable[[np.ndarray], dict[str, np.ndarray]]:
         return Predictor(SavedModel.of(info_json, weights, where), inp, top_k, device)
 
-    return predict_batch_udf(
+    udf = predict_batch_udf(
         make_predict_fn,
         return_type=StructType(fields),
         batch_size=batch_size,
         input_tensor_shapes=None if inp.images else [[inp.length]],
     )
+    # deterministic, Spark may copy the call into a filter on `prediction` as well as the
+    # projection: the model would run twice over every row
+    return udf.asNondeterministic()
 
 
 class Predictor:

@@ -11,13 +11,14 @@ from it and the final weights, from a local run dir or an `s3://` one.
 from __future__ import annotations
 
 import io
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
@@ -48,7 +49,7 @@ class ModelInput(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: Literal["tensor", "features", "image"]
-    shape: tuple[int, ...]
+    shape: tuple[PositiveInt, ...] = Field(min_length=1)
     image_size: int | None = None
     resize: int | None = None
     mean: tuple[float, float, float] | None = None
@@ -67,6 +68,14 @@ class ModelInfo(BaseModel):
     #: what each output means, where the data names its classes: a shard dataset's manifest's
     #: (`wnid` is the class's id there, a WordNet id for ImageNet)
     classes: list[ClassInfo] | None = None
+
+    @model_validator(mode="after")
+    def _a_name_an_output(self) -> ModelInfo:
+        if self.classes is not None and [c.index for c in self.classes] != list(
+            range(self.num_classes)
+        ):
+            raise ValueError(f"classes must name outputs 0..{self.num_classes - 1}, in order")
+        return self
 
     @classmethod
     def of(cls, cfg: TrainConfig, source: Source, num_classes: int) -> ModelInfo:
@@ -114,7 +123,8 @@ class SavedModel:
         info = _info(store, run)
         weights = _read(
             store, run, MODEL_FILE,
-            f"its run has not finished; `sparknet train --resume --out {run}` finishes it",
+            f"its run has not finished; `sparknet train --resume --out {run}` finishes it (a "
+            f"DataFrame's run: sparknet.fit(df, out={str(run)!r}, resume=True))",
         )  # fmt: skip
         return cls(info, weights, str(run))
 
@@ -133,10 +143,17 @@ class SavedModel:
             model.load_state_dict(load_safetensors(self.weights), strict=True)
         except (RuntimeError, SafetensorError) as exc:
             raise SparknetError(
-                f"{self.where}/{MODEL_FILE} does not fit {info.model!r} as {MODEL_INFO} records "
-                f"it: {first_line(exc)}"
+                f"{self.where}: its weights do not fit {info.model!r} as its {MODEL_INFO} "
+                f"records it: {_state_dict_error(exc)}"
             ) from exc
         return model.eval()
+
+
+def _state_dict_error(exc: BaseException) -> str:
+    """torch's load_state_dict error in one line: its first line says only that there were
+    errors, the next ones which (missing and unexpected keys, shapes)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return "; ".join(lines[1:3]) if len(lines) > 1 else first_line(exc)
 
 
 def load_model(run: str | Path, endpoint_url: str | None = None) -> torch.nn.Module:
@@ -164,9 +181,18 @@ def _parsed(data: str | bytes, where: str) -> ModelInfo:
     try:
         return ModelInfo.model_validate_json(data)
     except ValidationError as exc:
+        try:
+            made = json.loads(data).get("format")
+        except (ValueError, AttributeError):
+            made = None
+        if isinstance(made, int) and made > FORMAT:
+            raise SparknetError(
+                f"{where}: its {MODEL_INFO} is format {made}, from a newer sparknet than this "
+                f"one (format {FORMAT}): upgrade sparknet to load it"
+            ) from exc
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "the file"
-        raise SparknetError(f"{where}/{MODEL_INFO} is damaged: {field}: {err['msg']}") from exc
+        raise SparknetError(f"{where}: its {MODEL_INFO} is damaged: {field}: {err['msg']}") from exc
 
 
 def _read(store: Store, run: str | Path, name: str, missing: str) -> bytes:

@@ -195,3 +195,73 @@ def test_a_vector_of_another_size_and_a_dir_without_a_model_are_refused(spark, f
         SparknetModel.from_run(str(tmp_path))
     with pytest.raises(SparknetError, match="this SparknetModel has no model: make it with"):
         SparknetModel().transform(df)
+
+
+def test_rows_with_nan_or_null_numbers_or_a_null_vector_fail_with_a_line(spark, features_run):
+    model = SparknetModel.from_run(features_run)
+    for frame, says in [
+        ("select array(1.0, double('NaN'), 3.0, 4.0) as features", "null, NaN or infinite"),
+        ("select array(1.0, double('inf'), 3.0, 4.0) as features", "null, NaN or infinite"),
+        ("select array(1.0, null, 3.0, 4.0) as features", "null, NaN or infinite"),
+    ]:  # fmt: skip
+        with pytest.raises(Exception, match="sparknet: ") as exc:
+            model.transform(spark.sql(frame)).collect()
+        assert f"sparknet: a row's 'features' holds a {says} number; fill or drop it" in str(
+            exc.value
+        )
+    vectors = VectorAssembler(inputCols=["a", "b", "c", "d"], outputCol="features").transform(
+        spark.sql("select 1.0 as a, 2.0 as b, 3.0 as c, 4.0 as d")
+    )
+    nulls = vectors.selectExpr("if(a > 0, null, features) as features")
+    with pytest.raises(Exception, match="sparknet: a row's 'features' is null; drop or fill it"):
+        model.transform(nulls).collect()
+
+
+def test_names_spark_would_confuse_or_misread_are_handled(spark, features_run):
+    model = SparknetModel.from_run(features_run, inputCol="f.x%d")
+    odd = spark.sql("select array(1.0, 2.0, 3.0, 4.0) as `f.x%d`, 1 as Prediction")
+    with pytest.raises(SparknetError, match="already has a column 'Prediction'; set predictionCol"):
+        model.transform(odd)  # Spark matches names regardless of case
+    out = model.setPredictionCol("pred").transform(odd)
+    assert out.select("pred").first().pred in (0.0, 1.0, 2.0)
+    with pytest.raises(Exception, match=r"holds 2 values, but the model of .* takes 4"):
+        model.transform(spark.sql("select array(1.0, 2.0) as `f.x%d`")).collect()
+    # a filter on the prediction does not run the model a second time
+    plan = out.filter("pred > 0")._jdf.queryExecution().executedPlan().toString()
+    assert plan.count("predict(") == 1, plan
+
+
+def test_params_from_numpy_save_and_errors_name_the_estimators_params(spark, tmp_path):
+    est = SparknetEstimator(runsDir=str(tmp_path / "runs"), **SMALL)
+    grid = est.copy({est.lr: np.float32(0.5), est.workers: np.int64(2)})
+    grid.save(str(tmp_path / "est"))
+    loaded = SparknetEstimator.load(str(tmp_path / "est"))
+    assert loaded.settings()["workers"] == 2 and loaded.getOrDefault("lr") == pytest.approx(0.5)
+    assert est.setLr(0.2).setBatchSize(16).settings()["batch_size"] == 16
+    with pytest.raises(SparknetError, match=r"^invalid setting lr: Input should be greater"):
+        SparknetEstimator(lr=-1)
+    with pytest.raises(SparknetError, match=r"has no Param 'out' \(did you mean runsDir\?\)"):
+        SparknetEstimator(out="x")
+    with pytest.raises(SparknetError, match=r"^runsDir='': name a dir"):
+        SparknetEstimator(runsDir="")
+    with pytest.raises(SparknetError, match=r"^model=None: leave model unset for its default"):
+        SparknetEstimator(model=None)
+    frame = spark.sql("select array(1.0, 2.0) as features, 1 as y")
+    with pytest.raises(SparknetError, match=r"has no column 'label' \(it has: features, y\); set "
+                       r"labelCol$"):  # fmt: skip
+        est.fit(frame)
+
+
+def test_a_saved_model_is_not_overwritten_and_a_damaged_one_is_one_line(spark, features_run,
+                                                                         tmp_path):  # fmt: skip
+    model = SparknetModel.from_run(features_run)
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(SparknetError, match=r"taken exists: save with model\.write\(\)\.overwrite"):
+        model.save(str(tmp_path / "taken"))
+    model.save(str(tmp_path / "m"))
+    with pytest.raises(SparknetError, match=r"m holds a sparknet\.ml\.model\.SparknetModel, not a "
+                       r"SparknetEstimator$"):  # fmt: skip
+        SparknetEstimator.load(str(tmp_path / "m"))
+    shutil.rmtree(tmp_path / "m" / "data")
+    with pytest.raises(SparknetError, match=r"m is not a saved SparknetModel, or is damaged: "):
+        SparknetModel.load(str(tmp_path / "m"))

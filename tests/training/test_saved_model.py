@@ -64,11 +64,22 @@ def test_what_cannot_be_loaded_is_one_line_saying_why(tmp_path):
         (_run_dir(tmp_path / "running", info, None),
          r"has no model\.safetensors: its run has not finished; `sparknet train --resume --out "),
         (_run_dir(tmp_path / "other", info, other),
-         r"model\.safetensors does not fit 'mlp' as model\.json records it: "),
+         r"other: its weights do not fit 'mlp' as its model\.json records it: size mismatch for "
+         r"1\.weight: copying a param with shape torch\.Size\(\[128, 5\]\)"),
     ]  # fmt: skip
     for run, message in cases:
         with pytest.raises(SparknetError, match=message):
             sparknet.load_model(run)
-    (tmp_path / "ok" / "model.json").write_text('{"format": 1, "model": "mlp"}')
-    with pytest.raises(SparknetError, match=r"model\.json is damaged: "):
-        sparknet.load_model(tmp_path / "ok")
+    for text, says in [
+        ('{"format": 1, "model": "mlp"}', "ok: its model.json is damaged: num_classes: Field "),
+        ('{"format": 2, "model": "mlp"}', "ok: its model.json is format 2, from a newer sparknet "
+         "than this one (format 1): upgrade sparknet to load it"),
+        (info.model_dump_json().replace('"shape":[4]', '"shape":[0]'),
+         "ok: its model.json is damaged: input.shape.0: Input should be greater than 0"),
+        (info.model_dump_json()[:-1] + ', "classes": [{"index": 0, "wnid": "a"}]}',
+         "ok: its model.json is damaged: the file: Value error, classes must name outputs 0..2"),
+    ]:  # fmt: skip
+        (tmp_path / "ok" / "model.json").write_text(text)
+        with pytest.raises(SparknetError) as exc:
+            sparknet.load_model(tmp_path / "ok")
+        assert str(exc.value).startswith(f"{tmp_path}/{says}")
