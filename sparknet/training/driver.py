@@ -399,10 +399,10 @@ def _run(
     events = RunEvents(run, cfg, begin.rounds)
     tracker: Tracker | None = None
     try:
+        info = ModelInfo.of(cfg, problem.source, problem.num_classes)
         if not begin.changes:  # changed settings are the run's only once a checkpoint has them
             write_config(run, cfg)
-        info = ModelInfo.of(cfg, problem.source, problem.num_classes)
-        write_info(run.store, info)
+            write_info(run.store, info)  # and a changed model only with the weights it fits
         metrics = MetricsLog(run.store, keep_rounds=begin.rounds)
         tracker = Tracker.start(cfg, run.store, run.text, warn)
         loop = RunContext(
@@ -413,6 +413,7 @@ def _run(
             model_bytes = allreduce_rounds(loop, begin, placed)
         else:
             model_bytes = spark_rounds(loop, begin, placed)
+        write_info(run.store, info)
         run.store.write_bytes(MODEL_FILE, model_bytes)
         plot_curves(metrics.rounds, run.store)
     except BaseException as exc:
