@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 from pyspark.ml import Estimator
-from pyspark.ml.param import Param, Params
+from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import HasInputCol, HasLabelCol
 from pyspark.ml.util import DefaultParamsReadable, DefaultParamsReader, DefaultParamsWritable
 
@@ -126,6 +126,13 @@ class SparknetEstimator(
         typeConverter=_runs_dir,
     )  # fmt: skip
 
+    featureShape: Param[list[int]] = Param(
+        Params._dummy(), "featureShape",
+        "the shape each row's numbers are reshaped to (default: flat), as sparknet.fit's "
+        "feature_shape",
+        typeConverter=TypeConverters.toListInt,
+    )  # fmt: skip
+
     def __init__(self, **params: Any) -> None:
         super().__init__()
         self._setDefault(labelCol="label", runsDir="runs")
@@ -165,9 +172,11 @@ class SparknetEstimator(
         settings = self.settings()
         input_col = self.getOrDefault(self.inputCol) if self.isDefined(self.inputCol) else None
         model_name = settings.get("model", TrainConfig.model_fields["model"].default)
+        shape = self.getOrDefault(self.featureShape) if self.isSet(self.featureShape) else None
         try:
             result = fit(
                 dataset, label_col=self.getLabelCol(), input_col=input_col,
+                feature_shape=tuple(shape) if shape else None,
                 out=self._new_run_dir(model_name), **settings,
             )  # fmt: skip
         except SparknetError as exc:
@@ -187,7 +196,7 @@ class SparknetEstimator(
         return f"{root}/{name}-{stamp}-{uuid.uuid4().hex[:6]}"
 
 
-for _name in ("labelCol", "inputCol", "runsDir"):
+for _name in ("labelCol", "inputCol", "runsDir", "featureShape"):
     add_setter(SparknetEstimator, _name)
 
 

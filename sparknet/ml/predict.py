@@ -41,6 +41,9 @@ def column_input(df, column: str, info: ModelInfo, where: str) -> ColumnInput:
     from pyspark.ml.linalg import VectorUDT  # lazy: pyspark
     from pyspark.sql.types import ArrayType, BinaryType, NumericType  # lazy: pyspark
 
+    same = [c for c in df.columns if c.lower() == column.lower()]
+    if column not in df.columns and len(same) == 1:
+        column = same[0]  # as Spark resolves it (spark.sql.caseSensitive is off)
     if column not in df.columns:
         raise SparknetError(
             f"the DataFrame has no column {column!r} (it has: {', '.join(df.columns)}); set "

@@ -84,6 +84,16 @@ def test_a_pipeline_fits_transforms_as_torch_does_and_loads_without_its_run_dir(
     assert loaded.stages[-1].getOrDefault("runDir") == run
 
 
+def test_a_feature_shape_reaches_the_model(spark, tmp_path):
+    df = _blobs(spark, 32, 4).selectExpr("array(a, b, c, d) as Features", "label")
+    est = SparknetEstimator(runsDir=str(tmp_path / "runs"), featureShape=[1, 2, 2],
+                            inputCol="Features", **{**SMALL, "rounds": 1})  # fmt: skip
+    model = est.fit(df)
+    assert model.info.input.shape == (1, 2, 2)
+    out = model.setInputCol("features").transform(df)  # found as Spark finds it: any case
+    assert out.count() == 32
+
+
 def test_an_estimator_saved_loaded_and_refit_trains_the_same_weights(spark, tmp_path):
     df = _blobs(spark, 64, 2).selectExpr("array(a, b, c, d) as features", "label")
     est = SparknetEstimator(runsDir=str(tmp_path / "runs"), **SMALL)
