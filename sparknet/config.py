@@ -305,6 +305,18 @@ class TrainConfig(BaseModel):
             }
         return conf
 
+    @field_validator("mlflow")
+    @classmethod
+    def _a_tracking_uri(cls, value: str | None) -> str | None:
+        """A URI MLflow takes (its scheme says which store), caught here rather than as a
+        warning minutes later: `--mlflow runs` is a path, which MLflow 3 refuses."""
+        if value is None or value == "databricks" or re.match(r"^[a-z][a-z0-9+.-]*://", value):
+            return value
+        raise ValueError(
+            "a tracking URI: http(s)://HOST:PORT, sqlite:///FILE.db, postgresql://..., "
+            "file:///DIR or databricks"
+        )
+
     @field_validator("fragments", "tau_max", mode="before")
     @classmethod
     def _count_not_a_bool(cls, value: Any, info: ValidationInfo) -> Any:

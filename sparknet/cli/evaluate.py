@@ -46,19 +46,22 @@ def evaluate(
     debug: bool = DebugOption,
 ) -> None:
     """Evaluate a finished run's model on a dataset: loss, top-1, top-5, per-class accuracy."""
-    with spark_command(debug, "interrupted; nothing was written"):
+    interrupted = "interrupted (a report is whole once its evaluation.json is written: last)"
+    with spark_command(debug, interrupted):
         datasets = load_datasets(find_config_file(config))
-        from sparknet.data.store import open_store  # lazy: boto3
+        from sparknet.data.store import writable_store  # lazy: boto3
         from sparknet.training.evaluation import evaluate as run_evaluation  # lazy: torch, Spark
         from sparknet.training.evaluation import write_report  # lazy: torch, Spark
 
+        # where the report goes must take it before the evaluation runs, not after
+        where = report or f"{run.rstrip('/')}/evaluations/{_slug(data, split)}"
+        store = writable_store(where, endpoint_url)
         ev = run_evaluation(
             run, data, split=split, workers=workers, master=master, endpoint_url=endpoint_url,
             label_col=label_col, input_col=input_col, device=device, datasets=datasets,
             on_status=lambda text: console.print(text),
         )  # fmt: skip
-        where = report or f"{run.rstrip('/')}/evaluations/{_slug(data, ev.split)}"
-        written = write_report(ev, open_store(where, endpoint_url))
+        written = write_report(ev, store)
     results.print(_summary(ev, where, written))
 
 

@@ -360,6 +360,20 @@ def open_store(uri_or_path: str | Path, endpoint_url: str | None = None) -> Stor
     return LocalStore(text)
 
 
+def writable_store(where: str, endpoint_url: str | None = None) -> Store:
+    """The store at `where` (a dir or an `s3://` prefix), once a probe object was written there
+    and deleted: a place that cannot take a file (a path under a file, a missing bucket, no
+    permission) is one line now, before a long job whose result would go there."""
+    store = open_store(where, endpoint_url)
+    probe = f".sparknet-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        store.write_bytes(probe, b"")
+        store.delete([probe])
+    except OSError as exc:  # a store's own refusals are SparknetErrors that say where
+        raise SparknetError(f"{where} is not writable: {exc.strerror or exc}") from exc
+    return store
+
+
 def load_manifest(store: Store) -> Manifest:
     """Read and check the dataset's manifest; the driver calls this before training starts, so a
     wrong URI, a missing bucket or bad credentials fail at once with one line."""

@@ -24,7 +24,7 @@ from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import DatasetEntry, TrainConfig, read_section
 from sparknet.data.integrity import DatasetMismatch
 from sparknet.data.s3 import S3Uri
-from sparknet.data.store import open_store
+from sparknet.data.store import writable_store
 from sparknet.errors import SparknetError
 from sparknet.jobs.driver_control import Master, master_of
 from sparknet.jobs.follow import reconnect_s
@@ -179,11 +179,8 @@ def check_training(job: Job, source: Source, prefix: str) -> None:
 
 def check_writable(prefix: str, endpoint_url: str | None) -> None:
     """Write, then delete, a probe object under the run prefix."""
-    store = open_store(prefix, endpoint_url)
-    probe = f".sparknet-probe-{secrets.token_hex(4)}"
     try:
-        store.write_bytes(probe, b"")
-        store.delete([probe])
+        writable_store(prefix, endpoint_url)
     except SparknetError as exc:
         raise PreflightFailed(
             "run prefix {prefix} is not writable: {cause:line}", prefix=prefix, cause=exc

@@ -28,6 +28,7 @@ from sparknet.data.sources import (
 )
 from sparknet.errors import SparknetError, first_line
 from sparknet.ml.model import SparknetModel
+from sparknet.ml.predict import column_of
 from sparknet.training.evaluation import check_fit
 from sparknet.training.rundir import read_run_config
 from sparknet.training.session import start_session, stop_quietly
@@ -95,7 +96,11 @@ def predict(
         else:
             df, keys, skipped = _source_frame(spark, source)
         column = input_col or ("image" if model.info.input.kind == "image" else "features")
-        keys = keys if keys is not None else [c for c in df.columns if c != column]
+        keys = (
+            list(dict.fromkeys(keys))
+            if keys is not None
+            else [c for c in df.columns if c != column]
+        )
         missing = [c for c in keys if c not in df.columns]
         if missing:
             raise SparknetError(
@@ -114,7 +119,8 @@ def predict(
                 "{@key_col} without it",
                 data=data, column=clash[0],
             )  # fmt: skip
-        scored = _rows(model.transform(df.select(*keys, column)), keys)
+        named = df.select(*(column_of(c) for c in [*keys, column]))
+        scored = _rows(model.transform(named), keys)
         status(f"predicting into {target}")
         rows = _write(spark, scored, target)
         dropped = skipped.value if skipped is not None else 0
@@ -138,7 +144,7 @@ def _rows(scored, keys: list[str]):
     from pyspark.sql import functions as F  # lazy: pyspark
 
     return scored.select(
-        *keys,
+        *(column_of(c) for c in keys),
         F.col("prediction").cast("int").alias("prediction"),
         F.col("top_k"),
         vector_to_array("probability", "float32").alias("probability"),
@@ -181,9 +187,18 @@ def _hadoop_path(spark, path: str):
 
 
 def _refuse_existing(spark, target: str) -> None:
+    """`target` is not there, and a local one's parents are dirs (or can be)."""
     hpath, fs = _hadoop_path(spark, target)
     if fs.exists(hpath):
         raise SparknetError("{target} exists: choose another {@out}, or remove it", target=target)
+    if "://" not in target or target.startswith("file:"):
+        local = Path(target.removeprefix("file:"))
+        for parent in local.parents:
+            if parent.exists() and not parent.is_dir():
+                raise SparknetError(
+                    "{target}: {parent} is a file; choose another {@out}", target=target,
+                    parent=parent,
+                )  # fmt: skip
 
 
 def _write(spark, scored, target: str) -> int:
@@ -194,13 +209,21 @@ def _write(spark, scored, target: str) -> int:
         scored.write.parquet(temp)
         rows = spark.read.parquet(temp).count()
         final, _ = _hadoop_path(spark, target)
+        if fs.exists(final):  # another run wrote it meanwhile: a rename would move into it
+            _refuse_existing(spark, target)
         if not fs.rename(tpath, final):
             raise SparknetError(f"could not move the predictions into {target}")
         return rows
     except Exception as exc:
         if isinstance(exc, SparknetError):
             raise
-        raise SparknetError(f"writing {target} failed: {first_line(exc)}") from exc
+        raise SparknetError(f"writing {target} failed: {_reason(exc)}") from exc
     finally:
         if fs.exists(tpath):
             fs.delete(tpath, True)
+
+
+def _reason(exc: BaseException) -> str:
+    """A failed write's cause in one line: py4j's first line only names the call."""
+    java = getattr(exc, "java_exception", None)
+    return first_line(str(java.toString())) if java is not None else first_line(exc)

@@ -109,13 +109,13 @@ CONFUSION_PNG = "confusion.png"
 def write_report(evaluation: Evaluation, store: Store) -> list[str]:
     """`evaluation.json` and, for up to `PICTURE_CLASSES` classes, `confusion.png` (each row
     a true class, as shares of its samples); the names written."""
-    store.write_bytes(EVALUATION_JSON, (json.dumps(evaluation.as_json(), indent=1) + "\n").encode())
-    written = [EVALUATION_JSON]
-    classes = len(evaluation.confusion)
-    if classes <= PICTURE_CLASSES:
+    written = []
+    if len(evaluation.confusion) <= PICTURE_CLASSES:
         store.write_bytes(CONFUSION_PNG, _confusion_png(evaluation))
         written.append(CONFUSION_PNG)
-    return written
+    # last: a report with its evaluation.json is whole
+    store.write_bytes(EVALUATION_JSON, (json.dumps(evaluation.as_json(), indent=1) + "\n").encode())
+    return [EVALUATION_JSON, *written]
 
 
 def _confusion_png(evaluation: Evaluation) -> bytes:
@@ -188,10 +188,12 @@ def evaluate(
         named = frames or data in (datasets or {})  # no module of the user's to import
         check_python_workers(spark, cfg.workers, user_modules(cfg.model, None if named else data))
         if frames:
+            numbers = saved.info.input.kind != "image"  # reshaped as the model takes them
             source, placed = prepare_frames(
                 read_frame(spark, data), None, workers=cfg.workers, label_col=cfg.label_col,
                 input_col=cfg.input_col, num_classes=None, image_size=cfg.image_size,
                 loader_workers=cfg.loader_workers, name=data,
+                feature_shape=tuple(saved.info.input.shape) if numbers else None,
             )  # fmt: skip
             check_fit(saved, source, data)
         status(f"evaluating on {cfg.workers} partitions")

@@ -153,26 +153,26 @@ class Tracker:
         import mlflow  # lazy: an optional extra
 
         with tempfile.TemporaryDirectory(prefix="sparknet-mlflow-") as tmp:
+            files = Path(tmp) / "run_dir"
+            files.mkdir()
             for name in ARTIFACTS:
                 with contextlib.suppress(MissingObjectError):
-                    (Path(tmp) / name).write_bytes(self.store.read_bytes(name))
-            self.client.log_artifacts(self.run_id, tmp, artifact_path="run_dir")
-        previous = mlflow.get_tracking_uri()
-        mlflow.set_tracking_uri(self.uri)
-        quiet = logging.getLogger("mlflow.pytorch")  # its warning that pickle is pickle
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)
-        try:
-            with mlflow.start_run(run_id=self.run_id):
-                # the module itself (pickle: MLflow's pt2 is traced at the example's batch
-                # size, and then takes no other)
-                mlflow.pytorch.log_model(
-                    saved.build(), name="model", serialization_format="pickle",
+                    (files / name).write_bytes(self.store.read_bytes(name))
+            self.client.log_artifacts(self.run_id, str(files), artifact_path="run_dir")
+            # the module itself (pickle: MLflow's pt2 is traced at the example's batch size,
+            # and then takes no other), saved here and logged through this run's client, not
+            # MLflow's global active run (a notebook's own run would take it)
+            quiet = logging.getLogger("mlflow.pytorch")  # its warning that pickle is pickle
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)
+            try:
+                mlflow.pytorch.save_model(
+                    saved.build(), str(Path(tmp) / "model"), serialization_format="pickle",
                     pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "torchvision")],
                 )  # fmt: skip
-        finally:
-            mlflow.set_tracking_uri(previous)
-            quiet.setLevel(level)
+            finally:
+                quiet.setLevel(level)
+            self.client.log_artifacts(self.run_id, str(Path(tmp) / "model"), artifact_path="model")
         self.client.set_terminated(self.run_id, status="FINISHED")
 
     def stop(self, interrupted: bool) -> None:
@@ -199,7 +199,7 @@ def _params(cfg: TrainConfig) -> dict[str, str]:
     settings = cfg.model_dump(mode="json")
     conf = settings.pop("spark_conf", {}) or {}
     out = {k: json.dumps(v) if isinstance(v, list | dict) else str(v) for k, v in settings.items()}
-    out.update({f"spark_conf.{k}": str(v) for k, v in conf.items()})
+    out.update({f"spark_conf.{k}": str(v) for k, v in conf.items()})  # credentials: refused
     return {k: v[:6000] for k, v in out.items()}
 
 

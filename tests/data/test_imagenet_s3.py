@@ -111,7 +111,7 @@ def test_named_s3_dataset_trains_well_above_chance(shards, bucket, tmp_path):
     # class named as the manifest names it; its report goes into the run dir
     done = _cli("evaluate", "run", "--data", "imagenet", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    report = json.loads((tmp_path / "run/evaluations/imagenet-val/evaluation.json").read_text())
+    report = json.loads((tmp_path / "run/evaluations/imagenet/evaluation.json").read_text())
     assert (report["top1"], report["top5"], report["samples"]) == (
         final["eval_accuracy"],
         final["eval_top5"],

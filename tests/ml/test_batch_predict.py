@@ -43,14 +43,14 @@ def test_a_frame_keeps_its_other_columns_or_the_ones_named(spark, digits_run, tm
     run, _ = digits_run
     inputs, _labels = digits()[1].tensors
     rows = [(f"img-{i}", i % 7, x.flatten().tolist()) for i, x in enumerate(inputs[:20])]
-    spark.createDataFrame(rows, "id string, batch int, features array<float>").write.parquet(
+    spark.createDataFrame(rows, "id string, `b.atch` int, features array<float>").write.parquet(
         str(tmp_path / "in")
     )
     data = f"parquet:{tmp_path / 'in'}"
     predict(run, data, f"parquet:{tmp_path / 'all'}", spark=spark)
-    predict(run, data, f"parquet:{tmp_path / 'id'}", key_cols=["id"], spark=spark)
+    predict(run, data, f"parquet:{tmp_path / 'id'}", key_cols=["id", "id"], spark=spark)
     every, named = (pq.read_table(tmp_path / n).to_pandas() for n in ("all", "id"))
-    assert list(every.columns) == ["id", "batch", "prediction", "top_k", "probability"]
+    assert list(every.columns) == ["id", "b.atch", "prediction", "top_k", "probability"]
     assert list(named.columns) == ["id", "prediction", "top_k", "probability"]
     assert len(named) == 20 and len(named["top_k"][0]) == 5
     with torch.no_grad():
@@ -72,8 +72,10 @@ def test_a_frame_keeps_its_other_columns_or_the_ones_named(spark, digits_run, tm
          "columns it has"),
         ("digits", "parquet:{tmp}/taken", {}, "{tmp}/taken exists: choose another --out, or "
          "remove it"),
+        ("digits", "parquet:{tmp}/file/p", {}, "{tmp}/file/p: {tmp}/file is a file; choose "
+         "another --out"),
     ],
-    ids=["not-parquet", "top-k", "split", "key-col", "exists"],
+    ids=["not-parquet", "top-k", "split", "key-col", "exists", "under-a-file"],
 )  # fmt: skip
 def test_refusals_are_one_line_and_write_nothing(spark, digits_run, tmp_path, data, out, extra,
                                                  message):  # fmt: skip
@@ -82,6 +84,7 @@ def test_refusals_are_one_line_and_write_nothing(spark, digits_run, tmp_path, da
         str(tmp_path / "in")
     )
     (tmp_path / "taken").mkdir()
+    (tmp_path / "file").write_bytes(b"")
     before = sorted(p.name for p in tmp_path.iterdir())
     with pytest.raises(SparknetError) as exc:
         predict(run, data.format(tmp=tmp_path), out.format(tmp=tmp_path), spark=spark, **extra)

@@ -10,6 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from sparknet.data.sources import digits
 from sparknet.errors import SparknetError
 from sparknet.training.evaluation import evaluate
 from tests.conftest import REPO, SPARKNET
@@ -35,6 +36,31 @@ def test_the_evaluation_is_the_runs_own_final_one_with_each_class(spark, digits_
     other = evaluate(run, "digits", workers=3, spark=spark)
     assert (other.samples, other.top1) == (ev.samples, ev.top1)
     assert np.array_equal(other.confusion, ev.confusion)
+
+
+def test_a_frame_of_flat_numbers_evaluates_in_the_models_shape(spark, digits_run, tmp_path):
+    run, final = digits_run
+    inputs, labels = digits()[1].tensors
+    rows = [(x.flatten().tolist(), int(y)) for x, y in zip(inputs, labels, strict=True)]
+    spark.createDataFrame(rows, "features array<float>, label int").write.parquet(
+        str(tmp_path / "test")
+    )
+    ev = evaluate(run, f"parquet:{tmp_path / 'test'}", spark=spark)
+    assert (ev.samples, ev.top1) == (360, final["eval_accuracy"])
+
+
+def test_a_report_dir_that_cannot_take_it_is_refused_before_spark(digits_run, tmp_path):
+    run, _ = digits_run
+    (tmp_path / "file").write_bytes(b"")
+    done = subprocess.run(
+        [str(SPARKNET), "evaluate", str(run), "--data", "digits", "--report",
+         str(tmp_path / "file" / "report")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: ") and "file" in done.stderr
+    assert len(done.stderr.splitlines()) == 1
+    assert "starting Spark" not in done.stderr
 
 
 def test_the_cli_prints_the_figures_and_writes_its_report(digits_run, tmp_path):

@@ -87,11 +87,37 @@ def test_a_resnet_run_dir_exports_to_both_formats(tmp_path, form):
         assert torch.allclose(torch.tensor(got["out"]), model(x), atol=1e-5)
 
 
+@pytest.mark.integration
+def test_an_export_replaces_nothing_unasked_and_names_a_file(digits_run, tmp_path):
+    run, _ = digits_run
+    (tmp_path / "taken.pt").write_bytes(b"mine")
+    (tmp_path / "file").write_bytes(b"")
+    for args, code, says in [
+        (["--out", str(tmp_path / "taken.pt")], 2,
+         f"error: {tmp_path}/taken.pt exists: pass --force to replace it, or another --out"),
+        (["--out", f"{run}/model.safetensors", "--force"], 2,
+         f"error: --out {run}/model.safetensors: model.safetensors is a run's own file; name "
+         "another"),
+        (["--out", "s3://bucket"], 2, "error: --out 's3://bucket': name a file (a path, or "
+         "s3://bucket/key)"),
+        (["--out", ""], 2, "error: --out '': name a file"),
+        (["--out", str(tmp_path / "file" / "x.pt")], 2, f"error: cannot write {tmp_path}/file/"
+         "x.pt: Not a directory"),
+        (["--out", str(tmp_path / "taken.pt"), "--force"], 0, f"{tmp_path}/taken.pt: "),
+    ]:  # fmt: skip
+        done = subprocess.run([str(SPARKNET), "export", str(run), *args], capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.returncode == code, done.stderr
+        assert (done.stderr or done.stdout).startswith(says)
+    assert (tmp_path / "taken.pt").read_bytes() != b"mine"  # replaced, as --force asked
+    assert sparknet.load_model(run) is not None  # the run's own weights untouched
+
+
 def test_what_cannot_be_exported_is_one_line(tmp_path):
     for args, says in [
         (["--format", "onnx"], "error: --format onnx: use torchscript or torch-export"),
-        (["--out", f"{tmp_path}/dir/"], f"error: --out {tmp_path}/dir/: name a file, not a "
-         "directory"),
+        (["--out", f"{tmp_path}/dir/"], f"error: --out '{tmp_path}/dir/': name a file (a "
+         "path, or s3://bucket/key)"),
         ([], f"error: {tmp_path} has no model.json: it is not a sparknet run dir"),
     ]:  # fmt: skip
         done = subprocess.run([str(SPARKNET), "export", str(tmp_path), *args],

@@ -85,8 +85,11 @@ def test_the_file_store_gets_params_steps_artifacts_and_the_model_and_a_resume_g
 ):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps it behind a switch
     uri, run_dir = (tmp_path / "mlruns").as_uri(), tmp_path / "run"
-    train(TrainConfig(rounds=2, out=run_dir, mlflow=uri, **SMALL), spark=spark)
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run() as own:  # a notebook's own run: sparknet's is another, made whole
+        train(TrainConfig(rounds=2, out=run_dir, mlflow=uri, **SMALL), spark=spark)
     client, run = _tracked(run_dir, uri)
+    assert run.info.run_id != own.info.run_id
     assert run.info.status == "FINISHED"
     assert (run.data.params["tau"], run.data.params["lr"], run.data.params["rounds"]) == (
         "10",
