@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,6 +72,20 @@ def catch_from_start() -> None:
     _armed = True
     for sig in SIGNALS:
         signal.signal(sig, _interrupt)
+    sys.unraisablehook = _quiet_when_noted(sys.unraisablehook)
+
+
+def _quiet_when_noted(hook: Any) -> Any:
+    """`hook`, but silent for the KeyboardInterrupt of a noted signal that Python could not
+    raise (it came in a finalizer or an import's weakref callback, and Python printed "Exception
+    ignored" with a traceback into the job's log): `check()` raises it where the run goes on."""
+
+    def unraisable(info: Any) -> None:
+        if isinstance(info.exc_value, KeyboardInterrupt) and _first is not None:
+            return
+        hook(info)
+
+    return unraisable
 
 
 def holding() -> bool:

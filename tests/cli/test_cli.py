@@ -4,6 +4,7 @@ traceback, nothing written. These fail before Spark starts, so they are quick.""
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 import typer
@@ -138,3 +139,30 @@ def test_a_signal_whose_interrupt_was_lost_stops_at_the_next_event():
     ):
         with pytest.raises(KeyboardInterrupt):
             event()
+
+
+def test_a_signal_in_a_finalizer_leaves_no_traceback_and_still_stops(tmp_path):
+    """A SIGTERM that lands in a weakref callback (an import's module lock, on a node driver)
+    cannot raise there: Python would print "Exception ignored" and a traceback into the job's
+    log. It is noted silently, and `check()` raises it where the run goes on."""
+    script = (
+        "import os, signal, weakref\n"
+        "from sparknet import interrupts\n"
+        "interrupts.catch_from_start()\n"
+        "class A: pass\n"
+        "a = A()\n"
+        "def callback(_):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    sum(range(10**6))  # the handler runs here, inside the callback\n"
+        "ref = weakref.ref(a, callback)\n"
+        "del a\n"
+        "print('went on')\n"
+        "try:\n"
+        "    interrupts.check()\n"
+        "except KeyboardInterrupt:\n"
+        "    print('stopped', interrupts.received())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.stdout.split("\n")[:2] == ["went on", f"stopped {int(signal.SIGTERM)}"]
+    assert done.stderr == ""

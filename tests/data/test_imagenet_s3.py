@@ -324,9 +324,12 @@ def test_any_split_evaluates_and_other_classes_are_refused_before_spark(spark, s
         evaluate(run, str(shards), split="test", spark=object())
 
     info = read_info(run)
-    renamed = info.model_copy(
-        update={"classes": [*info.classes[:3], info.classes[4], info.classes[3], *info.classes[5:]]}
+    swapped = [*info.classes]  # classes 3 and 4 named the other way round
+    swapped[3], swapped[4] = (
+        swapped[3].model_copy(update={"wnid": info.classes[4].wnid}),
+        swapped[4].model_copy(update={"wnid": info.classes[3].wnid}),
     )
+    renamed = info.model_copy(update={"classes": swapped})
     write_info(LocalStore(run), renamed)
     with pytest.raises(SparknetError) as exc:
         evaluate(run, str(shards), spark=object())  # refused before any Spark call
