@@ -54,7 +54,7 @@ def evaluate(
         from sparknet.training.evaluation import write_report  # lazy: torch, Spark
 
         # where the report goes must take it before the evaluation runs, not after
-        where = report or f"{run.rstrip('/')}/evaluations/{_slug(data, split)}"
+        where = report or f"{run.rstrip('/')}/evaluations/{_report_name(data, split)}"
         store = writable_store(where, endpoint_url)
         ev = run_evaluation(
             run, data, split=split, workers=workers, master=master, endpoint_url=endpoint_url,
@@ -65,9 +65,10 @@ def evaluate(
     results.print(_summary(ev, where, written))
 
 
-def _slug(data: str, split: str | None) -> str:
-    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in data.rstrip("/"))
-    return name.strip("_.") + (f"-{split}" if split else "")
+def _report_name(data: str, split: str | None) -> str:
+    from sparknet.training.driver import slug  # lazy: torch
+
+    return slug(data.rstrip("/")) + (f"-{split}" if split else "")
 
 
 def _summary(ev, where: str, written: list[str]) -> Table:

@@ -31,7 +31,7 @@ from sparknet.ml.model import SparknetModel
 from sparknet.ml.predict import column_of
 from sparknet.training.evaluation import check_fit
 from sparknet.training.rundir import read_run_config
-from sparknet.training.session import start_session, stop_quietly
+from sparknet.training.session import session_for
 
 StatusCallback = Callable[[str], None]
 
@@ -85,11 +85,7 @@ def predict(
     source = with_split(None if frames else resolve_source(cfg, datasets), data, split)
     if source is not None:
         check_fit(model.saved, source, data)
-    own_session = spark is None
-    try:
-        if own_session:
-            status("starting Spark")
-            spark = start_session(cfg.master, cfg.workers, cfg.spark_conf, cfg.gpus_per_worker)
+    with session_for(spark, cfg, status) as spark:
         _refuse_existing(spark, target)
         if frames:
             df, keys, skipped = read_frame(spark, data), key_cols, None
@@ -124,9 +120,6 @@ def predict(
         status(f"predicting into {target}")
         rows = _write(spark, scored, target)
         dropped = skipped.value if skipped is not None else 0
-    finally:
-        if own_session and spark is not None:
-            stop_quietly(spark)
     return Predicted(target, rows, dropped)
 
 

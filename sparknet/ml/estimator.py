@@ -190,10 +190,11 @@ class SparknetEstimator(
 
     def _new_run_dir(self, model: str) -> str:
         """A run dir of its own for this fit: `runsDir/<model>-<time>-<6 hex>`."""
+        from sparknet.training.driver import slug  # lazy: the training driver
+
         root = self.getOrDefault(self.runsDir).rstrip("/")
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        name = "".join(c if c.isalnum() else "_" for c in model.split(":")[-1])
-        return f"{root}/{name}-{stamp}-{uuid.uuid4().hex[:6]}"
+        return f"{root}/{slug(model)}-{stamp}-{uuid.uuid4().hex[:6]}"
 
 
 for _name in ("labelCol", "inputCol", "runsDir", "featureShape"):

@@ -61,10 +61,13 @@ class RunResult:
         return self.metrics[-1]
 
 
-def default_run_dir(cfg: TrainConfig) -> Path:
-    def slug(text: str) -> str:
-        return re.sub(r"[^A-Za-z0-9]+", "_", text.split(":")[-1]).strip("_") or "x"
+def slug(text: str) -> str:
+    """A name for a dir from a model's or a dataset's (`pkg.mod:factory` -> `factory`,
+    `s3://b/imagenet` -> `b_imagenet`): letters and digits, the rest `_`."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", text.split(":")[-1]).strip("_") or "x"
 
+
+def default_run_dir(cfg: TrainConfig) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{slug(cfg.model)}-{slug(cfg.data)}-{stamp}"
 

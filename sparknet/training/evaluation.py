@@ -32,7 +32,7 @@ from sparknet.training.probe import check_python_workers, user_modules
 from sparknet.training.rounds import eval_work
 from sparknet.training.rundir import read_run_config
 from sparknet.training.saved_model import SavedModel
-from sparknet.training.session import start_session, stop_quietly
+from sparknet.training.session import session_for
 from sparknet.training.spark_settings import is_local_master
 from sparknet.training.state import StateLayout
 from sparknet.training.transport import SparkTransport, wait_for_executors
@@ -174,35 +174,32 @@ def evaluate(
     source = with_split(None if frames else resolve_source(cfg, datasets), data, split)
     if source is not None:
         check_fit(saved, source, data)
-    own_session = spark is None
     placed = None
-    try:
-        if own_session:
-            status("starting Spark")
-            spark = start_session(cfg.master, cfg.workers, cfg.spark_conf, cfg.gpus_per_worker)
-        sc = spark.sparkContext
-        if not is_local_master(sc.master):
-            status("waiting for Spark's executors")
-            wait_for_executors(sc, cfg.workers)
-        status("starting Python workers")
-        named = frames or data in (datasets or {})  # no module of the user's to import
-        check_python_workers(spark, cfg.workers, user_modules(cfg.model, None if named else data))
-        if frames:
-            numbers = saved.info.input.kind != "image"  # reshaped as the model takes them
-            source, placed = prepare_frames(
-                read_frame(spark, data), None, workers=cfg.workers, label_col=cfg.label_col,
-                input_col=cfg.input_col, num_classes=None, image_size=cfg.image_size,
-                loader_workers=cfg.loader_workers, name=data,
-                feature_shape=tuple(saved.info.input.shape) if numbers else None,
-            )  # fmt: skip
-            check_fit(saved, source, data)
-        status(f"evaluating on {cfg.workers} partitions")
-        ev = _evaluate(cfg, saved, source, spark, placed.train if placed is not None else None)
-    finally:
-        if placed is not None:
-            placed.release()
-        if own_session and spark is not None:
-            stop_quietly(spark)
+    with session_for(spark, cfg, status) as spark:
+        try:
+            sc = spark.sparkContext
+            if not is_local_master(sc.master):
+                status("waiting for Spark's executors")
+                wait_for_executors(sc, cfg.workers)
+            status("starting Python workers")
+            named = frames or data in (datasets or {})  # no module of the user's to import
+            modules = user_modules(cfg.model, None if named else data)
+            check_python_workers(spark, cfg.workers, modules)
+            if frames:
+                numbers = saved.info.input.kind != "image"  # reshaped as the model takes them
+                source, placed = prepare_frames(
+                    read_frame(spark, data), None, workers=cfg.workers,
+                    label_col=cfg.label_col, input_col=cfg.input_col, num_classes=None,
+                    image_size=cfg.image_size, loader_workers=cfg.loader_workers, name=data,
+                    feature_shape=tuple(saved.info.input.shape) if numbers else None,
+                )  # fmt: skip
+                check_fit(saved, source, data)
+            status(f"evaluating on {cfg.workers} partitions")
+            frame = placed.train if placed is not None else None
+            ev = _evaluate(cfg, saved, source, spark, frame)
+        finally:
+            if placed is not None:
+                placed.release()
     if ev.count == 0:
         raise SparknetError(f"{data} gave no sample to evaluate on" + _skipped(ev.skipped))
     assert ev.confusion is not None

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +243,24 @@ def _chain_text(exc: BaseException) -> str:
             parts.append(str(getattr(current, "java_exception", "") or ""))
         current = current.__cause__ or current.__context__
     return "\n".join(parts)
+
+
+@contextlib.contextmanager
+def session_for(
+    spark: SparkSession | None, cfg, status: Callable[[str], None]
+) -> Iterator[SparkSession]:
+    """`spark`, or a session of `cfg`'s own (master, workers, Spark settings) started here and
+    stopped when the block ends: what a command that runs jobs for one result needs (`sparknet
+    evaluate`, `predict`), where the caller may pass the session it has."""
+    if spark is not None:
+        yield spark
+        return
+    status("starting Spark")
+    own = start_session(cfg.master, cfg.workers, cfg.spark_conf, cfg.gpus_per_worker)
+    try:
+        yield own
+    finally:
+        stop_quietly(own)
 
 
 def stop_quietly(session: SparkSession) -> None:
