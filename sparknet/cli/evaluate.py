@@ -62,7 +62,7 @@ def evaluate(
             on_status=lambda text: console.print(text),
         )  # fmt: skip
         written = write_report(ev, store)
-    results.print(_summary(ev, where, written))
+    results.print(summary(ev, where, written))
 
 
 def _report_name(data: str, split: str | None) -> str:
@@ -71,7 +71,8 @@ def _report_name(data: str, split: str | None) -> str:
     return slug(data.rstrip("/")) + (f"-{split}" if split else "")
 
 
-def _summary(ev, where: str, written: list[str]) -> Table:
+def summary(ev, where: str, written: list[str]) -> Table:
+    """The table an evaluation ends with (`sparknet-submit evaluate`'s too)."""
     table = Table(title="sparknet evaluate", show_header=False)
     table.add_column()
     table.add_column(overflow="fold")

@@ -23,7 +23,9 @@ def predict(
         help="a shard dataset (dir, s3:// or a name from datasets:), digits, "
         "package.module:factory, parquet:PATH or table:NAME",
     ),
-    out: str = typer.Option(..., help="parquet:PATH, which must not exist"),
+    out: str = typer.Option(
+        ..., help="parquet:PATH (a dir or s3://bucket/prefix), which must not exist"
+    ),
     split: str | None = typer.Option(None, help="the shard dataset's split [default: val]"),
     top_k: int | None = typer.Option(
         None, min=1, help="likeliest classes a row lists [default: 5, or the classes if fewer]"

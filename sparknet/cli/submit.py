@@ -1,7 +1,9 @@
 """`sparknet-submit`: one training job on a cluster, end to end, and the jobs it started.
 
-The flow is `sparknet.jobs.submit`; `attach`, `logs`, `cancel`, `list` are `sparknet.cli.jobs`,
-registered here on the same app.
+The flow is `sparknet.jobs.submit`; `evaluate` and `predict` run a finished run's model through
+the same flow (`sparknet.jobs.model_jobs`), with the same job options (`_job_options`, declared
+once); `attach`, `logs`, `cancel`, `list` are `sparknet.cli.jobs`, registered here on the same
+app.
 
 The training flags are built as `sparknet train`'s are, from the settings' one declaration
 (`sparknet.cli.settings`); `--workers` here counts worker instances, as `cluster up`'s does.
@@ -10,11 +12,15 @@ given, so `sparknet-submit --s3 X ...` is the job itself."""
 
 from __future__ import annotations
 
+import inspect
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, TypeVar
 
 import typer
+from typer.models import OptionInfo
 
 from sparknet.cli import jobs
 from sparknet.cli.cluster.options import cluster_spec
@@ -27,6 +33,7 @@ from sparknet.cli.common import (
     interrupts,
     results,
 )
+from sparknet.cli.evaluate import summary as evaluation_table
 from sparknet.cli.jobs import Report, say
 from sparknet.cli.settings import ConfOption, SetOption, with_settings
 from sparknet.config import find_config_file, load_datasets, load_train_config
@@ -38,8 +45,11 @@ from sparknet.errors import SettingError, SparknetError, first_line
 
 submit_app = typer.Typer(
     add_completion=False,
-    help="Run a training job on an EC2 GPU cluster; attach, logs, cancel, list: the jobs started.",
+    help="Run a training job on an EC2 GPU cluster; evaluate, predict: a finished run's model "
+    "on one; attach, logs, cancel, list: the jobs started.",
 )
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 #: the training settings with an option in `sparknet train` that submit sets itself or has its own
 #: option of: the data is --s3, the run dir the run prefix, the master the cluster's; --workers
@@ -47,9 +57,7 @@ submit_app = typer.Typer(
 NOT_SHARED = frozenset({"data", "workers", "out", "master", "endpoint_url"})
 
 
-@with_settings(leave_out=NOT_SHARED, after={"conf": "spark_conf"}, last=("debug",))
-def submit(
-    ctx: typer.Context,
+def _job_options(
     s3: str | None = typer.Option(
         None, "--s3", help="dataset name from sparknet.yaml or s3://bucket/prefix (required)"
     ),
@@ -93,6 +101,40 @@ def submit(
         "--config",
         help="settings YAML (train:, datasets:, clusters:); default ./sparknet.yaml",
     ),
+) -> None:
+    """The options of every job a submit runs (training, evaluate, predict): its data and the
+    cluster it runs on. Declared once here; `with_job_options` adds them to each command."""
+
+
+def with_job_options(func: F) -> F:
+    """`func`'s leading parameters (the context, arguments), then `_job_options`'s, then the
+    rest of its own but its `**kwargs`, in which typer passes the job options (`JOB_OPTIONS`
+    names them; and `with_settings`'s training options, where it adds them)."""
+    own = list(inspect.signature(func, eval_str=True).parameters.values())
+    lead = 0
+    while (
+        lead < len(own)
+        and not isinstance(own[lead].default, OptionInfo)
+        and (own[lead].kind is not inspect.Parameter.VAR_KEYWORD)
+    ):
+        lead += 1
+    job = [
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        for p in inspect.signature(_job_options, eval_str=True).parameters.values()
+    ]
+    rest = [p.replace(kind=p.KEYWORD_ONLY) for p in own[lead:] if p.kind is not p.VAR_KEYWORD]
+    func.__signature__ = inspect.Signature([*own[:lead], *job, *rest])  # type: ignore[attr-defined]
+    return func
+
+
+#: the parameters `with_job_options` adds
+JOB_OPTIONS = tuple(inspect.signature(_job_options).parameters)
+
+
+@with_settings(leave_out=NOT_SHARED, after={"conf": "spark_conf"}, last=("debug",))
+@with_job_options
+def submit(
+    ctx: typer.Context,
     set_: list[str] = SetOption,
     conf: list[str] = ConfOption,
     debug: bool = DebugOption,
@@ -102,39 +144,122 @@ def submit(
     it, follow its rounds, fetch curves.png and metrics.jsonl into runs/RUN/, and take the
     cluster down (unless --keep, --detach or --cluster) after success, failure, Ctrl-C or
     SIGTERM. --detach returns once the job runs; the cluster's autostop timer ends it after."""
-    from sparknet.cluster import repair  # lazy: boto3, fabric
-    from sparknet.cluster.registry import LockUnavailable  # lazy: boto3
-    from sparknet.jobs import preflight, records  # lazy: boto3, fabric
-    from sparknet.jobs import submit as flow  # lazy: boto3, fabric
-    from sparknet.jobs.follow import JobOutOfReach, summary_lines  # lazy: boto3, fabric
-    from sparknet.jobs.preflight import Job, PreflightFailed, resolve_dataset  # lazy: boto3, fabric
-
     if ctx.invoked_subcommand is not None:
         return
+    job = {k: training.pop(k) for k in JOB_OPTIONS}
+    _run_job(
+        job, debug,
+        settings=lambda path: load_train_config(
+            config_file=path, sets=set_, flags=training, conf=conf
+        ),
+    )  # fmt: skip
+
+
+@with_job_options
+def evaluate(
+    run: str = typer.Argument(
+        ...,
+        metavar="RUN",
+        help="a finished run: its run id (`sparknet-submit list`), or its run dir (local or "
+        "s3://bucket/prefix)",
+    ),
+    split: str | None = typer.Option(None, help="the dataset's split to read [default: val]"),
+    debug: bool = DebugOption,
+    **job: Any,
+) -> None:
+    """Evaluate a finished run's model on a cluster: loss, top-1, top-5, per-class accuracy and
+    the confusion matrix of the --s3 dataset's split, into the job's run prefix and runs/RUN/.
+    The cluster is made and taken down as for training (or reuse one with --cluster)."""
+    from sparknet.jobs.model_jobs import ModelTask  # lazy: boto3
+
+    _run_job(job, debug, run=run, task=lambda where, endpoint: ModelTask(
+        "evaluate", where, endpoint, split=split
+    ))  # fmt: skip
+
+
+@with_job_options
+def predict(
+    run: str = typer.Argument(
+        ...,
+        metavar="RUN",
+        help="a finished run: its run id (`sparknet-submit list`), or its run dir (local or "
+        "s3://bucket/prefix)",
+    ),
+    out: str | None = typer.Option(
+        None,
+        help="parquet:s3://bucket/prefix, which must not exist, under the cluster's own runs "
+        "where sparknet made its nodes [default: the job's run prefix's predictions/]",
+    ),
+    split: str | None = typer.Option(None, help="the dataset's split to read [default: val]"),
+    top_k: int | None = typer.Option(
+        None, min=1, help="likeliest classes a row lists [default: 5, or the classes if fewer]"
+    ),
+    batch_size: int | None = typer.Option(
+        None, min=1, help="rows a forward pass takes at once [default: 64]"
+    ),
+    debug: bool = DebugOption,
+    **job: Any,
+) -> None:
+    """Predict with a finished run's model on a cluster: a Parquet row per sample of the --s3
+    dataset's split (its key, label, prediction, top-k, probabilities), written to S3."""
+    from sparknet.jobs.model_jobs import ModelTask  # lazy: boto3
+
+    _run_job(job, debug, run=run, task=lambda where, endpoint: ModelTask(
+        "predict", where, endpoint, split=split, out=out, top_k=top_k, batch_size=batch_size
+    ))  # fmt: skip
+
+
+def _run_job(
+    options: dict[str, Any],
+    debug: bool,
+    *,
+    settings: Callable[[Path | None], Any] | None = None,
+    run: str | None = None,
+    task: Callable[[str, str | None], Any] | None = None,
+) -> None:
+    """One job, end to end, as the flow (`sparknet.jobs.submit`) runs it: training on the
+    `settings` read from the file at the path given, or the model's job `task` makes of `run`
+    (where it is, its S3 endpoint); exits as design.md says (2: refused before anything was
+    launched)."""
+    from sparknet.cluster import repair  # lazy: boto3, fabric
+    from sparknet.cluster.registry import LockUnavailable  # lazy: boto3
+    from sparknet.jobs import model_jobs, preflight, records  # lazy: boto3, fabric
+    from sparknet.jobs import submit as flow  # lazy: boto3, fabric
+    from sparknet.jobs.follow import JobOutOfReach  # lazy: boto3, fabric
+    from sparknet.jobs.preflight import Job, PreflightFailed, resolve_dataset  # lazy: boto3, fabric
+
+    o = SimpleNamespace(**options)
     caught = Caught()
     started = False  # an error before the flow starts is in the command or settings: exit 2
     ending = flow.ClusterOutcome()  # a signal during the checks below: "nothing was launched"
     try:
-        preflight.check_request(s3, cluster, name, keep, autostop)
-        path = find_config_file(config)
-        cfg = load_train_config(config_file=path, sets=set_, flags=training, conf=conf)
-        dataset = resolve_dataset(s3, load_datasets(path), endpoint_url)
-        cluster_name = preflight.cluster_to_use(cluster, name, path)
+        preflight.check_request(o.s3, o.cluster, o.name, o.keep, o.autostop)
+        path = find_config_file(o.config)
+        dataset = resolve_dataset(o.s3, load_datasets(path), o.endpoint_url)
+        model_task = None
+        if task is not None:
+            assert run is not None
+            model_task = task(*records.run_dir_of(run, o.endpoint_url))
+            cfg = model_jobs.run_settings(model_task)
+        else:
+            assert settings is not None
+            cfg = settings(path)
+        cluster_name = preflight.cluster_to_use(o.cluster, o.name, path)
         flags = dict(
-            workers=workers, instance_types=instance_type, spot=spot, provider=provider,
-            autostop_minutes=autostop,
+            workers=o.workers, instance_types=o.instance_type, spot=o.spot, provider=o.provider,
+            autostop_minutes=o.autostop,
         )  # fmt: skip
-        spec = _instances_spec(cluster_name, path, {} if cluster else flags)
+        spec = _instances_spec(cluster_name, path, {} if o.cluster else flags)
         preflight.check_cluster_options(
-            spec, instance_types=instance_type, spot=spot, autostop=autostop, keep=keep,
-            detach=detach, reused=cluster is not None,
+            spec, instance_types=o.instance_type, spot=o.spot, autostop=o.autostop, keep=o.keep,
+            detach=o.detach, reused=o.cluster is not None,
         )  # fmt: skip
         repair.check_every_s()  # a bad setting fails now, not once the job runs
         job = Job(
-            spec, cluster is not None, keep, dataset, cfg, endpoint_url, detach=detach,
-            max_restarts=max_restarts,
+            spec, o.cluster is not None, o.keep, dataset, cfg, o.endpoint_url, detach=o.detach,
+            max_restarts=o.max_restarts, task=model_task,
         )  # fmt: skip
-        report = Report(console.is_terminal, cfg.rounds)
+        report = Report(console.is_terminal and model_task is None, cfg.rounds)
         with interrupts(caught, note=_second_signal_note(job)):
             started = True
             try:
@@ -162,14 +287,35 @@ def submit(
     if result.outcome is None:
         _print_detached(job, result.run_id, result.prefix)
         return
-    for line in summary_lines(
-        result.run_id, result.prefix, result.outcome.rows, result.wall_s, result.cost
-    ):
+    for line in _summary(job, result):
         results.print(line, markup=False, highlight=False, soft_wrap=True)
-    for path in result.fetched:
-        results.print(f"fetched {path}", markup=False, highlight=False, soft_wrap=True)
+    for fetched in result.fetched:
+        results.print(f"fetched {fetched}", markup=False, highlight=False, soft_wrap=True)
     if job.keep or job.reused:
         say(flow.stays_up_line(job))
+
+
+def _summary(job, result) -> list[Any]:
+    """What a finished job prints: training's lines (`summary_lines`); a model's job's run id
+    and prefix, then evaluate's table (`sparknet evaluate`'s) or where predict wrote how many
+    rows."""
+    from sparknet.jobs import model_jobs  # lazy: boto3, fabric
+    from sparknet.jobs.follow import summary_lines  # lazy: boto3, fabric
+
+    if job.task is None:
+        return summary_lines(
+            result.run_id, result.prefix, result.outcome.rows, result.wall_s, result.cost
+        )
+    head = [f"run id: {result.run_id}", f"run prefix: {result.prefix}"]
+    if job.task.command == "predict":
+        target = job.task.target(result.prefix)
+        rows = model_jobs.predicted_rows(target, job.dataset.endpoint_url)
+        count = "unknown" if rows is None else str(rows)
+        return [*head, f"predictions: parquet:{target}", f"rows: {count}"]
+    report = next(p for p in result.fetched if p.name == "evaluation.json")
+    evaluation = model_jobs.read_evaluation(report)
+    where = result.prefix.rstrip("/")
+    return [*head, evaluation_table(evaluation, where, [p.name for p in result.fetched])]
 
 
 def _second_signal_note(job) -> str:
@@ -229,6 +375,8 @@ def _instances_spec(name: str, path: Path | None, flags: dict[str, Any]):
 submit_app.callback(invoke_without_command=True)(submit)
 
 for _name, _command in (
+    ("evaluate", evaluate),
+    ("predict", predict),
     ("attach", jobs.attach),
     ("logs", jobs.logs),
     ("cancel", jobs.cancel),

@@ -346,6 +346,11 @@ class S3Store(_Guarded):
         self.delete(self.walk(prefix))
 
 
+#: the object that marks a dataset that many tasks wrote whole, written last (as Hadoop's
+#: committers do): `sparknet predict`'s to S3, with its row count
+SUCCESS = "_SUCCESS"
+
+
 def open_store(uri_or_path: str | Path, endpoint_url: str | None = None) -> Store:
     """`s3://...` is an S3Store; anything else (a path, or `file://...`) a LocalStore."""
     text = str(uri_or_path)

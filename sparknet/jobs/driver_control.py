@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import yaml
 
 from sparknet.cluster import nodes, provider, registry
 from sparknet.cluster.aws import autostop
@@ -119,12 +121,16 @@ def start_driver(
     run_id: str,
     cfg: TrainConfig,
     max_restarts: int = DEFAULT_MAX_RESTARTS,
+    command: Sequence[str] = (),
 ) -> None:
-    """The job dir with the settings file, then the detached supervisor and driver."""
+    """The job dir with the settings file, then the detached supervisor and driver. A
+    `command` (`sparknet` arguments: a model's evaluate or predict) is the driver instead of
+    `sparknet train` on the settings; it goes into the settings file as `command:`."""
     jd = job_dir(node, run_id)
+    text = cfg.to_yaml() + (yaml.safe_dump({"command": list(command)}) if command else "")
     try:
         run(conn, f"umask 077 && mkdir -p {q(jd)}")  # the job's settings and logs: its user's
-        upload(conn, cfg.to_yaml().encode(), f"{jd}/{JOB_CONFIG}", 0o600)
+        upload(conn, text.encode(), f"{jd}/{JOB_CONFIG}", 0o600)
         run(conn, driver_command(node, run_id, max_restarts))
     except CommandFailed as exc:
         raise SparknetError(

@@ -137,8 +137,12 @@ def follow(
 
 
 #: `sparknet train`'s progress lines in its log (stderr, not a terminal) before a round is done:
-#: what it waits for ("starting Spark", "round 1 (starting Python workers)"), and a done round
-_STATUS_LINE = r"starting Spark|round [0-9]+ \(.+\)"
+#: what it waits for ("starting Spark", "round 1 (starting Python workers)"), and a done round;
+#: those of `sparknet evaluate` and `predict` (a model's job), which has no round
+_STATUS_LINE = (
+    r"starting Spark|round [0-9]+ \(.+\)|waiting for Spark.s executors|starting Python workers|"
+    r"evaluating on [0-9]+ partitions|predicting into .+"
+)
 _ROUND_LINE = r"round [0-9]+/[0-9]+ .*"
 
 
@@ -254,12 +258,15 @@ class _Seen:
             on_rows(batch)
 
 
-def fetch_results(prefix: str, endpoint_url: str | None, dest: Path) -> list[Path]:
-    """curves.png and metrics.jsonl of the run into `dest` (runs/RUN/ locally)."""
+def fetch_results(
+    prefix: str, endpoint_url: str | None, dest: Path, names: tuple[str, ...] = (METRICS, CURVES)
+) -> list[Path]:
+    """The run's files `names` that are there (curves.png and metrics.jsonl) into `dest`
+    (runs/RUN/ locally)."""
     store = open_store(prefix, endpoint_url)
     dest.mkdir(parents=True, exist_ok=True)
     got = []
-    for name in (METRICS, CURVES):
+    for name in names:
         if store.size(name) is not None:
             store.fetch(name, dest / name)
             got.append(dest / name)

@@ -32,6 +32,7 @@ from sparknet.jobs.supervisor import DEFAULT_MAX_RESTARTS
 
 if TYPE_CHECKING:
     from sparknet.data.sources import Source
+    from sparknet.jobs.model_jobs import ModelTask
 
 
 class PreflightFailed(SparknetError):
@@ -409,6 +410,9 @@ class Job:
     #: return once the driver runs (no follow, no teardown: the master's autostop ends a
     #: cluster this submit made once the job is over and no submitter is attached)
     detach: bool = False
+    #: a finished run's model to evaluate or predict with (None: training); `cfg` is then the
+    #: run's settings (`model_jobs.run_settings`)
+    task: ModelTask | None = None
 
 
 def preflight(job: Job) -> tuple[str, str]:
@@ -436,5 +440,20 @@ def preflight(job: Job) -> tuple[str, str]:
             provider.of(job.spec).check_launch(job.spec, job.endpoint_url)
         except SparknetError as exc:
             raise PreflightFailed("{cause}", cause=exc) from exc
-    check_training(job, source, prefix)
+    if job.task is None:
+        check_training(job, source, prefix)
+    else:
+        check_model_job(job, job.task, source, bucket)
     return run_id, prefix
+
+
+def check_model_job(job: Job, task: ModelTask, source: Source, bucket: str) -> None:
+    """A model's job (`model_jobs`): the run's model fits the data, predict's `--out` is
+    where the cluster may write and free."""
+    from sparknet.jobs import model_jobs  # lazy: torch, for a model's job only
+
+    try:
+        model_jobs.check_model(task, source, job.dataset.uri)
+        model_jobs.check_output(task, job.spec, bucket)
+    except SparknetError as exc:
+        raise PreflightFailed("{cause:line}", cause=exc) from exc

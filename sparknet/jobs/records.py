@@ -30,6 +30,7 @@ from sparknet.cluster.remote import Conn, q, run
 from sparknet.cluster.spark.plan import JOB_CANCELLED, Node
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import TrainConfig
+from sparknet.data.s3 import S3Uri
 from sparknet.errors import SparknetError
 from sparknet.jobs import driver_control
 from sparknet.jobs.follow import POLL_S
@@ -131,8 +132,31 @@ def record_of(
     """The record of a job `sparknet-submit` starts now."""
     return JobRecord(
         run_id, job.spec.name, job.spec.region, prefix, driver_control.job_dir(master.node, run_id),
-        time.time(), cfg.rounds, job.endpoint_url, job.dataset.endpoint_url, not job.reused,
+        time.time(), cfg.rounds if job.task is None else 0, job.endpoint_url,
+        job.dataset.endpoint_url, not job.reused,
     )  # fmt: skip
+
+
+def run_dir_of(text: str, endpoint_url: str | None) -> tuple[str, str | None]:
+    """RUN as given: an s3:// run dir (read through `endpoint_url`), a local run dir, or the
+    run id of a job some submit of this machine ran (its run prefix, from the job's record,
+    read through the S3 endpoint it was written through); (where, endpoint)."""
+    if text.startswith("s3://"):
+        S3Uri.parse(text)
+        return text.rstrip("/"), endpoint_url
+    if Path(text).is_dir():
+        return str(Path(text).resolve()), None
+    try:
+        record = load(text)
+    except UnknownRun:  # not a run id's spelling either: the line below
+        record = None
+    if record is None:
+        raise SparknetError(
+            "{text}: no such run dir here, nor a job of `sparknet-submit list`; give a run dir "
+            "(local or s3://bucket/prefix) or the run id of a training job submitted from here",
+            text=text,
+        )
+    return record.prefix.rstrip("/"), record.s3_endpoint_url or endpoint_url
 
 
 # --- finding a job's master ----------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""`sparknet-submit`: one training job on a cluster, from the submitter's machine.
+"""`sparknet-submit`: one job on a cluster, run from the submitter's machine.
+
+The job trains, or scores a finished run's model (`sparknet.jobs.model_jobs`).
 
 The flow of design.md, section 2. Checks everything that costs nothing first
 (`sparknet.jobs.preflight`), ensures the cluster through `cluster.provider` (the same functions
@@ -8,7 +10,8 @@ session (`sparknet.jobs.driver_control`), follows its metrics in the run prefix
 the job is over (see `teardown_due`).
 
 It sits between the CLI and cluster/training: no typer here, and the driver itself is the
-node's own `sparknet train`, started with the job's resolved settings."""
+node's own `sparknet train` (or `evaluate`, `predict`), started with the job's resolved
+settings."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import TrainConfig
 from sparknet.data.store import open_store
 from sparknet.errors import SparknetError, as_flag, first_line
+from sparknet.jobs import model_jobs
 from sparknet.jobs.driver_control import (
     LOG,
     Master,
@@ -177,19 +181,24 @@ def _submit(
         open_store(prefix, job.dataset.endpoint_url).write_bytes(
             CONFIG_FILE, cfg.to_yaml().encode()
         )
+        command = _model_command(job, prefix)
         if on_job is not None:
             on_job(run_id, prefix, master, cfg)
         if job.detach:
-            start_detached(master, run_id, prefix, cfg, say, job.max_restarts)
+            start_detached(master, run_id, prefix, cfg, say, job.max_restarts, command)
             ok = True
             return Result(run_id, prefix, None, time.monotonic() - started, None, [])
         try:
-            outcome = _run_driver(job, master, run_id, prefix, cfg, say, on_rows)
+            outcome = _run_driver(job, master, run_id, prefix, cfg, say, on_rows, command)
         except JobOutOfReach:
             lost = True
             raise
         cost = provider.of(job.spec).cost_so_far(job.spec, job.endpoint_url)
         fetched = fetch_results(prefix, job.dataset.endpoint_url, job.runs_dir / run_id)
+        if job.task is not None and job.task.command == "evaluate":
+            fetched += model_jobs.fetch_report(
+                prefix, job.dataset.endpoint_url, job.runs_dir / run_id
+            )
         if outcome.rc != 0:
             why = last_error(outcome.log) or f"the driver exited {outcome.rc}"
             raise JobFailed(
@@ -214,6 +223,15 @@ def _submit(
                 say(stays_up_line(job))
 
 
+def _model_command(job: Job, prefix: str) -> list[str]:
+    """A model's job (`model_jobs`): the model's copy staged in the run prefix, and the
+    driver's `sparknet evaluate|predict` arguments; none for training."""
+    if job.task is None:
+        return []
+    model_jobs.stage(job.task, prefix, job.dataset.endpoint_url)
+    return job.task.args(prefix, job.dataset.uri, job.dataset.endpoint_url)
+
+
 def _run_driver(
     job: Job,
     master: Master,
@@ -222,12 +240,13 @@ def _run_driver(
     cfg: TrainConfig,
     say: Say,
     on_rows: Callable[[list[dict[str, Any]], float | None], None],
+    command: list[str] | None = None,
 ) -> Outcome:
     """Start the driver and follow it; an interrupt or error of the submitter cancels it as
     `sparknet-submit cancel` does (marked cancelled, waited for until its session is gone)."""
     conn = nodes.connect(master.node.endpoint, master.access)
     try:
-        start_driver(conn, master.node, run_id, cfg, job.max_restarts)
+        start_driver(conn, master.node, run_id, cfg, job.max_restarts, command or ())
         say(f"job {run_id} started on the master; run prefix {prefix}")
         return follow(
             conn,
@@ -287,12 +306,13 @@ def start_detached(
     cfg: TrainConfig,
     say: Say,
     max_restarts: int = DEFAULT_MAX_RESTARTS,
+    command: list[str] | None = None,
 ) -> None:
     """`--detach`: start the driver and leave it (it outlives this SSH session); interrupted
     before it is said to run, it is cancelled (the submit failed: nobody knows of the job)."""
     conn = nodes.connect(master.node.endpoint, master.access)
     try:
-        start_driver(conn, master.node, run_id, cfg, max_restarts)
+        start_driver(conn, master.node, run_id, cfg, max_restarts, command or ())
         say(f"job {run_id} started on the master; run prefix {prefix}")
     except BaseException:
         conn.close()  # as in `_run_driver`: this one may hang after an interrupt

@@ -124,15 +124,23 @@ class Job:
     #: None: the settings name no run dir (a submit always sets one): restarts start over
     out: str | None
     endpoint_url: str | None = None
+    #: the driver's `sparknet` arguments where it is no training (job.yaml's `command:`:
+    #: `sparknet evaluate ...` or `predict ...`, run again as it was on a restart)
+    command: tuple[str, ...] = ()
 
     @classmethod
     def read(cls, job_dir: Path) -> Job:
-        train = yaml.safe_load((job_dir / JOB_CONFIG).read_text())["train"]
-        return cls(job_dir, train.get("out"), train.get("endpoint_url"))
+        doc = yaml.safe_load((job_dir / JOB_CONFIG).read_text())
+        train = doc["train"]
+        command = tuple(str(a) for a in doc.get("command") or ())
+        return cls(job_dir, train.get("out"), train.get("endpoint_url"), command)
 
     def train_args(self, resume: bool) -> list[str]:
-        """`sparknet train`'s arguments: the job's settings, or the run prefix to resume (its
-        own config.yaml then holds the settings; the endpoint is needed to read it)."""
+        """The driver's `sparknet` arguments: the job's `command`, else `train` on the job's
+        settings, or on the run prefix to resume (its own config.yaml then holds the settings;
+        the endpoint is needed to read it)."""
+        if self.command:
+            return list(self.command)
         if not resume or self.out is None:
             return ["train", "--config", str(self.dir / JOB_CONFIG)]
         endpoint = ["--endpoint-url", self.endpoint_url] if self.endpoint_url else []

@@ -5,12 +5,17 @@ shard dataset's split is read shard by shard in Spark tasks (each shard checked 
 manifest, as training reads it), a built-in or `module:factory` dataset's test set is sent from
 the driver, and a DataFrame is read as it is. A row keeps what names its input: a shard
 sample's key and label, a dataset sample's index and label, a frame's other columns (or
-`key_cols`). The Parquet dataset appears whole or not at all: it is written beside its
-destination and renamed into place once Spark has committed it.
+`key_cols`). A local Parquet dataset appears whole or not at all: it is written beside its
+destination and renamed into place once Spark has committed it. An `s3://` one is written by
+the tasks themselves through boto3 (pyspark carries no S3 filesystem for Hadoop), an object per
+partition, and is whole once its `_SUCCESS` is there (written last; a failure deletes the rest).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +31,7 @@ from sparknet.data.sources import (
     resolve_source,
     with_split,
 )
+from sparknet.data.store import SUCCESS, open_store, writable_store
 from sparknet.errors import SparknetError, first_line
 from sparknet.ml.model import SparknetModel
 from sparknet.ml.predict import column_of
@@ -85,8 +91,12 @@ def predict(
     source = with_split(None if frames else resolve_source(cfg, datasets), data, split)
     if source is not None:
         check_fit(model.saved, source, data)
+    on_s3 = target.startswith("s3://")
+    if on_s3:  # before Spark: S3 is asked from here
+        _refuse_existing_s3(target, endpoint_url)
     with session_for(spark, cfg, status) as spark:
-        _refuse_existing(spark, target)
+        if not on_s3:
+            _refuse_existing(spark, target)
         if frames:
             df, keys, skipped = read_frame(spark, data), key_cols, None
         else:
@@ -118,7 +128,7 @@ def predict(
         named = df.select(*(column_of(c) for c in [*keys, column]))
         scored = _rows(model.transform(named), keys)
         status(f"predicting into {target}")
-        rows = _write(spark, scored, target)
+        rows = _write_s3(scored, target, endpoint_url) if on_s3 else _write(spark, scored, target)
         dropped = skipped.value if skipped is not None else 0
     return Predicted(target, rows, dropped)
 
@@ -214,6 +224,52 @@ def _write(spark, scored, target: str) -> int:
     finally:
         if fs.exists(tpath):
             fs.delete(tpath, True)
+
+
+def _refuse_existing_s3(target: str, endpoint_url: str | None) -> None:
+    """Nothing under `target` yet, and a probe object can be written there."""
+    try:
+        store = writable_store(target, endpoint_url)
+        taken = bool(store.walk())
+    except SparknetError as exc:
+        raise SparknetError("{@out}: {cause:line}", cause=exc) from exc
+    if taken:
+        raise SparknetError("{target} exists: choose another {@out}, or remove it", target=target)
+
+
+def _write_s3(scored, target: str, endpoint_url: str | None) -> int:
+    """Each partition's rows as one Parquet object under `target`, put by its own task (a
+    retried task puts the same name again), then `_SUCCESS` from the driver; the rows."""
+    import pyarrow as pa  # lazy: pyarrow
+    from pyspark.sql.pandas.types import to_arrow_schema  # lazy: pyspark
+
+    schema = to_arrow_schema(scored.schema)
+    tag = uuid.uuid4().hex[:8]
+
+    def put(batches: Iterator) -> Iterator:
+        import pyarrow.parquet as pq  # lazy: on the executor
+        from pyspark import TaskContext  # lazy: on the executor
+
+        buffer, rows = io.BytesIO(), 0
+        with pq.ParquetWriter(buffer, schema) as writer:
+            for batch in batches:
+                writer.write_table(pa.Table.from_batches([batch]).cast(schema))
+                rows += batch.num_rows
+        name = f"part-{TaskContext.get().partitionId():05d}-{tag}.parquet"
+        open_store(target, endpoint_url).write_bytes(name, buffer.getvalue())
+        yield pa.RecordBatch.from_pylist([{"rows": rows}])
+
+    store = open_store(target, endpoint_url)
+    try:
+        rows = sum(r["rows"] for r in scored.mapInArrow(put, "rows long").collect())
+        store.write_bytes(SUCCESS, json.dumps({"rows": rows}).encode())
+        return rows
+    except BaseException as exc:
+        with contextlib.suppress(Exception):  # what failed says more than a failed clean-up
+            store.delete_prefix("")
+        if isinstance(exc, SparknetError) or not isinstance(exc, Exception):
+            raise
+        raise SparknetError(f"writing {target} failed: {_reason(exc)}") from exc
 
 
 def _reason(exc: BaseException) -> str:

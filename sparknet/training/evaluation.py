@@ -99,6 +99,20 @@ class Evaluation:
             "confusion": self.confusion.tolist(),
         }  # fmt: skip
 
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Evaluation:
+        """An `evaluation.json` read back (`sparknet-submit evaluate` fetches one)."""
+        classes = [
+            ClassInfo(index=c["index"], wnid=c["wnid"], name=c["name"])
+            for c in doc["classes"]
+            if c.get("wnid") is not None
+        ]
+        return cls(
+            doc["run"], doc["data"], doc["split"], doc["samples"], doc["skipped_samples"],
+            doc["loss"], doc["top1"], doc["top5"], np.asarray(doc["confusion"], dtype=np.int64),
+            classes or None,
+        )  # fmt: skip
+
 
 #: the most classes the confusion picture shows (a 1000-class matrix is a grey square)
 PICTURE_CLASSES = 100

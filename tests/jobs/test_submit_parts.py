@@ -733,3 +733,49 @@ def test_the_gpus_of_a_job_are_every_spark_worker_nodes_and_mixed_counts_are_ref
     with pytest.raises(preflight.PreflightFailed, match=r"\(g5.xlarge: 1, m5.xlarge: 0\)"):
         preflight.check_gpu_counts(cpu_master, moto_endpoint)
     preflight.check_gpu_counts(ClusterSpec(name="c1"), moto_endpoint)  # g5.xlarge everywhere
+
+
+def test_a_model_jobs_driver_scores_the_copy_in_its_run_prefix(tmp_path, moto_endpoint, bucket):
+    """`sparknet-submit evaluate|predict`: the node's command reads the model copy and writes
+    into the job's run prefix (or predict's --out); an AWS cluster's nodes write only under
+    its own runs, so an --out elsewhere, on local disk, or already there is refused; the
+    supervisor runs a job.yaml's `command:` (again on a restart) instead of training."""
+    import boto3
+
+    from sparknet.cluster.spec import ClusterSpec
+    from sparknet.errors import SparknetError
+    from sparknet.jobs.model_jobs import ModelTask, check_output
+    from sparknet.jobs.supervisor import Job
+
+    prefix = "s3://b-b/runs/c1/R1/"
+    evaluate = ModelTask("evaluate", "/runs/mine", split="train")
+    assert evaluate.args(prefix, "s3://b-b/data/d", "http://m:1") == [
+        "evaluate", "s3://b-b/runs/c1/R1", "--data", "s3://b-b/data/d", "--split", "train",
+        "--endpoint-url", "http://m:1", "--report", "s3://b-b/runs/c1/R1",
+    ]  # fmt: skip
+    predict = ModelTask("predict", "/runs/mine", top_k=2)
+    assert predict.args(prefix, "s3://b-b/data/d", None) == [
+        "predict", "s3://b-b/runs/c1/R1", "--data", "s3://b-b/data/d", "--out",
+        "parquet:s3://b-b/runs/c1/R1/predictions", "--top-k", "2",
+    ]  # fmt: skip
+    spec = ClusterSpec(name="c1", bucket=bucket)
+    boto3.client("s3", endpoint_url=moto_endpoint).put_object(
+        Bucket=bucket, Key="runs/c1/taken/part-0.parquet", Body=b"x"
+    )
+    for out, why in (
+        ("parquet:/tmp/p", "a cluster writes predictions to S3"),
+        (f"parquet:s3://{bucket}/elsewhere/p", f"may write only under s3://{bucket}/runs/c1/"),
+        (f"parquet:s3://{bucket}/runs/c1/taken", "exists: choose another --out"),
+    ):
+        with pytest.raises(SparknetError, match=why):
+            check_output(ModelTask("predict", "r", moto_endpoint, out=out), spec, bucket)
+    check_output(ModelTask("predict", "r", moto_endpoint, out=f"parquet:s3://{bucket}/runs/c1/p"),
+                 spec, bucket)  # fmt: skip
+
+    (tmp_path / "job.yaml").write_text(
+        TrainConfig(out="s3://b-b/runs/c1/R1").to_yaml() + "command: [evaluate, x, --data, d]\n"
+    )
+    job = Job.read(tmp_path)
+    assert job.train_args(resume=False) == job.train_args(resume=True) == [
+        "evaluate", "x", "--data", "d",
+    ]  # fmt: skip

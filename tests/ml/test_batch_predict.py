@@ -103,3 +103,40 @@ def test_the_cli_says_how_many_rows_it_wrote(digits_run, tmp_path):
     assert done.stdout.strip() == f"{tmp_path / 'p'}: 360 rows"
     assert len(pq.read_table(tmp_path / "p")["top_k"][0]) == 2
     assert [p.name for p in tmp_path.iterdir()] == ["p"]  # no temp dir left beside it
+
+
+def test_an_s3_destination_is_written_by_the_tasks_and_marked_whole(
+    spark, digits_run, moto_endpoint, bucket
+):
+    """pyspark has no S3 filesystem for Hadoop: each task puts its partition's object
+    through boto3 (an executor reaches moto through AWS_ENDPOINT_URL), `_SUCCESS` last; an
+    existing destination and a missing bucket are refused before Spark runs a task."""
+    import boto3
+    import pyarrow as pa
+
+    run, _ = digits_run
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    out = f"s3://{bucket}/pred/p"
+    done = predict(run, "digits", f"parquet:{out}", workers=2, spark=spark,
+                   endpoint_url=moto_endpoint)  # fmt: skip
+    assert done.rows == 360
+    keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"])
+    assert keys[0] == "pred/p/_SUCCESS" and len(keys) == 3, keys  # 2 partitions
+    parts = [
+        pq.read_table(pa.BufferReader(s3.get_object(Bucket=bucket, Key=k)["Body"].read()))
+        for k in keys[1:]
+    ]
+    table = pa.concat_tables(parts).to_pandas().sort_values("index")
+    assert list(table.columns) == ["index", "label", "prediction", "top_k", "probability"]
+    inputs, _labels = digits()[1].tensors
+    with torch.no_grad():
+        want = sparknet.load_model(run)(inputs).argmax(1).tolist()
+    assert table["prediction"].tolist() == want
+    for target, message in (
+        (out, f"{out} exists: choose another --out, or remove it"),
+        ("s3://no-such-bucket-sn/p", "--out: "),
+    ):
+        with pytest.raises(SparknetError) as exc:
+            predict(run, "digits", f"parquet:{target}", spark=spark, endpoint_url=moto_endpoint)
+        assert str(exc.value).startswith(message) and "\n" not in str(exc.value)
+    assert len(s3.list_objects_v2(Bucket=bucket)["Contents"]) == 3
