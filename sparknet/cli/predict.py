@@ -38,6 +38,11 @@ def predict(
         None, help="DataFrame input column [default: image or features, as the model takes]"
     ),
     batch_size: int = typer.Option(64, min=1, help="rows a forward pass takes at once"),
+    replace_unfinished: bool = typer.Option(
+        False,
+        "--replace-unfinished",
+        help="delete what a killed write left at an s3:// --out (no _SUCCESS) and write anew",
+    ),
     workers: int | None = typer.Option(None, min=1, help="Spark cores [default: the run's]"),
     master: str | None = typer.Option(None, help="Spark master [default: local[<cores>,4]]"),
     endpoint_url: str | None = EndpointOption,
@@ -53,7 +58,8 @@ def predict(
         done = run_predict(
             run, data, out, split=split, top_k=top_k, key_cols=key_col or None,
             workers=workers, master=master, endpoint_url=endpoint_url, input_col=input_col,
-            batch_size=batch_size, datasets=datasets, on_status=lambda text: console.print(text),
+            batch_size=batch_size, replace_unfinished=replace_unfinished, datasets=datasets,
+            on_status=lambda text: console.print(text),
         )  # fmt: skip
     bad = f" ({done.skipped} unreadable inputs left out)" if done.skipped else ""
     print(f"{done.out}: {done.rows} rows{bad}")

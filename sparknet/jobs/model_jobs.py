@@ -71,7 +71,9 @@ class ModelTask:
             return ["evaluate", run, *common, "--report", run]
         extra = ["--top-k", str(self.top_k)] if self.top_k is not None else []
         extra += ["--batch-size", str(self.batch_size)] if self.batch_size is not None else []
-        return ["predict", run, *common, "--out", f"parquet:{self.target(prefix)}", *extra]
+        # a restart (the supervisor's, after the driver died) meets its own unfinished write
+        out = ["--out", f"parquet:{self.target(prefix)}", "--replace-unfinished"]
+        return ["predict", run, *common, *out, *extra]
 
 
 def run_settings(task: ModelTask) -> TrainConfig:

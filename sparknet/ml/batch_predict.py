@@ -67,13 +67,16 @@ def predict(
     endpoint_url: str | None = None,
     input_col: str | None = None,
     batch_size: int = 64,
+    replace_unfinished: bool = False,
     spark=None,
     datasets: dict[str, DatasetEntry] | None = None,
     on_status: StatusCallback | None = None,
 ) -> Predicted:
     """Write `out` (`parquet:PATH`, which must not exist) with a row per input of `data`:
     its key columns, `prediction` (the class index), `top_k` (the `top_k` likeliest, default
-    5 or the classes if fewer) and `probability` (an array, one per class)."""
+    5 or the classes if fewer) and `probability` (an array, one per class). With
+    `replace_unfinished`, an `s3://` destination holding only an unfinished write (no
+    `_SUCCESS`: its writer was killed) is deleted first: a restarted job's own leftovers."""
     status = on_status or (lambda _text: None)
     target = _target(out)
     model = SparknetModel.from_run(str(run), endpoint_url)
@@ -93,7 +96,7 @@ def predict(
         check_fit(model.saved, source, data)
     on_s3 = target.startswith("s3://")
     if on_s3:  # before Spark: S3 is asked from here
-        _refuse_existing_s3(target, endpoint_url)
+        _refuse_existing_s3(target, endpoint_url, replace_unfinished)
     with session_for(spark, cfg, status) as spark:
         if not on_s3:
             _refuse_existing(spark, target)
@@ -128,7 +131,11 @@ def predict(
         named = df.select(*(column_of(c) for c in [*keys, column]))
         scored = _rows(model.transform(named), keys)
         status(f"predicting into {target}")
-        rows = _write_s3(scored, target, endpoint_url) if on_s3 else _write(spark, scored, target)
+        if on_s3:
+            with _deleted_unless_whole(target, endpoint_url):
+                rows = _write_s3(scored, target, endpoint_url)
+        else:
+            rows = _write(spark, scored, target)
         dropped = skipped.value if skipped is not None else 0
     return Predicted(target, rows, dropped)
 
@@ -226,14 +233,18 @@ def _write(spark, scored, target: str) -> int:
             fs.delete(tpath, True)
 
 
-def _refuse_existing_s3(target: str, endpoint_url: str | None) -> None:
-    """Nothing under `target` yet, and a probe object can be written there."""
+def _refuse_existing_s3(target: str, endpoint_url: str | None, replace_unfinished: bool) -> None:
+    """Nothing under `target` yet (or, with `replace_unfinished`, only what a write that never
+    finished left, which is deleted), and a probe object can be written there."""
     try:
         store = writable_store(target, endpoint_url)
-        taken = bool(store.walk())
+        there = store.walk()
+        if there and replace_unfinished and SUCCESS not in there:
+            store.delete(there)
+            there = {}
     except SparknetError as exc:
         raise SparknetError("{@out}: {cause:line}", cause=exc) from exc
-    if taken:
+    if there:
         raise SparknetError("{target} exists: choose another {@out}, or remove it", target=target)
 
 
@@ -259,17 +270,39 @@ def _write_s3(scored, target: str, endpoint_url: str | None) -> int:
         open_store(target, endpoint_url).write_bytes(name, buffer.getvalue())
         yield pa.RecordBatch.from_pylist([{"rows": rows}])
 
-    store = open_store(target, endpoint_url)
     try:
         rows = sum(r["rows"] for r in scored.mapInArrow(put, "rows long").collect())
-        store.write_bytes(SUCCESS, json.dumps({"rows": rows}).encode())
-        return rows
-    except BaseException as exc:
+    except SparknetError:
+        raise
+    except Exception as exc:
+        raise SparknetError(f"writing {target} failed: {_reason(exc)}") from exc
+    open_store(target, endpoint_url).write_bytes(SUCCESS, json.dumps({"rows": rows}).encode())
+    return rows
+
+
+@contextlib.contextmanager
+def _deleted_unless_whole(target: str, endpoint_url: str | None) -> Iterator[None]:
+    """What the block wrote under `target` is deleted where it raises (Ctrl-C included): then,
+    and once more after Spark's jobs were cancelled, so a task that was still putting its
+    part when the first delete ran leaves nothing either."""
+    store = open_store(target, endpoint_url)
+    try:
+        yield
+    except BaseException:
         with contextlib.suppress(Exception):  # what failed says more than a failed clean-up
             store.delete_prefix("")
-        if isinstance(exc, SparknetError) or not isinstance(exc, Exception):
-            raise
-        raise SparknetError(f"writing {target} failed: {_reason(exc)}") from exc
+            _cancel_spark_jobs()
+            store.delete_prefix("")
+        raise
+
+
+def _cancel_spark_jobs() -> None:
+    """Cancel what the active Spark session still runs (the tasks of a write that failed)."""
+    from pyspark.sql import SparkSession  # lazy: pyspark
+
+    spark = SparkSession.getActiveSession()
+    if spark is not None:
+        spark.sparkContext.cancelAllJobs()
 
 
 def _reason(exc: BaseException) -> str:

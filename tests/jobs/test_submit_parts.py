@@ -756,7 +756,7 @@ def test_a_model_jobs_driver_scores_the_copy_in_its_run_prefix(tmp_path, moto_en
     predict = ModelTask("predict", "/runs/mine", top_k=2)
     assert predict.args(prefix, "s3://b-b/data/d", None) == [
         "predict", "s3://b-b/runs/c1/R1", "--data", "s3://b-b/data/d", "--out",
-        "parquet:s3://b-b/runs/c1/R1/predictions", "--top-k", "2",
+        "parquet:s3://b-b/runs/c1/R1/predictions", "--replace-unfinished", "--top-k", "2",
     ]  # fmt: skip
     spec = ClusterSpec(name="c1", bucket=bucket)
     boto3.client("s3", endpoint_url=moto_endpoint).put_object(

@@ -140,3 +140,16 @@ def test_an_s3_destination_is_written_by_the_tasks_and_marked_whole(
             predict(run, "digits", f"parquet:{target}", spark=spark, endpoint_url=moto_endpoint)
         assert str(exc.value).startswith(message) and "\n" not in str(exc.value)
     assert len(s3.list_objects_v2(Bucket=bucket)["Contents"]) == 3
+    # a write killed before its _SUCCESS: refused, unless told to replace it
+    s3.delete_object(Bucket=bucket, Key="pred/p/_SUCCESS")
+    with pytest.raises(SparknetError, match="exists: choose another --out"):
+        predict(run, "digits", f"parquet:{out}", spark=spark, endpoint_url=moto_endpoint)
+    again = predict(run, "digits", f"parquet:{out}", spark=spark, endpoint_url=moto_endpoint,
+                    replace_unfinished=True)  # fmt: skip
+    first = set(keys[1:])
+    keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"])
+    assert again.rows == 360 and keys[0] == "pred/p/_SUCCESS" and not first & set(keys), keys
+    # a whole one is never replaced
+    with pytest.raises(SparknetError, match="exists: choose another --out"):
+        predict(run, "digits", f"parquet:{out}", spark=spark, endpoint_url=moto_endpoint,
+                replace_unfinished=True)  # fmt: skip
