@@ -72,6 +72,9 @@ class Tracker:
         self.uri, self.store, self.run_text, self.warn = uri, store, run_text, warn
         self.client: Any = None
         self.run_id: str | None = None
+        #: the MLflow run given up on when MLflow failed mid-run, and what failed: at the end
+        #: it is marked FAILED if the server answers again (not left RUNNING for ever)
+        self.lost: tuple[str, str] | None = None
 
     @classmethod
     def start(cls, cfg: TrainConfig, store: Store, run_text: str, warn: Warn) -> Tracker:
@@ -148,6 +151,7 @@ class Tracker:
         """The run dir's files and the model, then the run marked finished."""
         if self.active:
             self._call("log the run dir and the model", lambda: self._finish(saved))
+        self._end_lost()
 
     def _finish(self, saved: SavedModel) -> None:
         import mlflow  # lazy: an optional extra
@@ -180,18 +184,38 @@ class Tracker:
         if self.active:
             status = "KILLED" if interrupted else "FAILED"
             self._call("end the run", lambda: self.client.set_terminated(self.run_id, status))
+        self._end_lost()
+
+    def _end_lost(self) -> None:
+        """The MLflow run given up on mid-run, marked FAILED with a tag saying why, where the
+        server answers now; silently not where it still does not (the warning was said)."""
+        if self.lost is None or self.client is None:
+            return
+        run_id, why = self.lost
+        self.lost = None
+        note = f"{why}; every metric is in {self.run_text.rstrip('/')}/metrics.jsonl"
+        with contextlib.suppress(Exception), _http_settings():
+            self.client.set_tag(run_id, "sparknet.tracking", note)
+            self.client.set_terminated(run_id, status="FAILED")
 
     def _call(self, what: str, call: Callable[[], None]) -> None:
         try:
-            # MLflow reads its HTTP settings from the environment as it asks; the user's win
-            with variables({k: os.environ.get(k) or v for k, v in _HTTP.items()}):
+            with _http_settings():
                 call()
         except Exception as exc:  # MLflow raises many kinds; none may stop the training
+            if self.run_id is not None:
+                self.lost = (self.run_id, f"MLflow failed to {what}: {first_line(exc)}")
             self.run_id = None
             self.warn(
                 f"MLflow at {self.uri} failed to {what} ({first_line(exc)}); the run goes on "
                 "without it, its metrics in the run dir"
             )
+
+
+def _http_settings() -> contextlib.AbstractContextManager[None]:
+    """`_HTTP` in the environment for a call: MLflow reads its HTTP settings from there as it
+    asks; the user's own win."""
+    return variables({k: os.environ.get(k) or v for k, v in _HTTP.items()})
 
 
 def _params(cfg: TrainConfig) -> dict[str, str]:

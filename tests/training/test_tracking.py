@@ -162,3 +162,39 @@ def test_the_setting_without_mlflow_installed_is_one_line_before_spark(tmp_path)
         "leave it out)\n"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_given_up_on_mid_run_is_marked_failed_at_the_end_not_left_running(
+    tmp_path, monkeypatch
+):
+    """MLflow failing at a round (stood in for by the client's own call raising once: a real
+    server cannot be stopped at a given round here) is one warning; the run's later rounds
+    are not logged, and at the end, the server answering again, its MLflow run is FAILED with
+    a tag naming why, not RUNNING for ever."""
+    from sparknet.data.store import LocalStore
+    from sparknet.training.tracking import Tracker
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    warned: list[str] = []
+    (tmp_path / "run").mkdir()
+    cfg = TrainConfig(rounds=3, out=tmp_path / "run", mlflow=uri, **SMALL)
+    tracker = Tracker.start(cfg, LocalStore(tmp_path / "run"), str(tmp_path / "run"),
+                            warned.append)  # fmt: skip
+    run_id = tracker.run_id
+    tracker.round({"round": 1, "loss": 1.0})
+    real = tracker.client.log_batch
+    monkeypatch.setattr(tracker.client, "log_batch", lambda *a, **k: (_ for _ in ()).throw(
+        ConnectionError("connection refused")))  # fmt: skip
+    tracker.round({"round": 2, "loss": 0.5})
+    monkeypatch.setattr(tracker.client, "log_batch", real)
+    tracker.round({"round": 3, "loss": 0.25})
+    tracker.stop(interrupted=False)
+    assert len(warned) == 1 and "failed to log a round (connection refused)" in warned[0]
+    client = mlflow.tracking.MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["sparknet.tracking"].startswith(
+        "MLflow failed to log a round: connection refused; every metric is in "
+    )
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1]
