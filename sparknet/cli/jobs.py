@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sparknet.cli import train as train_command
 from sparknet.cli.cluster.options import cluster_spec
 from sparknet.cli.common import Caught, console, fail, interrupts, results
+from sparknet.cli.evaluate import summary as evaluation_table
 from sparknet.errors import SparknetError
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
@@ -117,14 +118,13 @@ def attach(
     its cost and what ends it. Ctrl-C or SIGTERM only detach: the job goes on (exit 130 /
     143)."""
     from sparknet.cluster import provider, repair  # lazy: boto3, fabric
-    from sparknet.jobs import records  # lazy: boto3, fabric
+    from sparknet.jobs import model_jobs, records  # lazy: boto3, fabric
     from sparknet.jobs.driver_control import LOG, job_dir  # lazy: boto3, fabric
     from sparknet.jobs.follow import (  # lazy: boto3, fabric
         DriverStatus,
         fetch_results,
         follow,
         last_error,
-        summary_lines,
         ticks,
     )
     from sparknet.jobs.submit import JobFailed  # lazy: boto3, fabric
@@ -187,11 +187,48 @@ def attach(
         log = f"{job_dir(node, run_id)}/{LOG}"
         still_up()
         fail(JobFailed(f"job {run_id} failed: {why} (log: {log} on the master)"), debug, 1)
-    for line in summary_lines(run_id, rec.prefix, outcome.rows, ended - rec.started, cost):
+    if rec.kind == "evaluate":
+        fetched += model_jobs.fetch_report(rec.prefix, rec.s3_endpoint_url, Path("runs") / run_id)
+    lines = finished_lines(
+        rec.kind, rec.output, run_id, rec.prefix, rec.s3_endpoint_url, outcome.rows,
+        ended - rec.started, cost, fetched,
+    )  # fmt: skip
+    for line in lines:
         results.print(line, markup=False, highlight=False, soft_wrap=True)
     for path in fetched:
         results.print(f"fetched {path}", markup=False, highlight=False, soft_wrap=True)
     still_up()
+
+
+def finished_lines(
+    kind: str,
+    output: str | None,
+    run_id: str,
+    prefix: str,
+    endpoint_url: str | None,
+    rows: list[dict[str, Any]],
+    wall_s: float,
+    cost: float | None,
+    fetched: list[Path],
+) -> list[Any]:
+    """What a job that ended well prints (a submit attached to it, or `attach`): training's
+    summary lines (`summary_lines`); a model's job's run id and prefix, then `sparknet
+    evaluate`'s table of the fetched report, or where predict wrote (`output`) how many rows."""
+    from sparknet.jobs import model_jobs  # lazy: boto3, fabric
+    from sparknet.jobs.follow import summary_lines  # lazy: boto3, fabric
+
+    if kind == "train":
+        return summary_lines(run_id, prefix, rows, wall_s, cost)
+    head = [f"run id: {run_id}", f"run prefix: {prefix}"]
+    if kind == "predict" and output is not None:
+        count = model_jobs.predicted_rows(output, endpoint_url)
+        rows_text = "unknown" if count is None else str(count)
+        return [*head, f"predictions: parquet:{output}", f"rows: {rows_text}"]
+    report = next((p for p in fetched if p.name == "evaluation.json"), None)
+    if report is None:
+        return [*head, "evaluation.json: not found in the run prefix"]
+    evaluation = model_jobs.read_evaluation(report)
+    return [*head, evaluation_table(evaluation, prefix.rstrip("/"), [p.name for p in fetched])]
 
 
 def _ended_outcome(conn, found, run_id: str, state: str):
@@ -206,7 +243,8 @@ def _ended_outcome(conn, found, run_id: str, state: str):
     rc = driver_rc(conn, node, run_id)
     rows = read_metrics(open_store(rec.prefix, rec.s3_endpoint_url))
     done = max((row["round"] for row in rows), default=0)
-    say(f"job {run_id} already ended ({state}) after round {done} of {rec.rounds}")
+    rounds = f" after round {done} of {rec.rounds}" if rec.kind == "train" else ""
+    say(f"job {run_id} already ended ({state}){rounds}")
     return Outcome(rc, rows, driver_log(conn, node, run_id) if rc else "")
 
 

@@ -33,7 +33,6 @@ from sparknet.cli.common import (
     interrupts,
     results,
 )
-from sparknet.cli.evaluate import summary as evaluation_table
 from sparknet.cli.jobs import Report, say
 from sparknet.cli.settings import ConfOption, SetOption, with_settings
 from sparknet.config import find_config_file, load_datasets, load_train_config
@@ -296,26 +295,14 @@ def _run_job(
 
 
 def _summary(job, result) -> list[Any]:
-    """What a finished job prints: training's lines (`summary_lines`); a model's job's run id
-    and prefix, then evaluate's table (`sparknet evaluate`'s) or where predict wrote how many
-    rows."""
-    from sparknet.jobs import model_jobs  # lazy: boto3, fabric
-    from sparknet.jobs.follow import summary_lines  # lazy: boto3, fabric
-
-    if job.task is None:
-        return summary_lines(
-            result.run_id, result.prefix, result.outcome.rows, result.wall_s, result.cost
-        )
-    head = [f"run id: {result.run_id}", f"run prefix: {result.prefix}"]
-    if job.task.command == "predict":
-        target = job.task.target(result.prefix)
-        rows = model_jobs.predicted_rows(target, job.dataset.endpoint_url)
-        count = "unknown" if rows is None else str(rows)
-        return [*head, f"predictions: parquet:{target}", f"rows: {count}"]
-    report = next(p for p in result.fetched if p.name == "evaluation.json")
-    evaluation = model_jobs.read_evaluation(report)
-    where = result.prefix.rstrip("/")
-    return [*head, evaluation_table(evaluation, where, [p.name for p in result.fetched])]
+    """What a finished job prints (`jobs.finished_lines`, as `attach` prints it)."""
+    task = job.task
+    return jobs.finished_lines(
+        "train" if task is None else task.command,
+        task.target(result.prefix) if task is not None and task.command == "predict" else None,
+        result.run_id, result.prefix, job.dataset.endpoint_url, result.outcome.rows,
+        result.wall_s, result.cost, result.fetched,
+    )  # fmt: skip
 
 
 def _second_signal_note(job) -> str:

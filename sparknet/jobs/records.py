@@ -83,6 +83,10 @@ class JobRecord:
     #: the submit made the cluster (no --cluster): `attach` says at the end that it is still
     #: up, and what ends it (a record of an older sparknet, or found on a master: False)
     made: bool = False
+    #: what the job does: train, or a model's evaluate or predict (`model_jobs`)
+    kind: str = "train"
+    #: where a predict job writes its rows (an s3:// prefix)
+    output: str | None = None
 
     def started_text(self) -> str:
         return datetime.fromtimestamp(self.started, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
@@ -134,6 +138,9 @@ def record_of(
         run_id, job.spec.name, job.spec.region, prefix, driver_control.job_dir(master.node, run_id),
         time.time(), cfg.rounds if job.task is None else 0, job.endpoint_url,
         job.dataset.endpoint_url, not job.reused,
+        "train" if job.task is None else job.task.command,
+        job.task.target(prefix) if job.task is not None and job.task.command == "predict"
+        else None,
     )  # fmt: skip
 
 
@@ -218,17 +225,27 @@ def _record_from_master(
     if not text.strip():
         raise UnknownRun(f"no job {run_id} on cluster {spec.name}'s master")
     try:
-        settings: dict[str, Any] = (yaml.safe_load(text) or {})["train"]
+        doc = yaml.safe_load(text) or {}
+        settings: dict[str, Any] = doc["train"]
         out = str(settings["out"])
+        command = [str(a) for a in doc.get("command") or ["train"]]
     except (yaml.YAMLError, KeyError, TypeError) as exc:
         raise UnknownRun(
             f"job {run_id} on cluster {spec.name}: its {jd}/job.yaml does not read"
         ) from exc
     return JobRecord(
         run_id, spec.name, spec.region, out.rstrip("/") + "/", jd,
-        float(started.strip() or time.time()), int(settings.get("rounds") or 0), endpoint_url,
-        settings.get("endpoint_url"),
+        float(started.strip() or time.time()),
+        int(settings.get("rounds") or 0) if command[0] == "train" else 0, endpoint_url,
+        settings.get("endpoint_url"), False, command[0], _predict_output(command),
     )  # fmt: skip
+
+
+def _predict_output(command: list[str]) -> str | None:
+    """Where a predict job's command writes (its `--out parquet:PATH`), else None."""
+    if command[0] != "predict" or "--out" not in command[:-1]:
+        return None
+    return command[command.index("--out") + 1].removeprefix("parquet:")
 
 
 # --- the job on its master -----------------------------------------------------------------------

@@ -90,12 +90,17 @@ def test_a_local_run_is_evaluated_and_predicts_on_a_static_cluster(
     assert sorted(daemon_pids(tmp_path, ADDRESSES)) == ["master/master", "master/worker",
                                                        "worker-1/worker"]  # fmt: skip
 
-    # predict on the kept cluster: a row per val sample, into the job's run prefix
-    done = submit("predict", str(run), "--s3", "tiny", "--cluster", name, "--top-k", "2",
-                  cwd=tmp_path)  # fmt: skip
+    # predict on the kept cluster, detached, then attached to: a row per val sample, into the
+    # job's run prefix
+    detached = submit("predict", str(run), "--s3", "tiny", "--cluster", name, "--top-k", "2",
+                      "--detach", cwd=tmp_path)  # fmt: skip
+    assert detached.returncode == 0, detached.stderr[-3000:]
+    run_id = dict(ln.split(": ", 1) for ln in detached.stdout.splitlines())["run id"]
+    done = submit("attach", run_id, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     out = dict(ln.split(": ", 1) for ln in done.stdout.splitlines() if ": " in ln)
-    target = f"s3://{bucket}/runs/{name}/{out['run id']}/predictions"
+    assert out["run id"] == run_id
+    target = f"s3://{bucket}/runs/{name}/{run_id}/predictions"
     assert (out["predictions"], out["rows"]) == (f"parquet:{target}", str(want["samples"]))
     listed = s3.list_objects_v2(Bucket=bucket, Prefix=target.split("/", 3)[3] + "/")["Contents"]
     parts = [
@@ -107,4 +112,4 @@ def test_a_local_run_is_evaluated_and_predicts_on_a_static_cluster(
     assert len(table) == want["samples"] and len(table["top_k"][0]) == 2
     right = sum(int(row.prediction == row.label) for row in table.itertuples())
     assert right / len(table) == want["top1"]
-    assert f"cluster {name} stays up" in done.stderr
+    assert f"cluster {name} stays up" in detached.stderr
