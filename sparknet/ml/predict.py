@@ -201,7 +201,9 @@ class Predictor:
         x = self.inputs(values).to(self.device)
         try:
             logits = self.model(x).float()
-        except torch.OutOfMemoryError as exc:
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not _out_of_memory(exc):
+                raise
             raise SparknetError(
                 f"a batch of {len(x)} does not fit in the memory of {self.device}: set batchSize "
                 "lower"
@@ -214,3 +216,9 @@ class Predictor:
         if self.top_k:
             out[TOP_K] = logits.topk(self.top_k, dim=1).indices.int().cpu().numpy()
         return out
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """A GPU's out-of-memory error, or the CPU allocator's (a plain RuntimeError: "can't
+    allocate memory")."""
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)

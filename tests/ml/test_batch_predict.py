@@ -153,3 +153,34 @@ def test_an_s3_destination_is_written_by_the_tasks_and_marked_whole(
     with pytest.raises(SparknetError, match="exists: choose another --out"):
         predict(run, "digits", f"parquet:{out}", spark=spark, endpoint_url=moto_endpoint,
                 replace_unfinished=True)  # fmt: skip
+
+
+#: a process whose memory runs out in the model's forward pass, as an executor's does: the
+#: batch is made first, then the address space capped just above what the process holds
+_OUT_OF_MEMORY = """
+import resource, sys
+import numpy as np
+from sparknet.ml.predict import ColumnInput, Predictor
+from sparknet.training.saved_model import SavedModel
+predictor = Predictor(SavedModel.read(sys.argv[1]), ColumnInput("features", False, 64), 0, "cpu")
+batch = np.zeros((400_000, 64), dtype=np.float32)
+held = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (held + 64 * 2**20, resource.RLIM_INFINITY))
+try:
+    predictor(batch)
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_a_batch_that_does_not_fit_in_memory_is_one_line_naming_batch_size(digits_run):
+    """The CPU's allocator fails as a plain RuntimeError, a GPU's as torch.OutOfMemoryError:
+    either is the one line that says to lower batchSize (the GPU's is not run here: no GPU)."""
+    run, _ = digits_run
+    done = subprocess.run(
+        [str(SPARKNET.with_name("python")), "-c", _OUT_OF_MEMORY, str(run)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.stdout.strip() == (
+        "SparknetError a batch of 400000 does not fit in the memory of cpu: set batchSize lower"
+    ), done.stdout + done.stderr[-2000:]
