@@ -11,6 +11,7 @@ from sparknet.cli import train as train_command
 from sparknet.cli.ami import ami_app
 from sparknet.cli.bench import bench_app
 from sparknet.cli.cluster import cluster_app
+from sparknet.cli.common import short_help
 from sparknet.cli.data import data_app
 from sparknet.cli.evaluate import evaluate
 from sparknet.cli.export import export
@@ -33,10 +34,13 @@ def _root() -> None:
 
 
 # the module keeps its name: a function imported as `train` would shadow the submodule
-app.command(name="train")(train_command.train)
-app.command(name="evaluate")(evaluate)
-app.command(name="predict")(predict)
-app.command(name="export")(export)
+for _name, _command in (
+    ("train", train_command.train),
+    ("evaluate", evaluate),
+    ("predict", predict),
+    ("export", export),
+):
+    app.command(name=_name, short_help=short_help(_command))(_command)
 app.add_typer(data_app, name="data")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(ami_app, name="ami")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,3 +163,11 @@ def spark_command(debug: bool, interrupted: str) -> Iterator[None]:
         if isinstance(exc, SparknetError):
             fail(exc, debug)
         raise
+
+
+def short_help(command: Callable[..., Any]) -> str:
+    """A command's line in its group's list: its docstring up to the first colon or full stop,
+    on one line (typer shows the docstring's first paragraph with its line breaks, which cut
+    it mid-sentence)."""
+    text = " ".join((command.__doc__ or "").split())
+    return re.split(r"[:.](?:\s|$)", text, maxsplit=1)[0]

@@ -28,18 +28,18 @@ def evaluate(
         help="a shard dataset (dir, s3:// or a name from datasets:), digits, "
         "package.module:factory, parquet:PATH or table:NAME",
     ),
-    split: str | None = typer.Option(None, help="the shard dataset's split to read [default: val]"),
+    split: str | None = typer.Option(None, help="the shard dataset's split to read (default: val)"),
     workers: int | None = typer.Option(
-        None, min=1, help="Spark partitions [default: the run's; its own final evaluation's]"
+        None, min=1, help="Spark partitions (default: the run's; its own final evaluation's)"
     ),
-    master: str | None = typer.Option(None, help="Spark master [default: local[<cores>,4]]"),
-    device: str | None = typer.Option(None, help="auto, cpu or cuda [default: the run's]"),
-    label_col: str | None = typer.Option(None, help="DataFrame label column [default: the run's]"),
-    input_col: str | None = typer.Option(None, help="DataFrame input column [default: the run's]"),
+    master: str | None = typer.Option(None, help="Spark master (default: local[<cores>,4])"),
+    device: str | None = typer.Option(None, help="auto, cpu or cuda (default: the run's)"),
+    label_col: str | None = typer.Option(None, help="DataFrame label column (default: the run's)"),
+    input_col: str | None = typer.Option(None, help="DataFrame input column (default: the run's)"),
     report: str | None = typer.Option(
         None,
         help="where evaluation.json and confusion.png go (local or s3://) "
-        "[default: RUN/evaluations/<data>]",
+        "(default: RUN/evaluations/<data>)",
     ),
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,

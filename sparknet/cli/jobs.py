@@ -228,7 +228,8 @@ def finished_lines(
     if report is None:
         return [*head, "evaluation.json: not found in the run prefix"]
     evaluation = model_jobs.read_evaluation(report)
-    return [*head, evaluation_table(evaluation, prefix.rstrip("/"), [p.name for p in fetched])]
+    written = [p.name for p in fetched if p.name in model_jobs.REPORT]
+    return [*head, evaluation_table(evaluation, prefix.rstrip("/"), written)]
 
 
 def _ended_outcome(conn, found, run_id: str, state: str):
@@ -322,7 +323,8 @@ def list_jobs(
     debug: bool = JobsDebugOption,
 ) -> None:
     """The jobs this machine started or attached to, one per line: run id, cluster, state
-    (running, succeeded, failed RC, cancelled, or `cluster gone`), started (UTC)."""
+    (running, succeeded, failed RC, cancelled, or `cluster gone`), started (UTC), and what it
+    does (train, evaluate, predict)."""
     from sparknet.jobs import records  # lazy: boto3, fabric
 
     try:
@@ -331,4 +333,4 @@ def list_jobs(
         fail(exc, debug, 1)
     for item in listed:
         rec = item.record
-        print(f"{rec.run_id}\t{rec.cluster}\t{item.state}\t{rec.started_text()}")
+        print(f"{rec.run_id}\t{rec.cluster}\t{item.state}\t{rec.started_text()}\t{rec.kind}")

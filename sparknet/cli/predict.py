@@ -26,25 +26,32 @@ def predict(
     out: str = typer.Option(
         ..., help="parquet:PATH (a dir or s3://bucket/prefix), which must not exist"
     ),
-    split: str | None = typer.Option(None, help="the shard dataset's split [default: val]"),
+    split: str | None = typer.Option(None, help="the shard dataset's split (default: val)"),
     top_k: int | None = typer.Option(
-        None, min=1, help="likeliest classes a row lists [default: 5, or the classes if fewer]"
+        None, min=1, help="likeliest classes a row lists (default: 5, or the classes if fewer)"
     ),
     key_col: list[str] | None = typer.Option(
         None,
-        help="a DataFrame column to keep with each row (repeat it) [default: all but the input]",
+        help="a DataFrame column to keep with each row (repeat it) (default: all but the input)",
     ),
     input_col: str | None = typer.Option(
-        None, help="DataFrame input column [default: image or features, as the model takes]"
+        None, help="DataFrame input column (default: image or features, as the model takes)"
     ),
     batch_size: int = typer.Option(64, min=1, help="rows a forward pass takes at once"),
     replace_unfinished: bool = typer.Option(
         False,
         "--replace-unfinished",
-        help="delete what a killed write left at an s3:// --out (no _SUCCESS) and write anew",
+        help="delete what a killed write left at an s3:// --out (its parts, no _SUCCESS) and "
+        "write anew; anything else there is still refused",
     ),
-    workers: int | None = typer.Option(None, min=1, help="Spark cores [default: the run's]"),
-    master: str | None = typer.Option(None, help="Spark master [default: local[<cores>,4]]"),
+    write_id: str | None = typer.Option(
+        None,
+        hidden=True,
+        help="names this write's parts; with --replace-unfinished only this id's are deleted "
+        "(a submitted job passes its run id, so its restart replaces its own write alone)",
+    ),
+    workers: int | None = typer.Option(None, min=1, help="Spark cores (default: the run's)"),
+    master: str | None = typer.Option(None, help="Spark master (default: local[<cores>,4])"),
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
@@ -58,7 +65,8 @@ def predict(
         done = run_predict(
             run, data, out, split=split, top_k=top_k, key_cols=key_col or None,
             workers=workers, master=master, endpoint_url=endpoint_url, input_col=input_col,
-            batch_size=batch_size, replace_unfinished=replace_unfinished, datasets=datasets,
+            batch_size=batch_size, replace_unfinished=replace_unfinished, write_id=write_id,
+            datasets=datasets,
             on_status=lambda text: console.print(text),
         )  # fmt: skip
     bad = f" ({done.skipped} unreadable inputs left out)" if done.skipped else ""

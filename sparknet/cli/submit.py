@@ -32,6 +32,7 @@ from sparknet.cli.common import (
     fail,
     interrupts,
     results,
+    short_help,
 )
 from sparknet.cli.jobs import Report, say
 from sparknet.cli.settings import ConfOption, SetOption, with_settings
@@ -91,8 +92,8 @@ def _job_options(
         2,
         "--max-restarts",
         min=0,
-        help="restarts of a driver that dies (killed, crashed) from the run's last checkpoint; "
-        "0: never",
+        help="restarts of a driver that dies (killed, crashed): training's from the run's last "
+        "checkpoint, evaluate's and predict's from the start; 0: never",
     ),
     endpoint_url: str | None = typer.Option(None, help="AWS endpoint (moto) for EC2 and S3"),
     config: Path | None = typer.Option(
@@ -144,6 +145,7 @@ def submit(
     cluster down (unless --keep, --detach or --cluster) after success, failure, Ctrl-C or
     SIGTERM. --detach returns once the job runs; the cluster's autostop timer ends it after."""
     if ctx.invoked_subcommand is not None:
+        _refuse_options_before(ctx, debug)
         return
     job = {k: training.pop(k) for k in JOB_OPTIONS}
     _run_job(
@@ -162,7 +164,7 @@ def evaluate(
         help="a finished run: its run id (`sparknet-submit list`), or its run dir (local or "
         "s3://bucket/prefix)",
     ),
-    split: str | None = typer.Option(None, help="the dataset's split to read [default: val]"),
+    split: str | None = typer.Option(None, help="the dataset's split to read (default: val)"),
     debug: bool = DebugOption,
     **job: Any,
 ) -> None:
@@ -171,8 +173,8 @@ def evaluate(
     The cluster is made and taken down as for training (or reuse one with --cluster)."""
     from sparknet.jobs.model_jobs import ModelTask  # lazy: boto3
 
-    _run_job(job, debug, run=run, task=lambda where, endpoint: ModelTask(
-        "evaluate", where, endpoint, split=split
+    _run_job(job, debug, run=run, command="evaluate", task=lambda where, endpoint, job_id: (
+        ModelTask("evaluate", where, endpoint, split=split, job=job_id)
     ))  # fmt: skip
 
 
@@ -187,14 +189,14 @@ def predict(
     out: str | None = typer.Option(
         None,
         help="parquet:s3://bucket/prefix, which must not exist, under the cluster's own runs "
-        "where sparknet made its nodes [default: the job's run prefix's predictions/]",
+        "where sparknet made its nodes (default: the job's run prefix's predictions/)",
     ),
-    split: str | None = typer.Option(None, help="the dataset's split to read [default: val]"),
+    split: str | None = typer.Option(None, help="the dataset's split to read (default: val)"),
     top_k: int | None = typer.Option(
-        None, min=1, help="likeliest classes a row lists [default: 5, or the classes if fewer]"
+        None, min=1, help="likeliest classes a row lists (default: 5, or the classes if fewer)"
     ),
     batch_size: int | None = typer.Option(
-        None, min=1, help="rows a forward pass takes at once [default: 64]"
+        None, min=1, help="rows a forward pass takes at once (default: 64)"
     ),
     debug: bool = DebugOption,
     **job: Any,
@@ -203,9 +205,31 @@ def predict(
     dataset's split (its key, label, prediction, top-k, probabilities), written to S3."""
     from sparknet.jobs.model_jobs import ModelTask  # lazy: boto3
 
-    _run_job(job, debug, run=run, task=lambda where, endpoint: ModelTask(
-        "predict", where, endpoint, split=split, out=out, top_k=top_k, batch_size=batch_size
+    _run_job(job, debug, run=run, command="predict", task=lambda where, endpoint, job_id: (
+        ModelTask("predict", where, endpoint, split=split, out=out, top_k=top_k,
+                  batch_size=batch_size, job=job_id)
     ))  # fmt: skip
+
+
+def _refuse_options_before(ctx: typer.Context, debug: bool) -> None:
+    """An option given before a command (`sparknet-submit --s3 D evaluate RUN`) is the group's,
+    a training job's, which the command would never see: refused in one line (exit 2) that
+    says where it goes, rather than dropped."""
+    command = ctx.invoked_subcommand
+    for param in ctx.command.params:
+        if param.name in (None, "debug"):
+            continue
+        source = ctx.get_parameter_source(param.name)  # typer's own click's enum: by name
+        if source is None or source.name != "COMMANDLINE":
+            continue
+        flag = param.opts[0]
+        if command in ("evaluate", "predict") and param.name in JOB_OPTIONS:
+            where = f"goes after the command: `sparknet-submit {command} RUN {flag} ...`"
+        elif command in ("evaluate", "predict"):
+            where = f"is a training option; `sparknet-submit {command}` scores the run's model"
+        else:
+            where = f"is for a new job; `sparknet-submit {command}` takes its options after it"
+        fail(SparknetError(f"{flag} {where}"), debug, 2)
 
 
 def _run_job(
@@ -214,12 +238,13 @@ def _run_job(
     *,
     settings: Callable[[Path | None], Any] | None = None,
     run: str | None = None,
-    task: Callable[[str, str | None], Any] | None = None,
+    task: Callable[[str, str | None, str | None], Any] | None = None,
+    command: str | None = None,
 ) -> None:
     """One job, end to end, as the flow (`sparknet.jobs.submit`) runs it: training on the
     `settings` read from the file at the path given, or the model's job `task` makes of `run`
-    (where it is, its S3 endpoint); exits as design.md says (2: refused before anything was
-    launched)."""
+    (where it is, its S3 endpoint, the run id it was given as); exits as design.md says (2:
+    refused before anything was launched)."""
     from sparknet.cluster import repair  # lazy: boto3, fabric
     from sparknet.cluster.registry import LockUnavailable  # lazy: boto3
     from sparknet.jobs import model_jobs, preflight, records  # lazy: boto3, fabric
@@ -232,7 +257,7 @@ def _run_job(
     started = False  # an error before the flow starts is in the command or settings: exit 2
     ending = flow.ClusterOutcome()  # a signal during the checks below: "nothing was launched"
     try:
-        preflight.check_request(o.s3, o.cluster, o.name, o.keep, o.autostop)
+        preflight.check_request(o.s3, o.cluster, o.name, o.keep, o.autostop, command)
         path = find_config_file(o.config)
         dataset = resolve_dataset(o.s3, load_datasets(path), o.endpoint_url)
         model_task = None
@@ -369,4 +394,4 @@ for _name, _command in (
     ("cancel", jobs.cancel),
     ("list", jobs.list_jobs),
 ):
-    submit_app.command(_name)(_command)
+    submit_app.command(_name, short_help=short_help(_command))(_command)

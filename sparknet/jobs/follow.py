@@ -264,10 +264,10 @@ def fetch_results(
     """The run's files `names` that are there (curves.png and metrics.jsonl) into `dest`
     (runs/RUN/ locally)."""
     store = open_store(prefix, endpoint_url)
-    dest.mkdir(parents=True, exist_ok=True)
     got = []
     for name in names:
         if store.size(name) is not None:
+            dest.mkdir(parents=True, exist_ok=True)  # not for a job that wrote nothing
             store.fetch(name, dest / name)
             got.append(dest / name)
     return got

@@ -54,6 +54,9 @@ class ModelTask:
     out: str | None = None
     top_k: int | None = None
     batch_size: int | None = None
+    #: the run id of a training job RUN was given as (`records.run_dir_of`), for what to say
+    #: where it has no model yet
+    job: str | None = None
 
     def target(self, prefix: str) -> str:
         """Where predict writes: `--out`'s path, or `PREFIX/predictions`."""
@@ -71,8 +74,11 @@ class ModelTask:
             return ["evaluate", run, *common, "--report", run]
         extra = ["--top-k", str(self.top_k)] if self.top_k is not None else []
         extra += ["--batch-size", str(self.batch_size)] if self.batch_size is not None else []
-        # a restart (the supervisor's, after the driver died) meets its own unfinished write
+        # a restart (the supervisor's, after the driver died) meets its own unfinished write,
+        # its parts named by the job's run id; another write's parts are never replaced
+        job_id = run.rsplit("/", 1)[-1]
         out = ["--out", f"parquet:{self.target(prefix)}", "--replace-unfinished"]
+        out += ["--write-id", job_id]
         return ["predict", run, *common, *out, *extra]
 
 
@@ -96,9 +102,24 @@ def check_model(task: ModelTask, source: Source, data: str) -> None:
     from sparknet.training.rundir import MODEL_FILE  # lazy: torch
     from sparknet.training.saved_model import SavedModel, read_info  # lazy: torch
 
-    info = read_info(task.run, task.endpoint_url)
-    if open_store(task.run, task.endpoint_url).size(MODEL_FILE) is None:
-        SavedModel.read(task.run, task.endpoint_url)  # its line: the run has not finished
+    try:
+        info = read_info(task.run, task.endpoint_url)
+        if open_store(task.run, task.endpoint_url).size(MODEL_FILE) is None:
+            SavedModel.read(task.run, task.endpoint_url)  # its line: the run has not finished
+    except SparknetError as exc:
+        if task.job is None:
+            raise
+        raise SparknetError(
+            "job {job} has no final model in {run} yet: it still runs, or it failed or was "
+            "cancelled; `sparknet-submit list` says which, `sparknet-submit attach {job}` "
+            "follows it to its end",
+            job=task.job, run=task.run,
+        ) from exc  # fmt: skip
+    if task.top_k is not None and task.top_k > info.num_classes:
+        raise SparknetError(
+            "{@top_k=k}: the model has {classes} classes; pass 1 to {classes}",
+            k=task.top_k, classes=info.num_classes,
+        )  # fmt: skip
     chosen = with_split(source, data, task.split)
     assert chosen is not None
     check_fit(SavedModel(info, b"", task.run), chosen, data)
@@ -139,12 +160,16 @@ def stage(task: ModelTask, prefix: str, endpoint_url: str | None) -> None:
     store.write_bytes(MODEL_INFO, source.read_bytes(MODEL_INFO))
 
 
+#: an evaluate job's report (`training.evaluation`'s EVALUATION_JSON and CONFUSION_PNG, named
+#: here without importing torch), which the submitter fetches
+REPORT = ("evaluation.json", "confusion.png")
+
+
 def fetch_report(prefix: str, endpoint_url: str | None, dest: Path) -> list[Path]:
     """evaluation.json and confusion.png of an evaluate job into `dest` (runs/RUN/)."""
     from sparknet.jobs.follow import fetch_results  # lazy: fabric
-    from sparknet.training.evaluation import CONFUSION_PNG, EVALUATION_JSON  # lazy: torch
 
-    return fetch_results(prefix, endpoint_url, dest, (EVALUATION_JSON, CONFUSION_PNG))
+    return fetch_results(prefix, endpoint_url, dest, REPORT)
 
 
 def read_evaluation(path: Path) -> Evaluation:

@@ -202,13 +202,25 @@ def check_data_region(job: Job) -> None:
 
 
 def check_request(
-    s3: str | None, cluster: str | None, name: str | None, keep: bool, autostop: int | None
+    s3: str | None,
+    cluster: str | None,
+    name: str | None,
+    keep: bool,
+    autostop: int | None,
+    command: str | None = None,
 ) -> None:
-    """The combinations of a submit's options that cannot work together."""
+    """The combinations of a submit's options that cannot work together; `command`: the
+    model's job (evaluate, predict) they are given to, None for training."""
+    if s3 is None and command is not None:
+        raise PreflightFailed(
+            "{@s3=dataset} is required: the dataset to {command} on (a name from datasets: or "
+            "s3://bucket/prefix)",
+            dataset="DATASET", command=command,
+        )  # fmt: skip
     if s3 is None:
         raise PreflightFailed(
             "{@s3=dataset} is required (a name from datasets: or s3://bucket/prefix); "
-            "or a command: attach, logs, cancel, list",
+            "or a command: evaluate, predict, attach, logs, cancel, list",
             dataset="DATASET",
         )
     if name is not None and cluster is not None:

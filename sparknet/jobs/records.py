@@ -31,7 +31,7 @@ from sparknet.cluster.spark.plan import JOB_CANCELLED, Node
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.config import TrainConfig
 from sparknet.data.s3 import S3Uri
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, as_flag
 from sparknet.jobs import driver_control
 from sparknet.jobs.follow import POLL_S
 from sparknet.jobs.preflight import Job
@@ -144,15 +144,16 @@ def record_of(
     )  # fmt: skip
 
 
-def run_dir_of(text: str, endpoint_url: str | None) -> tuple[str, str | None]:
+def run_dir_of(text: str, endpoint_url: str | None) -> tuple[str, str | None, str | None]:
     """RUN as given: an s3:// run dir (read through `endpoint_url`), a local run dir, or the
     run id of a job some submit of this machine ran (its run prefix, from the job's record,
-    read through the S3 endpoint it was written through); (where, endpoint)."""
+    read through the S3 endpoint it was written through); (where, endpoint, the run id where
+    RUN was one)."""
     if text.startswith("s3://"):
         S3Uri.parse(text)
-        return text.rstrip("/"), endpoint_url
+        return text.rstrip("/"), endpoint_url, None
     if Path(text).is_dir():
-        return str(Path(text).resolve()), None
+        return str(Path(text).resolve()), None, None
     try:
         record = load(text)
     except UnknownRun:  # not a run id's spelling either: the line below
@@ -163,7 +164,7 @@ def run_dir_of(text: str, endpoint_url: str | None) -> tuple[str, str | None]:
             "(local or s3://bucket/prefix) or the run id of a training job submitted from here",
             text=text,
         )
-    return record.prefix.rstrip("/"), record.s3_endpoint_url or endpoint_url
+    return record.prefix.rstrip("/"), record.s3_endpoint_url or endpoint_url, record.run_id
 
 
 # --- finding a job's master ----------------------------------------------------------------------
@@ -243,9 +244,10 @@ def _record_from_master(
 
 def _predict_output(command: list[str]) -> str | None:
     """Where a predict job's command writes (its `--out parquet:PATH`), else None."""
-    if command[0] != "predict" or "--out" not in command[:-1]:
+    out = as_flag("out")  # `sparknet predict`'s own option, as the job's command spells it
+    if command[0] != "predict" or out not in command[:-1]:
         return None
-    return command[command.index("--out") + 1].removeprefix("parquet:")
+    return command[command.index(out) + 1].removeprefix("parquet:")
 
 
 # --- the job on its master -----------------------------------------------------------------------

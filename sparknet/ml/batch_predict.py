@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from sparknet.ml.predict import column_of
 from sparknet.training.evaluation import check_fit
 from sparknet.training.rundir import read_run_config
 from sparknet.training.session import session_for
+from sparknet.training.transport import python_cause
 
 StatusCallback = Callable[[str], None]
 
@@ -68,6 +70,7 @@ def predict(
     input_col: str | None = None,
     batch_size: int = 64,
     replace_unfinished: bool = False,
+    write_id: str | None = None,
     spark=None,
     datasets: dict[str, DatasetEntry] | None = None,
     on_status: StatusCallback | None = None,
@@ -75,8 +78,10 @@ def predict(
     """Write `out` (`parquet:PATH`, which must not exist) with a row per input of `data`:
     its key columns, `prediction` (the class index), `top_k` (the `top_k` likeliest, default
     5 or the classes if fewer) and `probability` (an array, one per class). With
-    `replace_unfinished`, an `s3://` destination holding only an unfinished write (no
-    `_SUCCESS`: its writer was killed) is deleted first: a restarted job's own leftovers."""
+    `replace_unfinished`, an `s3://` destination holding only an unfinished write (parts and
+    no `_SUCCESS`: its writer was killed; with `write_id`, that write's own parts only) is
+    deleted first: a restarted job's own leftovers. `write_id` names this write's parts
+    (default: a random one)."""
     status = on_status or (lambda _text: None)
     target = _target(out)
     model = SparknetModel.from_run(str(run), endpoint_url)
@@ -96,7 +101,12 @@ def predict(
         check_fit(model.saved, source, data)
     on_s3 = target.startswith("s3://")
     if on_s3:  # before Spark: S3 is asked from here
-        _refuse_existing_s3(target, endpoint_url, replace_unfinished)
+        if write_id is not None and not WRITE_ID.fullmatch(write_id):
+            raise SparknetError(
+                "{@write_id=write_id}: letters, digits and - only (it names the parts)",
+                write_id=write_id,
+            )  # fmt: skip
+        _refuse_existing_s3(target, endpoint_url, replace_unfinished, write_id)
     with session_for(spark, cfg, status) as spark:
         if not on_s3:
             _refuse_existing(spark, target)
@@ -132,8 +142,9 @@ def predict(
         scored = _rows(model.transform(named), keys)
         status(f"predicting into {target}")
         if on_s3:
-            with _deleted_unless_whole(target, endpoint_url):
-                rows = _write_s3(scored, target, endpoint_url)
+            tag = write_id or uuid.uuid4().hex[:8]
+            with _deleted_unless_whole(target, endpoint_url, tag):
+                rows = _write_s3(scored, target, endpoint_url, tag)
         else:
             rows = _write(spark, scored, target)
         dropped = skipped.value if skipped is not None else 0
@@ -233,29 +244,47 @@ def _write(spark, scored, target: str) -> int:
             fs.delete(tpath, True)
 
 
-def _refuse_existing_s3(target: str, endpoint_url: str | None, replace_unfinished: bool) -> None:
-    """Nothing under `target` yet (or, with `replace_unfinished`, only what a write that never
-    finished left, which is deleted), and a probe object can be written there."""
+#: a part of an `s3://` prediction dataset: its partition and its write's id
+_PART = re.compile(r"part-[0-9]{5}-([A-Za-z0-9-]{1,64})\.parquet")
+#: what a write's id may be (a part's name holds it)
+WRITE_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
+
+
+def _refuse_existing_s3(
+    target: str, endpoint_url: str | None, replace_unfinished: bool, write_id: str | None
+) -> None:
+    """Nothing under `target` yet, and a probe object can be written there. With
+    `replace_unfinished`, a write that never finished (parts of predictions and no
+    `_SUCCESS`; with `write_id`, only that write's own parts: a restarted job's) is deleted
+    first; anything else there is refused, never deleted."""
     try:
         store = writable_store(target, endpoint_url)
-        there = store.walk()
-        if there and replace_unfinished and SUCCESS not in there:
-            store.delete(there)
-            there = {}
+        there = set(store.walk())
+        parts = {n for n in there if (m := _PART.fullmatch(n)) and m[1] == (write_id or m[1])}
+        unfinished = bool(there) and there == parts
+        if unfinished and replace_unfinished:
+            store.delete(parts)
+            there = set()
     except SparknetError as exc:
         raise SparknetError("{@out}: {cause:line}", cause=exc) from exc
     if there:
-        raise SparknetError("{target} exists: choose another {@out}, or remove it", target=target)
+        hint = (
+            " (a write that never finished: {@replace_unfinished} deletes it)" if unfinished else ""
+        )
+        raise SparknetError(
+            "{target} exists: choose another {@out}, or remove it" + hint, target=target
+        )
 
 
-def _write_s3(scored, target: str, endpoint_url: str | None) -> int:
+def _write_s3(scored, target: str, endpoint_url: str | None, write_id: str) -> int:
     """Each partition's rows as one Parquet object under `target`, put by its own task (a
-    retried task puts the same name again), then `_SUCCESS` from the driver; the rows."""
+    retried task puts the same name again), then `_SUCCESS` from the driver, naming the parts
+    it vouches for; the rows. Another write's parts there by then (two runs given one
+    destination at once) fail this one: no dataset is made of two writes."""
     import pyarrow as pa  # lazy: pyarrow
     from pyspark.sql.pandas.types import to_arrow_schema  # lazy: pyspark
 
     schema = to_arrow_schema(scored.schema)
-    tag = uuid.uuid4().hex[:8]
 
     def put(batches: Iterator) -> Iterator:
         import pyarrow.parquet as pq  # lazy: on the executor
@@ -266,7 +295,7 @@ def _write_s3(scored, target: str, endpoint_url: str | None) -> int:
             for batch in batches:
                 writer.write_table(pa.Table.from_batches([batch]).cast(schema))
                 rows += batch.num_rows
-        name = f"part-{TaskContext.get().partitionId():05d}-{tag}.parquet"
+        name = f"part-{TaskContext.get().partitionId():05d}-{write_id}.parquet"
         open_store(target, endpoint_url).write_bytes(name, buffer.getvalue())
         yield pa.RecordBatch.from_pylist([{"rows": rows}])
 
@@ -276,23 +305,37 @@ def _write_s3(scored, target: str, endpoint_url: str | None) -> int:
         raise
     except Exception as exc:
         raise SparknetError(f"writing {target} failed: {_reason(exc)}") from exc
-    open_store(target, endpoint_url).write_bytes(SUCCESS, json.dumps({"rows": rows}).encode())
+    store = open_store(target, endpoint_url)
+    there = set(store.walk())
+    ours = {n for n in there if (m := _PART.fullmatch(n)) and m[1] == write_id}
+    if there - ours:
+        raise SparknetError(
+            "another write into {target} came in while this one ran ({name}); this one is "
+            "deleted: give each run its own {@out}",
+            target=target, name=sorted(there - ours)[0],
+        )  # fmt: skip
+    store.write_bytes(SUCCESS, json.dumps({"rows": rows, "parts": sorted(ours)}).encode())
     return rows
 
 
 @contextlib.contextmanager
-def _deleted_unless_whole(target: str, endpoint_url: str | None) -> Iterator[None]:
-    """What the block wrote under `target` is deleted where it raises (Ctrl-C included): then,
-    and once more after Spark's jobs were cancelled, so a task that was still putting its
-    part when the first delete ran leaves nothing either."""
+def _deleted_unless_whole(target: str, endpoint_url: str | None, write_id: str) -> Iterator[None]:
+    """What the block wrote under `target` (the parts of `write_id`, never another write's) is
+    deleted where it raises (Ctrl-C included): then, and once more after Spark's jobs were
+    cancelled, so a task that was still putting its part when the first delete ran leaves
+    nothing either."""
     store = open_store(target, endpoint_url)
+
+    def delete_ours() -> None:
+        store.delete([n for n in store.walk() if (m := _PART.fullmatch(n)) and m[1] == write_id])
+
     try:
         yield
     except BaseException:
         with contextlib.suppress(Exception):  # what failed says more than a failed clean-up
-            store.delete_prefix("")
+            delete_ours()
             _cancel_spark_jobs()
-            store.delete_prefix("")
+            delete_ours()
         raise
 
 
@@ -306,6 +349,11 @@ def _cancel_spark_jobs() -> None:
 
 
 def _reason(exc: BaseException) -> str:
-    """A failed write's cause in one line: py4j's first line only names the call."""
+    """A failed write's cause in one line: a task's own Python error where one failed it
+    (Spark's first line only says that one did), else the Java one (py4j's first line only
+    names the call)."""
+    cause = python_cause(exc)
+    if cause is not None:
+        return cause
     java = getattr(exc, "java_exception", None)
     return first_line(str(java.toString())) if java is not None else first_line(exc)

@@ -230,7 +230,7 @@ def check_fit(saved: SavedModel, source: Source, data: str) -> None:
     if have is not None and have > info.num_classes:
         raise SparknetError(
             f"{data} has labels up to {have - 1}, but the model of {saved.where} has "
-            f"{info.num_classes} classes: evaluate it on data of its own classes"
+            f"{info.num_classes} classes: use data of its own classes"
         )
     manifest = getattr(source, "manifest", None)
     if manifest is not None and info.classes is not None:
@@ -244,7 +244,7 @@ def check_fit(saved: SavedModel, source: Source, data: str) -> None:
             raise SparknetError(
                 f"the classes of {data} are not the model's: class {differ} is "
                 f"{_at(theirs, differ)} there and {_at(ours, differ)} in {saved.where}; "
-                "evaluate on a dataset sharded with the same classes"
+                "use a dataset sharded with the same classes"
             )
     if tuple(source.input_shape) != tuple(info.input.shape):
         raise SparknetError(

@@ -176,13 +176,23 @@ def _map_frame(frame, call: Callable[[int, list], R]):
 
 def describe_task_failure(exc: Exception) -> str:
     """The worker's own exception line out of a Py4J error, e.g. 'SparknetError: model ...'."""
+    cause = python_cause(exc)
+    if cause is not None:
+        return cause
+    text = f"{exc}\n{getattr(exc, 'java_exception', '')}"
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+
+
+def python_cause(exc: BaseException) -> str | None:
+    """The last exception line of a Python worker's traceback inside a Spark error (a
+    sparknet error's message alone), or None where no Python code failed."""
     text = f"{exc}\n{getattr(exc, 'java_exception', '')}"
     found = [m for line in text.splitlines() if (m := _EXC_LINE.match(line.strip()))]
     python_side = [m for m in found if m.group(1) not in _WRAPPERS]
-    if python_side:
-        name, msg = python_side[-1].groups()
-        return msg if name in ("SparknetError", "SettingError") else f"{name}: {msg}"
-    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    if not python_side:
+        return None
+    name, msg = python_side[-1].groups()
+    return msg if name in ("SparknetError", "SettingError") else f"{name}: {msg}"
 
 
 def threads_per_task(cores: int, tasks_there: int, task_cpus: int = 1, gpus: int = 0) -> int:

@@ -212,3 +212,21 @@ def test_a_submit_whose_ami_does_not_resolve_is_refused_before_up(
     assert calls == []
     s3 = boto3.client("s3")
     assert s3.list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0
+
+
+def test_an_option_before_a_submit_command_is_refused_where_it_would_be_dropped(home) -> None:
+    """`sparknet-submit --s3 D evaluate RUN`: the group's options are a training job's; a
+    command never saw them (it said `--s3` was missing, or ran without `--rounds`)."""
+    from sparknet.cli.submit import submit_app
+
+    runner = CliRunner()
+    for args, said in (
+        (["--s3", "tiny", "evaluate", "r"], "--s3 goes after the command: `sparknet-submit "
+         "evaluate RUN --s3 ...`"),
+        (["--rounds", "3", "predict", "r", "--s3", "x"], "--rounds is a training option; "
+         "`sparknet-submit predict` scores the run's model"),
+        (["--set", "a=b", "list"], "--set is for a new job; `sparknet-submit list` takes its "
+         "options after it"),
+        (["evaluate", "r"], "--s3 DATASET is required: the dataset to evaluate on"),
+    ):  # fmt: skip
+        assert said in _one_error_line(runner.invoke(submit_app, args)), args

@@ -335,7 +335,7 @@ def test_any_split_evaluates_and_other_classes_are_refused_before_spark(spark, s
         evaluate(run, str(shards), spark=object())  # refused before any Spark call
     assert str(exc.value) == (
         f"the classes of {shards} are not the model's: class 3 is {wnid(3)!r} there and "
-        f"{wnid(4)!r} in {run}; evaluate on a dataset sharded with the same classes"
+        f"{wnid(4)!r} in {run}; use a dataset sharded with the same classes"
     )
 
 

@@ -394,7 +394,7 @@ def test_attach_of_an_unknown_run_and_submit_without_s3_are_one_line_exit_2(
     bare = _submit_cli(tmp_path, monkeypatch, "--keep")
     assert (bare.exit_code, bare.stderr) == (
         2, "error: --s3 DATASET is required (a name from datasets: or s3://bucket/prefix); or a "
-        "command: attach, logs, cancel, list\n",
+        "command: evaluate, predict, attach, logs, cancel, list\n",
     )  # fmt: skip
     assert _submit_cli(tmp_path, monkeypatch, "list").stdout == ""
 
@@ -744,8 +744,11 @@ def test_a_model_jobs_driver_scores_the_copy_in_its_run_prefix(tmp_path, moto_en
 
     from sparknet.cluster.spec import ClusterSpec
     from sparknet.errors import SparknetError
-    from sparknet.jobs.model_jobs import ModelTask, check_output
+    from sparknet.jobs.model_jobs import REPORT, ModelTask, check_output
     from sparknet.jobs.supervisor import Job
+    from sparknet.training.evaluation import CONFUSION_PNG, EVALUATION_JSON
+
+    assert REPORT == (EVALUATION_JSON, CONFUSION_PNG)  # named there without torch
 
     prefix = "s3://b-b/runs/c1/R1/"
     evaluate = ModelTask("evaluate", "/runs/mine", split="train")
@@ -756,7 +759,8 @@ def test_a_model_jobs_driver_scores_the_copy_in_its_run_prefix(tmp_path, moto_en
     predict = ModelTask("predict", "/runs/mine", top_k=2)
     assert predict.args(prefix, "s3://b-b/data/d", None) == [
         "predict", "s3://b-b/runs/c1/R1", "--data", "s3://b-b/data/d", "--out",
-        "parquet:s3://b-b/runs/c1/R1/predictions", "--replace-unfinished", "--top-k", "2",
+        "parquet:s3://b-b/runs/c1/R1/predictions", "--replace-unfinished", "--write-id", "R1",
+        "--top-k", "2",
     ]  # fmt: skip
     spec = ClusterSpec(name="c1", bucket=bucket)
     boto3.client("s3", endpoint_url=moto_endpoint).put_object(

@@ -5,6 +5,7 @@ writes. (A shard split: tests/data/test_imagenet_s3.py.)"""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import numpy as np
@@ -142,17 +143,55 @@ def test_an_s3_destination_is_written_by_the_tasks_and_marked_whole(
     assert len(s3.list_objects_v2(Bucket=bucket)["Contents"]) == 3
     # a write killed before its _SUCCESS: refused, unless told to replace it
     s3.delete_object(Bucket=bucket, Key="pred/p/_SUCCESS")
-    with pytest.raises(SparknetError, match="exists: choose another --out"):
+    with pytest.raises(SparknetError, match=r"never finished: --replace-unfinished deletes it"):
         predict(run, "digits", f"parquet:{out}", spark=spark, endpoint_url=moto_endpoint)
+    # ... but only its own parts where a write id is given (a job's restart), and never
+    # what is no part of predictions
+    with pytest.raises(SparknetError, match=r"exists: choose another --out, or remove it$"):
+        predict(run, "digits", f"parquet:{out}", spark=spark, endpoint_url=moto_endpoint,
+                replace_unfinished=True, write_id="job-2")  # fmt: skip
+    s3.put_object(Bucket=bucket, Key="dataset/manifest.json", Body=b"{}")
+    with pytest.raises(SparknetError, match=r"exists: choose another --out, or remove it$"):
+        predict(run, "digits", f"parquet:s3://{bucket}/dataset", spark=spark,
+                endpoint_url=moto_endpoint, replace_unfinished=True)  # fmt: skip
+    assert s3.get_object(Bucket=bucket, Key="dataset/manifest.json")["Body"].read() == b"{}"
     again = predict(run, "digits", f"parquet:{out}", spark=spark, endpoint_url=moto_endpoint,
                     replace_unfinished=True)  # fmt: skip
     first = set(keys[1:])
-    keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"])
+    keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="pred/")["Contents"])
     assert again.rows == 360 and keys[0] == "pred/p/_SUCCESS" and not first & set(keys), keys
+    assert json.loads(s3.get_object(Bucket=bucket, Key="pred/p/_SUCCESS")["Body"].read()) == {
+        "rows": 360, "parts": [k.rsplit("/", 1)[1] for k in keys[1:]],
+    }  # fmt: skip
     # a whole one is never replaced
     with pytest.raises(SparknetError, match="exists: choose another --out"):
         predict(run, "digits", f"parquet:{out}", spark=spark, endpoint_url=moto_endpoint,
                 replace_unfinished=True)  # fmt: skip
+
+    # two writes into one destination at once: the one that sees the other's parts gives up
+    # and deletes its own (never the other's)
+    def another_comes_in(line: str) -> None:
+        if line.startswith("predicting into"):
+            s3.put_object(Bucket=bucket, Key="race/part-00000-other.parquet", Body=b"x")
+
+    with pytest.raises(SparknetError, match=r"another write into s3://\S+/race came in .*"
+                       r"\(part-00000-other.parquet\); this one is deleted"):  # fmt: skip
+        predict(run, "digits", f"parquet:s3://{bucket}/race", spark=spark,
+                endpoint_url=moto_endpoint, on_status=another_comes_in)  # fmt: skip
+    left = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="race/")["Contents"]]
+    assert left == ["race/part-00000-other.parquet"]
+
+
+def test_a_python_error_in_a_task_is_named_not_sparks_wrapper(spark):
+    from sparknet.ml.batch_predict import _reason
+
+    def fail(batches):
+        raise SparknetError("shard val-000006.tar does not match its sha256")
+        yield from batches
+
+    with pytest.raises(Exception) as exc:
+        spark.range(2).mapInArrow(fail, "id long").collect()
+    assert _reason(exc.value) == "shard val-000006.tar does not match its sha256"
 
 
 #: a process whose memory runs out in the model's forward pass, as an executor's does: the
