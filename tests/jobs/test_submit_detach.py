@@ -53,7 +53,7 @@ def _states(cwd: Path) -> dict[str, str]:
     listed = submit("list", cwd=cwd, timeout=120)
     assert listed.returncode == 0, listed.stderr
     rows = [ln.split("\t") for ln in listed.stdout.splitlines()]
-    assert all(len(row) == 4 for row in rows), listed.stdout
+    assert all(len(row) == 5 and row[4] == "train" for row in rows), listed.stdout
     return {row[0]: row[2] for row in rows}
 
 
