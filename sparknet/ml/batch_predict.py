@@ -24,6 +24,7 @@ from pathlib import Path
 
 from sparknet.config import DatasetEntry, load_train_config
 from sparknet.data.frames import read_frame
+from sparknet.data.s3 import S3Uri
 from sparknet.data.sources import (
     ShardSource,
     TensorSource,
@@ -103,9 +104,8 @@ def predict(
     if on_s3:  # before Spark: S3 is asked from here
         if write_id is not None and not WRITE_ID.fullmatch(write_id):
             raise SparknetError(
-                "{@write_id=write_id}: letters, digits and - only (it names the parts)",
-                write_id=write_id,
-            )  # fmt: skip
+                "{@write_id} must be 1 to 64 letters, digits and - (it names the parts)"
+            )
         _refuse_existing_s3(target, endpoint_url, replace_unfinished, write_id)
     with session_for(spark, cfg, status) as spark:
         if not on_s3:
@@ -248,6 +248,18 @@ def _write(spark, scored, target: str) -> int:
 _PART = re.compile(r"part-[0-9]{5}-([A-Za-z0-9-]{1,64})\.parquet")
 #: what a write's id may be (a part's name holds it)
 WRITE_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
+#: the id predict gives a write without one: what `--replace-unfinished` alone takes for its
+#: own (Spark's parts, `part-NNNNN-<uuid>-c000.parquet`, never match it)
+_OWN_ID = re.compile(r"[0-9a-f]{8}")
+
+
+def _is_part(name: str, write_id: str | None) -> bool:
+    """Whether `name` is a part of predict's: of the write `write_id`, else of any write whose
+    id predict itself made."""
+    m = _PART.fullmatch(name)
+    if m is None:
+        return False
+    return m[1] == write_id if write_id is not None else bool(_OWN_ID.fullmatch(m[1]))
 
 
 def _refuse_existing_s3(
@@ -260,7 +272,10 @@ def _refuse_existing_s3(
     try:
         store = writable_store(target, endpoint_url)
         there = set(store.walk())
-        parts = {n for n in there if (m := _PART.fullmatch(n)) and m[1] == (write_id or m[1])}
+        where = S3Uri.parse(target)
+        if where.key and open_store(f"s3://{where.bucket}", endpoint_url).size(where.key):
+            there.add(where.key)  # an object of that very name: readers would open it instead
+        parts = {n for n in there if _is_part(n, write_id)}
         unfinished = bool(there) and there == parts
         if unfinished and replace_unfinished:
             store.delete(parts)
@@ -307,7 +322,7 @@ def _write_s3(scored, target: str, endpoint_url: str | None, write_id: str) -> i
         raise SparknetError(f"writing {target} failed: {_reason(exc)}") from exc
     store = open_store(target, endpoint_url)
     there = set(store.walk())
-    ours = {n for n in there if (m := _PART.fullmatch(n)) and m[1] == write_id}
+    ours = {n for n in there if _is_part(n, write_id)}
     if there - ours:
         raise SparknetError(
             "another write into {target} came in while this one ran ({name}); this one is "
@@ -327,7 +342,7 @@ def _deleted_unless_whole(target: str, endpoint_url: str | None, write_id: str) 
     store = open_store(target, endpoint_url)
 
     def delete_ours() -> None:
-        store.delete([n for n in store.walk() if (m := _PART.fullmatch(n)) and m[1] == write_id])
+        store.delete([n for n in store.walk() if _is_part(n, write_id)])
 
     try:
         yield
@@ -356,4 +371,10 @@ def _reason(exc: BaseException) -> str:
     if cause is not None:
         return cause
     java = getattr(exc, "java_exception", None)
-    return first_line(str(java.toString())) if java is not None else first_line(exc)
+    line = first_line(str(java.toString())) if java is not None else first_line(exc)
+    raised = _RAISED.search(line)  # a row `checked_column` refused: its own words alone
+    return raised[1] if raised else line
+
+
+#: Spark's wrapping of a `raise_error` message (sparknet's own are prefixed `sparknet: `)
+_RAISED = re.compile(r"\[USER_RAISED_EXCEPTION\]\s*(?:sparknet: )?(.*?)\s*(?:SQLSTATE: \w+)?$")

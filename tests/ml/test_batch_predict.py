@@ -155,6 +155,16 @@ def test_an_s3_destination_is_written_by_the_tasks_and_marked_whole(
         predict(run, "digits", f"parquet:s3://{bucket}/dataset", spark=spark,
                 endpoint_url=moto_endpoint, replace_unfinished=True)  # fmt: skip
     assert s3.get_object(Bucket=bucket, Key="dataset/manifest.json")["Body"].read() == b"{}"
+    # Spark's own parts (no _SUCCESS) are no unfinished write of predict's; an object of the
+    # destination's very name is refused as a local file would be
+    spark_part = "spark/part-00000-0b7c1a2e-1111-2222-3333-444455556666-c000.parquet"
+    s3.put_object(Bucket=bucket, Key=spark_part, Body=b"x")
+    s3.put_object(Bucket=bucket, Key="file.txt", Body=b"hello")
+    for where in ("spark", "file.txt"):
+        with pytest.raises(SparknetError, match=r"exists: choose another --out, or remove it$"):
+            predict(run, "digits", f"parquet:s3://{bucket}/{where}", spark=spark,
+                    endpoint_url=moto_endpoint, replace_unfinished=True)  # fmt: skip
+    assert s3.get_object(Bucket=bucket, Key=spark_part)["Body"].read() == b"x"
     again = predict(run, "digits", f"parquet:{out}", spark=spark, endpoint_url=moto_endpoint,
                     replace_unfinished=True)  # fmt: skip
     first = set(keys[1:])
@@ -192,6 +202,11 @@ def test_a_python_error_in_a_task_is_named_not_sparks_wrapper(spark):
     with pytest.raises(Exception) as exc:
         spark.range(2).mapInArrow(fail, "id long").collect()
     assert _reason(exc.value) == "shard val-000006.tar does not match its sha256"
+    from pyspark.sql import functions as F
+
+    with pytest.raises(Exception) as exc:
+        spark.range(1).select(F.raise_error(F.lit("sparknet: a row's 'x' is null"))).collect()
+    assert _reason(exc.value) == "a row's 'x' is null"
 
 
 #: a process whose memory runs out in the model's forward pass, as an executor's does: the
