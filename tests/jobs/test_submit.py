@@ -269,7 +269,10 @@ def test_submit_trains_on_a_new_cluster_and_takes_it_down(
     assert "bootstrapping 2 nodes" in done.stderr and "master: spark-master done" in done.stderr
     # what the driver does before round 1, from its log on the master
     assert "driver: starting Spark" in done.stderr, done.stderr[-3000:]
-    assert re.search(r"driver: round 1 \(2 executors registered", done.stderr), done.stderr[-3000:]
+    # (both executors, or the first alone where the second came after it had settled: the
+    # driver goes on with what registered, `wait_for_executors`, on a loaded machine)
+    registered = r"driver: round 1 \([12] executors registered"
+    assert re.search(registered, done.stderr), done.stderr[-3000:]
     # one plain line per round (no TTY), each once though a round ran twice, the restart's
     # line, then the summary
     restarts = [ln for ln in done.stderr.splitlines() if ln.startswith("driver died")]

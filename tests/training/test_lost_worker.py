@@ -84,6 +84,7 @@ def test_allreduce_without_a_slot_per_worker_left_ends_in_one_line_naming_the_lo
     assert "Traceback" not in err and "\tat " not in err, err[-3000:]
     # nothing half-written: only complete checkpoints, each with its row
     done = {r["round"] for r in rows(out)}
-    for ckpt in (out / "checkpoints").iterdir():
+    checkpoints = out / "checkpoints"  # none where the host was lost before the first one
+    for ckpt in checkpoints.iterdir() if checkpoints.exists() else ():
         assert (ckpt / "state.json").exists(), ckpt
         assert int(ckpt.name.split("-")[1]) in done
