@@ -125,9 +125,10 @@ def check_model(task: ModelTask, source: Source, data: str) -> None:
     check_fit(SavedModel(info, b"", task.run), chosen, data)
 
 
-def check_output(task: ModelTask, spec: ClusterSpec, bucket: str) -> None:
+def check_output(task: ModelTask, spec: ClusterSpec, bucket: str, endpoint_url: str | None) -> None:
     """Predict's `--out`: Parquet on S3 (a cluster has no shared disk), under the cluster's own
-    runs (what its nodes may write) where sparknet made its nodes' role, and not there yet."""
+    runs (what its nodes may write) where sparknet made its nodes' role, and not there yet
+    (asked through `endpoint_url`, the job's S3 endpoint: the run's may be another)."""
     if task.out is None:
         return
     target = task.target("")
@@ -146,7 +147,7 @@ def check_output(task: ModelTask, spec: ClusterSpec, bucket: str) -> None:
                 "parquet:{own}... path, or leave {@out} out (the job's run prefix)",
                 out=task.out, name=spec.name, own=own,
             )  # fmt: skip
-    if open_store(target, task.endpoint_url).walk():
+    if open_store(target, endpoint_url).walk():
         raise SparknetError("{target} exists: choose another {@out}, or remove it", target=target)
 
 

@@ -466,6 +466,6 @@ def check_model_job(job: Job, task: ModelTask, source: Source, bucket: str) -> N
 
     try:
         model_jobs.check_model(task, source, job.dataset.uri)
-        model_jobs.check_output(task, job.spec, bucket)
+        model_jobs.check_output(task, job.spec, bucket, job.dataset.endpoint_url)
     except SparknetError as exc:
         raise PreflightFailed("{cause:line}", cause=exc) from exc

@@ -244,10 +244,10 @@ def _write(spark, scored, target: str) -> int:
             fs.delete(tpath, True)
 
 
-#: a part of an `s3://` prediction dataset: its partition and its write's id
-_PART = re.compile(r"part-[0-9]{5}-([A-Za-z0-9-]{1,64})\.parquet")
 #: what a write's id may be (a part's name holds it)
 WRITE_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
+#: a part of an `s3://` prediction dataset: its partition and its write's id
+_PART = re.compile(rf"part-[0-9]{{5}}-({WRITE_ID.pattern})\.parquet")
 #: the id predict gives a write without one: what `--replace-unfinished` alone takes for its
 #: own (Spark's parts, `part-NNNNN-<uuid>-c000.parquet`, never match it)
 _OWN_ID = re.compile(r"[0-9a-f]{8}")

@@ -772,9 +772,9 @@ def test_a_model_jobs_driver_scores_the_copy_in_its_run_prefix(tmp_path, moto_en
         (f"parquet:s3://{bucket}/runs/c1/taken", "exists: choose another --out"),
     ):
         with pytest.raises(SparknetError, match=why):
-            check_output(ModelTask("predict", "r", moto_endpoint, out=out), spec, bucket)
-    check_output(ModelTask("predict", "r", moto_endpoint, out=f"parquet:s3://{bucket}/runs/c1/p"),
-                 spec, bucket)  # fmt: skip
+            check_output(ModelTask("predict", "r", out=out), spec, bucket, moto_endpoint)
+    check_output(ModelTask("predict", "r", out=f"parquet:s3://{bucket}/runs/c1/p"), spec, bucket,
+                 moto_endpoint)  # fmt: skip
 
     (tmp_path / "job.yaml").write_text(
         TrainConfig(out="s3://b-b/runs/c1/R1").to_yaml() + "command: [evaluate, x, --data, d]\n"
