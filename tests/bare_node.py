@@ -282,18 +282,32 @@ class BareNode:
 
     def stop(self) -> None:
         """Kill every process of the node (TERM, then KILL after 10 s): its namespace, and so
-        its mounts, go with the last one."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in self.processes():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-            deadline = time.monotonic() + 10
-            while self.processes() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if not self.processes():
-                break
+        its mounts, go with the last one. KILL is sent again to what is left until nothing is
+        (for up to a minute): a process forked while the first KILLs went out escapes them,
+        and a loaded machine takes seconds to end a large JVM."""
+        self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        deadline = time.monotonic() + 60
+        while self.processes() and time.monotonic() < deadline:
+            self._signal(signal.SIGKILL)
+            time.sleep(0.5)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+
+    def _signal(self, sig: int) -> None:
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def described(self) -> str:
+        """The node's processes left, as `pid (command)`, for an error that says what stayed."""
+        left = []
+        for pid in self.processes():
+            with contextlib.suppress(OSError):
+                left.append(f"{pid} ({Path(f'/proc/{pid}/comm').read_text().strip()})")
+        return ", ".join(left) or "none"
 
 
 def start_node(
@@ -426,7 +440,10 @@ class BareNodes:
         mounts = Path("/proc/self/mounts").read_text()
         for node in self.nodes:
             if node.processes() or f" {node.root}/" in mounts or f" {node.root} " in mounts:
-                raise RuntimeError(f"{node.name} still runs or has mounts: its root stays")
+                raise RuntimeError(
+                    f"{node.name} still runs or has mounts: its root stays (processes left:"
+                    f" {node.described()})"
+                )
             shutil.rmtree(node.root, ignore_errors=True)
 
 
