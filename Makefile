@@ -16,7 +16,7 @@ PIP_SOURCES = $(shell python3 -m pip config list 2>/dev/null | awk -F"'" ' \
 		n = split($$2, v, /[ \t]+/); \
 		for (i = 1; i <= n; i++) if (v[i] != "" && !seen[key v[i]]++) printf "--%s %s ", key, v[i] }')
 # bytecode at install: with PYTHONDONTWRITEBYTECODE set, every import would compile from source
-UV_INSTALL = pip install -q --compile-bytecode --index-strategy unsafe-best-match $(PIP_SOURCES)
+UV_INSTALL = pip install --compile-bytecode --index-strategy unsafe-best-match $(PIP_SOURCES)
 # checkov pins an older boto3 than moto needs: it gets a venv of its own
 CHECKOV_VENV  := .venv-checkov
 CHECKOV       := $(CHECKOV_VENV)/bin/checkov
@@ -28,6 +28,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@command -v java >/dev/null || { echo "error: Spark needs Java 17+ (apt-get install -y openjdk-17-jre-headless)"; exit 2; }
+	@echo "installing sparknet, torch (a CUDA build: ~7 GB on disk) and Spark into $(VENV)/: about 2 minutes"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip uv
 	$(VENV)/bin/uv $(UV_INSTALL) --python $(PY) $(TORCH) -e '.[dev]'

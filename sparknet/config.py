@@ -8,6 +8,7 @@ key=value`, then explicit flags. Values from text (env, `--set`) are parsed as Y
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import urllib.parse
@@ -148,14 +149,83 @@ class TrainConfig(BaseModel):
         "The share rule knows the exchange's cost, not what drift between averages costs: at "
         "100 Mbit/s it asked for ~700 steps where 100 reached the target sooner (bench peers)",
     )
-    rounds: Annotated[int, Flag()] = Field(30, ge=1)
+    rounds: Annotated[int, Flag("synchronization rounds: tau local steps, then an exchange")] = (
+        Field(30, ge=1)
+    )
     batch_size: Annotated[int, Flag()] = Field(32, ge=1, description="per worker")
     optimizer: Annotated[Literal["sgd", "adamw"], Flag("inner optimizer: sgd or adamw")] = "sgd"
     lr: Annotated[float, Flag("inner learning rate")] = Field(0.05, gt=0)
     momentum: Annotated[float, Flag("inner momentum (sgd)")] = Field(
         0.9, ge=0, lt=1, description="sgd only"
     )
-    weight_decay: Annotated[float, Flag()] = Field(0.0, ge=0)
+    weight_decay: Annotated[float, Flag("inner optimizer's weight decay")] = Field(0.0, ge=0)
+    label_smoothing: Annotated[
+        float, Flag("train loss's label smoothing, as torch's cross_entropy takes it; default 0")
+    ] = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="label smoothing of the train loss (torch's cross_entropy label_smoothing); "
+        "the test loss is the plain one",
+    )
+    warmup_steps: Annotated[
+        int, Flag("inner lr's linear warmup, in global inner steps; default 0: none")
+    ] = Field(
+        0,
+        ge=0,
+        description="the first N inner steps of the run (counted along its trajectory, whatever "
+        "the workers and tau) take lr x (step + 1) / N",
+    )
+    lr_schedule: Annotated[
+        Literal["constant", "cosine", "step", "multistep"],
+        Flag(
+            Line(
+                "inner lr after warmup: constant (default), cosine (to {@min_lr} over "
+                "{@lr_decay_length}), step (x {@lr_gamma} every {@lr_step_size}) or multistep "
+                "(x {@lr_gamma} at each of {@lr_milestones})"
+            )
+        ),
+    ] = Field("constant", description="how the inner lr changes as the run goes")
+    lr_unit: Annotated[
+        Literal["rounds", "steps", "epochs"],
+        Flag(
+            Line(
+                "what {@lr_milestones}, {@lr_step_size} and {@lr_decay_length} count: rounds "
+                "(default), steps or epochs"
+            )
+        ),
+    ] = Field(
+        "rounds",
+        description="rounds, global inner steps, or epochs (samples all workers took over the "
+        "training set's size)",
+    )
+    lr_milestones: Annotated[
+        list[int],
+        Flag(Line("multistep: where lr is multiplied by {@lr_gamma}, repeatable; default none")),
+    ] = Field(
+        default_factory=list,
+        description="multistep: the lr_unit positions (increasing) from which lr is multiplied "
+        "by lr_gamma once more; 30,60,80 in text",
+    )
+    lr_step_size: Annotated[
+        int | None,
+        Flag(Line("step: lr is multiplied by {@lr_gamma} every N {@lr_unit}; default none")),
+    ] = Field(None, ge=1, description="step: every this many lr_unit, lr x lr_gamma")
+    lr_gamma: Annotated[float, Flag("step and multistep: the factor; default 0.1")] = Field(
+        0.1, gt=0, le=1, description="step and multistep: what each milestone multiplies lr by"
+    )
+    lr_decay_length: Annotated[
+        int | None,
+        Flag(Line("cosine: the {@lr_unit} it decays over; default (in rounds) the run's rounds")),
+    ] = Field(
+        None,
+        ge=1,
+        description="cosine (inner or outer): how many lr_unit the decay lasts; default, with "
+        "lr_unit rounds, the run's rounds (recorded, so a resume with more rounds keeps it)",
+    )
+    min_lr: Annotated[float, Flag("cosine: the lr it decays to; default 0")] = Field(
+        0.0, ge=0, description="cosine: the inner lr at the end of the decay and after it"
+    )
     outer: Annotated[
         Literal["average", "nesterov"], Flag("average (SparkNet) or nesterov (DiLoCo)")
     ] = "average"
@@ -163,15 +233,38 @@ class TrainConfig(BaseModel):
     outer_momentum: Annotated[float | None, Flag("nesterov only; default 0.9")] = Field(
         None, ge=0, lt=1
     )
+    outer_lr_schedule: Annotated[
+        Literal["constant", "cosine"],
+        Flag(Line("nesterov only: constant (default) or cosine (to 0 over {@lr_decay_length})")),
+    ] = Field("constant", description="nesterov only: how the outer lr changes as the run goes")
     inner_state: Annotated[
         Literal["keep", "reset"], Flag("keep or reset the inner optimizer state")
     ] = "keep"
-    seed: Annotated[int, Flag()] = 0
+    seed: Annotated[int, Flag("random seed: initial weights, data order, augmentation")] = 0
     eval_every: Annotated[int, Flag("rounds; 0: only at the end")] = Field(
         5, ge=0, description="0: only at the end"
     )
     checkpoint_every: Annotated[int, Flag("rounds; 0: only at the end")] = Field(
         5, ge=0, description="0: only at the end"
+    )
+    keep_checkpoints: Annotated[
+        int, Flag("checkpoints kept: the last N and the best by eval accuracy; 0: all")
+    ] = Field(
+        3,
+        ge=0,
+        description="how many checkpoints the run dir keeps: the newest N, and the one with the "
+        "best eval accuracy (best.json names it); older ones are deleted as new ones are "
+        "published; 0: keep all",
+    )
+    stop_at: Annotated[
+        float | None, Flag("end the run at the first evaluation whose accuracy reaches this")
+    ] = Field(
+        None,
+        gt=0,
+        le=1,
+        description="an eval accuracy in (0, 1]: the run ends after the first evaluation that "
+        "reaches it, with a checkpoint there (every evaluated round then ends with one); "
+        "default: run every round",
     )
     out: Annotated[str | None, Flag()] = Field(
         None,
@@ -366,6 +459,73 @@ class TrainConfig(BaseModel):
     def _out_as_text(cls, out: Any) -> Any:
         return str(out) if isinstance(out, os.PathLike) else out
 
+    @field_validator("warmup_steps", "lr_step_size", "lr_decay_length", mode="before")
+    @classmethod
+    def _schedule_count_not_a_bool(cls, value: Any) -> Any:
+        """YAML's `true` is not a count (it read as 1)."""
+        if isinstance(value, bool):
+            raise ValueError(f"a whole number, not {str(value).lower()}")
+        return value
+
+    @field_validator("lr_milestones", mode="before")
+    @classmethod
+    def _milestones_from_text(cls, value: Any) -> Any:
+        """`--set lr_milestones=30,60,80` (or `[30, 60, 80]`, or one number) as a list."""
+        if isinstance(value, bool):
+            raise ValueError(f"whole numbers, not {str(value).lower()}")
+        if isinstance(value, int):
+            return [value]
+        if isinstance(value, str):
+            text = value.strip().removeprefix("[").removesuffix("]")
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("lr_milestones")
+    @classmethod
+    def _milestones_increase(cls, value: list[int]) -> list[int]:
+        if any(m < 1 for m in value) or any(b <= a for a, b in itertools.pairwise(value)):
+            raise ValueError(f"increasing whole numbers of at least 1, not {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _resolve_schedule(self) -> TrainConfig:
+        """Each schedule setting given only where it applies; a cosine's length, left out in
+        rounds, filled in as the run's rounds so that the saved config says what ran."""
+        schedule, unit = self.lr_schedule, self.lr_unit
+        if schedule == "multistep" and not self.lr_milestones:
+            raise ValueError(f"lr_schedule multistep needs lr_milestones (in {unit})")
+        if schedule == "step" and self.lr_step_size is None:
+            raise ValueError(f"lr_schedule step needs lr_step_size (in {unit})")
+        cosine = "cosine" in (schedule, self.outer_lr_schedule)
+        given = {
+            "lr_milestones": (bool(self.lr_milestones), schedule == "multistep", "multistep"),
+            "lr_step_size": (self.lr_step_size is not None, schedule == "step", "step"),
+            "min_lr": (self.min_lr > 0, schedule == "cosine", "cosine"),
+            "lr_decay_length": (self.lr_decay_length is not None, cosine, "cosine"),
+        }
+        for name, (set_, applies, which) in given.items():
+            if set_ and not applies:
+                also = " (or outer_lr_schedule)" if name == "lr_decay_length" else ""
+                raise ValueError(
+                    f"{name} applies to lr_schedule{also} {which} only (lr_schedule is "
+                    f"{schedule}); drop it or choose {which}"
+                )
+        if self.min_lr >= self.lr and schedule == "cosine":
+            raise ValueError(f"min_lr {self.min_lr:g} must be below lr {self.lr:g}")
+        if self.outer_lr_schedule != "constant" and self.outer != "nesterov":
+            raise ValueError(
+                "outer_lr_schedule applies to outer 'nesterov' only ('average' has no lr of "
+                "its own)"
+            )
+        if cosine and self.lr_decay_length is None:
+            if unit != "rounds":
+                raise ValueError(
+                    f"a cosine schedule in {unit} needs lr_decay_length (the {unit} it decays "
+                    "over); only in rounds is it the run's rounds by default"
+                )
+            object.__setattr__(self, "lr_decay_length", self.rounds)
+        return self
+
     @model_validator(mode="after")
     def _resolve_outer(self) -> TrainConfig:
         """Fill the outer optimizer's defaults so the saved config says exactly what ran."""
@@ -385,6 +545,16 @@ class TrainConfig(BaseModel):
                 raise ValueError("outer 'nesterov' needs outer_momentum > 0")
         object.__setattr__(self, "outer_lr", lr)
         object.__setattr__(self, "outer_momentum", momentum)
+        return self
+
+    @model_validator(mode="after")
+    def _stop_at_needs_evaluations(self) -> TrainConfig:
+        """With eval_every 0 the only evaluation is after the last round: nothing to stop."""
+        if self.stop_at is not None and self.eval_every == 0:
+            raise ValueError(
+                "stop_at needs evaluations as the run goes (eval_every 0 evaluates only after "
+                "the last round); set eval_every to 1 or more, or drop stop_at"
+            )
         return self
 
     @model_validator(mode="after")
@@ -437,8 +607,12 @@ TRAJECTORY_SETTINGS = (
     "model", "num_classes", "data", "label_col", "input_col", "image_size", "workers", "tau",
     "batch_size", "optimizer", "lr", "momentum", "weight_decay", "outer", "outer_lr",
     "outer_momentum", "inner_state", "seed", "precision", "compress", "overlap", "fragments",
-    "tau_share", "tau_max",
+    "tau_share", "tau_max", "label_smoothing", "warmup_steps", "lr_schedule", "lr_unit",
+    "lr_milestones", "lr_step_size", "lr_gamma", "lr_decay_length", "min_lr",
+    "outer_lr_schedule",
 )  # fmt: skip
+#: what shapes a schedule beyond its kind: a changed kind on resume takes them anew
+SCHEDULE_SHAPE = ("lr_milestones", "lr_step_size", "lr_decay_length", "min_lr")
 #: the settings of tau auto alone: with a fixed tau on both sides of a resume, nothing
 TAU_AUTO_SETTINGS = ("tau_share", "tau_max")
 
@@ -670,6 +844,12 @@ def load_train_config(
         explicit = {k for k in merged if k not in base or merged[k] != base[k]}
         if "outer" in explicit:
             for key in ("outer_lr", "outer_momentum"):
+                if key not in explicit:
+                    merged.pop(key, None)
+        # Likewise a changed schedule drops the stored one's own settings (a cosine's filled
+        # length, a multistep's milestones) unless they are given again.
+        if explicit & {"lr_schedule", "outer_lr_schedule", "lr_unit"}:
+            for key in SCHEDULE_SHAPE:
                 if key not in explicit:
                     merged.pop(key, None)
     try:

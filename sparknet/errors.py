@@ -34,7 +34,10 @@ def _plain(value: Any) -> Any:
 #: what a message names that is no setting of `sparknet.fit`: the options of other commands
 #: (`sparknet data shard --shard-mb`) and the command line's own `--set` and `--conf`; every
 #: spelling writes them as the command line does, the one place they are given
-COMMAND_ONLY = frozenset({"set", "conf", "shard_mb", "max_side", "quality", "classes"})
+COMMAND_ONLY = frozenset(
+    {"set", "conf", "shard_mb", "max_side", "quality", "classes", "shards", "val_fraction"}
+    | {"create_bucket"}
+)
 
 #: places a message points to, each front end's own words for them: the list of the training
 #: settings, and how the `workers` setting is given to each command

@@ -273,7 +273,7 @@ def _cell(value: Any) -> str:
 
 def show_report(report: BenchReport, console: Any) -> None:
     """A report's table on a rich console, then its notes and the files it wrote."""
-    table = Table(title=report.title)
+    table = Table(title=report.title, min_width=len(report.title) + 4)  # the title unwrapped
     for col in report.columns:
         table.add_column(col, justify="left" if col == report.columns[0] else "right")
     for row in report.rows:
@@ -290,7 +290,7 @@ def _headline_figure(value: float) -> str:
 def headline_table(outcome: dict[str, tuple[int, float]], out: Path) -> Any:
     """The rich table of every benchmark's `headline` rows: `outcome` maps a benchmark's name to
     (exit code, wall seconds); its figures are read back from `<out>/<name>.json`."""
-    table = Table(title="sparknet benchmarks")
+    table = Table(title="sparknet benchmarks", min_width=len("sparknet benchmarks") + 4)
     for col in ("benchmark", "metric", "sparknet", "reference", "ratio", "goal", "wall s"):
         table.add_column(col, justify="left" if col in ("benchmark", "metric") else "right")
     for name, (rc, wall) in outcome.items():

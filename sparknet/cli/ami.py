@@ -16,6 +16,7 @@ from sparknet.cli.common import (
     signal_exit,
 )
 from sparknet.errors import InputError, SparknetError
+from sparknet.say import command_line
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
 # (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
@@ -66,7 +67,8 @@ def ami_bake(
     except SparknetError as exc:
         fail(exc, debug, 2)
     caught = Caught()
-    note = "still removing the builder; `sparknet cluster sweep` finds anything left"
+    sweep = command_line("sparknet cluster sweep", region=settings.region)
+    note = f"still removing the builder; `{sweep}` finds anything left"
     try:
         with interrupts(caught, stop_at=1, note=note):
             try:
@@ -79,7 +81,7 @@ def ami_bake(
         print(f"{key}\t{value}")
     print(
         f"baked {baked.image_id} ({baked.name}); recorded in SSM parameter {baked.parameter}: "
-        "`sparknet cluster up` launches it"
+        f"`{command_line('sparknet cluster up', 'NAME', region=settings.region)}` launches it"
     )
     if baked.left:  # the image is good; what the builder left still costs
         fail(SparknetError(baked.left), debug, 1)

@@ -11,7 +11,7 @@ from sparknet.cli import train as train_command
 from sparknet.cli.ami import ami_app
 from sparknet.cli.bench import bench_app
 from sparknet.cli.cluster import cluster_app
-from sparknet.cli.common import short_help
+from sparknet.cli.common import VersionOption, program, short_helps
 from sparknet.cli.data import data_app
 from sparknet.cli.evaluate import evaluate
 from sparknet.cli.export import export
@@ -29,7 +29,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=HELP)
 
 
 @app.callback()
-def _root() -> None:
+def _root(version: bool = VersionOption) -> None:
     """sparknet: synchronized local SGD for PyTorch on Apache Spark."""
 
 
@@ -40,8 +40,10 @@ for _name, _command in (
     ("predict", predict),
     ("export", export),
 ):
-    app.command(name=_name, short_help=short_help(_command))(_command)
+    app.command(name=_name)(_command)
 app.add_typer(data_app, name="data")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(ami_app, name="ami")
 app.add_typer(bench_app, name="bench")
+short_helps(app)
+program("sparknet", app)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import signal
@@ -15,11 +16,15 @@ import click
 import typer
 import typer.rich_utils
 from rich.console import Console
-from typer.core import TyperOption
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from sparknet import interrupts as signals
 from sparknet.errors import SparknetError, first_line
 from sparknet.interrupts import hold, holding
+from sparknet.say import Given, carrying
 
 #: progress and notes go to stderr; results (tables, summaries) to stdout. A line printed is
 #: never wrapped by rich (`soft_wrap`): a terminal wraps it as wide as it is, and a log file
@@ -29,8 +34,10 @@ from sparknet.interrupts import hold, holding
 console = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
 results = Console()
 
-ConfigOption = typer.Option(None, "--config", help="settings YAML; default ./sparknet.yaml")
-EndpointOption = typer.Option(None, help="S3-compatible endpoint (MinIO, moto)")
+ConfigOption = typer.Option(None, "--config", help="settings YAML (default: ./sparknet.yaml)")
+#: one wording of `--endpoint-url` for every command (`sparknet train`'s too: `settings.py`)
+ENDPOINT_HELP = "endpoint URL of S3 (and EC2) in place of AWS's: MinIO, moto"
+EndpointOption = typer.Option(None, help=ENDPOINT_HELP)
 DebugOption = typer.Option(False, help="show tracebacks")
 
 
@@ -68,6 +75,182 @@ def _usage_error_in_one_line() -> None:
 
 
 _usage_error_in_one_line()
+
+
+def _defaults_worded_as_help() -> None:
+    """A default typer shows reads as the help texts write one: `(default: 2)`, not
+    `[default: 2]`."""
+    typer.rich_utils.DEFAULT_STRING = "(default: {})"
+
+
+_defaults_worded_as_help()
+
+
+def _arguments_named_in_capitals() -> None:
+    """An argument reads `SRC DEST` in the usage line, the argument list and its errors, as
+    click and every other CLI write them, not typer's `{src} {dest}`."""
+    TyperArgument.display_name_raw = property(  # type: ignore[method-assign,assignment]
+        lambda self: self.metavar if self.metavar is not None else (self.name or "").upper()
+    )
+    usage = TyperArgument._usage_display_name
+
+    def usage_display_name(self: TyperArgument) -> str:
+        shown = usage(self)
+        return shown.replace("{", "").replace("}", "") if self.required else shown
+
+    TyperArgument._usage_display_name = usage_display_name  # type: ignore[method-assign]
+
+
+_arguments_named_in_capitals()
+
+
+class _FittedOptions:
+    """The console typer prints an options panel with, which lays its table out again before
+    it prints: an option's names (`--deterministic`, then `--no-deterministic` under it) and
+    type in columns never cut (typer's cut `--checkpoint-every` to `--checkpoint-eve…` at 80
+    columns), the help taking what is left and wrapping in it."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def print(self, panel: Panel, *args: Any, **kwargs: Any) -> None:
+        table = panel.renderable
+        if isinstance(table, Table) and len(table.columns) >= 6:
+            panel.renderable = _fitted(table)
+        self.console.print(panel, *args, **kwargs)
+
+
+def _fitted(table: Table) -> Table:
+    """`table` (typer's: [required,] long names, short names, the switch's other side and its
+    short one, type, help) as [required,] names, type, help."""
+    cells = [list(column.cells) for column in table.columns]
+    required = cells[:-6]
+    names, types, helps = cells[-6:-2], cells[-2], cells[-1]
+    fitted = Table(
+        highlight=table.highlight, show_header=False, expand=True, box=None, padding=(0, 1),
+        pad_edge=False,
+    )  # fmt: skip
+    if required:
+        fitted.add_column(no_wrap=True)
+    row_names = [Text(" ").join(n for n in row if str(n)) for row in zip(*names, strict=True)]
+    widest = max((len(w) for n in row_names for w in str(n).split()), default=1)
+    fitted.add_column(max_width=widest)  # a name a line where they do not fit side by side
+    fitted.add_column(no_wrap=True)
+    fitted.add_column(ratio=1)
+    for k, name in enumerate(row_names):
+        for part in getattr(helps[k], "renderables", ()):
+            if isinstance(part, Text):
+                part.overflow = "fold"  # a word wider than the column (a long default) folds
+        fitted.add_row(*(r[k] for r in required), name, types[k], helps[k])
+    return fitted
+
+
+def _options_fitted() -> None:
+    printed = typer.rich_utils._print_options_panel
+
+    def print_options_panel(*, console: Console, **kwargs: Any) -> None:
+        printed(console=_FittedOptions(console), **kwargs)  # type: ignore[arg-type]
+
+    typer.rich_utils._print_options_panel = print_options_panel
+
+
+_options_fitted()
+
+
+#: the options whose values a hint's command line carries where the user gave them: where
+#: things are (`say.command_line`)
+CARRIED = ("--endpoint-url", "--config", "--region")
+#: the programs by name (`sparknet`, `sparknet-submit`), each registered by its app's module
+_PROGRAMS: dict[str, typer.Typer] = {}
+
+
+def program(name: str, app: typer.Typer) -> None:
+    """Register `app` as the program `name`, whose commands a hint's command line names: it
+    carries a given flag only to a command of it that takes it."""
+    _PROGRAMS[name] = app
+
+
+@functools.cache
+def _root(name: str) -> click.Command:
+    return typer.main.get_command(_PROGRAMS[name])
+
+
+def takes(command: str, option: str) -> bool:
+    """Whether `command` (`sparknet cluster down`) has `option`; True for a program not loaded
+    in this process (every `sparknet-submit` command takes `--endpoint-url` and `--config`)."""
+    name, *words = command.split()
+    if name not in _PROGRAMS:
+        return True
+    found: Any = _root(name)
+    for word in words:
+        found = getattr(found, "commands", {}).get(word)
+        if found is None:
+            return False
+    return any(option in (*p.opts, *p.secondary_opts) for p in found.params)
+
+
+def given(ctx: click.Context) -> Given:
+    """The `CARRIED` flags given to the command `ctx` runs, on its command line, as typed."""
+    flags = []
+    for param in ctx.command.params:
+        option = next((o for o in param.opts if o in CARRIED), None)
+        if option is None or param.name is None or ctx.params.get(param.name) is None:
+            continue
+        source = ctx.get_parameter_source(param.name)  # typer's own click's enum: by name
+        if source is not None and source.name == "COMMANDLINE":
+            flags.append((option, str(ctx.params[param.name])))
+    return Given(tuple(flags), takes)
+
+
+def _hints_carry_given_flags() -> None:
+    """Every command runs `carrying` the flags it was given, so a hint it prints (`sparknet
+    cluster down nb1 --region us-east-1 --endpoint-url URL`) reaches what the command did."""
+    for cls in (TyperCommand, TyperGroup):
+        invoke = cls.invoke
+
+        def carrying_invoke(self: click.Command, ctx: click.Context, invoke=invoke) -> Any:
+            with carrying(given(ctx)):
+                return invoke(self, ctx)
+
+        cls.invoke = carrying_invoke  # type: ignore[method-assign]
+
+
+_hints_carry_given_flags()
+
+
+def version_shown(value: bool) -> None:
+    """`--version`: the installed package's version, then exit."""
+    if value:
+        from importlib.metadata import version  # lazy: only for --version
+
+        print(f"sparknet {version('sparknet')}")
+        raise typer.Exit()
+
+
+VersionOption = typer.Option(
+    False, "--version", callback=version_shown, is_eager=True, help="show the version and exit"
+)
+
+
+def short_helps(app: typer.Typer) -> None:
+    """Each command of `app` and its groups, at any depth, listed by `short_help` where it has
+    no short help of its own: a line, never the docstring cut mid-sentence."""
+    for info in app.registered_commands:
+        if not info.short_help and info.callback is not None:
+            info.short_help = short_help(info.callback)
+    for group in app.registered_groups:
+        if group.typer_instance is None:
+            continue
+        text = group.help or group.typer_instance.info.help  # a placeholder where unset is falsy
+        if not group.short_help and isinstance(text, str):
+            group.short_help = first_clause(text, ".")  # a group's list names its commands
+        short_helps(group.typer_instance)
+
+
+def titled_table(title: str, **kwargs: Any) -> Table:
+    """A rich table at least as wide as its title, which rich would otherwise wrap to the
+    table's width (a two-column summary at 80 columns)."""
+    return Table(title=title, min_width=len(title) + 4, **kwargs)
 
 
 def fail(exc: BaseException, debug: bool, code: int = 2) -> None:
@@ -166,8 +349,32 @@ def spark_command(debug: bool, interrupted: str) -> Iterator[None]:
 
 
 def short_help(command: Callable[..., Any]) -> str:
-    """A command's line in its group's list: its docstring up to the first colon or full stop,
-    on one line (typer shows the docstring's first paragraph with its line breaks, which cut
-    it mid-sentence)."""
-    text = " ".join((command.__doc__ or "").split())
-    return re.split(r"[:.](?:\s|$)", text, maxsplit=1)[0]
+    """A command's line in its group's list: its docstring up to the first colon or full stop
+    that ends a clause (`first_clause`), on one line (typer shows the docstring's first
+    paragraph with its line breaks, which cut it mid-sentence)."""
+    return first_clause(command.__doc__ or "")
+
+
+def first_clause(text: str, ends: str = ":.") -> str:
+    """`text` on one line up to the first of `ends` that is followed by a space or the end and
+    is not inside parentheses or backquotes (`(idempotent: ...)` does not end it)."""
+    text = " ".join(text.split())
+    depth, quoted = 0, False
+    for end in re.finditer(rf"[()`]|[{re.escape(ends)}](?=\s|$)", text):
+        mark = end.group()
+        if mark == "`":
+            quoted = not quoted
+        elif not quoted and mark in "()":
+            depth += 1 if mark == "(" else -1
+        elif not quoted and depth <= 0:
+            return text[: end.start()]
+    return text.rstrip(ends)
+
+
+def sized(n: int) -> str:
+    """Bytes as a person reads them: B under a KiB, KiB under a MiB, MiB under a GiB, else
+    GiB (a small dataset never reads as 0.0 MiB)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"

@@ -23,7 +23,14 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from sparknet.cli.common import ConfigOption, DebugOption, EndpointOption, console, fail
+from sparknet.cli.common import (
+    ConfigOption,
+    DebugOption,
+    EndpointOption,
+    console,
+    fail,
+    sized,
+)
 from sparknet.config import find_config_file, load_datasets
 from sparknet.errors import SparknetError
 
@@ -44,6 +51,44 @@ def _dataset_uri(name_or_uri: str, config: Path | None, endpoint_url: str | None
     if entry is None:
         return name_or_uri, endpoint_url
     return entry.uri, endpoint_url or entry.endpoint_url
+
+
+def _check_dir(path: Path) -> None:
+    """A local dataset or source directory that is not there is one line that says so."""
+    if not path.exists():
+        raise SparknetError(f"no such directory: {path}")
+    if not path.is_dir():
+        raise SparknetError(f"{path} is not a directory: give the dataset's directory")
+
+
+#: the `sparknet:cluster` tag of a bucket `data upload --create-bucket` made, which no cluster
+#: owns: `cluster up` holds a bucket tagged so to the foundation's settings, as it does its own
+BUCKET_MAKER = "data-upload"
+
+
+def _make_bucket(uri: str, region: str | None, endpoint_url: str | None) -> str:
+    """Make the bucket of `uri` with the cluster foundation's own code (encrypted, never public,
+    TLS only, versioned, as `cluster up` makes it; one it made before is held to them again, a
+    user's own left as it is); a line that says which, and where a new one was made (--region,
+    else the AWS configuration's region, else us-east-1)."""
+    from sparknet import aws  # lazy: boto3
+    from sparknet.cluster.aws.boto3_foundation import Boto3Foundation  # lazy: boto3
+    from sparknet.cluster.aws.owner import caller_owner  # lazy: boto3
+    from sparknet.cluster.spec import ClusterSpec  # lazy: +30 ms to `sparknet --help`
+    from sparknet.data.s3 import S3Uri  # lazy: boto3
+
+    if not uri.startswith("s3://"):
+        raise SparknetError(f"--create-bucket makes the bucket of an s3:// URI, not {uri!r}")
+    bucket = S3Uri.parse(uri).bucket
+    where = region or aws.session().region_name or "us-east-1"
+    spec = ClusterSpec(
+        name=BUCKET_MAKER, region=where, bucket=bucket, owner=caller_owner(where, endpoint_url)
+    )
+    foundation = Boto3Foundation(spec, endpoint_url)
+    foundation.bucket(bucket)
+    if foundation.created:
+        return f"bucket {bucket}: made in {where}"
+    return f"bucket {bucket}: there already"
 
 
 def _bytes_progress(description: str) -> Progress:
@@ -121,9 +166,28 @@ def data_shard(
     src: Path = typer.Argument(
         ..., help="ImageNet: train/<wnid>/*.JPEG and val/, or the dir of the downloaded tars"
     ),
-    dest: Path = typer.Argument(..., help="directory for the shards and manifest.json"),
-    shard_mb: int = typer.Option(256, "--shard-mb", min=1, help="target shard size (MiB)"),
-    seed: int = typer.Option(0, help="seed of the shuffle that mixes classes across shards"),
+    dest: str = typer.Argument(
+        ..., help="local directory for the shards and manifest.json (then `data upload` it)"
+    ),
+    shard_mb: int | None = typer.Option(
+        None, "--shard-mb", min=1, help="target shard size (MiB); default 256"
+    ),
+    shards: int | None = typer.Option(
+        None,
+        "--shards",
+        min=1,
+        help="cut each split into N shards, whatever their size (instead of --shard-mb): a "
+        "dataset under 1 MiB can still give every worker a shard",
+    ),
+    val_fraction: float | None = typer.Option(
+        None,
+        "--val-fraction",
+        help="hold out this share of each class's images as val (seeded by --seed), for a "
+        "source without val: a plain ImageFolder root of class folders, or train/ alone",
+    ),
+    seed: int = typer.Option(
+        0, help="seed of the shuffle that mixes classes across shards (and of --val-fraction)"
+    ),
     processes: int | None = typer.Option(
         None,
         min=1,
@@ -148,17 +212,26 @@ def data_shard(
     """Write WebDataset tar shards and manifest.json; a re-run keeps shards already written."""
     from sparknet.data.imagenet import read_class_list  # lazy: +10 ms to `sparknet --help`
     from sparknet.data.shard_plan import DEFAULT_QUALITY, Resize  # lazy: numpy
-    from sparknet.data.shards import write_dataset  # lazy: PIL
+    from sparknet.data.shards import DEFAULT_SHARD_BYTES, write_dataset  # lazy: PIL
 
     try:
+        if dest.startswith("s3://"):
+            raise SparknetError(
+                f"{dest}: data shard writes to a local directory; shard there, then "
+                f"`sparknet data upload DIR {dest}`"
+            )
+        _check_dir(src)
         wanted = read_class_list(classes) if classes is not None else None
         if quality is not None and max_side is None:
             raise SparknetError("--quality is the quality of images --max-side shrinks: add it")
+        if shards is not None and shard_mb is not None:
+            raise SparknetError("--shards and --shard-mb both size the shards: give one")
         resize = Resize(max_side, quality or DEFAULT_QUALITY) if max_side is not None else None
         with _ShardProgress() as progress:
             report = write_dataset(
-                src, dest, shard_bytes=shard_mb << 20, seed=seed, processes=processes,
-                classes=wanted, resize=resize, on_progress=progress,
+                src, Path(dest), shard_bytes=shard_mb << 20 if shard_mb else DEFAULT_SHARD_BYTES,
+                seed=seed, processes=processes, classes=wanted, resize=resize,
+                on_progress=progress, shards=shards, val_fraction=val_fraction,
             )  # fmt: skip
     except SparknetError as exc:
         fail(exc, debug)
@@ -169,14 +242,19 @@ def data_shard(
                        for k, v in m.splits.items())  # fmt: skip
     removed = f", {len(report.removed)} old removed" if report.removed else ""
     subset = f" (of {m.subset_of}, indexed 0..{m.num_classes - 1})" if m.subset_of else ""
+    held = (
+        f" (val: {m.held_out.fraction:g} of each class held out of train, seed {m.held_out.seed})"
+        if m.held_out is not None
+        else ""
+    )
     print(
-        f"{dest}: {m.num_classes} classes{subset}; {splits}; "
+        f"{dest}: {m.num_classes} classes{subset}; {splits}{held}; "
         f"{len(report.written)} written, {len(report.reused)} kept{removed}"
     )
     if report.other_classes_val:
         print(f"{report.other_classes_val} val images of other classes were left out")
-    _print_rejected(report.rejected, src, dest, "images do not decode and were left out")
-    _print_rejected(report.skipped, src, dest, "files are not .JPEG/.jpg and were skipped")
+    _print_rejected(report.rejected, src, Path(dest), "images do not decode and were left out")
+    _print_rejected(report.skipped, src, Path(dest), "files are not .JPEG/.jpg and were skipped")
     for warning in report.warnings:
         print(warning, file=sys.stderr)
 
@@ -202,6 +280,16 @@ def data_upload(
     dest: str = typer.Argument(..., help="s3://bucket/prefix or a name from datasets:"),
     concurrency: int = typer.Option(8, min=1, help="parallel transfers"),
     force: bool = typer.Option(False, "--force", help="send every shard, even ones already there"),
+    create_bucket: bool = typer.Option(
+        False,
+        "--create-bucket",
+        help="make the bucket when it is missing, as `sparknet cluster up` makes it: encrypted, "
+        "never public, TLS only, versioned (a bucket of your own that is there is left as it is)",
+    ),
+    region: str | None = typer.Option(
+        None,
+        help="the region --create-bucket makes it in; default: AWS's configured, else us-east-1",
+    ),
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
@@ -212,10 +300,15 @@ def data_upload(
 
     try:
         uri, endpoint = _dataset_uri(dest, config, endpoint_url)
+        if region is not None and not create_bucket:
+            raise SparknetError("--region is where --create-bucket makes the bucket: add it")
+        _check_dir(src)
         path = src / MANIFEST_NAME
         if not path.is_file():
             raise SparknetError(f"{src} has no {MANIFEST_NAME}: run `sparknet data shard` first")
         manifest = Manifest.loads(path.read_bytes(), str(path))
+        if create_bucket:
+            print(_make_bucket(uri, region, endpoint), file=sys.stderr)
         total = sum(s.bytes for v in manifest.splits.values() for s in v)
         with _bytes_progress("upload") as progress:
             bar = progress.add_task("upload", total=total)
@@ -233,7 +326,7 @@ def data_upload(
         )
     print(
         f"{uri}: {len(report.uploaded)} shards uploaded "
-        f"({report.bytes_uploaded / 2**20:.1f} MiB), {len(report.skipped)} already there"
+        f"({sized(report.bytes_uploaded)}), {len(report.skipped)} already there"
         + (f", {len(report.removed)} old removed" if report.removed else "")
     )
     if report.left:
@@ -288,10 +381,10 @@ def data_ls(
     except SparknetError as exc:
         fail(exc, debug)
     table = Table(title=f"{listing.uri} ({listing.num_classes} classes)")
-    for col in ("split", "shards", "images", "MiB"):
+    for col in ("split", "shards", "images", "size"):
         table.add_column(col, justify="left" if col == "split" else "right")
     for sp in listing.splits:
-        table.add_row(sp.split, str(sp.shards), str(sp.samples), f"{sp.bytes / 2**20:.1f}")
+        table.add_row(sp.split, str(sp.shards), str(sp.samples), sized(sp.bytes))
     Console().print(table)
     if listing.missing:
         print(f"error: missing shards: {', '.join(listing.missing)}", file=sys.stderr)

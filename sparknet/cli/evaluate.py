@@ -14,6 +14,7 @@ from sparknet.cli.common import (
     console,
     results,
     spark_command,
+    titled_table,
 )
 from sparknet.config import find_config_file, load_datasets
 
@@ -73,7 +74,7 @@ def _report_name(data: str, split: str | None) -> str:
 
 def summary(ev, where: str, written: list[str]) -> Table:
     """The table an evaluation ends with (`sparknet-submit evaluate`'s too)."""
-    table = Table(title="sparknet evaluate", show_header=False)
+    table = titled_table("sparknet evaluate", show_header=False)
     table.add_column()
     table.add_column(overflow="fold")
     table.add_row("data", ev.data + (f" ({ev.split})" if ev.split else ""))

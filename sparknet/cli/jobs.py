@@ -19,9 +19,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from sparknet.cli import train as train_command
 from sparknet.cli.cluster.options import cluster_spec
-from sparknet.cli.common import Caught, console, fail, interrupts, results
+from sparknet.cli.common import ENDPOINT_HELP, Caught, console, fail, interrupts, results
 from sparknet.cli.evaluate import summary as evaluation_table
 from sparknet.errors import SparknetError
+from sparknet.say import command_line
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
 # (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
@@ -67,7 +68,7 @@ RunArgument = typer.Argument(..., metavar="RUN", help="run id (printed by sparkn
 ClusterOption = typer.Option(
     None, "--cluster", help="look for RUN on this cluster's master (a job started elsewhere)"
 )
-JobsEndpointOption = typer.Option(None, help="AWS endpoint (moto); default: the job's record's")
+JobsEndpointOption = typer.Option(None, help=f"{ENDPOINT_HELP} (default: the job's record's)")
 JobsConfigOption = typer.Option(None, "--config", help="settings YAML; default ./sparknet.yaml")
 JobsDebugOption = typer.Option(False, help="show tracebacks")
 
@@ -170,7 +171,7 @@ def attach(
         signum = caught.signum or signal.SIGINT
         print(
             f"detached from job {run_id}: it goes on on cluster {rec.cluster}; "
-            f"`sparknet-submit attach {run_id}` follows it again",
+            f"`{command_line('sparknet-submit attach', run_id)}` follows it again",
             file=sys.stderr,
         )
         raise typer.Exit(128 + signum) from None
@@ -331,6 +332,8 @@ def list_jobs(
         listed = records.listing(_spec_of(config), endpoint_url)
     except SparknetError as exc:
         fail(exc, debug, 1)
+    if not listed:  # a note on stderr: stdout stays the lines
+        console.print("no jobs: this machine started or attached to none")
     for item in listed:
         rec = item.record
         print(f"{rec.run_id}\t{rec.cluster}\t{item.state}\t{rec.started_text()}\t{rec.kind}")

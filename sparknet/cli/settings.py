@@ -10,6 +10,8 @@ reads the parameters from the signature `with_settings` gives the function.
 
 from __future__ import annotations
 
+import copy
+import difflib
 import inspect
 import types
 import typing
@@ -18,13 +20,33 @@ from typing import Any, Literal, TypeVar
 
 import typer
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+from typer.models import OptionInfo
 
+from sparknet.cli.common import ENDPOINT_HELP
 from sparknet.config import Flag, TrainConfig
-from sparknet.errors import as_flag, worded
+from sparknet.errors import SparknetError, as_flag, worded
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-SetOption = typer.Option([], "--set", help="key=value, repeatable")
+
+def known_sets(items: list[str]) -> list[str]:
+    """`--set`'s values, each key a training setting: a misspelt one is refused naming the
+    setting it is likeliest to mean (`tua=3`: did you mean tau?)."""
+    for item in items:
+        key, sep, _ = item.partition("=")
+        key = key.strip().removeprefix("train.")
+        if not sep or not key or key in TrainConfig.model_fields:
+            continue  # a malformed item is the settings loader's to word
+        close = difflib.get_close_matches(key, list(TrainConfig.model_fields), n=1)
+        raise SparknetError(
+            "unknown setting '{key}'{meant}; see {@help} for the settings",
+            key=key, meant=f" (did you mean {close[0]}?)" if close else "",
+        )  # fmt: skip
+    return items
+
+
+SetOption = typer.Option([], "--set", help="a training setting as key=value, repeatable")
 #: the command line's way to `spark_conf`, one Spark setting at a time
 ConfOption = typer.Option([], "--conf", help="Spark setting key=value, repeatable")
 
@@ -56,10 +78,48 @@ def setting_option(name: str, field: FieldInfo, flag: Flag) -> inspect.Parameter
     if kind is bool and flag.negatable:
         decls += "/" + as_flag(name, False)
     text = worded(flag.help, as_flag) if flag.help else field.description
-    option = typer.Option(None, decls, help=text)
+    if name == "endpoint_url":  # worded as every command's `--endpoint-url`
+        text = ENDPOINT_HELP
+    shown = shown_default(name, field, kind, negatable=flag.negatable)
+    if shown is not None and "default" not in (text or ""):
+        text = f"{text} (default: {shown})" if text else f"(default: {shown})"
+    option = typer.Option(None, decls, help=text, rich_help_panel=panel_of(name))
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind | None
     )
+
+
+def shown_default(name: str, field: FieldInfo, kind: type, *, negatable: bool) -> str | None:
+    """The model's default as `--help` shows it (`30`, `auto`, `no-deterministic`), the option
+    itself having none (an option not given leaves the setting to the other sources); None
+    where there is none to show: no default, or a switch that is off unless given."""
+    default = field.default
+    if default is None or default is PydanticUndefined:
+        return None
+    if kind is bool:
+        return as_flag(name, default).removeprefix("--") if negatable else None
+    return str(default)
+
+
+#: the panels `--help` groups the training settings in, each named at the first setting it holds
+#: (in the model's order); a setting added later joins the panel of the settings before it
+PANELS = {
+    "model": "Model and data",
+    "workers": "Training",
+    "out": "Run dir and tracking",
+    "master": "Spark and devices",
+    "transport": "Exchange between workers",
+}
+
+
+def panel_of(name: str) -> str:
+    """The `--help` panel of training setting `name` (`PANELS`)."""
+    panel = "Training settings"
+    for setting in TrainConfig.model_fields:
+        panel = PANELS.get(setting, panel)
+        if setting == name:
+            return panel
+    raise ValueError(f"no such training setting: {name}")
 
 
 def with_settings(
@@ -88,9 +148,20 @@ def with_settings(
             flag = flag_of(field)
             if flag is not None and name not in leave_out:
                 placed.append(setting_option(name, field, flag))
-            placed.extend(p for p in own if after.get(p.name) == name)
+            placed.extend(_in_panel(p, panel_of(name)) for p in own if after.get(p.name) == name)
         placed.extend(p for p in own if p.name in last)
         func.__signature__ = inspect.Signature(placed)
         return func
 
     return decorate
+
+
+def _in_panel(param: inspect.Parameter, panel: str) -> inspect.Parameter:
+    """`param` shown in `panel` of `--help` (that of the setting it comes after), unless its
+    option names one of its own; the option is copied, as one may serve several commands."""
+    option = param.default
+    if not isinstance(option, OptionInfo) or option.rich_help_panel is not None:
+        return param
+    option = copy.copy(option)
+    option.rich_help_panel = panel
+    return param.replace(default=option)

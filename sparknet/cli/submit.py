@@ -12,6 +12,7 @@ given, so `sparknet-submit --s3 X ...` is the job itself."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import signal
 from collections.abc import Callable
@@ -25,19 +26,24 @@ from typer.models import OptionInfo
 from sparknet.cli import jobs
 from sparknet.cli.cluster.options import cluster_spec
 from sparknet.cli.common import (
+    ENDPOINT_HELP,
     Caught,
     DebugOption,
+    VersionOption,
     caught_signal,
     console,
     fail,
     interrupts,
+    program,
     results,
-    short_help,
+    short_helps,
+    sized,
 )
 from sparknet.cli.jobs import Report, say
-from sparknet.cli.settings import ConfOption, SetOption, with_settings
+from sparknet.cli.settings import ConfOption, SetOption, known_sets, with_settings
 from sparknet.config import find_config_file, load_datasets, load_train_config
 from sparknet.errors import SettingError, SparknetError, first_line
+from sparknet.say import command_line
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
 # (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
@@ -95,7 +101,13 @@ def _job_options(
         help="restarts of a driver that dies (killed, crashed): training's from the run's last "
         "checkpoint, evaluate's and predict's from the start; 0: never",
     ),
-    endpoint_url: str | None = typer.Option(None, help="AWS endpoint (moto) for EC2 and S3"),
+    endpoint_url: str | None = typer.Option(None, help=ENDPOINT_HELP),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="run every check a launch runs first and print the plan (machines and their "
+        "price, the data, the settings); nothing is made",
+    ),
     config: Path | None = typer.Option(
         None,
         "--config",
@@ -119,12 +131,20 @@ def with_job_options(func: F) -> F:
     ):
         lead += 1
     job = [
-        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY, default=_in_job_panel(p.default))
         for p in inspect.signature(_job_options, eval_str=True).parameters.values()
     ]
     rest = [p.replace(kind=p.KEYWORD_ONLY) for p in own[lead:] if p.kind is not p.VAR_KEYWORD]
     func.__signature__ = inspect.Signature([*own[:lead], *job, *rest])  # type: ignore[attr-defined]
     return func
+
+
+def _in_job_panel(option: OptionInfo) -> OptionInfo:
+    """A job option as `--help` shows it: in the panel of the job and its cluster, apart from
+    the training settings (a copy: one option serves every command)."""
+    option = copy.copy(option)
+    option.rich_help_panel = "Job and cluster"
+    return option
 
 
 #: the parameters `with_job_options` adds
@@ -138,6 +158,7 @@ def submit(
     set_: list[str] = SetOption,
     conf: list[str] = ConfOption,
     debug: bool = DebugOption,
+    version: bool = VersionOption,
     **training: Any,
 ) -> None:
     """Check the dataset and run prefix, bring a cluster up (or reuse --cluster), run the job on
@@ -147,6 +168,10 @@ def submit(
     if ctx.invoked_subcommand is not None:
         _refuse_options_before(ctx, debug)
         return
+    try:
+        known_sets(set_)  # a misspelt key is named before anything is checked or launched
+    except SparknetError as exc:
+        fail(exc, debug)
     job = {k: training.pop(k) for k in JOB_OPTIONS}
     _run_job(
         job, debug,
@@ -283,6 +308,11 @@ def _run_job(
             spec, o.cluster is not None, o.keep, dataset, cfg, o.endpoint_url, detach=o.detach,
             max_restarts=o.max_restarts, task=model_task,
         )  # fmt: skip
+        if o.dry_run:
+            from sparknet.jobs.plan import plan  # lazy: boto3, fabric
+
+            _print_plan(plan(job))
+            return
         report = Report(console.is_terminal and model_task is None, cfg.rounds)
         with interrupts(caught, note=_second_signal_note(job)):
             started = True
@@ -330,6 +360,36 @@ def _summary(job, result) -> list[Any]:
     )  # fmt: skip
 
 
+def _print_plan(plan) -> None:
+    """A dry run's plan (`sparknet.jobs.plan`), on stdout: the cluster and its machines, what
+    they cost per hour, the data, where the run goes, the settings."""
+    use = "reused, as it runs" if plan.reused else "to make"
+    lines = [f"dry run: every check passed; nothing was made. {plan.command} on cluster "
+             f"{plan.cluster} ({use}):"]  # fmt: skip
+    for m in plan.machines:
+        if not m.instance_types:
+            lines.append(f"  {m.role}: {m.count} of your own (no price of sparknet's)")
+            continue
+        market = "spot" if m.spot else "on-demand"
+        then = f"; fallback {', '.join(m.instance_types[1:])}" if len(m.instance_types) > 1 else ""
+        price = "" if m.cost is None else f", {m.cost.describe()}"
+        lines.append(f"  {m.role}: {m.count} x {m.instance_types[0]} ({market}{then}){price}")
+    if plan.cost is not None:
+        lines.append(f"  per hour in all: {plan.cost.describe()}")
+    sizes = "; ".join(
+        f"{name} {size.samples:,} samples in {size.shards} shards ({sized(size.bytes)})"
+        for name, size in plan.splits.items()
+    )
+    lines.append(f"dataset: {plan.dataset}" + (f": {sizes}" if sizes else ""))
+    lines.append(f"run prefix: {plan.prefix} (RUN: the run id a launch gets)")
+    if plan.output is not None:
+        lines.append(f"predictions: {plan.output}")
+    lines.append("settings:")
+    lines += [f"  {key}: {value}" for key, value in plan.settings.items()]
+    for line in lines:
+        results.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
 def _second_signal_note(job) -> str:
     """What a second Ctrl-C or SIGTERM prints while the first one's clean-up runs: the job's
     cancel (waited for until its driver is gone) and, unless the cluster stays up (--cluster,
@@ -355,14 +415,19 @@ def _ended(exc: BaseException, ending) -> str:
     )
 
 
+#: what a detached job's hint names: the commands that follow it, show its log, end it
+_FOLLOW_UP = ("attach", "logs", "cancel")
+
+
 def _print_detached(job, run_id: str, prefix: str) -> None:
     """What a detached submit prints: the run id (stdout), how to reach the job, and what
     ends the cluster."""
     for line in (f"run id: {run_id}", f"run prefix: {prefix}"):
         results.print(line, markup=False, highlight=False, soft_wrap=True)
+    attach, logs, cancel = (command_line(f"sparknet-submit {c}", run_id) for c in _FOLLOW_UP)
     say(
-        f"job {run_id} runs detached: `sparknet-submit attach {run_id}` follows it, "
-        f"`sparknet-submit logs {run_id}` shows its log, `sparknet-submit cancel {run_id}` ends it"
+        f"job {run_id} runs detached: `{attach}` follows it, `{logs}` shows its log, "
+        f"`{cancel}` ends it"
     )
     from sparknet.jobs.submit import stays_up_line  # lazy: boto3, fabric
 
@@ -394,4 +459,6 @@ for _name, _command in (
     ("cancel", jobs.cancel),
     ("list", jobs.list_jobs),
 ):
-    submit_app.command(_name, short_help=short_help(_command))(_command)
+    submit_app.command(_name)(_command)
+short_helps(submit_app)
+program("sparknet-submit", submit_app)

@@ -22,10 +22,12 @@ from sparknet.cli.common import (
     interrupts,
     quiet_py4j,
     results,
+    titled_table,
 )
-from sparknet.cli.settings import ConfOption, SetOption, with_settings
+from sparknet.cli.settings import ConfOption, SetOption, known_sets, with_settings
 from sparknet.config import find_config_file, load_datasets, load_train_config
 from sparknet.errors import SparknetError, WriteRefused, is_permanent
+from sparknet.say import command_line
 from sparknet.training.round_line import round_line, round_text
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
@@ -33,23 +35,38 @@ from sparknet.training.round_line import round_line, round_text
 # `sparknet --help` and every other command import this module
 
 
-def _summary(result) -> Table:
+def _summary(result, classes: int | None = None) -> Table:
+    """The table a run ends with; `classes`: the model's (top-5 is left out for 5 or fewer,
+    where it is always 1)."""
     rows = result.metrics
     last_eval = next((r for r in reversed(rows) if "eval_accuracy" in r), {})
-    table = Table(title="sparknet run", show_header=False)
+    table = titled_table("sparknet run", show_header=False)
     table.add_column()
     table.add_column(overflow="fold")  # a log file's 80 columns must not cut the run dir's path
     table.add_row("rounds", str(result.rounds))
+    if (target := result.stopped_at_target) is not None:
+        table.add_row(
+            "stopped early",
+            f"round {result.rounds}: test accuracy {result.final['eval_accuracy']:.4f} reached "
+            f"the target {target:g}",
+        )
     table.add_row("train loss (last round)", f"{result.final['loss']:.4f}")
     if last_eval:
         table.add_row("test loss", f"{last_eval['eval_loss']:.4f}")
         table.add_row("test accuracy", f"{last_eval['eval_accuracy']:.4f}")
-        table.add_row("test top-5", f"{last_eval['eval_top5']:.4f}")
+        if classes is None or classes > 5:
+            table.add_row("test top-5", f"{last_eval['eval_top5']:.4f}")
     skipped = sum(r.get("skipped_samples", 0) for r in rows)
     if skipped:
         table.add_row("skipped bad samples", str(skipped))
-    total = sum(r["seconds"]["total"] for r in rows)
-    table.add_row("samples/s (mean)", f"{sum(r['samples'] for r in rows) / total:.0f}")
+    first, steady = rows[0], rows[1:]
+    if steady:  # round 1 holds the Python workers' start-up (torch's import, the data's open)
+        rate = sum(r["samples"] for r in steady) / sum(r["seconds"]["total"] for r in steady)
+        table.add_row(f"samples/s (after round {first['round']})", f"{rate:.0f}")
+    table.add_row(
+        f"samples/s (round {first['round']}, with start-up)",
+        f"{first['samples'] / first['seconds']['total']:.0f}",
+    )
     # the rounds only (resumed runs add up theirs): Spark's start-up is not in it
     table.add_row("training time", f"{result.final['elapsed_s']:.1f} s")
     table.add_row("run dir", str(result.run_dir))
@@ -87,9 +104,14 @@ def train(
 
             base = read_run_config(out, endpoint_url)
         config = find_config_file(config)
-        cfg = load_train_config(config_file=config, sets=set_, flags=settings, base=base, conf=conf)
+        sets = known_sets(set_)
+        cfg = load_train_config(config_file=config, sets=sets, flags=settings, base=base, conf=conf)
         datasets = load_datasets(config)
-        from sparknet.training.driver import train as run_training  # lazy: torch, pyspark, boto3
+        from sparknet.training.driver import default_run_dir  # lazy: torch, pyspark, boto3
+        from sparknet.training.driver import train as run_training  # lazy: as above
+
+        if cfg.out is None:  # named here, so that an interrupt's line can name it
+            cfg = cfg.model_copy(update={"out": str(default_run_dir(cfg))})
 
         signals.check()  # one that came during those seconds of imports, if a library ate it
         report = _Report(live=console.is_terminal, caught=caught)
@@ -105,7 +127,7 @@ def train(
             finally:
                 report.stop()
         try:
-            results.print(_summary(result))
+            results.print(_summary(result, _classes(result.run_dir, cfg.endpoint_url)))
         except BrokenPipeError:
             _to_devnull(sys.stdout)
     except (KeyboardInterrupt, Exception) as exc:
@@ -116,7 +138,7 @@ def train(
             how = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
             # before Spark starts nothing is there to stop, and no checkpoint to speak of
             spark = report is not None and report.spark_started
-            after = "; Spark stopped, the last complete checkpoint is kept" if spark else ""
+            after = f"; Spark stopped, {_kept(cfg)}" if spark else ""
             fail(SparknetError(f"interrupted{how}{after}"), debug, code=128 + signum)
         if isinstance(exc, SparknetError):
             fail(exc, debug)
@@ -124,6 +146,32 @@ def train(
             where = str(exc.filename or out or "the run dir")
             fail(WriteRefused(where, "a file of the run", exc), debug)
         raise
+
+
+def _classes(run_dir, endpoint_url: str | None) -> int | None:
+    """The run's model's classes (its model.json), None where it cannot be read."""
+    from sparknet.training.saved_model import read_info  # lazy: torch
+
+    try:
+        return read_info(run_dir, endpoint_url).num_classes
+    except (OSError, SparknetError):
+        return None
+
+
+def _kept(cfg) -> str:
+    """What an interrupted run keeps and the command that continues it: `round 12's checkpoint
+    is kept; `sparknet train --resume --out runs/x` continues the run`."""
+    from sparknet.data.store import open_store  # lazy: boto3
+    from sparknet.training import checkpoint  # lazy: torch
+
+    resume = command_line("sparknet train", resume=True, out=cfg.out, endpoint_url=cfg.endpoint_url)
+    try:
+        last = checkpoint.latest(open_store(cfg.out, cfg.endpoint_url))
+    except (OSError, SparknetError):  # the store does not answer: what is kept is unknown
+        return f"the last complete checkpoint is kept; `{resume}` continues the run"
+    if last is None:
+        return f"no checkpoint was complete yet; `{resume}` starts the run again"
+    return f"round {last}'s checkpoint is kept; `{resume}` continues the run"
 
 
 class _Report:

@@ -49,7 +49,7 @@ from sparknet.cluster.spec import (
 )
 from sparknet.errors import InputError, SparknetError
 from sparknet.node.command import node_command
-from sparknet.say import Say, quiet
+from sparknet.say import Say, command_line, quiet
 
 #: the image's definition, in the checkout (beside pyproject.toml)
 IMAGE_FILE = Path("ami") / "image.toml"
@@ -566,7 +566,9 @@ def _clean_up(
             failed.append((what, nodes.describe(exc)))
     if failed:
         left = "; ".join(f"{what} ({why})" for what, why in failed)
-        ends = [f"`sparknet cluster down {spec.name} --region {region}` removes the rest"]
+        ends = [
+            f"`{command_line('sparknet cluster down', spec.name, region=region)}` removes the rest"
+        ]
         if made.image and not keep_image and failed[0][0].startswith("image "):
             deregister_it = (
                 f"`aws ec2 deregister-image --region {region} --image-id {made.image} "

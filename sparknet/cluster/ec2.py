@@ -21,11 +21,11 @@ from sparknet.cluster.address import Endpoint
 from sparknet.cluster.aws import instances, keys, owner, prices
 from sparknet.cluster.aws.instances import Instance
 from sparknet.cluster.nodes import Access
-from sparknet.cluster.records import ClusterInfo, ClusterNotFound, DownReport
+from sparknet.cluster.records import ClusterInfo, ClusterNotFound, DownReport, Planned
 from sparknet.cluster.spark.health import ClusterHealth
 from sparknet.cluster.spark.plan import Node
 from sparknet.cluster.spec import ClusterSpec
-from sparknet.say import Say
+from sparknet.say import Say, command_line
 
 #: commands name an EC2 cluster with its region (`--region`): its resources live in one
 REGIONAL = True
@@ -87,6 +87,20 @@ def planned_nodes(spec: ClusterSpec, endpoint_url: str | None) -> tuple[int, int
         ec2 = instances.ec2_client(spec.region, endpoint_url)
         gpus = spark_nodes.instance_gpus(ec2, [spec.master_type])[spec.master_type]
     return spec.workers + 1, gpus
+
+
+def planned(spec: ClusterSpec, endpoint_url: str | None) -> list[Planned]:
+    """The master (on-demand, always) and the workers (spot with `spot`), each priced as its
+    first type: a fallback type is launched only where the first has no capacity."""
+    ec2 = instances.ec2_client(spec.region, endpoint_url)
+    gb = spec.root_volume_gb
+    master = prices.planned_hourly(ec2, spec.master_type, False, 1, gb)
+    rows = [Planned("master", 1, [spec.master_type], False, master)]
+    if spec.workers:
+        first = spec.instance_types[0]
+        cost = prices.planned_hourly(ec2, first, spec.spot, spec.workers, gb)
+        rows.append(Planned("workers", spec.workers, list(spec.instance_types), spec.spot, cost))
+    return rows
 
 
 # --- down and status ---------------------------------------------------------------------------
@@ -197,12 +211,13 @@ def status(spec: ClusterSpec, *, endpoint_url: str | None = None) -> ClusterInfo
     )  # fmt: skip
 
 
-def leftover_note(name: str) -> str:
+def leftover_note(name: str, region: str) -> str:
     """What `cluster status` and `list` say of a cluster with no live instance whose registry
     entry, Terraform state or tagged resources are still there: the autostop timer (or a hand)
     terminates instances only, and `down` removes the rest (key pair, security group, node
     role, network, entry)."""
-    return f"terminated (autostop?); `sparknet cluster down {name}` cleans up"
+    down = command_line("sparknet cluster down", name, region=region)
+    return f"terminated (autostop?); `{down}` cleans up"
 
 
 # --- the bootstrap again -----------------------------------------------------------------------
@@ -214,7 +229,7 @@ def _live(ec2: Any, spec: ClusterSpec) -> list[Instance]:
     if not found:
         raise ClusterNotFound(
             f"cluster {spec.name} has no running instances in {spec.region}; "
-            f"`sparknet cluster up {spec.name}` starts it"
+            f"`{command_line('sparknet cluster up', spec.name, region=spec.region)}` starts it"
         )
     return found
 
@@ -271,7 +286,8 @@ def check_running(spec: ClusterSpec, endpoint_url: str | None) -> None:
     info = status(spec, endpoint_url=endpoint_url)
     if info.master is None or info.master.state != "running":
         raise ClusterNotFound(
-            f"its master is not running; `sparknet cluster up {spec.name}` starts it"
+            "its master is not running; "
+            f"`{command_line('sparknet cluster up', spec.name, region=spec.region)}` starts it"
         )
 
 
@@ -299,7 +315,7 @@ def reach_node(
     if not found:
         raise ClusterNotFound(
             f"cluster {spec.name} has no running instances in {spec.region}; "
-            f"`sparknet cluster up {spec.name}` starts it"
+            f"`{command_line('sparknet cluster up', spec.name, region=spec.region)}` starts it"
         )
     access = sshkeys.access_for(spec)
     sshkeys.check_key_file(access)

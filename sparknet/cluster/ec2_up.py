@@ -38,7 +38,7 @@ from sparknet.cluster.records import ClusterInfo, Interrupted
 from sparknet.cluster.spark import bootstrap as boot
 from sparknet.cluster.spec import TAG_CLUSTER, TAG_ROLE, ClusterSpec
 from sparknet.errors import SparknetError
-from sparknet.say import Say
+from sparknet.say import Say, command_line
 
 # --- up ----------------------------------------------------------------------------------------
 
@@ -200,9 +200,10 @@ def _bootstrap_after_up(
     stay = (
         f"the cluster's {len(info.instances)} instances stay up and registered (and are "
         f"billed) until their backstop powers them off (terminates them) "
-        f"{spec.backstop_minutes} minutes after their last boot: `sparknet cluster bootstrap "
-        f"{name} --region {region}` before then finishes it, `sparknet cluster down {name} "
-        f"--region {region}` ends them now"
+        f"{spec.backstop_minutes} minutes after their last boot: "
+        f"`{command_line('sparknet cluster bootstrap', name, region=region)}` before then "
+        f"finishes it, `{command_line('sparknet cluster down', name, region=region)}` ends "
+        "them now"
     )
     try:
         report = spark_nodes.bootstrap_instances(spec, ec2, info.instances, say, carried)
@@ -285,11 +286,10 @@ def _build(
             interrupted = isinstance(exc, KeyboardInterrupt)
             raise (Interrupted if interrupted else SparknetError)(
                 "{why}; removing what this `up` made then failed too ({undo}); run "
-                "`sparknet cluster down {name} --region {region}` to remove the rest",
+                "`{down}` to remove the rest",
                 why="interrupted" if interrupted else exc,
                 undo=undo_exc,
-                name=spec.name,
-                region=spec.region,
+                down=command_line("sparknet cluster down", spec.name, region=spec.region),
             ) from exc
         if isinstance(exc, KeyboardInterrupt):
             raise Interrupted(

@@ -28,6 +28,7 @@ from sparknet.cluster.nodes import Access
 from sparknet.cluster.remote import Conn, run_script
 from sparknet.cluster.spark.plan import Node
 from sparknet.errors import InputError, SparknetError
+from sparknet.say import command_line
 
 #: the marker and its lock, in the node's install prefix
 MARKER, MARKER_LOCK = "owner.json", ".owner.lock"
@@ -202,7 +203,8 @@ def take_all(
     raise HostHeld(
         f"{_host(node.endpoint)} ({node.name}) is held by {holder.describe(me)} since "
         f"{holder.since or 'an unknown time'}; one machine runs one cluster's Spark: "
-        f"`sparknet cluster down {holder.cluster}` where it is registered frees it (where it "
+        f"`{command_line('sparknet cluster down', holder.cluster)}` where it is registered frees "
+        "it (where it "
         f"is registered nowhere now, remove {node.path(MARKER)} on the host once nothing of "
         "it runs there), or choose other hosts"
     )

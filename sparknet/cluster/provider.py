@@ -16,7 +16,7 @@ from typing import Protocol, cast
 from sparknet.cluster import ec2, static
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.nodes import Access
-from sparknet.cluster.records import ClusterInfo, DownReport
+from sparknet.cluster.records import ClusterInfo, DownReport, Planned
 from sparknet.cluster.spark.health import ClusterHealth
 from sparknet.cluster.spark.plan import Node
 from sparknet.cluster.spec import ClusterSpec
@@ -85,6 +85,9 @@ class Provider(Protocol):
 
     def planned_nodes(self, spec: ClusterSpec, endpoint_url: str | None) -> tuple[int, int | None]:
         """(Spark worker nodes, GPUs of each; None: unknown until reached) of a cluster to make."""
+
+    def planned(self, spec: ClusterSpec, endpoint_url: str | None) -> list[Planned]:
+        """The machines of a cluster to make, by role, with what they would cost per hour."""
 
     def nodes_of(self, spec: ClusterSpec, endpoint_url: str | None) -> tuple[Access, list[Node]]:
         """How to reach the running cluster's nodes, and the nodes laid out, master first."""

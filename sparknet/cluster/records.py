@@ -50,6 +50,22 @@ class ClusterInfo:
 
 
 @dataclass(frozen=True)
+class Planned:
+    """Machines of one role a cluster to make would have, priced before launch: what
+    `sparknet-submit --dry-run` shows. A static cluster's hosts are the user's: no type of
+    sparknet's choosing and no price (`cost` None)."""
+
+    #: master, workers, or hosts (the user's own)
+    role: str
+    count: int
+    #: the types in the order tried (the first priced); empty for the user's own hosts
+    instance_types: list[str]
+    spot: bool
+    #: all `count` together, per hour; None where sparknet pays nothing (the user's hosts)
+    cost: Hourly | None
+
+
+@dataclass(frozen=True)
 class DownReport:
     """What a `down` ended: the instances it terminated and the resources it deleted, or, where
     the machines stay (a static cluster), the nodes whose Spark it stopped."""

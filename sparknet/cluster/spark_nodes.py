@@ -32,7 +32,7 @@ from sparknet.cluster.spark.spark_conf import Ports, load_or_create_secret
 from sparknet.cluster.spark.wheel import Wheel, build_wheel, source_checkout
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError, first_line
-from sparknet.say import Say
+from sparknet.say import Say, command_line
 
 
 class BootstrapIncomplete(SparknetError):
@@ -62,8 +62,8 @@ def plan_nodes(spec: ClusterSpec, ec2: Any, found: list[Instance]) -> list[Node]
     named = node_endpoints.node_names(found)
     if not named or named[0][0] != "master":
         raise SparknetError(
-            f"cluster {spec.name} has no running master; `sparknet cluster up {spec.name}` "
-            "launches one"
+            f"cluster {spec.name} has no running master; "
+            f"`{command_line('sparknet cluster up', spec.name)}` launches one"
         )
     override = spec.bootstrap.gpus_per_node
     gpus = {} if override is not None else instance_gpus(ec2, [i.type for _, i in named])

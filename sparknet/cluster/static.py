@@ -43,14 +43,20 @@ from sparknet.cluster import (
 from sparknet.cluster.address import Endpoint
 from sparknet.cluster.known_hosts import load_trusted
 from sparknet.cluster.nodes import Access
-from sparknet.cluster.records import ClusterInfo, ClusterNotFound, DownReport, Interrupted
+from sparknet.cluster.records import (
+    ClusterInfo,
+    ClusterNotFound,
+    DownReport,
+    Interrupted,
+    Planned,
+)
 from sparknet.cluster.remote import Conn, run
 from sparknet.cluster.spark import bootstrap as boot
 from sparknet.cluster.spark.health import ClusterHealth, Expected, cluster_health
 from sparknet.cluster.spark.plan import Node, laid_out
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
-from sparknet.say import Say
+from sparknet.say import Say, command_line
 
 #: commands name a static cluster without a region (`--region`): its hosts are wherever they are
 REGIONAL = False
@@ -190,7 +196,8 @@ def _check_not_ec2(spec: ClusterSpec) -> None:
     if known is not None and known.provider != "static":
         raise inventory.OtherRegion(
             f"cluster {spec.name} is an EC2 cluster here ({known.region}); take it down first "
-            f"(`sparknet cluster down {spec.name}`) or choose another name"
+            f"(`{command_line('sparknet cluster down', spec.name, region=known.region)}`) or "
+            "choose another name"
         )
 
 
@@ -206,8 +213,8 @@ def _check_hosts(spec: ClusterSpec) -> None:
         if want[: len(have)] != have:
             raise HostsChanged(
                 f"static cluster {spec.name} runs Spark on {', '.join(known.hosts)}; hosts may "
-                f"only be added after those: `sparknet cluster down {spec.name}` first to change "
-                "them"
+                f"only be added after those: `{command_line('sparknet cluster down', spec.name)}` "
+                "first to change them"
             )
     for name, other in registry.registered().items():
         if name == spec.name or other.provider != "static":
@@ -217,7 +224,8 @@ def _check_hosts(spec: ClusterSpec) -> None:
             host, port = shared[0]
             raise HostsChanged(
                 f"{host}:{port} is a host of static cluster {name} too: one machine runs one "
-                f"cluster's Spark; `sparknet cluster down {name}` first, or choose other hosts"
+                f"cluster's Spark; `{command_line('sparknet cluster down', name)}` first, or "
+                "choose other hosts"
             )
 
 
@@ -282,8 +290,8 @@ def up(
             raise
         say(f"static cluster {spec.name}: {len(found)} hosts")
         stay = (
-            f"`sparknet cluster bootstrap {spec.name}` finishes it, `sparknet cluster down "
-            f"{spec.name}` stops what started"
+            f"`{command_line('sparknet cluster bootstrap', spec.name)}` finishes it, "
+            f"`{command_line('sparknet cluster down', spec.name)}` stops what started"
         )
         try:
             report = spark_nodes.bootstrap_locked(
@@ -331,7 +339,7 @@ def status(spec: ClusterSpec, *, endpoint_url: str | None = None) -> ClusterInfo
     if known is None:
         raise ClusterNotFound(
             f"static cluster {spec.name} is not up here (not registered); "
-            f"`sparknet cluster up {spec.name}` bootstraps its hosts"
+            f"`{command_line('sparknet cluster up', spec.name)}` bootstraps its hosts"
         )
     return _info(known)
 
@@ -409,10 +417,10 @@ def down(
             if not forget_unreachable:
                 raise StopIncomplete(
                     "could not stop Spark on every host ({cause}); the cluster stays "
-                    "registered: run `sparknet cluster down {name}` again once they answer, or "
+                    "registered: run `{down}` again once they answer, or "
                     "with {@forget_unreachable} to forget hosts that are gone for good",
                     cause=exc,
-                    name=spec.name,
+                    down=command_line("sparknet cluster down", spec.name),
                 ) from exc
             failed = set(exc.failures)
             say(f"forgetting without stopping Spark there: {exc}")
@@ -470,6 +478,11 @@ def planned_nodes(spec: ClusterSpec, endpoint_url: str | None) -> tuple[int, int
     """(Spark worker nodes, GPUs of each): every host runs a worker; the GPUs are
     `bootstrap.gpus_per_node`, else known only once the hosts are reached (None)."""
     return len(spec.hosts), spec.bootstrap.gpus_per_node
+
+
+def planned(spec: ClusterSpec, endpoint_url: str | None) -> list[Planned]:
+    """The user's hosts, as they are: nothing of sparknet's to choose or to pay."""
+    return [Planned("hosts", len(spec.hosts), [], False, None)]
 
 
 def nodes_of(spec: ClusterSpec, endpoint_url: str | None) -> tuple[Access, list[Node]]:

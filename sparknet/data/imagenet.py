@@ -7,7 +7,9 @@ they come (`ILSVRC2012_img_train.tar`, `ILSVRC2012_img_val.tar`, the devkit: see
 a half-extracted train/ of `<wnid>.tar` files. The class list comes from train: class index =
 position of the wnid in sorted order, the convention torchvision's ImageFolder and every ImageNet
 checkpoint use, so indices agree with pretrained models. A subset of classes (`classes`) is
-indexed 0..N-1 in its own sorted order. Any other tree of `train/<class>/*.jpg` works too.
+indexed 0..N-1 in its own sorted order. Any other tree of `train/<class>/*.jpg` works too, and so
+does a plain ImageFolder root (`<class>/*.jpg`, no train/ or val/: it is all train, and `holdout`
+can make its val).
 
 Scanning never needs torch (only a torchvision `meta.bin` is read with it); decoding the images
 found is `decode`'s.
@@ -96,16 +98,19 @@ def scan(src: Path, classes: list[str] | None = None) -> ImageTree:
     """
     src = Path(src)
     if not src.is_dir():
+        what = "is not a directory" if src.exists() else "no such directory"
         raise SparknetError(
-            f"{src} does not exist or is not a directory: pass the directory that holds train/ "
-            f"and val/, the one holding {ilsvrc.TRAIN_TAR}, or the Kaggle ImageNet root"
+            f"{src}: {what}; pass the directory that holds train/ and val/ (or class folders), "
+            f"the one holding {ilsvrc.TRAIN_TAR}, or the Kaggle ImageNet root"
         )
-    data = _data_root(src)
+    folder = is_image_folder(src)
+    data = src if folder else _data_root(src)
+    train_dir = src if folder else (data / "train" if data is not None else None)
     meta_dirs = _meta_dirs(src, data)
     devkit_path = ilsvrc.find_devkit(src)
     devkit = ilsvrc.read_devkit(devkit_path) if devkit_path is not None else None
     skipped: list[RejectedImage] = []
-    train_classes = _train_classes(src, data)
+    train_classes = _class_dirs(src, src, tars=False) if folder else _train_classes(src, data)
     wnids = _kept(sorted(train_classes), classes, src)
     index = {w: i for i, w in enumerate(wnids)}
     names = devkit.names if devkit is not None else _class_names(meta_dirs)
@@ -114,11 +119,14 @@ def scan(src: Path, classes: list[str] | None = None) -> ImageTree:
         images = _images(train_classes[w](), "train", skipped)
         if not images:
             raise SparknetError(
-                f"{_where(src, data, w)} has no images (*.JPEG/*.jpg): add its images or remove it"
+                f"{_where(src, train_dir, w)} has no images (*.JPEG/*.jpg): add its images or "
+                "remove it"
             )
         labelled["train"].extend((f, index[w]) for f in images)
-    val, other = _scan_val(
-        src, data, meta_dirs, devkit, index, set(train_classes), classes, skipped
+    val, other = (
+        ([], 0)
+        if folder
+        else _scan_val(src, data, meta_dirs, devkit, index, set(train_classes), classes, skipped)
     )
     if val:
         labelled["val"] = val
@@ -131,13 +139,24 @@ def scan(src: Path, classes: list[str] | None = None) -> ImageTree:
     )
 
 
-def _where(src: Path, data: Path | None, wnid: str) -> str:
+def _where(src: Path, train_dir: Path | None, wnid: str) -> str:
     """How an error names the place class `wnid` comes from."""
-    if data is not None and (data / "train" / wnid).is_dir():
-        return f"class directory {data / 'train' / wnid}"
+    if train_dir is not None and (train_dir / wnid).is_dir():
+        return f"class directory {train_dir / wnid}"
     return (
-        f"class tar {wnid}.tar in {data / 'train' if data is not None else src / ilsvrc.TRAIN_TAR}"
+        f"class tar {wnid}.tar in {train_dir if train_dir is not None else src / ilsvrc.TRAIN_TAR}"
     )
+
+
+def is_image_folder(src: Path) -> bool:
+    """Whether `src` is a plain ImageFolder root: it holds the class folders itself, and nothing
+    of the layouts `_data_root` finds (train/, the train tar, Kaggle's tree) nor a val/."""
+    src = Path(src)
+    if not src.is_dir() or any(
+        p.exists() for p in (src / "train", src / "val", src / ilsvrc.TRAIN_TAR, src / "ILSVRC")
+    ):
+        return False
+    return any(e.is_dir() and not e.name.startswith(".") for e in os.scandir(src))
 
 
 def _data_root(src: Path) -> Path | None:
@@ -151,10 +170,10 @@ def _data_root(src: Path) -> Path | None:
     if tar:
         return None
     raise SparknetError(
-        f"no train/ directory or {ilsvrc.TRAIN_TAR} in {src}: pass the directory that holds "
-        f"train/ and val/, the one holding the ImageNet downloads ({ilsvrc.TRAIN_TAR}, "
-        f"{ilsvrc.VAL_TAR}, {ilsvrc.DEVKIT_TAR}), or the Kaggle ImageNet root (with "
-        f"{KAGGLE_DATA}/train/)"
+        f"no train/ directory, class folders or {ilsvrc.TRAIN_TAR} in {src}: pass the directory "
+        f"that holds train/ and val/ (or a folder per class), the one holding the ImageNet "
+        f"downloads ({ilsvrc.TRAIN_TAR}, {ilsvrc.VAL_TAR}, {ilsvrc.DEVKIT_TAR}), or the Kaggle "
+        f"ImageNet root (with {KAGGLE_DATA}/train/)"
     )
 
 
@@ -251,29 +270,34 @@ def _train_classes(src: Path, data: Path | None) -> dict[str, Callable[[], list[
                 f"{ilsvrc.TRAIN_TAR} again"
             )
         return out
-    train = data / "train"
+    return _class_dirs(src, data / "train", tars=True)
+
+
+def _class_dirs(src: Path, train: Path, *, tars: bool) -> dict[str, Callable[[], list[_Found]]]:
+    """wnid -> a function listing that class's files, for the class dirs in `train` and, with
+    `tars`, its `<wnid>.tar` files (an extraction half done)."""
     dirs = {
         _utf8(train, e.name): e.path
         for e in os.scandir(train)
         if e.is_dir() and not e.name.startswith(".")
     }
-    tars = {
+    tars_found = {
         _utf8(train, e.name)[: -len(".tar")]: e.path
         for e in os.scandir(train)
-        if e.name.endswith(".tar") and not e.name.startswith(".") and e.is_file()
+        if tars and e.name.endswith(".tar") and not e.name.startswith(".") and e.is_file()
     }
-    both = sorted(set(dirs) & set(tars))
+    both = sorted(set(dirs) & set(tars_found))
     if both:
         raise SparknetError(
             f"{train} has both {both[0]}/ and {both[0]}.tar: an extraction stopped half way? "
             "Remove the one that is not complete"
         )
-    if not dirs and not tars:
+    if not dirs and not tars_found:
         raise SparknetError(
             f"{train} has no class directories: put each class's images in train/<wnid>/"
         )
     out = {w: (lambda p=Path(p): _dir_files(src, p)) for w, p in dirs.items()}
-    for w, p in tars.items():
+    for w, p in tars_found.items():
         out[w] = lambda p=Path(p): [
             _Found(p, f"{_rel(src, p)}/{m.name}", m.offset, m.size) for m in ilsvrc.tar_members(p)
         ]

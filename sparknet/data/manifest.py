@@ -10,7 +10,8 @@ Shard members are `<key>.jpg` (encoded image bytes) and `<key>.cls` (the class i
 Format versions: 1 has classes and splits. 2 adds `rejected`, the source images `data shard` left
 out (they do not decode, or their names are not JPEGs'). 3 adds `subset_of` (the dataset holds
 some of its source's classes, indexed 0..N-1 in sorted-wnid order, not the source's indices) and
-`max_side`/`quality` (images longer than max_side were stored shrunk to it). A
+`max_side`/`quality` (images longer than max_side were stored shrunk to it). 4 adds `held_out`
+(val was held out of the source's train images, a seeded fraction of each class). A
 manifest is written at the lowest version that holds what it has, so a plain dataset stays
 readable by sparknet releases that know only version 1 (they refuse a later version with a
 one-line error, as they would any manifest they cannot read).
@@ -35,6 +36,8 @@ VERSION = 1
 VERSION_REJECTED = 2
 #: the version of a manifest of a class subset or of shrunk images
 VERSION_SUBSET = 3
+#: the version of a manifest whose val split was held out of train
+VERSION_HELD_OUT = 4
 #: a shard's file name: `<split>-<6-digit index>.tar`
 SHARD_PATTERN = r"^[a-z]+-\d{6}\.tar$"
 
@@ -84,11 +87,24 @@ class RejectedImage(BaseModel):
     reason: str
 
 
+class HeldOut(BaseModel):
+    """How `data shard --val-fraction` made val from a source without one: in every class, the
+    `fraction` (rounded, at least one image left in train) of its images that rank first by
+    sha256 of the seed and the image's name in the source. The same source, fraction and seed
+    hold out the same images; an image added to a class moves at most one other."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fraction: float = Field(gt=0, lt=1)
+    seed: int
+    method: Literal["per-class-sha256-rank"] = "per-class-sha256-rank"
+
+
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: Literal["sparknet-shards"] = FORMAT
-    version: Literal[1, 2, 3] = VERSION
+    version: Literal[1, 2, 3, 4] = VERSION
     classes: list[ClassInfo]
     splits: dict[str, list[ShardInfo]]
     rejected: list[RejectedImage] = Field(default_factory=list)
@@ -99,11 +115,15 @@ class Manifest(BaseModel):
     #: `quality`
     max_side: int | None = Field(None, ge=1)
     quality: int | None = Field(None, ge=1, le=100)
+    #: `data shard --val-fraction`: the val split is these images of the source's train
+    held_out: HeldOut | None = None
 
     @model_validator(mode="after")
     def _version_follows_content(self) -> Manifest:
         """The lowest version that holds what this manifest has (see the module docstring)."""
-        if self.subset_of is not None or self.max_side is not None:
+        if self.held_out is not None:
+            version = VERSION_HELD_OUT
+        elif self.subset_of is not None or self.max_side is not None:
             version = VERSION_SUBSET
         elif self.rejected:
             version = VERSION_REJECTED
@@ -129,7 +149,9 @@ class Manifest(BaseModel):
     def dumps(self) -> str:
         # an older reader forbids keys it does not know: leave out the empty ones
         exclude = {
-            k for k in ("rejected", "subset_of", "max_side", "quality") if not getattr(self, k)
+            k
+            for k in ("rejected", "subset_of", "max_side", "quality", "held_out")
+            if not getattr(self, k)
         }
         return json.dumps(self.model_dump(mode="json", exclude=exclude), indent=1) + "\n"
 

@@ -43,6 +43,15 @@ class MissingObjectError(SparknetError):
     """
 
 
+class MissingBucketError(SparknetError):
+    """The bucket of a URI does not exist (S3's NoSuchBucket): a caller that can make it (an
+    upload) says how; `bucket` is its name."""
+
+    def __init__(self, template: str = "", /, *, bucket: str = "", **values: object) -> None:
+        super().__init__(template, **values)
+        self.bucket = bucket
+
+
 @dataclass(frozen=True)
 class S3Uri:
     """`s3://bucket/key`; `key` has no leading slash and may be empty (the bucket's root)."""
@@ -202,8 +211,9 @@ def describe_client_error(exc: BaseException, what: str | S3Uri) -> SparknetErro
             bucket = err.get("BucketName") or (
                 S3Uri.parse(what).bucket if what.startswith("s3://") else what
             )
-            return SparknetError(
-                f"bucket {bucket} does not exist; create it or fix the URI ({what})"
+            return MissingBucketError(
+                f"bucket {bucket} does not exist; create it or fix the URI ({what})",
+                bucket=str(bucket),
             )
         if code in _MISSING_CODES:
             return MissingObjectError(f"{what} does not exist")

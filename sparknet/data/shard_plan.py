@@ -1,7 +1,7 @@
 """Which images go into which shard.
 
-Each split shuffled once with a seed, then cut evenly into shards of about the target size, each
-with a fingerprint of what it holds.
+Each split shuffled once with a seed, then cut evenly into shards of about the target size (or
+into a given number of shards), each with a fingerprint of what it holds.
 
 Kept apart from writing (`shard_files`): a plan is arithmetic on file sizes and stats, the same
 on every run from the same source, and its fingerprint is what a resumed run compares a shard's
@@ -139,6 +139,20 @@ def _even_cut(tar_sizes: np.ndarray, room: int) -> list[tuple[int, int]]:
     return list(zip(cuts, [*cuts[1:], len(tar_sizes)], strict=True))
 
 
+def _cut_into(tar_sizes: np.ndarray, count: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges: `count` parts (at most one per item), none empty, even in bytes where the
+    midpoint cut leaves no part empty, else even in items (a few huge images among small ones)."""
+    count = min(count, len(tar_sizes))
+    ends = np.cumsum(tar_sizes)
+    midpoints = ends - tar_sizes / 2
+    part = np.minimum((midpoints * count / max(int(ends[-1]), 1)).astype(np.int64), count - 1)
+    if np.all(np.bincount(part, minlength=count) > 0):
+        bounds = (np.flatnonzero(np.diff(part)) + 1).tolist()
+    else:
+        bounds = [len(tar_sizes) * k // count for k in range(1, count)]
+    return list(zip([0, *bounds], [*bounds, len(tar_sizes)], strict=True))
+
+
 def plan_shards(
     images: list[SourceImage],
     *,
@@ -147,15 +161,20 @@ def plan_shards(
     target_bytes: int,
     resize: Resize | None = None,
     pixels: dict[SourceImage, tuple[int, int]] | None = None,
+    count: int | None = None,
 ) -> list[ShardPlan]:
     """Shuffle a split's images with `seed` and cut them into shards of about `target_bytes`.
 
     The cut works from the file sizes plus tar overhead: it is the even cut (each image goes to the
     share its byte midpoint falls in, so there is no runt last shard) into the fewest shards that
     all stay at or under the target. An image bigger than the target gets a shard of its own.
+    `count` cuts into that many shards instead, whatever their size (fewer only where the split
+    has fewer images): a small dataset gets a shard for each worker.
     """
     if target_bytes <= 0:
         raise SparknetError(f"the shard size must be positive, got {target_bytes} bytes")
+    if count is not None and count < 1:
+        raise SparknetError("{@shards=value} must be at least 1", value=count)
     if not images:
         return []
     order = np.random.default_rng([seed, zlib.crc32(split.encode())]).permutation(len(images))
@@ -170,12 +189,13 @@ def plan_shards(
             resize.estimate(size, *pixels.get(image, (0, 0)))
             for size, image in zip(sizes, shuffled, strict=True)
         ]
-    groups = _even_cut(
-        np.array(
-            [_tar_bytes(size, image.key) for size, image in zip(sizes, shuffled, strict=True)]
-        ),
-        room=max(1, target_bytes - TAR_TAIL),
+    tar_sizes = np.array(
+        [_tar_bytes(size, image.key) for size, image in zip(sizes, shuffled, strict=True)]
     )
+    if count is not None:
+        groups = _cut_into(tar_sizes, count)
+    else:
+        groups = _even_cut(tar_sizes, room=max(1, target_bytes - TAR_TAIL))
     return [
         ShardPlan(
             name=f"{split}-{number:06d}.tar",

@@ -25,8 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparknet.data.imagenet import KAGGLE_DATA, ImageTree, scan
-from sparknet.data.manifest import MANIFEST_NAME, Manifest, RejectedImage
+from sparknet.data.holdout import hold_out
+from sparknet.data.imagenet import KAGGLE_DATA, ImageTree, is_image_folder, scan
+from sparknet.data.manifest import MANIFEST_NAME, HeldOut, Manifest, RejectedImage
 from sparknet.data.shard_checks import CheckedTree, check_images
 from sparknet.data.shard_files import (
     FILE_MODE,
@@ -162,6 +163,8 @@ def write_dataset(
     classes: list[str] | None = None,
     resize: Resize | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
+    shards: int | None = None,
+    val_fraction: float | None = None,
 ) -> WriteReport:
     """Scan `src`, write every split's shards into `dest` and then `manifest.json`.
 
@@ -169,7 +172,10 @@ def write_dataset(
     (`reused`); shards of an old plan that this one does not name are removed (`removed`).
     Images that do not decode are left out and listed in the manifest's `rejected`, as are files
     whose names are not JPEGs (`skipped`). `classes` keeps only those wnids (indexed 0..N-1);
-    `resize` stores big images shrunk.
+    `resize` stores big images shrunk. `shards` cuts each split into that many shards (fewer
+    where a split has fewer images; train must have enough) instead of by `shard_bytes`.
+    `val_fraction` holds out that share of each class's train images as val (`holdout`, with
+    `seed`), for a source without val such as a plain ImageFolder root; the manifest records it.
     Any old manifest is removed first, so `dest` reads as unfinished until this run completes.
     `processes` None checks and writes on every core, with threads for a small source and
     processes for a big one (`phase_workers`); a number uses that many processes for both.
@@ -185,6 +191,8 @@ def write_dataset(
             side=resize.max_side,
             quality=resize.quality,
         )
+    if shards is not None and shards < 1:
+        raise SparknetError("{@shards=value} must be at least 1", value=shards)
     src, dest = Path(src), Path(dest)
     if not src.is_dir():
         scan(src, classes)  # its one-line error, before DEST is made
@@ -197,6 +205,10 @@ def write_dataset(
         with _dest_lock(dest):
             try:
                 tree = scan(src, classes)
+                held = None
+                if val_fraction is not None:
+                    tree, held = hold_out(tree, val_fraction, seed, str(src))
+                _check_shard_count(tree, shards)
             except SparknetError:
                 if new:  # a bad SRC leaves no DEST behind
                     (dest / LOCK_NAME).unlink(missing_ok=True)
@@ -204,22 +216,38 @@ def write_dataset(
                         dest.rmdir()
                 raise
             return _write_dataset(
-                tree, src, dest, shard_bytes, seed, processes, resize, on_progress
+                tree, src, dest, shard_bytes, seed, processes, resize, on_progress, shards, held
             )
     except OSError as exc:
         raise _os_error(exc, dest) from None  # from None: the chained trace would print it twice
 
 
 def _check_not_inside(src: Path, dest: Path) -> None:
-    """DEST inside SRC's train/ or val/ would be read as a class dir (of shards) by every run."""
+    """DEST inside SRC's train/ or val/ (or inside a plain ImageFolder root) would be read as a
+    class dir (of shards) by every run."""
     target = dest.resolve()
-    for split in ("train", "val"):
-        for where in (src / split, src / KAGGLE_DATA / split):
-            if where.is_dir() and target.is_relative_to(where.resolve()):
-                raise SparknetError(
-                    f"{dest} is inside {where}, where every directory is read as a class: "
-                    "give a DEST outside it"
-                )
+    places = [src] if is_image_folder(src) else []
+    places += [
+        where for split in ("train", "val") for where in (src / split, src / KAGGLE_DATA / split)
+    ]
+    for where in places:
+        if where.is_dir() and target.is_relative_to(where.resolve()):
+            raise SparknetError(
+                f"{dest} is inside {where}, where every directory is read as a class: "
+                "give a DEST outside it"
+            )
+
+
+def _check_shard_count(tree: ImageTree, shards: int | None) -> None:
+    """Train needs an image for each of `shards` shards: every worker streams shards of its
+    own, and an empty shard would starve one."""
+    have = len(tree.splits.get("train", []))
+    if shards is not None and shards > have:
+        raise SparknetError(
+            "{@shards=value} is more than the {have} train images: give at most {have}",
+            value=shards,
+            have=have,
+        )
 
 
 def _write_dataset(
@@ -231,6 +259,8 @@ def _write_dataset(
     processes: int | None,
     resize: Resize | None,
     on_progress: Callable[[str, int, int], None] | None,
+    shards: int | None = None,
+    held: HeldOut | None = None,
 ) -> WriteReport:
     """`write_dataset` once the source is scanned, under DEST's lock; may raise OSError about
     the destination."""
@@ -244,6 +274,7 @@ def _write_dataset(
             target_bytes=shard_bytes,
             resize=resize,
             pixels=checked.pixels,
+            count=shards,
         )
         for split, images in checked.good.items()
     }
@@ -286,6 +317,7 @@ def _write_dataset(
         subset_of=tree.source_classes if tree.num_classes < tree.source_classes else None,
         max_side=resize.max_side if resize is not None else None,
         quality=resize.quality if resize is not None else None,
+        held_out=held,
     )
     atomic_write_text(dest / MANIFEST_NAME, manifest.dumps())
     names = [plan.name for plan, _ in jobs]

@@ -29,7 +29,7 @@ from sparknet.data import loader
 from sparknet.data.cache import ShardCache
 from sparknet.data.integrity import check_present, open_verified
 from sparknet.data.manifest import Manifest, ShardInfo
-from sparknet.data.store import Store, load_manifest, open_store
+from sparknet.data.store import S3Store, Store, load_manifest, open_store
 from sparknet.data.stream import (
     RawSample,
     epoch_shards,
@@ -414,6 +414,30 @@ def with_split(source: Source | None, data: str, split: str | None) -> Source | 
     return replace(source, eval_split=chosen)
 
 
+def check_frame_path(spec: str | None, endpoint_url: str | None = None) -> None:
+    """A `parquet:PATH` whose PATH is not there (a local path, or an s3:// prefix without an
+    object) is refused in one line now, before Spark starts; any other spec, and a path on a
+    file system only Spark reaches (hdfs://, s3a://), is left to Spark."""
+    if spec is None or not spec.startswith("parquet:"):
+        return
+    target = spec.removeprefix("parquet:")
+    if target.startswith("s3://"):
+        if S3Store(target, endpoint_url).is_empty():
+            raise SparknetError(f"{spec}: no object at {target}; fix the path")
+        return
+    if "://" in target and not target.startswith("file://"):
+        return
+    local = Path(target.removeprefix("file://"))
+    if not local.exists():
+        raise SparknetError(f"{spec}: no such file or directory; fix the path")
+
+
+def _looks_like_path(spec: str) -> bool:
+    """Whether `spec` can only be a path (`./x`, `../x`, `/x`, `~/x`, `a/b`): a name of
+    `datasets:`, `digits` or a module's factory has no slash."""
+    return "/" in spec or spec.startswith((".", "~"))
+
+
 def is_frame_spec(spec: str) -> bool:
     """`parquet:PATH` and `table:NAME` name DataFrames, which need the Spark session to resolve."""
     return spec.startswith(("parquet:", "table:"))
@@ -468,6 +492,10 @@ def resolve_source(cfg, datasets: dict | None = None) -> Source:
         return TensorSource.load(spec)
     if Path(spec).is_dir():
         return shard_source(spec, cfg)
+    if _looks_like_path(spec) and not Path(spec).exists():
+        raise SparknetError(
+            f"no such directory: {spec}; give a dataset dir `sparknet data shard` made"
+        )
     named = (
         f" or a dataset name from sparknet.yaml ({', '.join(sorted(datasets))})" if datasets else ""
     )

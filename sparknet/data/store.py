@@ -309,6 +309,15 @@ class S3Store(_Guarded):
     def walk(self, prefix: str = "") -> dict[str, int]:
         return self._objects(prefix, delimiter=False)
 
+    def is_empty(self) -> bool:
+        """Whether no object's key starts with this store's (an object or a dir of them is
+        there otherwise): one ListObjectsV2 of one key, however many there are."""
+        args = {"Bucket": self._root.bucket, "Prefix": self._root.key, "MaxKeys": 1}
+        try:
+            return not self._client().list_objects_v2(**args).get("Contents")
+        except (bx.BotoCoreError, bx.ClientError) as exc:
+            raise s3.describe_client_error(exc, self.uri) from exc
+
     def entries(self, prefix: str = "") -> set[str]:
         cut = len(self._key_prefix + prefix)
         out: set[str] = set()
@@ -383,6 +392,8 @@ def load_manifest(store: Store) -> Manifest:
     """Read and check the dataset's manifest; the driver calls this before training starts, so a
     wrong URI, a missing bucket or bad credentials fail at once with one line."""
     if isinstance(store, LocalStore) and not Path(store.uri).is_dir():
+        if not Path(store.uri).exists():
+            raise SparknetError(f"no such directory: {store.uri}; fix the dataset path")
         raise SparknetError(f"{store.uri} is not a directory; fix the dataset path")
     try:
         text = store.read_bytes(MANIFEST_NAME)

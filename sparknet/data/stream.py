@@ -58,7 +58,7 @@ def epoch_shards(
         raise SettingError(
             "the dataset has {shards} train shards, fewer than its {value} Spark tasks (each "
             "reads shards of its own): run fewer ({@workers_setting}) or re-shard with a "
-            "smaller {@shard_mb} (`sparknet data shard`)",
+            "smaller {@shard_mb} or {@shards} {value} (`sparknet data shard`)",
             setting="workers",
             value=workers,
             shards=len(counts),

@@ -137,6 +137,20 @@ def _check_local(src: Path, shards: list[ShardInfo], threads: int) -> None:
         )
 
 
+def _listed(store: S3Store, dest_uri: str) -> dict[str, int]:
+    """The objects under the upload's prefix; a missing bucket says how the upload makes it."""
+    try:
+        return store.list()
+    except s3.MissingBucketError as exc:
+        raise SparknetError(
+            "bucket {bucket} does not exist: pass {@create_bucket} (and {@region}) to make it "
+            "with the settings `sparknet cluster up` gives a bucket (encrypted, never public, "
+            "TLS only), or fix the URI ({uri})",
+            bucket=exc.bucket,
+            uri=dest_uri,
+        ) from exc
+
+
 def upload_dataset(
     src_dir: Path,
     dest_uri: str,
@@ -180,7 +194,7 @@ def upload_dataset(
         s3.check_reachable(store.object_uri(MANIFEST_NAME), endpoint_url)
         progress = _LockedProgress(on_progress)
 
-        remote = store.list()  # fails fast (one line) on a missing bucket or bad credentials
+        remote = _listed(store, dest_uri)  # fails fast (one line): no bucket, bad credentials
         parts = (multipart_threshold, multipart_chunksize)
         candidates = [] if force else [i for i in shards if remote.get(i.name) == i.bytes]
         with ThreadPoolExecutor(max_workers=max(1, max_concurrency)) as pool:

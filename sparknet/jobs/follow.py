@@ -34,7 +34,7 @@ from sparknet.jobs.driver_control import (
     stamp_submitter,
     stop_session,
 )
-from sparknet.say import Say
+from sparknet.say import Say, command_line
 from sparknet.training.report import CURVES, METRICS, is_event, read_metrics, round_rows
 
 #: seconds between two looks at the run prefix and the driver while the job runs
@@ -118,7 +118,7 @@ def follow(
                 raise JobOutOfReach(
                     f"no answer over SSH from the master ({master.node.endpoint.host}) "
                     f"for {grace:g} s ({lost}); job {run_id} may go on there: "
-                    f"`sparknet-submit attach {run_id}` follows it again"
+                    f"`{command_line('sparknet-submit attach', run_id)}` follows it again"
                 ) from exc
             _drop(conn)
             time.sleep(poll)

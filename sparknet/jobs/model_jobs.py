@@ -26,6 +26,7 @@ from sparknet.config import TrainConfig, load_train_config
 from sparknet.data.s3 import S3Uri
 from sparknet.data.store import SUCCESS, open_store
 from sparknet.errors import SparknetError
+from sparknet.say import command_line
 
 if TYPE_CHECKING:
     from sparknet.data.sources import Source
@@ -111,9 +112,9 @@ def check_model(task: ModelTask, source: Source, data: str) -> None:
             raise
         raise SparknetError(
             "job {job} has no final model in {run} yet: it still runs, or it failed or was "
-            "cancelled; `sparknet-submit list` says which, `sparknet-submit attach {job}` "
-            "follows it to its end",
-            job=task.job, run=task.run,
+            "cancelled; `{listed}` says which, `{attach}` follows it to its end",
+            job=task.job, run=task.run, listed=command_line("sparknet-submit list"),
+            attach=command_line("sparknet-submit attach", task.job),
         ) from exc  # fmt: skip
     if task.top_k is not None and task.top_k > info.num_classes:
         raise SparknetError(

@@ -29,6 +29,7 @@ from sparknet.errors import SparknetError
 from sparknet.jobs.driver_control import Master, master_of
 from sparknet.jobs.follow import reconnect_s
 from sparknet.jobs.supervisor import DEFAULT_MAX_RESTARTS
+from sparknet.say import command_line
 
 if TYPE_CHECKING:
     from sparknet.data.sources import Source
@@ -233,9 +234,9 @@ def check_request(
     if autostop is not None and cluster is not None:
         raise PreflightFailed(
             "{@autostop} applies to a cluster sparknet-submit makes; {@cluster=cluster} keeps "
-            "its own (`sparknet cluster up {cluster} {@autostop=minutes}` changes it)",
+            "its own (`{up}` changes it)",
             cluster=cluster,
-            minutes="MINUTES",
+            up=command_line("sparknet cluster up", cluster, autostop="MINUTES"),
         )
     if autostop == 0 and not keep:
         raise PreflightFailed(
@@ -314,8 +315,9 @@ def check_cluster_options(
         raise PreflightFailed(
             "{@detach} on static cluster {name}, which this submit brings up: it has no "
             "autostop timer, so Spark would run on its hosts after the job; add {@keep} to keep "
-            "it on purpose, or `sparknet cluster up {name}` first and {@cluster=name}",
+            "it on purpose, or `{up}` first and {@cluster=name}",
             name=spec.name,
+            up=command_line("sparknet cluster up", spec.name),
         )
     if not reused and not keep and spec.autostop_minutes == 0:
         raise PreflightFailed(
@@ -427,8 +429,18 @@ class Job:
     task: ModelTask | None = None
 
 
-def preflight(job: Job) -> tuple[str, str]:
-    """Everything that costs nothing, in order; (run id, run prefix)."""
+@dataclass(frozen=True)
+class Checked:
+    """What the preflight found: the run's id and prefix, and the dataset's source (its
+    manifest read)."""
+
+    run_id: str
+    prefix: str
+    source: Source
+
+
+def preflight(job: Job) -> Checked:
+    """Everything that costs nothing, in order."""
     try:  # a bad setting of the SSH deadlines fails now, not once the job runs
         reconnect_s(), nodes.silence_s(), steps.reboot_wait_s()
     except SparknetError as exc:
@@ -456,7 +468,7 @@ def preflight(job: Job) -> tuple[str, str]:
         check_training(job, source, prefix)
     else:
         check_model_job(job, job.task, source, bucket)
-    return run_id, prefix
+    return Checked(run_id, prefix, source)
 
 
 def check_model_job(job: Job, task: ModelTask, source: Source, bucket: str) -> None:

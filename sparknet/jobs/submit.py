@@ -56,7 +56,7 @@ from sparknet.jobs.preflight import (
     workers_of,
 )
 from sparknet.jobs.supervisor import DEFAULT_MAX_RESTARTS, restart_line
-from sparknet.say import Say
+from sparknet.say import Say, command_line
 
 
 class JobFailed(SparknetError):
@@ -156,7 +156,8 @@ def _submit(
     ending: ClusterOutcome | None,
 ) -> Result:
     ending = ClusterOutcome() if ending is None else ending
-    run_id, prefix = preflight(job)
+    checked = preflight(job)
+    run_id, prefix = checked.run_id, checked.prefix
     if not job.reused:
         check_name_free(job.spec, job.endpoint_url)
         check_gpu_counts(job.spec, job.endpoint_url)
@@ -295,7 +296,7 @@ def _cancel_over_a_new_connection(master: Master, run_id: str, say: Say) -> None
     except Exception as exc:  # however the master is out of reach: said, with the way out
         say(
             f"could not cancel job {run_id} ({first_line(exc)}): it may still run on the master; "
-            f"`sparknet-submit cancel {run_id}` ends it"
+            f"`{command_line('sparknet-submit cancel', run_id)}` ends it"
         )
 
 
@@ -341,9 +342,10 @@ def teardown(job: Job, say: Say, after: BaseException | None = None) -> None:
     except Exception as exc:
         failed = TeardownFailed(
             "taking cluster {name} down failed: {cause:line}; its instances may still run: "
-            "`sparknet cluster down {name}` ends them",
+            "`{down}` ends them",
             name=name,
             cause=exc,
+            down=command_line("sparknet cluster down", name),
         )
         failed.after = after
         raise failed from exc
@@ -362,17 +364,15 @@ def up_line(spec: ClusterSpec, why: str) -> str:
     """`cluster NAME stays up (WHY)` and what ends it: `stays_up_line`'s, and `attach`'s at the
     end of a job on a cluster a submit made (WHY: its cost so far)."""
     name, minutes = spec.name, spec.autostop_minutes
+    down = command_line("sparknet cluster down", name)
     if not provider.of(spec).AUTOSTOP:
         return (
-            f"cluster {name} stays up ({why}): Spark runs on its hosts until `sparknet cluster "
-            f"down {name}` stops it (a static cluster has no autostop timer)"
+            f"cluster {name} stays up ({why}): Spark runs on its hosts until `{down}` stops it "
+            "(a static cluster has no autostop timer)"
         )
     if not minutes:
-        return (
-            f"cluster {name} stays up ({why}; autostop off): `sparknet cluster down {name}` ends it"
-        )
+        return f"cluster {name} stays up ({why}; autostop off): `{down}` ends it"
     return (
         f"cluster {name} stays up ({why}); its autostop timer terminates it {minutes} minutes "
-        f"after its last job ends with no submitter attached (`sparknet cluster down {name}` "
-        "ends it sooner)"
+        f"after its last job ends with no submitter attached (`{down}` ends it sooner)"
     )

@@ -103,6 +103,11 @@ class Row:
     row: dict[str, Any]
     _conn: socket.socket | None
 
+    @property
+    def acks(self) -> bool:
+        """Whether rank 0 waits for this row's acknowledgement (to publish its checkpoint)."""
+        return self._conn is not None
+
     def ack(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(OSError):  # the stage is gone: its failure says why

@@ -30,7 +30,7 @@ from sparknet.config import TrainConfig
 from sparknet.data.frames import rank_rows
 from sparknet.data.store import open_store
 from sparknet.errors import is_permanent
-from sparknet.training import checkpoint, device, netbind, progress, tau_choice
+from sparknet.training import checkpoint, device, netbind, progress, schedule, tau_choice
 from sparknet.training.compress import exchange_mean
 from sparknet.training.outer import OuterOptimizer, outer_at
 from sparknet.training.report import eval_row, round_row
@@ -214,14 +214,16 @@ class _Rank:
         local_dir = SparkFiles.getRootDirectory()
         attempt = plan.restart + self.ctx.attemptNumber()
         chooser = tau_choice.chooser_of(cfg, plan.tau_state) if self.rank == 0 else None
-        tau = base.tau
+        tau, steps, train_size = base.tau, base.step, base.source.train_size
         t_start = time.perf_counter()
         try:
             for r in range(base.round, cfg.rounds):
                 done = r + 1
-                due = checkpoint.due(cfg.checkpoint_every, done, cfg.rounds)
+                due = checkpoint.published(cfg, done, plan.evaluates)
                 stage_dir, fault = self._begin(store, done) if due else (None, None)
-                task = replace(base, round=r, integers=integers, checkpoint_dir=stage_dir, tau=tau)
+                task = replace(
+                    base, round=r, integers=integers, checkpoint_dir=stage_dir, tau=tau, step=steps
+                )
                 t0 = time.perf_counter()
                 contrib = None
                 if fault is None:
@@ -235,6 +237,7 @@ class _Rank:
                 if self._stopped(everyone, done, channel):
                     return
                 assert contrib is not None
+                syncs.set_outer_lr(schedule.outer_lr(cfg, train_size, steps, r, task.tau))
                 with progress.waiting():
                     exchange_s = syncs.end_round(r, contrib.delta_sum)
                     integers = _from_rank0(contrib.integers, layout)
@@ -247,6 +250,8 @@ class _Rank:
                 theta = syncs.theta if final is None else final
                 row = round_row(done, [e.report for e in everyone], time.perf_counter() - t0, 0.0)
                 row["seconds"]["exchange"] = exchange_s
+                row.update(schedule.round_fields(cfg, train_size, steps, r, task.tau))
+                steps += task.tau
                 if cfg.tau == "auto":  # rank 0 chooses from its own row; every rank runs it
                     box = [tau_choice.after_round(chooser, task.tau, row)]
                     with progress.waiting():
@@ -255,8 +260,16 @@ class _Rank:
                 if plan.evaluates and checkpoint.due(cfg.eval_every, done, cfg.rounds):
                     eval_task = replace(task, integers=integers, checkpoint_dir=None)
                     row.update(eval_row(self._evaluate(eval_task, theta, threads)))
+                # every rank has the evaluation (all-reduced): all end here together
+                stop = checkpoint.reached(cfg, row) and done < cfg.rounds
+                if stop and isinstance(syncs, Synchronizer):  # its weights lack what is unsent
+                    final = syncs.theta.copy()  # the model kept: the one that reached it
                 if channel is None:
+                    if stop:
+                        return
                     continue
+                if stop:
+                    row[checkpoint.STOPPED] = cfg.stop_at
                 row["elapsed_s"] = plan.elapsed_s + time.perf_counter() - t_start
                 with progress.waiting():  # the driver's acknowledgement; the store's own deadlines
                     channel.row(row, ack=due)
@@ -267,12 +280,15 @@ class _Rank:
                                 row["elapsed_s"], cfg.to_yaml(),
                                 final=None if final is syncs.theta else final,
                                 tau_state=None if chooser is None else chooser.state(),
+                                steps=steps,
                             )  # fmt: skip
                         except Exception as exc:
                             if not is_permanent(exc):
                                 raise  # the stage fails and runs again from the last checkpoint
                             channel.say(**TaskFault.of(0, exc).said())  # a full disk: no restart
                             return
+                if stop:
+                    return
         finally:  # under an exception, a peer the exchange in flight waits on may be gone
             syncs.close(failed=sys.exc_info()[0] is not None)
 
@@ -415,6 +431,10 @@ class _Blocking:
             assert delta is not None
             self.theta = self._outer.step(self._exchange(torch.from_numpy(delta)).numpy())
         return time.perf_counter() - t0
+
+    def set_outer_lr(self, lr: float) -> None:
+        """The rate of the outer steps to come (a schedule's)."""
+        self._outer.lr = lr
 
     def final_weights(self) -> np.ndarray:
         """The global weights: nothing of any worker's is left unsent."""

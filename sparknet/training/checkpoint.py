@@ -23,6 +23,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +42,9 @@ from sparknet.errors import (
 from sparknet.training.state import StateLayout
 from sparknet.training.sync import RankState
 from sparknet.training.tau_choice import TauChooser
+
+if TYPE_CHECKING:
+    from sparknet.config import TrainConfig
 
 CHECKPOINTS = "checkpoints"
 CONFIG = "config.yaml"
@@ -63,12 +67,33 @@ class Checkpoint:
     elapsed_s: float
     #: under tau auto, the chooser's state after this round (`TauChooser.state`)
     tau_state: dict | None = None
+    #: the inner steps taken by then (the schedule's global step); None in older checkpoints
+    steps: int | None = None
 
 
 def due(every: int, done: int, last: int) -> bool:
     """Whether round `done` of `last` ends with a checkpoint (or an evaluation) when one is
     due every `every` rounds (0: only after the last)."""
     return done == last or (every > 0 and done % every == 0)
+
+
+def published(cfg: TrainConfig, done: int, evaluates: bool) -> bool:
+    """Whether round `done` ends with a checkpoint: every `checkpoint_every` rounds and after
+    the last; under `stop_at` after every evaluated round too, since the run may end there."""
+    if due(cfg.checkpoint_every, done, cfg.rounds):
+        return True
+    return cfg.stop_at is not None and evaluates and due(cfg.eval_every, done, cfg.rounds)
+
+
+def reached(cfg: TrainConfig, row: dict[str, Any]) -> bool:
+    """Whether a round's evaluation (in its metrics row) reached `stop_at`: the run ends there."""
+    accuracy = row.get("eval_accuracy")
+    return cfg.stop_at is not None and accuracy is not None and accuracy >= cfg.stop_at
+
+
+#: a metrics row's key saying the run ended at that round's evaluation, which reached the target
+#: (its value): set where that was before the last round
+STOPPED = "stopped_at_target"
 
 
 def name(rounds: int) -> str:
@@ -198,6 +223,7 @@ def write(
     *,
     final: np.ndarray | None = None,
     tau_state: dict | None = None,
+    steps: int | None = None,
 ) -> str:
     """Complete the checkpoint for `rounds` (the workers wrote their inner states) and publish it
     by writing its manifest last, with the settings that produced it: an interrupted
@@ -214,6 +240,8 @@ def write(
     manifest: dict = {"rounds": rounds, "elapsed_s": elapsed_s}
     if tau_state is not None:
         manifest["tau_choice"] = tau_state
+    if steps is not None:
+        manifest["steps"] = steps
     store.write_bytes(f"{where}/{MANIFEST}", json.dumps(manifest).encode())
     return where
 
@@ -227,15 +255,15 @@ def discard(store: Store, rounds: int) -> None:
 def discard_incomplete(store: Store) -> list[str]:
     """Remove whatever under `checkpoints/` is not a complete checkpoint (one an interrupted run
     was writing, or an older version's `.round-N.partial`); returns the names removed."""
-    complete = {name(r).split("/")[1] for r in _complete(store)}
-    gone = sorted(e for e in store.entries(f"{CHECKPOINTS}/") if e not in complete)
+    whole = {name(r).split("/")[1] for r in complete(store)}
+    gone = sorted(e for e in store.entries(f"{CHECKPOINTS}/") if e not in whole)
     for entry in gone:
         store.delete_prefix(f"{CHECKPOINTS}/{entry}/")
         store.delete([f"{CHECKPOINTS}/{entry}"])  # a stray file rather than a dir
     return gone
 
 
-def _complete(store: Store) -> list[int]:
+def complete(store: Store) -> list[int]:
     """The rounds of every checkpoint whose manifest is there."""
     out = []
     for key in store.walk(f"{CHECKPOINTS}/"):
@@ -247,7 +275,7 @@ def _complete(store: Store) -> list[int]:
 
 def latest(store: Store) -> int | None:
     """How many rounds the newest complete checkpoint holds, or None when there is none."""
-    return max(_complete(store), default=None)
+    return max(complete(store), default=None)
 
 
 #: what a damaged checkpoint file raises when parsed
@@ -289,6 +317,7 @@ def load(store: Store, rounds: int, layout: StateLayout) -> Checkpoint:
         state = json.loads(store.read_bytes(f"{where}/{MANIFEST}"))
         stored_rounds, elapsed_s = int(state["rounds"]), float(state["elapsed_s"])
         tau_state = state.get("tau_choice")
+        steps = None if state.get("steps") is None else int(state["steps"])
         if tau_state is not None:
             TauChooser.from_state(tau_state)  # a damaged one is said here, naming its file
         file = WEIGHTS
@@ -308,4 +337,5 @@ def load(store: Store, rounds: int, layout: StateLayout) -> Checkpoint:
         outer_momentum=None if momentum is None else momentum.numpy(),
         elapsed_s=elapsed_s,
         tau_state=tau_state,
+        steps=steps,
     )

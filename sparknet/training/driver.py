@@ -15,14 +15,15 @@ from typing import Any
 
 from sparknet.config import DatasetEntry, TrainConfig
 from sparknet.data.frames import Frames
-from sparknet.data.sources import is_frame_spec, resolve_source
+from sparknet.data.sources import check_frame_path, is_frame_spec, resolve_source
 from sparknet.errors import Line, Placeholder, SettingError, SparknetError
 from sparknet.training import allreduce, checkpoint, rundir, rundir_reach
 from sparknet.training.outer import outer_at
 from sparknet.training.probe import check_python_workers, user_modules
 from sparknet.training.problem import FrameInput, Problem, frame_problem, prepare
 from sparknet.training.progress_guard import Guard
-from sparknet.training.report import MetricsLog, plot_curves
+from sparknet.training.report import MetricsLog, plot_curves, read_metrics
+from sparknet.training.retention import Retention
 from sparknet.training.rounds import (
     RoundCallback,
     RunContext,
@@ -59,6 +60,12 @@ class RunResult:
     @property
     def final(self) -> dict[str, Any]:
         return self.metrics[-1]
+
+    @property
+    def stopped_at_target(self) -> float | None:
+        """The `stop_at` target whose evaluation ended the run before its last round, or None
+        where it ran every round."""
+        return self.final.get(checkpoint.STOPPED)
 
 
 def slug(text: str) -> str:
@@ -135,6 +142,9 @@ def train(
     """
     if cfg.out is None:
         cfg = cfg.model_copy(update={"out": str(default_run_dir(cfg))})
+    if frames is None:  # a parquet: path that is not there, before Spark starts
+        check_frame_path(cfg.data, cfg.endpoint_url)
+        check_frame_path(cfg.eval_data, cfg.endpoint_url)
     if frames is None and is_frame_spec(cfg.data):
         frames = FrameInput()
     run = RunDir.open(cfg.out, cfg.endpoint_url)
@@ -144,23 +154,36 @@ def train(
         rundir.check(run, resume)
         checkpoint.discard_incomplete(run.store)  # an interrupted run's; never resumed from
         changes = _resume_changes(cfg, run) if resume else {}
-        if resume and checkpoint.latest(run.store) == cfg.rounds:
+        if resume and (last := _ended_at(cfg, run)) is not None:
             _recorded_changes(changes, run, allow_change)
-            return _finished(cfg, run)
+            return _finished(cfg, run, last)
         return _start(
             cfg, run, lock, resume, (changes, allow_change), spark, on_start, on_round,
             on_status, on_warning, datasets, frames,
         )  # fmt: skip
 
 
-def _finished(cfg: TrainConfig, run: RunDir) -> RunResult:
-    """A resumed run whose last round is already checkpointed needs no Spark: (re)write what an
-    interrupt after that checkpoint may have left out (model.safetensors, curves.png)."""
-    weights = checkpoint.read_weights(run.store, cfg.rounds)
+def _ended_at(cfg: TrainConfig, run: RunDir) -> int | None:
+    """The round a resumed run already ended at, or None where it has rounds to run: its
+    newest checkpoint is after the last round, or after an evaluation that reached `stop_at`
+    (the resume's own: a higher target, or none, goes on)."""
+    last = checkpoint.latest(run.store)
+    if last is None or last >= cfg.rounds:  # past it: refused where the rounds start
+        return last if last == cfg.rounds else None
+    row = next((r for r in read_metrics(run.store) if r["round"] == last), {})
+    return last if checkpoint.reached(cfg, row) else None
+
+
+def _finished(cfg: TrainConfig, run: RunDir, last: int) -> RunResult:
+    """A resumed run whose last round (`last`: cfg.rounds, or where `stop_at` ended it) is
+    already checkpointed needs no Spark: (re)write what an interrupt after that checkpoint may
+    have left out (model.safetensors, curves.png, the pruning of older checkpoints)."""
+    weights = checkpoint.read_weights(run.store, last)
     run.store.write_bytes(MODEL_FILE, weights)  # the same tensors, the model's own keys
-    rows = MetricsLog(run.store, keep_rounds=cfg.rounds).rounds
+    rows = MetricsLog(run.store, keep_rounds=last).rounds
+    Retention(run.store, cfg.keep_checkpoints).prune(rows)
     plot_curves(rows, run.store)
-    return RunResult(run.result, cfg.rounds, rows)
+    return RunResult(run.result, last, rows)
 
 
 def _start(
@@ -206,6 +229,12 @@ def _start(
         _reach_run_dir(run, spark, cfg.workers, status)
         if frames is not None:
             problem, placed = frame_problem(cfg, spark, frames)
+            if cfg.stop_at is not None and placed.eval is None:
+                raise SettingError(
+                    "{@stop_at=value} needs an evaluation as the run goes; give {@eval_data} "
+                    "or drop {@stop_at}",
+                    setting="stop_at", value=cfg.stop_at,
+                )  # fmt: skip
             begin = _begin(cfg, problem, run, resume, changes)
         warn = _warner(on_warning)
         guard = Guard(spark.sparkContext, cfg.progress_timeout_s, warn)
@@ -411,6 +440,7 @@ def _run(
         loop = RunContext(
             cfg, problem, run, lock, spark, own_session, metrics, events,
             tracker.following(on_round), warn, guard,
+            Retention(run.store, cfg.keep_checkpoints),
         )  # fmt: skip
         if cfg.transport == "allreduce":
             model_bytes = allreduce_rounds(loop, begin, placed)
@@ -426,4 +456,4 @@ def _run(
     finally:
         events.close()
     tracker.finish(SavedModel(info, model_bytes, run.text))
-    return RunResult(run.result, cfg.rounds, metrics.rounds)
+    return RunResult(run.result, metrics.rounds[-1]["round"], metrics.rounds)

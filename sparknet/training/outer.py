@@ -73,11 +73,24 @@ class OuterOptimizer:
             self.theta[self._buffers] = mean
         return self.theta.numpy()
 
+    @property
+    def lr(self) -> float:
+        """The rate the next step takes."""
+        return self._opt.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, lr: float) -> None:
+        """A schedule's rate for the steps to come (the momentum buffer is kept)."""
+        if lr < 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        self._opt.param_groups[0]["lr"] = lr
+
     def trial(self, delta: np.ndarray) -> np.ndarray:
         """The weights `step(delta)` would give, this optimizer left as it is."""
         group, mask = self._opt.param_groups[0], self._buffers
         buffers = None if mask is None else mask.numpy()
-        other = OuterOptimizer(self.theta.numpy(), group["lr"], group["momentum"], buffers)
+        other = OuterOptimizer(self.theta.numpy(), 1.0, group["momentum"], buffers)
+        other.lr = group["lr"]  # a schedule's, which may have come down to 0
         other.load_momentum_buffer(None if (b := self.momentum_buffer) is None else b.copy())
         return other.step(delta).copy()
 

@@ -85,7 +85,8 @@ class MetricsLog:
 
 
 def plot_curves(rows: Iterable[dict[str, Any]], store: Store) -> None:
-    """Loss and accuracy against round and against wall time, one PNG."""
+    """Loss and accuracy against round and against wall time, one PNG; below them the learning
+    rates (each round's first inner step's, and its outer step's) where the rows have them."""
     import matplotlib  # lazy: matplotlib
 
     matplotlib.use("Agg")
@@ -93,7 +94,10 @@ def plot_curves(rows: Iterable[dict[str, Any]], store: Store) -> None:
 
     rows = round_rows(rows)
     evals = [r for r in rows if "eval_accuracy" in r]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
+    rates = [r for r in rows if "lr" in r]  # a run from before rates were recorded has none
+    fig, axes = plt.subplots(
+        3 if rates else 2, 2, figsize=(10, 10 if rates else 7), constrained_layout=True
+    )
     for col, (xkey, xlabel) in enumerate((("round", "round"), ("elapsed_s", "wall time (s)"))):
         ax = axes[0][col]
         ax.plot([r[xkey] for r in rows], [r["loss"] for r in rows], label="train loss")
@@ -107,10 +111,26 @@ def plot_curves(rows: Iterable[dict[str, Any]], store: Store) -> None:
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test accuracy")
         ax.set_ylim(0, 1)
+        if rates:
+            _plot_rates(axes[2][col], rates, xkey, xlabel)
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
     store.write_bytes(CURVES, png.getvalue())
+
+
+def _plot_rates(ax, rows: list[dict[str, Any]], xkey: str, xlabel: str) -> None:
+    """The inner lr (each round's first step's) and, under nesterov, the outer lr."""
+    ax.plot([r[xkey] for r in rows], [r["lr"] for r in rows], ".-")
+    outer = [r for r in rows if "outer_lr" in r]
+    if outer:
+        twin = ax.twinx()
+        twin.plot([r[xkey] for r in outer], [r["outer_lr"] for r in outer], "C1.-")
+        twin.set_ylabel("outer lr", color="C1")
+        twin.set_ylim(bottom=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("inner lr")
+    ax.set_ylim(bottom=0)
 
 
 def round_row(

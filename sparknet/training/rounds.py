@@ -28,14 +28,15 @@ import numpy as np
 
 from sparknet.config import TrainConfig
 from sparknet.data.frames import Frames
-from sparknet.errors import SparknetError
-from sparknet.training import checkpoint, tau_choice
+from sparknet.errors import SparknetError, first_line
+from sparknet.training import checkpoint, schedule, tau_choice
 from sparknet.training.allreduce import RESTARTS, AllReduceTransport, Diverged, StageFailed
 from sparknet.training.events import EventLog
 from sparknet.training.outer import OuterOptimizer, mean_update, outer_at
 from sparknet.training.problem import Problem
 from sparknet.training.progress_guard import Guard
 from sparknet.training.report import MetricsLog, eval_row, round_row
+from sparknet.training.retention import Retention
 from sparknet.training.rundir import CONFIG_FILE, Lock, RunDir
 from sparknet.training.session import stop_quietly
 from sparknet.training.state import StateLayout
@@ -145,6 +146,8 @@ class StartPoint:
     changes: dict[str, Any] = field(default_factory=dict)
     #: under tau auto, the chooser as the checkpoint left it (`TauChooser.state`)
     tau_state: dict[str, Any] | None = None
+    #: the inner steps taken by then: the global step the lr schedule counts
+    steps: int = 0
 
     @staticmethod
     def from_checkpoint(
@@ -154,9 +157,12 @@ class StartPoint:
         time and outer momentum (a resume and a replay go on from there alike)."""
         ckpt = checkpoint.load(run.store, rounds, layout)
         outer = outer_at(cfg, layout, ckpt.theta, ckpt.outer_momentum)
+        # a checkpoint from before the count was kept: its rounds at the run's first tau
+        steps = ckpt.rounds * cfg.first_tau if ckpt.steps is None else ckpt.steps
         return StartPoint(
-            layout, outer, ckpt.integers, ckpt.rounds, ckpt.elapsed_s, tau_state=ckpt.tau_state
-        )
+            layout, outer, ckpt.integers, ckpt.rounds, ckpt.elapsed_s, tau_state=ckpt.tau_state,
+            steps=steps,
+        )  # fmt: skip
 
 
 @dataclass
@@ -175,6 +181,8 @@ class RunContext:
     warn: WarningCallback
     #: the run's progress guard, which the workers report to (None: no guard)
     guard: Guard | None = None
+    #: which checkpoints the run dir keeps (None: every one)
+    retention: Retention | None = None
 
     def first_task(self, begin: StartPoint, run_id: str) -> RoundTask:
         """The task of the first round from `begin`; a later round's is a `replace` of it."""
@@ -182,7 +190,7 @@ class RunContext:
         return RoundTask(
             self.cfg, problem.source, run_id, begin.rounds, begin.layout, begin.integers,
             problem.num_classes, problem.source.input_shape, self.run.store.uri,
-            tau=tau_choice.next_tau(self.cfg, begin.tau_state),
+            tau=tau_choice.next_tau(self.cfg, begin.tau_state), step=begin.steps,
         )  # fmt: skip
 
     def record(self, row: dict[str, Any], begin: StartPoint) -> None:
@@ -193,6 +201,17 @@ class RunContext:
             row["resumed_with_changes"] = begin.changes
         self.metrics.append(row)
         self.events.round(row)
+
+    def prune(self) -> None:
+        """The checkpoints past those the run keeps deleted (`retention`), the best recorded.
+        One that cannot be deleted stays, said in a warning: the run goes on."""
+        if self.retention is None:
+            return
+        try:
+            self.retention.prune(self.metrics.rounds)
+        except (SparknetError, OSError) as exc:
+            self.lock.check()  # a lost lock stops the run, as at any other write
+            self.warn(f"old checkpoints were not deleted (they stay): {first_line(exc)}")
 
     def rewind(self, rounds: int) -> list[dict[str, Any]]:
         """Back to the checkpoint after `rounds`: the rounds past it run again, so their rows
@@ -230,15 +249,17 @@ def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> 
         executors = _Executors()
         seg = _Segment.at(loop, begin)  # a copy: a replay may go back to `begin` itself
         theta, integers, r, replays = seg.outer.theta.numpy(), seg.integers, seg.first, 0
+        steps, train_size = seg.steps, loop.problem.source.train_size
         chooser, tau = tau_choice.chooser_of(cfg, begin.tau_state), base.tau
         while r < cfg.rounds:
             loop.lock.check()
             done = r + 1
-            pending = done if checkpoint.due(cfg.checkpoint_every, done, cfg.rounds) else None
+            pending = done if checkpoint.published(cfg, done, evaluates) else None
             stage = checkpoint.begin(run.store, done) if pending is not None else None
             task = replace(
-                base, run_id=seg.run_id, round=r, integers=integers, checkpoint_dir=stage, tau=tau
-            )
+                base, run_id=seg.run_id, round=r, integers=integers, checkpoint_dir=stage, tau=tau,
+                step=steps,
+            )  # fmt: skip
             t0 = time.perf_counter()
             contrib, broadcast_s = transport.map_reduce(
                 theta, functools.partial(train_work, task), Contribution.combine, train_frame
@@ -262,13 +283,17 @@ def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> 
                 transport.rebalance()  # every state comes from the checkpoint now: spread
                 executors.spread = False
                 theta, integers, r = seg.outer.theta.numpy(), seg.integers, seg.first
+                steps = seg.steps
                 continue
             if contrib.delta_sum is None:
                 _raise_diverged(contrib, done, run)
+            seg.outer.lr = schedule.outer_lr(cfg, train_size, steps, r, task.tau)
             theta = seg.outer.step(mean_update(contrib.delta_sum, contrib.workers))
             integers = contrib.integers
             round_s = time.perf_counter() - t0
             row = round_row(done, contrib.reports, round_s, broadcast_s)
+            row.update(schedule.round_fields(cfg, train_size, steps, r, task.tau))
+            steps += task.tau
             tau = tau_choice.after_round(chooser, task.tau, row)
             executors.after_round(row, transport)
             if evaluates and checkpoint.due(cfg.eval_every, done, cfg.rounds):
@@ -277,21 +302,27 @@ def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> 
                     theta, functools.partial(eval_work, eval_task), EvalResult.combine, eval_frame
                 )
                 row.update(eval_row(ev))
+            stop = checkpoint.reached(cfg, row) and done < cfg.rounds
+            if stop:
+                row[checkpoint.STOPPED] = cfg.stop_at
             row["elapsed_s"] = seg.elapsed_s + time.perf_counter() - seg.t_start
             loop.record(row, begin)
             if pending is not None:
                 checkpoint.write(
                     run.store, done, layout, theta, integers, seg.outer.momentum_buffer,
                     row["elapsed_s"], cfg.to_yaml(),
-                    tau_state=None if chooser is None else chooser.state(),
+                    tau_state=None if chooser is None else chooser.state(), steps=steps,
                 )  # fmt: skip
                 pending = None
                 write_config(run, cfg)
                 replays = 0
+                loop.prune()
                 executors.spread_out(transport)  # a partition that moves finds it there
             if loop.on_round is not None:
                 loop.on_round(row)
             r += 1
+            if stop:
+                break
     finally:
         if pending is not None:
             _abandon(run, pending, loop.spark if loop.own_session else None)
@@ -310,6 +341,8 @@ class _Segment:
     outer: OuterOptimizer
     integers: dict[str, np.ndarray]
     elapsed_s: float
+    #: the inner steps taken before its first round
+    steps: int = 0
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     t_start: float = field(default_factory=time.perf_counter)
 
@@ -317,7 +350,7 @@ class _Segment:
     def at(loop: RunContext, b: StartPoint) -> _Segment:
         """A segment from `b`, with an outer optimizer of its own (`b`'s is never stepped)."""
         outer = outer_at(loop.cfg, b.layout, b.outer.theta.numpy(), b.outer.momentum_buffer)
-        return _Segment(b.rounds, outer, b.integers, b.elapsed_s)
+        return _Segment(b.rounds, outer, b.integers, b.elapsed_s, steps=b.steps)
 
 
 def _missed(contrib: Contribution) -> list[int]:
@@ -367,9 +400,10 @@ def allreduce_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None)
             try:
                 first = replace(
                     base, round=stage_begin.rounds, integers=stage_begin.integers,
-                    tau=tau_choice.next_tau(cfg, stage_begin.tau_state),
+                    tau=tau_choice.next_tau(cfg, stage_begin.tau_state), step=stage_begin.steps,
                 )  # fmt: skip
                 _one_stage(loop, transport, first, stage_begin, begin, restarts, executors)
+                loop.prune()  # the last round's checkpoint is published: its turn
                 break
             except Diverged as exc:
                 raise SparknetError(
@@ -393,7 +427,8 @@ def allreduce_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None)
         with contextlib.suppress(SparknetError):
             checkpoint.discard_incomplete(run.store)
         raise
-    return checkpoint.read_weights(run.store, cfg.rounds)
+    last = loop.metrics.rounds[-1]["round"]  # cfg.rounds, or where stop_at ended the run
+    return checkpoint.read_weights(run.store, last)
 
 
 def _one_stage(
@@ -419,7 +454,10 @@ def _one_stage(
         row = message.row
         executors.after_round(row, transport)
         loop.record(row, begin)
+        acknowledged = message.acks
         message.ack()
+        if acknowledged:  # rank 0 now writes this round's checkpoint: those before are complete
+            loop.prune()
         if loop.on_round is not None:
             loop.on_round(row)
 

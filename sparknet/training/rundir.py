@@ -33,6 +33,7 @@ from sparknet.data.store import MissingObjectError, S3Store, Store, open_store
 from sparknet.errors import SettingError, SparknetError
 from sparknet.training import checkpoint
 from sparknet.training.report import CURVES, METRICS
+from sparknet.training.retention import BEST
 
 MODEL_FILE = "model.safetensors"
 #: what the model is (`saved_model`): its name, outputs and input, for loading it from the dir
@@ -58,6 +59,7 @@ RUN_ENTRIES = {
     CONFIG_FILE,
     METRICS,
     checkpoint.CHECKPOINTS,
+    BEST,
     MODEL_FILE,
     MODEL_INFO,
     CURVES,
@@ -70,7 +72,7 @@ REACH_TOKEN = ".sparknet-reach."
 #: temp names of the files above (the store's `.NAME.<pid>.<hex>.tmp`, and older versions'),
 #: and TensorBoard's event files
 _RUN_EXTRAS = re.compile(
-    r"^\.(config\.yaml|metrics\.jsonl|model\.safetensors|model\.json|curves\.png|mlflow\.json)(\..+)?\.tmp(\.png)?$"
+    r"^\.(config\.yaml|metrics\.jsonl|model\.safetensors|model\.json|curves\.png|mlflow\.json|best\.json)(\..+)?\.tmp(\.png)?$"
     r"|^events\.out\.tfevents\."
 )
 
@@ -121,14 +123,17 @@ def _stored(store: Store, run_dir: str) -> StoredSettings:
 #: settings added since a run dir could have been written, at the values such a run ran with
 #: where today's default differs: its chooser's bound before `tau_max` came (under tau auto)
 _BEFORE_THEY_CAME = {"tau_max": 1000}
+#: the same for every run: its checkpoints were all kept (a resume deletes none unasked)
+_BEFORE_THEY_CAME_ALL = {"keep_checkpoints": 0}
 
 
 def _as_it_ran(section: dict[str, Any]) -> dict[str, Any]:
     """A stored run's settings with those it predates filled in as it ran: a resume of it
     then goes on as it would have (the stored value of a setting is what a resume compares)."""
+    before = dict(_BEFORE_THEY_CAME_ALL)
     if section.get("tau") == "auto":
-        return {**{k: v for k, v in _BEFORE_THEY_CAME.items() if k not in section}, **section}
-    return section
+        before.update(_BEFORE_THEY_CAME)
+    return {**{k: v for k, v in before.items() if k not in section}, **section}
 
 
 def ran_transport(store: Store) -> str | None:

@@ -29,6 +29,8 @@ from sparknet.data.sources import Source
 from sparknet.data.store import MissingObjectError, Store, open_store
 from sparknet.errors import SparknetError, first_line
 from sparknet.models import build_model
+from sparknet.say import command_line
+from sparknet.training.retention import BEST, read_best
 from sparknet.training.rundir import (
     EXPORTED_PROGRAM,
     EXPORTED_TORCHSCRIPT,
@@ -117,13 +119,20 @@ class SavedModel:
     where: str
 
     @classmethod
-    def read(cls, run: str | Path, endpoint_url: str | None = None) -> SavedModel:
-        """A finished run's model; one line naming what to do where the run dir has none."""
+    def read(
+        cls, run: str | Path, endpoint_url: str | None = None, *, best: bool = False
+    ) -> SavedModel:
+        """A finished run's model (with `best`, the weights of its best checkpoint by eval
+        accuracy, as `best.json` names it); one line naming what to do where the run dir has
+        none."""
         store = open_store(str(run), endpoint_url)
         info = _info(store, run)
+        if best:
+            return cls(info, _best_weights(store, run), str(run))
+        resume = command_line("sparknet train", resume=True, out=run, endpoint_url=endpoint_url)
         weights = _read(
             store, run, MODEL_FILE,
-            f"its run has not finished; `sparknet train --resume --out {run}` finishes it (a "
+            f"its run has not finished; `{resume}` finishes it (a "
             f"DataFrame's run: sparknet.fit(df, out={str(run)!r}, resume=True))",
         )  # fmt: skip
         return cls(info, weights, str(run))
@@ -156,16 +165,34 @@ def _state_dict_error(exc: BaseException) -> str:
     return "; ".join(lines[1:3]) if len(lines) > 1 else first_line(exc)
 
 
-def load_model(run: str | Path, endpoint_url: str | None = None) -> torch.nn.Module:
+def load_model(
+    run: str | Path, endpoint_url: str | None = None, *, best: bool = False
+) -> torch.nn.Module:
     """The model a finished run trained, with its final weights, in eval mode on the CPU.
 
     Args:
         run: the run dir, a local path or an `s3://` URI.
         endpoint_url: an S3-compatible endpoint (else `AWS_ENDPOINT_URL` or AWS).
+        best: the weights of the run's best checkpoint by eval accuracy instead (`best.json`
+            names it; a run still going has one too).
 
     `read_info(run)` says what an input must be made into and what each output means.
     """
-    return SavedModel.read(run, endpoint_url).build()
+    return SavedModel.read(run, endpoint_url, best=best).build()
+
+
+def _best_weights(store: Store, run: str | Path) -> bytes:
+    """The weights `best.json` names; one line where there is none."""
+    best = read_best(store)
+    if best is None:
+        raise SparknetError(
+            f"{run} has no {BEST}: none of its checkpoints was evaluated yet (or its run "
+            "started before run dirs recorded their best)"
+        )
+    return _read(
+        store, run, best.weights,
+        f"its {BEST} names it (round {best.round}), but that checkpoint was deleted",
+    )  # fmt: skip
 
 
 def _info(store: Store, run: str | Path) -> ModelInfo:

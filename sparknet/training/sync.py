@@ -225,6 +225,11 @@ class Synchronizer:
         self._send(q, self._take_unsent(q))
         return waited if self.overlap else waited + self._land()
 
+    def set_outer_lr(self, lr: float) -> None:
+        """The rate of the outer steps to come (a schedule's), every fragment's."""
+        for outer in self._outers:
+            outer.lr = lr
+
     def final_weights(self) -> np.ndarray:
         """The global weights with every worker's progress in, after the run's last round: the
         exchange in flight stepped in, and every other fragment's unsent progress exchanged and

@@ -26,7 +26,7 @@ from sparknet.data.loader import derived_seed
 from sparknet.data.sources import Source, TaskInput
 from sparknet.errors import SparknetError
 from sparknet.models import build_model
-from sparknet.training import checkpoint, device, progress
+from sparknet.training import checkpoint, device, progress, schedule
 from sparknet.training.state import StateLayout
 
 
@@ -49,6 +49,8 @@ class RoundTask:
     checkpoint_dir: str | None = None
     #: an evaluation also counts (label, prediction) pairs (`sparknet evaluate`)
     confusion: bool = False
+    #: the inner steps the run took before this round (the global step its first step is at)
+    step: int = 0
 
 
 @dataclass
@@ -366,11 +368,12 @@ def _inner_steps(
     attempt: int,
     on: torch.device,
 ) -> _Steps:
-    """tau steps."""
+    """tau steps, each at the lr the schedule gives its global step."""
     cfg = task.cfg
     channels_last = device.uses_channels_last(on, model)
     done = _Steps()
     losses, steps = done.losses, done.steps
+    lrs = schedule.round_lrs(cfg, task.source.train_size, task.step, task.round, task.tau)
     for step, batch in enumerate(batches):
         done.skipped += batch.skipped
         if len(batch.y) == 0:
@@ -378,8 +381,10 @@ def _inner_steps(
         x = device.to_device(batch.x, on, channels_last)
         y = device.to_device(batch.y, on)
         optimizer.zero_grad(set_to_none=True)
+        for group in optimizer.param_groups:
+            group["lr"] = lrs[step]
         with device.autocast(on, cfg.precision):
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(model(x), y, label_smoothing=cfg.label_smoothing)
         if scaler is None:
             loss.backward()
             optimizer.step()

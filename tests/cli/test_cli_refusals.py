@@ -44,7 +44,7 @@ def test_a_flag_typer_refuses_is_one_error_line_exit_2() -> None:
     for args, said in (
         (["cluster", "down", "c1", "--yes=1"], "Option '--yes' does not take a value"),
         (["cluster", "down", "c1", "--Yes"], "No such option: --Yes"),
-        (["cluster", "down"], "Missing argument 'name'"),
+        (["cluster", "down"], "Missing argument 'NAME'"),
         (["train", "--rounds", "x"], "Invalid value for '--rounds'"),
     ):
         assert said in _one_error_line(runner.invoke(app, args)), args

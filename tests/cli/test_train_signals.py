@@ -77,6 +77,11 @@ class _Run:
         left = [cmd for pid, cmd in self.seen.items() if alive(pid)]
         assert not left, f"{what}: left running: {left}"
         _assert_only_complete_checkpoints(self.out, what)
+        if "Spark stopped" in lines[-1]:  # the round kept, and the command that continues it
+            last = checkpoint.latest(open_store(str(self.out))) if self.out.exists() else None
+            kept = "no checkpoint was complete yet" if last is None else f"round {last}'s"
+            assert kept in lines[-1], f"{what}: {lines[-1]}"
+            assert f"`sparknet train --resume --out {self.out}`" in lines[-1], lines[-1]
 
 
 def _assert_only_complete_checkpoints(out: Path, what: str) -> None:

@@ -232,7 +232,9 @@ def test_a_cluster_whose_instances_autostop_ended_says_down_cleans_up(
     monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
     registry.save_entry(ClusterSpec(name="idle1", region="us-east-1"), moto_endpoint)
     where = ["--region", "us-east-1", "--endpoint-url", moto_endpoint]
-    note = "terminated (autostop?); `sparknet cluster down idle1` cleans up"
+    # the hint carries the region and the endpoint given: followed, it reaches the same place
+    down = f"sparknet cluster down idle1 --region us-east-1 --endpoint-url {moto_endpoint}"
+    note = f"terminated (autostop?); `{down}` cleans up"
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(

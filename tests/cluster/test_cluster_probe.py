@@ -241,6 +241,20 @@ def test_a_stopped_master_is_priced_at_its_volume_shown_stopped_and_started_by_u
     assert _left(spec)["instances"] == 3
 
 
+def test_status_no_ssh_shows_what_aws_says_and_asks_no_node(spec, moto_endpoint, tmp_path):
+    """`--no-ssh`: the instances, their SSH addresses and the cost, exit 0, and no line of
+    Spark's health or the autostop timer (which only the master, over SSH, can tell: its
+    nodes here are moto's and answer nothing, so a plain `status` says they cannot be
+    reached)."""
+    info = _up(spec, moto_endpoint)
+    plain = cli("status", spec.name, cwd=tmp_path)
+    assert "Spark: the nodes cannot be reached" in plain.stdout, plain.stdout
+    quick = cli("status", spec.name, "--no-ssh", cwd=tmp_path)
+    assert quick.returncode == 0, quick.stderr
+    assert info.master.id in quick.stdout and "estimated cost $" in quick.stdout
+    assert not [ln for ln in quick.stdout.splitlines() if ln.startswith(("Spark", "autostop"))]
+
+
 # --- 8, 9, 14b, 14c, 14h: what sweep, list and down find and say --------------------------------
 
 #: what moto answers GetCallerIdentity with for its default credentials, as an owner tag

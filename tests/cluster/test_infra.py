@@ -417,6 +417,7 @@ def checkov_report(tmp_path_factory) -> dict[str, Any]:
     return terraform_report
 
 
+@pytest.mark.integration  # checkov: its own venv, made by `make checkov` (`make test` does)
 def test_checkov_reports_no_failed_checks(checkov_report) -> None:
     failed = [
         f"{c['check_id']} {c['resource']} ({c['file_path']}): {c['check_name']}"
@@ -428,6 +429,7 @@ def test_checkov_reports_no_failed_checks(checkov_report) -> None:
     assert {"aws_security_group.rendered", "aws_iam_role_policy.rendered"} <= resources
 
 
+@pytest.mark.integration  # checkov: its own venv, made by `make checkov` (`make test` does)
 def test_checkov_skips_carry_a_reason(checkov_report) -> None:
     skipped = checkov_report["results"]["skipped_checks"]
     assert skipped, "expected the inline skips of infra/ to be reported"

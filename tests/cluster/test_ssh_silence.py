@@ -21,6 +21,7 @@ from sparknet.cluster import nodes, remote
 from sparknet.cluster.spark.plan import Node
 from sparknet.jobs import driver_control, follow
 from sparknet.jobs import submit as flow
+from sparknet.jobs.preflight import Checked
 
 pytestmark = pytest.mark.integration
 
@@ -150,7 +151,8 @@ def test_a_submit_whose_master_goes_silent_exits_1_naming_attach_within_the_wind
     )
     prefix = tmp_path / "prefix"
     prefix.mkdir()
-    monkeypatch.setattr(flow, "preflight", lambda job: ("R1", f"{prefix}/"))
+    checked = Checked("R1", f"{prefix}/", None)  # type: ignore[arg-type]
+    monkeypatch.setattr(flow, "preflight", lambda job: checked)
     monkeypatch.setattr(flow, "check_name_free", lambda spec, endpoint_url: None)
     monkeypatch.setattr(flow, "check_gpu_counts", lambda spec, endpoint_url: None)
     monkeypatch.setattr(aws_provider, "up", lambda spec, **kwargs: None)

@@ -156,7 +156,7 @@ def _empty_class_dir(root: Path) -> Path:
 @pytest.mark.parametrize(
     ("make_bad", "message"),
     [
-        (lambda root: root / "missing", "does not exist"),
+        (lambda root: root / "missing", "no such directory"),
         (_no_train, "no train/ directory"),
         (_val_dir_not_a_class, "n09999999 is not a class in train/"),
         (_csv_wnid_not_a_class, "1 of 2 validation images are labelled with classes that are not"),

@@ -13,7 +13,7 @@ import webdataset as wds
 
 from sparknet.data.manifest import ShardInfo
 from sparknet.data.stream import epoch_shards, locate, read_positions, read_shard, tar_files
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, as_keyword
 
 COUNTS = [5, 3, 4, 6, 2, 5, 4]
 
@@ -61,7 +61,8 @@ def test_each_epoch_deals_every_shard_to_exactly_one_partition():
 def test_fewer_shards_than_workers_names_the_fix():
     with pytest.raises(SparknetError, match="fewer than its 9 Spark tasks") as exc:
         epoch_shards(COUNTS, seed=0, epoch=0, workers=9, partition=0)
-    assert "smaller --shard-mb" in str(exc.value)  # the flag `data shard` has
+    assert "smaller --shard-mb or --shards 9" in str(exc.value)  # the flags `data shard` has
+    assert "--shards 9" in exc.value.worded(as_keyword)  # from `sparknet.fit` too: no shards=
 
 
 def test_locate_walks_shards_then_epochs():

@@ -605,8 +605,10 @@ def _flow_without_aws(monkeypatch, *, up=None, down=None) -> None:
     (an interrupt while up runs, AWS out of reach while down runs) cannot be had from moto on
     demand."""
     from sparknet.cluster import ec2 as aws_provider
+    from sparknet.jobs.preflight import Checked
 
-    monkeypatch.setattr(flow, "preflight", lambda job: ("R1", "s3://b-b/runs/c1/R1/"))
+    checked = Checked("R1", "s3://b-b/runs/c1/R1/", None)  # type: ignore[arg-type]
+    monkeypatch.setattr(flow, "preflight", lambda job: checked)
     monkeypatch.setattr(flow, "check_name_free", lambda spec, endpoint_url: None)
     monkeypatch.setattr(flow, "check_gpu_counts", lambda spec, endpoint_url: None)
     monkeypatch.setattr(aws_provider, "up", up)
@@ -682,9 +684,9 @@ def test_preflight_of_a_made_cluster_needs_its_bucket_and_the_data_under_its_dat
     uri = _dataset(s3, bucket, shards=3)  # s3://BUCKET/ds: a shard for each of 3 Spark tasks
 
     def checked(spec: ClusterSpec, reused: bool = False) -> tuple[str, str]:
-        return preflight.preflight(
-            preflight.Job(spec, reused, False, preflight.Dataset(uri), TrainConfig())
-        )
+        job = preflight.Job(spec, reused, False, preflight.Dataset(uri), TrainConfig())
+        found = preflight.preflight(job)
+        return found.run_id, found.prefix
 
     with pytest.raises(preflight.PreflightFailed, match=r"^cluster c1 has no `bucket:` in its"):
         checked(ClusterSpec(name="c1"))

@@ -21,32 +21,6 @@ from sparknet.jobs import submit as flow
 from tests.moto_server import amazon_ami
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    """The registry home (locks, job records) and the working dir under tmp_path."""
-    monkeypatch.setenv(registry.HOME_ENV, str(tmp_path / "home"))
-    monkeypatch.chdir(tmp_path)
-    return tmp_path / "home"
-
-
-@pytest.fixture
-def launches(monkeypatch) -> list[str]:
-    """`up` and `down` of every cluster, recorded: `up` then fails (nothing is really
-    launched), `down` finds nothing."""
-    calls: list[str] = []
-
-    def up(spec, **kwargs):
-        calls.append(f"up {spec.name}")
-        raise SparknetError("up was called")
-
-    def down(spec, **kwargs):
-        calls.append(f"down {spec.name}")
-
-    monkeypatch.setattr(aws_provider, "up", up)
-    monkeypatch.setattr(aws_provider, "down", down)
-    return calls
-
-
 def _submit(*args: str):
     from sparknet.cli.submit import submit_app
 
@@ -140,7 +114,10 @@ def test_what_train_refuses_is_refused_before_anything_is_launched(
 
 def _past_preflight(monkeypatch) -> None:
     """flow.submit's checks of AWS and the data passed at once (what follows them is tested)."""
-    monkeypatch.setattr(flow, "preflight", lambda job: ("R1", "s3://b-b/runs/c1/R1/"))
+    from sparknet.jobs.preflight import Checked
+
+    checked = Checked("R1", "s3://b-b/runs/c1/R1/", None)  # type: ignore[arg-type]
+    monkeypatch.setattr(flow, "preflight", lambda job: checked)
     monkeypatch.setattr(flow, "check_name_free", lambda spec, endpoint_url: None)
     monkeypatch.setattr(flow, "check_gpu_counts", lambda spec, endpoint_url: None)
 

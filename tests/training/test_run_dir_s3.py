@@ -58,7 +58,7 @@ def test_an_interrupted_s3_run_resumes_to_the_bytes_of_an_uninterrupted_local_on
         train(cfg, spark=spark, on_round=interrupt)
     stored = _keys(s3, bucket, "runs/a")
     assert {k for k in stored if not k.startswith(("checkpoints/", "events."))} == {
-        "config.yaml", "metrics.jsonl", "model.json",
+        "config.yaml", "metrics.jsonl", "model.json", "best.json",
     }  # fmt: skip
     for rnd in (1, 2):  # the workers wrote their own states into each checkpoint
         ckpt = f"checkpoints/round-{rnd:05d}/"

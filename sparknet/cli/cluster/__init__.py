@@ -10,7 +10,11 @@ import typer
 
 from sparknet.cli.cluster import inventory, life, ssh
 
-cluster_app = typer.Typer(no_args_is_help=True, help="EC2 GPU clusters: up, down, status, list.")
+cluster_app = typer.Typer(
+    no_args_is_help=True,
+    help="EC2 GPU clusters, or a static cluster's hosts: up, down, status, bootstrap, list, "
+    "sweep, ssh, tunnel.",
+)
 cluster_app.command("up")(life.cluster_up)
 cluster_app.command("down")(life.cluster_down)
 cluster_app.command("status")(life.cluster_status)

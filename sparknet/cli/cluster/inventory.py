@@ -24,7 +24,7 @@ from sparknet.errors import SparknetError, first_line
 
 
 def cluster_list(
-    region: str = typer.Option("us-east-1"),
+    region: str = typer.Option("us-east-1", help="AWS region to look in"),
     endpoint_url: str | None = EndpointOption,
     debug: bool = DebugOption,
 ) -> None:
@@ -46,12 +46,15 @@ def cluster_list(
     known = {
         name for name, spec in specs.items() if spec.region == region and provider.of(spec).REGIONAL
     }
+    static = [name for name, spec in specs.items() if not provider.of(spec).REGIONAL]
+    if not found and not known and not static:  # a note on stderr: stdout stays the lines
+        console.print(f"no clusters in {region} (none tagged there, none registered here)")
     for name in sorted(set(found) | known):
         cluster = found.get(name, inventory.TaggedCluster(name))
         live = sum(item.startswith("instance:") for item in cluster.items)
         where = "registered" if name in known else "not registered"
         owners = ", ".join(sorted(owner or "-" for owner in cluster.owners)) or "-"
-        left = "" if live else f"\t{ec2.leftover_note(name)}"
+        left = "" if live else f"\t{ec2.leftover_note(name, region)}"
         print(
             f"{name}\t{live} instances\t{len(cluster.items) - live} other resources\t{where}"
             f"\towner {owners}{left}"
@@ -67,7 +70,7 @@ def _not_yours(cluster, caller: str) -> str:
 
 
 def cluster_sweep(
-    region: str = typer.Option("us-east-1"),
+    region: str = typer.Option("us-east-1", help="AWS region to look in"),
     yes: bool = typer.Option(False, "--yes", help="take them down; default: only list"),
     all_owners: bool = typer.Option(
         False, "--all-owners", help="also other principals' clusters, and untagged ones"

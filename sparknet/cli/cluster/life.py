@@ -15,7 +15,6 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from sparknet.cli.cluster.options import (
     AnyOwnerOption,
@@ -32,8 +31,10 @@ from sparknet.cli.common import (
     console,
     fail,
     interrupts,
+    titled_table,
 )
 from sparknet.errors import SparknetError, first_line
+from sparknet.say import command_line
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
 # (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
@@ -67,7 +68,7 @@ def _print_instances(info) -> None:
         for row in [_COLUMNS, *rows]:
             print("\t".join(row))
         return
-    table = Table(title=f"cluster {info.name} ({info.region})")
+    table = titled_table(f"cluster {info.name} ({info.region})")
     for k, col in enumerate(_COLUMNS):
         # ids and addresses are copied into other commands: never cut, at worst folded
         widest = max((len(row[k]) for row in rows), default=0)
@@ -103,7 +104,9 @@ def cluster_up(
     name: str = typer.Argument(..., help="cluster name (a `clusters:` entry, or new)"),
     workers: int | None = typer.Option(None, help="worker instances"),
     instance_type: list[str] = typer.Option([], help="worker type, repeatable: fallback order"),
-    master_type: str | None = typer.Option(None),
+    master_type: str | None = typer.Option(
+        None, help="the master's instance type (default: the cluster's, else g5.xlarge)"
+    ),
     spot: bool | None = typer.Option(None, "--spot/--on-demand", help="workers on spot"),
     region: str | None = RegionOption,
     allowed_cidr: str | None = typer.Option(None, help="SSH source; default: your /32"),
@@ -144,8 +147,8 @@ def cluster_up(
     # a second signal arrives while the first one's clean-up runs: before the bootstrap that
     # removes what this `up` launched, during it nothing is removed (the instances stay)
     note = (
-        f"finishing the clean-up of the interrupt; `sparknet cluster status {name}` shows what "
-        "is left after"
+        "finishing the clean-up of the interrupt; "
+        f"`{command_line('sparknet cluster status', name)}` shows what is left after"
     )
     try:
         with interrupts(caught, stop_at=1, note=note):
@@ -180,19 +183,20 @@ def _print_up(spec, info, *, bootstrapped: bool) -> None:
     if info.hosts:
         done = "is up" if bootstrapped else "is registered (not bootstrapped)"
         print(
-            f"cluster {name} {done}; `sparknet cluster down {name}` stops its Spark "
-            "(the machines stay)"
+            f"cluster {name} {done}; `{command_line('sparknet cluster down', name)}` stops its "
+            "Spark (the machines stay)"
         )
         return
     print(
         f"cluster {name} is up; estimated cost {info.cost.describe()}; "
-        f"`sparknet cluster down {name} --region {info.region}` ends it"
+        f"`{command_line('sparknet cluster down', name, region=info.region)}` ends it"
     )
     if not bootstrapped:
         print(
             f"not bootstrapped: the instances power off (terminate) {spec.backstop_minutes} "
-            f"minutes after their last boot unless `sparknet cluster bootstrap {name} --region "
-            f"{info.region}` finishes them by then"
+            "minutes after their last boot unless "
+            f"`{command_line('sparknet cluster bootstrap', name, region=info.region)}` finishes "
+            "them by then"
         )
 
 
@@ -226,8 +230,8 @@ def cluster_down(
     spec = on_cluster(lambda spec: spec, name, region, config, debug)
     _confirm_jobs_end(spec, endpoint_url, yes, debug, any_owner)
     cluster = provider.of(spec)
-    where = f" --region {spec.region}" if cluster.REGIONAL else ""
-    finish = f"`sparknet cluster down {name}{where}`"
+    region = spec.region if cluster.REGIONAL else None
+    finish = f"`{command_line('sparknet cluster down', name, region=region)}`"
     note = f"taking {name} down to the end so nothing is left half-deleted; again to stop it"
     try:
         with interrupts(caught, stop_at=2, note=note):
@@ -265,7 +269,7 @@ def _confirm_jobs_end(
     them = "it" if len(running) == 1 else "them"
     _say(
         f"cluster {spec.name} runs job {', '.join(running)}: taking it down cancels {them} "
-        "(`sparknet-submit cancel RUN` ends one job alone)"
+        f"(`{command_line('sparknet-submit cancel', 'RUN')}` ends one job alone)"
     )
     if yes or not _on_terminal():
         return
@@ -314,12 +318,18 @@ def print_down(report) -> None:
 def cluster_status(
     name: str = typer.Argument(...),
     region: str | None = RegionOption,
+    ssh: bool = typer.Option(
+        True,
+        "--ssh/--no-ssh",
+        help="ask the master over SSH for Spark's health and the autostop timer; --no-ssh: "
+        "what AWS (or the registry) says only, at once, with no wait for a node",
+    ),
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,
     debug: bool = DebugOption,
 ) -> None:
-    """The cluster's instances, found by tag, and each node's SSH address and command; exit 1
-    when it has none."""
+    """The cluster's instances, found by tag, each node's SSH address and command, and (unless
+    --no-ssh) Spark's health and the autostop timer; exit 1 when it has none."""
     from sparknet.cluster import ec2, provider, spark_nodes  # lazy: boto3, fabric
 
     spec = on_cluster(lambda spec: spec, name, region, config, debug)
@@ -330,15 +340,18 @@ def cluster_status(
         fail_cluster(exc, debug)
     spec = cluster.current(spec)
     if not info.instances and not info.hosts:
-        print(f"cluster {name} has no live instances in {info.region}: {ec2.leftover_note(name)}")
+        note = ec2.leftover_note(name, info.region)
+        print(f"cluster {name} has no live instances in {info.region}: {note}")
         raise typer.Exit(1)
     _print_cluster(spec, info)
     if info.hosts:  # the user's machines: Spark's health is what there is to say of them
-        if not _print_health(spec, info, endpoint_url):
+        if ssh and not _print_health(spec, info, endpoint_url):
             raise typer.Exit(1)
         return
     _print_ssh(spec, info)
     print(f"estimated cost {info.cost.describe()}")
+    if not ssh:
+        return
     if _print_health(spec, info, endpoint_url) is None:  # no second wait for the same master
         print("autostop: unknown: the master does not answer")
     else:

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from sparknet.cli.common import Caught, fail, signal_exit
 from sparknet.config import find_config_file, read_section, validation_error
 from sparknet.errors import SparknetError, first_line
+from sparknet.say import command_line
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
 # (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
@@ -68,8 +69,9 @@ def cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_n
     if known is not None and base.get("provider", "aws") != known.provider:
         raise SparknetError(
             f"cluster {name} is registered here as {_PROVIDERS[known.provider]}, but "
-            f"{path} says provider: {base.get('provider')}; `sparknet cluster down {name}` "
-            "first, or give the other one another name"
+            f"{path} says provider: {base.get('provider')}; "
+            f"`{command_line('sparknet cluster down', name)}` first, or give the other one "
+            "another name"
         )
     base["name"] = _STAND_IN if any_name else name
     try:

@@ -17,6 +17,7 @@ from sparknet.cluster.aws.boto3_foundation import Boto3Foundation, filters
 from sparknet.cluster.aws.foundation import node_role_name
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.errors import SparknetError
+from sparknet.say import command_line
 
 #: the order a foundation is taken apart in: each kind only after what depends on it
 DESTROY_ORDER = (
@@ -232,9 +233,10 @@ def check_removed(spec: ClusterSpec, *, endpoint_url: str | None = None) -> None
     left = _tagged(Boto3Foundation(spec, endpoint_url))
     items = [f"{kind}:{ident}" for kind in DESTROY_ORDER for ident in left.get(kind, [])]
     if items:
+        again = command_line("sparknet cluster down", spec.name, region=spec.region)
         raise SparknetError(
             f"cluster {spec.name} in {spec.region} still has {', '.join(items)} after the "
-            f"destroy; run `sparknet cluster down {spec.name} --region {spec.region}` again"
+            f"destroy; run `{again}` again"
         )
 
 

@@ -106,6 +106,19 @@ def hourly_cost(ec2: Any, found: Sequence[Instance]) -> Hourly:
     return sum(hourly_costs(ec2, found).values(), Hourly())
 
 
+def planned_hourly(ec2: Any, instance_type: str, spot: bool, count: int, volume_gb: int) -> Hourly:
+    """What `count` instances of a type would cost per hour once launched as sparknet launches
+    them (`launcher`: a gp3 root volume of `volume_gb` and a public IPv4 address each): the
+    estimate before launch that `hourly_costs` makes of what runs."""
+    price = hourly_price(instance_type, spot, None, ec2)
+    return Hourly(
+        compute=None if price is None else price * count,
+        ebs_gib=volume_gb * count,
+        ebs=_ebs_hourly(ec2, [("gp3", volume_gb)] * count),
+        public_ipv4=count,
+    )
+
+
 def _attached_volumes(ec2: Any, ids: Sequence[str]) -> dict[str, list[tuple[str, int]]] | None:
     """Instance id -> (volume type, GiB) of each EBS volume attached to it; None when EC2 does
     not answer (an estimate must never stop `up` or `down`)."""

@@ -1,0 +1,71 @@
+"""`sparknet-submit --dry-run`: every check a launch runs first, then the plan, and nothing made.
+
+sparknet-submit runs in process (typer's runner) against moto's EC2 and S3, with `up` and
+`down` replaced by recorders that prove neither was reached (nothing real can launch here)."""
+
+from __future__ import annotations
+
+import boto3
+
+from tests.jobs.test_submitter import _dataset, _submit, _tagged
+from tests.moto_server import amazon_ami
+
+
+def _settings(tmp_path, bucket: str) -> None:
+    (tmp_path / "sparknet.yaml").write_text(
+        f"clusters:\n  c1: {{bucket: {bucket}, data_prefix: ds/, ami: {amazon_ami()}}}\n"
+    )
+
+
+def test_a_dry_run_checks_prints_the_plan_and_makes_nothing(
+    home,
+    launches,
+    bucket,
+    tmp_path,
+) -> None:
+    """Machines, their price per hour from the bundled on-demand table (a g5.xlarge master
+    $1.006 and two g4dn.xlarge workers $0.526 each, 100 GiB gp3 and a public IPv4 address
+    each), the data's splits, the run prefix, the settings as the driver would run them (one
+    Spark task per GPU of the three nodes); exit 0, nothing on EC2, nothing under the runs
+    prefix, no job recorded."""
+    uri = _dataset(bucket)
+    _settings(tmp_path, bucket)
+    done = _submit(
+        "--s3", uri, "--dry-run", "--workers", "2", "--instance-type", "g4dn.xlarge",
+        "--instance-type", "g5.xlarge", "--on-demand", "--rounds", "7",
+    )  # fmt: skip
+    assert done.exit_code == 0, done.output
+    out = done.stdout.splitlines()
+    assert out[0] == "dry run: every check passed; nothing was made. train on cluster c1 (to make):"
+    ebs = 0.08 * 100 / 730
+    master, workers = 1.006 + ebs + 0.005, 2 * (0.526 + ebs + 0.005)
+    assert out[1].startswith(f"  master: 1 x g5.xlarge (on-demand), ${master:.2f}/hour")
+    assert out[2].startswith(
+        f"  workers: 2 x g4dn.xlarge (on-demand; fallback g5.xlarge), ${workers:.2f}/hour"
+    )
+    assert out[3].startswith(f"  per hour in all: ${master + workers:.2f}/hour"), out[3]
+    sizes = "train 6 samples in 3 shards (9 B); val 2 samples in 1 shards (3 B)"
+    assert f"dataset: {uri}: {sizes}" in out
+    assert f"run prefix: s3://{bucket}/runs/c1/RUN/ (RUN: the run id a launch gets)" in out
+    settings = out[out.index("settings:") + 1 :]
+    assert {"  rounds: 7", "  workers: 3", "  model: cnn", "  gpus_per_worker: 1"} <= set(settings)
+    assert not any(line.startswith("  master:") for line in settings)
+    assert launches == [] and _tagged("c1") == []
+    assert boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix="runs/")["KeyCount"] == 0
+    assert not (home / "jobs").exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_dry_run_refuses_what_a_launch_refuses(home, launches, bucket, tmp_path) -> None:
+    """A check that fails fails the dry run as it fails a launch: one line, exit 2."""
+    uri = _dataset(bucket)
+    _settings(tmp_path, bucket)
+    for args, line in (
+        (("--model", "resnet9000"), "error: unknown model 'resnet9000'"),
+        (("--workers", "3"), "error: the dataset has 3 train shards, fewer than its 4 Spark"),
+        (("--cluster", "c1"), "error: --cluster c1: "),
+    ):
+        done = _submit("--s3", uri, "--dry-run", *args)
+        assert done.exit_code == 2 and len(done.stderr.splitlines()) == 1, done.output
+        assert done.stderr.startswith(line), done.stderr
+        assert done.stdout == ""
+    assert launches == [] and _tagged("c1") == []
