@@ -35,7 +35,7 @@ from sparknet.jobs.driver_control import (
     stop_session,
 )
 from sparknet.say import Say, command_line
-from sparknet.training.report import CURVES, METRICS, is_event, read_metrics, round_rows
+from sparknet.training.report import CURVES, METRICS, STOPPED, is_event, read_metrics, round_rows
 
 #: seconds between two looks at the run prefix and the driver while the job runs
 POLL_S = 3.0
@@ -280,12 +280,22 @@ def final_accuracy(rows: list[dict[str, Any]]) -> float | None:
 def summary_lines(
     run_id: str, prefix: str, rows: list[dict[str, Any]], wall_s: float, cost: float | None
 ) -> list[str]:
-    """What the submitter prints at the end."""
+    """What the submitter prints at the end; a run that reached its `stop_at` says at which
+    round (its metrics' last row carries the target)."""
     acc = final_accuracy(rows)
-    return [
+    lines = [
         f"run id: {run_id}",
         f"run prefix: {prefix}",
         f"final accuracy: {'n/a' if acc is None else f'{acc:.4f}'}",
+    ]
+    target = rows[-1].get(STOPPED) if rows else None
+    if target is not None and acc is not None:
+        lines.append(
+            f"stopped early: round {rows[-1]['round']}: test accuracy {acc:.4f} reached the "
+            f"target {target:g}"
+        )
+    lines += [
         f"wall time: {wall_s:.0f} s",
         f"estimated cost: {'unknown' if cost is None else f'${cost:.2f}'}",
     ]
+    return lines

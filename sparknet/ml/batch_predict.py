@@ -28,6 +28,7 @@ from sparknet.data.s3 import S3Uri
 from sparknet.data.sources import (
     ShardSource,
     TensorSource,
+    check_frame_path,
     is_frame_spec,
     load_data,
     resolve_source,
@@ -97,6 +98,7 @@ def predict(
     flags = {"data": data, "workers": workers, "master": master, "endpoint_url": endpoint_url}
     cfg = load_train_config(flags=flags, environ={}, base=base)
     frames = is_frame_spec(data)
+    check_frame_path(data, cfg.endpoint_url)  # a parquet: path not there: now, not in Spark
     source = with_split(None if frames else resolve_source(cfg, datasets), data, split)
     if source is not None:
         check_fit(model.saved, source, data)

@@ -33,7 +33,7 @@ from sparknet.errors import is_permanent
 from sparknet.training import checkpoint, device, netbind, progress, schedule, tau_choice
 from sparknet.training.compress import exchange_mean
 from sparknet.training.outer import OuterOptimizer, outer_at
-from sparknet.training.report import eval_row, round_row
+from sparknet.training.report import STOPPED, eval_row, round_row
 from sparknet.training.state import StateLayout
 from sparknet.training.sync import Exchange, Synchronizer, fragments_of
 from sparknet.training.transport import TaskFault, array_of, threads_per_task
@@ -269,7 +269,7 @@ class _Rank:
                         return
                     continue
                 if stop:
-                    row[checkpoint.STOPPED] = cfg.stop_at
+                    row[STOPPED] = cfg.stop_at
                 row["elapsed_s"] = plan.elapsed_s + time.perf_counter() - t_start
                 with progress.waiting():  # the driver's acknowledgement; the store's own deadlines
                     channel.row(row, ack=due)

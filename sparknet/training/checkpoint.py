@@ -91,11 +91,6 @@ def reached(cfg: TrainConfig, row: dict[str, Any]) -> bool:
     return cfg.stop_at is not None and accuracy is not None and accuracy >= cfg.stop_at
 
 
-#: a metrics row's key saying the run ended at that round's evaluation, which reached the target
-#: (its value): set where that was before the last round
-STOPPED = "stopped_at_target"
-
-
 def name(rounds: int) -> str:
     """The checkpoint after `rounds` rounds, relative to the run dir."""
     return f"{CHECKPOINTS}/round-{rounds:05d}"

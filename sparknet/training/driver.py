@@ -22,7 +22,7 @@ from sparknet.training.outer import outer_at
 from sparknet.training.probe import check_python_workers, user_modules
 from sparknet.training.problem import FrameInput, Problem, frame_problem, prepare
 from sparknet.training.progress_guard import Guard
-from sparknet.training.report import MetricsLog, plot_curves, read_metrics
+from sparknet.training.report import STOPPED, MetricsLog, plot_curves, read_metrics
 from sparknet.training.retention import Retention
 from sparknet.training.rounds import (
     RoundCallback,
@@ -65,7 +65,7 @@ class RunResult:
     def stopped_at_target(self) -> float | None:
         """The `stop_at` target whose evaluation ended the run before its last round, or None
         where it ran every round."""
-        return self.final.get(checkpoint.STOPPED)
+        return self.final.get(STOPPED)
 
 
 def slug(text: str) -> str:

@@ -24,7 +24,14 @@ import numpy as np
 from sparknet.config import DatasetEntry, TrainConfig, load_train_config
 from sparknet.data.frames import prepare_frames, read_frame
 from sparknet.data.manifest import ClassInfo
-from sparknet.data.sources import ShardSource, Source, is_frame_spec, resolve_source, with_split
+from sparknet.data.sources import (
+    ShardSource,
+    Source,
+    check_frame_path,
+    is_frame_spec,
+    resolve_source,
+    with_split,
+)
 from sparknet.data.store import Store
 from sparknet.errors import SparknetError
 from sparknet.models import check_model_accepts
@@ -185,6 +192,7 @@ def evaluate(
     }  # fmt: skip
     cfg = load_train_config(flags=flags, environ={}, base=read_run_config(run, endpoint_url))
     frames = is_frame_spec(data)
+    check_frame_path(data, cfg.endpoint_url)  # a parquet: path not there: now, not in Spark
     source = with_split(None if frames else resolve_source(cfg, datasets), data, split)
     if source is not None:
         check_fit(saved, source, data)

@@ -26,6 +26,9 @@ METRICS = "metrics.jsonl"
 CURVES = "curves.png"
 #: the key that makes a metrics.jsonl row an event's (a restart), not a round's
 EVENT = "event"
+#: a metrics row's key saying the run ended at that round's evaluation, which reached the target
+#: (its value): set where that was before the last round
+STOPPED = "stopped_at_target"
 
 
 def is_event(row: dict[str, Any]) -> bool:

@@ -35,7 +35,7 @@ from sparknet.training.events import EventLog
 from sparknet.training.outer import OuterOptimizer, mean_update, outer_at
 from sparknet.training.problem import Problem
 from sparknet.training.progress_guard import Guard
-from sparknet.training.report import MetricsLog, eval_row, round_row
+from sparknet.training.report import STOPPED, MetricsLog, eval_row, round_row
 from sparknet.training.retention import Retention
 from sparknet.training.rundir import CONFIG_FILE, Lock, RunDir
 from sparknet.training.session import stop_quietly
@@ -304,7 +304,7 @@ def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> 
                 row.update(eval_row(ev))
             stop = checkpoint.reached(cfg, row) and done < cfg.rounds
             if stop:
-                row[checkpoint.STOPPED] = cfg.stop_at
+                row[STOPPED] = cfg.stop_at
             row["elapsed_s"] = seg.elapsed_s + time.perf_counter() - seg.t_start
             loop.record(row, begin)
             if pending is not None:

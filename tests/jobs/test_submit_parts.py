@@ -51,6 +51,17 @@ def test_progress_line_and_last_error() -> None:
     assert follow.last_error("Killed\n") is None
 
 
+def test_a_run_that_reached_its_target_says_so_in_the_submit_summary() -> None:
+    """The last row of a run that stopped at its `stop_at` carries the target: the summary
+    says at which round it stopped; a run that went every round says nothing of it."""
+    rows = [{"round": 1, "eval_accuracy": 0.4}, {"round": 2, "eval_accuracy": 0.91}]
+    plain = follow.summary_lines("R1", "s3://b/r/", rows, 12.0, 0.5)
+    assert not any(line.startswith("stopped early") for line in plain)
+    rows[-1]["stopped_at_target"] = 0.9
+    lines = follow.summary_lines("R1", "s3://b/r/", rows, 12.0, 0.5)
+    assert "stopped early: round 2: test accuracy 0.9100 reached the target 0.9" in lines
+
+
 def _fake_node(tmp_path, train_script: str):
     """A node whose prefix is tmp_path, with a `venv/bin/sparknet` that runs `train_script`
     and a `venv/bin/python` that is this venv's (it runs the job's supervisor)."""

@@ -75,8 +75,10 @@ def test_a_frame_keeps_its_other_columns_or_the_ones_named(spark, digits_run, tm
          "remove it"),
         ("digits", "parquet:{tmp}/file/p", {}, "{tmp}/file/p: {tmp}/file is a file; choose "
          "another --out"),
+        ("parquet:{tmp}/nope", "parquet:{tmp}/p", {},
+         "parquet:{tmp}/nope: no such file or directory; fix the path"),
     ],
-    ids=["not-parquet", "top-k", "split", "key-col", "exists", "under-a-file"],
+    ids=["not-parquet", "top-k", "split", "key-col", "exists", "under-a-file", "no-input"],
 )  # fmt: skip
 def test_refusals_are_one_line_and_write_nothing(spark, digits_run, tmp_path, data, out, extra,
                                                  message):  # fmt: skip

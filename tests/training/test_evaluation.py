@@ -85,11 +85,12 @@ def test_the_cli_prints_the_figures_and_writes_its_report(digits_run, tmp_path):
     [
         ("digits", {"split": "train"},
          "--split names a split of a shard dataset; digits is not one"),
-        ("parquet:/nowhere", {"split": "val"},
-         "--split names a split of a shard dataset; parquet:/nowhere is not one"),
+        ("parquet:/tmp", {"split": "val"},
+         "--split names a split of a shard dataset; parquet:/tmp is not one"),
+        ("parquet:/nowhere", {}, "parquet:/nowhere: no such file or directory; fix the path"),
         ("no-such-data", {}, "unknown dataset 'no-such-data': use digits, "),
     ],
-    ids=["split-of-digits", "split-of-a-frame", "unknown-data"],
+    ids=["split-of-digits", "split-of-a-frame", "no-frame", "unknown-data"],
 )  # fmt: skip
 def test_what_cannot_be_evaluated_is_one_line_before_spark(digits_run, data, extra, message):
     run, _ = digits_run

@@ -21,7 +21,7 @@ from sparknet.data.store import Store, open_store
 from sparknet.errors import SparknetError
 from sparknet.training import checkpoint
 from sparknet.training.driver import train
-from sparknet.training.report import read_metrics
+from sparknet.training.report import STOPPED, read_metrics
 from sparknet.training.retention import BEST, Retention, best_round, read_best
 from sparknet.training.rundir import read_run_config
 from tests.conftest import REPO, SPARKNET
@@ -243,8 +243,8 @@ def test_stop_at_ends_the_run_at_the_first_evaluation_that_reaches_it(spark, tmp
     got = read_metrics(out)
     assert [r["round"] for r in got] == list(range(1, stop + 1))
     assert [r["eval_accuracy"] for r in got] == [r["eval_accuracy"] for r in rows[:stop]]
-    assert got[-1][checkpoint.STOPPED] == target
-    assert all(checkpoint.STOPPED not in r for r in got[:-1])
+    assert got[-1][STOPPED] == target
+    assert all(STOPPED not in r for r in got[:-1])
     # a checkpoint after every evaluation (the run may end there), the last one the model's
     assert checkpoint.latest(open_store(out)) == stop
     model = out / "model.safetensors"
@@ -274,7 +274,7 @@ def test_sparknet_train_stop_at_exits_0_and_says_where_it_stopped(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(out)
     stop = next(r["round"] for r in rows if r["eval_accuracy"] >= 0.6)
-    assert stop < 40 and rows[-1]["round"] == stop and rows[-1][checkpoint.STOPPED] == 0.6
+    assert stop < 40 and rows[-1]["round"] == stop and rows[-1][STOPPED] == 0.6
     text = re.sub(r"[\s│]+", " ", proc.stdout)  # the table's cells, however it wrapped them
     assert re.search(
         rf"stopped early round {stop}: test accuracy 0\.\d{{4}} reached the target 0\.6 ", text
