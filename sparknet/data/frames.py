@@ -92,7 +92,7 @@ class FrameSource(Source):
             items(), decode, workers=self.loader_workers, cores=inp.threads
         )
 
-    def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
+    def train_batches(self, inp: TaskInput, first_step: int, tau: int, batch_size: int) -> Iterator:
         from sparknet.data.decode import TrainDecoder  # lazy: PIL
 
         labels, inputs = self._columns(inp.rows)
@@ -104,11 +104,11 @@ class FrameSource(Source):
                 name=self.name,
             )
         steps = (
-            batch_positions(inp.seed, inp.partition, len(labels), rnd * tau + s, batch_size)
+            batch_positions(inp.seed, inp.partition, len(labels), first_step + s, batch_size)
             for s in range(tau)
         )
         decode = TrainDecoder(self.image_size) if self.kind == "image" else None
-        yield from self._batches(steps, labels, inputs, decode, rnd * tau, inp)
+        yield from self._batches(steps, labels, inputs, decode, first_step, inp)
 
     def eval_batches(self, inp: TaskInput) -> Iterator:
         from sparknet.data.decode import EvalDecoder  # lazy: PIL

@@ -219,8 +219,11 @@ class Source(ABC):
         """One input, for the driver's dry run of the model."""
 
     @abstractmethod
-    def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
-        """The tau batches of round `rnd` for `inp.partition`, as `loader.Batch`es."""
+    def train_batches(self, inp: TaskInput, first_step: int, tau: int, batch_size: int) -> Iterator:
+        """The tau batches for `inp.partition` of the round whose first step is the run's
+        `first_step`-th (its global step: under tau auto, or a tau changed on resume, rounds
+        differ in length, and the data goes on where the last step left it), as
+        `loader.Batch`es."""
 
     @abstractmethod
     def eval_batches(self, inp: TaskInput) -> Iterator:
@@ -258,11 +261,11 @@ class TensorSource(Source):
     def example(self) -> torch.Tensor:
         return load_data(self.spec).train[0][0]
 
-    def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
+    def train_batches(self, inp: TaskInput, first_step: int, tau: int, batch_size: int) -> Iterator:
         train = load_data(self.spec).train
         part = shard(len(train), inp.workers, inp.partition, inp.seed)
         for step in range(tau):
-            g = rnd * tau + step
+            g = first_step + step
             positions = batch_positions(inp.seed, inp.partition, len(part), g, batch_size)
             yield loader.Batch(*make_batch(train, part[positions]))
 
@@ -331,12 +334,12 @@ class ShardSource(Source):
         with self._open(info) as stream:
             yield from read_shard(stream, info)
 
-    def train_batches(self, inp: TaskInput, rnd: int, tau: int, batch_size: int) -> Iterator:
+    def train_batches(self, inp: TaskInput, first_step: int, tau: int, batch_size: int) -> Iterator:
         from sparknet.data.decode import TrainDecoder  # lazy: PIL
 
         shards = self.manifest.shards(self.TRAIN)
         key = (inp.run_id, inp.partition)
-        start = rnd * tau * batch_size
+        start = first_step * batch_size
 
         def open_items(position: int) -> Iterator:
             return read_positions(
@@ -348,7 +351,7 @@ class ShardSource(Source):
 
         def steps() -> Iterator[list]:
             for step in range(tau):
-                g = rnd * tau + step
+                g = first_step + step
                 items = cursor.take(batch_size)
                 yield [
                     None

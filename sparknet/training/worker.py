@@ -494,7 +494,7 @@ def _train(
 
     torch.manual_seed(task_seed(cfg.seed, partition, task.round))
     inp = TaskInput(partition, cfg.workers, cfg.seed, task.run_id, threads, rows)
-    batches = _started(task.source.train_batches(inp, task.round, task.tau, cfg.batch_size))
+    batches = _started(task.source.train_batches(inp, task.step, task.tau, cfg.batch_size))
     t1 = time.perf_counter()
     done = _inner_steps(task, model, optimizer, scaler, batches, partition, attempt, on)
     bad = _first_nonfinite(done.losses, done.steps)  # waits for the device's queued steps

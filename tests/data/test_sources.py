@@ -109,3 +109,19 @@ def test_an_unset_loader_worker_count_decodes_in_the_task_on_one_core(monkeypatc
     monkeypatch.setattr(loader, "DataLoader", spy)  # records the choice; the loader is real
     list(loader.decoded_batches([[None]], lambda x: x, workers=None, cores=1))
     assert seen == [0]
+
+
+def test_rounds_of_other_lengths_read_on_where_the_last_step_left_the_data():
+    """A round's batches follow from its first global step, not from round x tau: under tau
+    auto (or a tau changed on resume) rounds of 2 then 3 steps read what one round of 5 reads,
+    with no batch read twice or skipped."""
+    from sparknet.data.sources import TaskInput, TensorSource
+
+    source = TensorSource.load("digits")
+    inp = TaskInput(partition=1, workers=2, seed=3, run_id="r")
+
+    def labels(first_step: int, tau: int) -> list[list[int]]:
+        return [b.y.tolist() for b in source.train_batches(inp, first_step, tau, 8)]
+
+    assert labels(0, 2) + labels(2, 3) == labels(0, 5)
+    assert labels(0, 2) + labels(2, 3) != labels(0, 2) + labels(3, 3)  # round x tau's position

@@ -149,12 +149,12 @@ def test_batches_are_a_pure_function_of_round_whatever_was_read_before(tmp_path,
     loader.decoded_batches = fake_decoded  # only the decode is stubbed: the order is under test
     try:
         inp = TaskInput(partition=1, workers=2, seed=4, run_id="a")
-        list(source.train_batches(inp, 0, 3, 4))
-        list(source.train_batches(inp, 1, 3, 4))
+        list(source.train_batches(inp, 0, 3, 4))  # steps 0-2
+        list(source.train_batches(inp, 3, 3, 4))  # steps 3-5
         continued = seen[3:]
         seen.clear()
         fresh = TaskInput(partition=1, workers=2, seed=4, run_id="b")
-        list(source.train_batches(fresh, 1, 3, 4))
+        list(source.train_batches(fresh, 3, 3, 4))
     finally:
         loader.decoded_batches = original
     assert seen == continued

@@ -354,9 +354,9 @@ START_S = 0.5
 class SlowStart(TensorSource):
     """The digits, whose batches take START_S to start each round."""
 
-    def train_batches(self, inp, rnd, tau, batch_size):
+    def train_batches(self, inp, first_step, tau, batch_size):
         time.sleep(START_S)
-        yield from super().train_batches(inp, rnd, tau, batch_size)
+        yield from super().train_batches(inp, first_step, tau, batch_size)
 
 
 def test_a_rounds_data_start_up_is_not_counted_as_its_steps(tmp_path):
