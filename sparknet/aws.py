@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
@@ -156,6 +157,29 @@ def check_region(region: str) -> str:
     raise SparknetError(
         f"{region!r} is not an AWS region ({hint}); if it is new, upgrade boto3 and botocore"
     )
+
+
+#: S3's bucket naming rules (general purpose buckets): 3-63 of a-z 0-9 . -, letter or digit at
+#: both ends, no "..", not an IP address, and none of the reserved prefixes and suffixes
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_BUCKET_RESERVED_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
+_BUCKET_RESERVED_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3")
+
+
+def check_bucket_name(bucket: str) -> str:
+    """`bucket`, if S3 accepts it as a bucket name; else a ValueError that says why."""
+    why = None
+    if not _BUCKET.fullmatch(bucket):
+        why = "3-63 of a-z, 0-9, '.', '-', starting and ending with a letter or digit"
+    elif ".." in bucket or ".-" in bucket or "-." in bucket:
+        why = "no '..', '.-' or '-.'"
+    elif re.fullmatch(r"\d+\.\d+\.\d+\.\d+", bucket):
+        why = "not an IP address"
+    elif bucket.startswith(_BUCKET_RESERVED_PREFIXES) or bucket.endswith(_BUCKET_RESERVED_SUFFIXES):
+        why = "none of S3's reserved prefixes (xn--, sthree-, amzn-s3-demo-) or suffixes"
+    if why:
+        raise ValueError(f"{bucket!r} is not an S3 bucket name: {why}")
+    return bucket
 
 
 def one_line(text: object) -> str:

@@ -50,6 +50,17 @@ NESTEROV_DEFAULT_MOMENTUM = 0.9
 MIN_PROGRESS_TIMEOUT_S = 10.0
 
 
+def _whole_number(value: Any) -> int:
+    """A milestone as a whole number (an int, or the text of one); else one line saying so."""
+    if isinstance(value, bool):
+        raise ValueError(f"whole numbers, not {str(value).lower()}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"[+-]?[0-9]+", value.strip()):
+        return int(value)
+    raise ValueError("whole numbers")
+
+
 @dataclass(frozen=True)
 class Flag:
     """Marks a training setting that the command line takes as an option of its own, named as
@@ -75,9 +86,9 @@ class TrainConfig(BaseModel):
     model: Annotated[str, Flag("mlp, cnn, a torchvision name, or module:factory")] = Field(
         "cnn", description="mlp, cnn, a torchvision model name, or module:factory"
     )
-    num_classes: Annotated[int | None, Flag("default: from the dataset")] = Field(
-        None, ge=2, description="default: taken from the dataset"
-    )
+    num_classes: Annotated[
+        int | None, Flag("classes the model tells apart; default: the dataset's")
+    ] = Field(None, ge=2, description="default: taken from the dataset")
     extra_classes: Annotated[
         bool, Flag(Line("allow {@num_classes} above the dataset's classes"), negatable=False)
     ] = Field(
@@ -187,7 +198,7 @@ class TrainConfig(BaseModel):
         ),
     ] = Field("constant", description="how the inner lr changes as the run goes")
     lr_unit: Annotated[
-        Literal["rounds", "steps", "epochs"],
+        Literal["rounds", "steps", "epochs"] | None,
         Flag(
             Line(
                 "what {@lr_milestones}, {@lr_step_size} and {@lr_decay_length} count: rounds "
@@ -195,9 +206,9 @@ class TrainConfig(BaseModel):
             )
         ),
     ] = Field(
-        "rounds",
-        description="rounds, global inner steps, or epochs (samples all workers took over the "
-        "training set's size)",
+        None,
+        description="what an inner cosine, step or multistep schedule counts: rounds (default), "
+        "global inner steps, or epochs (samples all workers took over the training set's size)",
     )
     lr_milestones: Annotated[
         list[int],
@@ -211,8 +222,11 @@ class TrainConfig(BaseModel):
         int | None,
         Flag(Line("step: lr is multiplied by {@lr_gamma} every N {@lr_unit}; default none")),
     ] = Field(None, ge=1, description="step: every this many lr_unit, lr x lr_gamma")
-    lr_gamma: Annotated[float, Flag("step and multistep: the factor; default 0.1")] = Field(
-        0.1, gt=0, le=1, description="step and multistep: what each milestone multiplies lr by"
+    lr_gamma: Annotated[float | None, Flag("step and multistep: the factor; default 0.1")] = Field(
+        None,
+        gt=0,
+        le=1,
+        description="step and multistep: what each milestone multiplies lr by; default 0.1",
     )
     lr_decay_length: Annotated[
         int | None,
@@ -220,8 +234,8 @@ class TrainConfig(BaseModel):
     ] = Field(
         None,
         ge=1,
-        description="cosine (inner or outer): how many lr_unit the decay lasts; default, with "
-        "lr_unit rounds, the run's rounds (recorded, so a resume with more rounds keeps it)",
+        description="inner cosine: how many lr_unit the decay lasts; default, with lr_unit "
+        "rounds, the run's rounds (recorded, so a resume with more rounds keeps it)",
     )
     min_lr: Annotated[float, Flag("cosine: the lr it decays to; default 0")] = Field(
         0.0, ge=0, description="cosine: the inner lr at the end of the decay and after it"
@@ -235,8 +249,17 @@ class TrainConfig(BaseModel):
     )
     outer_lr_schedule: Annotated[
         Literal["constant", "cosine"],
-        Flag(Line("nesterov only: constant (default) or cosine (to 0 over {@lr_decay_length})")),
+        Flag(
+            "nesterov only: constant (default) or cosine (over the run's rounds, never 0 in them)"
+        ),
     ] = Field("constant", description="nesterov only: how the outer lr changes as the run goes")
+    outer_lr_decay_rounds: int | None = Field(
+        None,
+        ge=1,
+        description="outer_lr_schedule cosine: the rounds the outer lr decays over (to 0 at its "
+        "end), at least the run's rounds; default the run's rounds (recorded, so a resume with "
+        "more rounds needs a new one, with allow_change)",
+    )
     inner_state: Annotated[
         Literal["keep", "reset"], Flag("keep or reset the inner optimizer state")
     ] = "keep"
@@ -410,13 +433,25 @@ class TrainConfig(BaseModel):
             "file:///DIR or databricks"
         )
 
-    @field_validator("fragments", "tau_max", mode="before")
+    @field_validator("fragments", "tau_max", "keep_checkpoints", mode="before")
     @classmethod
     def _count_not_a_bool(cls, value: Any, info: ValidationInfo) -> Any:
         """YAML's `true` (`yes`, `on`) is not a count (it read as 1)."""
         if isinstance(value, bool):
-            what = {"fragments": "of fragments (1: none)", "tau_max": "of steps"}[info.field_name]
+            what = {
+                "fragments": "of fragments (1: none)",
+                "tau_max": "of steps",
+                "keep_checkpoints": "of checkpoints (0: all)",
+            }[info.field_name]
             raise ValueError(f"a whole number {what}, not {str(value).lower()}")
+        return value
+
+    @field_validator("stop_at", mode="before")
+    @classmethod
+    def _accuracy_not_a_bool(cls, value: Any) -> Any:
+        """YAML's `true` is not an accuracy (it read as 1.0: a stop only at 100 %)."""
+        if isinstance(value, bool):
+            raise ValueError(f"an accuracy in (0, 1], not {str(value).lower()}")
         return value
 
     @field_validator("no_executor_timeout_s", "progress_timeout_s", mode="before")
@@ -459,7 +494,9 @@ class TrainConfig(BaseModel):
     def _out_as_text(cls, out: Any) -> Any:
         return str(out) if isinstance(out, os.PathLike) else out
 
-    @field_validator("warmup_steps", "lr_step_size", "lr_decay_length", mode="before")
+    @field_validator(
+        "warmup_steps", "lr_step_size", "lr_decay_length", "outer_lr_decay_rounds", mode="before"
+    )
     @classmethod
     def _schedule_count_not_a_bool(cls, value: Any) -> Any:
         """YAML's `true` is not a count (it read as 1)."""
@@ -471,14 +508,12 @@ class TrainConfig(BaseModel):
     @classmethod
     def _milestones_from_text(cls, value: Any) -> Any:
         """`--set lr_milestones=30,60,80` (or `[30, 60, 80]`, or one number) as a list."""
-        if isinstance(value, bool):
-            raise ValueError(f"whole numbers, not {str(value).lower()}")
-        if isinstance(value, int):
-            return [value]
         if isinstance(value, str):
             text = value.strip().removeprefix("[").removesuffix("]")
-            return [part.strip() for part in text.split(",") if part.strip()]
-        return value
+            value = [part.strip() for part in text.split(",") if part.strip()]
+        elif not isinstance(value, list | tuple):
+            value = [value]
+        return [_whole_number(m) for m in value]
 
     @field_validator("lr_milestones")
     @classmethod
@@ -489,42 +524,70 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _resolve_schedule(self) -> TrainConfig:
-        """Each schedule setting given only where it applies; a cosine's length, left out in
-        rounds, filled in as the run's rounds so that the saved config says what ran."""
-        schedule, unit = self.lr_schedule, self.lr_unit
+        """Each schedule setting given only where it applies; what a schedule left out is filled
+        in (lr_gamma 0.1, lr_unit rounds, a cosine's length in rounds as the run's rounds) so
+        that the saved config says what ran."""
+        schedule, unit = self.lr_schedule, self.lr_unit or "rounds"
         if schedule == "multistep" and not self.lr_milestones:
             raise ValueError(f"lr_schedule multistep needs lr_milestones (in {unit})")
         if schedule == "step" and self.lr_step_size is None:
             raise ValueError(f"lr_schedule step needs lr_step_size (in {unit})")
-        cosine = "cosine" in (schedule, self.outer_lr_schedule)
         given = {
-            "lr_milestones": (bool(self.lr_milestones), schedule == "multistep", "multistep"),
-            "lr_step_size": (self.lr_step_size is not None, schedule == "step", "step"),
-            "min_lr": (self.min_lr > 0, schedule == "cosine", "cosine"),
-            "lr_decay_length": (self.lr_decay_length is not None, cosine, "cosine"),
+            "lr_milestones": (bool(self.lr_milestones), ("multistep",)),
+            "lr_step_size": (self.lr_step_size is not None, ("step",)),
+            "lr_gamma": (self.lr_gamma is not None, ("step", "multistep")),
+            "min_lr": (self.min_lr > 0, ("cosine",)),
+            "lr_decay_length": (self.lr_decay_length is not None, ("cosine",)),
+            "lr_unit": (self.lr_unit is not None, ("cosine", "step", "multistep")),
         }
-        for name, (set_, applies, which) in given.items():
-            if set_ and not applies:
-                also = " (or outer_lr_schedule)" if name == "lr_decay_length" else ""
+        for name, (set_, kinds) in given.items():
+            if set_ and schedule not in kinds:
+                which = " or ".join(kinds) if len(kinds) < 3 else "cosine, step or multistep"
                 raise ValueError(
-                    f"{name} applies to lr_schedule{also} {which} only (lr_schedule is "
-                    f"{schedule}); drop it or choose {which}"
+                    f"{name} applies to lr_schedule {which} only (lr_schedule is {schedule}); "
+                    f"drop it or choose {which}"
                 )
         if self.min_lr >= self.lr and schedule == "cosine":
             raise ValueError(f"min_lr {self.min_lr:g} must be below lr {self.lr:g}")
-        if self.outer_lr_schedule != "constant" and self.outer != "nesterov":
-            raise ValueError(
-                "outer_lr_schedule applies to outer 'nesterov' only ('average' has no lr of "
-                "its own)"
-            )
-        if cosine and self.lr_decay_length is None:
+        if schedule == "cosine" and self.lr_decay_length is None:
             if unit != "rounds":
                 raise ValueError(
                     f"a cosine schedule in {unit} needs lr_decay_length (the {unit} it decays "
                     "over); only in rounds is it the run's rounds by default"
                 )
             object.__setattr__(self, "lr_decay_length", self.rounds)
+        if schedule in ("step", "multistep") and self.lr_gamma is None:
+            object.__setattr__(self, "lr_gamma", 0.1)
+        if schedule != "constant":
+            object.__setattr__(self, "lr_unit", unit)
+        self._resolve_outer_schedule()
         return self
+
+    def _resolve_outer_schedule(self) -> None:
+        """The outer cosine decays over rounds of its own (the run's by default, recorded), never
+        fewer than the run's: its lr would be 0 from there on, and those rounds move nothing."""
+        if self.outer_lr_schedule != "constant" and self.outer != "nesterov":
+            raise ValueError(
+                "outer_lr_schedule applies to outer 'nesterov' only ('average' has no lr of "
+                "its own)"
+            )
+        length = self.outer_lr_decay_rounds
+        if self.outer_lr_schedule != "cosine":
+            if length is not None:
+                raise ValueError(
+                    "outer_lr_decay_rounds applies to outer_lr_schedule cosine only "
+                    f"(outer_lr_schedule is {self.outer_lr_schedule}); drop it or choose cosine"
+                )
+            return
+        if length is None:
+            object.__setattr__(self, "outer_lr_decay_rounds", self.rounds)
+        elif length < self.rounds:
+            raise ValueError(
+                f"outer_lr_decay_rounds {length} is below rounds {self.rounds}: the outer lr "
+                f"would be 0 from round {length + 1} on, and those rounds would not move the "
+                f"weights; set outer_lr_decay_rounds to at least {self.rounds} (on a resume "
+                "that adds rounds, with allow_change)"
+            )
 
     @model_validator(mode="after")
     def _resolve_outer(self) -> TrainConfig:
@@ -609,10 +672,10 @@ TRAJECTORY_SETTINGS = (
     "outer_momentum", "inner_state", "seed", "precision", "compress", "overlap", "fragments",
     "tau_share", "tau_max", "label_smoothing", "warmup_steps", "lr_schedule", "lr_unit",
     "lr_milestones", "lr_step_size", "lr_gamma", "lr_decay_length", "min_lr",
-    "outer_lr_schedule",
+    "outer_lr_schedule", "outer_lr_decay_rounds",
 )  # fmt: skip
-#: what shapes a schedule beyond its kind: a changed kind on resume takes them anew
-SCHEDULE_SHAPE = ("lr_milestones", "lr_step_size", "lr_decay_length", "min_lr")
+#: what shapes the inner schedule beyond its kind: a changed kind on resume takes them anew
+SCHEDULE_SHAPE = ("lr_milestones", "lr_step_size", "lr_gamma", "lr_decay_length", "min_lr")
 #: the settings of tau auto alone: with a fixed tau on both sides of a resume, nothing
 TAU_AUTO_SETTINGS = ("tau_share", "tau_max")
 
@@ -829,33 +892,50 @@ def load_train_config(
     `spark:` section, then `--conf key=value`."""
     merged: dict[str, Any] = dict(base or {})
     spark_conf = dict(merged.get("spark_conf") or {})
+    #: the settings given now, whatever their values (a stored one given again is given)
+    given: set[str] = set()
     if config_file is not None:
-        merged.update(_read_yaml_section(config_file, "train"))
+        section = _read_yaml_section(config_file, "train")
+        merged.update(section)
+        given.update(section)
         spark_conf.update(_spark_section(config_file))
     spark_conf.update(_parse_conf(conf))
     if spark_conf:
         merged["spark_conf"] = spark_conf
-    merged.update(_from_env(os.environ if environ is None else environ))
-    merged.update(_parse_sets(sets))
-    merged.update({k: v for k, v in (flags or {}).items() if v is not None})
+    for values in (
+        _from_env(os.environ if environ is None else environ),
+        _parse_sets(sets),
+        {k: v for k, v in (flags or {}).items() if v is not None},
+    ):
+        merged.update(values)
+        given.update(values)
     if base:
-        # A resumed run's saved outer lr/momentum were filled in from defaults; let a changed
-        # `outer` choose its own again unless the user set them explicitly.
-        explicit = {k for k in merged if k not in base or merged[k] != base[k]}
-        if "outer" in explicit:
-            for key in ("outer_lr", "outer_momentum"):
-                if key not in explicit:
-                    merged.pop(key, None)
-        # Likewise a changed schedule drops the stored one's own settings (a cosine's filled
-        # length, a multistep's milestones) unless they are given again.
-        if explicit & {"lr_schedule", "outer_lr_schedule", "lr_unit"}:
-            for key in SCHEDULE_SHAPE:
-                if key not in explicit:
-                    merged.pop(key, None)
+        _take_anew(merged, base, given)
     try:
         return TrainConfig(**merged)
     except ValidationError as exc:
         raise validation_error(exc, where=_stored_where(exc, merged, base)) from exc
+
+
+def _take_anew(merged: dict[str, Any], base: Mapping[str, Any], given: set[str]) -> None:
+    """On a resume, drop from `merged` the stored settings that belonged to a choice the user
+    changed, unless `given` holds them: a changed `outer` chooses its own lr and momentum (the
+    stored ones were filled in from defaults), a changed inner `lr_schedule` its own shape
+    (milestones, step size, gamma, a cosine's length and floor; and no unit where it counts
+    none), a changed `outer_lr_schedule` its own length. Only the kind a user changed decides."""
+    changed = {k for k in given if k not in base or merged[k] != base[k]}
+    dropped: list[str] = []
+    if "outer" in changed:
+        dropped += ["outer_lr", "outer_momentum"]
+    if "lr_schedule" in changed:
+        dropped += SCHEDULE_SHAPE
+        if merged["lr_schedule"] == "constant":
+            dropped.append("lr_unit")
+    if "outer_lr_schedule" in changed:
+        dropped.append("outer_lr_decay_rounds")
+    for key in dropped:
+        if key not in given:
+            merged.pop(key, None)
 
 
 def _stored_where(exc: ValidationError, merged: Mapping[str, Any], base: Mapping | None) -> str:

@@ -311,3 +311,9 @@ def is_permanent(exc: BaseException) -> bool:
 def is_permanent_text(text: str) -> bool:
     """`is_permanent` for a fault known only by its text: a task's traceback in a Py4J error."""
     return _PERMANENT_TEXT.search(text) is not None
+
+
+def no_such_directory(path: str | PurePath) -> SparknetError:
+    """The one wording, in every command, for a directory that is not there (a dataset, a
+    source to shard): `no such directory: PATH`, PATH as the user wrote it."""
+    return SparknetError("no such directory: {path}", path=str(path))

@@ -28,17 +28,17 @@ ami_app = typer.Typer(no_args_is_help=True, help="Node images (AMIs): bake.")
 @ami_app.command("bake")
 def ami_bake(
     region: str = typer.Option("us-east-1", help="AWS region of the builder and the image"),
-    base_ami: str | None = typer.Option(None, help="base AMI id; default: --ami-parameter's"),
+    base_ami: str | None = typer.Option(None, help="base AMI id (default: --ami-parameter's)"),
     ami_parameter: str | None = typer.Option(
-        None, help="SSM parameter holding the base AMI id; default: the Deep Learning AMI's"
+        None, help="SSM parameter holding the base AMI id (default: the Deep Learning AMI's)"
     ),
     instance_type: str = typer.Option(
         "g5.xlarge", help="the builder's type (a GPU one checks CUDA)"
     ),
     root_volume_gb: int = typer.Option(100, min=8, max=16384, help="the image's root volume"),
-    allowed_cidr: str | None = typer.Option(None, help="SSH source; default: your /32"),
+    allowed_cidr: str | None = typer.Option(None, help="SSH source (default: your /32)"),
     python_env: str | None = typer.Option(
-        None, help="an env on the base AMI whose torch to use; default: its PyTorch env if it fits"
+        None, help="an env on the base AMI whose torch to use (default: its PyTorch env if it fits)"
     ),
     package_index: str | None = typer.Option(
         None,

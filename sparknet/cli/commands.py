@@ -22,8 +22,7 @@ HELP = """\
 Command line: `sparknet train` (the main job on one machine), `sparknet evaluate`,
 `sparknet predict` and `sparknet export` (a run's model), `sparknet data ...` (datasets on
 local disk or S3), `sparknet cluster ...` (EC2 GPU clusters), `sparknet bench ...` (the
-performance figures). One module per command group; this one puts them in one typer app, which
-`sparknet.cli.main` runs once signals are caught."""
+performance figures). `sparknet-submit` runs a training job on an EC2 GPU cluster."""
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=HELP)
 

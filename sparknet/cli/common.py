@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import re
+import shlex
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -19,6 +21,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+from typer import _click as typer_click
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from sparknet import interrupts as signals
@@ -47,31 +50,90 @@ def _flags_without_type() -> None:
     shown = TyperOption.display_type_rich
 
     def display_type_rich(self: TyperOption, ctx: Any) -> str | None:
-        return None if self.is_flag and self.metavar is None else shown(self, ctx)
+        return None if self.is_flag and self.metavar is None else _readable(shown(self, ctx))
 
     TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+    argument_type = TyperArgument.display_type_rich
+    TyperArgument.display_type_rich = lambda self, ctx: _readable(argument_type(self, ctx))  # type: ignore[method-assign]
+    typer.rich_utils.RANGE_STRING = ""  # `[x>=0]` widened every help's type column
+
+
+def _readable(kind: str | None) -> str | None:
+    """A type as `--help` shows it, read by a person: a repeatable option's `<str>...`, not
+    `<list[str]>`; a range's `<int>`, not `<int range>` (its bounds are the help's to say)."""
+    if kind is None:
+        return None
+    kind = re.sub(r"^<list\[(\w+)\]>$", r"<\1>...", kind)
+    return re.sub(r"^<(\w+) range>$", r"<\1>", kind)
 
 
 _flags_without_type()
+
+
+def _switch_defaults_as_words() -> None:
+    """A switch's default reads `(default: on)`, or nothing where it is off unless given: not
+    typer's `(default: no-debug)`, a flag's name where a value goes."""
+    worded = TyperOption._get_default_string
+
+    def default_string(self: Any, **kwargs: Any) -> str:
+        if isinstance(self, TyperOption) and self.is_bool_flag:
+            return "on" if self.default else ""
+        return worded(self, **kwargs)
+
+    TyperOption._get_default_string = default_string  # type: ignore[method-assign]
+
+
+_switch_defaults_as_words()
+
+
+def _required_only_without_a_default() -> None:
+    """`(required)` in a parameter's help, worded as a default is, and only where no default
+    is shown beside it (typer's `[required]` came after `(default: ...)`)."""
+    helped = typer.rich_utils._get_parameter_help
+    typer.rich_utils.REQUIRED_LONG_STRING = "(required)"
+
+    def parameter_help(*args: Any, **kwargs: Any) -> Any:
+        columns = helped(*args, **kwargs)
+        texts = [str(r) for r in columns.renderables]
+        if any("(default: " in t for t in texts):
+            columns.renderables = [r for r in columns.renderables if str(r) != "(required)"]
+        return columns
+
+    typer.rich_utils._get_parameter_help = parameter_help
+
+
+_required_only_without_a_default()
 
 
 def _usage_error_in_one_line() -> None:
     """A flag typer or click refuses (`--workers 2.5`, `--yes=1`, a misspelled option, a
     missing argument) is one `error:` line naming the help to read, exit 2, as every other
     refusal of bad input: typer's own is a usage line, a hint and a box wrapped at 80
-    columns, cut in the middle of the message in a log file."""
+    columns, cut in the middle of the message in a log file. With rich off (`TYPER_USE_RICH=0`)
+    typer has click show it (a usage line, `Try ...`, `Error: ...`): one line too."""
     boxed = typer.rich_utils.rich_format_error
 
     def one_line(self: click.ClickException) -> None:
         if self.__class__.__name__ == "NoArgsIsHelpError":  # the help is printed instead
             return boxed(self)
-        text = " ".join(ln.strip() for ln in self.format_message().splitlines() if ln.strip())
-        ctx = getattr(self, "ctx", None)
-        if ctx is not None and ctx.command.get_help_option(ctx) is not None:
-            text += f" (`{ctx.command_path} {ctx.help_option_names[0]}`)"
-        print(f"error: {text}", file=sys.stderr)
+        print(_error_line(self), file=sys.stderr)
+
+    def shown(self: click.ClickException, file: Any = None) -> None:
+        print(_error_line(self), file=sys.stderr if file is None else file)
 
     typer.rich_utils.rich_format_error = one_line
+    # NoArgsIsHelpError has a `show` of its own (the help), which stays
+    for cls in (typer_click.exceptions.ClickException, typer_click.exceptions.UsageError):
+        cls.show = shown  # type: ignore[method-assign]
+
+
+def _error_line(exc: click.ClickException) -> str:
+    """A refusal of the command line as one `error:` line naming the help to read."""
+    text = " ".join(ln.strip() for ln in exc.format_message().splitlines() if ln.strip())
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None and ctx.command.get_help_option(ctx) is not None:
+        text += f" (`{ctx.command_path} {ctx.help_option_names[0]}`)"
+    return f"error: {text}"
 
 
 _usage_error_in_one_line()
@@ -162,6 +224,11 @@ _options_fitted()
 CARRIED = ("--endpoint-url", "--config", "--region")
 #: the programs by name (`sparknet`, `sparknet-submit`), each registered by its app's module
 _PROGRAMS: dict[str, typer.Typer] = {}
+#: the module that registers each program: a hint may name the other program's commands, which
+#: this process has not loaded (`sparknet cluster down` names `sparknet-submit cancel`)
+_MODULES = {"sparknet": "sparknet.cli.commands", "sparknet-submit": "sparknet.cli.submit"}
+#: the carried flags each other program's commands take (the AWS CLI's: no --config)
+_OTHERS = {"aws": frozenset({"--endpoint-url", "--region"})}
 
 
 def program(name: str, app: typer.Typer) -> None:
@@ -172,15 +239,20 @@ def program(name: str, app: typer.Typer) -> None:
 
 @functools.cache
 def _root(name: str) -> click.Command:
+    if name not in _PROGRAMS:  # lazy: the other program's commands, only for a hint naming one
+        importlib.import_module(_MODULES[name])
     return typer.main.get_command(_PROGRAMS[name])
 
 
 def takes(command: str, option: str) -> bool:
-    """Whether `command` (`sparknet cluster down`) has `option`; True for a program not loaded
-    in this process (every `sparknet-submit` command takes `--endpoint-url` and `--config`)."""
+    """Whether `command` (`sparknet cluster down`, `sparknet-submit cancel`, `aws ec2 ...`) has
+    `option`: looked up in its program's commands (loaded here if it is the other one); False
+    for a program this does not know."""
     name, *words = command.split()
-    if name not in _PROGRAMS:
-        return True
+    if name in _OTHERS:
+        return option in _OTHERS[name]
+    if name not in _MODULES:
+        return False
     found: Any = _root(name)
     for word in words:
         found = getattr(found, "commands", {}).get(word)
@@ -200,6 +272,29 @@ def given(ctx: click.Context) -> Given:
         if source is not None and source.name == "COMMANDLINE":
             flags.append((option, str(ctx.params[param.name])))
     return Given(tuple(flags), takes)
+
+
+def command_given(ctx: Any = None) -> str:
+    """The command line the running command was given, rebuilt from what was parsed (quoted
+    for a shell; an option repeated as given): what runs it again with the same settings."""
+    ctx = ctx or typer_click.globals.get_current_context()
+    words = [ctx.command_path]
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name) if param.name else None
+        if source is None or source.name != "COMMANDLINE":
+            continue
+        value = ctx.params[param.name]
+        values = value if isinstance(value, list | tuple) else [value]
+        if param.param_type_name == "argument":
+            words += [shlex.quote(str(v)) for v in values]
+        elif getattr(param, "is_flag", False):
+            words.append(
+                param.opts[0] if value or not param.secondary_opts else param.secondary_opts[0]
+            )
+        else:
+            for v in values:
+                words += [param.opts[0], shlex.quote(str(v))]
+    return " ".join(words)
 
 
 def _hints_carry_given_flags() -> None:
@@ -372,9 +467,20 @@ def first_clause(text: str, ends: str = ":.") -> str:
 
 
 def sized(n: int) -> str:
-    """Bytes as a person reads them: B under a KiB, KiB under a MiB, MiB under a GiB, else
-    GiB (a small dataset never reads as 0.0 MiB)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    """Bytes as a person reads them, to one decimal: B under a KiB, then KiB, MiB, GiB, TiB (a
+    small dataset never reads as 0.0 MiB). A value that rounds to 1024 of a unit is shown in the
+    next one: 1048575 B is 1.0 MiB, not 1024.0 KiB.
+
+    Example::
+
+        >>> sized(1023), sized(1536), sized(2**20 - 1), sized(5 * 2**40)
+        ('1023 B', '1.5 KiB', '1.0 MiB', '5.0 TiB')
+    """
+    if n < 2**10:
+        return f"{n} B"
+    value = n / 2**10
+    for unit in ("KiB", "MiB", "GiB"):
+        if round(value, 1) < 1024:  # as shown: 1023.95 KiB would read 1024.0 KiB
+            return f"{value:.1f} {unit}"
+        value /= 2**10
+    return f"{value:.1f} TiB"

@@ -32,7 +32,7 @@ from sparknet.cli.common import (
     sized,
 )
 from sparknet.config import find_config_file, load_datasets
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, no_such_directory
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
 # (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
@@ -53,12 +53,29 @@ def _dataset_uri(name_or_uri: str, config: Path | None, endpoint_url: str | None
     return entry.uri, endpoint_url or entry.endpoint_url
 
 
-def _check_dir(path: Path) -> None:
-    """A local dataset or source directory that is not there is one line that says so."""
+def _check_dir(given: str) -> Path:
+    """A local dataset or source directory, as a Path; one that is not there is one line that
+    names it as the user wrote it (`./x`, not `x` or `/home/.../x`)."""
+    path = Path(given).expanduser()
     if not path.exists():
-        raise SparknetError(f"no such directory: {path}")
+        raise no_such_directory(given)
     if not path.is_dir():
-        raise SparknetError(f"{path} is not a directory: give the dataset's directory")
+        raise SparknetError("{path} is not a directory: give the dataset's directory", path=given)
+    return path
+
+
+def _check_dataset(where: str) -> None:
+    """What `data ls` and `data verify` read: a shard dataset (a directory, s3:// or file://);
+    a DataFrame spec or a local path that is not there is one line now."""
+    if where.startswith(("parquet:", "table:")):
+        raise SparknetError(
+            "{where} is a DataFrame, not a shard dataset: data ls and data verify read the "
+            "datasets `sparknet data shard` writes (a directory or s3://bucket/prefix); "
+            "parquet: and table: are for the --data of train, evaluate and predict",
+            where=where,
+        )
+    if "://" not in where:
+        _check_dir(where)
 
 
 #: the `sparknet:cluster` tag of a bucket `data upload --create-bucket` made, which no cluster
@@ -66,29 +83,64 @@ def _check_dir(path: Path) -> None:
 BUCKET_MAKER = "data-upload"
 
 
-def _make_bucket(uri: str, region: str | None, endpoint_url: str | None) -> str:
-    """Make the bucket of `uri` with the cluster foundation's own code (encrypted, never public,
-    TLS only, versioned, as `cluster up` makes it; one it made before is held to them again, a
-    user's own left as it is); a line that says which, and where a new one was made (--region,
-    else the AWS configuration's region, else us-east-1)."""
+def _upload_target(uri: str, region: str | None, create_bucket: bool) -> tuple[str, str | None]:
+    """The bucket of an s3:// upload URI and, with `create_bucket`, the region to make it in
+    (--region, else the AWS configuration's, else us-east-1): a bucket to make whose name S3
+    refuses (by its rules for new buckets), or a region AWS does not have, is one line now,
+    before any AWS call."""
     from sparknet import aws  # lazy: boto3
-    from sparknet.cluster.aws.boto3_foundation import Boto3Foundation  # lazy: boto3
-    from sparknet.cluster.aws.owner import caller_owner  # lazy: boto3
-    from sparknet.cluster.spec import ClusterSpec  # lazy: +30 ms to `sparknet --help`
     from sparknet.data.s3 import S3Uri  # lazy: boto3
 
     if not uri.startswith("s3://"):
-        raise SparknetError(f"--create-bucket makes the bucket of an s3:// URI, not {uri!r}")
+        if create_bucket:
+            raise SparknetError(f"--create-bucket makes the bucket of an s3:// URI, not {uri!r}")
+        return "", None
     bucket = S3Uri.parse(uri).bucket
-    where = region or aws.session().region_name or "us-east-1"
+    if create_bucket:  # a bucket there already may have an older name S3 once allowed (A_b)
+        try:
+            aws.check_bucket_name(bucket)
+        except ValueError as exc:
+            raise SparknetError(f"{exc}; fix the URI ({uri})") from None
+    configured = aws.session().region_name  # what the upload's own S3 client is made for
+    if configured:
+        aws.check_region(configured)
+    if not create_bucket:
+        return bucket, None
+    return bucket, aws.check_region(region or configured or "us-east-1")
+
+
+def _make_bucket(bucket: str, where: str, endpoint_url: str | None) -> list[str]:
+    """Make `bucket` in `where` with the cluster foundation's own code (encrypted, never public,
+    TLS only, versioned, as `cluster up` makes it; one it made before is held to them again, a
+    user's own left as it is); the lines that say which, where it is, and, over plain http, that
+    it has no TLS-only policy."""
+    from sparknet.cluster.aws.boto3_foundation import Boto3Foundation  # lazy: boto3
+    from sparknet.cluster.aws.owner import caller_owner  # lazy: boto3
+    from sparknet.cluster.spec import ClusterSpec  # lazy: +30 ms to `sparknet --help`
+
     spec = ClusterSpec(
         name=BUCKET_MAKER, region=where, bucket=bucket, owner=caller_owner(where, endpoint_url)
     )
     foundation = Boto3Foundation(spec, endpoint_url)
-    foundation.bucket(bucket)
-    if foundation.created:
-        return f"bucket {bucket}: made in {where}"
-    return f"bucket {bucket}: there already"
+    plain = foundation.plain_http
+    foundation.tls_only = not plain  # over http, the TLS-only policy would lock this tool out
+    state = foundation.bucket(bucket)
+    if state.made:
+        lines = [f"bucket {bucket}: made in {where}"]
+    elif state.region is not None and state.region != where:
+        lines = [
+            f"bucket {bucket}: there already, in {state.region}, not {where}: a cluster in "
+            f"{where} would read it across regions"
+        ]
+    else:
+        lines = [f"bucket {bucket}: there already, in {state.region or where}"]
+    if plain and state.sparknet:
+        lines.append(
+            f"note: {foundation.s3.meta.endpoint_url} is plain http, so bucket {bucket} has no "
+            "TLS-only policy (it would refuse this tool's own requests); it has every other "
+            "setting"
+        )
+    return lines
 
 
 def _bytes_progress(description: str) -> Progress:
@@ -163,14 +215,14 @@ def _duration(seconds: float) -> str:
 
 @data_app.command("shard")
 def data_shard(
-    src: Path = typer.Argument(
+    src: str = typer.Argument(
         ..., help="ImageNet: train/<wnid>/*.JPEG and val/, or the dir of the downloaded tars"
     ),
     dest: str = typer.Argument(
         ..., help="local directory for the shards and manifest.json (then `data upload` it)"
     ),
     shard_mb: int | None = typer.Option(
-        None, "--shard-mb", min=1, help="target shard size (MiB); default 256"
+        None, "--shard-mb", min=1, help="target shard size in MiB (default: 256)"
     ),
     shards: int | None = typer.Option(
         None,
@@ -205,7 +257,7 @@ def data_shard(
         help="store images shrunk so the longer side is at most this",
     ),
     quality: int | None = typer.Option(
-        None, min=1, max=100, help="JPEG quality of shrunk images (with --max-side); default 90"
+        None, min=1, max=100, help="JPEG quality of shrunk images, with --max-side (default: 90)"
     ),
     debug: bool = DebugOption,
 ) -> None:
@@ -220,7 +272,7 @@ def data_shard(
                 f"{dest}: data shard writes to a local directory; shard there, then "
                 f"`sparknet data upload DIR {dest}`"
             )
-        _check_dir(src)
+        source = _check_dir(src)
         wanted = read_class_list(classes) if classes is not None else None
         if quality is not None and max_side is None:
             raise SparknetError("--quality is the quality of images --max-side shrinks: add it")
@@ -229,7 +281,7 @@ def data_shard(
         resize = Resize(max_side, quality or DEFAULT_QUALITY) if max_side is not None else None
         with _ShardProgress() as progress:
             report = write_dataset(
-                src, Path(dest), shard_bytes=shard_mb << 20 if shard_mb else DEFAULT_SHARD_BYTES,
+                source, Path(dest), shard_bytes=shard_mb << 20 if shard_mb else DEFAULT_SHARD_BYTES,
                 seed=seed, processes=processes, classes=wanted, resize=resize,
                 on_progress=progress, shards=shards, val_fraction=val_fraction,
             )  # fmt: skip
@@ -253,8 +305,8 @@ def data_shard(
     )
     if report.other_classes_val:
         print(f"{report.other_classes_val} val images of other classes were left out")
-    _print_rejected(report.rejected, src, Path(dest), "images do not decode and were left out")
-    _print_rejected(report.skipped, src, Path(dest), "files are not .JPEG/.jpg and were skipped")
+    _print_rejected(report.rejected, source, Path(dest), "images do not decode and were left out")
+    _print_rejected(report.skipped, source, Path(dest), "files are not .JPEG/.jpg and were skipped")
     for warning in report.warnings:
         print(warning, file=sys.stderr)
 
@@ -276,7 +328,7 @@ def _print_rejected(rejected: list, src: Path, dest: Path, what: str) -> None:
 
 @data_app.command("upload")
 def data_upload(
-    src: Path = typer.Argument(..., help="a dataset dir made by `sparknet data shard`"),
+    src: str = typer.Argument(..., help="a dataset dir made by `sparknet data shard`"),
     dest: str = typer.Argument(..., help="s3://bucket/prefix or a name from datasets:"),
     concurrency: int = typer.Option(8, min=1, help="parallel transfers"),
     force: bool = typer.Option(False, "--force", help="send every shard, even ones already there"),
@@ -302,18 +354,20 @@ def data_upload(
         uri, endpoint = _dataset_uri(dest, config, endpoint_url)
         if region is not None and not create_bucket:
             raise SparknetError("--region is where --create-bucket makes the bucket: add it")
-        _check_dir(src)
-        path = src / MANIFEST_NAME
+        bucket, where = _upload_target(uri, region, create_bucket)
+        source = _check_dir(src)
+        path = source / MANIFEST_NAME
         if not path.is_file():
             raise SparknetError(f"{src} has no {MANIFEST_NAME}: run `sparknet data shard` first")
         manifest = Manifest.loads(path.read_bytes(), str(path))
         if create_bucket:
-            print(_make_bucket(uri, region, endpoint), file=sys.stderr)
+            for line in _make_bucket(bucket, where or "us-east-1", endpoint):
+                print(line, file=sys.stderr)
         total = sum(s.bytes for v in manifest.splits.values() for s in v)
         with _bytes_progress("upload") as progress:
             bar = progress.add_task("upload", total=total)
             report = upload_dataset(
-                src, uri, endpoint_url=endpoint, max_concurrency=concurrency, force=force,
+                source, uri, endpoint_url=endpoint, max_concurrency=concurrency, force=force,
                 on_progress=lambda n: progress.advance(bar, n),
             )  # fmt: skip
     except SparknetError as exc:
@@ -349,6 +403,7 @@ def data_verify(
 
     try:
         where, endpoint = _dataset_uri(uri, config, endpoint_url)
+        _check_dataset(where)
         with _bytes_progress("verify") as progress:
             bar = progress.add_task("verify", total=None)
             report = verify_dataset(
@@ -377,6 +432,7 @@ def data_ls(
 
     try:
         where, endpoint = _dataset_uri(uri, config, endpoint_url)
+        _check_dataset(where)
         listing = list_dataset(where, endpoint_url=endpoint)
     except SparknetError as exc:
         fail(exc, debug)

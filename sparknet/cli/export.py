@@ -17,8 +17,7 @@ def export(
     ),
     out: str | None = typer.Option(
         None,
-        help="the file to write (local or s3://) [default: RUN/model.torchscript.pt, "
-        "RUN/model.pt2]",
+        help="the file to write, local or s3:// (default: RUN/model.torchscript.pt, RUN/model.pt2)",
     ),
     force: bool = typer.Option(False, "--force", help="replace a file that is there"),
     endpoint_url: str | None = EndpointOption,

@@ -69,7 +69,7 @@ ClusterOption = typer.Option(
     None, "--cluster", help="look for RUN on this cluster's master (a job started elsewhere)"
 )
 JobsEndpointOption = typer.Option(None, help=f"{ENDPOINT_HELP} (default: the job's record's)")
-JobsConfigOption = typer.Option(None, "--config", help="settings YAML; default ./sparknet.yaml")
+JobsConfigOption = typer.Option(None, "--config", help="settings YAML (default: ./sparknet.yaml)")
 JobsDebugOption = typer.Option(False, help="show tracebacks")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
+import re
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping
@@ -38,7 +39,7 @@ def known_sets(items: list[str]) -> list[str]:
         key = key.strip().removeprefix("train.")
         if not sep or not key or key in TrainConfig.model_fields:
             continue  # a malformed item is the settings loader's to word
-        close = difflib.get_close_matches(key, list(TrainConfig.model_fields), n=1)
+        close = difflib.get_close_matches(key.lower(), list(TrainConfig.model_fields), n=1)
         raise SparknetError(
             "unknown setting '{key}'{meant}; see {@help} for the settings",
             key=key, meant=f" (did you mean {close[0]}?)" if close else "",
@@ -46,7 +47,12 @@ def known_sets(items: list[str]) -> list[str]:
     return items
 
 
-SetOption = typer.Option([], "--set", help="a training setting as key=value, repeatable")
+SetOption = typer.Option(
+    [],
+    "--set",
+    help="a training setting as key=value, repeatable; also those with no option of their own "
+    "(tau_share, tau_max, pack_workers, progress_timeout_s, ...: docs/how-it-works.md)",
+)
 #: the command line's way to `spark_conf`, one Spark setting at a time
 ConfOption = typer.Option([], "--conf", help="Spark setting key=value, repeatable")
 
@@ -80,6 +86,7 @@ def setting_option(name: str, field: FieldInfo, flag: Flag) -> inspect.Parameter
     text = worded(flag.help, as_flag) if flag.help else field.description
     if name == "endpoint_url":  # worded as every command's `--endpoint-url`
         text = ENDPOINT_HELP
+    text = default_worded(text)
     shown = shown_default(name, field, kind, negatable=flag.negatable)
     if shown is not None and "default" not in (text or ""):
         text = f"{text} (default: {shown})" if text else f"(default: {shown})"
@@ -89,15 +96,29 @@ def setting_option(name: str, field: FieldInfo, flag: Flag) -> inspect.Parameter
     )
 
 
+def default_worded(text: str | None) -> str | None:
+    """A setting's help with its default worded as every option's is, `(default: X)` at the end:
+    not `(default X)`, `; default X`, `default: X` or a choice marked `constant (default)`."""
+    if not text:
+        return text
+    text = re.sub(r"\(default (?!:)([^)]*)\)", r"(default: \1)", text)
+    if (choice := re.search(r"([\w-]+) \(default\)", text)) is not None:
+        text = text.replace(choice.group(0), choice.group(1)) + f" (default: {choice.group(1)})"
+    if (tail := re.search(r"(?:^|; )default:? (.+)$", text)) is not None:
+        head = text[: tail.start()]
+        text = f"{head} (default: {tail.group(1)})" if head else f"(default: {tail.group(1)})"
+    return text
+
+
 def shown_default(name: str, field: FieldInfo, kind: type, *, negatable: bool) -> str | None:
-    """The model's default as `--help` shows it (`30`, `auto`, `no-deterministic`), the option
+    """The model's default as `--help` shows it (`30`, `auto`, `on`), the option
     itself having none (an option not given leaves the setting to the other sources); None
     where there is none to show: no default, or a switch that is off unless given."""
     default = field.default
     if default is None or default is PydanticUndefined:
         return None
-    if kind is bool:
-        return as_flag(name, default).removeprefix("--") if negatable else None
+    if kind is bool:  # a switch: on, or nothing where it is off unless given
+        return "on" if negatable and default else None
     return str(default)
 
 

@@ -24,7 +24,7 @@ import typer
 from typer.models import OptionInfo
 
 from sparknet.cli import jobs
-from sparknet.cli.cluster.options import cluster_spec
+from sparknet.cli.cluster.options import INSTANCE_TYPE_HELP, SPOT_HELP, cluster_spec
 from sparknet.cli.common import (
     ENDPOINT_HELP,
     Caught,
@@ -38,11 +38,12 @@ from sparknet.cli.common import (
     results,
     short_helps,
     sized,
+    takes,
 )
 from sparknet.cli.jobs import Report, say
 from sparknet.cli.settings import ConfOption, SetOption, known_sets, with_settings
-from sparknet.config import find_config_file, load_datasets, load_train_config
-from sparknet.errors import SettingError, SparknetError, first_line
+from sparknet.config import TrainConfig, find_config_file, load_datasets, load_train_config
+from sparknet.errors import NO_VALUE, SettingError, SparknetError, as_flag, first_line
 from sparknet.say import command_line
 
 # `# lazy: X` below: an import kept inside the command that needs it, X being slow to import
@@ -58,9 +59,49 @@ submit_app = typer.Typer(
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: the training settings with an option in `sparknet train` that submit sets itself or has its own
-#: option of: the data is --s3, the run dir the run prefix, the master the cluster's; --workers
-#: and --endpoint-url are submit's own (worker instances; the AWS endpoint)
-NOT_SHARED = frozenset({"data", "workers", "out", "master", "endpoint_url"})
+#: option of: the data is --s3, the run dir the run prefix, the master the cluster's, a node's
+#: GPUs its instance type's; --workers and --endpoint-url are submit's own (worker instances;
+#: the AWS endpoint)
+NOT_SHARED = frozenset({"data", "workers", "out", "master", "gpus_per_worker", "endpoint_url"})
+#: the training settings a job's driver gets from submit, whatever `--set` says (`job_config`),
+#: each with what sets it instead; `--set workers=N` (Spark tasks) is the job's to choose
+SET_BY_SUBMIT = {
+    "data": "the dataset is --s3",
+    "out": "the run dir is the job's run prefix, under the cluster's runs_prefix: (sparknet.yaml)",
+    "master": "the master is the cluster's",
+    "gpus_per_worker": "a node's GPUs are its instance type's (the cluster's instance_types:, "
+    "or --instance-type)",
+    "endpoint_url": "use --endpoint-url",
+}
+
+
+def refuse_own_sets(items: list[str]) -> None:
+    """A `--set` of a setting submit sets itself is refused (exit 2 at the caller), naming what
+    sets it, not dropped: the launch would overwrite it without a word."""
+    for item in items:
+        key = item.partition("=")[0].strip().removeprefix("train.")
+        if key in SET_BY_SUBMIT:
+            raise SparknetError(
+                "--set {key}: sparknet-submit sets it itself; {instead}",
+                key=key, instead=SET_BY_SUBMIT[key],
+            )  # fmt: skip
+
+
+def spelt(setting: str, value: Any = NO_VALUE) -> str:
+    """How sparknet-submit's errors name a setting: its own flag where it has one; else a
+    cluster's setting as its key in sparknet.yaml (`region:`), a training setting as `--set`
+    (never a flag only `sparknet train` or `sparknet cluster` has)."""
+    from sparknet.cluster.spec import ClusterSpec  # lazy: only for an error's line
+
+    flag = as_flag(setting, value)
+    if not flag.startswith("--") or takes("sparknet-submit", flag.split()[0]):
+        return flag
+    if setting in ClusterSpec.model_fields:
+        shown = "" if value is NO_VALUE else f" {value}"
+        return f"the cluster's `{setting}:{shown}` in sparknet.yaml"
+    if setting in TrainConfig.model_fields:
+        return f"--set {setting}=" + ("..." if value is NO_VALUE else str(value))
+    return flag
 
 
 def _job_options(
@@ -71,17 +112,19 @@ def _job_options(
         None, "--cluster", help="reuse this running cluster (it stays up after the job)"
     ),
     name: str | None = typer.Option(
-        None, "--name", help="name of the cluster to make; default: the only `clusters:` entry"
+        None, "--name", help="name of the cluster to make (default: the only `clusters:` entry)"
     ),
     workers: int | None = typer.Option(
         None,
         help="worker instances of the cluster to make (EC2 machines, not Spark tasks: those are "
-        "one per GPU, or --set workers=N)",
+        "one per GPU, or --set workers=N) (default: the cluster's workers:, else 2)",
     ),
-    instance_type: list[str] = typer.Option([], help="worker type, repeatable: fallback order"),
-    spot: bool | None = typer.Option(None, "--spot/--on-demand", help="workers on spot"),
+    instance_type: list[str] = typer.Option([], help=INSTANCE_TYPE_HELP),
+    spot: bool | None = typer.Option(None, "--spot/--on-demand", help=SPOT_HELP),
     provider: str | None = typer.Option(
-        None, help="aws (default): EC2 instances; static: your own `hosts:` (sparknet.yaml)"
+        None,
+        help="aws: EC2 instances; static: your own `hosts:` (default: the cluster's provider:, "
+        "else aws)",
     ),
     keep: bool = typer.Option(False, "--keep", help="leave the cluster up after the job"),
     detach: bool = typer.Option(
@@ -92,7 +135,7 @@ def _job_options(
         "--autostop",
         metavar="MINUTES",
         help="the master of the cluster made here terminates it after this many minutes with "
-        "no job running and no submitter attached; 0 (off) only with --keep; default 30",
+        "no job running and no submitter attached; 0 (off) only with --keep (default: 30)",
     ),
     max_restarts: int = typer.Option(
         2,
@@ -111,7 +154,7 @@ def _job_options(
     config: Path | None = typer.Option(
         None,
         "--config",
-        help="settings YAML (train:, datasets:, clusters:); default ./sparknet.yaml",
+        help="settings YAML (train:, datasets:, clusters:) (default: ./sparknet.yaml)",
     ),
 ) -> None:
     """The options of every job a submit runs (training, evaluate, predict): its data and the
@@ -170,6 +213,7 @@ def submit(
         return
     try:
         known_sets(set_)  # a misspelt key is named before anything is checked or launched
+        refuse_own_sets(set_)
     except SparknetError as exc:
         fail(exc, debug)
     job = {k: training.pop(k) for k in JOB_OPTIONS}
@@ -325,6 +369,9 @@ def _run_job(
                 report.stop()
     except (KeyboardInterrupt, Exception) as exc:
         after = getattr(exc, "after", None)  # a TeardownFailed's: what ended the job
+        for error in (exc, after):
+            if isinstance(error, SparknetError):
+                error.respell(spelt)  # in words sparknet-submit has (no --region)
         interrupted = any(isinstance(e, KeyboardInterrupt) for e in (exc, after))
         if interrupted or caught_signal(caught) is not None:
             signum = caught_signal(caught) or signal.SIGINT
@@ -364,7 +411,7 @@ def _print_plan(plan) -> None:
     """A dry run's plan (`sparknet.jobs.plan`), on stdout: the cluster and its machines, what
     they cost per hour, the data, where the run goes, the settings."""
     use = "reused, as it runs" if plan.reused else "to make"
-    lines = [f"dry run: every check passed; nothing was made. {plan.command} on cluster "
+    lines = [f"dry run: every check passed; nothing was launched. {plan.command} on cluster "
              f"{plan.cluster} ({use}):"]  # fmt: skip
     for m in plan.machines:
         if not m.instance_types:
@@ -377,7 +424,8 @@ def _print_plan(plan) -> None:
     if plan.cost is not None:
         lines.append(f"  per hour in all: {plan.cost.describe()}")
     sizes = "; ".join(
-        f"{name} {size.samples:,} samples in {size.shards} shards ({sized(size.bytes)})"
+        f"{name} {size.samples:,} samples in {size.shards} "
+        f"{'shard' if size.shards == 1 else 'shards'} ({sized(size.bytes)})"
         for name, size in plan.splits.items()
     )
     lines.append(f"dataset: {plan.dataset}" + (f": {sizes}" if sizes else ""))
@@ -385,7 +433,10 @@ def _print_plan(plan) -> None:
     if plan.output is not None:
         lines.append(f"predictions: {plan.output}")
     lines.append("settings:")
-    lines += [f"  {key}: {value}" for key, value in plan.settings.items()]
+    lines += [
+        f"  {key}: {'default' if value is None else value}" for key, value in plan.settings.items()
+    ]
+    lines += [f"note: {note}" for note in plan.notes]
     for line in lines:
         results.print(line, markup=False, highlight=False, soft_wrap=True)
 

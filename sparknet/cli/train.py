@@ -17,6 +17,7 @@ from sparknet.cli.common import (
     Caught,
     DebugOption,
     caught_signal,
+    command_given,
     console,
     fail,
     interrupts,
@@ -35,21 +36,19 @@ from sparknet.training.round_line import round_line, round_text
 # `sparknet --help` and every other command import this module
 
 
-def _summary(result, classes: int | None = None) -> Table:
+def _summary(result, classes: int | None = None, started_at: int = 0) -> Table:
     """The table a run ends with; `classes`: the model's (top-5 is left out for 5 or fewer,
-    where it is always 1)."""
+    where it is always 1); `started_at`: the round this process resumed after (0: none)."""
+    from sparknet.training.report import target_words  # lazy: numpy
+
     rows = result.metrics
     last_eval = next((r for r in reversed(rows) if "eval_accuracy" in r), {})
     table = titled_table("sparknet run", show_header=False)
     table.add_column()
     table.add_column(overflow="fold")  # a log file's 80 columns must not cut the run dir's path
     table.add_row("rounds", str(result.rounds))
-    if (target := result.stopped_at_target) is not None:
-        table.add_row(
-            "stopped early",
-            f"round {result.rounds}: test accuracy {result.final['eval_accuracy']:.4f} reached "
-            f"the target {target:g}",
-        )
+    if (target := target_words(result.final)) is not None:
+        table.add_row(*target)
     table.add_row("train loss (last round)", f"{result.final['loss']:.4f}")
     if last_eval:
         table.add_row("test loss", f"{last_eval['eval_loss']:.4f}")
@@ -59,10 +58,20 @@ def _summary(result, classes: int | None = None) -> Table:
     skipped = sum(r.get("skipped_samples", 0) for r in rows)
     if skipped:
         table.add_row("skipped bad samples", str(skipped))
-    first, steady = rows[0], rows[1:]
-    if steady:  # round 1 holds the Python workers' start-up (torch's import, the data's open)
+    # a process's first round holds the Python workers' start-up (torch's import, the data's
+    # open): the run's first, and a resume's (this process's) first
+    starts = sorted({rows[0]["round"], started_at + 1})
+    first = next((r for r in rows if r["round"] == started_at + 1), rows[0])
+    steady = [r for r in rows if r["round"] not in starts]
+    if steady:
         rate = sum(r["samples"] for r in steady) / sum(r["seconds"]["total"] for r in steady)
-        table.add_row(f"samples/s (after round {first['round']})", f"{rate:.0f}")
+        left_out = [n for n in starts if any(r["round"] == n for r in rows)]
+        after = (
+            f"after round {left_out[0]}"
+            if len(left_out) == 1
+            else f"without start-up rounds {', '.join(map(str, left_out))}"
+        )
+        table.add_row(f"samples/s ({after})", f"{rate:.0f}")
     table.add_row(
         f"samples/s (round {first['round']}, with start-up)",
         f"{first['samples'] / first['seconds']['total']:.0f}",
@@ -78,7 +87,7 @@ def _summary(result, classes: int | None = None) -> Table:
 )
 def train(
     config: Path | None = typer.Option(
-        None, "--config", help="settings YAML (train:, datasets:); default ./sparknet.yaml"
+        None, "--config", help="settings YAML (train:, datasets:) (default: ./sparknet.yaml)"
     ),
     set_: list[str] = SetOption,
     resume: bool = typer.Option(False, help="continue the run in --out from its last checkpoint"),
@@ -127,7 +136,8 @@ def train(
             finally:
                 report.stop()
         try:
-            results.print(_summary(result, _classes(result.run_dir, cfg.endpoint_url)))
+            classes = _classes(result.run_dir, cfg.endpoint_url)
+            results.print(_summary(result, classes, report.started_at))
         except BrokenPipeError:
             _to_devnull(sys.stdout)
     except (KeyboardInterrupt, Exception) as exc:
@@ -158,19 +168,27 @@ def _classes(run_dir, endpoint_url: str | None) -> int | None:
         return None
 
 
-def _kept(cfg) -> str:
+def _kept(cfg, again: str | None = None) -> str:
     """What an interrupted run keeps and the command that continues it: `round 12's checkpoint
-    is kept; `sparknet train --resume --out runs/x` continues the run`."""
+    is kept; `sparknet train --resume --out runs/x` continues the run`. Before its first
+    checkpoint, `--resume` starts it over with the settings its config.yaml keeps; before that
+    is written, the command line given (`again`, by default `command_given()`) does."""
     from sparknet.data.store import open_store  # lazy: boto3
     from sparknet.training import checkpoint  # lazy: torch
+    from sparknet.training.rundir import CONFIG_FILE  # lazy: torch
 
     resume = command_line("sparknet train", resume=True, out=cfg.out, endpoint_url=cfg.endpoint_url)
     try:
-        last = checkpoint.latest(open_store(cfg.out, cfg.endpoint_url))
+        store = open_store(cfg.out, cfg.endpoint_url)
+        last = checkpoint.latest(store)
+        configured = last is not None or store.size(CONFIG_FILE) is not None
     except (OSError, SparknetError):  # the store does not answer: what is kept is unknown
         return f"the last complete checkpoint is kept; `{resume}` continues the run"
+    if not configured:
+        again = again or command_given()
+        return f"no checkpoint was complete yet; `{again}` starts the run again"
     if last is None:
-        return f"no checkpoint was complete yet; `{resume}` starts the run again"
+        return f"no checkpoint was complete yet; `{resume}` starts the run again, as it was set"
     return f"round {last}'s checkpoint is kept; `{resume}` continues the run"
 
 
@@ -182,6 +200,8 @@ class _Report:
         self.live = live
         self.caught = caught or Caught()
         self.done, self.total = 0, 0
+        #: the rounds done before this process's first (a resume's checkpoint)
+        self.started_at = 0
         self.progress = Progress(
             TextColumn("[bold]round"),
             MofNCompleteColumn(),
@@ -210,7 +230,7 @@ class _Report:
 
     def start(self, done: int, total: int) -> None:
         self._interrupted()
-        self.done, self.total = done, total
+        self.done, self.total, self.started_at = done, total, done
         self.progress.update(self.bar, completed=done, total=total)
         self.progress.start_task(self.bar)
         self._show()

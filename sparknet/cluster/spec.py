@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sparknet import aws
+from sparknet.aws import check_bucket_name
 from sparknet.cluster.address import parse_address
 from sparknet.errors import SparknetError
 
@@ -441,29 +442,6 @@ def check_ssh_cidr(cidr: str) -> str:
             f"a network of /{MIN_SSH_PREFIX} or narrower"
         )
     return str(net)
-
-
-#: S3's bucket naming rules (general purpose buckets): 3-63 of a-z 0-9 . -, letter or digit at
-#: both ends, no "..", not an IP address, and none of the reserved prefixes and suffixes
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_BUCKET_RESERVED_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
-_BUCKET_RESERVED_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3")
-
-
-def check_bucket_name(bucket: str) -> str:
-    """`bucket`, if S3 accepts it as a bucket name; else a ValueError that says why."""
-    why = None
-    if not _BUCKET.fullmatch(bucket):
-        why = "3-63 of a-z, 0-9, '.', '-', starting and ending with a letter or digit"
-    elif ".." in bucket or ".-" in bucket or "-." in bucket:
-        why = "no '..', '.-' or '-.'"
-    elif re.fullmatch(r"\d+\.\d+\.\d+\.\d+", bucket):
-        why = "not an IP address"
-    elif bucket.startswith(_BUCKET_RESERVED_PREFIXES) or bucket.endswith(_BUCKET_RESERVED_SUFFIXES):
-        why = "none of S3's reserved prefixes (xn--, sthree-, amzn-s3-demo-) or suffixes"
-    if why:
-        raise ValueError(f"{bucket!r} is not an S3 bucket name: {why}")
-    return bucket
 
 
 def tag_value(text: str) -> str:

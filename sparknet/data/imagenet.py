@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from sparknet.data import ilsvrc
 from sparknet.data.manifest import ClassInfo, RejectedImage
-from sparknet.errors import SparknetError
+from sparknet.errors import SparknetError, no_such_directory
 
 IMAGE_SUFFIXES = frozenset({".jpeg", ".jpg"})
 #: where Kaggle's ImageNet puts the image directories, relative to the download's root
@@ -86,6 +86,8 @@ class _Found(NamedTuple):
     name: str
     offset: int | None = None
     size: int | None = None
+    #: how many folders down in its class folder it lies (0: in the class folder itself)
+    depth: int = 0
 
 
 def scan(src: Path, classes: list[str] | None = None) -> ImageTree:
@@ -97,11 +99,12 @@ def scan(src: Path, classes: list[str] | None = None) -> ImageTree:
     class, an unknown class in `classes`, or val images that cannot be labelled.
     """
     src = Path(src)
+    if not src.exists():
+        raise no_such_directory(src)
     if not src.is_dir():
-        what = "is not a directory" if src.exists() else "no such directory"
         raise SparknetError(
-            f"{src}: {what}; pass the directory that holds train/ and val/ (or class folders), "
-            f"the one holding {ilsvrc.TRAIN_TAR}, or the Kaggle ImageNet root"
+            f"{src}: is not a directory; pass the directory that holds train/ and val/ (or class "
+            f"folders), the one holding {ilsvrc.TRAIN_TAR}, or the Kaggle ImageNet root"
         )
     folder = is_image_folder(src)
     data = src if folder else _data_root(src)
@@ -150,13 +153,30 @@ def _where(src: Path, train_dir: Path | None, wnid: str) -> str:
 
 def is_image_folder(src: Path) -> bool:
     """Whether `src` is a plain ImageFolder root: it holds the class folders itself, and nothing
-    of the layouts `_data_root` finds (train/, the train tar, Kaggle's tree) nor a val/."""
+    of the layouts `_data_root` finds (the train tar, Kaggle's tree, a train/ or val/ that holds
+    class folders or class tars, an empty train/ where the train tar is to be extracted).
+
+    A train/ or val/ that holds images and no folders is a class of an ImageFolder that happens
+    to bear that name; a val/ of images with no train/ beside it and no other class folder is
+    ImageNet's flat val without its train (refused by `scan` with what to add)."""
     src = Path(src)
-    if not src.is_dir() or any(
-        p.exists() for p in (src / "train", src / "val", src / ilsvrc.TRAIN_TAR, src / "ILSVRC")
-    ):
+    if not src.is_dir() or any(p.exists() for p in (src / ilsvrc.TRAIN_TAR, src / "ILSVRC")):
         return False
-    return any(e.is_dir() and not e.name.startswith(".") for e in os.scandir(src))
+    folders = [e.name for e in os.scandir(src) if e.is_dir() and not e.name.startswith(".")]
+    if any(_holds_classes(src / split) for split in ("train", "val") if split in folders):
+        return False
+    if (src / "train").exists() and "train" not in folders:
+        return False  # a file named train: not a class, and not ImageNet's
+    if folders == ["val"]:
+        return False
+    return bool(folders)
+
+
+def _holds_classes(split: Path) -> bool:
+    """Whether a train/ or val/ is ImageNet's: class folders or `<wnid>.tar` files in it, or
+    nothing at all (a train/ made to extract the train tar into)."""
+    entries = [e for e in os.scandir(split) if not e.name.startswith(".")]
+    return not entries or any(e.is_dir() or e.name.endswith(".tar") for e in entries)
 
 
 def _data_root(src: Path) -> Path | None:
@@ -294,9 +314,10 @@ def _class_dirs(src: Path, train: Path, *, tars: bool) -> dict[str, Callable[[],
         )
     if not dirs and not tars_found:
         raise SparknetError(
-            f"{train} has no class directories: put each class's images in train/<wnid>/"
+            f"{train} has no class directories: put each class's images in train/<wnid>/ (in "
+            "an ImageFolder root, a class folder named train or val holds images, no folders)"
         )
-    out = {w: (lambda p=Path(p): _dir_files(src, p)) for w, p in dirs.items()}
+    out = {w: (lambda p=Path(p): _class_files(src, p)) for w, p in dirs.items()}
     for w, p in tars_found.items():
         out[w] = lambda p=Path(p): [
             _Found(p, f"{_rel(src, p)}/{m.name}", m.offset, m.size) for m in ilsvrc.tar_members(p)
@@ -318,6 +339,28 @@ def _dir_files(src: Path, directory: Path) -> list[_Found]:
             if not e.name.startswith(".") and e.is_file()
         )
     ]
+
+
+def _class_files(src: Path, directory: Path) -> list[_Found]:
+    """The files of a class folder and of every folder below it, as torchvision's ImageFolder
+    takes them (os.walk, links followed; a folder reached twice through links is read once),
+    hidden ones left out, sorted by name."""
+    out: list[_Found] = []
+    seen: set[str] = set()
+    for here, subdirs, files in os.walk(directory, followlinks=True):
+        real = os.path.realpath(here)
+        if real in seen:  # a link back up the tree: os.walk would go round it for ever
+            subdirs[:] = []
+            continue
+        seen.add(real)
+        subdirs[:] = sorted(_utf8(Path(here), d) for d in subdirs if not d.startswith("."))
+        depth = len(Path(here).relative_to(directory).parts)
+        for name in files:
+            path = Path(here) / name
+            if not name.startswith(".") and path.is_file():
+                _utf8(Path(here), name)
+                out.append(_Found(path, _rel(src, path), depth=depth))
+    return sorted(out, key=lambda f: f.name)
 
 
 def _images(found: list[_Found], split: str, skipped: list[RejectedImage]) -> list[_Found]:
@@ -490,9 +533,9 @@ def _val_class_dirs(
                 f"({len(train_wnids)} classes): remove it or add train/{w}/"
             )
         if w not in index:
-            other += len(_images(_dir_files(src, val_dir / w), "val", []))
+            other += len(_images(_class_files(src, val_dir / w), "val", []))
             continue
-        images = _images(_dir_files(src, val_dir / w), "val", skipped)
+        images = _images(_class_files(src, val_dir / w), "val", skipped)
         if not images:
             raise SparknetError(
                 f"class directory {val_dir / w} has no images (*.JPEG/*.jpg): add its images "
@@ -534,15 +577,22 @@ def _with_keys(labelled: list[tuple[_Found, int]]) -> list[SourceImage]:
 
     The key is the file stem with anything but letters, digits, `_` and `-` replaced by `_`:
     WebDataset splits a member name at its first dot, and ImageNet's stems are unique already.
-    Stems that clash (e.g. `train/cat/1.jpg` and `train/dog/1.jpg` in a non-ImageNet tree) get
-    their class directory (or tar) as a prefix, and anything still clashing a counter, in order.
+    An image in a subfolder of its class folder has its path below the class folder in its key
+    (`nested/deep.jpg`: `nested_deep`). Stems that clash (e.g. `train/cat/1.jpg` and
+    `train/dog/1.jpg` in a non-ImageNet tree) get their class directory (or tar) as a prefix,
+    and anything still clashing a counter, in order.
     """
     names = [PurePosixPath(f.name) for f, _ in labelled]
-    keys = [_NOT_KEY.sub("_", name.stem) for name in names]
+    # an image in a subfolder of its class folder: its path below the class folder, `a/b/c`
+    stems = [
+        "_".join([*name.parent.parts[len(name.parent.parts) - f.depth :], name.stem])
+        for name, (f, _) in zip(names, labelled, strict=True)
+    ]
+    keys = [_NOT_KEY.sub("_", stem) for stem in stems]
     clashes = Counter(keys)
     keys = [
-        _NOT_KEY.sub("_", f"{name.parent.name}_{name.stem}") if clashes[key] > 1 else key
-        for key, name in zip(keys, names, strict=True)
+        _NOT_KEY.sub("_", f"{name.parents[f.depth].name}_{stem}") if clashes[key] > 1 else key
+        for key, name, stem, (f, _) in zip(keys, names, stems, labelled, strict=True)
     ]
     clashes, taken = Counter(keys), set(keys)
     for n, key in enumerate(keys):

@@ -22,7 +22,7 @@ import fcntl
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sparknet.data.holdout import hold_out
@@ -205,10 +205,15 @@ def write_dataset(
         with _dest_lock(dest):
             try:
                 tree = scan(src, classes)
-                held = None
-                if val_fraction is not None:
-                    tree, held = hold_out(tree, val_fraction, seed, str(src))
-                _check_shard_count(tree, shards)
+                # what can be known before decoding: a fraction that holds out nothing of the
+                # files found holds out nothing of those that decode, too few files are too few
+                # images; both are asked again of the images that decode (`_write_dataset`)
+                checked_tree = (
+                    hold_out(tree, val_fraction, seed, str(src))[0]
+                    if val_fraction is not None
+                    else tree
+                )
+                _check_shard_count(checked_tree, shards)
             except SparknetError:
                 if new:  # a bad SRC leaves no DEST behind
                     (dest / LOCK_NAME).unlink(missing_ok=True)
@@ -216,8 +221,9 @@ def write_dataset(
                         dest.rmdir()
                 raise
             return _write_dataset(
-                tree, src, dest, shard_bytes, seed, processes, resize, on_progress, shards, held
-            )
+                tree, src, dest, shard_bytes, seed, processes, resize, on_progress, shards,
+                val_fraction,
+            )  # fmt: skip
     except OSError as exc:
         raise _os_error(exc, dest) from None  # from None: the chained trace would print it twice
 
@@ -238,16 +244,36 @@ def _check_not_inside(src: Path, dest: Path) -> None:
             )
 
 
-def _check_shard_count(tree: ImageTree, shards: int | None) -> None:
+def _check_shard_count(tree: ImageTree, shards: int | None, decoded: str = "") -> None:
     """Train needs an image for each of `shards` shards: every worker streams shards of its
-    own, and an empty shard would starve one."""
+    own, and an empty shard would starve one. `decoded`: how the message qualifies the images
+    (" that decode", once they are checked)."""
     have = len(tree.splits.get("train", []))
     if shards is not None and shards > have:
         raise SparknetError(
-            "{@shards=value} is more than the {have} train images: give at most {have}",
+            "{@shards=value} is more than the {have} train images{decoded}: give at most {have}",
             value=shards,
             have=have,
+            decoded=decoded,
         )
+
+
+def _decodable(
+    tree: ImageTree,
+    checked: CheckedTree,
+    src: Path,
+    seed: int,
+    shards: int | None,
+    val_fraction: float | None,
+) -> tuple[CheckedTree, HeldOut | None]:
+    """`checked` with val held out of the images that decode (so a class never loses its last
+    train image to a file that does not), and `shards` checked against them."""
+    held = None
+    if val_fraction is not None:
+        good, held = hold_out(replace(tree, splits=checked.good), val_fraction, seed, str(src))
+        checked = replace(checked, good=good.splits)
+    _check_shard_count(replace(tree, splits=checked.good), shards, " that decode")
+    return checked, held
 
 
 def _write_dataset(
@@ -260,12 +286,13 @@ def _write_dataset(
     resize: Resize | None,
     on_progress: Callable[[str, int, int], None] | None,
     shards: int | None = None,
-    held: HeldOut | None = None,
+    val_fraction: float | None = None,
 ) -> WriteReport:
     """`write_dataset` once the source is scanned, under DEST's lock; may raise OSError about
     the destination."""
     report = on_progress or (lambda phase, done, total: None)
     checked = check_images(tree, src, dest, processes, report)
+    checked, held = _decodable(tree, checked, src, seed, shards, val_fraction)
     plans = {
         split: plan_shards(
             images,

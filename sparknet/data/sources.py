@@ -39,7 +39,7 @@ from sparknet.data.stream import (
     read_shard,
     take_cursor,
 )
-from sparknet.errors import SettingError, SparknetError
+from sparknet.errors import SettingError, SparknetError, no_such_directory
 from sparknet.imports import is_reference, load_callable
 
 # `# lazy: PIL`: only a shard dataset's tasks decode images; a tensor dataset's never do
@@ -496,9 +496,7 @@ def resolve_source(cfg, datasets: dict | None = None) -> Source:
     if Path(spec).is_dir():
         return shard_source(spec, cfg)
     if _looks_like_path(spec) and not Path(spec).exists():
-        raise SparknetError(
-            f"no such directory: {spec}; give a dataset dir `sparknet data shard` made"
-        )
+        raise no_such_directory(spec)
     named = (
         f" or a dataset name from sparknet.yaml ({', '.join(sorted(datasets))})" if datasets else ""
     )

@@ -23,7 +23,7 @@ from boto3.s3.transfer import TransferConfig
 from sparknet.data import s3
 from sparknet.data.manifest import MANIFEST_NAME, Manifest
 from sparknet.data.s3 import MissingObjectError, S3Uri
-from sparknet.errors import SparknetError, WriteRefused, is_permanent
+from sparknet.errors import SparknetError, WriteRefused, is_permanent, no_such_directory
 
 __all__ = [
     "LocalStore",
@@ -393,7 +393,7 @@ def load_manifest(store: Store) -> Manifest:
     wrong URI, a missing bucket or bad credentials fail at once with one line."""
     if isinstance(store, LocalStore) and not Path(store.uri).is_dir():
         if not Path(store.uri).exists():
-            raise SparknetError(f"no such directory: {store.uri}; fix the dataset path")
+            raise no_such_directory(store.uri)
         raise SparknetError(f"{store.uri} is not a directory; fix the dataset path")
     try:
         text = store.read_bytes(MANIFEST_NAME)

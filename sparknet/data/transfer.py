@@ -142,6 +142,10 @@ def _listed(store: S3Store, dest_uri: str) -> dict[str, int]:
     try:
         return store.list()
     except s3.MissingBucketError as exc:
+        try:
+            aws.check_bucket_name(exc.bucket)
+        except ValueError as bad:  # no bucket, and none could be made of that name
+            raise SparknetError(f"{bad}; fix the URI ({dest_uri})") from exc
         raise SparknetError(
             "bucket {bucket} does not exist: pass {@create_bucket} (and {@region}) to make it "
             "with the settings `sparknet cluster up` gives a bucket (encrypted, never public, "

@@ -281,19 +281,17 @@ def summary_lines(
     run_id: str, prefix: str, rows: list[dict[str, Any]], wall_s: float, cost: float | None
 ) -> list[str]:
     """What the submitter prints at the end; a run that reached its `stop_at` says at which
-    round (its metrics' last row carries the target)."""
+    round, and whether that ended it early (its metrics' last row carries the target)."""
     acc = final_accuracy(rows)
     lines = [
         f"run id: {run_id}",
         f"run prefix: {prefix}",
         f"final accuracy: {'n/a' if acc is None else f'{acc:.4f}'}",
     ]
-    target = rows[-1].get(STOPPED) if rows else None
-    if target is not None and acc is not None:
-        lines.append(
-            f"stopped early: round {rows[-1]['round']}: test accuracy {acc:.4f} reached the "
-            f"target {target:g}"
-        )
+    from sparknet.training.report import target_words  # the words of the row's marker
+
+    if rows and STOPPED in rows[-1] and (target := target_words(rows[-1])) is not None:
+        lines.append(": ".join(target) if target[0] == "stopped early" else " ".join(target))
     lines += [
         f"wall time: {wall_s:.0f} s",
         f"estimated cost: {'unknown' if cost is None else f'${cost:.2f}'}",

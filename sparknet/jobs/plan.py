@@ -10,7 +10,7 @@ the run goes, and the settings as the driver would run them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparknet.cluster import provider
 from sparknet.cluster.aws.prices import Hourly
@@ -24,6 +24,9 @@ from sparknet.jobs.preflight import (
     planned_workers,
     preflight,
 )
+
+if TYPE_CHECKING:
+    from sparknet.jobs.model_jobs import ModelTask
 
 #: settings a plan always shows, whatever their value (the rest: those not at their default)
 HEADLINE = ("model", "rounds", "tau", "workers", "batch_size", "optimizer", "lr", "outer")
@@ -57,26 +60,38 @@ class Plan:
     splits: dict[str, SplitSize]
     #: the run prefix, RUN standing for the run id the launch gets
     prefix: str
-    #: the settings as the driver would run them, and those of them a plan lists
+    #: the settings as the driver would run them, and those of them a plan lists (a model's
+    #: job: its own, None for a default it leaves to `sparknet evaluate|predict`)
     cfg: TrainConfig
     settings: dict[str, Any]
     #: predict's output (RUN for the run id where it is under the run prefix); None otherwise
     output: str | None = None
+    #: what the plan cannot know or leaves out, a line each
+    notes: tuple[str, ...] = ()
 
 
 def plan(job: Job) -> Plan:
     """Every check of a launch, then the plan; a `PreflightFailed` as a launch would raise."""
     checked = preflight(job)
     spec = job.spec
+    notes: list[str] = []
     if job.reused:
-        machines, cost = _running(job)
+        machines, cost, stopped = _running(job)
+        if stopped:
+            notes.append(f"{stopped} of its instances are not running: not counted")
     else:
         check_name_free(spec, job.endpoint_url)
         check_gpu_counts(spec, job.endpoint_url)
         machines = provider.of(spec).planned(spec, job.endpoint_url)
         costs = [m.cost for m in machines]
         cost = None if None in costs else sum((c for c in costs if c), Hourly())
-    cfg = job_config(job.cfg, job.dataset, checked.prefix, planned_workers(job), spec.name)
+    workers = planned_workers(job)
+    cfg = job_config(job.cfg, job.dataset, checked.prefix, workers, spec.name)
+    if not job.reused and not provider.of(spec).LAUNCHES and spec.bootstrap.gpus_per_node is None:
+        notes.append(
+            "a host's GPUs are counted once the job reaches it: the Spark tasks shown are the "
+            "fewest it gets (one per host)"
+        )
     prefix = checked.prefix.replace(checked.run_id, "RUN")
     manifest = getattr(checked.source, "manifest", None)
     splits = {
@@ -87,10 +102,24 @@ def plan(job: Job) -> Plan:
     output = None
     if task is not None and task.command == "predict":
         output = task.target(checked.prefix).replace(checked.run_id, "RUN")
+    shown = shown_settings(cfg) if task is None else task_settings(task, cfg)
     return Plan(
         "train" if task is None else task.command, spec.name, job.reused, machines, cost,
-        job.dataset.uri, splits, prefix, cfg, shown_settings(cfg), output,
+        job.dataset.uri, splits, prefix, cfg, shown, output, tuple(notes),
     )  # fmt: skip
+
+
+def task_settings(task: ModelTask, cfg: TrainConfig) -> dict[str, Any]:
+    """What a model's job is run with: the run and its model, the split, the Spark tasks and,
+    for predict, its own options (None: `sparknet predict`'s default). The run's training
+    settings (rounds, lr, ...) play no part in it."""
+    shown: dict[str, Any] = {
+        "run": task.run, "model": cfg.model, "split": task.split or "val",
+        "workers": cfg.workers, "device": cfg.device,
+    }  # fmt: skip
+    if task.command == "predict":
+        shown |= {"top_k": task.top_k, "batch_size": task.batch_size}
+    return shown
 
 
 def shown_settings(cfg: TrainConfig) -> dict[str, Any]:
@@ -104,15 +133,18 @@ def shown_settings(cfg: TrainConfig) -> dict[str, Any]:
     return shown
 
 
-def _running(job: Job) -> tuple[list[Planned], Hourly | None]:
-    """A reused cluster's machines as they run, and what they cost per hour now."""
+def _running(job: Job) -> tuple[list[Planned], Hourly | None, int]:
+    """A reused cluster's running machines, what they cost per hour now (a stopped one bills
+    its volumes), and how many of its instances are not running."""
     info = provider.of(job.spec).status(job.spec, endpoint_url=job.endpoint_url)
     if info.hosts:
-        return [Planned("hosts", len(info.hosts), [], False, None)], None
+        return [Planned("hosts", len(info.hosts), [], False, None)], None, 0
     rows = []
     master = [info.master] if info.master else []
     for role, found in (("master", master), ("workers", info.workers)):
-        for kind in sorted({i.type for i in found}):
-            same = [i for i in found if i.type == kind]
+        running = [i for i in found if i.state == "running"]
+        for kind in sorted({i.type for i in running}):
+            same = [i for i in running if i.type == kind]
             rows.append(Planned(role, len(same), [kind], all(i.spot for i in same), None))
-    return rows, info.cost
+    stopped = sum(i.state != "running" for i in info.instances)
+    return rows, info.cost, stopped

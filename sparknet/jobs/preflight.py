@@ -308,7 +308,7 @@ def check_cluster_options(
     if given:
         raise PreflightFailed(
             ", ".join(given) + ": EC2 flags, not for static cluster {name} (its machines are its "
-            "`hosts:`)",
+            "`hosts:`); leave " + ("it" if len(given) == 1 else "them") + " out",
             name=spec.name,
         )
     if not cluster.AUTOSTOP and detach and not keep and not reused:

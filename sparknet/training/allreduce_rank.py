@@ -33,7 +33,7 @@ from sparknet.errors import is_permanent
 from sparknet.training import checkpoint, device, netbind, progress, schedule, tau_choice
 from sparknet.training.compress import exchange_mean
 from sparknet.training.outer import OuterOptimizer, outer_at
-from sparknet.training.report import STOPPED, eval_row, round_row
+from sparknet.training.report import EARLY, eval_row, round_row
 from sparknet.training.state import StateLayout
 from sparknet.training.sync import Exchange, Synchronizer, fragments_of
 from sparknet.training.transport import TaskFault, array_of, threads_per_task
@@ -261,15 +261,15 @@ class _Rank:
                     eval_task = replace(task, integers=integers, checkpoint_dir=None)
                     row.update(eval_row(self._evaluate(eval_task, theta, threads)))
                 # every rank has the evaluation (all-reduced): all end here together
-                stop = checkpoint.reached(cfg, row) and done < cfg.rounds
+                marker = checkpoint.target_marker(cfg, row, done)
+                stop = EARLY in marker  # the target reached before the last round: all end
                 if stop and isinstance(syncs, Synchronizer):  # its weights lack what is unsent
                     final = syncs.theta.copy()  # the model kept: the one that reached it
                 if channel is None:
                     if stop:
                         return
                     continue
-                if stop:
-                    row[STOPPED] = cfg.stop_at
+                row.update(marker)
                 row["elapsed_s"] = plan.elapsed_s + time.perf_counter() - t_start
                 with progress.waiting():  # the driver's acknowledgement; the store's own deadlines
                     channel.row(row, ack=due)

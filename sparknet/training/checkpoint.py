@@ -39,6 +39,7 @@ from sparknet.errors import (
     first_line,
     is_permanent,
 )
+from sparknet.training.report import EARLY, STOPPED
 from sparknet.training.state import StateLayout
 from sparknet.training.sync import RankState
 from sparknet.training.tau_choice import TauChooser
@@ -56,6 +57,8 @@ FINAL = "final.safetensors"
 #: the manifest: written last, so its presence means every other file is complete
 MANIFEST = "state.json"
 _NAME = re.compile(r"^round-(\d{5,})$")
+#: what a checkpoint's write leaves under checkpoints/: its dir (or an older version's temp dir)
+_LEFTOVER = re.compile(r"^(round-\d{5,}|\.round-\d{5,}\.partial)$")
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,15 @@ def reached(cfg: TrainConfig, row: dict[str, Any]) -> bool:
     """Whether a round's evaluation (in its metrics row) reached `stop_at`: the run ends there."""
     accuracy = row.get("eval_accuracy")
     return cfg.stop_at is not None and accuracy is not None and accuracy >= cfg.stop_at
+
+
+def target_marker(cfg: TrainConfig, row: dict[str, Any], done: int) -> dict[str, Any]:
+    """The fields round `done`'s row takes where its evaluation reached `stop_at`, which ends
+    the run there: the target, and `stopped_early` where that is before the last round (the
+    run stops); {} where it did not reach it."""
+    if not reached(cfg, row):
+        return {}
+    return {STOPPED: cfg.stop_at, **({EARLY: True} if done < cfg.rounds else {})}
 
 
 def name(rounds: int) -> str:
@@ -248,10 +260,12 @@ def discard(store: Store, rounds: int) -> None:
 
 
 def discard_incomplete(store: Store) -> list[str]:
-    """Remove whatever under `checkpoints/` is not a complete checkpoint (one an interrupted run
-    was writing, or an older version's `.round-N.partial`); returns the names removed."""
+    """Remove every checkpoint under `checkpoints/` that is not complete (one an interrupted
+    run was writing, or an older version's `.round-N.partial`); returns the names removed.
+    Anything else there (a user's file) is not a checkpoint, and is left alone."""
     whole = {name(r).split("/")[1] for r in complete(store)}
-    gone = sorted(e for e in store.entries(f"{CHECKPOINTS}/") if e not in whole)
+    entries = store.entries(f"{CHECKPOINTS}/")
+    gone = sorted(e for e in entries if _LEFTOVER.match(e) and e not in whole)
     for entry in gone:
         store.delete_prefix(f"{CHECKPOINTS}/{entry}/")
         store.delete([f"{CHECKPOINTS}/{entry}"])  # a stray file rather than a dir

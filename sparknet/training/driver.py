@@ -22,7 +22,7 @@ from sparknet.training.outer import outer_at
 from sparknet.training.probe import check_python_workers, user_modules
 from sparknet.training.problem import FrameInput, Problem, frame_problem, prepare
 from sparknet.training.progress_guard import Guard
-from sparknet.training.report import STOPPED, MetricsLog, plot_curves, read_metrics
+from sparknet.training.report import EARLY, STOPPED, MetricsLog, plot_curves, read_metrics
 from sparknet.training.retention import Retention
 from sparknet.training.rounds import (
     RoundCallback,
@@ -63,9 +63,14 @@ class RunResult:
 
     @property
     def stopped_at_target(self) -> float | None:
-        """The `stop_at` target whose evaluation ended the run before its last round, or None
-        where it ran every round."""
+        """The `stop_at` target whose evaluation ended the run (before its last round, or at
+        it: `stopped_early` says which), or None where no evaluation reached one."""
         return self.final.get(STOPPED)
+
+    @property
+    def stopped_early(self) -> bool:
+        """Whether the run reached its target before its last round, and ended there."""
+        return bool(self.final.get(EARLY))
 
 
 def slug(text: str) -> str:
@@ -138,7 +143,8 @@ def train(
     Everything that can be checked without Spark (settings, the run dir, a shard dataset's
     manifest, the model) is checked before Spark starts; a DataFrame is checked right after.
     A resume may change `rounds` and what does not alter the weights; other changes are refused
-    unless `allow_change`, and then recorded in the first resumed round's metrics row.
+    unless `allow_change`, and then recorded in the first resumed round's metrics row. A resume
+    of a run that stopped before its first complete checkpoint starts it over, as `cfg` says.
     """
     if cfg.out is None:
         cfg = cfg.model_copy(update={"out": str(default_run_dir(cfg))})
@@ -391,17 +397,11 @@ def _initial_state(cfg: TrainConfig, problem: Problem, run: RunDir, resume: bool
             "lower {@fragments}",
             setting="fragments", value=cfg.fragments, layers=layers, model=cfg.model,
         )  # fmt: skip
-    if not resume:
+    last = checkpoint.latest(run.store) if resume else None
+    if last is None:  # a new run, or one that stopped before its first checkpoint: round 0
         state = problem.model.state_dict()
         outer = outer_at(cfg, layout, layout.flatten(state), None)
         return StartPoint(layout, outer, layout.integers(state), 0, 0.0)
-    last = checkpoint.latest(run.store)
-    if last is None:
-        raise SparknetError(
-            "nothing to resume: {run} has no complete checkpoint; run again without "
-            "{@resume=True} to start it over",
-            run=run,
-        )
     resumed = StartPoint.from_checkpoint(cfg, run, last, layout)
     if resumed.rounds >= cfg.rounds:
         raise SettingError(

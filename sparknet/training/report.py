@@ -27,8 +27,24 @@ CURVES = "curves.png"
 #: the key that makes a metrics.jsonl row an event's (a restart), not a round's
 EVENT = "event"
 #: a metrics row's key saying the run ended at that round's evaluation, which reached the target
-#: (its value): set where that was before the last round
+#: (its value): before its last round or at it. Only the row of the round the run ended at has
+#: it: a resumed run that goes on past that round takes it off
 STOPPED = "stopped_at_target"
+#: with `STOPPED`, where the run ended before its last round (true)
+EARLY = "stopped_early"
+
+
+def target_words(row: dict[str, Any]) -> tuple[str, str] | None:
+    """What a run's summary says of its last `row` where it reached its target: ("stopped
+    early", "round N: test accuracy A reached the target T") where rounds were left, ("target
+    reached", "at round N: ...") at the last round; None where it carries no target."""
+    target = row.get(STOPPED)
+    if target is None or row.get("eval_accuracy") is None:
+        return None
+    said = f"test accuracy {row['eval_accuracy']:.4f} reached the target {target:g}"
+    if row.get(EARLY):
+        return "stopped early", f"round {row['round']}: {said}"
+    return "target reached", f"at round {row['round']}: {said}"
 
 
 def is_event(row: dict[str, Any]) -> bool:
@@ -70,6 +86,12 @@ class MetricsLog:
         return round_rows(self.rows)
 
     def append(self, row: dict[str, Any]) -> None:
+        """Add a row; a round's takes the target's marker off the rounds before it (a resumed
+        run that goes on did not end there)."""
+        if not is_event(row):
+            for old in round_rows(self.rows):
+                old.pop(STOPPED, None)
+                old.pop(EARLY, None)
         self.rows.append(row)
         self._write()
 

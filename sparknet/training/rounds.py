@@ -35,7 +35,7 @@ from sparknet.training.events import EventLog
 from sparknet.training.outer import OuterOptimizer, mean_update, outer_at
 from sparknet.training.problem import Problem
 from sparknet.training.progress_guard import Guard
-from sparknet.training.report import STOPPED, MetricsLog, eval_row, round_row
+from sparknet.training.report import EARLY, MetricsLog, eval_row, round_row
 from sparknet.training.retention import Retention
 from sparknet.training.rundir import CONFIG_FILE, Lock, RunDir
 from sparknet.training.session import stop_quietly
@@ -302,9 +302,9 @@ def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> 
                     theta, functools.partial(eval_work, eval_task), EvalResult.combine, eval_frame
                 )
                 row.update(eval_row(ev))
-            stop = checkpoint.reached(cfg, row) and done < cfg.rounds
-            if stop:
-                row[STOPPED] = cfg.stop_at
+            marker = checkpoint.target_marker(cfg, row, done)
+            stop = EARLY in marker  # the target reached before the last round: the run ends
+            row.update(marker)
             row["elapsed_s"] = seg.elapsed_s + time.perf_counter() - seg.t_start
             loop.record(row, begin)
             if pending is not None:

@@ -133,7 +133,28 @@ def _as_it_ran(section: dict[str, Any]) -> dict[str, Any]:
     before = dict(_BEFORE_THEY_CAME_ALL)
     if section.get("tau") == "auto":
         before.update(_BEFORE_THEY_CAME)
-    return {**{k: v for k, v in before.items() if k not in section}, **section}
+    return _schedule_as_recorded(
+        {**{k: v for k, v in before.items() if k not in section}, **section}
+    )
+
+
+def _schedule_as_recorded(section: dict[str, Any]) -> dict[str, Any]:
+    """A stored run's schedule settings as they are recorded now: an older config.yaml holds
+    `lr_gamma` and `lr_unit` under schedules that use neither (their defaults, which did
+    nothing), and its outer cosine decayed over `lr_decay_length` (in rounds: now its own
+    `outer_lr_decay_rounds`; an inner schedule other than cosine then has no length)."""
+    out = dict(section)
+    schedule = out.get("lr_schedule", "constant")
+    older = "outer_lr_decay_rounds" not in out and out.get("outer_lr_schedule") == "cosine"
+    if older and out.get("lr_unit", "rounds") == "rounds":
+        out["outer_lr_decay_rounds"] = out.get("lr_decay_length")
+    if schedule != "cosine":
+        out.pop("lr_decay_length", None)
+    if schedule not in ("step", "multistep"):
+        out.pop("lr_gamma", None)
+    if schedule == "constant":
+        out.pop("lr_unit", None)
+    return out
 
 
 def ran_transport(store: Store) -> str | None:

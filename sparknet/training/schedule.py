@@ -16,9 +16,10 @@ the same count. Nothing else is state: the lr of a step is a function of where i
   constant 1; `step` gamma^floor(p / lr_step_size); `multistep` gamma^(milestones <= p);
   `cosine` (1 + cos(pi * min(p / lr_decay_length, 1))) / 2, down to min_lr.
 
-The outer lr of round r is outer_lr, or under `outer_lr_schedule: cosine` outer_lr times the
-cosine factor at the round's first step (the first round at the full rate, never 0 within the
-length). Positions are exact fractions: a milestone at epoch 30 falls on the step it should,
+The outer lr of round r (0-based) is outer_lr, or under `outer_lr_schedule: cosine` outer_lr x
+cosine(r / outer_lr_decay_rounds), in rounds whatever lr_unit says: its length is the run's
+rounds unless given (never fewer), so the first round is at the full rate and none within the
+run at 0. Positions are exact fractions: a milestone at epoch 30 falls on the step it should,
 whatever the float rounding of step x K x B / N would say.
 """
 
@@ -73,11 +74,15 @@ def cosine(progress: Fraction | float) -> float:
 
 def decay(cfg: TrainConfig, at: Clock) -> float:
     """The inner schedule's factor (1 at the start) at `at`, warmup left out."""
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    assert cfg.lr_unit is not None  # filled in by the settings where a schedule counts one
     p = at.position(cfg.lr_unit)
     if cfg.lr_schedule == "step":
-        assert cfg.lr_step_size is not None  # the settings' check
+        assert cfg.lr_step_size is not None and cfg.lr_gamma is not None  # the settings' check
         return cfg.lr_gamma ** math.floor(p / cfg.lr_step_size)
     if cfg.lr_schedule == "multistep":
+        assert cfg.lr_gamma is not None  # filled in by the settings
         return cfg.lr_gamma ** sum(1 for m in cfg.lr_milestones if p >= m)
     if cfg.lr_schedule == "cosine":
         assert cfg.lr_decay_length is not None  # filled in by the settings
@@ -111,9 +116,8 @@ def outer_lr(cfg: TrainConfig, train_size: int, first_step: int, rnd: int, tau: 
     assert cfg.outer_lr is not None  # filled in by the settings
     if cfg.outer_lr_schedule == "constant":
         return cfg.outer_lr
-    assert cfg.lr_decay_length is not None
-    at = Clock.at(cfg, train_size, first_step, rnd, tau)
-    return cfg.outer_lr * cosine(at.position(cfg.lr_unit) / Fraction(cfg.lr_decay_length))
+    assert cfg.outer_lr_decay_rounds is not None  # filled in by the settings
+    return cfg.outer_lr * cosine(Fraction(rnd, cfg.outer_lr_decay_rounds))
 
 
 def round_fields(

@@ -74,7 +74,7 @@ def _default(param: Any) -> str | None:
         kind = bool if param.is_flag else str
         return shown_default(param.name, field, kind, negatable=flag.negatable)
     default = param.default
-    if default in (None, [], ()) or (param.is_flag and not param.secondary_opts):
+    if default in (None, [], ()) or (param.is_flag and not default):  # a switch off: none
         return None
     return str(default)
 
@@ -115,7 +115,7 @@ def test_help_groups_the_submit_options_into_panels_and_shows_the_model_defaults
     blocks = _blocks(shown, typer.main.get_command(submit_app))
     assert "(default: 30)" in blocks["--rounds"]
     assert "(default: 10)" in blocks["--tau"]
-    assert "(default: no-deterministic)" in blocks["--deterministic"]
+    assert "(default:" not in blocks["--deterministic"]  # a switch off unless given
     assert "(default: 2)" in blocks["--max-restarts"]
 
 
@@ -152,3 +152,47 @@ def test_endpoint_url_reads_the_same_in_every_command() -> None:
         if "--endpoint-url" in param.opts
     }
     assert len({t.split(" (default")[0] for t in texts}) == 1, texts
+
+
+def test_the_top_help_says_what_the_program_does_not_how_it_is_built() -> None:
+    shown = " ".join(_help("sparknet", ()).split())
+    assert "`sparknet train` (the main job on one machine)" in shown, shown
+    for developer in ("module", "typer", "sparknet.cli"):
+        assert developer not in shown, shown
+
+
+def test_help_words_defaults_one_way_and_types_readably_at_60_columns() -> None:
+    """No `(default: no-debug)` (a flag's name where a value goes), no `default X` or `(default
+    X)` beside `(default: X)`, no `[required]` after a default, no `<list[str]>` or `<int
+    range> [x>=0]` widening the type column; the machine options say what they default to."""
+    from sparknet.cluster.spec import ClusterSpec
+
+    for program, path, _ in every_command():
+        done = CliRunner().invoke(
+            PROGRAMS[program], [*path, "--help"], prog_name=program, env={"COLUMNS": "60"}
+        )
+        panels = done.stdout.partition("╭")[2]  # the options, not the command's description
+        shown = " ".join(re.sub(r"[│╭╰─╮╯]", " ", panels).split())
+        where = f"{program} {' '.join(path)}"
+        assert not re.search(r"\(default: no-|\[required\]|<list\[|range>|\[x>", shown), where
+        assert not re.search(r"(?<!\()default(?!: |\)|s)", shown.replace("(default)", "")), (
+            where,
+            re.findall(r".{30}(?<!\()default(?!: |\)|s).{20}", shown),
+        )
+    blocks = _blocks(_help("sparknet-submit", ()), typer.main.get_command(submit_app))
+    fields = ClusterSpec.model_fields
+    assert f"else {fields['workers'].default})" in blocks["--workers"]
+    assert "else on-demand)" in blocks["--spot"] and fields["spot"].default is False
+    types = ", ".join(fields["instance_types"].get_default(call_default_factory=True))
+    assert f"else {types})" in blocks["--instance-type"]
+    train = _help("sparknet", ("train",))
+    assert (
+        "tau_max" in " ".join(train.split())
+        and "(default: on)" not in train.split("--debug")[1][:80]
+    )
+
+
+def test_a_set_key_in_capitals_names_the_setting_meant() -> None:
+    done = CliRunner().invoke(app, ["train", "--set", "TAU=4"])
+    assert done.exit_code == 2, done.output
+    assert "unknown setting 'TAU' (did you mean tau?)" in done.stderr, done.stderr

@@ -81,7 +81,10 @@ class _Run:
             last = checkpoint.latest(open_store(str(self.out))) if self.out.exists() else None
             kept = "no checkpoint was complete yet" if last is None else f"round {last}'s"
             assert kept in lines[-1], f"{what}: {lines[-1]}"
-            assert f"`sparknet train --resume --out {self.out}`" in lines[-1], lines[-1]
+            if last is None and not (self.out / "config.yaml").exists():  # the command given
+                assert "`sparknet train --data digits --model mlp " in lines[-1], lines[-1]
+            else:  # `--resume` continues it, or starts it over with its config.yaml
+                assert f"`sparknet train --resume --out {self.out}`" in lines[-1], lines[-1]
 
 
 def _assert_only_complete_checkpoints(out: Path, what: str) -> None:

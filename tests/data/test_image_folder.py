@@ -161,3 +161,55 @@ def test_a_destination_inside_the_image_folder_is_refused(tmp_path):
     src = make_folder(tmp_path / "photos")
     with pytest.raises(SparknetError, match="where every directory is read as a class"):
         write_dataset(src, src / "shards", processes=1)
+
+
+def test_val_is_held_out_of_the_images_that_decode(tmp_path):
+    """A file that does not decode is dropped before the hold-out: a class of one good image
+    keeps it in train, and 10 good of 11 files split 5/5 at 0.5."""
+    src = make_folder(tmp_path / "photos", {"big": 10, "pair": 1})
+    (src / "pair" / "zz-bad.jpg").write_bytes(b"junk")
+    (src / "big" / "bad.jpg").write_bytes(b"junk")
+    report = write_dataset(src, tmp_path / "ds", seed=1, processes=1, val_fraction=0.5)
+    m = report.manifest
+    assert report.warnings == []  # no class without a train image that decodes
+    assert (m.samples("train"), m.samples("val")) == (5 + 1, 5)
+    assert sorted(r.path for r in report.rejected) == ["big/bad.jpg", "pair/zz-bad.jpg"]
+
+
+def test_shards_counts_the_images_that_decode(tmp_path):
+    src = make_folder(tmp_path / "photos", {"a": 6})
+    (src / "a" / "bad.jpg").write_bytes(b"junk")  # 7 files, 6 images
+    with pytest.raises(SparknetError, match="--shards 7 is more than the 6 train images that"):
+        write_dataset(src, tmp_path / "ds", processes=1, shards=7)
+    assert (
+        len(write_dataset(src, tmp_path / "ds", processes=1, shards=6).manifest.shards("train"))
+        == 6
+    )
+
+
+def test_images_in_subfolders_of_a_class_are_its_own_with_their_path_in_the_key(tmp_path):
+    """As torchvision's ImageFolder: a class folder is walked down (links followed, once)."""
+    src = make_folder(tmp_path / "photos", {"cat": 2, "dog": 2})
+    (src / "cat" / "nested" / "deeper").mkdir(parents=True)
+    render(0, split="train", i=7, size=(32, 24), seed=0).save(src / "cat" / "nested" / "deep.jpg")
+    render(0, split="train", i=8, size=(32, 24), seed=0).save(
+        src / "cat" / "nested" / "deeper" / "d2.jpg"
+    )
+    (src / "cat" / "nested" / "loop").symlink_to(src / "cat")  # a link back up: read once
+    tree = scan(src)
+    cats = {i.name: i.key for i in tree.splits["train"] if i.label == 0}
+    assert cats == {
+        "cat/0.jpg": "cat_0", "cat/1.jpg": "cat_1",
+        "cat/nested/deep.jpg": "nested_deep", "cat/nested/deeper/d2.jpg": "nested_deeper_d2",
+    }  # fmt: skip
+    report = write_dataset(src, tmp_path / "ds", processes=1)
+    assert report.manifest.samples("train") == 6 and report.rejected == report.skipped == []
+
+
+@pytest.mark.parametrize("name", ["train", "val"])
+def test_a_class_folder_named_train_or_val_is_a_class_of_an_image_folder(tmp_path, name):
+    src = make_folder(tmp_path / "photos", {name: 4, "zebra": 4})
+    assert is_image_folder(src)
+    assert [c.wnid for c in scan(src).classes] == sorted([name, "zebra"])
+    report = write_dataset(src, tmp_path / "ds", processes=1, val_fraction=0.25)
+    assert (report.manifest.samples("train"), report.manifest.samples("val")) == (6, 2)

@@ -36,7 +36,8 @@ def test_a_dry_run_checks_prints_the_plan_and_makes_nothing(
     )  # fmt: skip
     assert done.exit_code == 0, done.output
     out = done.stdout.splitlines()
-    assert out[0] == "dry run: every check passed; nothing was made. train on cluster c1 (to make):"
+    head = "dry run: every check passed; nothing was launched. train on cluster c1 (to make):"
+    assert out[0] == head
     ebs = 0.08 * 100 / 730
     master, workers = 1.006 + ebs + 0.005, 2 * (0.526 + ebs + 0.005)
     assert out[1].startswith(f"  master: 1 x g5.xlarge (on-demand), ${master:.2f}/hour")
@@ -44,7 +45,7 @@ def test_a_dry_run_checks_prints_the_plan_and_makes_nothing(
         f"  workers: 2 x g4dn.xlarge (on-demand; fallback g5.xlarge), ${workers:.2f}/hour"
     )
     assert out[3].startswith(f"  per hour in all: ${master + workers:.2f}/hour"), out[3]
-    sizes = "train 6 samples in 3 shards (9 B); val 2 samples in 1 shards (3 B)"
+    sizes = "train 6 samples in 3 shards (9 B); val 2 samples in 1 shard (3 B)"
     assert f"dataset: {uri}: {sizes}" in out
     assert f"run prefix: s3://{bucket}/runs/c1/RUN/ (RUN: the run id a launch gets)" in out
     settings = out[out.index("settings:") + 1 :]
@@ -69,3 +70,20 @@ def test_a_dry_run_refuses_what_a_launch_refuses(home, launches, bucket, tmp_pat
         assert done.stderr.startswith(line), done.stderr
         assert done.stdout == ""
     assert launches == [] and _tagged("c1") == []
+
+
+def test_a_model_jobs_plan_lists_its_own_options_not_the_runs_training() -> None:
+    """evaluate and predict are run with the run's model, the split, the Spark tasks and
+    predict's own options; the run's rounds and lr play no part, and are not listed."""
+    from sparknet.config import TrainConfig
+    from sparknet.jobs.model_jobs import ModelTask
+    from sparknet.jobs.plan import task_settings
+
+    cfg = TrainConfig(model="mlp", rounds=40, lr=0.3, batch_size=4, workers=3)
+    shown = task_settings(ModelTask("predict", "s3://b/runs/c/R1", batch_size=128), cfg)
+    assert shown == {
+        "run": "s3://b/runs/c/R1", "model": "mlp", "split": "val", "workers": 3,
+        "device": "auto", "top_k": None, "batch_size": 128,
+    }  # fmt: skip
+    evaluate = task_settings(ModelTask("evaluate", "runs/x", split="train"), cfg)
+    assert evaluate["split"] == "train" and "top_k" not in evaluate and "rounds" not in evaluate

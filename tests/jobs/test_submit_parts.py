@@ -8,6 +8,7 @@ import pytest
 from sparknet.config import DatasetEntry, TrainConfig
 from sparknet.jobs import driver_control, follow, preflight
 from sparknet.jobs import submit as flow
+from sparknet.training.report import EARLY, STOPPED
 from tests.moto_server import amazon_ami
 
 
@@ -53,13 +54,18 @@ def test_progress_line_and_last_error() -> None:
 
 def test_a_run_that_reached_its_target_says_so_in_the_submit_summary() -> None:
     """The last row of a run that stopped at its `stop_at` carries the target: the summary
-    says at which round it stopped; a run that went every round says nothing of it."""
+    says at which round it stopped; a run that went every round says nothing of it, and one
+    that reached it at its last round says it reached it there, not that it stopped early."""
     rows = [{"round": 1, "eval_accuracy": 0.4}, {"round": 2, "eval_accuracy": 0.91}]
     plain = follow.summary_lines("R1", "s3://b/r/", rows, 12.0, 0.5)
-    assert not any(line.startswith("stopped early") for line in plain)
-    rows[-1]["stopped_at_target"] = 0.9
+    assert not any(line.startswith(("stopped early", "target reached")) for line in plain)
+    rows[-1].update({STOPPED: 0.9, EARLY: True})
     lines = follow.summary_lines("R1", "s3://b/r/", rows, 12.0, 0.5)
     assert "stopped early: round 2: test accuracy 0.9100 reached the target 0.9" in lines
+    del rows[-1][EARLY]  # round 2 was the last
+    lines = follow.summary_lines("R1", "s3://b/r/", rows, 12.0, 0.5)
+    assert "target reached at round 2: test accuracy 0.9100 reached the target 0.9" in lines
+    assert not any(line.startswith("stopped early") for line in lines)
 
 
 def _fake_node(tmp_path, train_script: str):

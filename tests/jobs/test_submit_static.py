@@ -67,7 +67,8 @@ def test_submit_on_static_hosts_trains_and_stops_spark(static_settings, bucket, 
     # bad check interval
     static = ("--provider", "static", "--name", name, "--s3", "tiny", *JOB)
     refusals = {
-        "--spot": "spot: EC2 settings, not for `provider: static`",
+        "--spot": f"--spot: EC2 flags, not for static cluster {name} (its machines are its "
+        "`hosts:`); leave it out",
         "--autostop=30": f"--autostop: EC2 flags, not for static cluster {name}",
         "--detach": f"--detach on static cluster {name}, which this submit brings up",
         f"--name={name}u": "no host key for worker-2 (root@127.0.0.1:1) in ",

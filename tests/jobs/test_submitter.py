@@ -391,3 +391,82 @@ def test_a_long_line_to_a_file_is_not_wrapped(capsys) -> None:
     line = "error-like note naming s3://bucket/a/long/prefix/of/a/run " * 4
     console.print(line.strip(), markup=False, highlight=False)
     assert capsys.readouterr().err == line.strip() + "\n"
+
+
+# --- what sparknet-submit sets itself, and errors in its own words -----------------------------
+
+
+@pytest.mark.parametrize(
+    ("item", "instead"),
+    [
+        ("out=s3://b-b/myrun", "the run dir is the job's run prefix"),
+        ("data=s3://other/x", "the dataset is --s3"),
+        ("train.master=spark://h:7077", "the master is the cluster's"),
+        ("gpus_per_worker=4", "a node's GPUs are its instance type's"),
+        ("endpoint_url=http://nowhere:1", "use --endpoint-url"),
+    ],
+)
+def test_a_set_of_what_submit_sets_itself_is_refused_naming_what_sets_it(
+    home, launches, tmp_path, item: str, instead: str
+) -> None:
+    """`--set out=...` (and data, master, gpus_per_worker, endpoint_url) was dropped without a
+    word, even by a dry run that said every check passed; `--set workers=N` stays the job's."""
+    (tmp_path / "sparknet.yaml").write_text("clusters:\n  c1: {bucket: b-b}\n")
+    done = _submit("--s3", "s3://b-b/x", "--dry-run", "--set", item)
+    key = item.partition("=")[0].removeprefix("train.")
+    assert (done.exit_code, done.stdout) == (2, ""), done.output
+    assert done.stderr.startswith(f"error: --set {key}: sparknet-submit sets it itself; "), (
+        done.stderr
+    )
+    assert instead in done.stderr and len(done.stderr.splitlines()) == 1
+    assert launches == []
+
+
+def test_submit_errors_name_no_flag_it_lacks_and_aws_hints_carry_the_endpoint(
+    home, launches, bucket, moto_endpoint, tmp_path
+) -> None:
+    """A cluster not found in its region points at the entry's `region:` (sparknet-submit has no
+    --region); the `aws ec2 ...` hint reaches the endpoint the user gave; a setting a node
+    cannot use names --set, never a flag only `sparknet train` has."""
+    from sparknet.cli.submit import spelt
+
+    uri = _dataset(bucket)
+    (tmp_path / "sparknet.yaml").write_text(
+        f"clusters:\n  c1: {{bucket: {bucket}, data_prefix: ds/, ami: {amazon_ami()}}}\n"
+    )
+    endpoint = ("--endpoint-url", moto_endpoint)
+    missing = _submit("--s3", uri, "--dry-run", "--cluster", "c1", *endpoint)
+    assert missing.exit_code == 2, missing.output
+    assert "--region" not in missing.stderr, missing.stderr
+    assert "check the name and the cluster's `region:` in sparknet.yaml" in missing.stderr
+    offered = _submit("--s3", uri, "--dry-run", "--instance-type", "p9.huge", *endpoint)
+    assert offered.exit_code == 2, offered.output
+    assert (
+        "(aws ec2 describe-instance-type-offerings --region us-east-1 --endpoint-url "
+        f"{moto_endpoint})" in offered.stderr
+    ), offered.stderr
+    assert spelt("rounds", 3) == "--rounds 3"
+    assert spelt("gpus_per_worker", 4) == "--set gpus_per_worker=4"
+    assert spelt("region") == "the cluster's `region:` in sparknet.yaml"
+
+
+def test_an_ec2_flag_for_a_static_cluster_is_refused_as_a_flag_to_leave_out(
+    home, launches, tmp_path
+) -> None:
+    """`--spot` (or `--provider aws`) for a static cluster was refused as if it were in the
+    YAML ("remove them", "set provider: static"): the flag is what to leave out."""
+    key = tmp_path / "id"
+    key.write_text("k")
+    (tmp_path / "sparknet.yaml").write_text(
+        "clusters:\n  st: {provider: static, bucket: b-b, key_file: id, "
+        "hosts: [u@h1:22, u@h2:22]}\n"
+    )
+    spot = _submit("--s3", "s3://b-b/x", "--name", "st", "--dry-run", "--spot")
+    assert (spot.exit_code, spot.stderr) == (
+        2,
+        "error: --spot: EC2 flags, not for static cluster st (its machines are its `hosts:`); "
+        "leave it out\n",
+    )
+    aws = _submit("--s3", "s3://b-b/x", "--name", "st", "--dry-run", "--provider", "aws")
+    assert aws.exit_code == 2 and aws.stderr.endswith("; leave --provider out\n"), aws.stderr
+    assert "remove" not in spot.stderr + aws.stderr and launches == []

@@ -12,16 +12,18 @@ from pathlib import Path
 import boto3
 import pytest
 import yaml
+from rich.console import Console
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
 import sparknet
+from sparknet.cli.train import _summary
 from sparknet.config import TrainConfig, load_train_config
 from sparknet.data.store import Store, open_store
 from sparknet.errors import SparknetError
 from sparknet.training import checkpoint
-from sparknet.training.driver import train
-from sparknet.training.report import STOPPED, read_metrics
+from sparknet.training.driver import RunResult, train
+from sparknet.training.report import EARLY, STOPPED, MetricsLog, read_metrics, target_words
 from sparknet.training.retention import BEST, Retention, best_round, read_best
 from sparknet.training.rundir import read_run_config
 from tests.conftest import REPO, SPARKNET
@@ -123,6 +125,81 @@ def test_a_run_that_predates_retention_keeps_all_its_checkpoints_on_resume(tmp_p
     assert read_run_config(tmp_path)["keep_checkpoints"] == 0
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"train": {"keep_checkpoints": 4}}))
     assert read_run_config(tmp_path)["keep_checkpoints"] == 4
+
+
+def _leaves_what_is_no_checkpoint(store: Store) -> None:
+    _fake_checkpoint(store, 1)
+    _fake_checkpoint(store, 2, manifest=False)  # an interrupted write: removed
+    store.write_bytes(f"{checkpoint.CHECKPOINTS}/notes.txt", b"mine")
+    store.write_bytes(f"{checkpoint.CHECKPOINTS}/mine/a.txt", b"mine too")
+    store.write_bytes(f"{checkpoint.CHECKPOINTS}/.round-00003.partial/w", b"an old temp dir")
+    assert checkpoint.discard_incomplete(store) == [".round-00003.partial", "round-00002"]
+    assert _dirs(store) == ["mine", "notes.txt", "round-00001"]
+    assert store.read_bytes(f"{checkpoint.CHECKPOINTS}/notes.txt") == b"mine"
+
+
+def test_a_resume_deletes_incomplete_checkpoints_only_not_a_users_file_beside_them(tmp_path):
+    _leaves_what_is_no_checkpoint(open_store(tmp_path / "run"))
+
+
+def test_an_s3_resume_leaves_a_users_file_under_checkpoints(bucket, moto_endpoint):
+    _leaves_what_is_no_checkpoint(open_store(f"s3://{bucket}/runs/notes", moto_endpoint))
+
+
+def test_the_target_reached_at_the_last_round_is_recorded_without_stopped_early():
+    cfg = TrainConfig(rounds=8, stop_at=0.5, eval_every=1)
+    assert checkpoint.target_marker(cfg, {"round": 8, "eval_accuracy": 0.61}, 8) == {STOPPED: 0.5}
+    assert checkpoint.target_marker(cfg, {"round": 5, "eval_accuracy": 0.5}, 5) == {
+        STOPPED: 0.5, EARLY: True,
+    }  # fmt: skip
+    assert checkpoint.target_marker(cfg, {"round": 8, "eval_accuracy": 0.4}, 8) == {}
+    assert checkpoint.target_marker(cfg, {"round": 8}, 8) == {}
+    last = {"round": 8, "eval_accuracy": 0.614, STOPPED: 0.5}
+    assert target_words(last) == (
+        "target reached", "at round 8: test accuracy 0.6140 reached the target 0.5",
+    )  # fmt: skip
+    early = {**last, "round": 5, EARLY: True}
+    assert target_words(early) == (
+        "stopped early", "round 5: test accuracy 0.6140 reached the target 0.5",
+    )  # fmt: skip
+    assert target_words({"round": 8, "eval_accuracy": 0.614}) is None
+    result = RunResult("runs/x", 8, [last])
+    assert result.stopped_at_target == 0.5 and not result.stopped_early
+    assert RunResult("runs/x", 5, [early]).stopped_early
+
+
+def test_sparknet_trains_summary_says_target_reached_at_the_last_round_not_stopped_early():
+    row = {"round": 8, "loss": 0.5, "samples": 80, "seconds": {"total": 1.0}, "elapsed_s": 9.0,
+           "eval_loss": 0.9, "eval_accuracy": 0.614, "eval_top5": 1.0, STOPPED: 0.5}  # fmt: skip
+    console = Console(width=200, record=True)
+    console.print(_summary(RunResult("runs/x", 8, [row])))
+    text = re.sub(r"[\s│]+", " ", console.export_text())
+    assert "target reached at round 8: test accuracy 0.6140 reached the target 0.5 " in text
+    assert "stopped early" not in text
+    console = Console(width=200, record=True)
+    console.print(_summary(RunResult("runs/x", 8, [{**row, EARLY: True}])))
+    text = re.sub(r"[\s│]+", " ", console.export_text())
+    assert "stopped early round 8: test accuracy 0.6140 reached the target 0.5 " in text
+
+
+def test_a_resumed_run_that_goes_on_takes_the_marker_off_the_round_it_had_stopped_at(tmp_path):
+    """r3 stopped at round 7 (target 0.4), went on to 8 with a higher target, then to 10 with
+    none: only the row of the round the run last stopped at carries a marker."""
+    store = open_store(tmp_path)
+    log = MetricsLog(store, keep_rounds=0)
+    for r in range(1, 7):
+        log.append({"round": r, "eval_accuracy": 0.1})
+    log.append({"round": 7, "eval_accuracy": 0.45, STOPPED: 0.4, EARLY: True})
+    again = MetricsLog(store, keep_rounds=7)  # the resume
+    assert again.rounds[-1][STOPPED] == 0.4  # until a round goes on from it
+    again.append({"round": 8, "eval_accuracy": 0.61, STOPPED: 0.6, EARLY: True})
+    rows = read_metrics(store)
+    assert [r["round"] for r in rows if STOPPED in r] == [8]
+    assert not any(EARLY in r for r in rows[:-1])
+    more = MetricsLog(store, keep_rounds=8)
+    more.append({"round": 9})
+    more.append({"round": 10})
+    assert not any(STOPPED in r or EARLY in r for r in read_metrics(store))
 
 
 # ---- real runs --------------------------------------------------------------------------------
@@ -243,7 +320,7 @@ def test_stop_at_ends_the_run_at_the_first_evaluation_that_reaches_it(spark, tmp
     got = read_metrics(out)
     assert [r["round"] for r in got] == list(range(1, stop + 1))
     assert [r["eval_accuracy"] for r in got] == [r["eval_accuracy"] for r in rows[:stop]]
-    assert got[-1][STOPPED] == target
+    assert got[-1][STOPPED] == target and got[-1][EARLY] is True
     assert all(STOPPED not in r for r in got[:-1])
     # a checkpoint after every evaluation (the run may end there), the last one the model's
     assert checkpoint.latest(open_store(out)) == stop
@@ -259,6 +336,16 @@ def test_stop_at_ends_the_run_at_the_first_evaluation_that_reaches_it(spark, tmp
     assert [r["round"] for r in more.metrics] == [1, 2, 3, 4, 5]
     # from the checkpoint the stop left, exactly as the run that never stopped
     assert model.read_bytes() == (tmp_path / "full/model.safetensors").read_bytes()
+
+
+@pytest.mark.integration
+def test_a_target_first_reached_at_the_last_round_is_recorded_on_its_row(spark, tmp_path):
+    """The probe's r2: round 8 of 8 reached the target, and its row said nothing of it."""
+    out = tmp_path / "last"
+    result = train(TrainConfig(rounds=1, stop_at=0.01, out=out, **SMALL), spark=spark)
+    row = read_metrics(out)[-1]
+    assert row["round"] == 1 and row[STOPPED] == 0.01 and EARLY not in row
+    assert result.stopped_at_target == 0.01 and not result.stopped_early
 
 
 @pytest.mark.integration

@@ -101,6 +101,19 @@ def test_outer_cosine_starts_at_outer_lr_and_never_reaches_0_within_the_run():
     assert outer_lr(TrainConfig(outer="nesterov", tau=2), 100, 6, 3, 2) == 0.7  # constant
 
 
+def test_outer_cosine_decays_over_the_runs_rounds_whatever_the_inner_length_and_unit():
+    """The probe's run: an inner step schedule in epochs, 6 rounds: the outer lr was 0 from
+    round 2 on (it took lr_decay_length 3 in epochs). Now it is the run's 6 rounds."""
+    cfg = TrainConfig(
+        outer="nesterov", outer_lr_schedule="cosine", rounds=6, tau=5, lr_unit="epochs",
+        lr_schedule="step", lr_step_size=1, lr_gamma=0.5, warmup_steps=3,
+    )  # fmt: skip
+    assert cfg.outer_lr_decay_rounds == 6
+    got = [outer_lr(cfg, 1797, r * 5, r, 5) for r in range(6)]
+    assert got == pytest.approx([0.7 * (1 + math.cos(math.pi * r / 6)) / 2 for r in range(6)])
+    assert min(got) > 0.04
+
+
 def test_the_outer_optimizer_steps_at_the_rate_it_is_given():
     opt = OuterOptimizer(np.zeros(2, np.float32), lr=0.7, momentum=0.5)
     opt.lr = 0.1
@@ -145,7 +158,19 @@ def test_a_rounds_row_names_its_rates_and_the_steps_taken():
         ({"lr_schedule": "step", "lr_unit": "epochs"}, "lr_schedule step needs lr_step_size"),
         ({"lr_milestones": "30,60"}, "lr_milestones applies to lr_schedule multistep only"),
         ({"min_lr": 0.001}, "min_lr applies to lr_schedule cosine only"),
-        ({"lr_decay_length": 9}, "lr_decay_length applies to lr_schedule (or outer_lr_sch"),
+        ({"lr_decay_length": 9}, "lr_decay_length applies to lr_schedule cosine only"),
+        ({"lr_gamma": 0.5}, "lr_gamma applies to lr_schedule step or multistep only"),
+        ({"lr_gamma": 0.1, "lr_schedule": "cosine"}, "lr_gamma applies to lr_schedule step or"),
+        ({"lr_unit": "epochs"}, "lr_unit applies to lr_schedule cosine, step or multistep only"),
+        (
+            {"outer": "nesterov", "outer_lr_schedule": "cosine", "lr_decay_length": 9},
+            "lr_decay_length applies to lr_schedule cosine only",
+        ),
+        ({"outer_lr_decay_rounds": 30}, "outer_lr_decay_rounds applies to outer_lr_schedule"),
+        (
+            {"outer": "nesterov", "outer_lr_schedule": "cosine", "outer_lr_decay_rounds": 3},
+            "outer_lr_decay_rounds 3 is below rounds 30: the outer lr would be 0 from round 4",
+        ),
         ({"lr_schedule": "cosine", "lr_unit": "epochs"}, "a cosine schedule in epochs needs "),
         ({"lr_schedule": "cosine", "min_lr": 0.5}, "min_lr 0.5 must be below lr 0.05"),
         ({"outer_lr_schedule": "cosine"}, "outer_lr_schedule applies to outer 'nesterov' only"),
@@ -156,6 +181,35 @@ def test_a_schedule_setting_where_it_does_not_apply_is_one_line(flags, message):
         load_train_config(flags=flags, environ={})
     assert str(caught.value).startswith("invalid settings: " + message)
     assert "\n" not in str(caught.value)
+
+
+def test_a_cosine_or_step_schedule_fills_in_its_unit_and_gamma_and_constant_records_none():
+    assert (TrainConfig().lr_unit, TrainConfig().lr_gamma) == (None, None)
+    step = TrainConfig(lr_schedule="step", lr_step_size=2)
+    assert (step.lr_unit, step.lr_gamma) == ("rounds", 0.1)
+    assert TrainConfig(lr_schedule="cosine").lr_unit == "rounds"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("keep_checkpoints=true", "invalid setting keep_checkpoints: a whole number of check"),
+        ("stop_at=true", "invalid setting stop_at: an accuracy in (0, 1], not true"),
+        ("outer_lr_decay_rounds=true", "invalid setting outer_lr_decay_rounds: a whole number"),
+    ],
+)
+def test_yaml_true_is_no_count_of_checkpoints_and_no_accuracy(text, message):
+    """`true` read as 1: one checkpoint kept, or a stop only at 100 %."""
+    with pytest.raises(SparknetError) as caught:
+        load_train_config(sets=[text], environ={})
+    assert str(caught.value).startswith(message)
+
+
+@pytest.mark.parametrize("text", ["2.0", "2.5", "[2, 4.5]", "2,x"])
+def test_a_milestone_that_is_no_whole_number_says_so(text):
+    with pytest.raises(SparknetError) as caught:
+        load_train_config(sets=["lr_schedule=multistep", f"lr_milestones={text}"], environ={})
+    assert str(caught.value).startswith("invalid setting lr_milestones: whole numbers (got ")
 
 
 def test_milestones_are_increasing_whole_numbers_from_text_too():
@@ -176,24 +230,100 @@ def test_config_yaml_records_the_schedule_with_the_length_a_cosine_took():
     saved = yaml.safe_load(cfg.to_yaml())["train"]
     assert {k: saved[k] for k in saved if k in SCHEDULE_KEYS} == {
         "label_smoothing": 0.1, "warmup_steps": 100, "lr_schedule": "cosine",
-        "lr_unit": "rounds", "lr_milestones": [], "lr_step_size": None, "lr_gamma": 0.1,
+        "lr_unit": "rounds", "lr_milestones": [], "lr_step_size": None, "lr_gamma": None,
         "lr_decay_length": 40, "min_lr": 0.001, "outer_lr_schedule": "cosine",
+        "outer_lr_decay_rounds": 40,
     }  # fmt: skip
-    # a resume with more rounds keeps the decay it ran (rounds is no change to the trajectory)
-    more = load_train_config(base=saved, flags={"rounds": 80}, environ={})
+    # a resume with more rounds keeps the inner decay it ran (rounds is no change to the
+    # trajectory); the outer one's would reach 0 within the run: a new length is asked for
+    more = load_train_config(base=saved, flags={"rounds": 40}, environ={})
     assert more.lr_decay_length == 40 and more.trajectory_changes(cfg) == {}
+    with pytest.raises(SparknetError, match="outer_lr_decay_rounds 40 is below rounds 80"):
+        load_train_config(base=saved, flags={"rounds": 80}, environ={})
+    longer = load_train_config(
+        base=saved, flags={"rounds": 80}, sets=["outer_lr_decay_rounds=80"], environ={}
+    )
+    assert longer.lr_decay_length == 40
+    assert longer.trajectory_changes(cfg) == {"outer_lr_decay_rounds": (40, 80)}
     # another schedule on resume takes its own shape, not the stored cosine's
     other = load_train_config(
         base=saved, flags={"lr_schedule": "step", "lr_step_size": 10}, environ={}
     )
-    assert (other.lr_decay_length, other.min_lr) == (40, 0.0)  # the outer cosine keeps a length
-    assert set(other.trajectory_changes(cfg)) == {"lr_schedule", "lr_step_size", "min_lr"}
+    assert (other.lr_decay_length, other.min_lr, other.lr_gamma) == (None, 0.0, 0.1)
+    assert other.outer_lr_decay_rounds == 40  # the outer cosine's own, kept
+    assert set(other.trajectory_changes(cfg)) == {
+        "lr_schedule", "lr_step_size", "min_lr", "lr_decay_length", "lr_gamma",
+    }  # fmt: skip
 
 
 SCHEDULE_KEYS = {
     "label_smoothing", "warmup_steps", "lr_schedule", "lr_unit", "lr_milestones",
     "lr_step_size", "lr_gamma", "lr_decay_length", "min_lr", "outer_lr_schedule",
+    "outer_lr_decay_rounds",
 }  # fmt: skip
+
+
+def _stored(**settings) -> dict:
+    return yaml.safe_load(TrainConfig(**settings).to_yaml())["train"]
+
+
+def test_a_changed_outer_schedule_on_resume_keeps_the_inner_shape():
+    """Only a changed inner lr_schedule takes a shape anew: an outer cosine turned on keeps the
+    inner cosine's floor and length, and a multistep's milestones."""
+    saved = _stored(lr_schedule="cosine", min_lr=0.01, outer="nesterov", rounds=8)
+    got = load_train_config(
+        base=saved, flags={"outer_lr_schedule": "cosine", "rounds": 12}, environ={}
+    )
+    assert (got.min_lr, got.lr_decay_length, got.outer_lr_decay_rounds) == (0.01, 8, 12)
+    assert set(got.trajectory_changes(TrainConfig(**saved))) == {
+        "outer_lr_schedule", "outer_lr_decay_rounds",
+    }  # fmt: skip
+    saved = _stored(
+        lr_schedule="multistep", lr_milestones=[2, 4], lr_gamma=0.5, outer="nesterov", rounds=8
+    )
+    got = load_train_config(base=saved, flags={"outer_lr_schedule": "cosine"}, environ={})
+    assert (got.lr_milestones, got.lr_gamma, got.lr_unit) == ([2, 4], 0.5, "rounds")
+    # the outer schedule changed back drops its own length only
+    back = load_train_config(base=_stored(**{**saved, "outer_lr_schedule": "cosine"}),
+                             flags={"outer_lr_schedule": "constant"}, environ={})  # fmt: skip
+    assert (back.outer_lr_decay_rounds, back.lr_milestones) == (None, [2, 4])
+
+
+@pytest.mark.parametrize(
+    ("stored", "again", "field", "want"),
+    [
+        (
+            {"lr_schedule": "multistep", "lr_milestones": [2, 4]},
+            {"lr_milestones": [2, 4]}, "lr_milestones", [2, 4],
+        ),
+        ({"lr_schedule": "cosine"}, {"lr_decay_length": 8}, "lr_decay_length", 8),
+        ({"lr_schedule": "step", "lr_step_size": 2}, {"lr_step_size": 2}, "lr_step_size", 2),
+    ],
+)  # fmt: skip
+def test_a_shape_given_again_with_a_new_unit_is_taken_even_when_equal(stored, again, field, want):
+    """A value given again counts as given, even where it equals the stored one."""
+    saved = _stored(rounds=8, **stored)
+    got = load_train_config(base=saved, flags={"lr_unit": "steps", **again}, environ={})
+    assert (getattr(got, field), got.lr_unit) == (want, "steps")
+    # and with a new kind too: given, so kept, where the stored one would be dropped
+    other = _stored(rounds=8, outer="nesterov")
+    kind = stored["lr_schedule"]
+    got = load_train_config(base=other, flags={"lr_schedule": kind, **again}, environ={})
+    assert getattr(got, field) == want
+
+
+def test_a_run_dir_of_the_earlier_schedule_format_resumes_as_it_ran(tmp_path):
+    """config.yaml once held lr_gamma and lr_unit under every schedule, and the outer cosine's
+    length in lr_decay_length: read as today's, with no change to refuse."""
+    older = _stored(outer="nesterov")
+    del older["outer_lr_decay_rounds"]
+    older.update(lr_gamma=0.1, lr_unit="rounds", outer_lr_schedule="cosine", lr_decay_length=30)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"train": older}))
+    stored = read_run_config(tmp_path)
+    cfg = load_train_config(base=stored, environ={})
+    assert (cfg.lr_gamma, cfg.lr_unit, cfg.lr_decay_length) == (None, None, None)
+    assert cfg.outer_lr_decay_rounds == 30
+    assert cfg.trajectory_changes(TrainConfig(**stored)) == {}
 
 
 # ---- a worker's steps ------------------------------------------------------------------------
@@ -255,7 +385,8 @@ def test_a_resumed_run_takes_the_rates_of_one_that_never_stopped(spark, tmp_path
     settings = dict(
         transport="spark", model="mlp", workers=2, tau=3, batch_size=16, lr=0.1, seed=2,
         warmup_steps=5, lr_schedule="cosine", lr_decay_length=6, min_lr=0.01,
-        outer="nesterov", outer_lr_schedule="cosine", label_smoothing=0.1,
+        outer="nesterov", outer_lr_schedule="cosine", outer_lr_decay_rounds=6,
+        label_smoothing=0.1,
         eval_every=0, checkpoint_every=3,
     )  # fmt: skip
     full = TrainConfig(out=tmp_path / "full", rounds=6, **settings)

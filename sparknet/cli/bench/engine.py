@@ -202,7 +202,7 @@ def all_(
         None,
         metavar="NAME",
         help="any of throughput, sync-cost, data-stream, images-per-core, shard-workers, "
-        "precision, startup; default: all of them",
+        "precision, startup (default: all of them)",
         show_default=False,
     ),
     out: Path = JsonOutOption,

@@ -71,7 +71,7 @@ def _not_yours(cluster, caller: str) -> str:
 
 def cluster_sweep(
     region: str = typer.Option("us-east-1", help="AWS region to look in"),
-    yes: bool = typer.Option(False, "--yes", help="take them down; default: only list"),
+    yes: bool = typer.Option(False, "--yes", help="take them down (default: only list them)"),
     all_owners: bool = typer.Option(
         False, "--all-owners", help="also other principals' clusters, and untagged ones"
     ),

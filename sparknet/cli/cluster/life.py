@@ -17,6 +17,9 @@ import typer
 from rich.console import Console
 
 from sparknet.cli.cluster.options import (
+    INSTANCE_TYPE_HELP,
+    SPOT_HELP,
+    WORKERS_HELP,
     AnyOwnerOption,
     RegionOption,
     cluster_spec,
@@ -102,30 +105,31 @@ def _print_ssh_line(spec, endpoint) -> None:
 
 def cluster_up(
     name: str = typer.Argument(..., help="cluster name (a `clusters:` entry, or new)"),
-    workers: int | None = typer.Option(None, help="worker instances"),
-    instance_type: list[str] = typer.Option([], help="worker type, repeatable: fallback order"),
+    workers: int | None = typer.Option(None, help=WORKERS_HELP),
+    instance_type: list[str] = typer.Option([], help=INSTANCE_TYPE_HELP),
     master_type: str | None = typer.Option(
         None, help="the master's instance type (default: the cluster's, else g5.xlarge)"
     ),
-    spot: bool | None = typer.Option(None, "--spot/--on-demand", help="workers on spot"),
+    spot: bool | None = typer.Option(None, "--spot/--on-demand", help=SPOT_HELP),
     region: str | None = RegionOption,
-    allowed_cidr: str | None = typer.Option(None, help="SSH source; default: your /32"),
+    allowed_cidr: str | None = typer.Option(None, help="SSH source (default: your /32)"),
     ami: str | None = typer.Option(
-        None, help="AMI id of the nodes (e.g. one `make ami` baked); default: ami_parameter"
+        None,
+        help="AMI id of the nodes, e.g. one `make ami` baked (default: ami_parameter's)",
     ),
     autostop: int | None = typer.Option(
         None,
         "--autostop",
         metavar="MINUTES",
         help="the master terminates the cluster after this many idle minutes (no job running, "
-        "no submitter attached); 0: off; default 30",
+        "no submitter attached); 0: off (default: 30)",
     ),
     any_owner: bool = AnyOwnerOption,
     no_bootstrap: bool = typer.Option(
         False,
         "--no-bootstrap",
         help="only launch the instances; `cluster bootstrap` later, within backstop_minutes "
-        "(default 60) of their boot, or their backstop terminates them",
+        "(default: 60) of their boot, or their backstop terminates them",
     ),
     endpoint_url: str | None = EndpointOption,
     config: Path | None = ConfigOption,

@@ -26,7 +26,15 @@ from sparknet.say import command_line
 # (torch ~2 s; boto3, fabric, numpy ~0.2 s each; `+N ms`: what it adds, measured) while
 # `sparknet cluster --help` and every other command import this module
 
-RegionOption = typer.Option(None, help="AWS region; default: the cluster's, else us-east-1")
+RegionOption = typer.Option(None, help="AWS region (default: the cluster's, else us-east-1)")
+#: the help of the machine options `cluster up` and `sparknet-submit` share: the defaults are
+#: the cluster's entry's, else `ClusterSpec`'s (tests/cli/test_help.py holds them to it)
+WORKERS_HELP = "worker instances (default: the cluster's workers:, else 2)"
+INSTANCE_TYPE_HELP = (
+    "worker type, repeatable: fallback order (default: the cluster's instance_types:, else "
+    "g5.xlarge, g4dn.xlarge, g6.xlarge)"
+)
+SPOT_HELP = "workers on spot or on-demand (default: the cluster's spot:, else on-demand)"
 AnyOwnerOption = typer.Option(
     False, "--any-owner", help="act on the cluster even if its sparknet:owner tag names another"
 )
@@ -65,7 +73,9 @@ def cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_n
                 f"from `clusters: {name}:` in {path}"
             )
         base.update(_resolved_paths(entry, path))
-    base.update({k: v for k, v in flags.items() if v not in (None, [])})
+    given = {k: v for k, v in flags.items() if v not in (None, [])}
+    base.update(given)
+    _check_flags_fit_provider(name, base, given)
     if known is not None and base.get("provider", "aws") != known.provider:
         raise SparknetError(
             f"cluster {name} is registered here as {_PROVIDERS[known.provider]}, but "
@@ -79,6 +89,40 @@ def cluster_spec(name: str, config: Path | None, flags: dict[str, Any], *, any_n
     except ValidationError as exc:
         raise validation_error(exc, ClusterSpec, where=f"cluster {name}: ") from exc
     return spec.model_copy(update={"name": name})
+
+
+#: the command-line flag of a cluster setting, where it is not the setting's name with dashes
+_FLAGS = {"instance_types": "--instance-type", "autostop_minutes": "--autostop"}
+
+
+def _as_flag(setting: str, value: Any) -> str:
+    if setting == "spot":
+        return "--spot" if value else "--on-demand"
+    return _FLAGS.get(setting, "--" + setting.replace("_", "-"))
+
+
+def _check_flags_fit_provider(name: str, spec: dict[str, Any], given: dict[str, Any]) -> None:
+    """A flag of the other provider's, given on the command line, is refused naming the flag
+    to leave out (the spec's own refusal speaks of sparknet.yaml's keys, where it is not)."""
+    from sparknet.cluster import provider  # lazy: boto3
+    from sparknet.cluster.spec import AWS_ONLY  # lazy: boto3
+
+    if not provider.named(spec.get("provider")).LAUNCHES:
+        ec2 = [_as_flag(k, v) for k, v in given.items() if k in AWS_ONLY]
+        if ec2:  # worded as `preflight.check_cluster_options`'s
+            raise SparknetError(
+                f"{', '.join(ec2)}: EC2 flags, not for static cluster {name} (its machines are "
+                f"its `hosts:`); leave {'it' if len(ec2) == 1 else 'them'} out"
+            )
+    elif (
+        given.get("provider") in provider.PROVIDERS
+        and provider.named(given["provider"]).LAUNCHES
+        and (spec.get("hosts") or spec.get("known_hosts"))
+    ):
+        raise SparknetError(
+            f"cluster {name}'s entry has hosts: (machines you have): --provider aws would "
+            "launch EC2 instances in their place; leave --provider out"
+        )
 
 
 _PROVIDERS = {

@@ -126,7 +126,7 @@ def cluster_tunnel(
     master_ui_port: int = typer.Option(8080, help="local port of the Spark master's UI"),
     app_ui_port: int = typer.Option(4040, help="local port of the running application's UI"),
     remote_master_ui_port: int | None = typer.Option(
-        None, help="the master UI's port on the master; default: the cluster's master_ui_port"
+        None, help="the master UI's port on the master (default: the cluster's master_ui_port)"
     ),
     remote_app_ui_port: int = typer.Option(
         4040, help="the application UI's port on the master (4041, ... for a second application)"

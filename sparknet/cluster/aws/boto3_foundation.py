@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import botocore.exceptions as bx
@@ -56,6 +57,21 @@ _ABSENT_CODES = frozenset(
 )  # fmt: skip
 
 
+#: how long a bucket made a moment ago may be unknown to S3's other calls (NoSuchBucket)
+NEW_BUCKET_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class BucketState:
+    """What `Boto3Foundation.bucket` found: whether this call made the bucket, whether it is
+    sparknet's (tagged so, hence held to the foundation's settings), and its region (None where
+    the store does not say)."""
+
+    made: bool
+    sparknet: bool
+    region: str | None
+
+
 def _tag_spec(spec: ClusterSpec, kind: str, name: str) -> list[dict[str, Any]]:
     return [{"ResourceType": kind, "Tags": tags(spec, name)}]
 
@@ -77,15 +93,30 @@ class Boto3Foundation:
     """
 
     def __init__(
-        self, spec: ClusterSpec, endpoint_url: str | None, created: list[str] | None = None
+        self,
+        spec: ClusterSpec,
+        endpoint_url: str | None,
+        created: list[str] | None = None,
+        *,
+        tls_only: bool = True,
     ) -> None:
         self.spec = spec
         self.endpoint_url = endpoint_url
+        #: False: a sparknet bucket gets every setting but the TLS-only policy (which it loses),
+        #: for a store reached over plain http (`data upload` to MinIO), where that policy
+        #: would deny every request of the tool that made the bucket
+        self.tls_only = tls_only
         self.ec2 = instances.ec2_client(spec.region, endpoint_url)
         self.iam = aws.client("iam", spec.region, endpoint_url)
         self.s3 = aws.client("s3", spec.region, endpoint_url)
         self.created: list[str] = created if created is not None else []
         self.name = f"sparknet-{spec.name}"
+
+    @property
+    def plain_http(self) -> bool:
+        """Whether S3 is reached over plain http (a local MinIO or moto; AWS is https), from the
+        endpoint its client uses: the one given, else AWS_ENDPOINT_URL(_S3)."""
+        return str(self.s3.meta.endpoint_url).lower().startswith("http://")
 
     def call(self, action: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
         with aws.aws_call(action, self.spec.region):
@@ -358,32 +389,86 @@ class Boto3Foundation:
 
     # -- bucket ---------------------------------------------------------------------------
 
-    def bucket(self, name: str) -> None:
+    def bucket(self, name: str) -> BucketState:
         """Create the data/runs bucket if it is missing, and hold a sparknet bucket (one made by
         sparknet: it carries the foundation tag) to `infra/rules/bucket.json` on every call, so
-        a setting changed by hand is put back. A bucket of the user's own is left as it is: its
-        policy and settings are theirs."""
+        a setting changed by hand, or one a stopped run never put, is put (back) on it. A bucket
+        of the user's own is left as it is: its policy and settings are theirs.
+
+        A new bucket is tagged in the same signal-deferred section as it is made, and deleted
+        again (it is empty) when the tag cannot be put: no bucket of ours is ever left untagged,
+        which every later call would take for the user's own and never harden. A CreateBucket
+        that answers BucketAlreadyOwnedByYou (another run made it between our look and our
+        create, outside us-east-1) is "there already"."""
         taken = (
             f"bucket {name} exists but this account may not use it (403); bucket names are "
             "global: choose another `bucket`, or use credentials that own it"
         )
-        if self.find("HeadBucket", self.s3.head_bucket, taken, Bucket=name) is None:
-            extra = (
-                {}
-                if self.spec.region == "us-east-1"
-                else {"CreateBucketConfiguration": {"LocationConstraint": self.spec.region}}
+        head = self.find("HeadBucket", self.s3.head_bucket, taken, Bucket=name)
+        made = head is None and self._make_tagged(name)
+        if made:
+            region: str | None = self.spec.region
+        else:
+            head = head or self.find("HeadBucket", self.s3.head_bucket, taken, Bucket=name)
+            region = (head or {}).get("BucketRegion")
+        ours = made or self._made_by_sparknet(name)
+        if ours:
+            self.harden_bucket(name)
+        return BucketState(made=made, sparknet=ours, region=region)
+
+    def _make_tagged(self, name: str) -> bool:
+        """CreateBucket and its foundation tag, no signal between them; False when the bucket
+        turns out to be ours already (BucketAlreadyOwnedByYou)."""
+        extra = (
+            {}
+            if self.spec.region == "us-east-1"
+            else {"CreateBucketConfiguration": {"LocationConstraint": self.spec.region}}
+        )
+        with interrupts.deferred():
+            try:
+                self.s3.create_bucket(Bucket=name, **extra)
+            except bx.ClientError as exc:
+                if aws.error_code(exc) == "BucketAlreadyOwnedByYou":
+                    return False
+                raise aws.describe_error(exc, f"CreateBucket in {self.spec.region}") from exc
+            except bx.BotoCoreError as exc:
+                raise aws.describe_error(exc, f"CreateBucket in {self.spec.region}") from exc
+            self.created.append(f"bucket:{name}")
+            try:
+                self._on_new_bucket(
+                    "PutBucketTagging", self.s3.put_bucket_tagging, Bucket=name,
+                    Tagging={"TagSet": tags(self.spec, name)},
+                )  # fmt: skip
+            except BaseException as exc:
+                self._unmake(name, exc)
+                raise
+        return True
+
+    def _unmake(self, name: str, exc: BaseException) -> None:
+        """Delete the empty bucket this object just made and could not tag, so a re-run makes
+        it again, tagged; a note on `exc` says whether that worked."""
+        try:
+            self.s3.delete_bucket(Bucket=name)
+        except (bx.ClientError, bx.BotoCoreError) as gone:
+            exc.add_note(
+                f"bucket {name} was made but could not be tagged or deleted ({gone}): delete it, "
+                "then run again"
             )
-            self._create(
-                "bucket", lambda _: name, "CreateBucket", self.s3.create_bucket, Bucket=name,
-                **extra,
-            )  # fmt: skip
-            self.call(
-                "PutBucketTagging", self.s3.put_bucket_tagging, Bucket=name,
-                Tagging={"TagSet": tags(self.spec, name)},
-            )  # fmt: skip
-        elif not self._made_by_sparknet(name):
             return
-        self.harden_bucket(name)
+        self.created.remove(f"bucket:{name}")
+        exc.add_note(f"bucket {name} was made but could not be tagged, and was deleted again")
+
+    def _on_new_bucket(self, action: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        """`call` on a bucket made a moment ago, which S3 may not show yet (NoSuchBucket, its
+        eventual consistency): asked again for up to NEW_BUCKET_WAIT_S."""
+
+        def unseen(exc: bx.ClientError) -> bool:
+            return aws.error_code(exc) == "NoSuchBucket"
+
+        with aws.aws_call(action, self.spec.region):
+            return aws.retrying(
+                lambda: fn(**kwargs), unseen, within_s=NEW_BUCKET_WAIT_S, pause_s=0.5
+            )
 
     def _made_by_sparknet(self, name: str) -> bool:
         found = self.find("GetBucketTagging", self.s3.get_bucket_tagging, Bucket=name)
@@ -393,7 +478,8 @@ class Boto3Foundation:
     def harden_bucket(self, name: str) -> None:
         """Put `infra/rules/bucket.json` on the bucket (as infra/bucket.tf): never public,
         ownership enforced (no ACLs), KMS with a bucket key, versioned, TLS only, old versions
-        and failed uploads expired."""
+        and failed uploads expired; without `tls_only`, no bucket policy (see `__init__`).
+        Each call is asked again while S3 does not show a new bucket yet."""
         want = bucket_settings()
         calls: list[tuple[str, Callable[..., Any], dict[str, Any]]] = [
             ("PutPublicAccessBlock", self.s3.put_public_access_block, {
@@ -416,8 +502,19 @@ class Boto3Foundation:
             ("PutBucketLifecycleConfiguration", self.s3.put_bucket_lifecycle_configuration, {
                 "LifecycleConfiguration": {"Rules": [bucket_lifecycle_rule(want)]}}),
         ]  # fmt: skip
+        if not self.tls_only:  # over plain http the TLS-only statement denies this very tool
+            calls = [c for c in calls if c[0] != "PutBucketPolicy"]
+            calls.append(("DeleteBucketPolicy", self._delete_policy, {}))
         for action, fn, kwargs in calls:
-            self.call(action, fn, Bucket=name, **kwargs)
+            self._on_new_bucket(action, fn, Bucket=name, **kwargs)
+
+    def _delete_policy(self, Bucket: str) -> None:  # Bucket: as boto3 names it, for the loop
+        """DeleteBucketPolicy; a bucket without one is as wanted."""
+        try:
+            self.s3.delete_bucket_policy(Bucket=Bucket)
+        except bx.ClientError as exc:
+            if aws.error_code(exc) != "NoSuchBucketPolicy":
+                raise
 
 
 def bucket_lifecycle_rule(settings: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from sparknet import aws
 from sparknet.cluster.spec import ClusterSpec
 from sparknet.data import s3
 from sparknet.errors import InputError, SparknetError
-from sparknet.say import Say
+from sparknet.say import Say, command_line
 
 #: AWS's own "what is my IP" endpoint; `SPARKNET_CHECKIP_URL` overrides it (tests, proxies)
 CHECKIP_URL = "https://checkip.amazonaws.com"
@@ -91,7 +91,7 @@ def check_offered(
         if not region_azs:
             raise InputError(
                 f"instance type {itype} is not offered in {region}; choose another "
-                f"(aws ec2 describe-instance-type-offerings --region {region})"
+                f"({command_line('aws ec2 describe-instance-type-offerings', region=region)})"
             )
         if not usable:
             raise InputError(

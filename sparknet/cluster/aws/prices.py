@@ -189,4 +189,5 @@ def _spot_price(ec2: Any, instance_type: str, az: str | None) -> float | None:
                     latest[zone] = (when, float(item["SpotPrice"]))
     except (bx.BotoCoreError, bx.ClientError):
         return None
-    return min((price for _, price in latest.values()), default=None)
+    # a price of 0 is no price (an S3-compatible stand-in's placeholder): unknown, never free
+    return min((price for _, price in latest.values() if price > 0), default=None)
