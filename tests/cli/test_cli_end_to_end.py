@@ -197,7 +197,12 @@ def test_rounds_stream_without_a_tty_and_a_signal_prints_one_line(
     after = lines[lines.index(rounds[-1].group(0)) + 1 :]
     if signum == signal.SIGINT:
         after = [ln for ln in after if ln != STILL_STOPPING]
-    assert after == [f"error: {said} Spark stopped, the last complete checkpoint is kept"]
+    done = [c.name for c in (out / "checkpoints").iterdir() if c.name.startswith("round-")]
+    kept = max(int(name.removeprefix("round-")) for name in done)
+    assert after == [
+        f"error: {said} Spark stopped, round {kept}'s checkpoint is kept; "
+        f"`sparknet train --resume --out {out}` continues the run"
+    ]
     text = "\n".join(lines)
     assert "Traceback" not in text and "py4j" not in text and "Exception" not in text
     # only sparknet's lines: not the JVM's module warning nor Spark's shell log-level note
