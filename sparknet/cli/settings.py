@@ -21,7 +21,6 @@ from typing import Any, Literal, TypeVar
 
 import typer
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 from typer.models import OptionInfo
 
 from sparknet.cli.common import ENDPOINT_HELP
@@ -114,9 +113,9 @@ def shown_default(name: str, field: FieldInfo, kind: type, *, negatable: bool) -
     """The model's default as `--help` shows it (`30`, `auto`, `on`), the option
     itself having none (an option not given leaves the setting to the other sources); None
     where there is none to show: no default, or a switch that is off unless given."""
-    default = field.default
-    if default is None or default is PydanticUndefined:
+    if field.is_required() or field.default is None:
         return None
+    default = field.default
     if kind is bool:  # a switch: on, or nothing where it is off unless given
         return "on" if negatable and default else None
     return str(default)

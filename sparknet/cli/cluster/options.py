@@ -105,10 +105,15 @@ def _check_flags_fit_provider(name: str, spec: dict[str, Any], given: dict[str, 
     """A flag of the other provider's, given on the command line, is refused naming the flag
     to leave out (the spec's own refusal speaks of sparknet.yaml's keys, where it is not)."""
     from sparknet.cluster import provider  # lazy: boto3
-    from sparknet.cluster.spec import AWS_ONLY  # lazy: boto3
+    from sparknet.cluster.spec import AWS_ONLY, ClusterSpec  # lazy: boto3
+
+    def default(key: str) -> Any:
+        return ClusterSpec.model_fields[key].get_default(call_default_factory=True)
 
     if not provider.named(spec.get("provider")).LAUNCHES:
-        ec2 = [_as_flag(k, v) for k, v in given.items() if k in AWS_ONLY]
+        # a value that is the setting's default is no EC2 choice (a job record's region, say),
+        # as the spec's own check has it
+        ec2 = [_as_flag(k, v) for k, v in given.items() if k in AWS_ONLY and v != default(k)]
         if ec2:  # worded as `preflight.check_cluster_options`'s
             raise SparknetError(
                 f"{', '.join(ec2)}: EC2 flags, not for static cluster {name} (its machines are "
