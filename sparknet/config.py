@@ -433,17 +433,20 @@ class TrainConfig(BaseModel):
             "file:///DIR or databricks"
         )
 
-    @field_validator("fragments", "tau_max", "keep_checkpoints", mode="before")
+    @field_validator(
+        "fragments", "tau_max", "keep_checkpoints", "warmup_steps", "lr_step_size",
+        "lr_decay_length", "outer_lr_decay_rounds", mode="before",
+    )  # fmt: skip
     @classmethod
     def _count_not_a_bool(cls, value: Any, info: ValidationInfo) -> Any:
         """YAML's `true` (`yes`, `on`) is not a count (it read as 1)."""
         if isinstance(value, bool):
             what = {
-                "fragments": "of fragments (1: none)",
-                "tau_max": "of steps",
-                "keep_checkpoints": "of checkpoints (0: all)",
-            }[info.field_name]
-            raise ValueError(f"a whole number {what}, not {str(value).lower()}")
+                "fragments": " of fragments (1: none)",
+                "tau_max": " of steps",
+                "keep_checkpoints": " of checkpoints (0: all)",
+            }.get(info.field_name or "", "")
+            raise ValueError(f"a whole number{what}, not {str(value).lower()}")
         return value
 
     @field_validator("stop_at", mode="before")
@@ -493,16 +496,6 @@ class TrainConfig(BaseModel):
     @classmethod
     def _out_as_text(cls, out: Any) -> Any:
         return str(out) if isinstance(out, os.PathLike) else out
-
-    @field_validator(
-        "warmup_steps", "lr_step_size", "lr_decay_length", "outer_lr_decay_rounds", mode="before"
-    )
-    @classmethod
-    def _schedule_count_not_a_bool(cls, value: Any) -> Any:
-        """YAML's `true` is not a count (it read as 1)."""
-        if isinstance(value, bool):
-            raise ValueError(f"a whole number, not {str(value).lower()}")
-        return value
 
     @field_validator("lr_milestones", mode="before")
     @classmethod
