@@ -18,7 +18,7 @@ from typing import Any
 
 from sparknet.cluster import ec2_up, inventory, node_endpoints, registry, spark_nodes, sshkeys
 from sparknet.cluster.address import Endpoint
-from sparknet.cluster.aws import instances, keys, owner, prices
+from sparknet.cluster.aws import instances, keys, owner, preflight, prices
 from sparknet.cluster.aws.instances import Instance
 from sparknet.cluster.nodes import Access
 from sparknet.cluster.records import ClusterInfo, ClusterNotFound, DownReport, Planned
@@ -75,6 +75,7 @@ def check_launch(spec: ClusterSpec, endpoint_url: str | None) -> None:
 def gpus_by_type(spec: ClusterSpec, endpoint_url: str | None) -> dict[str, int]:
     """GPUs of each instance type the cluster would launch (the master's and the workers')."""
     ec2 = instances.ec2_client(spec.region, endpoint_url)
+    spec = preflight.in_region(spec, ec2)
     return spark_nodes.instance_gpus(ec2, [spec.master_type, *spec.instance_types])
 
 
@@ -85,6 +86,7 @@ def planned_nodes(spec: ClusterSpec, endpoint_url: str | None) -> tuple[int, int
     gpus = spec.bootstrap.gpus_per_node
     if gpus is None:
         ec2 = instances.ec2_client(spec.region, endpoint_url)
+        spec = preflight.in_region(spec, ec2)
         gpus = spark_nodes.instance_gpus(ec2, [spec.master_type])[spec.master_type]
     return spec.workers + 1, gpus
 
@@ -93,6 +95,7 @@ def planned(spec: ClusterSpec, endpoint_url: str | None) -> list[Planned]:
     """The master (on-demand, always) and the workers (spot with `spot`), each priced as its
     first type: a fallback type is launched only where the first has no capacity."""
     ec2 = instances.ec2_client(spec.region, endpoint_url)
+    spec = preflight.in_region(spec, ec2)
     gb = spec.root_volume_gb
     master = prices.planned_hourly(ec2, spec.master_type, False, 1, gb)
     rows = [Planned("master", 1, [spec.master_type], False, master)]

@@ -121,13 +121,15 @@ def check_before_up(
     *,
     endpoint_url: str | None = None,
     say: Say = lambda _: None,
-) -> str:
+) -> tuple[ClusterSpec, str]:
     """What `up` checks before it writes or launches anything (region, zones, instance types,
     key pair and file, the AMI and its root volume, the vCPU quotas, the bucket's region); the
-    AMI to launch. `sparknet-submit`'s preflight runs it too, before it says it brings a
-    cluster up."""
+    spec with its default types those the region offers (`preflight.in_region`), and the AMI
+    to launch. `sparknet-submit`'s preflight runs it too, before it says it brings a cluster
+    up."""
     inventory.check_region(spec)
     preflight.check_zones(ec2, spec.availability_zones)
+    spec = preflight.in_region(spec, ec2, say)
     preflight.check_offered(
         ec2, [spec.master_type, *spec.instance_types], spec.availability_zones or None
     )
@@ -140,7 +142,7 @@ def check_before_up(
     service_quotas = aws.client("service-quotas", spec.region, endpoint_url, max_attempts=2)
     quotas.check_quotas(spec, ec2, service_quotas, say)
     preflight.check_bucket_region(spec, endpoint_url, say=say)
-    return ami
+    return spec, ami
 
 
 def up(
@@ -170,7 +172,7 @@ def up(
     ssm = instances.ssm_client(spec.region, endpoint_url)
     # everything that can fail without cost fails first, and before the lock, whose file is the
     # first thing `up` writes
-    ami = check_before_up(spec, ec2, ssm, endpoint_url=endpoint_url, say=say)
+    spec, ami = check_before_up(spec, ec2, ssm, endpoint_url=endpoint_url, say=say)
     cidr = spec.allowed_cidr or preflight.caller_cidr()
     spec = spec.model_copy(update={"owner": caller_owner(spec.region, endpoint_url)})
     if not any_owner:

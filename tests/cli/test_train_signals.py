@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import signal
 import subprocess
 import threading
@@ -35,10 +36,12 @@ class _Run:
     def __init__(self, out: Path) -> None:
         self.out = out
         self.t0 = time.monotonic()
+        self.args = [
+            "train", "--data", "digits", "--model", "mlp", "--workers", "2", "--tau", "4",
+            "--rounds", str(ROUNDS), "--checkpoint-every", "1", "--out", str(out),
+        ]  # fmt: skip
         self.proc = subprocess.Popen(
-            [str(SPARKNET), "train", "--data", "digits", "--model", "mlp", "--workers", "2",
-             "--tau", "4", "--rounds", str(ROUNDS), "--checkpoint-every", "1",
-             "--out", str(out)],
+            [str(SPARKNET), *self.args],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True,
         )  # fmt: skip
@@ -82,9 +85,18 @@ class _Run:
             kept = "no checkpoint was complete yet" if last is None else f"round {last}'s"
             assert kept in lines[-1], f"{what}: {lines[-1]}"
             if last is None and not (self.out / "config.yaml").exists():  # the command given
-                assert "`sparknet train --data digits --model mlp " in lines[-1], lines[-1]
+                given = lines[-1].split("`")[1]  # the command line given (in the CLI's order)
+                assert _options(given) == _options(shlex.join(["sparknet", *self.args])), given
             else:  # `--resume` continues it, or starts it over with its config.yaml
                 assert f"`sparknet train --resume --out {self.out}`" in lines[-1], lines[-1]
+
+
+def _options(command: str) -> tuple[list[str], set[tuple[str, str]]]:
+    """A command line's words before its first option, and its (option, value) pairs in any
+    order."""
+    words = shlex.split(command)
+    first = next(i for i, w in enumerate(words) if w.startswith("--"))
+    return words[:first], set(zip(words[first::2], words[first + 1 :: 2], strict=True))
 
 
 def _assert_only_complete_checkpoints(out: Path, what: str) -> None:

@@ -87,3 +87,29 @@ def test_a_model_jobs_plan_lists_its_own_options_not_the_runs_training() -> None
     }  # fmt: skip
     evaluate = task_settings(ModelTask("evaluate", "runs/x", split="train"), cfg)
     assert evaluate["split"] == "train" and "top_k" not in evaluate and "rounds" not in evaluate
+
+
+def test_a_region_without_the_default_types_plans_those_it_has(
+    home, launches, tmp_path, moto_endpoint
+) -> None:
+    """In us-west-1, whose offerings (moto's copy of AWS's) have neither g5 nor g6, a cluster
+    left at the default types plans g4dn.xlarge for the master and the workers, instead of
+    refusing the whole cluster for a fallback type it would never need."""
+    import uuid
+
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(
+        Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-1"}
+    )
+    uri = _dataset(bucket)
+    (tmp_path / "sparknet.yaml").write_text(
+        f"clusters:\n  c1: {{region: us-west-1, bucket: {bucket}, data_prefix: ds/, "
+        f"ami: {amazon_ami('us-west-1')}}}\n"
+    )
+    done = _submit("--s3", uri, "--dry-run", "--workers", "2")
+    assert done.exit_code == 0, done.output
+    out = done.stdout.splitlines()
+    assert out[1].startswith("  master: 1 x g4dn.xlarge (on-demand)"), out
+    assert out[2].startswith("  workers: 2 x g4dn.xlarge (on-demand)"), out
+    assert "fallback" not in out[2], out
+    assert launches == []

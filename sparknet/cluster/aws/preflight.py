@@ -19,7 +19,7 @@ from typing import Any
 import botocore.exceptions as bx
 
 from sparknet import aws
-from sparknet.cluster.spec import ClusterSpec
+from sparknet.cluster.spec import DEFAULT_INSTANCE_TYPES, ClusterSpec
 from sparknet.data import s3
 from sparknet.errors import InputError, SparknetError
 from sparknet.say import Say, command_line
@@ -65,15 +65,8 @@ def resolve_ami(spec: ClusterSpec, ssm: Any) -> str:
         ) from exc
 
 
-def check_offered(
-    ec2: Any, instance_types: Sequence[str], azs: Sequence[str] | None = None
-) -> dict[str, list[str]]:
-    """For each instance type, the AZs among `azs` (every AZ of the region when empty) that
-    offer it, in the order given.
-
-    A type offered in none of them is a typo or a region without it: that is an error now,
-    before anything is launched, rather than a launch failure after the master is already up.
-    """
+def offerings(ec2: Any, instance_types: Sequence[str]) -> dict[str, set[str]]:
+    """The AZs of the region that offer each instance type (an empty set: none)."""
     region = aws.region_of(ec2)
     found: dict[str, set[str]] = {t: set() for t in instance_types}
     with aws.aws_call("DescribeInstanceTypeOfferings", region):
@@ -84,6 +77,20 @@ def check_offered(
         for page in pages:
             for offer in page["InstanceTypeOfferings"]:
                 found.setdefault(offer["InstanceType"], set()).add(offer["Location"])
+    return found
+
+
+def check_offered(
+    ec2: Any, instance_types: Sequence[str], azs: Sequence[str] | None = None
+) -> dict[str, list[str]]:
+    """For each instance type, the AZs among `azs` (every AZ of the region when empty) that
+    offer it, in the order given.
+
+    A type offered in none of them is a typo or a region without it: that is an error now,
+    before anything is launched, rather than a launch failure after the master is already up.
+    """
+    region = aws.region_of(ec2)
+    found = offerings(ec2, instance_types)
     offered: dict[str, list[str]] = {}
     for itype in instance_types:
         region_azs = found[itype]
@@ -101,6 +108,36 @@ def check_offered(
             )
         offered[itype] = usable
     return offered
+
+
+def in_region(spec: ClusterSpec, ec2: Any, say: Say = lambda _: None) -> ClusterSpec:
+    """The spec with its default instance types narrowed to those the region offers in the
+    cluster's AZs: no region has all of them (moto's offerings: us-west-1 has no g5 or g6,
+    eu-west-1 no g6), and the defaults must launch wherever one of them can. A default master
+    type the region lacks becomes the first default worker type it offers. Types the user
+    chose are left as they are: `check_offered` refuses those in one line, as a typo must be."""
+    defaults = list(DEFAULT_INSTANCE_TYPES)
+    workers_default = list(spec.instance_types) == defaults
+    master_default = spec.master_type == defaults[0]
+    if not (workers_default or master_default):
+        return spec
+    azs = spec.availability_zones
+    found = offerings(ec2, defaults)
+    offered = [t for t in defaults if (found[t] & set(azs) if azs else found[t])]
+    if not offered:  # none at all: the first one's refusal names the region (and its AZs)
+        check_offered(ec2, defaults[:1], azs or None)
+    update: dict[str, Any] = {}
+    if workers_default and offered != defaults:
+        update["instance_types"] = offered
+    if master_default and defaults[0] not in offered:
+        update["master_type"] = offered[0]
+    if not update:
+        return spec
+    region = aws.region_of(ec2)
+    where = f"{region} (AZs {', '.join(azs)})" if azs else region
+    lacking = ", ".join(t for t in defaults if t not in offered)
+    say(f"{where} offers no {lacking}: the default instance types there are {', '.join(offered)}")
+    return spec.model_copy(update=update)
 
 
 def check_zones(ec2: Any, zones: Sequence[str]) -> None:
