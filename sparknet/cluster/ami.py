@@ -41,6 +41,7 @@ from sparknet.cluster.spark.steps import PREPARE, Step
 from sparknet.cluster.spark.wheel import Wheel, build_wheel, source_checkout
 from sparknet.cluster.spec import (
     DEFAULT_AMI_PARAMETER,
+    DEFAULT_INSTANCE_TYPES,
     MAX_BACKSTOP_MINUTES,
     PACKAGE_INDEX_PYTORCH,
     TAG_ROLE,
@@ -220,7 +221,8 @@ class BakeSettings:
     #: the base AMI id; None: the value of `ami_parameter`
     base_ami: str | None = None
     ami_parameter: str = DEFAULT_AMI_PARAMETER
-    instance_type: str = "g5.xlarge"
+    #: the builder's; the default's fallbacks where the region lacks it (`preflight.in_region`)
+    instance_type: str = DEFAULT_INSTANCE_TYPES[0]
     root_volume_gb: int = 100
     #: SSH source of the builder; None: the caller's /32
     allowed_cidr: str | None = None
@@ -279,12 +281,12 @@ def bake(
     again at its end, and the image too on any failure or Ctrl-C. `wheel`: a sparknet wheel
     already built from this checkout; `root`: see `cleanup_command`."""
     image = image or load_image()
-    spec, base = _builder_spec(settings)
-    ec2 = instances.ec2_client(spec.region, settings.endpoint_url)
-    preflight.check_offered(ec2, [settings.instance_type])
+    ec2 = instances.ec2_client(settings.region, settings.endpoint_url)
+    spec, base = _builder_spec(settings, ec2, say)
+    preflight.check_offered(ec2, [spec.master_type])
     preflight.check_ami(ec2, base, spec.root_volume_gb)
     check_parameter_name(settings.record_parameter)
-    gpus = gpu_count(ec2, settings.instance_type)
+    gpus = gpu_count(ec2, spec.master_type)
     with tempfile.TemporaryDirectory(prefix="sparknet-bake-") as tmp:
         wheel = wheel or build_wheel(source_checkout(), Path(tmp))
         made = _MadeByBake(spec.name)
@@ -307,8 +309,10 @@ def bake(
         return baked
 
 
-def _builder_spec(settings: BakeSettings) -> tuple[ClusterSpec, str]:
-    """The builder's one-node cluster spec, and the base AMI id (resolved from the parameter)."""
+def _builder_spec(settings: BakeSettings, ec2: Any, say: Say) -> tuple[ClusterSpec, str]:
+    """The builder's one-node cluster spec (a default type the region lacks is the first
+    default type it offers: `preflight.in_region`), and the base AMI id (resolved from the
+    parameter)."""
     ssm = instances.ssm_client(settings.region, settings.endpoint_url)
     spec = ClusterSpec(
         name=bake_name(), region=settings.region, workers=0,
@@ -316,6 +320,8 @@ def _builder_spec(settings: BakeSettings) -> tuple[ClusterSpec, str]:
         ami=settings.base_ami, ami_parameter=settings.ami_parameter,
         root_volume_gb=settings.root_volume_gb, allowed_cidr=settings.allowed_cidr,
     )  # fmt: skip
+    spec = preflight.in_region(spec, ec2, say)
+    spec = spec.model_copy(update={"instance_types": [spec.master_type]})
     base = preflight.resolve_ami(spec, ssm)
     owner = caller_owner(settings.region, settings.endpoint_url)
     return spec.model_copy(update={"ami": base, "owner": owner}), base
@@ -358,10 +364,10 @@ def _bake(
     )
     with interrupts.deferred():  # an imported key pair is known to the clean-up at once
         made.key_pair = keys.ensure_key_pair(ec2, spec, say)
-    say(f"launching the builder ({settings.instance_type}) from {base}")
+    say(f"launching the builder ({spec.master_type}) from {base}")
     user_data = keys.host_key_user_data(builder_backstop_minutes(spec, timeout_s))[0]
     launched = launcher.launch(
-        ec2, spec, role="master", count=1, spot=False, instance_types=[settings.instance_type],
+        ec2, spec, role="master", count=1, spot=False, instance_types=[spec.master_type],
         subnet_by_az=net.subnet_by_az, security_group_id=net.security_group_id,
         instance_profile_arn=net.instance_profile_arn, ami=base,
         client_token_prefix=spec.name, key_name=keys.key_pair_name(spec.name),

@@ -184,7 +184,7 @@ def test_help_words_defaults_one_way_and_types_readably_at_60_columns() -> None:
     assert f"else {fields['workers'].default})" in blocks["--workers"]
     assert "else on-demand)" in blocks["--spot"] and fields["spot"].default is False
     types = ", ".join(fields["instance_types"].get_default(call_default_factory=True))
-    assert f"else {types})" in blocks["--instance-type"]
+    assert f"else those of {types} the region offers)" in blocks["--instance-type"]
     train = _help("sparknet", ("train",))
     assert (
         "tau_max" in " ".join(train.split())

@@ -87,3 +87,27 @@ def test_a_region_with_none_of_them_is_refused_in_one_line(moto_endpoint) -> Non
     with pytest.raises(InputError) as err:
         _narrowed(moto_endpoint, "ca-west-1")
     assert_one_line(err.value, "instance type g5.xlarge is not offered in ca-west-1")
+
+
+def test_an_ami_bake_builds_on_a_default_type_the_region_offers(moto_endpoint) -> None:
+    from sparknet.cluster import ami
+    from tests.moto_server import amazon_ami
+
+    said: list[str] = []
+    settings = ami.BakeSettings(
+        region="us-west-1", base_ami=amazon_ami("us-west-1"), endpoint_url=moto_endpoint
+    )
+    spec, base = ami._builder_spec(settings, _ec2(moto_endpoint, "us-west-1"), said.append)
+    assert (spec.master_type, spec.instance_types, base) == (
+        "g4dn.xlarge", ["g4dn.xlarge"], settings.base_ami
+    )  # fmt: skip
+    assert said == [
+        "us-west-1 offers no g5.xlarge, g6.xlarge: the default instance types there are g4dn.xlarge"
+    ]
+    # a builder type the user chose is kept (and refused later where it is not offered)
+    chosen = ami.BakeSettings(
+        region="us-west-1", base_ami=settings.base_ami, endpoint_url=moto_endpoint,
+        instance_type="p3.2xlarge",
+    )  # fmt: skip
+    spec, _ = ami._builder_spec(chosen, _ec2(moto_endpoint, "us-west-1"), said.append)
+    assert spec.master_type == "p3.2xlarge" and len(said) == 1

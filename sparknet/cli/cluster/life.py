@@ -108,7 +108,9 @@ def cluster_up(
     workers: int | None = typer.Option(None, help=WORKERS_HELP),
     instance_type: list[str] = typer.Option([], help=INSTANCE_TYPE_HELP),
     master_type: str | None = typer.Option(
-        None, help="the master's instance type (default: the cluster's, else g5.xlarge)"
+        None,
+        help="the master's instance type (default: the cluster's, else g5.xlarge, or where the "
+        "region lacks it the first of the worker defaults it offers)",
     ),
     spot: bool | None = typer.Option(None, "--spot/--on-demand", help=SPOT_HELP),
     region: str | None = RegionOption,

@@ -32,7 +32,7 @@ RegionOption = typer.Option(None, help="AWS region (default: the cluster's, else
 WORKERS_HELP = "worker instances (default: the cluster's workers:, else 2)"
 INSTANCE_TYPE_HELP = (
     "worker type, repeatable: fallback order (default: the cluster's instance_types:, else "
-    "g5.xlarge, g4dn.xlarge, g6.xlarge)"
+    "those of g5.xlarge, g4dn.xlarge, g6.xlarge the region offers)"
 )
 SPOT_HELP = "workers on spot or on-demand (default: the cluster's spot:, else on-demand)"
 AnyOwnerOption = typer.Option(
