@@ -39,7 +39,7 @@ from sparknet.training.round_line import round_line, round_text
 def _summary(result, classes: int | None = None, started_at: int = 0) -> Table:
     """The table a run ends with; `classes`: the model's (top-5 is left out for 5 or fewer,
     where it is always 1); `started_at`: the round this process resumed after (0: none)."""
-    from sparknet.training.report import target_words  # lazy: numpy
+    from sparknet.training.report import START_UP, target_words  # lazy: numpy
 
     rows = result.metrics
     last_eval = next((r for r in reversed(rows) if "eval_accuracy" in r), {})
@@ -59,8 +59,11 @@ def _summary(result, classes: int | None = None, started_at: int = 0) -> Table:
     if skipped:
         table.add_row("skipped bad samples", str(skipped))
     # a process's first round holds the Python workers' start-up (torch's import, the data's
-    # open): the run's first, and a resume's (this process's) first
-    starts = sorted({rows[0]["round"], started_at + 1})
+    # open): the run's first, each resume's, a replay's (marked `START_UP` in the rows; a run
+    # written before that key: its first and this process's first)
+    starts = sorted(
+        {rows[0]["round"], started_at + 1} | {r["round"] for r in rows if r.get(START_UP)}
+    )
     first = next((r for r in rows if r["round"] == started_at + 1), rows[0])
     steady = [r for r in rows if r["round"] not in starts]
     if steady:

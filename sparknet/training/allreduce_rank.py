@@ -248,7 +248,9 @@ class _Rank:
                 # worker's progress; the checkpoint keeps the run's own state (a longer run's)
                 final = syncs.final_weights() if done == cfg.rounds else None
                 theta = syncs.theta if final is None else final
-                row = round_row(done, [e.report for e in everyone], time.perf_counter() - t0, 0.0)
+                round_s = time.perf_counter() - t0
+                # a stage's first round starts its ranks' process group and Python workers
+                row = round_row(done, [e.report for e in everyone], round_s, 0.0, r == base.round)
                 row["seconds"]["exchange"] = exchange_s
                 row.update(schedule.round_fields(cfg, train_size, steps, r, task.tau))
                 steps += task.tau

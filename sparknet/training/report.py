@@ -158,13 +158,24 @@ def _plot_rates(ax, rows: list[dict[str, Any]], xkey: str, xlabel: str) -> None:
     ax.set_ylim(bottom=0)
 
 
+#: a metrics row's key, true in the first round of a process, a replay or an all-reduce stage:
+#: that round holds the start-up (the Python workers' torch import, the data's open), so a
+#: throughput figure leaves it out
+START_UP = "start_up"
+
+
 def round_row(
-    done: int, reports: Sequence[WorkerReport], round_s: float, broadcast_s: float
+    done: int,
+    reports: Sequence[WorkerReport],
+    round_s: float,
+    broadcast_s: float,
+    start_up: bool = False,
 ) -> dict[str, Any]:
     """A round's metrics.jsonl row from its workers' reports; `broadcast_s`: the driver's part
-    of getting the weights out (0 where the workers hold them). `slowest_worker` is the
-    partition whose load and compute took longest, `slowest_behind_s` how much longer than the
-    median worker's: a straggler shows here (it is never failed while it makes progress)."""
+    of getting the weights out (0 where the workers hold them); `start_up`: see `START_UP`.
+    `slowest_worker` is the partition whose load and compute took longest, `slowest_behind_s`
+    how much longer than the median worker's: a straggler shows here (it is never failed while
+    it makes progress)."""
     samples = sum(r.samples for r in reports)
     took = [r.load_s + r.compute_s for r in reports]
     slowest = max(range(len(reports)), key=took.__getitem__)
@@ -188,6 +199,7 @@ def round_row(
         "skipped_steps": sum(r.skipped_steps for r in reports),
         "slowest_worker": reports[slowest].partition,
         "slowest_behind_s": took[slowest] - float(np.median(took)),
+        **({START_UP: True} if start_up else {}),
     }
 
 

@@ -251,6 +251,7 @@ def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> 
         theta, integers, r, replays = seg.outer.theta.numpy(), seg.integers, seg.first, 0
         steps, train_size = seg.steps, loop.problem.source.train_size
         chooser, tau = tau_choice.chooser_of(cfg, begin.tau_state), base.tau
+        start_up = True  # this process's first round, and a replay's
         while r < cfg.rounds:
             loop.lock.check()
             done = r + 1
@@ -283,7 +284,7 @@ def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> 
                 transport.rebalance()  # every state comes from the checkpoint now: spread
                 executors.spread = False
                 theta, integers, r = seg.outer.theta.numpy(), seg.integers, seg.first
-                steps = seg.steps
+                steps, start_up = seg.steps, True
                 continue
             if contrib.delta_sum is None:
                 _raise_diverged(contrib, done, run)
@@ -291,7 +292,8 @@ def spark_rounds(loop: RunContext, begin: StartPoint, placed: Frames | None) -> 
             theta = seg.outer.step(mean_update(contrib.delta_sum, contrib.workers))
             integers = contrib.integers
             round_s = time.perf_counter() - t0
-            row = round_row(done, contrib.reports, round_s, broadcast_s)
+            row = round_row(done, contrib.reports, round_s, broadcast_s, start_up)
+            start_up = False
             row.update(schedule.round_fields(cfg, train_size, steps, r, task.tau))
             steps += task.tau
             tau = tau_choice.after_round(chooser, task.tau, row)

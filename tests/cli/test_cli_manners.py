@@ -221,6 +221,25 @@ def test_a_resumed_runs_samples_per_s_leaves_out_its_own_start_up_round() -> Non
     assert re.search(r"samples/s \(round 3, with start-up\) +│ 5 ", text), text
 
 
+def test_every_start_up_round_the_rows_mark_is_left_out_earlier_resumes_too() -> None:
+    """Rows mark the first round of each process (and of a replay): a run resumed twice has
+    three start-up rounds, and only the last process's is known without the mark."""
+    from sparknet.cli.train import _summary
+    from sparknet.training.driver import RunResult
+    from sparknet.training.report import START_UP
+
+    start = {START_UP: True}
+    rows = [
+        _row(1, 100, 10.0, **start), _row(2, 100, 1.0), _row(3, 100, 20.0, **start),
+        _row(4, 100, 1.0), _row(5, 100, 50.0, **start), _row(6, 100, 1.0),
+    ]  # fmt: skip
+    console = Console(width=100, record=True)
+    console.print(_summary(RunResult("runs/x", 6, rows), classes=5, started_at=4))
+    text = console.export_text()
+    assert re.search(r"samples/s \(without start-up rounds 1, 3, 5\) +│ 100 ", text), text
+    assert re.search(r"samples/s \(round 5, with start-up\) +│ 2 ", text), text
+
+
 def test_a_table_title_is_not_wrapped_at_80_columns() -> None:
     from sparknet.bench.common import BenchReport, show_report
     from sparknet.cli.common import titled_table

@@ -13,6 +13,7 @@ import yaml
 from sparknet.config import TrainConfig, load_train_config
 from sparknet.data.sources import digits
 from sparknet.training.driver import train
+from sparknet.training.report import START_UP
 from sparknet.training.rundir import read_run_config
 from sparknet.training.worker import task_seed
 from tests.helpers import (
@@ -216,6 +217,8 @@ def test_resume_continues_bit_for_bit(spark, tmp_path, transport):
         transport
     )
     assert [r["round"] for r in result.metrics] == [1, 2, 3, 4, 5, 6]
+    # each process's first round is marked as holding a start-up: the run's and the resume's
+    assert [r["round"] for r in result.metrics if r.get(START_UP)] == [1, 4]
     assert sorted(p.name for p in (Path(part.out) / "checkpoints").iterdir()) == [
         "round-00003",
         "round-00006",

@@ -6,6 +6,7 @@ cluster's real SIGKILL is test_standalone.py's)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from sparknet.config import TrainConfig, load_train_config
 from sparknet.errors import SparknetError
 from sparknet.training.driver import train
-from sparknet.training.report import read_metrics
+from sparknet.training.report import START_UP, read_metrics
 from sparknet.training.rundir import read_run_config
 from tests.helpers import weights_hash
 
@@ -86,6 +87,9 @@ def test_a_lost_inner_state_is_replayed_and_the_run_ends_exact(
     rows = read_metrics(out)
     assert [r["round"] for r in rows] == [1, 2, 3, 4, 5] == [r["round"] for r in result.metrics]
     assert [r["inner_state_misses"] for r in rows] == [0] * 5
+    # the run's first round and the replay's first hold a start-up (new Python workers)
+    first_replayed = int(re.search(r"rounds (\d+)-", replayed).group(1))
+    assert [r["round"] for r in rows if r.get(START_UP)] == sorted({1, first_replayed})
     assert scalars(out, "train/loss") == [(r["round"], pytest.approx(r["loss"])) for r in rows]
     assert weights_hash(out) == undisturbed
 
