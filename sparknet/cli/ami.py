@@ -32,10 +32,10 @@ def ami_bake(
     ami_parameter: str | None = typer.Option(
         None, help="SSM parameter holding the base AMI id (default: the Deep Learning AMI's)"
     ),
-    instance_type: str = typer.Option(
-        "g5.xlarge",
-        help="the builder's type (a GPU one checks CUDA); in a region without g5.xlarge, the "
-        "first of g4dn.xlarge, g6.xlarge it offers",
+    instance_type: str | None = typer.Option(
+        None,
+        help="the builder's type (a GPU one checks CUDA) (default: g5.xlarge, or where the "
+        "region lacks it the first of g4dn.xlarge, g6.xlarge it offers)",
     ),
     root_volume_gb: int = typer.Option(100, min=8, max=16384, help="the image's root volume"),
     allowed_cidr: str | None = typer.Option(None, help="SSH source (default: your /32)"),

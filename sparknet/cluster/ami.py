@@ -41,7 +41,6 @@ from sparknet.cluster.spark.steps import PREPARE, Step
 from sparknet.cluster.spark.wheel import Wheel, build_wheel, source_checkout
 from sparknet.cluster.spec import (
     DEFAULT_AMI_PARAMETER,
-    DEFAULT_INSTANCE_TYPES,
     MAX_BACKSTOP_MINUTES,
     PACKAGE_INDEX_PYTORCH,
     TAG_ROLE,
@@ -221,8 +220,9 @@ class BakeSettings:
     #: the base AMI id; None: the value of `ami_parameter`
     base_ami: str | None = None
     ami_parameter: str = DEFAULT_AMI_PARAMETER
-    #: the builder's; the default's fallbacks where the region lacks it (`preflight.in_region`)
-    instance_type: str = DEFAULT_INSTANCE_TYPES[0]
+    #: the builder's; None: a cluster master's default (`preflight.in_region`: g5.xlarge, or
+    #: where the region lacks it the first default worker type it offers)
+    instance_type: str | None = None
     root_volume_gb: int = 100
     #: SSH source of the builder; None: the caller's /32
     allowed_cidr: str | None = None
@@ -283,7 +283,6 @@ def bake(
     image = image or load_image()
     ec2 = instances.ec2_client(settings.region, settings.endpoint_url)
     spec, base = _builder_spec(settings, ec2, say)
-    preflight.check_offered(ec2, [spec.master_type])
     preflight.check_ami(ec2, base, spec.root_volume_gb)
     check_parameter_name(settings.record_parameter)
     gpus = gpu_count(ec2, spec.master_type)
@@ -314,13 +313,13 @@ def _builder_spec(settings: BakeSettings, ec2: Any, say: Say) -> tuple[ClusterSp
     default type it offers: `preflight.in_region`), and the base AMI id (resolved from the
     parameter)."""
     ssm = instances.ssm_client(settings.region, settings.endpoint_url)
+    chosen = {} if settings.instance_type is None else {"master_type": settings.instance_type}
     spec = ClusterSpec(
-        name=bake_name(), region=settings.region, workers=0,
-        master_type=settings.instance_type, instance_types=[settings.instance_type],
+        name=bake_name(), region=settings.region, workers=0, **chosen,
         ami=settings.base_ami, ami_parameter=settings.ami_parameter,
         root_volume_gb=settings.root_volume_gb, allowed_cidr=settings.allowed_cidr,
     )  # fmt: skip
-    spec = preflight.in_region(spec, ec2, say)
+    spec = preflight.in_region(spec, ec2, say)  # the builder's type offered where it launches
     spec = spec.model_copy(update={"instance_types": [spec.master_type]})
     base = preflight.resolve_ami(spec, ssm)
     owner = caller_owner(settings.region, settings.endpoint_url)

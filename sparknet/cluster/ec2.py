@@ -95,14 +95,18 @@ def planned(spec: ClusterSpec, endpoint_url: str | None) -> list[Planned]:
     """The master (on-demand, always) and the workers (spot with `spot`), each priced as its
     first type: a fallback type is launched only where the first has no capacity."""
     ec2 = instances.ec2_client(spec.region, endpoint_url)
-    spec = preflight.in_region(spec, ec2)
+    said: list[str] = []
+    spec = preflight.in_region(spec, ec2, said.append)
+    why = " ".join(said)
     gb = spec.root_volume_gb
     master = prices.planned_hourly(ec2, spec.master_type, False, 1, gb)
-    rows = [Planned("master", 1, [spec.master_type], False, master)]
+    rows = [Planned("master", 1, [spec.master_type], False, master, why)]
     if spec.workers:
         first = spec.instance_types[0]
         cost = prices.planned_hourly(ec2, first, spec.spot, spec.workers, gb)
-        rows.append(Planned("workers", spec.workers, list(spec.instance_types), spec.spot, cost))
+        rows.append(
+            Planned("workers", spec.workers, list(spec.instance_types), spec.spot, cost, why)
+        )
     return rows
 
 

@@ -129,10 +129,7 @@ def check_before_up(
     up."""
     inventory.check_region(spec)
     preflight.check_zones(ec2, spec.availability_zones)
-    spec = preflight.in_region(spec, ec2, say)
-    preflight.check_offered(
-        ec2, [spec.master_type, *spec.instance_types], spec.availability_zones or None
-    )
+    spec = preflight.in_region(spec, ec2, say)  # the types checked offered where it launches
     preflight.check_key_pair(ec2, spec.key_name)
     if spec.key_name:
         sshkeys.check_key_file(sshkeys.access_for(spec))

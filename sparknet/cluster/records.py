@@ -63,6 +63,8 @@ class Planned:
     spot: bool
     #: all `count` together, per hour; None where sparknet pays nothing (the user's hosts)
     cost: Hourly | None
+    #: why the types are these, where sparknet chose them (`preflight.in_region`'s line)
+    why: str = ""
 
 
 @dataclass(frozen=True)

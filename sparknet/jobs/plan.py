@@ -83,6 +83,7 @@ def plan(job: Job) -> Plan:
         check_name_free(spec, job.endpoint_url)
         check_gpu_counts(spec, job.endpoint_url)
         machines = provider.of(spec).planned(spec, job.endpoint_url)
+        notes += dict.fromkeys(m.why for m in machines if m.why)
         costs = [m.cost for m in machines]
         cost = None if None in costs else sum((c for c in costs if c), Hourly())
     workers = planned_workers(job)

@@ -112,4 +112,10 @@ def test_a_region_without_the_default_types_plans_those_it_has(
     assert out[1].startswith("  master: 1 x g4dn.xlarge (on-demand)"), out
     assert out[2].startswith("  workers: 2 x g4dn.xlarge (on-demand)"), out
     assert "fallback" not in out[2], out
+    # the plan says why: the line `up` will say
+    notes = [line for line in out if line.startswith("note: us-west-1 (AZs ")]
+    assert len(notes) == 1 and notes[0].endswith(
+        "offers no g5.xlarge, g6.xlarge: of the default types, master g4dn.xlarge and workers "
+        "g4dn.xlarge"
+    ), out
     assert launches == []

@@ -27,6 +27,7 @@ from sparknet.cluster.aws.foundation import (
     node_role_description,
     node_role_name,
     partition,
+    region_zones,
     security_group_description,
     security_group_name,
     subnet_cidr,
@@ -212,20 +213,7 @@ class Boto3Foundation:
         """The spec's zones, else the region's first `az_count` regular zones (as infra/)."""
         if self.spec.availability_zones:
             return list(self.spec.availability_zones)
-        settings = network()
-        found = self.call(
-            "DescribeAvailabilityZones", self.ec2.describe_availability_zones,
-            Filters=[
-                {"Name": "state", "Values": ["available"]},
-                {"Name": "zone-type", "Values": [settings["zone_type"]]},
-            ],
-        )["AvailabilityZones"]  # fmt: skip
-        names = sorted(z["ZoneName"] for z in found)
-        if len(names) < 2:
-            raise SparknetError(
-                f"{self.spec.region} offers {len(names)} availability zone(s); the cluster needs 2"
-            )
-        return names[: settings["az_count"]]
+        return region_zones(self.ec2, self.spec.region)
 
     def subnets(self, vpc: str, zones: list[str]) -> dict[str, str]:
         found = self.call(

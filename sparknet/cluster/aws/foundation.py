@@ -94,6 +94,35 @@ def check_spec_prefixes(spec: ClusterSpec) -> None:
         raise SparknetError(f"cluster {spec.name}: {exc}") from exc
 
 
+def region_zones(ec2: Any, region: str) -> list[str]:
+    """The region's first `az_count` regular zones, sorted: where a cluster that names none
+    runs (as infra/ takes them)."""
+    settings = network()
+    with aws.aws_call("DescribeAvailabilityZones", region):
+        found = ec2.describe_availability_zones(
+            Filters=[
+                {"Name": "state", "Values": ["available"]},
+                {"Name": "zone-type", "Values": [settings["zone_type"]]},
+            ],
+        )["AvailabilityZones"]
+    names = sorted(z["ZoneName"] for z in found)
+    if len(names) < 2:
+        raise SparknetError(
+            f"{region} offers {len(names)} availability zone(s); the cluster needs 2"
+        )
+    return names[: settings["az_count"]]
+
+
+def launch_zones(ec2: Any, spec: ClusterSpec) -> list[str]:
+    """The AZs the cluster's instances launch into: its `availability_zones`, else its own
+    VPC's subnets' zones, else the region's first regular zones (`region_zones`)."""
+    if spec.availability_zones:
+        return list(spec.availability_zones)
+    if spec.subnet_ids:
+        return sorted(subnet_zones(ec2, spec))
+    return region_zones(ec2, spec.region)
+
+
 def subnet_zones(ec2: Any, spec: ClusterSpec, subnet_ids: list[str] | None = None) -> dict:
     """AZ -> subnet of the given subnets (the spec's existing ones by default)."""
     ids = list(subnet_ids if subnet_ids is not None else spec.subnet_ids)

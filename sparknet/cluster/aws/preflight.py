@@ -19,6 +19,7 @@ from typing import Any
 import botocore.exceptions as bx
 
 from sparknet import aws
+from sparknet.cluster.aws.foundation import launch_zones
 from sparknet.cluster.spec import DEFAULT_INSTANCE_TYPES, ClusterSpec
 from sparknet.data import s3
 from sparknet.errors import InputError, SparknetError
@@ -111,33 +112,49 @@ def check_offered(
 
 
 def in_region(spec: ClusterSpec, ec2: Any, say: Say = lambda _: None) -> ClusterSpec:
-    """The spec with its default instance types narrowed to those the region offers in the
-    cluster's AZs: no region has all of them (moto's offerings: us-west-1 has no g5 or g6,
-    eu-west-1 no g6), and the defaults must launch wherever one of them can. A default master
-    type the region lacks becomes the first default worker type it offers. Types the user
-    chose are left as they are: `check_offered` refuses those in one line, as a typo must be."""
-    defaults = list(DEFAULT_INSTANCE_TYPES)
-    workers_default = list(spec.instance_types) == defaults
-    master_default = spec.master_type == defaults[0]
-    if not (workers_default or master_default):
-        return spec
-    azs = spec.availability_zones
-    found = offerings(ec2, defaults)
-    offered = [t for t in defaults if (found[t] & set(azs) if azs else found[t])]
-    if not offered:  # none at all: the first one's refusal names the region (and its AZs)
-        check_offered(ec2, defaults[:1], azs or None)
-    update: dict[str, Any] = {}
-    if workers_default and offered != defaults:
-        update["instance_types"] = offered
-    if master_default and defaults[0] not in offered:
-        update["master_type"] = offered[0]
-    if not update:
-        return spec
+    """The spec with the instance types it launches in its region, each checked offered in
+    the AZs it launches into (`foundation.launch_zones`; a one-line refusal otherwise).
+
+    Types left at their defaults (not set in the settings or by a flag: pydantic's
+    `model_fields_set`) narrow to those offered there: no region offers them all (moto's copy
+    of AWS's offerings: us-west-1 has no g5 or g6, eu-west-1 no g6), and the defaults must
+    launch wherever one of them can. A default master the zones lack becomes the first default
+    worker type they offer; a cluster without workers needs no worker type. What changed is
+    said. Types the user chose are never changed: where they are not offered they are refused,
+    as a typo must be. A registered cluster's spec has every field set: it launches what it was
+    registered with.
+    """
     region = aws.region_of(ec2)
-    where = f"{region} (AZs {', '.join(azs)})" if azs else region
-    lacking = ", ".join(t for t in defaults if t not in offered)
-    say(f"{where} offers no {lacking}: the default instance types there are {', '.join(offered)}")
-    return spec.model_copy(update=update)
+    zones = launch_zones(ec2, spec)
+    defaults = list(DEFAULT_INSTANCE_TYPES)
+    narrow_workers = spec.workers > 0 and "instance_types" not in spec.model_fields_set
+    narrow_master = "master_type" not in spec.model_fields_set
+    where = f"{region} ({'AZ' if len(zones) == 1 else 'AZs'} {', '.join(zones)})"
+    update: dict[str, Any] = {}
+    if narrow_workers or narrow_master:
+        found = offerings(ec2, defaults)
+        offered = [t for t in defaults if found[t] & set(zones)]
+        if not offered:
+            picked = spec.availability_zones or spec.subnet_ids
+            raise InputError(
+                f"none of the default instance types ({', '.join(defaults)}) is offered in "
+                f"{where}; set master_type and instance_types to types offered there"
+                + ("" if picked else ", or availability_zones to AZs that offer one")
+                + f" ({command_line('aws ec2 describe-instance-type-offerings', region=region)})"
+            )
+        if narrow_workers and offered != defaults:
+            update["instance_types"] = offered
+        if narrow_master and spec.master_type not in offered:
+            update["master_type"] = offered[0]
+    spec = spec.model_copy(update=update)
+    check_offered(ec2, [spec.master_type, *(spec.instance_types if spec.workers else [])], zones)
+    if update:
+        chosen = [f"master {spec.master_type}"] if "master_type" in update else []
+        if "instance_types" in update:
+            chosen.append(f"workers {', '.join(spec.instance_types)}")
+        lacking = ", ".join(t for t in defaults if t not in offered)
+        say(f"{where} offers no {lacking}: of the default types, {' and '.join(chosen)}")
+    return spec
 
 
 def check_zones(ec2: Any, zones: Sequence[str]) -> None:
