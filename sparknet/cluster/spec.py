@@ -68,12 +68,12 @@ PREFIXES_APART_RULE = (
 #: the example each prefix's error names (its default)
 PREFIX_EXAMPLES = {"data_prefix": "datasets/", "runs_prefix": "runs/"}
 
-#: the AWS Deep Learning Base AMI (GPU driver, CUDA, Docker) for Ubuntu 24.04, newest release: its
-#: python3 is 3.12, which runs pyspark 4.x (the 22.04 one's 3.10 does not)
 #: the worker types tried in order where none are given (one GPU each); in a region that lacks
 #: some of them the others are tried (`preflight.in_region`)
 DEFAULT_INSTANCE_TYPES = ("g5.xlarge", "g4dn.xlarge", "g6.xlarge")
 
+#: the AWS Deep Learning Base AMI (GPU driver, CUDA, Docker) for Ubuntu 24.04, newest release: its
+#: python3 is 3.12, which runs pyspark 4.x (the 22.04 one's 3.10 does not)
 DEFAULT_AMI_PARAMETER = (
     "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id"
 )
@@ -225,12 +225,14 @@ class ClusterSpec(BaseModel):
     workers: int = Field(2, ge=0, le=MAX_WORKERS, description="0: the master's worker only")
     master_type: str = Field(
         DEFAULT_INSTANCE_TYPES[0],
-        description="default: the first of the default worker types the region offers",
+        description="unset: g5.xlarge, or where the cluster's AZs lack it the first default "
+        "worker type they offer",
     )
     instance_types: list[str] = Field(
         default_factory=lambda: list(DEFAULT_INSTANCE_TYPES),
         min_length=1,
-        description="worker types in fallback order (the default's, those the region offers)",
+        description="worker types in fallback order; unset: those of the defaults the "
+        "cluster's AZs offer",
     )
     spot: bool = Field(False, description="workers on spot (the master is always on-demand)")
     ami: str | None = Field(None, description="an AMI id; default: from ami_parameter")

@@ -13,7 +13,7 @@ import ipaddress
 import os
 import re
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import botocore.exceptions as bx
@@ -82,16 +82,19 @@ def offerings(ec2: Any, instance_types: Sequence[str]) -> dict[str, set[str]]:
 
 
 def check_offered(
-    ec2: Any, instance_types: Sequence[str], azs: Sequence[str] | None = None
+    ec2: Any,
+    instance_types: Sequence[str],
+    azs: Sequence[str] | None = None,
+    found: Mapping[str, set[str]] | None = None,
 ) -> dict[str, list[str]]:
     """For each instance type, the AZs among `azs` (every AZ of the region when empty) that
-    offer it, in the order given.
+    offer it, in the order given; `found`: `offerings` already read for them.
 
     A type offered in none of them is a typo or a region without it: that is an error now,
     before anything is launched, rather than a launch failure after the master is already up.
     """
     region = aws.region_of(ec2)
-    found = offerings(ec2, instance_types)
+    found = offerings(ec2, instance_types) if found is None else found
     offered: dict[str, list[str]] = {}
     for itype in instance_types:
         region_azs = found[itype]
@@ -130,9 +133,10 @@ def in_region(spec: ClusterSpec, ec2: Any, say: Say = lambda _: None) -> Cluster
     narrow_workers = spec.workers > 0 and "instance_types" not in spec.model_fields_set
     narrow_master = "master_type" not in spec.model_fields_set
     where = f"{region} ({'AZ' if len(zones) == 1 else 'AZs'} {', '.join(zones)})"
+    # one read for the defaults and the spec's own types
+    found = offerings(ec2, list(dict.fromkeys([*defaults, spec.master_type, *spec.instance_types])))
     update: dict[str, Any] = {}
     if narrow_workers or narrow_master:
-        found = offerings(ec2, defaults)
         offered = [t for t in defaults if found[t] & set(zones)]
         if not offered:
             picked = spec.availability_zones or spec.subnet_ids
@@ -147,7 +151,8 @@ def in_region(spec: ClusterSpec, ec2: Any, say: Say = lambda _: None) -> Cluster
         if narrow_master and spec.master_type not in offered:
             update["master_type"] = offered[0]
     spec = spec.model_copy(update=update)
-    check_offered(ec2, [spec.master_type, *(spec.instance_types if spec.workers else [])], zones)
+    launched = [spec.master_type, *(spec.instance_types if spec.workers else [])]
+    check_offered(ec2, launched, zones, found)
     if update:
         chosen = [f"master {spec.master_type}"] if "master_type" in update else []
         if "instance_types" in update:
